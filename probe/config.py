@@ -1,0 +1,120 @@
+"""Typed config schemas, registered in Hydra's ConfigStore.
+
+The YAML files under conf/ merge onto these dataclasses, so a misspelt key or a wrong type fails at
+compose time with Hydra's own message. Imported by the app and by the tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+SITES = ("output", "input", "grad_output", "grad_input", "param_grad")
+GRAD_SITES = ("grad_output", "grad_input", "param_grad")
+REDUCTIONS = ("none", "spatial_mean")
+DTYPES = ("float32", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Which network to build; `name` is a torchvision model unless `_target_` names a class."""
+
+    name: str = MISSING
+    _target_: str | None = None
+    weights: str | None = None
+    checkpoint: str | None = None
+    num_classes: int = 1000
+    input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DatasetConfig:
+    """Where the samples come from; they are always visited in a fixed order."""
+
+    name: str = MISSING
+    batch_size: int = 8
+    num_samples: int | None = None
+    image_size: int | None = None  # None: the model's input_shape
+    channels: int | None = None  # None: the model's input_shape
+    num_classes: int | None = None  # None: model.num_classes
+    root: str | None = None
+    path: str | None = None
+    resize: int = 256
+    crop: int = 224
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    num_workers: int = 0
+
+
+@dataclass
+class ProbeSpec:
+    """One named probe: which modules (globs over qualified names, class names) and what to keep."""
+
+    layers: list[str] = field(default_factory=lambda: ["*"])
+    types: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    capture: list[str] = field(default_factory=lambda: ["output"])
+    reduce: str = "none"
+    dtype: str = "float32"
+    allow_empty: bool = False
+    leaves_only: bool = False
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a gradient run differentiates; summed over the batch."""
+
+    name: str = "cross_entropy"
+    index: int | None = None
+    _target_: str | None = None
+
+
+@dataclass
+class StoreConfig:
+    """How captures are kept: `full` writes tensors, `stats` only streaming statistics."""
+
+    mode: str = "full"
+    compression: str = "none"
+    compression_level: int | None = None
+    chunk_bytes: int = 1 << 20
+    queue_batches: int = 2
+    filename: str = "probe.h5"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    probes: dict[str, ProbeSpec] = field(default_factory=dict)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    seed: int = 0
+    device: str = "cpu"
+    train_mode: bool = False
+    print_summary: bool = True
+    progress: bool = True
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+register_configs()
+
+
+def config_dir() -> str:
+    """The conf/ folder: the checkout's top-level one, else the installed `probe.conf` package."""
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").is_file() and (checkout / "__init__.py").is_file():
+        return str(checkout)
+    spec = importlib.util.find_spec("probe.conf")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("probe's config files are missing: reinstall the package")
+    return str(next(iter(spec.submodule_search_locations)))

@@ -1,0 +1,149 @@
+"""Build the ordered batch iterator a dataset config names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+from probe.errors import ConfigError, DataError
+
+DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors")
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    targets: torch.Tensor | None
+    start: int  # index of the first sample of this batch in the dataset
+
+
+class SyntheticImages(Dataset):
+    """Seeded Gaussian images and integer targets: sample i depends only on (seed, i)."""
+
+    def __init__(self, num_samples: int, shape: tuple[int, ...], num_classes: int, seed: int):
+        self.num_samples, self.shape, self.num_classes, self.seed = num_samples, shape, num_classes, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        target = int(torch.randint(self.num_classes, (1,), generator=g))
+        return torch.randn(self.shape, generator=g), target
+
+
+class OrderedBatches:
+    """Batches in dataset order, with the index of each batch's first sample; the last may be short."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, has_targets: bool):
+        self.dataset, self.has_targets = dataset, has_targets
+        self.batch_size = batch_size
+        self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self):
+        start = 0
+        for item in self.loader:
+            if self.has_targets:
+                inputs, targets = item
+            else:
+                inputs, targets = (item[0] if isinstance(item, list | tuple) else item), None
+            yield Batch(inputs, targets, start)
+            start += len(inputs)
+
+
+def build_batches(cfg, model_cfg, seed: int) -> OrderedBatches:
+    if cfg.batch_size < 1:
+        raise ConfigError(f"dataset.batch_size={cfg.batch_size} must be at least 1")
+    if cfg.num_samples is not None and cfg.num_samples < 1:
+        raise ConfigError(f"dataset.num_samples={cfg.num_samples} must be at least 1 (or null for all)")
+    if cfg.name not in DATASETS:
+        raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(DATASETS)}")
+    channels = cfg.channels or model_cfg.input_shape[0]
+    size = cfg.image_size or model_cfg.input_shape[-1]
+    num_classes = cfg.num_classes or model_cfg.num_classes
+    shape = (channels, size, size)
+    has_targets = True
+    if cfg.name == "synthetic":
+        dataset = SyntheticImages(cfg.num_samples or 16, shape, num_classes, seed)
+    elif cfg.name == "fakedata":
+        dataset = _fakedata(cfg.num_samples or 16, shape, num_classes, seed)
+    elif cfg.name == "imagefolder":
+        dataset = _imagefolder(cfg)
+    else:
+        dataset, has_targets = _tensors(cfg.path)
+    if cfg.num_samples is not None and cfg.name in ("imagefolder", "tensors"):
+        dataset = Subset(dataset, range(min(cfg.num_samples, len(dataset))))
+    return OrderedBatches(dataset, cfg.batch_size, cfg.num_workers, has_targets)
+
+
+def _fakedata(n: int, shape, num_classes: int, seed: int) -> Dataset:
+    from torchvision import datasets, transforms
+
+    return datasets.FakeData(
+        size=n, image_size=shape, num_classes=num_classes,
+        transform=transforms.ToTensor(), random_offset=seed,
+    )
+
+
+def _imagefolder(cfg) -> Dataset:
+    from torchvision import datasets, transforms
+
+    root = Path(str(cfg.root))
+    if not root.is_dir():
+        raise DataError(f"dataset.root={str(cfg.root)!r} is not a directory; give a folder of class sub-folders")
+    tf = transforms.Compose([
+        transforms.Resize(cfg.resize),
+        transforms.CenterCrop(cfg.crop),
+        transforms.ToTensor(),
+        transforms.Normalize(list(cfg.mean), list(cfg.std)),
+    ])
+    try:
+        return datasets.ImageFolder(str(root), transform=tf)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise DataError(
+            f"dataset.root={str(root)!r} holds no images ({e}); expected ROOT/<class>/<image>.jpg|png"
+        ) from None
+
+
+def _tensors(path) -> tuple[Dataset, bool]:
+    p = Path(str(path))
+    if not p.is_file():
+        raise DataError(f"dataset.path={str(path)!r} does not exist; give a .pt file of inputs")
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DataError(f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__})") from None
+    if isinstance(obj, torch.Tensor):
+        return _checked_tensor_dataset(p, obj, None), False
+    if isinstance(obj, dict) and isinstance(obj.get("inputs"), torch.Tensor):
+        targets = obj.get("targets")
+        if targets is not None and not isinstance(targets, torch.Tensor):
+            raise DataError(f"dataset.path={str(p)!r}: 'targets' is a {type(targets).__name__}, not a tensor")
+        return _checked_tensor_dataset(p, obj["inputs"], targets), targets is not None
+    keys = list(obj) if isinstance(obj, dict) else None
+    raise DataError(
+        f"dataset.path={str(p)!r} holds a {type(obj).__name__}{f' with keys {keys}' if keys else ''}; "
+        "expected a tensor of inputs or a dict {'inputs': Tensor, 'targets': Tensor (optional)}"
+    )
+
+
+def _checked_tensor_dataset(p: Path, inputs: torch.Tensor, targets) -> TensorDataset:
+    if inputs.ndim < 1 or len(inputs) == 0:
+        raise DataError(f"dataset.path={str(p)!r} holds no samples (inputs shape {tuple(inputs.shape)})")
+    if targets is not None and len(targets) != len(inputs):
+        raise DataError(
+            f"dataset.path={str(p)!r}: {len(inputs)} inputs but {len(targets)} targets; they must match"
+        )
+    if not inputs.is_floating_point():
+        inputs = inputs.float()
+    return TensorDataset(inputs) if targets is None else TensorDataset(inputs, targets)

@@ -1,0 +1,111 @@
+"""Build the network a config names: torchvision by name, a user class by `_target_`, a checkpoint."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import torch
+import torchvision
+from hydra.utils import get_object
+from omegaconf import OmegaConf
+from torch import nn
+
+from probe.errors import CheckpointError, ConfigError
+
+
+def classification_models() -> list[str]:
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_model(cfg, seed: int) -> nn.Module:
+    """A model with seeded random init (or the named weights), checkpoint loaded, in eval mode."""
+    torch.manual_seed(seed)
+    kwargs = OmegaConf.to_container(cfg.kwargs, resolve=True) if cfg.kwargs else {}
+    if cfg.get("_target_"):
+        model = _build_custom(cfg._target_, kwargs)
+    else:
+        model = _build_torchvision(cfg, kwargs)
+    if cfg.checkpoint:
+        load_checkpoint(model, cfg.checkpoint)
+    return model.eval()
+
+
+def _build_custom(target: str, kwargs: dict) -> nn.Module:
+    try:
+        cls = get_object(target)
+    except Exception as e:
+        raise ConfigError(
+            f"model._target_={target!r} cannot be imported ({e}); give a dotted path to an "
+            "nn.Module class importable from this environment, e.g. probe.zoo.LeNet"
+        ) from None
+    try:
+        model = cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model._target_={target!r} rejected model.kwargs={kwargs}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model._target_={target!r} built a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _build_torchvision(cfg, kwargs: dict) -> nn.Module:
+    names = classification_models()
+    if cfg.name not in names:
+        close = difflib.get_close_matches(cfg.name, names, n=5) or names[:5]
+        raise ConfigError(
+            f"unknown model {cfg.name!r}; closest torchvision classification models: "
+            f"{', '.join(close)}. Use model=torchvision model.name=NAME, or "
+            "model=custom model._target_=pkg.mod.Class for your own module"
+        )
+    if cfg.weights:
+        if cfg.num_classes != 1000:
+            kwargs.setdefault("num_classes", cfg.num_classes)
+        try:
+            return torchvision.models.get_model(cfg.name, weights=cfg.weights, **kwargs)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"model.weights={cfg.weights!r} for {cfg.name}: {e}") from None
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(
+                f"model.weights={cfg.weights!r} could not be loaded ({e}); this machine may have no "
+                "network: download the weights elsewhere and pass model.checkpoint=PATH"
+            ) from None
+    return torchvision.models.get_model(cfg.name, weights=None, num_classes=cfg.num_classes, **kwargs)
+
+
+def load_checkpoint(model: nn.Module, path: str) -> None:
+    """Load a state_dict (weights only, strict keys) and say which keys do not fit."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"model.checkpoint={path!r} is not a readable weights-only checkpoint ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); save it with torch.save(model.state_dict(), path)"
+        ) from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            f"model.checkpoint={path!r} holds a {type(state).__name__}, not a state_dict of tensors"
+        )
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        detail = "; ".join(line.strip() for line in str(e).splitlines()[1:4])
+        raise CheckpointError(
+            f"model.checkpoint={path!r} does not fit {type(model).__name__}: {detail}; "
+            "was it saved from another architecture or num_classes?"
+        ) from None
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"model.checkpoint={path!r} does not fit {type(model).__name__}: "
+            f"missing keys {_few(result.missing_keys)}, unexpected keys {_few(result.unexpected_keys)}; "
+            "was it saved from another architecture or num_classes?"
+        )
+
+
+def _few(keys: list[str], n: int = 5) -> str:
+    shown = ", ".join(keys[:n]) or "none"
+    return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)})"

@@ -1,0 +1,154 @@
+"""One probing run: build, register hooks, stream every batch to the writer, summarise."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import pandas as pd
+import torch
+import torchvision
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from probe.config import GRAD_SITES
+from probe.data import build_batches
+from probe.errors import ConfigError, ModelError
+from probe.hooks import Capture, resolve_grads
+from probe.models import build_model
+from probe.objective import batch_loss, build_objective
+from probe.select import select_modules
+from probe.store import ProbeWriter, Record
+from probe.summarize import summary_frame
+
+log = logging.getLogger("probe")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    h5_path: Path
+    summary: pd.DataFrame
+    num_samples: int
+
+
+def output_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but no CUDA device is available here; use device=cpu or auto")
+    return device
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
+    """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's)."""
+    run_dir = Path(run_dir) if run_dir is not None else output_dir()
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.seed)
+    batches = build_batches(cfg.dataset, cfg.model, cfg.seed)
+    selections = select_modules(model, cfg.probes)
+    wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites)
+    objective = (
+        build_objective(cfg.objective, batches.has_targets, cfg.model.num_classes) if wants_grad else None
+    )
+    for sel in selections:
+        log.info("probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites))
+    log.info("%d modules selected; %d samples in %d batches", len(selections), batches.num_samples, len(batches))
+
+    model.to(device)
+    buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
+    model.train(cfg.train_mode)
+    writer = ProbeWriter(
+        run_dir / cfg.store.filename, mode=cfg.store.mode, compression=cfg.store.compression,
+        compression_level=cfg.store.compression_level, chunk_bytes=cfg.store.chunk_bytes,
+        queue_batches=cfg.store.queue_batches,
+        module_types={s.name: s.module_type for s in selections},
+        attrs=file_attrs(cfg, run_dir),
+    )
+    complete = False
+    try:
+        with Capture(selections) as capture:
+            bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
+            for index, batch in enumerate(bar):
+                record = run_batch(model, capture, selections, batch, index, device, objective)
+                writer.put(record)
+        complete = True
+    finally:
+        if buffers is not None:
+            model.load_state_dict(buffers)
+        writer.close(complete=complete)
+    summary = summary_frame(writer.datasets.values())
+    summary.to_csv(run_dir / "summary.csv", index=False)
+    if cfg.print_summary:
+        print_summary(summary)
+    log.info("wrote %s (%d samples)", run_dir / cfg.store.filename, writer.num_samples)
+    return RunResult(run_dir, run_dir / cfg.store.filename, summary, writer.num_samples)
+
+
+def run_batch(model, capture: Capture, selections, batch, index: int, device, objective) -> Record:
+    """Forward (and backward when a gradient site is asked for) one batch; return its captures."""
+    size = len(batch.inputs)
+    inputs = batch.inputs.to(device, non_blocking=True)
+    targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
+    captured = capture.begin(size)
+    per_batch = {}
+    if objective is None:
+        with torch.inference_mode():
+            _forward(model, inputs)
+    else:
+        with torch.enable_grad():
+            inputs = inputs.detach().requires_grad_(True)
+            output = _forward(model, inputs)
+            loss = batch_loss(objective, output, targets)
+            per_batch = resolve_grads(captured, loss, selections)
+    targets_cpu = batch.targets if batch.targets is not None else None
+    return Record(batch.start, size, index, captured.values, per_batch, targets_cpu)
+
+
+def _forward(model, inputs):
+    try:
+        return model(inputs)
+    except (ConfigError, ModelError):
+        raise
+    except Exception as e:
+        raise ModelError(
+            f"the model's forward raised {type(e).__name__}: {e}; check that the dataset's input shape "
+            f"{tuple(inputs.shape[1:])} fits the model (dataset.image_size, dataset.channels)"
+        ) from e
+
+
+def file_attrs(cfg: DictConfig, run_dir: Path) -> dict:
+    return {
+        "config": OmegaConf.to_yaml(cfg, resolve=True),
+        "train_mode": bool(cfg.train_mode),
+        "seed": int(cfg.seed),
+        "torch_version": str(torch.__version__),
+        "torchvision_version": str(torchvision.__version__),
+        "h5py_version": str(h5py.__version__),
+        "hdf5_version": str(h5py.version.hdf5_version),
+        "objective": str(cfg.objective.name),
+    }
+
+
+def print_summary(summary: pd.DataFrame) -> None:
+    cols = ["layer", "site", "module_type", "shape", "mean", "std", "min", "max", "frac_zero"]
+    with pd.option_context("display.max_rows", 200, "display.width", 160, "display.precision", 4):
+        print(summary[cols].to_string(index=False))
+
+
+with contextlib.suppress(Exception):
+    torch.backends.cudnn.benchmark = False

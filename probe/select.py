@@ -1,0 +1,101 @@
+"""Turn probe specs (globs over module names, class names) into the modules and sites to capture."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from probe.config import DTYPES, REDUCTIONS, SITES
+from probe.errors import ConfigError, SelectionError
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One module to hook and what to keep from it."""
+
+    name: str
+    module: nn.Module
+    sites: tuple[str, ...]
+    reduce: str
+    dtype: str
+    probe: str
+
+    @property
+    def module_type(self) -> str:
+        return type(self.module).__name__
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    return {c.__name__ for c in type(module).__mro__}
+
+
+def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
+    """Every (module, sites) the probes ask for, in the model's module order; errors name the bad value."""
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    names = [n for n, _ in modules]
+    known_types = set().union(*(_class_names(m) for _, m in modules)) | set(dir(nn))
+    merged: dict[str, dict] = {}
+    for probe_name, spec in probes.items():
+        _check_spec(probe_name, spec, known_types)
+        for pattern in spec.layers:
+            if not any(fnmatchcase(n, pattern) for n in names):
+                raise SelectionError(
+                    f"probe {probe_name!r}: layer pattern {pattern!r} matches no module; closest names: "
+                    f"{', '.join(_closest(pattern, names))}. Patterns are fnmatch globs over qualified "
+                    "names such as 'layer1.0.conv1' ('*' also crosses dots)"
+                )
+        chosen = [
+            (n, m) for n, m in modules
+            if any(fnmatchcase(n, p) for p in spec.layers)
+            and (not spec.types or _class_names(m) & set(spec.types))
+            and not any(fnmatchcase(n, p) for p in spec.exclude)
+            and not (spec.leaves_only and next(m.children(), None) is not None)
+        ]
+        if not chosen and not spec.allow_empty:
+            raise SelectionError(
+                f"probe {probe_name!r} selects no module of {type(model).__name__} "
+                f"(layers {list(spec.layers)}, types {list(spec.types)}, exclude {list(spec.exclude)}); "
+                f"module names start: {', '.join(names[:8])}. Widen the pattern or set allow_empty: true"
+            )
+        for n, m in chosen:
+            entry = merged.setdefault(n, {"module": m, "sites": [], "probe": probe_name,
+                                          "reduce": spec.reduce, "dtype": spec.dtype})
+            if (entry["reduce"], entry["dtype"]) != (spec.reduce, spec.dtype):
+                raise ConfigError(
+                    f"module {n!r} is selected by probes {entry['probe']!r} and {probe_name!r} with "
+                    "different reduce/dtype; exclude it from one of them"
+                )
+            entry["sites"] += [s for s in spec.capture if s not in entry["sites"]]
+    order = {n: i for i, n in enumerate(names)}
+    return [
+        Selection(n, e["module"], tuple(s for s in SITES if s in e["sites"]), e["reduce"], e["dtype"], e["probe"])
+        for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
+    ]
+
+
+def _check_spec(name: str, spec, known_types: set[str]) -> None:
+    for site in spec.capture:
+        if site not in SITES:
+            raise ConfigError(f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}")
+    if not spec.capture:
+        raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
+    if spec.reduce not in REDUCTIONS:
+        raise ConfigError(f"probe {name!r}: reduce={spec.reduce!r} is unknown; choose from {', '.join(REDUCTIONS)}")
+    if spec.dtype not in DTYPES:
+        raise ConfigError(f"probe {name!r}: dtype={spec.dtype!r} is unknown; choose from {', '.join(DTYPES)}")
+    for t in spec.types:
+        if t not in known_types:
+            close = difflib.get_close_matches(t, sorted(known_types), n=3)
+            raise ConfigError(
+                f"probe {name!r}: type {t!r} is no module class of this model or torch.nn"
+                f"{'; did you mean ' + ', '.join(close) if close else ''}"
+            )
+
+
+def _closest(pattern: str, names: list[str], n: int = 5) -> list[str]:
+    plain = pattern.replace("*", "").replace("?", "")
+    close = difflib.get_close_matches(plain, names, n=n, cutoff=0.3)
+    return close or names[:n]

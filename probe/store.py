@@ -1,0 +1,209 @@
+"""The HDF5 writer: one background thread fed by a bounded queue, chunked resizable datasets.
+
+The main thread hands over one record per batch; the queue bound caps memory at `queue_batches`
+batches of captures. The thread also folds each record into the streaming statistics, so the
+forward pass overlaps both. The file is flushed after every batch, its `num_samples` attribute
+says how many rows are valid, and `complete=True` is the very last write of a clean run.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from probe.errors import WriteError
+from probe.stats import RunningStats
+
+FORMAT_VERSION = 1
+COMPRESSIONS = ("none", "lzf", "gzip")
+
+
+@dataclass
+class Record:
+    """One batch: per-sample tensors (axis 0 = samples) and per-batch tensors (one row per batch)."""
+
+    start: int
+    size: int
+    batch_index: int
+    values: dict[tuple[str, str], torch.Tensor]
+    per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    targets: torch.Tensor | None = None
+
+
+@dataclass
+class DatasetInfo:
+    layer: str
+    site: str
+    module_type: str
+    shape: tuple[int, ...]
+    dtype: str
+    per_batch: bool
+    stats: RunningStats = field(default_factory=RunningStats)
+
+
+class ProbeWriter:
+    """Owns probe.h5 for one run. `put` a Record per batch, then `close(complete=...)`."""
+
+    def __init__(self, path: Path, *, mode: str = "full", compression: str = "none",
+                 compression_level: int | None = None, chunk_bytes: int = 1 << 20,
+                 queue_batches: int = 2, module_types: dict[str, str] | None = None,
+                 attrs: dict | None = None):
+        if compression not in COMPRESSIONS:
+            raise WriteError(f"store.compression={compression!r} is unknown; choose from {', '.join(COMPRESSIONS)}")
+        if mode not in ("full", "stats"):
+            raise WriteError(f"store.mode={mode!r} is unknown; choose full or stats")
+        if queue_batches < 1:
+            raise WriteError(f"store.queue_batches={queue_batches} must be at least 1")
+        self.path, self.mode = Path(path), mode
+        self.compression = None if compression == "none" else compression
+        self.compression_opts = compression_level if compression == "gzip" else None
+        self.chunk_bytes = chunk_bytes
+        self.module_types = module_types or {}
+        self.datasets: dict[tuple[str, str], DatasetInfo] = {}
+        self.num_samples = 0
+        self.num_batches = 0
+        self.error: BaseException | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = h5py.File(self.path, "w")
+        except OSError as e:
+            raise WriteError(
+                f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
+                "hydra.run.dir=PATH"
+            ) from None
+        self.file.attrs["format_version"] = FORMAT_VERSION
+        self.file.attrs["complete"] = False
+        self.file.attrs["num_samples"] = 0
+        self.file.attrs["store_mode"] = mode
+        for k, v in (attrs or {}).items():
+            self.file.attrs[k] = v
+        self.file.flush()
+        self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
+        self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
+        self.thread.start()
+
+    # -- main thread -------------------------------------------------------------------------
+    def put(self, record: Record) -> None:
+        """Queue a batch; blocks while the queue is full, raises promptly if the writer failed."""
+        while True:
+            self._raise_if_failed()
+            try:
+                self.queue.put(record, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def close(self, complete: bool) -> None:
+        """Drain the queue, write statistics and attributes, mark completion last, close."""
+        if self.thread.is_alive():
+            while True:
+                try:
+                    self.queue.put(None, timeout=0.2)
+                    break
+                except queue.Full:
+                    if not self.thread.is_alive():
+                        break
+            self.thread.join()
+        try:
+            if self.file.id.valid:
+                self._write_stats()
+                self.file.attrs["num_samples"] = self.num_samples
+                self.file.attrs["num_batches"] = self.num_batches
+                self.file.flush()
+                if complete and self.error is None:
+                    self.file.attrs["complete"] = True
+                    self.file.flush()
+        except OSError as e:
+            self.error = self.error or e
+        finally:
+            if self.file.id.valid:
+                self.file.close()
+        if complete:
+            self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            e = self.error
+            hint = " (is the disk full?)" if "space" in str(e).lower() or isinstance(e, OSError) else ""
+            raise WriteError(f"writing {str(self.path)!r} failed{hint}: {e}") from None
+        if not self.thread.is_alive() and self.queue.qsize():
+            raise WriteError(f"the writer of {str(self.path)!r} stopped unexpectedly")
+
+    # -- writer thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            record = self.queue.get()
+            if record is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                self._write(record)
+            except BaseException as e:  # noqa: BLE001 - reported to the main thread by put/close
+                self.error = e
+
+    def _write(self, r: Record) -> None:
+        end = r.start + r.size
+        for key, t in r.values.items():
+            self._append(key, t, r.start, end, per_batch=False)
+        for key, t in r.per_batch.items():
+            self._append(key, t, r.batch_index, r.batch_index + 1, per_batch=True)
+        if self.mode == "full":
+            self._append_plain("samples/index", np.arange(r.start, end, dtype=np.int64), r.start, end)
+            if r.targets is not None:
+                self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
+        self.num_samples, self.num_batches = end, r.batch_index + 1
+        self.file.attrs["num_samples"] = end
+        self.file.attrs["num_batches"] = self.num_batches
+        self.file.flush()
+
+    def _append(self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool) -> None:
+        info = self.datasets.get(key)
+        if info is None:
+            if lo != 0:
+                raise WriteError(
+                    f"layer {key[0]!r} produced {key[1]} first at row {lo}: its calls differ between "
+                    "batches (data-dependent control flow), which a fixed file layout cannot hold"
+                )
+            info = DatasetInfo(key[0], key[1], self.module_types.get(key[0], ""), tuple(t.shape[1:]),
+                               str(t.dtype).removeprefix("torch."), per_batch)
+            self.datasets[key] = info
+        info.stats.update(t)
+        if self.mode == "full":
+            self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
+
+    def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
+        ds = self.file.get(name)
+        if ds is None:
+            if lo != 0:
+                raise WriteError(f"dataset {name!r} appeared first at row {lo}")
+            ds = self._create(name, a)
+        ds.resize(hi, axis=0)
+        ds[lo:hi] = a
+
+    def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
+        row_bytes = max(1, a[0].nbytes if len(a) else a.itemsize)
+        rows = max(1, self.chunk_bytes // row_bytes)
+        chunk_bytes = rows * row_bytes
+        return self.file.create_dataset(
+            name, shape=(0, *a.shape[1:]), maxshape=(None, *a.shape[1:]), dtype=a.dtype,
+            chunks=(rows, *a.shape[1:]), compression=self.compression,
+            compression_opts=self.compression_opts, rdcc_nbytes=max(2 * chunk_bytes, 1 << 20), rdcc_w0=1.0,
+        )
+
+    def _write_stats(self) -> None:
+        group = self.file.require_group("stats")
+        for (layer, site), info in self.datasets.items():
+            g = group.require_group(layer).require_group(site)
+            for k, v in info.stats.state().items():
+                g.attrs[k] = v
+            g.attrs["module_type"] = info.module_type
+            g.attrs["shape"] = list(info.shape)
+            g.attrs["dtype"] = info.dtype
+            g.attrs["per_batch"] = info.per_batch
