@@ -24,7 +24,12 @@ class SyntheticImages(Dataset):
     """Seeded Gaussian images and integer targets: sample i depends only on (seed, i)."""
 
     def __init__(self, num_samples: int, shape: tuple[int, ...], num_classes: int, seed: int):
-        self.num_samples, self.shape, self.num_classes, self.seed = num_samples, shape, num_classes, seed
+        self.num_samples, self.shape, self.num_classes, self.seed = (
+            num_samples,
+            shape,
+            num_classes,
+            seed,
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -41,7 +46,9 @@ class OrderedBatches:
     def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, has_targets: bool):
         self.dataset, self.has_targets = dataset, has_targets
         self.batch_size = batch_size
-        self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+        self.loader = DataLoader(
+            dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers
+        )
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -65,7 +72,9 @@ def build_batches(cfg, model_cfg, seed: int) -> OrderedBatches:
     if cfg.batch_size < 1:
         raise ConfigError(f"dataset.batch_size={cfg.batch_size} must be at least 1")
     if cfg.num_samples is not None and cfg.num_samples < 1:
-        raise ConfigError(f"dataset.num_samples={cfg.num_samples} must be at least 1 (or null for all)")
+        raise ConfigError(
+            f"dataset.num_samples={cfg.num_samples} must be at least 1 (or null for all)"
+        )
     if cfg.name not in DATASETS:
         raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(DATASETS)}")
     channels = cfg.channels or model_cfg.input_shape[0]
@@ -90,8 +99,11 @@ def _fakedata(n: int, shape, num_classes: int, seed: int) -> Dataset:
     from torchvision import datasets, transforms
 
     return datasets.FakeData(
-        size=n, image_size=shape, num_classes=num_classes,
-        transform=transforms.ToTensor(), random_offset=seed,
+        size=n,
+        image_size=shape,
+        num_classes=num_classes,
+        transform=transforms.ToTensor(),
+        random_offset=seed,
     )
 
 
@@ -100,13 +112,17 @@ def _imagefolder(cfg) -> Dataset:
 
     root = Path(str(cfg.root))
     if not root.is_dir():
-        raise DataError(f"dataset.root={str(cfg.root)!r} is not a directory; give a folder of class sub-folders")
-    tf = transforms.Compose([
-        transforms.Resize(cfg.resize),
-        transforms.CenterCrop(cfg.crop),
-        transforms.ToTensor(),
-        transforms.Normalize(list(cfg.mean), list(cfg.std)),
-    ])
+        raise DataError(
+            f"dataset.root={str(cfg.root)!r} is not a directory; give a folder of class sub-folders"
+        )
+    tf = transforms.Compose(
+        [
+            transforms.Resize(cfg.resize),
+            transforms.CenterCrop(cfg.crop),
+            transforms.ToTensor(),
+            transforms.Normalize(list(cfg.mean), list(cfg.std)),
+        ]
+    )
     try:
         return datasets.ImageFolder(str(root), transform=tf)
     except (FileNotFoundError, RuntimeError) as e:
@@ -122,13 +138,17 @@ def _tensors(path) -> tuple[Dataset, bool]:
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise DataError(f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__})") from None
+        raise DataError(
+            f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__})"
+        ) from None
     if isinstance(obj, torch.Tensor):
         return _checked_tensor_dataset(p, obj, None), False
     if isinstance(obj, dict) and isinstance(obj.get("inputs"), torch.Tensor):
         targets = obj.get("targets")
         if targets is not None and not isinstance(targets, torch.Tensor):
-            raise DataError(f"dataset.path={str(p)!r}: 'targets' is a {type(targets).__name__}, not a tensor")
+            raise DataError(
+                f"dataset.path={str(p)!r}: 'targets' is a {type(targets).__name__}, not a tensor"
+            )
         return _checked_tensor_dataset(p, obj["inputs"], targets), targets is not None
     keys = list(obj) if isinstance(obj, dict) else None
     raise DataError(
@@ -139,7 +159,9 @@ def _tensors(path) -> tuple[Dataset, bool]:
 
 def _checked_tensor_dataset(p: Path, inputs: torch.Tensor, targets) -> TensorDataset:
     if inputs.ndim < 1 or len(inputs) == 0:
-        raise DataError(f"dataset.path={str(p)!r} holds no samples (inputs shape {tuple(inputs.shape)})")
+        raise DataError(
+            f"dataset.path={str(p)!r} holds no samples (inputs shape {tuple(inputs.shape)})"
+        )
     if targets is not None and len(targets) != len(inputs):
         raise DataError(
             f"dataset.path={str(p)!r}: {len(inputs)} inputs but {len(targets)} targets; they must match"

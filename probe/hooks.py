@@ -157,8 +157,10 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
     """Fill batch.values with grad_output/grad_input per sample; return per-batch parameter grads."""
     params = [
         (sel, pname, p)
-        for sel in selections if "param_grad" in sel.sites
-        for pname, p in sel.module.named_parameters() if p.requires_grad
+        for sel in selections
+        if "param_grad" in sel.sites
+        for pname, p in sel.module.named_parameters()
+        if p.requires_grad
     ]
     edges: list[GradientEdge] = []
     index: dict[tuple[int, int], int] = {}
@@ -179,8 +181,10 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
             g = torch.zeros(pg.shape)
         batch.values[pg.key] = keep(g, pg.selection, batch.size, pg.key)
     param_grads = {}
-    for (sel, pname, p), g in zip(params, grads[len(edges):], strict=True):
+    for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
         g = torch.zeros_like(p) if g is None else g
-        param_grads[(sel.name, f"param_grad.{pname}")] = g.detach().to("cpu", torch.float32, copy=True)[None]
+        param_grads[(sel.name, f"param_grad.{pname}")] = g.detach().to(
+            "cpu", torch.float32, copy=True
+        )[None]
     batch.pending.clear()
     return param_grads

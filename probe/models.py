@@ -42,9 +42,13 @@ def _build_custom(target: str, kwargs: dict) -> nn.Module:
     try:
         model = cls(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"model._target_={target!r} rejected model.kwargs={kwargs}: {e}") from None
+        raise ConfigError(
+            f"model._target_={target!r} rejected model.kwargs={kwargs}: {e}"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model._target_={target!r} built a {type(model).__name__}, not an nn.Module")
+        raise ConfigError(
+            f"model._target_={target!r} built a {type(model).__name__}, not an nn.Module"
+        )
     return model
 
 
@@ -69,14 +73,18 @@ def _build_torchvision(cfg, kwargs: dict) -> nn.Module:
                 f"model.weights={cfg.weights!r} could not be loaded ({e}); this machine may have no "
                 "network: download the weights elsewhere and pass model.checkpoint=PATH"
             ) from None
-    return torchvision.models.get_model(cfg.name, weights=None, num_classes=cfg.num_classes, **kwargs)
+    return torchvision.models.get_model(
+        cfg.name, weights=None, num_classes=cfg.num_classes, **kwargs
+    )
 
 
 def load_checkpoint(model: nn.Module, path: str) -> None:
     """Load a state_dict (weights only, strict keys) and say which keys do not fit."""
     p = Path(path)
     if not p.is_file():
-        raise CheckpointError(f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict")
+        raise CheckpointError(
+            f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict"
+        )
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:

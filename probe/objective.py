@@ -46,7 +46,9 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
     try:
         fn = get_object(target)
     except Exception as e:
-        raise ConfigError(f"objective._target_={target!r} cannot be imported ({e}); give pkg.mod.fn") from None
+        raise ConfigError(
+            f"objective._target_={target!r} cannot be imported ({e}); give pkg.mod.fn"
+        ) from None
     if not callable(fn):
         raise ConfigError(f"objective._target_={target!r} is not callable")
     return fn
@@ -54,7 +56,9 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
 
 def batch_loss(objective: Objective, output, targets) -> torch.Tensor:
     """The scalar that is differentiated: the objective's per-sample losses summed over the batch."""
-    out = output if isinstance(output, torch.Tensor) else next((t for _, t in flatten(output)), None)
+    out = (
+        output if isinstance(output, torch.Tensor) else next((t for _, t in flatten(output)), None)
+    )
     if out is None:
         raise ConfigError("the model output holds no tensor to differentiate; use objective=custom")
     losses = objective(out, targets)

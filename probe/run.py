@@ -47,9 +47,13 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto") from None
+        raise ConfigError(
+            f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but no CUDA device is available here; use device=cpu or auto")
+        raise ConfigError(
+            f"device={name!r} but no CUDA device is available here; use device=cpu or auto"
+        )
     return device
 
 
@@ -63,18 +67,30 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     selections = select_modules(model, cfg.probes)
     wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites)
     objective = (
-        build_objective(cfg.objective, batches.has_targets, cfg.model.num_classes) if wants_grad else None
+        build_objective(cfg.objective, batches.has_targets, cfg.model.num_classes)
+        if wants_grad
+        else None
     )
     for sel in selections:
-        log.info("probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites))
-    log.info("%d modules selected; %d samples in %d batches", len(selections), batches.num_samples, len(batches))
+        log.info(
+            "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
+        )
+    log.info(
+        "%d modules selected; %d samples in %d batches",
+        len(selections),
+        batches.num_samples,
+        len(batches),
+    )
 
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
     model.train(cfg.train_mode)
     writer = ProbeWriter(
-        run_dir / cfg.store.filename, mode=cfg.store.mode, compression=cfg.store.compression,
-        compression_level=cfg.store.compression_level, chunk_bytes=cfg.store.chunk_bytes,
+        run_dir / cfg.store.filename,
+        mode=cfg.store.mode,
+        compression=cfg.store.compression,
+        compression_level=cfg.store.compression_level,
+        chunk_bytes=cfg.store.chunk_bytes,
         queue_batches=cfg.store.queue_batches,
         module_types={s.name: s.module_type for s in selections},
         attrs=file_attrs(cfg, run_dir),

@@ -48,7 +48,8 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                     "names such as 'layer1.0.conv1' ('*' also crosses dots)"
                 )
         chosen = [
-            (n, m) for n, m in modules
+            (n, m)
+            for n, m in modules
             if any(fnmatchcase(n, p) for p in spec.layers)
             and (not spec.types or _class_names(m) & set(spec.types))
             and not any(fnmatchcase(n, p) for p in spec.exclude)
@@ -61,8 +62,16 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                 f"module names start: {', '.join(names[:8])}. Widen the pattern or set allow_empty: true"
             )
         for n, m in chosen:
-            entry = merged.setdefault(n, {"module": m, "sites": [], "probe": probe_name,
-                                          "reduce": spec.reduce, "dtype": spec.dtype})
+            entry = merged.setdefault(
+                n,
+                {
+                    "module": m,
+                    "sites": [],
+                    "probe": probe_name,
+                    "reduce": spec.reduce,
+                    "dtype": spec.dtype,
+                },
+            )
             if (entry["reduce"], entry["dtype"]) != (spec.reduce, spec.dtype):
                 raise ConfigError(
                     f"module {n!r} is selected by probes {entry['probe']!r} and {probe_name!r} with "
@@ -71,7 +80,14 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
             entry["sites"] += [s for s in spec.capture if s not in entry["sites"]]
     order = {n: i for i, n in enumerate(names)}
     return [
-        Selection(n, e["module"], tuple(s for s in SITES if s in e["sites"]), e["reduce"], e["dtype"], e["probe"])
+        Selection(
+            n,
+            e["module"],
+            tuple(s for s in SITES if s in e["sites"]),
+            e["reduce"],
+            e["dtype"],
+            e["probe"],
+        )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]
 
@@ -79,13 +95,19 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
 def _check_spec(name: str, spec, known_types: set[str]) -> None:
     for site in spec.capture:
         if site not in SITES:
-            raise ConfigError(f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}")
+            raise ConfigError(
+                f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}"
+            )
     if not spec.capture:
         raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
     if spec.reduce not in REDUCTIONS:
-        raise ConfigError(f"probe {name!r}: reduce={spec.reduce!r} is unknown; choose from {', '.join(REDUCTIONS)}")
+        raise ConfigError(
+            f"probe {name!r}: reduce={spec.reduce!r} is unknown; choose from {', '.join(REDUCTIONS)}"
+        )
     if spec.dtype not in DTYPES:
-        raise ConfigError(f"probe {name!r}: dtype={spec.dtype!r} is unknown; choose from {', '.join(DTYPES)}")
+        raise ConfigError(
+            f"probe {name!r}: dtype={spec.dtype!r} is unknown; choose from {', '.join(DTYPES)}"
+        )
     for t in spec.types:
         if t not in known_types:
             close = difflib.get_close_matches(t, sorted(known_types), n=3)

@@ -50,12 +50,22 @@ class DatasetInfo:
 class ProbeWriter:
     """Owns probe.h5 for one run. `put` a Record per batch, then `close(complete=...)`."""
 
-    def __init__(self, path: Path, *, mode: str = "full", compression: str = "none",
-                 compression_level: int | None = None, chunk_bytes: int = 1 << 20,
-                 queue_batches: int = 2, module_types: dict[str, str] | None = None,
-                 attrs: dict | None = None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        mode: str = "full",
+        compression: str = "none",
+        compression_level: int | None = None,
+        chunk_bytes: int = 1 << 20,
+        queue_batches: int = 2,
+        module_types: dict[str, str] | None = None,
+        attrs: dict | None = None,
+    ):
         if compression not in COMPRESSIONS:
-            raise WriteError(f"store.compression={compression!r} is unknown; choose from {', '.join(COMPRESSIONS)}")
+            raise WriteError(
+                f"store.compression={compression!r} is unknown; choose from {', '.join(COMPRESSIONS)}"
+            )
         if mode not in ("full", "stats"):
             raise WriteError(f"store.mode={mode!r} is unknown; choose full or stats")
         if queue_batches < 1:
@@ -130,7 +140,11 @@ class ProbeWriter:
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             e = self.error
-            hint = " (is the disk full?)" if "space" in str(e).lower() or isinstance(e, OSError) else ""
+            hint = (
+                " (is the disk full?)"
+                if "space" in str(e).lower() or isinstance(e, OSError)
+                else ""
+            )
             raise WriteError(f"writing {str(self.path)!r} failed{hint}: {e}") from None
         if not self.thread.is_alive() and self.queue.qsize():
             raise WriteError(f"the writer of {str(self.path)!r} stopped unexpectedly")
@@ -155,7 +169,9 @@ class ProbeWriter:
         for key, t in r.per_batch.items():
             self._append(key, t, r.batch_index, r.batch_index + 1, per_batch=True)
         if self.mode == "full":
-            self._append_plain("samples/index", np.arange(r.start, end, dtype=np.int64), r.start, end)
+            self._append_plain(
+                "samples/index", np.arange(r.start, end, dtype=np.int64), r.start, end
+            )
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
         self.num_samples, self.num_batches = end, r.batch_index + 1
@@ -163,7 +179,9 @@ class ProbeWriter:
         self.file.attrs["num_batches"] = self.num_batches
         self.file.flush()
 
-    def _append(self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool) -> None:
+    def _append(
+        self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool
+    ) -> None:
         info = self.datasets.get(key)
         if info is None:
             if lo != 0:
@@ -171,8 +189,14 @@ class ProbeWriter:
                     f"layer {key[0]!r} produced {key[1]} first at row {lo}: its calls differ between "
                     "batches (data-dependent control flow), which a fixed file layout cannot hold"
                 )
-            info = DatasetInfo(key[0], key[1], self.module_types.get(key[0], ""), tuple(t.shape[1:]),
-                               str(t.dtype).removeprefix("torch."), per_batch)
+            info = DatasetInfo(
+                key[0],
+                key[1],
+                self.module_types.get(key[0], ""),
+                tuple(t.shape[1:]),
+                str(t.dtype).removeprefix("torch."),
+                per_batch,
+            )
             self.datasets[key] = info
         info.stats.update(t)
         if self.mode == "full":
@@ -192,9 +216,15 @@ class ProbeWriter:
         rows = max(1, self.chunk_bytes // row_bytes)
         chunk_bytes = rows * row_bytes
         return self.file.create_dataset(
-            name, shape=(0, *a.shape[1:]), maxshape=(None, *a.shape[1:]), dtype=a.dtype,
-            chunks=(rows, *a.shape[1:]), compression=self.compression,
-            compression_opts=self.compression_opts, rdcc_nbytes=max(2 * chunk_bytes, 1 << 20), rdcc_w0=1.0,
+            name,
+            shape=(0, *a.shape[1:]),
+            maxshape=(None, *a.shape[1:]),
+            dtype=a.dtype,
+            chunks=(rows, *a.shape[1:]),
+            compression=self.compression,
+            compression_opts=self.compression_opts,
+            rdcc_nbytes=max(2 * chunk_bytes, 1 << 20),
+            rdcc_w0=1.0,
         )
 
     def _write_stats(self) -> None:
