@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -32,7 +33,34 @@ def app(cfg: DictConfig) -> None:
         sys.exit(130)
 
 
+def _unwritable_output(argv: list[str]) -> str | None:
+    """The run/sweep directory the command line asks for, if no ancestor of it can be written.
+
+    Hydra creates that directory before the job starts, so this is checked first to give a message
+    instead of Hydra's traceback.
+    """
+    wanted = [
+        a.split("=", 1)[1] for a in argv if a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))
+    ]
+    for raw in wanted or ["outputs"]:
+        path = Path(raw).expanduser().absolute()
+        probe_dir = path
+        while not probe_dir.exists() and probe_dir != probe_dir.parent:
+            probe_dir = probe_dir.parent
+        if not probe_dir.is_dir() or not os.access(probe_dir, os.W_OK | os.X_OK):
+            return str(path)
+    return None
+
+
 def main() -> None:
+    bad = _unwritable_output(sys.argv[1:])
+    if bad is not None:
+        print(
+            f"probe: error: the run directory {bad!r} cannot be created (no writable directory above it); "
+            "choose a writable one with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     app()
 
 
