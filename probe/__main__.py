@@ -9,6 +9,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from probe.config import config_dir
 from probe.errors import ProbeError
@@ -22,15 +23,25 @@ def app(cfg: DictConfig) -> None:
 
     try:
         run(cfg)
-    except ProbeError as e:
+    except (ProbeError, OmegaConfBaseException) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        log.error("%s", e)
-        print(f"probe: error: {e}", file=sys.stderr)
+        message = str(e) if isinstance(e, ProbeError) else _config_message(e)
+        log.error("%s", message)
+        print(f"probe: error: {message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("probe: interrupted; the file is closed with complete=false", file=sys.stderr)
         sys.exit(130)
+
+
+def _config_message(e: OmegaConfBaseException) -> str:
+    """OmegaConf's message without its internal details, plus the way out."""
+    first = str(e).splitlines()[0]
+    key = getattr(e, "full_key", None)
+    if isinstance(e, MissingMandatoryValue):
+        return f"{first}: give it on the command line, e.g. {key}=VALUE"
+    return f"{first} (key {key})" if key else first
 
 
 def _unwritable_output(argv: list[str]) -> str | None:

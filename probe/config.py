@@ -64,6 +64,27 @@ class ProbeSpec:
     dtype: str = "float32"
     allow_empty: bool = False
     leaves_only: bool = False
+    unedited: bool = False  # at an edited site, also keep the value before the edit
+
+
+@dataclass
+class EditSpec:
+    """One named intervention: modules selected like a probe, a site, an op and its arguments."""
+
+    layers: list[str] = field(default_factory=lambda: ["*"])
+    types: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    site: str = "output"
+    op: str = MISSING
+    factor: float = 1.0
+    value: float = 0.0
+    min: float | None = None
+    max: float | None = None
+    std: float = 0.0
+    seed: int | None = None  # None: the run's seed
+    channels: list[int] | None = None  # None: every unit; else indices along axis 1
+    source: str | None = None  # op=mean: "first_pass" or the path of an earlier run's probe.h5
+    _target_: str | None = None  # op=custom: a callable tensor -> tensor
 
 
 @dataclass
@@ -92,6 +113,7 @@ class Config:
     model: ModelConfig = MISSING
     dataset: DatasetConfig = MISSING
     probes: dict[str, ProbeSpec] = field(default_factory=dict)
+    intervene: dict[str, EditSpec] = field(default_factory=dict)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     seed: int = 0

@@ -45,6 +45,21 @@ def dataset_name(site: str, path: str, call: int) -> str:
     return f"{site}{path}{'' if call == 0 else f'@{call}'}"
 
 
+def replace_tensors(value: Any, fn, prefix: str = "") -> Any:
+    """`value` with every tensor t at path p replaced by fn(p, t), the structure rebuilt around it."""
+    if isinstance(value, torch.Tensor):
+        return fn(prefix, value)
+    if isinstance(value, dict):
+        return type(value)((k, replace_tensors(v, fn, f"{prefix}.{k}")) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(
+            *(replace_tensors(getattr(value, k), fn, f"{prefix}.{k}") for k in value._fields)
+        )
+    if isinstance(value, list | tuple):
+        return type(value)(replace_tensors(v, fn, f"{prefix}.{i}") for i, v in enumerate(value))
+    return value
+
+
 @dataclass
 class PendingGrad:
     key: tuple[str, str]
@@ -55,18 +70,45 @@ class PendingGrad:
 
 @dataclass
 class BatchCapture:
-    """What one batch produced: per-sample tensors by (layer, dataset) and per-batch parameter grads."""
+    """What one batch produced: per-sample tensors by (layer, dataset) and gradient edges to resolve."""
 
     size: int
+    start: int = 0
     values: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     pending: list[PendingGrad] = field(default_factory=list)
 
 
-class Capture:
-    """Context manager: all hooks on entry (all or none), every hook removed on any exit."""
+@dataclass
+class Target:
+    """Everything hooked on one module: its capture selection (if any) and its edits by site."""
 
-    def __init__(self, selections: list[Selection]):
+    name: str
+    module: torch.nn.Module
+    selection: Selection | None
+    edits: dict[str, list] = field(default_factory=dict)
+
+    def captures(self, site: str) -> bool:
+        return self.selection is not None and site in self.selection.sites
+
+    def wants(self, *sites: str) -> bool:
+        return any(self.captures(s) or s in self.edits for s in sites)
+
+
+class Capture:
+    """Context manager: all hooks on entry (all or none), every hook removed on any exit.
+
+    Hooks act only between `begin()` and `end()`, so a clean forward of the same model (no edits,
+    no captures) can run in between. Order at one site: edits in config order, then capture.
+    """
+
+    def __init__(self, selections: list[Selection], edits: list | None = None):
         self.selections = selections
+        targets: dict[str, Target] = {s.name: Target(s.name, s.module, s) for s in selections}
+        for e in edits or []:
+            if e.module_name not in targets:
+                targets[e.module_name] = Target(e.module_name, e.module, None)
+            targets[e.module_name].edits.setdefault(e.site, []).append(e)
+        self.targets = list(targets.values())
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.batch: BatchCapture | None = None
         self.in_calls: Counter[str] = Counter()
@@ -74,11 +116,11 @@ class Capture:
 
     def __enter__(self) -> Capture:
         try:
-            for sel in self.selections:
-                if {"input", "grad_input"} & set(sel.sites):
-                    self.handles.append(sel.module.register_forward_pre_hook(self._pre_hook(sel)))
-                if {"output", "grad_output"} & set(sel.sites):
-                    self.handles.append(sel.module.register_forward_hook(self._post_hook(sel)))
+            for t in self.targets:
+                if t.wants("input", "grad_input"):
+                    self.handles.append(t.module.register_forward_pre_hook(self._pre_hook(t)))
+                if t.wants("output", "grad_output"):
+                    self.handles.append(t.module.register_forward_hook(self._post_hook(t)))
         except BaseException:
             self.remove()
             raise
@@ -92,46 +134,103 @@ class Capture:
             self.handles.pop().remove()
         self.batch = None
 
-    def begin(self, size: int) -> BatchCapture:
-        self.batch = BatchCapture(size)
+    def begin(self, size: int, start: int = 0) -> BatchCapture:
+        self.batch = BatchCapture(size, start)
         self.in_calls.clear()
         self.out_calls.clear()
         return self.batch
 
-    def _pre_hook(self, sel: Selection):
+    def end(self) -> None:
+        self.batch = None
+
+    def _pre_hook(self, t: Target):
         def hook(module, args):
-            call = self.in_calls[sel.name]
-            self.in_calls[sel.name] += 1
-            value = args[0] if len(args) == 1 else tuple(args)
+            if self.batch is None:
+                return None
+            call = self.in_calls[t.name]
+            self.in_calls[t.name] += 1
             if not args:
                 raise ModelError(
-                    f"layer {sel.name!r} was called with no positional input, so it has no "
-                    "'input'/'grad_input' to capture; capture 'output' instead or exclude it"
+                    f"layer {t.name!r} was called with no positional input, so it has no "
+                    "'input'/'grad_input' to capture or edit; use the output site or exclude it"
                 )
-            self._take(sel, value, call, "input", "grad_input")
+            new = [
+                self._site(
+                    t,
+                    a,
+                    "" if len(args) == 1 else f".{i}",
+                    call,
+                    "input",
+                    "grad_input",
+                    own_use=True,
+                )
+                if isinstance(a, torch.Tensor)
+                else a
+                for i, a in enumerate(args)
+            ]
+            return tuple(new) if any(n is not a for n, a in zip(new, args, strict=True)) else None
 
         return hook
 
-    def _post_hook(self, sel: Selection):
+    def _post_hook(self, t: Target):
         def hook(module, args, output):
-            call = self.out_calls[sel.name]
-            self.out_calls[sel.name] += 1
-            self._take(sel, output, call, "output", "grad_output")
+            if self.batch is None:
+                return None
+            call = self.out_calls[t.name]
+            self.out_calls[t.name] += 1
+            new = replace_tensors(
+                output, lambda path, x: self._site(t, x, path, call, "output", "grad_output")
+            )
+            changed = any(
+                a is not b for (_, a), (_, b) in zip(flatten(new), flatten(output), strict=True)
+            )
+            return new if changed else None
 
         return hook
 
-    def _take(self, sel: Selection, value: Any, call: int, site: str, grad_site: str) -> None:
+    def _site(
+        self,
+        t: Target,
+        x: torch.Tensor,
+        path: str,
+        call: int,
+        site: str,
+        grad_site: str,
+        own_use: bool = False,
+    ) -> torch.Tensor:
+        """Edit then capture one tensor at one site; returns the tensor the model goes on with."""
         batch = self.batch
-        if batch is None:  # a forward outside a probed batch (e.g. the user's own call): ignore
-            return
-        for path, t in flatten(value):
-            if site in sel.sites:
-                key = (sel.name, dataset_name(site, path, call))
-                batch.values[key] = keep(t, sel, batch.size, key)
-            if grad_site in sel.sites and t.requires_grad:
-                key = (sel.name, dataset_name(grad_site, path, call))
-                check_batch_axis(t, batch.size, key)
-                batch.pending.append(PendingGrad(key, get_gradient_edge(t), t.shape, sel))
+        key = dataset_name(site, path, call)
+        sel = t.selection
+        edited = x
+        for e in t.edits.get(site, []):
+            edited = e.apply(edited, batch.start, key)
+        if sel is not None and sel.unedited and edited is not x and t.captures(site):
+            batch.values[(t.name, "unedited_" + key)] = keep(x, sel, batch.size, (t.name, key))
+        if t.captures(site):
+            batch.values[(t.name, key)] = keep(edited, sel, batch.size, (t.name, key))
+        if not t.wants(grad_site) or not edited.requires_grad:
+            return edited
+        if own_use:  # grad_input is this module's own contribution, not every use of the tensor
+            edited = edited.clone()
+        gkey = (t.name, dataset_name(grad_site, path, call))
+        if t.captures(grad_site):
+            check_batch_axis(edited, batch.size, gkey)
+            batch.pending.append(PendingGrad(gkey, get_gradient_edge(edited), edited.shape, sel))
+        grad_edits = t.edits.get(grad_site, [])
+        if grad_edits:
+            edited.register_hook(self._grad_hook(t, grad_edits, gkey, batch))
+        return edited
+
+    def _grad_hook(self, t: Target, edits: list, gkey: tuple[str, str], batch: BatchCapture):
+        def hook(grad):
+            for e in edits:
+                grad = e.apply(grad, batch.start, gkey[1])
+            if t.captures(gkey[1].split(".")[0].split("@")[0]):
+                batch.values[gkey] = keep(grad, t.selection, batch.size, gkey)
+            return grad
+
+        return hook
 
 
 def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
@@ -174,12 +273,22 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
     inputs = edges + [p for _, _, p in params]
     if not inputs:
         return {}
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    if loss.requires_grad:
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    else:  # every path to the objective was cut (e.g. a zeroed layer): all gradients are zero
+        grads = (None,) * len(inputs)
     for pg, slot in zip(batch.pending, slots, strict=True):
         g = grads[slot]
         if g is None:
             g = torch.zeros(pg.shape)
-        batch.values[pg.key] = keep(g, pg.selection, batch.size, pg.key)
+        key = pg.key
+        if (
+            key in batch.values
+        ):  # an edit hook stored the edited gradient; this is the one before it
+            if not pg.selection.unedited:
+                continue
+            key = (key[0], "unedited_" + key[1])
+        batch.values[key] = keep(g, pg.selection, batch.size, key)
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
         g = torch.zeros_like(p) if g is None else g

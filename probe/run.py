@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +16,10 @@ from tqdm import tqdm
 
 from probe.config import GRAD_SITES
 from probe.data import build_batches
+from probe.effects import Effects
 from probe.errors import ConfigError, ModelError
-from probe.hooks import Capture, resolve_grads
+from probe.hooks import Capture, flatten, resolve_grads
+from probe.intervene import GRAD_EDIT_SITES, build_edits, first_pass_means
 from probe.models import build_model
 from probe.objective import batch_loss, build_objective
 from probe.select import select_modules
@@ -65,7 +67,10 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     model = build_model(cfg.model, cfg.seed)
     batches = build_batches(cfg.dataset, cfg.model, cfg.seed)
     selections = select_modules(model, cfg.probes)
-    wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites)
+    edits = build_edits(model, cfg.intervene, cfg.seed)
+    wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites) or any(
+        e.site in GRAD_EDIT_SITES for e in edits
+    )
     objective = (
         build_objective(cfg.objective, batches.has_targets, cfg.model.num_classes)
         if wants_grad
@@ -93,14 +98,18 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         chunk_bytes=cfg.store.chunk_bytes,
         queue_batches=cfg.store.queue_batches,
         module_types={s.name: s.module_type for s in selections},
-        attrs=file_attrs(cfg, run_dir),
+        attrs={**file_attrs(cfg, run_dir), "edits": json.dumps([e.describe for e in edits])},
     )
+    effects = Effects() if edits else None
     complete = False
     try:
-        with Capture(selections) as capture:
+        first_pass_means(model, batches, edits, device)
+        with Capture(selections, edits) as capture:
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
             for index, batch in enumerate(bar):
-                record = run_batch(model, capture, selections, batch, index, device, objective)
+                record = run_batch(
+                    model, capture, selections, batch, index, device, objective, effects
+                )
                 writer.put(record)
         complete = True
     finally:
@@ -109,30 +118,55 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         writer.close(complete=complete)
     summary = summary_frame(writer.datasets.values())
     summary.to_csv(run_dir / "summary.csv", index=False)
+    if effects is not None:
+        effects.table().to_csv(run_dir / "effects.csv", index=False)
     if cfg.print_summary:
         print_summary(summary)
     log.info("wrote %s (%d samples)", run_dir / cfg.store.filename, writer.num_samples)
     return RunResult(run_dir, run_dir / cfg.store.filename, summary, writer.num_samples)
 
 
-def run_batch(model, capture: Capture, selections, batch, index: int, device, objective) -> Record:
-    """Forward (and backward when a gradient site is asked for) one batch; return its captures."""
+def run_batch(
+    model, capture: Capture, selections, batch, index, device, objective, effects=None
+) -> Record:
+    """Forward (and backward when a gradient site is asked for) one batch; return its captures.
+
+    With edits, the same batch first runs clean (hooks idle) so the edit's effect on the output
+    can be measured in the same run.
+    """
     size = len(batch.inputs)
     inputs = batch.inputs.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
-    captured = capture.begin(size)
-    per_batch = {}
-    if objective is None:
+    extra = {}
+    if effects is not None:
         with torch.inference_mode():
-            _forward(model, inputs)
-    else:
-        with torch.enable_grad():
-            inputs = inputs.detach().requires_grad_(True)
-            output = _forward(model, inputs)
-            loss = batch_loss(objective, output, targets)
-            per_batch = resolve_grads(captured, loss, selections)
-    targets_cpu = batch.targets if batch.targets is not None else None
-    return Record(batch.start, size, index, captured.values, per_batch, targets_cpu)
+            extra["model/output_clean"] = _output_tensor(_forward(model, inputs))
+    captured = capture.begin(size, batch.start)
+    per_batch = {}
+    try:
+        if objective is None:
+            with torch.inference_mode():
+                output = _forward(model, inputs)
+        else:
+            with torch.enable_grad():
+                inputs = inputs.detach().requires_grad_(True)
+                output = _forward(model, inputs)
+                loss = batch_loss(objective, output, targets)
+                per_batch = resolve_grads(captured, loss, selections)
+    finally:
+        capture.end()
+    extra["model/output"] = _output_tensor(output)
+    if effects is not None:
+        effects.update(extra["model/output_clean"], extra["model/output"], batch.targets)
+    return Record(batch.start, size, index, captured.values, per_batch, batch.targets, extra)
+
+
+def _output_tensor(output) -> torch.Tensor:
+    """The model's (first) output tensor as a float32 CPU copy, for /model/output."""
+    t = output if isinstance(output, torch.Tensor) else next((x for _, x in flatten(output)), None)
+    if t is None:
+        raise ModelError(f"the model returned {type(output).__name__} with no tensor in it")
+    return t.detach().to("cpu", torch.float32, copy=True)
 
 
 def _forward(model, inputs):
@@ -164,7 +198,3 @@ def print_summary(summary: pd.DataFrame) -> None:
     cols = ["layer", "site", "module_type", "shape", "mean", "std", "min", "max", "frac_zero"]
     with pd.option_context("display.max_rows", 200, "display.width", 160, "display.precision", 4):
         print(summary[cols].to_string(index=False))
-
-
-with contextlib.suppress(Exception):
-    torch.backends.cudnn.benchmark = False

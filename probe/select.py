@@ -22,6 +22,7 @@ class Selection:
     reduce: str
     dtype: str
     probe: str
+    unedited: bool = False
 
     @property
     def module_type(self) -> str:
@@ -32,36 +33,54 @@ def _class_names(module: nn.Module) -> set[str]:
     return {c.__name__ for c in type(module).__mro__}
 
 
-def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
-    """Every (module, sites) the probes ask for, in the model's module order; errors name the bad value."""
+def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Module]]:
+    """(name, module) pairs a spec's layers/types/exclude select, in module order.
+
+    A layer glob that matches no module name, an unknown class name, or an empty selection (unless
+    `allow_empty`) is an error naming the bad value.
+    """
     modules = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in modules]
     known_types = set().union(*(_class_names(m) for _, m in modules)) | set(dir(nn))
+    for t in spec.types:
+        if t not in known_types:
+            close = difflib.get_close_matches(t, sorted(known_types), n=3)
+            raise ConfigError(
+                f"{label}: type {t!r} is no module class of this model or torch.nn"
+                f"{'; did you mean ' + ', '.join(close) if close else ''}"
+            )
+    for pattern in spec.layers:
+        if not any(fnmatchcase(n, pattern) for n in names):
+            raise SelectionError(
+                f"{label}: layer pattern {pattern!r} matches no module; closest names: "
+                f"{', '.join(_closest(pattern, names))}. Patterns are fnmatch globs over qualified "
+                "names such as 'layer1.0.conv1' ('*' also crosses dots)"
+            )
+    leaves_only = getattr(spec, "leaves_only", False)
+    chosen = [
+        (n, m)
+        for n, m in modules
+        if any(fnmatchcase(n, p) for p in spec.layers)
+        and (not spec.types or _class_names(m) & set(spec.types))
+        and not any(fnmatchcase(n, p) for p in spec.exclude)
+        and not (leaves_only and next(m.children(), None) is not None)
+    ]
+    if not chosen and not getattr(spec, "allow_empty", False):
+        raise SelectionError(
+            f"{label} selects no module of {type(model).__name__} "
+            f"(layers {list(spec.layers)}, types {list(spec.types)}, exclude {list(spec.exclude)}); "
+            f"module names start: {', '.join(names[:8])}. Widen the pattern or set allow_empty: true"
+        )
+    return chosen
+
+
+def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
+    """Every (module, sites) the probes ask for, in the model's module order; errors name the bad value."""
+    names = [n for n, _ in model.named_modules() if n]
     merged: dict[str, dict] = {}
     for probe_name, spec in probes.items():
-        _check_spec(probe_name, spec, known_types)
-        for pattern in spec.layers:
-            if not any(fnmatchcase(n, pattern) for n in names):
-                raise SelectionError(
-                    f"probe {probe_name!r}: layer pattern {pattern!r} matches no module; closest names: "
-                    f"{', '.join(_closest(pattern, names))}. Patterns are fnmatch globs over qualified "
-                    "names such as 'layer1.0.conv1' ('*' also crosses dots)"
-                )
-        chosen = [
-            (n, m)
-            for n, m in modules
-            if any(fnmatchcase(n, p) for p in spec.layers)
-            and (not spec.types or _class_names(m) & set(spec.types))
-            and not any(fnmatchcase(n, p) for p in spec.exclude)
-            and not (spec.leaves_only and next(m.children(), None) is not None)
-        ]
-        if not chosen and not spec.allow_empty:
-            raise SelectionError(
-                f"probe {probe_name!r} selects no module of {type(model).__name__} "
-                f"(layers {list(spec.layers)}, types {list(spec.types)}, exclude {list(spec.exclude)}); "
-                f"module names start: {', '.join(names[:8])}. Widen the pattern or set allow_empty: true"
-            )
-        for n, m in chosen:
+        _check_spec(probe_name, spec)
+        for n, m in match_modules(model, f"probe {probe_name!r}", spec):
             entry = merged.setdefault(
                 n,
                 {
@@ -70,6 +89,7 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                     "probe": probe_name,
                     "reduce": spec.reduce,
                     "dtype": spec.dtype,
+                    "unedited": spec.unedited,
                 },
             )
             if (entry["reduce"], entry["dtype"]) != (spec.reduce, spec.dtype):
@@ -87,12 +107,13 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
             e["reduce"],
             e["dtype"],
             e["probe"],
+            e["unedited"],
         )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]
 
 
-def _check_spec(name: str, spec, known_types: set[str]) -> None:
+def _check_spec(name: str, spec) -> None:
     for site in spec.capture:
         if site not in SITES:
             raise ConfigError(
@@ -108,13 +129,6 @@ def _check_spec(name: str, spec, known_types: set[str]) -> None:
         raise ConfigError(
             f"probe {name!r}: dtype={spec.dtype!r} is unknown; choose from {', '.join(DTYPES)}"
         )
-    for t in spec.types:
-        if t not in known_types:
-            close = difflib.get_close_matches(t, sorted(known_types), n=3)
-            raise ConfigError(
-                f"probe {name!r}: type {t!r} is no module class of this model or torch.nn"
-                f"{'; did you mean ' + ', '.join(close) if close else ''}"
-            )
 
 
 def _closest(pattern: str, names: list[str], n: int = 5) -> list[str]:

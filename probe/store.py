@@ -34,6 +34,9 @@ class Record:
     values: dict[tuple[str, str], torch.Tensor]
     per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     targets: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # per-sample, written at their own path
 
 
 @dataclass
@@ -168,6 +171,8 @@ class ProbeWriter:
             self._append(key, t, r.start, end, per_batch=False)
         for key, t in r.per_batch.items():
             self._append(key, t, r.batch_index, r.batch_index + 1, per_batch=True)
+        for name, t in r.extra.items():
+            self._append_plain(name, t.numpy(), r.start, end)
         if self.mode == "full":
             self._append_plain(
                 "samples/index", np.arange(r.start, end, dtype=np.int64), r.start, end

@@ -33,7 +33,14 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: f
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
-        [sys.executable, "-m", "probe", *QUIET, *args],
+        [
+            sys.executable,
+            "-m",
+            "probe",
+            *[a for a in args if a.startswith("-")],
+            *QUIET,
+            *[a for a in args if not a.startswith("-")],
+        ],
         cwd=cwd or ROOT,
         env=full_env,
         capture_output=True,

@@ -1,0 +1,56 @@
+"""How much an intervention changed the model's output, accumulated batch by batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+
+@dataclass
+class Effects:
+    samples: int = 0
+    elements: int = 0
+    abs_change_sum: float = 0.0
+    argmax_changed: int = 0
+    labelled: int = 0
+    correct_clean: int = 0
+    correct_edited: int = 0
+
+    def update(
+        self, clean: torch.Tensor, edited: torch.Tensor, targets: torch.Tensor | None
+    ) -> None:
+        clean, edited = clean.detach().double(), edited.detach().double()
+        self.samples += len(clean)
+        self.elements += clean.numel()
+        self.abs_change_sum += (edited - clean).abs().sum().item()
+        if clean.ndim == 2:
+            a, b = clean.argmax(1), edited.argmax(1)
+            self.argmax_changed += int((a != b).sum())
+            if targets is not None and targets.ndim == 1 and not targets.is_floating_point():
+                t = targets.to(a.device)
+                self.labelled += len(t)
+                self.correct_clean += int((a == t).sum())
+                self.correct_edited += int((b == t).sum())
+
+    def table(self) -> pd.DataFrame:
+        nan = math.nan
+        return pd.DataFrame(
+            [
+                {
+                    "samples": self.samples,
+                    "mean_abs_change": self.abs_change_sum / self.elements
+                    if self.elements
+                    else nan,
+                    "frac_argmax_changed": self.argmax_changed / self.samples
+                    if self.samples
+                    else nan,
+                    "accuracy_clean": self.correct_clean / self.labelled if self.labelled else nan,
+                    "accuracy_edited": self.correct_edited / self.labelled
+                    if self.labelled
+                    else nan,
+                }
+            ]
+        )

@@ -1,0 +1,246 @@
+"""Declarative edits of module inputs, outputs and gradients (ablations, noise, gradient surgery).
+
+An edit never changes the user's tensors in place: every op returns a new tensor. Edits of one
+site apply in config order; a probe on an edited site records the value after the edit (and, with
+`unedited: true`, the value before it as `unedited_<site>`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import torch
+from hydra.utils import get_object
+from torch import nn
+
+from probe.errors import ConfigError, DataError
+from probe.select import match_modules
+
+OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom")
+EDIT_SITES = ("input", "output", "grad_output", "grad_input")
+GRAD_EDIT_SITES = ("grad_output", "grad_input")
+
+
+@dataclass
+class Edit:
+    """One edit bound to one module. `apply(x, start, key)` returns the edited copy of `x`."""
+
+    name: str
+    module_name: str
+    module: nn.Module
+    site: str
+    op: str
+    fn: Callable[[torch.Tensor, int, str, list[int] | None], torch.Tensor]
+    channels: list[int] | None = None
+    describe: dict = field(default_factory=dict)
+
+    def apply(self, x: torch.Tensor, start: int, key: str) -> torch.Tensor:
+        """`start` is the dataset index of the batch's first sample, `key` the dataset-style name."""
+        if self.channels is None:
+            return self.fn(x, start, key, None)
+        n = x.shape[1] if x.ndim > 1 else 0
+        bad = [c for c in self.channels if not -n <= c < n]
+        if bad:
+            raise ConfigError(
+                f"intervene {self.name!r}: channels {bad} are out of range for {self.module_name!r} "
+                f"{key} with {n} channels (shape {tuple(x.shape)}); give indices below {n}"
+            )
+        out = x.clone()
+        out[:, self.channels] = self.fn(x[:, self.channels], start, key, self.channels)
+        return out
+
+
+def build_edits(model: nn.Module, cfg: dict, seed: int) -> list[Edit]:
+    """Resolve every named edit of the config onto the modules it selects; errors before any work."""
+    edits = []
+    for name, spec in cfg.items():
+        if spec.site not in EDIT_SITES:
+            raise ConfigError(
+                f"intervene {name!r}: site={spec.site!r} is unknown; choose from {', '.join(EDIT_SITES)}"
+            )
+        if spec.op not in OPS:
+            raise ConfigError(
+                f"intervene {name!r}: op={spec.op!r} is unknown; choose from {', '.join(OPS)}"
+            )
+        for module_name, module in match_modules(model, f"intervene {name!r}", spec):
+            fn = _op(name, spec, module_name, seed)
+            channels = list(spec.channels) if spec.channels is not None else None
+            edits.append(
+                Edit(
+                    name,
+                    module_name,
+                    module,
+                    spec.site,
+                    spec.op,
+                    fn,
+                    channels,
+                    _describe(name, spec, module_name),
+                )
+            )
+    return edits
+
+
+def _describe(name: str, spec, module_name: str) -> dict:
+    keys = {
+        "zero": [],
+        "scale": ["factor"],
+        "add": ["value"],
+        "clamp": ["min", "max"],
+        "noise": ["std", "seed"],
+        "mean": ["source"],
+        "custom": ["_target_"],
+    }[spec.op]
+    d = {"edit": name, "layer": module_name, "site": spec.site, "op": spec.op}
+    d.update({k: spec.get(k) for k in keys})
+    if spec.channels is not None:
+        d["channels"] = list(spec.channels)
+    return d
+
+
+def _op(name: str, spec, module_name: str, seed: int):
+    op = spec.op
+    if op == "zero":
+        return lambda x, start, key, ch: torch.zeros_like(x)
+    if op == "scale":
+        factor = float(spec.factor)
+        return lambda x, start, key, ch: x * factor
+    if op == "add":
+        value = float(spec.value)
+        return lambda x, start, key, ch: x + value
+    if op == "clamp":
+        if spec.min is None and spec.max is None:
+            raise ConfigError(
+                f"intervene {name!r}: op=clamp needs min and/or max (e.g. +intervene.{name}.max=1.0)"
+            )
+        return lambda x, start, key, ch: x.clamp(spec.min, spec.max)
+    if op == "noise":
+        if spec.std < 0:
+            raise ConfigError(f"intervene {name!r}: std={spec.std} must be >= 0")
+        return _noise(
+            float(spec.std), seed if spec.seed is None else int(spec.seed), name, module_name
+        )
+    if op == "mean":
+        if spec.site not in ("input", "output"):
+            raise ConfigError(
+                f"intervene {name!r}: op=mean applies to input/output sites, not {spec.site}"
+            )
+        if not spec.source:
+            raise ConfigError(
+                f"intervene {name!r}: op=mean needs a source of means: source=first_pass (an extra pass "
+                "over the dataset) or source=PATH of an earlier run's probe.h5 that captured this site"
+            )
+        return MeanSource(name, module_name, spec.source)
+    target = spec.get("_target_")
+    try:
+        fn = get_object(target)
+    except Exception as e:
+        raise ConfigError(
+            f"intervene {name!r}: _target_={target!r} cannot be imported ({e}); give pkg.mod.fn"
+        ) from None
+    return lambda x, start, key, ch: fn(x)
+
+
+def _noise(std: float, seed: int, name: str, module_name: str):
+    """Gaussian noise drawn per sample from a generator seeded by (seed, edit, layer, site, sample index),
+    so it does not depend on the batch size or the order of other edits."""
+
+    def add_noise(x: torch.Tensor, start: int, key: str, ch) -> torch.Tensor:
+        salt = zlib.crc32(f"{name}/{module_name}/{key}/{ch}".encode())
+        noise = torch.stack(
+            [
+                torch.randn(
+                    x.shape[1:],
+                    generator=torch.Generator().manual_seed(
+                        (seed * 1_000_003 + salt) ^ (start + i)
+                    ),
+                )
+                for i in range(x.shape[0])
+            ]
+        )
+        return x + std * noise.to(device=x.device, dtype=x.dtype)
+
+    return add_noise
+
+
+class MeanSource:
+    """op=mean: replaces values by their per-unit mean over the dataset (from a first pass or a file)."""
+
+    def __init__(self, name: str, module_name: str, source: str):
+        self.name, self.module_name, self.source = name, module_name, source
+        self.means: dict[str, torch.Tensor] = {}
+
+    @property
+    def needs_first_pass(self) -> bool:
+        return self.source == "first_pass"
+
+    def __call__(self, x: torch.Tensor, start: int, key: str, ch) -> torch.Tensor:
+        mean = self.means.get(key)
+        if mean is None:
+            mean = self.means[key] = self._from_file(key)
+        if ch is not None:
+            mean = mean[ch]
+        return mean.to(device=x.device, dtype=x.dtype).expand_as(x).clone()
+
+    def _from_file(self, key: str) -> torch.Tensor:
+        if self.needs_first_pass:
+            raise ConfigError(
+                f"intervene {self.name!r}: no first-pass mean for {self.module_name!r} {key}"
+            )
+        path = Path(self.source)
+        name = f"layers/{self.module_name}/{key}"
+        try:
+            with h5py.File(path, "r") as f:
+                ds = f.get(name)
+                if ds is None:
+                    raise DataError(
+                        f"intervene {self.name!r}: source={str(path)!r} has no dataset {name!r}; run a probe "
+                        f"capturing {key.split('@')[0]} of {self.module_name!r} first (reduce: none)"
+                    )
+                rows = int(f.attrs.get("num_samples", ds.shape[0]))
+                total = torch.zeros(ds.shape[1:], dtype=torch.float64)
+                step = max(1, ds.chunks[0] if ds.chunks else 64)
+                for lo in range(0, rows, step):
+                    total += torch.from_numpy(ds[lo : min(rows, lo + step)]).double().sum(0)
+        except OSError as e:
+            raise DataError(
+                f"intervene {self.name!r}: source={str(path)!r} cannot be read ({e})"
+            ) from None
+        return (total / max(rows, 1)).float()
+
+    def set_first_pass(self, sums: dict[str, torch.Tensor], count: int) -> None:
+        self.means = {k: (v / count).float() for k, v in sums.items()}
+
+
+def first_pass_means(model: nn.Module, batches, edits: list[Edit], device) -> None:
+    """op=mean with source=first_pass: one clean pass over the dataset summing each edited site."""
+    from probe.hooks import Capture
+    from probe.select import Selection
+
+    sources = [e.fn for e in edits if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass]
+    if not sources:
+        return
+    sites = {}
+    for e in edits:
+        if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass:
+            sites.setdefault(e.module_name, (e.module, set()))[1].add(e.site)
+    selections = [
+        Selection(n, m, tuple(sorted(s)), "none", "float32", "mean") for n, (m, s) in sites.items()
+    ]
+    sums: dict[tuple[str, str], torch.Tensor] = {}
+    count = 0
+    with Capture(selections) as capture, torch.inference_mode():
+        for batch in batches:
+            captured = capture.begin(len(batch.inputs), batch.start)
+            model(batch.inputs.to(device))
+            capture.end()
+            for key, v in captured.values.items():
+                s = v.double().sum(0)
+                sums[key] = sums[key] + s if key in sums else s
+            count += len(batch.inputs)
+    for e in edits:
+        if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass:
+            e.fn.set_first_pass({k[1]: v for k, v in sums.items() if k[0] == e.module_name}, count)

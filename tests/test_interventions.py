@@ -1,0 +1,254 @@
+"""Edits of inputs, outputs and gradients change exactly what they should."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from probe.data import build_batches
+from probe.models import build_model
+from tests.helpers import cli, make_cfg, run_probe
+
+SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]
+
+
+def _clean_model_and_inputs(*over):
+    cfg = make_cfg(*SMALL, *over)
+    model = build_model(cfg.model, cfg.seed)
+    inputs = torch.cat([b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)])
+    return model, inputs
+
+
+def test_zeroing_layer4_leaves_only_the_fc_bias(tmp_path):
+    result, f = run_probe(tmp_path, *SMALL, "intervene=zero_layer4", "probes=all_linear")
+    model, inputs = _clean_model_and_inputs()
+    bias = model.fc.bias.detach().numpy()
+    np.testing.assert_allclose(
+        f["layers/fc/output"][:], np.broadcast_to(bias, (5, 1000)), rtol=1e-6, atol=1e-7
+    )
+    np.testing.assert_allclose(f["model/output"][:], f["layers/fc/output"][:])
+    with torch.no_grad():
+        clean = model(inputs).numpy()
+    np.testing.assert_allclose(f["model/output_clean"][:], clean, rtol=1e-4, atol=1e-5)
+    effects = pd.read_csv(tmp_path / "effects.csv")
+    np.testing.assert_allclose(effects.mean_abs_change[0], np.abs(clean - bias).mean(), rtol=1e-5)
+    changed = (clean.argmax(1) != bias.argmax()).mean()
+    np.testing.assert_allclose(effects.frac_argmax_changed[0], changed)
+    targets = f["samples/target"][:]
+    np.testing.assert_allclose(effects.accuracy_clean[0], (clean.argmax(1) == targets).mean())
+    np.testing.assert_allclose(effects.accuracy_edited[0], (bias.argmax() == targets).mean())
+    assert '"op": "zero"' in f.attrs["edits"] and '"layer": "layer4"' in f.attrs["edits"]
+
+
+def test_scaling_a_grad_output_doubles_every_earlier_gradient(tmp_path):
+    probes = [
+        "probes=grads_all_convs",
+        "probes.convs.types=[Conv2d,BasicBlock,Linear,Sequential]",
+        "probes.convs.exclude=[layer?.?.*]",
+    ]
+    edit = [
+        "intervene=edit",
+        "intervene.edit.layers=[layer4]",
+        "intervene.edit.site=grad_output",
+        "intervene.edit.op=scale",
+        "intervene.edit.factor=2.0",
+    ]
+    _, plain = run_probe(tmp_path / "plain", *SMALL, *probes)
+    _, edited = run_probe(tmp_path / "edited", *SMALL, *probes, *edit)
+    layers = list(plain["layers"])
+    assert "layer4" in layers and "conv1" in layers and "fc" in layers
+    # fc is later; layer4.1's output is the very tensor the edit hooks, seen before the edit;
+    # layer4 itself records the edited gradient, and every earlier layer receives it
+    unchanged = {"fc", "layer4.1"}
+    for name in layers:
+        np.testing.assert_array_equal(
+            edited[f"layers/{name}/output"][:], plain[f"layers/{name}/output"][:]
+        )
+        g0, g1 = plain[f"layers/{name}/grad_output"][:], edited[f"layers/{name}/grad_output"][:]
+        factor = 1.0 if name in unchanged else 2.0
+        np.testing.assert_allclose(
+            g1, factor * g0, rtol=1e-5, atol=1e-6 * np.abs(g0).max(), err_msg=name
+        )
+
+
+class Multiply(nn.Module):
+    def forward(self, a, b):
+        return a * b
+
+
+class MultiplyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mul = Multiply()
+
+    def forward(self, pair):
+        return self.mul(pair[:, 0], pair[:, 1])
+
+
+def test_gradient_edit_worked_example(tmp_path):
+    """c = a * b with a=7, b=13 and +2 on the gradient of c: a.grad 39, b.grad 21 (c.grad 3)."""
+    torch.save(torch.tensor([[7.0, 13.0]]), tmp_path / "ab.pt")
+    _, f = run_probe(
+        tmp_path,
+        "model=custom",
+        "model._target_=tests.test_interventions.MultiplyModel",
+        "dataset=tensors",
+        f"dataset.path={tmp_path / 'ab.pt'}",
+        "objective=output_sum",
+        "probes=all_convs",
+        "probes.convs.types=[]",
+        "probes.convs.layers=[mul]",
+        "probes.convs.capture=[grad_output,grad_input]",
+        "probes.convs.unedited=true",
+        "intervene=edit",
+        "intervene.edit.layers=[mul]",
+        "intervene.edit.site=grad_output",
+        "intervene.edit.op=add",
+        "intervene.edit.value=2.0",
+    )
+    assert f["layers/mul/grad_input.0"][0] == 39.0
+    assert f["layers/mul/grad_input.1"][0] == 21.0
+    assert f["layers/mul/grad_output"][0] == 3.0
+    assert f["layers/mul/unedited_grad_output"][0] == 1.0
+
+
+def test_noise_is_reproducible_and_seeded(tmp_path):
+    over = [*SMALL, "intervene=noise_convs", "probes=all_convs", "probes.convs.layers=[layer1.*]"]
+    _, a = run_probe(tmp_path / "a", *over)
+    _, b = run_probe(tmp_path / "b", *over, "dataset.batch_size=3")  # batching does not matter
+    _, c = run_probe(tmp_path / "c", *over, "intervene.noise_convs.seed=123")
+    _, clean = run_probe(
+        tmp_path / "clean", *SMALL, "probes=all_convs", "probes.convs.layers=[layer1.*]"
+    )
+    for name in a["layers"]:
+        x = a[f"layers/{name}/output"][:]
+        np.testing.assert_allclose(b[f"layers/{name}/output"][:], x, rtol=1e-5, atol=1e-5)
+        assert not np.allclose(c[f"layers/{name}/output"][:], x, atol=1e-3)
+    # noise on one conv only: the difference from a clean run is the noise itself, std 0.1
+    _, one = run_probe(tmp_path / "one", *over, "intervene.noise_convs.layers=[layer1.0.conv1]")
+    diff = one["layers/layer1.0.conv1/output"][:] - clean["layers/layer1.0.conv1/output"][:]
+    assert abs(diff.std() - 0.1) < 0.005 and abs(diff.mean()) < 0.005
+
+
+def test_input_edit_changes_the_output_as_the_edited_input_would(tmp_path):
+    _, f = run_probe(
+        tmp_path,
+        *SMALL,
+        "probes=all_convs",
+        "probes.convs.layers=[layer1.0.conv1]",
+        "probes.convs.capture=[input,output]",
+        "probes.convs.unedited=true",
+        "intervene=edit",
+        "intervene.edit.layers=[layer1.0.conv1]",
+        "intervene.edit.site=input",
+        "intervene.edit.op=scale",
+        "intervene.edit.factor=3.0",
+    )
+    model, _ = _clean_model_and_inputs()
+    x = torch.from_numpy(f["layers/layer1.0.conv1/input"][:])
+    np.testing.assert_allclose(
+        x.numpy(), 3 * f["layers/layer1.0.conv1/unedited_input"][:], rtol=1e-6
+    )
+    with torch.no_grad():
+        expected = model.layer1[0].conv1(x).numpy()
+    np.testing.assert_allclose(f["layers/layer1.0.conv1/output"][:], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_channel_subset_and_first_pass_mean(tmp_path):
+    _, clean = run_probe(
+        tmp_path / "clean",
+        *SMALL,
+        "probes=all_convs",
+        "probes.convs.types=[]",
+        "probes.convs.layers=[layer3]",
+    )
+    _, f = run_probe(
+        tmp_path / "mean",
+        *SMALL,
+        "intervene=mean_layer3",
+        "intervene.mean_layer3.channels=[0,5,7]",
+        "probes=all_convs",
+        "probes.convs.types=[]",
+        "probes.convs.layers=[layer3]",
+    )
+    x0, x1 = clean["layers/layer3/output"][:], f["layers/layer3/output"][:]
+    np.testing.assert_allclose(
+        x1[:, [0, 5, 7]],
+        np.broadcast_to(x0[:, [0, 5, 7]].mean(0), (5, 3, 2, 2)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    others = [c for c in range(x0.shape[1]) if c not in (0, 5, 7)]
+    np.testing.assert_array_equal(x1[:, others], x0[:, others])
+    # the same mean read from the earlier run's file
+    _, g = run_probe(
+        tmp_path / "file",
+        *SMALL,
+        "intervene=mean_layer3",
+        f"intervene.mean_layer3.source={tmp_path / 'clean' / 'probe.h5'}",
+        "probes=all_convs",
+        "probes.convs.types=[]",
+        "probes.convs.layers=[layer3]",
+    )
+    np.testing.assert_allclose(
+        g["layers/layer3/output"][:], np.broadcast_to(x0.mean(0), x0.shape), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (
+            ["intervene=edit", "intervene.edit.layers=[fc]", "intervene.edit.op=explode"],
+            ["explode", "zero"],
+        ),
+        (
+            [
+                "intervene=edit",
+                "intervene.edit.layers=[conv1]",
+                "intervene.edit.op=zero",
+                "intervene.edit.channels=[64]",
+            ],
+            ["channels [64]", "64 channels"],
+        ),
+        (
+            ["intervene=edit", "intervene.edit.layers=[conv1]", "intervene.edit.op=mean"],
+            ["source", "first_pass"],
+        ),
+        (
+            ["intervene=edit", "intervene.edit.layers=[conv9]", "intervene.edit.op=zero"],
+            ["conv9", "closest"],
+        ),
+    ],
+)
+def test_bad_interventions(tmp_path, args, words):
+    out = cli(*SMALL, *args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Traceback" not in text
+    for w in words:
+        assert w in text, text
+
+
+def test_sweep_over_interventions_reports_each_effect(tmp_path):
+    out = cli(
+        "-m",
+        *SMALL,
+        "intervene=none,zero_layer4,noise_convs",
+        "probes=all_linear",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "0" / "effects.csv").exists()
+    for job in ("1", "2"):
+        effects = pd.read_csv(tmp_path / job / "effects.csv")
+        with pytest.importorskip("h5py").File(tmp_path / job / "probe.h5") as f:
+            change = np.abs(
+                f["model/output"][:].astype(np.float64) - f["model/output_clean"][:]
+            ).mean()
+        np.testing.assert_allclose(effects.mean_abs_change[0], change, rtol=1e-6)
+        assert change > 0
