@@ -29,6 +29,16 @@ class Selection:
         return type(self.module).__name__
 
 
+def _module_class_names() -> set[str]:
+    """Names of every nn.Module class imported so far (torch.nn's, torchvision's, the user's)."""
+    names, todo = set(), [nn.Module]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
 def _class_names(module: nn.Module) -> set[str]:
     return {c.__name__ for c in type(module).__mro__}
 
@@ -41,12 +51,12 @@ def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Modu
     """
     modules = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in modules]
-    known_types = set().union(*(_class_names(m) for _, m in modules)) | set(dir(nn))
+    known_types = set().union(*(_class_names(m) for _, m in modules)) | _module_class_names()
     for t in spec.types:
         if t not in known_types:
             close = difflib.get_close_matches(t, sorted(known_types), n=3)
             raise ConfigError(
-                f"{label}: type {t!r} is no module class of this model or torch.nn"
+                f"{label}: type {t!r} is no nn.Module class known here (class names are case-sensitive)"
                 f"{'; did you mean ' + ', '.join(close) if close else ''}"
             )
     for pattern in spec.layers:
