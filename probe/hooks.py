@@ -219,14 +219,19 @@ class Capture:
             batch.pending.append(PendingGrad(gkey, get_gradient_edge(edited), edited.shape, sel))
         grad_edits = t.edits.get(grad_site, [])
         if grad_edits:
-            edited.register_hook(self._grad_hook(t, grad_edits, gkey, batch))
+            edited.register_hook(self._grad_hook(t, grad_edits, grad_site, gkey, batch))
         return edited
 
-    def _grad_hook(self, t: Target, edits: list, gkey: tuple[str, str], batch: BatchCapture):
+    @staticmethod
+    def _grad_hook(
+        t: Target, edits: list, grad_site: str, gkey: tuple[str, str], batch: BatchCapture
+    ):
+        """Applies gradient edits as the gradient flows back; a probe on the site keeps the result."""
+
         def hook(grad):
             for e in edits:
                 grad = e.apply(grad, batch.start, gkey[1])
-            if t.captures(gkey[1].split(".")[0].split("@")[0]):
+            if t.captures(grad_site):
                 batch.values[gkey] = keep(grad, t.selection, batch.size, gkey)
             return grad
 
@@ -282,9 +287,7 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
         if g is None:
             g = torch.zeros(pg.shape)
         key = pg.key
-        if (
-            key in batch.values
-        ):  # an edit hook stored the edited gradient; this is the one before it
+        if key in batch.values:  # an edit hook stored the edited gradient; this is the one before
             if not pg.selection.unedited:
                 continue
             key = (key[0], "unedited_" + key[1])
