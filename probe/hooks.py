@@ -295,8 +295,7 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
         g = torch.zeros_like(p) if g is None else g
-        param_grads[(sel.name, f"param_grad.{pname}")] = g.detach().to(
-            "cpu", torch.float32, copy=True
-        )[None]
+        row = g.detach().to("cpu", DTYPES[sel.dtype], copy=True)[None]  # one row per batch
+        param_grads[(sel.name, f"param_grad.{pname}")] = row
     batch.pending.clear()
     return param_grads
