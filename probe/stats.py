@@ -290,8 +290,10 @@ def batch_stats(
     x = x.detach()
     if not x.is_floating_point() or x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    y = x.reshape(rows, x.shape[1] if has_units else 1, -1)
     s = RunningStats(rows=rows, hist=None)
+    if x.numel() == 0:
+        return s
+    y = x.reshape(rows, x.shape[1] if has_units else 1, -1)
     counts = torch.bincount(bucket_index(y), minlength=LogHistogram.BINS)
     nonfinite = counts[NONFINITE_BUCKETS]
     finite = None
