@@ -274,6 +274,22 @@ class RunningStats:
         return s
 
 
+def variance_shift(row: torch.Tensor) -> float:
+    """A value to subtract before summing squares: the first row's mean when the data sit far from
+    zero (1000 +- 0.01 keeps its variance), else 0 (x - 0 is exact, and no pass is needed)."""
+    std, mean = torch.std_mean(row, correction=0)
+    return float(mean) if abs(float(mean)) > float(std) else 0.0
+
+
+def precise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Float64 sums over the last axis of a (rows, units, rest) tensor: float32 sums of short
+    blocks (at most 64 values, vectorised), then float64. Near-float64 accuracy at float32 speed,
+    which a mean close to zero (values cancelling) needs."""
+    size = t.shape[2]
+    block = next(b for b in range(min(64, size), 0, -1) if size % b == 0)
+    return t.reshape(*t.shape[:2], size // block, block).sum(dim=3).to(F64).sum(dim=2)
+
+
 def stats_for(module_type: str, site: str) -> RunningStats:
     """Empty statistics for one dataset; output sites of bounded activations track saturation."""
     bounds = SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
@@ -311,13 +327,13 @@ def batch_stats(
     n = s.n = int(count.sum())
     if n == 0:
         return s
-    shift = y[0].sum() / max(int(count[0].sum()), 1)  # near the mean: keeps the variance exact
-    d = y - shift
-    if finite is not None:
+    shift = variance_shift(y[0])
+    d = y if shift == 0 else y - shift
+    if finite is not None and shift != 0:
         d = torch.where(finite, d, 0.0)
-    d_sum = d.sum(dim=2).to(F64)  # (rows, units)
+    d_sum = precise_sum(d)  # (rows, units)
     d_sq = torch.linalg.vector_norm(d, dim=2).to(F64).square()
-    shift64 = shift.double().item()
+    shift64 = float(shift)
     d_total = d_sum.sum().item()
     s.mean = shift64 + d_total / n
     s.m2 = max(d_sq.sum().item() - d_total * d_total / n, 0.0)
