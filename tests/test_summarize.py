@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from probe.plots import depth_figure
 from probe.reading import open_sweep
 from probe.summarize import COLUMNS, summarize_file
 from tests.helpers import QUIET, ROOT, cli, run_probe
@@ -142,3 +143,10 @@ def test_sweep_table_has_every_run_and_the_override_columns(sweep):
     assert {"run", *override_columns} <= set(opened.overrides.columns)
     assert list(opened.overrides.model) == list(table.drop_duplicates("run").model)
     pd.testing.assert_frame_equal(opened.table, table)
+    # a sweep picture has one line per run on the same axes, holding that run's values
+    mean_axis = depth_figure(table).axes[0]
+    lines = mean_axis.get_lines()
+    assert len(lines) == 4
+    for line, (run, part) in zip(lines, table.groupby("run", sort=False), strict=True):
+        assert line.get_label().startswith(f"{run}:")
+        np.testing.assert_array_equal(line.get_ydata(), part[part.site == "output"]["mean"])
