@@ -199,7 +199,10 @@ def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
 
 
 def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
-    """Rows [0, rows) in slabs of whole chunks; the next slab is read while the caller works."""
+    """Rows [0, rows) in slabs of whole chunks; the next slab is read while the caller works.
+
+    The read runs in a helper thread: do not call this from inside a lazy h5py iteration
+    (`group.items()`), which holds h5py's lock and would keep that thread waiting."""
     if rows <= 0:
         return
     chunk_rows = ds.chunks[0] if ds.chunks else 1
