@@ -346,7 +346,8 @@ def batch_stats(
     pos_sum = torch.sum(positive_part.sum(dim=2), dtype=F64).item()
     s.abs_sum = 2 * pos_sum - (shift64 * n + d_total)
     s.zeros = int(y.numel() - torch.count_nonzero(y)) - (y.numel() - n)
-    s.l2_sum = torch.linalg.vector_norm(y, dim=2).to(F64).square().sum(dim=1).sqrt().sum().item()
+    sq = d_sq if d is y else torch.linalg.vector_norm(y, dim=2).to(F64).square()
+    s.l2_sum = sq.sum(dim=1).sqrt().sum().item()
     if has_units:
         positive = (
             torch.sign(positive_part).sum(dim=2)  # exact below 2**24 values per (row, unit)
