@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from probe.errors import WriteError
-from probe.stats import RunningStats
+from probe.stats import RunningStats, stats_for
 
 FORMAT_VERSION = 1
 COMPRESSIONS = ("none", "lzf", "gzip")
@@ -201,8 +201,13 @@ class ProbeWriter:
                 tuple(t.shape[1:]),
                 str(t.dtype).removeprefix("torch."),
                 per_batch,
+                stats_for(self.module_types.get(key[0], ""), key[1]),
             )
             self.datasets[key] = info
+            if self.mode == "full":  # lets a file cut short say what each layer is, in order
+                g = self.file.require_group(f"layers/{key[0]}")
+                g.attrs["module_type"] = info.module_type
+                g.attrs.setdefault("order", len(self.datasets) - 1)
         info.stats.update(t)
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
@@ -234,11 +239,16 @@ class ProbeWriter:
 
     def _write_stats(self) -> None:
         group = self.file.require_group("stats")
-        for (layer, site), info in self.datasets.items():
+        for order, ((layer, site), info) in enumerate(self.datasets.items()):
             g = group.require_group(layer).require_group(site)
+            g.attrs["order"] = order
             for k, v in info.stats.state().items():
                 g.attrs[k] = v
             g.attrs["module_type"] = info.module_type
             g.attrs["shape"] = list(info.shape)
             g.attrs["dtype"] = info.dtype
             g.attrs["per_batch"] = info.per_batch
+            for name, a in info.stats.arrays().items():
+                if name in g:
+                    del g[name]
+                g.create_dataset(name, data=a)

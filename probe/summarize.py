@@ -1,10 +1,30 @@
-"""Per-layer statistic tables from a run's streaming statistics."""
+"""Per-layer statistic tables from a run or a sweep; `python -m probe.summarize PATH...`.
+
+A run directory's probe.h5 is re-summarized chunk by chunk (bounded memory: two slabs of whole
+chunks at a time, the next one read while the current one is reduced); a stats-only file gives its
+stored statistics. Only rows below the file's `num_samples` attribute are read. A sweep directory
+gives one table with a row per (run, layer, site) and a column per override of each run's
+`.hydra/overrides.yaml`. A partial file (complete false or absent) or a corrupt one is reported as
+such; the first gives what is there.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import argparse
+import sys
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import h5py
+import numpy as np
 import pandas as pd
+import torch
+import yaml
+
+from probe.errors import DataError, ProbeError
+from probe.stats import RunningStats, stats_for
 
 COLUMNS = [
     "layer",
@@ -24,7 +44,15 @@ COLUMNS = [
     "nan_count",
     "inf_count",
     "l2_mean",
+    "p01",
+    "p50",
+    "p99",
+    "units",
+    "dead_frac",
+    "saturated_frac",
 ]
+UNIT_COLUMNS = ["layer", "site", "unit", "count", "mean", "min", "max", "frac_positive", "dead"]
+SLAB_BYTES = 32 << 20
 
 
 def summary_frame(datasets: Iterable) -> pd.DataFrame:
@@ -41,3 +69,262 @@ def summary_frame(datasets: Iterable) -> pd.DataFrame:
         row.update(info.stats.as_row())
         rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def units_frame(datasets: Iterable) -> pd.DataFrame:
+    """One row per unit (axis 1) of every (layer, site) that has units."""
+    frames = []
+    for info in datasets:
+        u = info.stats.units
+        if u is None:
+            continue
+        count = u.count.numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frame = pd.DataFrame(
+                {
+                    "layer": info.layer,
+                    "site": info.site,
+                    "unit": np.arange(len(count)),
+                    "count": count,
+                    "mean": u.sum.numpy() / count,
+                    "min": u.min.numpy(),
+                    "max": u.max.numpy(),
+                    "frac_positive": u.positive.numpy() / count,
+                    "dead": u.dead().numpy(),
+                }
+            )
+        sat = u.saturated_units()
+        if sat is not None:
+            frame["saturated"] = sat.numpy()
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=UNIT_COLUMNS)
+
+
+@dataclass
+class DatasetSummary:
+    layer: str
+    site: str
+    module_type: str
+    shape: tuple[int, ...]
+    dtype: str
+    stats: RunningStats
+
+
+@dataclass
+class FileSummary:
+    """What one probe.h5 holds: its state (complete, partial, corrupt, missing) and statistics."""
+
+    path: Path
+    state: str
+    num_samples: int = 0
+    message: str = ""
+    datasets: list[DatasetSummary] = field(default_factory=list)
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return summary_frame(self.datasets)
+
+
+def summarize_file(path: Path | str, from_stats: bool = False) -> FileSummary:
+    """Statistics of every (layer, site) of a probe.h5; never raises on a partial or corrupt file."""
+    path = Path(path)
+    if not path.is_file():
+        return FileSummary(path, "missing", message=f"{path} does not exist")
+    try:
+        with h5py.File(path, "r") as f:
+            return _summarize_open(path, f, from_stats)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        return FileSummary(path, "corrupt", message=f"{path} cannot be read ({e})")
+
+
+def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
+    complete = bool(f.attrs.get("complete", False))
+    num_samples = int(f.attrs.get("num_samples", 0))
+    num_batches = int(f.attrs.get("num_batches", 0))
+    out = FileSummary(path, "complete" if complete else "partial", num_samples)
+    stored = stored_stats(f)
+    for layer, site in dataset_keys(f):
+        saved = stored.get((layer, site))
+        if saved is not None and (from_stats or f"layers/{layer}/{site}" not in f):
+            out.datasets.append(saved)
+            continue
+        ds = f[f"layers/{layer}/{site}"]
+        per_batch = site.startswith("param_grad")
+        valid = min(len(ds), num_batches if per_batch else num_samples)
+        module_type = str(f[f"layers/{layer}"].attrs.get("module_type", ""))
+        stats = stats_for(module_type, site)
+        for slab in read_slabs(ds, valid):
+            stats.update(torch.from_numpy(slab))
+        out.datasets.append(
+            DatasetSummary(layer, site, module_type, ds.shape[1:], str(ds.dtype), stats)
+        )
+    if not complete:
+        out.message = (
+            f"{path} is partial (complete is not true): summarized the {num_samples} rows "
+            "written before it stopped"
+        )
+        if not out.datasets:
+            out.message += "; it holds no statistics (a stats-only run writes them at the end)"
+    return out
+
+
+def dataset_keys(f: h5py.File) -> list[tuple[str, str]]:
+    """(layer, site) pairs of /layers and /stats, in the order the run produced them."""
+    found: dict[tuple[str, str], tuple[int, int]] = {}
+    for top in ("stats", "layers"):
+        if top not in f:
+            continue
+        for layer, group in f[top].items():
+            order = int(group.attrs.get("order", 1 << 30))
+            for site, item in group.items():
+                rank = int(item.attrs.get("order", order)) if top == "stats" else order
+                found.setdefault((layer, site), (rank, len(found)))
+    return sorted(found, key=found.get)
+
+
+def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
+    """The statistics the writer stored at close under /stats (absent if the run was killed)."""
+    out = {}
+    for layer, group in f.get("stats", {}).items():
+        for site, g in group.items():
+            out[(layer, site)] = DatasetSummary(
+                layer,
+                site,
+                str(g.attrs.get("module_type", "")),
+                tuple(int(v) for v in g.attrs.get("shape", ())),
+                str(g.attrs.get("dtype", "")),
+                RunningStats.from_saved(g.attrs, g),
+            )
+    return out
+
+
+def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
+    """Rows [0, rows) in slabs of whole chunks; the next slab is read while the caller works.
+
+    The read runs in a helper thread: do not call this from inside a lazy h5py iteration
+    (`group.items()`), which holds h5py's lock and would keep that thread waiting."""
+    if rows <= 0:
+        return
+    chunk_rows = ds.chunks[0] if ds.chunks else 1
+    row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+    step = max(1, slab_bytes // (row_bytes * chunk_rows)) * chunk_rows
+    starts = range(0, rows, step)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(ds.__getitem__, slice(0, min(step, rows)))
+        for lo in starts:
+            slab = pending.result()
+            nxt = lo + step
+            if nxt < rows:
+                pending = pool.submit(ds.__getitem__, slice(nxt, min(nxt + step, rows)))
+            yield slab
+
+
+# -- runs and sweeps ---------------------------------------------------------------------------
+def is_sweep(path: Path) -> bool:
+    return not (path / ".hydra").is_dir() and (
+        (path / "multirun.yaml").is_file() or bool(sweep_runs(path))
+    )
+
+
+def sweep_runs(path: Path) -> list[Path]:
+    """The run directories of a sweep (subdirectories holding .hydra/overrides.yaml), in job order."""
+    runs = [p.parent.parent for p in path.glob("*/.hydra/overrides.yaml")]
+    return sorted(
+        runs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
+    )
+
+
+def read_overrides(run_dir: Path) -> dict[str, str]:
+    """key -> value of a run's command-line overrides (`model=vgg11` gives model: vgg11)."""
+    file = run_dir / ".hydra" / "overrides.yaml"
+    if not file.is_file():
+        return {}
+    out = {}
+    for item in yaml.safe_load(file.read_text()) or []:
+        key, _, value = str(item).partition("=")
+        out[key.lstrip("+~")] = value
+    return out
+
+
+def sweep_table(path: Path, from_stats: bool = False) -> tuple[pd.DataFrame, list[FileSummary]]:
+    """One row per (run, layer, site) of every run of the sweep, with its override columns."""
+    frames, summaries = [], []
+    for run_dir in sweep_runs(path):
+        s = summarize_file(run_dir / "probe.h5", from_stats)
+        summaries.append(s)
+        table = s.table
+        overrides = read_overrides(run_dir)
+        table.insert(0, "status", s.state)
+        for i, (key, value) in enumerate(overrides.items()):
+            table.insert(1 + i, key, value)
+        table.insert(0, "run", run_dir.name)
+        if table.empty:
+            table = pd.DataFrame([{"run": run_dir.name, "status": s.state, **overrides}])
+        frames.append(table)
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    override_cols = [c for c in table.columns if c not in ("run", "status", *COLUMNS)]
+    return table[["run", "status", *override_cols, *[c for c in COLUMNS if c in table]]], summaries
+
+
+def write_table(table: pd.DataFrame, stem: Path) -> list[Path]:
+    """stem.csv, and stem.parquet when pyarrow is installed."""
+    written = [stem.with_suffix(".csv")]
+    table.to_csv(written[0], index=False)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return written
+    table.to_parquet(stem.with_suffix(".parquet"), index=False)
+    return [*written, stem.with_suffix(".parquet")]
+
+
+def summarize_path(path: Path, from_stats: bool = False, units: bool = False) -> list[FileSummary]:
+    """Write the table(s) of one run or sweep directory; return what each file was found to be."""
+    if path.is_file():
+        path = path.parent
+    if not path.is_dir():
+        raise DataError(f"{str(path)!r} is not a run or sweep directory; give a path that exists")
+    if is_sweep(path):
+        table, summaries = sweep_table(path, from_stats)
+        write_table(table, path / "summary")
+        return summaries
+    s = summarize_file(path / "probe.h5", from_stats)
+    if s.state in ("complete", "partial"):
+        write_table(s.table, path / "summary")
+        if units:
+            units_frame(s.datasets).to_csv(path / "units.csv", index=False)
+    return [s]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m probe.summarize",
+        description="Write summary.csv for run directories (re-read chunk by chunk) or sweeps.",
+    )
+    parser.add_argument("paths", nargs="+", type=Path, help="run or sweep directories")
+    parser.add_argument(
+        "--from-stats", action="store_true", help="use the statistics stored at the end of a run"
+    )
+    parser.add_argument(
+        "--units", action="store_true", help="also write units.csv (one row per unit)"
+    )
+    args = parser.parse_args(argv)
+    failed = False
+    for path in args.paths:
+        try:
+            summaries = summarize_path(path, args.from_stats, args.units)
+        except ProbeError as e:
+            print(f"probe.summarize: error: {e}", file=sys.stderr)
+            failed = True
+            continue
+        for s in summaries:
+            if s.state == "complete":
+                print(f"{s.path}: complete, {s.num_samples} samples, {len(s.datasets)} datasets")
+            else:
+                print(f"{s.path}: {s.state}: {s.message}", file=sys.stderr)
+                failed |= s.state in ("corrupt", "missing")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Quick check of the cost of a stats-only run against a plain forward over the same batches.
+
+    python scripts/bench_stats_cost.py [--batches 6] [--batch-size 8] [--image-size 224] [--reps 2]
+
+Both sides build the model and the batches the same way (resnet18, synthetic data); the stats side
+is `probe.run.run` with `probes=all_convs store=stats` (hooks, copies, streaming statistics, file).
+Target: at most 1.15x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from probe.config import config_dir  # noqa: E402
+from probe.data import build_batches  # noqa: E402
+from probe.models import build_model  # noqa: E402
+from probe.run import run  # noqa: E402
+
+
+def plain(cfg) -> float:
+    t = time.perf_counter()
+    model = build_model(cfg.model, cfg.seed).eval()
+    with torch.inference_mode():
+        for batch in build_batches(cfg.dataset, cfg.model, cfg.seed):
+            model(batch.inputs)
+    return time.perf_counter() - t
+
+
+def stats_only(cfg) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        run(cfg, run_dir=Path(tmp))
+        return time.perf_counter() - t
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args()
+    overrides = [
+        "model=resnet18",
+        "probes=all_convs",
+        "store=stats",
+        "print_summary=false",
+        "progress=false",
+        f"dataset.batch_size={args.batch_size}",
+        f"dataset.num_samples={args.batch_size * args.batches}",
+        f"dataset.image_size={args.image_size}",
+    ]
+    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+        cfg = compose("config", overrides=overrides)
+    plain(cfg)  # warm-up
+    times = {"plain": [], "stats": []}
+    for _ in range(args.reps):  # interleaved, so load changes hit both sides
+        times["plain"].append(plain(cfg))
+        times["stats"].append(stats_only(cfg))
+    p, s = statistics.median(times["plain"]), statistics.median(times["stats"])
+    print(f"plain forward {p:.2f} s, stats-only run {s:.2f} s, ratio {s / p:.2f}x (target 1.15x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Benchmark `python -m probe.summarize` on a big probe.h5: peak RSS and read throughput against a
+raw h5py chunked read of the same file, measured side by side.
+
+    python scripts/bench_summarize.py --gb 2 [--dir /tmp/bench_summarize] [--keep]
+
+Writes a complete probe.h5 of about GB gigabytes (conv-like float32 datasets, post-ReLU values,
+chunked as the writer chunks them), then in two child processes: a raw read of every dataset in
+chunk-aligned slabs, and `probe.summarize` on the run directory. Targets: summarize peak RSS under
+500 MB, throughput within 2x of the raw read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(64, 56, 56), (128, 28, 28), (256, 14, 14)]  # per-sample shapes of the datasets
+
+CHILD_RAW = """
+import sys, time, h5py
+from probe.summarize import SLAB_BYTES
+t = time.perf_counter(); total = 0
+with h5py.File(sys.argv[1]) as f:
+    n = int(f.attrs["num_samples"])
+    for name in [f"layers/{l}/{s}" for l in f["layers"] for s in f["layers"][l]]:
+        ds = f[name]
+        step = max(1, SLAB_BYTES // (ds[0].nbytes * ds.chunks[0])) * ds.chunks[0]
+        for lo in range(0, n, step):  # plain h5py, the same slabs of whole chunks
+            total += ds[lo : lo + step].nbytes
+print(total, time.perf_counter() - t)
+"""
+
+CHILD_SUMMARIZE = """
+import sys, time
+from probe.summarize import main
+t = time.perf_counter()
+code = main([sys.argv[1]])
+print(-1, time.perf_counter() - t)
+sys.exit(code)
+"""
+
+
+def write_file(path: Path, gigabytes: float) -> int:
+    import h5py
+    import numpy as np
+
+    from probe.store import FORMAT_VERSION
+
+    per_sample = sum(int(np.prod(s)) * 4 for s in SHAPES)
+    rows = max(1, int(gigabytes * 2**30 / per_sample))
+    rng = np.random.default_rng(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format_version=FORMAT_VERSION, store_mode="full", config="{}")
+        for i, shape in enumerate(SHAPES):
+            row_bytes = int(np.prod(shape)) * 4
+            chunk_rows = max(1, (1 << 20) // row_bytes)
+            g = f.create_group(f"layers/layer{i + 1}.conv")
+            g.attrs.update(module_type="Conv2d", order=i)
+            ds = g.create_dataset(
+                "output", shape=(rows, *shape), dtype="f4", chunks=(chunk_rows, *shape)
+            )
+            block = np.maximum(rng.standard_normal((64, *shape), dtype=np.float32), 0)
+            for lo in range(0, rows, 64):
+                hi = min(rows, lo + 64)
+                ds[lo:hi] = block[: hi - lo] * (1 + lo / rows)
+        f.attrs["num_samples"] = rows
+        f.attrs["complete"] = True
+    return path.stat().st_size
+
+
+def child(code: str, arg: Path) -> tuple[float, float, int]:
+    """(seconds of work, peak RSS in MB, exit code) of a child process."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(arg)], env=env, capture_output=True, text=True
+    )
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    seconds = float(out.stdout.split()[-1])
+    # ru_maxrss of children is the largest child so far: run the lighter child first
+    return seconds, max(peak, before) / 1024, out.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=2.0, help="file size in GiB (default 2)")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_summarize"))
+    parser.add_argument("--keep", action="store_true", help="keep the file afterwards")
+    args = parser.parse_args()
+    h5 = args.dir / "probe.h5"
+    t = time.perf_counter()
+    size = write_file(h5, args.gb)
+    print(f"wrote {h5}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+    raw_s, raw_rss, _ = child(CHILD_RAW, h5)  # warms the page cache for both
+    raw_s, raw_rss, _ = child(CHILD_RAW, h5)
+    sum_s, sum_rss, code = child(CHILD_SUMMARIZE, args.dir)
+    result = {
+        "file_gib": round(size / 2**30, 3),
+        "raw_read_mb_s": round(size / 2**20 / raw_s, 1),
+        "summarize_mb_s": round(size / 2**20 / sum_s, 1),
+        "summarize_time_over_raw": round(sum_s / raw_s, 2),
+        "raw_peak_rss_mb": round(raw_rss, 1),
+        "summarize_peak_rss_mb": round(sum_rss, 1),
+        "summarize_exit": code,
+    }
+    print(json.dumps(result, indent=1))
+    if not args.keep:
+        shutil.rmtree(args.dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

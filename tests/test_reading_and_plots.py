@@ -1,0 +1,114 @@
+"""The reading API, the README's analysis example, and figures whose plotted values equal the table's."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from probe.plots import depth_figure, features_figure, histogram_figure
+from probe.reading import open_run
+from tests.helpers import ROOT, run_probe
+
+TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def grad_run(tmp_path_factory):
+    """A full run with conv outputs and their gradients."""
+    path = tmp_path_factory.mktemp("run")
+    result, f = run_probe(path, *TINY, "probes=grads_all_convs")
+    f.close()
+    return result
+
+
+def test_readme_analysis_example_runs_on_a_real_run(grad_run):
+    readme = (ROOT / "README.md").read_text()
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "Analysis example" in b
+    )
+    code = block.replace("outputs/2026-11-21/10-00-00", str(grad_run.run_dir))
+    exec(compile(code, "README.md", "exec"), {})  # its asserts compare h5py with the API
+
+
+def test_lazy_arrays_read_the_valid_rows_only(grad_run):
+    with open_run(grad_run.run_dir) as run:
+        assert run.layers[0] == "conv1" and run.sites("conv1") == ["output", "grad_output"]
+        raw = run.file["layers/layer1.0.conv1/output"]
+        a = run.array("layer1.0.conv1")
+        assert a.shape == raw.shape and len(a) == 5
+        np.testing.assert_array_equal(a[1:4, 2], raw[1:4, 2])
+        np.testing.assert_array_equal(a[-1], raw[4])
+        np.testing.assert_array_equal(a[::-2], raw[:][::-1][::2])
+        np.testing.assert_array_equal(np.asarray(a), raw[:])
+        a.valid = 3  # as a file cut short after three rows would say
+        assert a.shape[0] == 3 and len(a[:]) == 3
+        with pytest.raises(IndexError):
+            a[3]
+        assert run.config.model.name == "resnet18" and run.effects is None
+        (run.path / "effects.csv").write_text("layer,effect\nconv1,0.5\n")
+        assert run.effects.effect.tolist() == [0.5]
+
+
+def test_depth_figure_plots_the_table_values(grad_run):
+    summary = grad_run.summary
+    fig = depth_figure(summary)
+    axes = fig.axes
+    out = summary[summary.site == "output"]
+    grads = summary[summary.site == "grad_output"]
+    for ax, values in zip(
+        axes, [out["mean"], out["std"], out["frac_zero"], grads["l2_mean"]], strict=True
+    ):
+        (line,) = ax.get_lines()
+        np.testing.assert_array_equal(line.get_ydata(), values.to_numpy())
+        assert [t.get_text() for t in ax.get_xticklabels()] == list(out.layer)
+
+
+def test_histograms_and_feature_maps_hold_the_data(grad_run):
+    with open_run(grad_run.run_dir) as run:
+        fig = histogram_figure(run)
+        keys = [k for k in run.keys if k[1] == "output"]
+        rows = grad_run.summary.set_index(["layer", "site"])
+        for ax, (layer, site) in zip(fig.axes, keys, strict=False):
+            heights = np.array([p.get_height() for p in ax.patches])
+            lefts = np.array([p.get_x() for p in ax.patches])
+            assert heights.sum() == rows.loc[(layer, site), "n"]
+            raw = run.array(layer, site)[:].ravel()
+            edges = np.append(lefts, lefts[-1] + ax.patches[-1].get_width())
+            exact, _ = np.histogram(raw, bins=edges)
+            # bucket midpoints sit within 0.39% of each value: only values at bin edges may move
+            assert np.abs(heights - exact).sum() <= 0.02 * len(raw)
+        sample = run.array("layer2.0.conv1")[3]
+        fig = features_figure(sample, max_maps=16)
+        images = [ax.images[0].get_array() for ax in fig.axes if ax.images]
+        assert len(images) == 16
+        for c, image in enumerate(images):
+            np.testing.assert_array_equal(np.asarray(image), sample[c])
+
+
+def test_plot_scripts_write_their_pictures(grad_run):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run_dir = grad_run.run_dir
+    for args in (
+        ["scripts/plot_summary.py", str(run_dir)],
+        ["scripts/plot_features.py", str(run_dir), "--layer", "layer1.0.conv1", "--sample", "2"],
+    ):
+        out = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+    for name in ("depth.png", "histograms.png", "features_layer1.0.conv1_output_2.png"):
+        assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = subprocess.run(
+        [sys.executable, "scripts/plot_features.py", str(run_dir), "--layer", "nope"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "nope" in out.stderr and "Traceback" not in out.stderr

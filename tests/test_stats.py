@@ -1,0 +1,149 @@
+"""Streaming statistics against numpy float64 on the same arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from probe.stats import QUANTILE_REL_ERROR, RunningStats, batch_stats
+from tests.analysis_models import DEAD, SATURATED
+from tests.helpers import run_probe
+
+CUTS = [0, 1, 6, 7, 30, 61]  # uneven batches, one of a single row
+
+
+def _stream(a: np.ndarray, bounds=None) -> RunningStats:
+    s = RunningStats(bounds=bounds)
+    for lo, hi in zip(CUTS, CUTS[1:] + [len(a)], strict=True):
+        s.update(torch.from_numpy(a[lo:hi]))
+    return s
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    shape = (75, 3, 4, 5)
+    narrow = (1000 + rng.uniform(-0.01, 0.01, shape)).astype(np.float32)
+    normal = rng.standard_normal(shape).astype(np.float32)
+    relu = np.maximum(normal, 0)
+    holes = normal.copy()
+    holes[3, 1, 0, 0] = np.nan
+    holes[40, 2, 1, 1] = np.inf
+    holes[70, 0, 3, 4] = -np.inf
+    holes[5, 0, 0, :] = np.nan
+    flat = rng.standard_normal((75, 9)).astype(np.float32) * 1e-3 - 5
+    return {"narrow": narrow, "normal": normal, "relu": relu, "holes": holes, "flat": flat}
+
+
+@pytest.mark.parametrize("name", list(_arrays()))
+def test_streaming_stats_equal_numpy_float64(name):
+    a = _arrays()[name]
+    row = _stream(a).as_row()
+    finite = np.isfinite(a)
+    f = a[finite].astype(np.float64)
+    clean = np.where(finite, a, 0).astype(np.float64).reshape(len(a), -1)
+    expected = {
+        "rows": len(a),
+        "n": f.size,
+        "mean": f.mean(),
+        "std": f.std(),
+        "min": f.min(),
+        "max": f.max(),
+        "abs_mean": np.abs(f).mean(),
+        "rms": np.sqrt((f**2).mean()),
+        "frac_zero": (a == 0).mean(),
+        "nan_count": np.isnan(a).sum(),
+        "inf_count": np.isinf(a).sum(),
+        "l2_mean": np.linalg.norm(clean, axis=1).mean(),
+    }
+    for key, value in expected.items():
+        np.testing.assert_allclose(row[key], value, rtol=2e-7, atol=0, err_msg=key)
+    if name == "narrow":  # naive float32 E[x^2]-E[x]^2 collapses here
+        a32 = torch.from_numpy(a)
+        assert float((a32 * a32).mean() - a32.mean() ** 2) <= 0 < row["std"]
+
+
+@pytest.mark.parametrize("name", list(_arrays()))
+def test_per_unit_stats_equal_numpy(name):
+    a = _arrays()[name]
+    units = _stream(a).units
+    finite = np.isfinite(a)
+    axes = (0, *range(2, a.ndim))
+    count = finite.sum(axis=axes)
+    np.testing.assert_array_equal(units.count.numpy(), count)
+    total = np.where(finite, a, 0).astype(np.float64).sum(axis=axes)
+    scale = np.abs(np.where(finite, a, 0)).max()  # partial sums run in float32 along the last axes
+    np.testing.assert_allclose(
+        units.sum.numpy() / count, total / count, rtol=1e-6, atol=1e-7 * scale
+    )
+    np.testing.assert_array_equal(units.min.numpy(), np.where(finite, a, np.inf).min(axis=axes))
+    np.testing.assert_array_equal(units.max.numpy(), np.where(finite, a, -np.inf).max(axis=axes))
+    np.testing.assert_array_equal(
+        units.positive.numpy(), (np.where(finite, a, 0) > 0).sum(axis=axes)
+    )
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "signed", "relu", "tiny_and_huge"])
+def test_quantiles_within_the_documented_bound(dist):
+    rng = np.random.default_rng(1)
+    values = {
+        "lognormal": rng.lognormal(0, 2, 100_000),
+        "signed": rng.standard_normal(100_000) * 3 - 1,
+        "relu": np.maximum(rng.standard_normal(100_000), 0),
+        "tiny_and_huge": rng.choice([-1, 1], 100_000) * 10.0 ** rng.uniform(-30, 30, 100_000),
+    }[dist].astype(np.float32)
+    s = RunningStats()
+    for chunk in np.array_split(values, 7):
+        s.update(torch.from_numpy(chunk))
+    row = s.as_row()
+    exact = values.astype(np.float64)
+    for key, q in (("p01", 0.01), ("p50", 0.5), ("p99", 0.99)):
+        truth = np.quantile(exact, q, method="lower")
+        assert abs(row[key] - truth) <= QUANTILE_REL_ERROR * abs(truth), (key, row[key], truth)
+
+
+def test_merge_of_two_streams_equals_one_stream():
+    a = _arrays()["holes"]
+    whole = RunningStats()  # the same two batches folded into one running state
+    whole.update(torch.from_numpy(a[:20]))
+    whole.update(torch.from_numpy(a[20:]))
+    left, right = RunningStats(), RunningStats()
+    left.update(torch.from_numpy(a[:20]))
+    right.update(torch.from_numpy(a[20:]))
+    left.merge(right)
+    for key, value in whole.as_row().items():
+        np.testing.assert_allclose(left.as_row()[key], value, rtol=1e-12, err_msg=key)
+    assert torch.equal(left.hist.counts, whole.hist.counts)
+
+
+def test_saved_state_round_trips():
+    s = _stream(_arrays()["normal"], bounds=(-1.0, 1.0))
+    back = RunningStats.from_saved(s.state(), s.arrays())
+    assert back.as_row() == pytest.approx(s.as_row(), nan_ok=True)
+    assert batch_stats(torch.zeros(0, 3)).n == 0
+
+
+def test_dead_and_saturated_units_of_a_real_run(tmp_path):
+    """Channel DEAD is forced negative before a ReLU, channel SATURATED deep into tanh's bound."""
+    result, f = run_probe(
+        tmp_path,
+        "model=custom",
+        "model._target_=tests.analysis_models.DeadChannel",
+        "model.input_shape=[3,8,8]",
+        "model.num_classes=10",
+        "dataset.num_samples=6",
+        "dataset.batch_size=4",
+        "probes=all_activations",
+    )
+    rows = result.summary.set_index("layer")
+    assert rows.loc["relu", "dead_frac"] == 0.25  # exactly one channel of four
+    assert rows.loc["tanh", "saturated_frac"] == 0.25
+    relu = f["layers/relu/output"][:]
+    dead = (relu <= 0).all(axis=(0, 2, 3))
+    assert list(np.flatnonzero(dead)) == [DEAD]
+    assert list(np.flatnonzero(f["stats/relu/output/unit_positive"][:] == 0)) == [DEAD]
+    tanh = f["layers/tanh/output"][:]
+    saturated = (np.abs(tanh) >= 0.98).all(axis=(0, 2, 3))
+    assert list(np.flatnonzero(saturated)) == [SATURATED]
+    sat_counts = f["stats/tanh/output/unit_saturated"][:]
+    np.testing.assert_array_equal(sat_counts, (np.abs(tanh) >= 0.98).sum(axis=(0, 2, 3)))

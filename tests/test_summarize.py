@@ -1,0 +1,152 @@
+"""Summaries of runs and sweeps: stats-only vs full, partial and corrupt files, a 2x2 sweep table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+
+from probe.plots import depth_figure
+from probe.reading import open_sweep
+from probe.summarize import COLUMNS, summarize_file
+from tests.helpers import QUIET, ROOT, cli, run_probe
+
+TINY = ["dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=3"]
+TEXT = ["layer", "site", "module_type", "shape", "dtype"]
+
+
+def summarize_cli(*paths):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "probe.summarize", *map(str, paths)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_same_numbers(a: pd.DataFrame, b: pd.DataFrame, rtol: float) -> None:
+    assert a[TEXT].astype(str).values.tolist() == b[TEXT].astype(str).values.tolist()
+    numbers = [c for c in COLUMNS if c not in TEXT]
+    np.testing.assert_allclose(
+        a[numbers].to_numpy(float), b[numbers].to_numpy(float), rtol=rtol, atol=1e-12
+    )
+
+
+def test_stats_only_and_full_runs_give_the_same_summary(tmp_path):
+    args = ["model=resnet18", *TINY, "probes=all_activations"]
+    full, f_full = run_probe(tmp_path / "full", *args)
+    stats, f_stats = run_probe(tmp_path / "stats", *args, "store=stats")
+    assert "layers" in f_full and "layers" not in f_stats
+    pd.testing.assert_frame_equal(full.summary, stats.summary)
+    # the stats-only file holds the statistics, histograms and per-unit tables itself
+    assert_same_numbers(summarize_file(stats.h5_path).table, full.summary, rtol=0)
+    for key in ("hist_index", "hist_count", "unit_count", "unit_positive"):
+        np.testing.assert_array_equal(
+            f_stats[f"stats/layer1.0.relu/output/{key}"][:],
+            f_full[f"stats/layer1.0.relu/output/{key}"][:],
+        )
+    # and re-reading the full file's tensors chunk by chunk gives the same table
+    out = summarize_cli(tmp_path / "full", tmp_path / "stats")
+    assert out.returncode == 0, out.stderr
+    assert_same_numbers(pd.read_csv(tmp_path / "full" / "summary.csv"), full.summary, rtol=1e-6)
+    relu = f_full["layers/relu/output"][:].astype(np.float64)
+    row = full.summary.iloc[0]
+    assert (row.layer, row.site) == ("relu", "output")
+    np.testing.assert_allclose([row["mean"], row["std"]], [relu.mean(), relu.std()], rtol=1e-6)
+
+
+def test_a_run_cut_short_is_reported_partial_and_summarized(tmp_path):
+    run_dir = tmp_path / "killed"
+    out = cli(
+        "model=custom",
+        "model._target_=tests.analysis_models.DiesOnThirdBatch",
+        "model.input_shape=[3,8,8]",
+        "model.num_classes=10",
+        "dataset.num_samples=10",
+        "dataset.batch_size=2",
+        "probes=all_convs",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert out.returncode == 9  # killed inside the third forward
+    with h5py.File(run_dir / "probe.h5") as f:
+        assert not f.attrs["complete"] and "stats" not in f
+        valid = int(f.attrs["num_samples"])
+        conv = f["layers/conv/output"][:valid].astype(np.float64)
+    assert valid == 4
+    out = summarize_cli(run_dir)
+    assert out.returncode == 0 and "partial" in out.stderr and "Traceback" not in out.stderr
+    row = pd.read_csv(run_dir / "summary.csv").iloc[0]
+    assert (row.layer, row.module_type, row.rows) == ("conv", "Conv2d", valid)
+    np.testing.assert_allclose(
+        [row["mean"], row["std"], row["min"], row["max"]],
+        [conv.mean(), conv.std(), conv.min(), conv.max()],
+        rtol=1e-6,
+    )
+    # a corrupt file is named as such, with no traceback
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "probe.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + os.urandom(4096))
+    out = summarize_cli(bad)
+    assert out.returncode == 1 and "corrupt" in out.stderr and "Traceback" not in out.stderr
+    out = summarize_cli(tmp_path / "missing")
+    assert out.returncode == 1 and "missing" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A real 2 models x 2 probe files sweep through the CLI."""
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "probe",
+            "-m",
+            *QUIET,
+            "model=resnet18,lenet",
+            "probes=all_convs,all_linear",
+            *TINY,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    return sweep_dir
+
+
+def test_sweep_table_has_every_run_and_the_override_columns(sweep):
+    out = summarize_cli(sweep)
+    assert out.returncode == 0, out.stderr
+    table = pd.read_csv(sweep / "summary.csv", dtype={"run": str})
+    assert list(table.columns[:2]) == ["run", "status"]
+    override_columns = ["model", "probes", "dataset.image_size", "dataset.num_samples"]
+    assert set(override_columns) <= set(table.columns[2 : -len(COLUMNS)])
+    assert list(table.columns[-len(COLUMNS) :]) == COLUMNS
+    assert set(table.run) == {"0", "1", "2", "3"} and set(table.status) == {"complete"}
+    combos = set(table[["model", "probes"]].drop_duplicates().itertuples(index=False))
+    assert combos == {(m, p) for m in ("resnet18", "lenet") for p in ("all_convs", "all_linear")}
+    for run, part in table.groupby("run"):
+        own = pd.read_csv(sweep / run / "summary.csv")
+        assert_same_numbers(part.reset_index(drop=True), own, rtol=1e-6)
+    assert len(table) == sum(len(pd.read_csv(sweep / r / "summary.csv")) for r in "0123")
+    opened = open_sweep(sweep)
+    assert {"run", *override_columns} <= set(opened.overrides.columns)
+    assert list(opened.overrides.model) == list(table.drop_duplicates("run").model)
+    pd.testing.assert_frame_equal(opened.table, table)
+    # a sweep picture has one line per run on the same axes, holding that run's values
+    mean_axis = depth_figure(table).axes[0]
+    lines = mean_axis.get_lines()
+    assert len(lines) == 4
+    for line, (run, part) in zip(lines, table.groupby("run", sort=False), strict=True):
+        assert line.get_label().startswith(f"{run}:")
+        np.testing.assert_array_equal(line.get_ydata(), part[part.site == "output"]["mean"])
