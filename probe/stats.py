@@ -1,7 +1,7 @@
 """Streaming per-dataset statistics with exact merges in float64 (Chan et al. for mean and variance).
 
-Each batch is reduced with a few vectorised torch passes; batches, files and processes merge with
-the same `merge`. Mean, std, min, max, abs_mean and rms are over the finite values; NaN and Inf are
+Each batch is reduced in a few numpy passes over float64 blocks; batches, files and processes
+merge with the same `merge`. Mean, std, min, max, abs_mean and rms are over the finite values; NaN and Inf are
 counted apart. std is the population standard deviation (ddof=0).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 F64 = torch.float64
@@ -68,36 +69,77 @@ class RunningStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+BLOCK = 1 << 20  # elements per float64 block: few numpy calls (each one a GIL hand-off) per batch
+
+
 def batch_stats(x: torch.Tensor) -> RunningStats:
-    """Statistics of one batch. The variance is taken about a float32 shift and corrected in float64,
-    so data such as 1000 +- 0.01 keeps its variance."""
-    rows = x.shape[0] if x.ndim else 1
-    x = x.reshape(rows, -1)
-    if not x.is_floating_point() or x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
-    total = torch.sum(x, dtype=F64)
-    nan_count = inf_count = 0
-    if not torch.isfinite(total):
-        finite = torch.isfinite(x)
-        nan_count = int(torch.isnan(x).sum())
-        inf_count = int(x.numel() - finite.sum()) - nan_count
-        x_rows = torch.where(finite, x, 0.0)
-        x = x[finite]
-        total = torch.sum(x, dtype=F64)
+    """Statistics of one batch, in single-threaded numpy over cache-sized float64 blocks.
+
+    Squares of float32 values are exact in float64 and every sum accumulates in float64. M2 comes
+    from the block's sum of squares unless that would cancel (|mean| >> std, e.g. 1000 +- 0.01), in
+    which case the block is centred first. Batches holding NaN or Inf take the masked path."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        a = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
     else:
-        x_rows = x
-    n = x.numel()
-    s = RunningStats(rows=rows, n=n, nan_count=nan_count, inf_count=inf_count)
-    if n == 0:
+        a = np.asarray(x)
+    rows = a.shape[0] if a.ndim else 1
+    s = RunningStats(rows=rows)
+    if a.size == 0:
         return s
-    mean = total.item() / n
-    shift = torch.tensor(mean, dtype=x.dtype)
-    d = x - shift
-    s.mean = mean
-    s.m2 = torch.sum(d * d, dtype=F64).item() - n * (mean - shift.double().item()) ** 2
-    lo, hi = torch.aminmax(x)
-    s.min, s.max = lo.item(), hi.item()
-    s.abs_sum = torch.sum(x.abs(), dtype=F64).item()
-    s.zeros = int((x == 0).sum())
-    s.l2_sum = torch.linalg.vector_norm(x_rows, dim=1, dtype=F64).sum().item()
+    a = a.reshape(rows, -1)
+    row_sq = np.zeros(rows)
+    width = min(a.size, BLOCK if a.shape[1] >= BLOCK else max(1, BLOCK // a.shape[1]) * a.shape[1])
+    b, t = np.empty(width), np.empty(width)
+    is_zero = np.empty(width, dtype=bool)
+    ones = np.ones(width)
+    for r0, r1, piece in _blocks(a):
+        k, cols = piece.shape
+        bb, tt = b[: piece.size].reshape(k, cols), t[: piece.size].reshape(k, cols)
+        np.copyto(bb, piece)
+        total = float((bb @ ones[:cols]).sum())
+        np.multiply(bb, bb, out=tt)
+        sq = tt @ ones[:cols]
+        row_sq[r0:r1] += sq
+        mean = total / bb.size
+        m2 = float(sq.sum()) - total * mean
+        if not m2 > 1e-7 * float(sq.sum()):  # cancellation (or NaN): centre, then square
+            bb -= mean
+            m2 = float(np.vdot(bb, bb))
+            np.copyto(bb, piece)
+        s.merge(RunningStats(n=bb.size, mean=mean, m2=m2))
+        s.abs_sum += float(np.abs(bb, out=tt).ravel() @ ones[: bb.size])
+        s.zeros += int(
+            np.count_nonzero(np.equal(piece, 0, out=is_zero[: piece.size].reshape(k, cols)))
+        )
+    if not math.isfinite(s.mean + s.m2 + s.abs_sum) and not np.isfinite(a).all():
+        return _masked_batch_stats(a)
+    s.rows = rows
+    s.min, s.max = float(a.min()), float(a.max())
+    s.l2_sum = float(np.sqrt(row_sq).sum())
+    return s
+
+
+def _blocks(a: np.ndarray):
+    """(first row, end row, 2-D view) pieces of at most BLOCK elements: whole rows, or row segments."""
+    rows, cols = a.shape
+    if cols >= BLOCK:
+        for r in range(rows):
+            for lo in range(0, cols, BLOCK):
+                yield r, r + 1, a[r : r + 1, lo : lo + BLOCK]
+    else:
+        step = max(1, BLOCK // cols)
+        for lo in range(0, rows, step):
+            yield lo, min(rows, lo + step), a[lo : lo + step]
+
+
+def _masked_batch_stats(a: np.ndarray) -> RunningStats:
+    """A batch holding NaN or Inf: statistics of its finite values, with the others counted."""
+    finite = np.isfinite(a)
+    s = batch_stats(a[finite].reshape(1, -1))
+    s.rows = len(a)
+    s.nan_count = int(np.isnan(a).sum())
+    s.inf_count = int(a.size - finite.sum()) - s.nan_count
+    clean = np.where(finite, a, 0).astype(np.float64)
+    s.l2_sum = float(np.sqrt(np.einsum("ij,ij->i", clean, clean)).sum())
     return s
