@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -59,9 +60,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
-    """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's)."""
-    run_dir = Path(run_dir) if run_dir is not None else output_dir()
+@dataclass
+class Plan:
+    """What a run needs before its loop: built once, so a benchmark can repeat the loop alone."""
+
+    model: torch.nn.Module
+    batches: Iterable
+    selections: list
+    objective: object
+    device: torch.device
+    edits: list = field(default_factory=list)
+
+
+def plan(cfg: DictConfig) -> Plan:
+    """Build the model, the batches, the selected sites and the objective of `cfg`."""
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
@@ -80,13 +92,25 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         log.info(
             "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
         )
+    for e in edits:
+        log.info("edit  %-12s %-28s %-18s %s", e.name, e.module_name, e.site, e.op)
     log.info(
-        "%d modules selected; %d samples in %d batches",
+        "%d modules selected, %d edits; %d samples in %d batches",
         len(selections),
+        len(edits),
         batches.num_samples,
         len(batches),
     )
+    return Plan(model, batches, selections, objective, device, edits)
 
+
+def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = None) -> RunResult:
+    """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's).
+    `prepared` reuses a Plan built by `plan(cfg)` (the benchmark times the loop alone)."""
+    run_dir = Path(run_dir) if run_dir is not None else output_dir()
+    p = prepared or plan(cfg)
+    model, batches, selections, objective = p.model, p.batches, p.selections, p.objective
+    device, edits = p.device, p.edits
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
     model.train(cfg.train_mode)

@@ -223,7 +223,7 @@ class ProbeWriter:
 
     def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
         row_bytes = max(1, a[0].nbytes if len(a) else a.itemsize)
-        rows = max(1, self.chunk_bytes // row_bytes)
+        rows = chunk_rows(len(a), row_bytes, self.chunk_bytes)
         chunk_bytes = rows * row_bytes
         return self.file.create_dataset(
             name,
@@ -252,3 +252,14 @@ class ProbeWriter:
                 if name in g:
                     del g[name]
                 g.create_dataset(name, data=a)
+
+
+def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int) -> int:
+    """Rows per chunk, aligned to the batch so that a batch's write fills whole chunks: a multiple
+    of the batch when one batch fits in `chunk_bytes`, else the largest divisor of the batch that
+    fits (at least one row). Whole-chunk writes skip the read-modify-write of partial chunks."""
+    batch = max(1, batch)
+    if batch * row_bytes <= chunk_bytes:
+        return batch * (chunk_bytes // (batch * row_bytes))
+    fits = max(1, chunk_bytes // row_bytes)
+    return max(d for d in range(1, min(batch, fits) + 1) if batch % d == 0)

@@ -1,0 +1,307 @@
+"""The benchmark's cases: the pipeline, plain PyTorch floors, hand-written baselines and peers.
+
+Every case runs once over the same materialised batches with the same model and writes into its own
+directory. `reference_values` records what plain forward hooks see (and, for gradient sites, what
+tensor hooks on those outputs receive); `stored_values_match` compares a file with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from torch.nn import functional as F
+
+from probe.config import config_dir
+from probe.objective import build_objective
+from probe.run import Plan, plan, run
+from probe.select import select_modules
+
+
+class Materialised:
+    """The pipeline's batches held in memory, so data generation is outside every timing."""
+
+    def __init__(self, batches):
+        self.items = list(batches)
+        self.has_targets = batches.has_targets
+        self.num_samples = batches.num_samples
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def compose_cfg(*overrides: str) -> DictConfig:
+    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+        return compose("config", overrides=["print_summary=false", "progress=false", *overrides])
+
+
+@dataclass
+class Setup:
+    """One model and one list of batches shared by every case."""
+
+    cfg: DictConfig
+    base: Plan
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.base.model
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.base.selections]
+
+    def modules(self) -> list[tuple[str, torch.nn.Module]]:
+        return [(s.name, s.module) for s in self.base.selections]
+
+    def variant(self, *overrides: str, dtype: str | None = None) -> tuple[DictConfig, Plan]:
+        """The pipeline's config with overrides, re-using this setup's model and batches."""
+        replaced = {o.split("=")[0] for o in overrides}
+        kept = [o for o in self.overrides if o.split("=")[0] not in replaced]
+        cfg = compose_cfg(*kept, *overrides)
+        if dtype is not None:
+            for spec in cfg.probes.values():
+                spec.dtype = dtype
+        sels = select_modules(self.model, cfg.probes)
+        needs_grad = any(s.startswith("grad") for sel in sels for s in sel.sites)
+        objective = (
+            build_objective(cfg.objective, True, cfg.model.num_classes) if needs_grad else None
+        )
+        return cfg, Plan(self.model, self.base.batches, sels, objective, self.base.device)
+
+
+def make_setup(overrides: list[str]) -> Setup:
+    cfg = compose_cfg(*overrides)
+    base = plan(cfg)
+    base.model.to(base.device).eval()
+    base.batches = Materialised(base.batches)
+    return Setup(cfg, base, tuple(overrides))
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Callable:
+    cfg, prepared = setup.variant(*overrides, dtype=dtype)
+
+    def case(out: Path) -> Path:
+        return run(cfg, run_dir=out, prepared=prepared).h5_path
+
+    return case
+
+
+# -- plain PyTorch floors ----------------------------------------------------------------------
+def plain_forward(setup: Setup) -> Callable:
+    def case(out: Path) -> None:
+        with torch.inference_mode():
+            for b in setup.base.batches:
+                setup.model(b.inputs.to(setup.base.device))
+
+    return case
+
+
+def plain_forward_backward(setup: Setup) -> Callable:
+    def case(out: Path) -> None:
+        model, dev = setup.model, setup.base.device
+        for b in setup.base.batches:
+            loss = F.cross_entropy(model(b.inputs.to(dev)), b.targets.to(dev), reduction="sum")
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+    return case
+
+
+# -- hand-written baselines --------------------------------------------------------------------
+class hooked:
+    """Forward hooks calling `fn(name, output)` on the setup's modules, removed on exit."""
+
+    def __init__(self, setup: Setup, fn: Callable[[str, torch.Tensor], None]):
+        self.handles = [
+            m.register_forward_hook(lambda mod, args, out, n=n: fn(n, out))
+            for n, m in setup.modules()
+        ]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def naive_clone_torch_save(setup: Setup) -> Callable:
+    """Forward hooks clone into lists; one torch.save at the end (everything stays in RAM)."""
+
+    def case(out: Path) -> Path:
+        kept: dict[str, list[torch.Tensor]] = {n: [] for n in setup.names}
+        with hooked(setup, lambda n, o: kept[n].append(o.detach().clone())), torch.inference_mode():
+            for b in setup.base.batches:
+                setup.model(b.inputs)
+        path = out / "naive.pt"
+        torch.save({n: torch.cat(v) for n, v in kept.items()}, path)
+        return path
+
+    return case
+
+
+class H5Sink:
+    """Synchronous writes into preallocated, contiguous HDF5 datasets (the simplest fast layout)."""
+
+    def __init__(self, path: Path, total: int):
+        self.file, self.total = h5py.File(path, "w"), total
+
+    def write(self, name: str, start: int, t: torch.Tensor) -> None:
+        a = t.detach().cpu().numpy()
+        key = f"layers/{name}/output"
+        ds = self.file.get(key) or self.file.create_dataset(
+            key, shape=(self.total, *a.shape[1:]), dtype=a.dtype
+        )
+        ds[start : start + len(a)] = a
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def hooks_h5py_sync(setup: Setup) -> Callable:
+    """Forward hooks writing each output to h5py inside the hook, on the forward's thread."""
+
+    def case(out: Path) -> Path:
+        path = out / "hooks.h5"
+        sink, start = H5Sink(path, setup.base.batches.num_samples), [0]
+        with hooked(setup, lambda n, o: sink.write(n, start[0], o)), torch.inference_mode():
+            for b in setup.base.batches:
+                start[0] = b.start
+                setup.model(b.inputs)
+        sink.close()
+        return path
+
+    return case
+
+
+def extracted_to_h5(setup: Setup, extract: Callable, filename: str) -> Callable:
+    """A peer's per-batch `extract(inputs) -> {name: tensor}`, written synchronously to h5py."""
+
+    def case(out: Path) -> Path:
+        path = out / filename
+        sink = H5Sink(path, setup.base.batches.num_samples)
+        for b in setup.base.batches:
+            for n, t in extract(b.inputs).items():
+                sink.write(n, b.start, t)
+        sink.close()
+        return path
+
+    return case
+
+
+def fx_extractor_h5py(setup: Setup) -> Callable:
+    """torchvision's create_feature_extractor (FX graph, built once; nodes after the last requested
+    one are pruned, so it skips the model's head) + synchronous h5py."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    fx = create_feature_extractor(setup.model, return_nodes={n: n for n in setup.names})
+
+    def extract(x):
+        with torch.inference_mode():
+            return fx(x)
+
+    return extracted_to_h5(setup, extract, "fx.h5")
+
+
+def torchlens_h5py(setup: Setup) -> Callable:
+    import torchlens
+
+    layers = {n: n for n in setup.names}
+
+    def extract(x):
+        with torch.no_grad():
+            return torchlens.extract(setup.model, x, layers)
+
+    return extracted_to_h5(setup, extract, "torchlens.h5")
+
+
+def nnsight_h5py(setup: Setup) -> Callable:
+    from nnsight import NNsight
+
+    wrapped = NNsight(setup.model)
+    envoys = []
+    for n in setup.names:
+        e = wrapped
+        for part in n.split("."):
+            e = e[int(part)] if part.isdigit() else getattr(e, part)
+        envoys.append((n, e))
+
+    def extract(x):
+        saved = {}
+        with torch.no_grad(), wrapped.trace(x):
+            for n, e in envoys:
+                saved[n] = e.output.save()
+        return saved
+
+    return extracted_to_h5(setup, extract, "nnsight.h5")
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+# -- reference values and the equality check --------------------------------------------------
+def reference_values(setup: Setup, grads: bool = False) -> dict[tuple[str, str], np.ndarray]:
+    """What plain forward hooks see (clone in the hook) for every selected module over all batches;
+    with `grads`, also what a tensor hook on each output receives from the summed cross-entropy."""
+    acc: dict[tuple[str, str], list[np.ndarray]] = {}
+
+    def keep(key, t):
+        acc.setdefault(key, []).append(t.detach().clone().numpy())
+
+    def hook(n, o):
+        keep((n, "output"), o)
+        if grads:
+            o.register_hook(lambda g, n=n: keep((n, "grad_output"), g))
+
+    model = setup.model
+    with hooked(setup, hook):
+        for b in setup.base.batches:
+            if grads:
+                x = b.inputs.detach().requires_grad_(True)
+                loss = F.cross_entropy(model(x), b.targets, reduction="sum")
+                torch.autograd.grad(loss, x)
+            else:
+                with torch.inference_mode():
+                    model(b.inputs)
+    return {k: np.concatenate(v) for k, v in acc.items()}
+
+
+def stored_values_match(
+    h5_path: Path,
+    reference: dict[tuple[str, str], np.ndarray],
+    sites: tuple[str, ...] = ("output",),
+    dtype: str | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> tuple[bool, str]:
+    """Whether every (layer, site) of `reference` with a site in `sites` is stored in `h5_path`
+    with equal values (after casting the reference to `dtype`); returns (ok, a short reason)."""
+    with h5py.File(h5_path, "r") as f:
+        for (layer, site), ref in reference.items():
+            if site not in sites:
+                continue
+            name = f"layers/{layer}/{site}"
+            if name not in f:
+                return False, f"{name} missing"
+            got = f[name][:]
+            want = ref.astype(dtype) if dtype else ref
+            if got.shape != want.shape or got.dtype != want.dtype:
+                return False, f"{name}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+            scale = max(float(np.abs(want).max()), 1e-30) if site.startswith("grad") else 1.0
+            if not np.allclose(got, want, rtol=rtol, atol=atol * scale):
+                worst = float(np.abs(got.astype(np.float64) - want).max())
+                return False, f"{name}: max |diff| {worst:.3g}"
+    return True, "equal"
