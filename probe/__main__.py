@@ -18,15 +18,24 @@ log = logging.getLogger("probe")
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def app(cfg: DictConfig) -> None:
+    from probe.interrupt import Interrupted
     from probe.run import run
 
     try:
         run(cfg)
+    except Interrupted as e:
+        log.warning("%s", e)
+        print(f"probe: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except ProbeError as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("%s", e)
         print(f"probe: error: {e}", file=sys.stderr)
+        if getattr(e, "hdf5_unclosed", False):  # a file HDF5 could not close crashes it at exit
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(2)
         sys.exit(2)
     except KeyboardInterrupt:
         print("probe: interrupted; the file is closed with complete=false", file=sys.stderr)

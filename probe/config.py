@@ -99,6 +99,8 @@ class Config:
     train_mode: bool = False
     print_summary: bool = True
     progress: bool = True
+    resume: bool = False  # continue an interrupted run in the same run directory
+    fail_on_nonfinite: bool = False  # stop at the first layer that produces NaN or Inf
 
 
 def register_configs() -> None:

@@ -45,9 +45,17 @@ class OrderedBatches:
 
     def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, has_targets: bool):
         self.dataset, self.has_targets = dataset, has_targets
-        self.batch_size = batch_size
+        self.batch_size, self.num_workers, self.first = batch_size, num_workers, 0
         self.loader = DataLoader(
             dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers
+        )
+
+    def skip(self, batches: int) -> None:
+        """Start at batch `batches` (a resumed run); the skipped samples are never loaded."""
+        self.first = min(batches * self.batch_size, len(self.dataset))
+        rest = Subset(self.dataset, range(self.first, len(self.dataset)))
+        self.loader = DataLoader(
+            rest, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
 
     def __len__(self) -> int:
@@ -58,14 +66,31 @@ class OrderedBatches:
         return len(self.dataset)
 
     def __iter__(self):
-        start = 0
-        for item in self.loader:
+        start = self.first
+        for item in _loaded(self.loader, start, self.batch_size):
             if self.has_targets:
                 inputs, targets = item
             else:
                 inputs, targets = (item[0] if isinstance(item, list | tuple) else item), None
             yield Batch(inputs, targets, start)
             start += len(inputs)
+
+
+def _loaded(loader: DataLoader, start: int, batch_size: int):
+    """The loader's items; a sample that cannot be read becomes a DataError naming where."""
+    items = iter(loader)
+    for position in range(start, 1 << 62, batch_size):
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except (OSError, ValueError, RuntimeError) as e:
+            raise DataError(
+                f"loading the batch that starts at sample {position} failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); fix or remove that file, or limit "
+                "dataset.num_samples; the samples before it are written"
+            ) from None
+        yield item
 
 
 def build_batches(cfg, model_cfg, seed: int) -> OrderedBatches:

@@ -8,6 +8,8 @@ says how many rows are valid, and `complete=True` is the very last write of a cl
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -17,10 +19,13 @@ import h5py
 import numpy as np
 import torch
 
+from probe.diskspace import check_space
 from probe.errors import WriteError
+from probe.resume import record_order, restore
 from probe.stats import RunningStats
 
 FORMAT_VERSION = 1
+log = logging.getLogger("probe")
 COMPRESSIONS = ("none", "lzf", "gzip")
 
 
@@ -61,6 +66,8 @@ class ProbeWriter:
         queue_batches: int = 2,
         module_types: dict[str, str] | None = None,
         attrs: dict | None = None,
+        resume: bool = False,
+        batch_rows: int = 1,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -81,18 +88,25 @@ class ProbeWriter:
         self.error: BaseException | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = h5py.File(self.path, "w")
+            self.file = h5py.File(self.path, "r+" if resume else "w")
         except OSError as e:
             raise WriteError(
                 f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
                 "hydra.run.dir=PATH"
             ) from None
-        self.file.attrs["format_version"] = FORMAT_VERSION
-        self.file.attrs["complete"] = False
-        self.file.attrs["num_samples"] = 0
-        self.file.attrs["store_mode"] = mode
-        for k, v in (attrs or {}).items():
-            self.file.attrs[k] = v
+        if resume:  # append mode: continue after the last flushed batch
+            try:
+                restore(self, batch_rows)
+            except BaseException:
+                self.file.close()
+                raise
+        else:
+            self.file.attrs["format_version"] = FORMAT_VERSION
+            self.file.attrs["complete"] = False
+            self.file.attrs["num_samples"] = 0
+            self.file.attrs["store_mode"] = mode
+            for k, v in (attrs or {}).items():
+                self.file.attrs[k] = v
         self.file.flush()
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
@@ -120,8 +134,11 @@ class ProbeWriter:
                     if not self.thread.is_alive():
                         break
             self.thread.join()
+        io_failed = isinstance(self.error, OSError | RuntimeError) and not isinstance(
+            self.error, WriteError
+        )
         try:
-            if self.file.id.valid:
+            if self.file.id.valid and not io_failed:  # after a failed write HDF5 cannot flush
                 self._write_stats()
                 self.file.attrs["num_samples"] = self.num_samples
                 self.file.attrs["num_batches"] = self.num_batches
@@ -129,15 +146,18 @@ class ProbeWriter:
                 if complete and self.error is None:
                     self.file.attrs["complete"] = True
                     self.file.flush()
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
             self.error = self.error or e
         finally:
-            if self.file.id.valid:
-                self.file.close()
+            with contextlib.suppress(OSError, RuntimeError):
+                if self.file.id.valid:
+                    self.file.close()
         if complete:
             self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self.error, WriteError):
+            raise self.error
         if self.error is not None:
             e = self.error
             hint = (
@@ -145,7 +165,12 @@ class ProbeWriter:
                 if "space" in str(e).lower() or isinstance(e, OSError)
                 else ""
             )
-            raise WriteError(f"writing {str(self.path)!r} failed{hint}: {e}") from None
+            error = WriteError(
+                f"writing {str(self.path)!r} failed{hint}: {e}; HDF5 stopped in the middle of a "
+                "write, so the file may not open. Free space, then run again into a new hydra.run.dir"
+            )
+            error.hdf5_unclosed = self.file.id.valid  # HDF5 retries the flush at exit and crashes
+            raise error from None
         if not self.thread.is_alive() and self.queue.qsize():
             raise WriteError(f"the writer of {str(self.path)!r} stopped unexpectedly")
 
@@ -158,6 +183,7 @@ class ProbeWriter:
             if self.error is not None:
                 continue
             try:
+                check_space(self, record)
                 self._write(record)
             except BaseException as e:  # noqa: BLE001 - reported to the main thread by put/close
                 self.error = e
@@ -178,6 +204,7 @@ class ProbeWriter:
         self.file.attrs["num_samples"] = end
         self.file.attrs["num_batches"] = self.num_batches
         self.file.flush()
+        log.debug("flushed batch %d (%d samples)", r.batch_index, end)
 
     def _append(
         self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool
@@ -198,6 +225,7 @@ class ProbeWriter:
                 per_batch,
             )
             self.datasets[key] = info
+            record_order(self)
         info.stats.update(t)
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)

@@ -1,0 +1,95 @@
+"""Small models that misbehave on purpose; every instance is remembered so tests can check hooks."""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch import nn
+
+BUILT: list[weakref.ref] = []
+
+
+def built_models() -> list[nn.Module]:
+    return [m for m in (r() for r in BUILT) if m is not None]
+
+
+def assert_no_hooks(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)
+        assert not any(hooks), f"hooks left on {name!r}"
+
+
+class Tracked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        BUILT.append(weakref.ref(self))
+
+
+class TinyNet(Tracked):
+    """3x8x8 inputs: conv, relu, linear; `delay` seconds of sleep per forward slows a run down."""
+
+    def __init__(self, num_classes: int = 10, delay: float = 0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(4 * 8 * 8, num_classes)
+        self.delay = delay
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.fc(self.relu(self.conv(x)).flatten(1))
+
+
+class Inner(nn.Module):
+    def forward(self, *, x):
+        return x * 2
+
+
+class KeywordOnly(Tracked):
+    """`inner` is called with a keyword argument only, so it has no positional input."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.inner = Inner()
+        self.fc = nn.Linear(3 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.inner(x=x).flatten(1))
+
+
+class Raises(TinyNet):
+    """Its forward raises on every call after the first `ok_calls`."""
+
+    def __init__(self, num_classes: int = 10, ok_calls: int = 0):
+        super().__init__(num_classes)
+        self.ok_calls = ok_calls
+
+    def forward(self, x):
+        if self.ok_calls <= 0:
+            raise RuntimeError("deliberate failure inside forward")
+        self.ok_calls -= 1
+        return super().forward(x)
+
+
+class NonFinite(nn.Module):
+    """NaN where the input is negative, Inf where it is above 2."""
+
+    def forward(self, x):
+        x = torch.where(x < 0, torch.full_like(x, float("nan")), x)
+        return torch.where(x > 2, torch.full_like(x, float("inf")), x)
+
+
+class MakesNaN(Tracked):
+    """conv (finite) -> bad (first NaN/Inf) -> fc (NaN from there on)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bad = NonFinite()
+        self.fc = nn.Linear(4 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.bad(self.conv(x)).flatten(1))
