@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,13 +159,21 @@ def _imagefolder(cfg) -> Dataset:
 
 def _tensors(path) -> tuple[Dataset, bool]:
     p = Path(str(path))
+    if p.is_dir():
+        raise DataError(f"dataset.path={str(path)!r} is a directory; give a .pt file of inputs")
     if not p.is_file():
         raise DataError(f"dataset.path={str(path)!r} does not exist; give a .pt file of inputs")
+    if not os.access(p, os.R_OK):
+        raise DataError(
+            f"dataset.path={str(path)!r} cannot be read (permission denied); fix its permissions"
+        )
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
         raise DataError(
-            f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__})"
+            f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); save the inputs with "
+            "torch.save(tensor, path) or torch.save({'inputs': x, 'targets': y}, path)"
         ) from None
     if isinstance(obj, torch.Tensor):
         return _checked_tensor_dataset(p, obj, None), False
