@@ -138,3 +138,20 @@ def test_resume_refuses_another_config(tmp_path):
     run(make_cfg(*SLOW, "dataset.num_samples=6"), run_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"seed: 0 in the file, 1 now.*hydra.run.dir"):
         run(make_cfg(*SLOW, "dataset.num_samples=6", "resume=true", "seed=1"), run_dir=tmp_path)
+
+
+def test_resume_of_a_complete_run_changes_no_value(tmp_path, reference):
+    run(make_cfg(*SLOW), run_dir=tmp_path)
+    result = run(make_cfg(*SLOW, "resume=true"), run_dir=tmp_path)
+    assert result.num_samples == 30
+    pd.testing.assert_frame_equal(result.summary, reference[1], check_exact=True)
+    with h5py.File(result.h5_path) as f:
+        assert f.attrs["complete"]
+        got = arrays(f)
+    for name, a in reference[0].items():
+        np.testing.assert_array_equal(got[name], a, err_msg=name)
+
+
+def test_resume_without_a_file_starts_a_new_run(tmp_path, reference):
+    result = run(make_cfg(*SLOW, "resume=true"), run_dir=tmp_path)
+    pd.testing.assert_frame_equal(result.summary, reference[1], check_exact=True)
