@@ -85,6 +85,7 @@ class StoreConfig:
     chunk_bytes: int = 1 << 20
     queue_batches: int = 2
     filename: str = "probe.h5"
+    flush_seconds: float = 0.0  # 0: flush after every batch; >0: at most every so many seconds
 
 
 @dataclass

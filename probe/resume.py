@@ -4,7 +4,6 @@ and restore the streaming statistics so the finished file equals an uninterrupte
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import h5py
@@ -17,7 +16,7 @@ from probe.stats import RunningStats
 
 # The parts of the resolved config that decide the values in the file.
 COMPARED = ("model", "dataset", "probes", "objective", "store", "seed", "train_mode")
-IGNORED = {"store": ("queue_batches",)}  # changes speed, not values
+IGNORED = {"store": ("queue_batches", "flush_seconds")}  # change speed, not values
 
 
 def _values_part(config: dict) -> dict:
@@ -60,10 +59,29 @@ def check_resumable(path: Path, cfg: DictConfig) -> bool:
     return True
 
 
-def record_order(writer) -> None:
-    """Keep the datasets' creation order in the file, so a resumed summary lists them alike."""
-    order = [[i.layer, i.site, i.module_type, i.per_batch] for i in writer.datasets.values()]
-    writer.file.attrs["datasets"] = json.dumps(order)
+def describe(obj: h5py.HLObject, info, order: int) -> None:
+    """Tag a dataset (or its /stats group) with its creation order and kind, so a resumed run
+    rebuilds its table in the same order."""
+    obj.attrs["order"] = order
+    obj.attrs["module_type"] = info.module_type
+    obj.attrs["per_batch"] = info.per_batch
+
+
+def _described(f: h5py.File) -> list[tuple[str, str, str, bool]]:
+    """(layer, site, module_type, per_batch) of every tagged dataset, in creation order."""
+    found = {}
+    for top in ("stats", "layers"):
+        for layer, group in f.get(top, {}).items():
+            for site, obj in group.items():
+                if "order" in obj.attrs:
+                    a = obj.attrs
+                    found[(layer, site)] = (
+                        int(a["order"]),
+                        str(a["module_type"]),
+                        bool(a["per_batch"]),
+                    )
+    ordered = sorted(found.items(), key=lambda kv: kv[1][0])
+    return [(layer, site, mt, pb) for (layer, site), (_, mt, pb) in ordered]
 
 
 def restore(writer, batch_rows: int) -> None:
@@ -73,10 +91,8 @@ def restore(writer, batch_rows: int) -> None:
     f = writer.file
     writer.num_samples = int(f.attrs.get("num_samples", 0))
     writer.num_batches = int(f.attrs.get("num_batches", 0))
-    for layer, site, module_type, per_batch in json.loads(f.attrs.get("datasets", "[]")):
-        writer.datasets[(layer, site)] = DatasetInfo(
-            layer, site, module_type, (), "", bool(per_batch)
-        )
+    for layer, site, module_type, per_batch in _described(f):
+        writer.datasets[(layer, site)] = DatasetInfo(layer, site, module_type, (), "", per_batch)
     for name in _stored_arrays(f):
         ds = f[name]
         rows = writer.num_batches if name.split("/")[-1].startswith("param_grad") else None

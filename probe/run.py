@@ -101,6 +101,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         attrs=file_attrs(cfg, run_dir),
         resume=resuming,
         batch_rows=cfg.dataset.batch_size,
+        flush_seconds=cfg.store.flush_seconds,
     )
     if resuming:
         batches.skip(writer.num_batches)

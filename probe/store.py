@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from probe.diskspace import check_space
 from probe.errors import WriteError
-from probe.resume import record_order, restore
+from probe.resume import describe, restore
 from probe.stats import RunningStats
 
 FORMAT_VERSION = 1
@@ -68,6 +69,7 @@ class ProbeWriter:
         attrs: dict | None = None,
         resume: bool = False,
         batch_rows: int = 1,
+        flush_seconds: float = 0.0,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -81,6 +83,7 @@ class ProbeWriter:
         self.compression = None if compression == "none" else compression
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunk_bytes = chunk_bytes
+        self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.num_samples = 0
@@ -201,16 +204,20 @@ class ProbeWriter:
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
         self.num_samples, self.num_batches = end, r.batch_index + 1
+        if time.monotonic() - self.last_flush < self.flush_seconds:
+            return  # the row count on disk moves only with a flush, so it never overstates
         self.file.attrs["num_samples"] = end
         self.file.attrs["num_batches"] = self.num_batches
         self.file.flush()
+        self.last_flush = time.monotonic()
         log.debug("flushed batch %d (%d samples)", r.batch_index, end)
 
     def _append(
         self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool
     ) -> None:
         info = self.datasets.get(key)
-        if info is None:
+        new = info is None
+        if new:
             if lo != 0:
                 raise WriteError(
                     f"layer {key[0]!r} produced {key[1]} first at row {lo}: its calls differ between "
@@ -225,10 +232,11 @@ class ProbeWriter:
                 per_batch,
             )
             self.datasets[key] = info
-            record_order(self)
         info.stats.update(t)
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
+            if new:
+                describe(self.file[f"layers/{key[0]}/{key[1]}"], info, len(self.datasets) - 1)
 
     def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
         ds = self.file.get(name)
@@ -257,8 +265,9 @@ class ProbeWriter:
 
     def _write_stats(self) -> None:
         group = self.file.require_group("stats")
-        for (layer, site), info in self.datasets.items():
+        for order, ((layer, site), info) in enumerate(self.datasets.items()):
             g = group.require_group(layer).require_group(site)
+            describe(g, info, order)
             for k, v in info.stats.state().items():
                 g.attrs[k] = v
             g.attrs["module_type"] = info.module_type

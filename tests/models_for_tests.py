@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
@@ -93,3 +94,34 @@ class MakesNaN(Tracked):
 
     def forward(self, x):
         return self.fc(self.bad(self.conv(x)).flatten(1))
+
+
+class SignalsItself(TinyNet):
+    """Sends `SignalsItself.signal` to its own process on forward call `SignalsItself.at_call`
+    (class attributes, so a resumed run with the same config can leave them unset)."""
+
+    at_call: int | None = None
+    signal: int = 2  # SIGINT
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        if self.calls == SignalsItself.at_call:
+            os.kill(os.getpid(), SignalsItself.signal)
+        self.calls += 1
+        return super().forward(x)
+
+
+class RecordsResources(TinyNet):
+    """Appends this process's open file descriptors and RSS (KiB) to `log` when built: built once
+    per job of a sweep, it samples the process between jobs."""
+
+    def __init__(self, num_classes: int = 10, log: str = ""):
+        super().__init__(num_classes)
+        with open("/proc/self/status") as f:
+            rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
+        fds = len(os.listdir("/proc/self/fd"))
+        with open(log, "a") as f:
+            f.write(f"{fds} {rss}\n")

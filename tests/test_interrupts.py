@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from probe.errors import ConfigError
+from probe.interrupt import Interrupted
 from probe.run import run
 from probe.runfile import is_partial, open_probe_file
 from tests.helpers import QUIET, ROOT, make_cfg
@@ -155,3 +156,40 @@ def test_resume_of_a_complete_run_changes_no_value(tmp_path, reference):
 def test_resume_without_a_file_starts_a_new_run(tmp_path, reference):
     result = run(make_cfg(*SLOW, "resume=true"), run_dir=tmp_path)
     pd.testing.assert_frame_equal(result.summary, reference[1], check_exact=True)
+
+
+@pytest.mark.parametrize(
+    "store",
+    [["store.mode=full"], ["store.mode=stats"], ["store.mode=full", "store.flush_seconds=3600"]],
+    ids=["full", "stats", "deferred-flush"],
+)
+def test_in_process_stop_and_resume_with_parameter_gradients(tmp_path, store):
+    """A real SIGINT from inside the 3rd forward; run() raises Interrupted, the previous handler
+    is back, and resuming gives the uninterrupted file (per-batch param_grad rows included).
+    With a deferred flush the stop still writes every batch: closing flushes."""
+    from tests.models_for_tests import SignalsItself
+
+    args = [*SLOW[:-2], "dataset.num_samples=10", "dataset.batch_size=3", *store]
+    args[1] = "model._target_=tests.models_for_tests.SignalsItself"
+    args[4] = "probes=param_grads"
+    args.append("probes.params.capture=[output,grad_output,param_grad]")
+    reference = run(make_cfg(*args), run_dir=tmp_path / "reference")
+    before = signal.getsignal(signal.SIGINT)
+    SignalsItself.at_call = 2
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            run(make_cfg(*args), run_dir=tmp_path / "run")
+    finally:
+        SignalsItself.at_call = None
+    assert signal.getsignal(signal.SIGINT) is before
+    assert stopped.value.num_samples == 9 and stopped.value.exit_code == 130
+    with h5py.File(tmp_path / "run" / "probe.h5") as f:
+        assert int(f.attrs["num_samples"]) == 9 and not f.attrs["complete"]
+    result = run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
+    pd.testing.assert_frame_equal(result.summary, reference.summary, check_exact=True)
+    assert "param_grad.weight" in set(result.summary.site)
+    with h5py.File(result.h5_path) as f, h5py.File(reference.h5_path) as g:
+        got, want = arrays(f), arrays(g)
+    assert got.keys() == want.keys()
+    for name, a in want.items():
+        np.testing.assert_array_equal(got[name], a, err_msg=name)

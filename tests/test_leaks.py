@@ -11,7 +11,7 @@ import pytest
 
 from probe.errors import ModelError
 from probe.run import run
-from tests.helpers import make_cfg
+from tests.helpers import cli, make_cfg
 from tests.models_for_tests import assert_no_hooks, built_models
 
 TINY = [
@@ -28,12 +28,6 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
-
-
 def nothing_left_behind() -> None:
     gc.collect()
     kinds = h5py.h5f.OBJ_FILE | h5py.h5f.OBJ_DATASET | h5py.h5f.OBJ_GROUP | h5py.h5f.OBJ_ATTR
@@ -43,21 +37,27 @@ def nothing_left_behind() -> None:
         assert_no_hooks(model)
 
 
-def test_thirty_runs_keep_handles_and_memory_flat(tmp_path):
-    cfgs = [
-        make_cfg(*TINY, "model._target_=tests.models_for_tests.TinyNet", f"seed={i}")
-        for i in range(35)
-    ]
-    for i, cfg in enumerate(cfgs[:5]):  # warm-up: imports, allocator pools, thread-local caches
-        run(cfg, run_dir=tmp_path / f"warm{i}")
-    gc.collect()
-    fds, rss = open_fds(), rss_mib()
-    for i, cfg in enumerate(cfgs[5:]):
-        run(cfg, run_dir=tmp_path / f"run{i}")
-    gc.collect()
-    assert open_fds() == fds
-    assert rss_mib() - rss < 30, f"RSS grew from {rss:.0f} to {rss_mib():.0f} MiB over 30 runs"
-    nothing_left_behind()
+def test_a_thirty_run_sweep_keeps_handles_and_memory_flat(tmp_path):
+    """`python -m probe -m seed=0,...,29`: Hydra's basic launcher runs the 30 jobs one after the
+    other in one process; the model samples fds and RSS as each job starts."""
+    log = tmp_path / "resources.txt"
+    out = cli(
+        *TINY,
+        "model._target_=tests.models_for_tests.RecordsResources",
+        f"+model.kwargs.log={log}",
+        f"seed={','.join(map(str, range(30)))}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "-m",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    samples = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    assert len(samples) == 30
+    assert len(list((tmp_path / "sweep").glob("*/probe.h5"))) == 30
+    warm = samples[5:]  # after imports and allocator pools settle
+    assert len({fds for fds, _ in warm}) == 1, samples
+    growth_mib = (warm[-1][1] - warm[0][1]) / 1024
+    assert growth_mib < 30, f"RSS grew {growth_mib:.1f} MiB over 25 jobs: {samples}"
 
 
 @pytest.mark.parametrize("ok_calls", [0, 2], ids=["first-batch", "third-batch"])
