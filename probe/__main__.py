@@ -19,16 +19,25 @@ log = logging.getLogger("probe")
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def app(cfg: DictConfig) -> None:
+    from probe.interrupt import Interrupted
     from probe.run import run
 
     try:
         run(cfg)
+    except Interrupted as e:
+        log.warning("%s", e)
+        print(f"probe: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except (ProbeError, OmegaConfBaseException) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         message = str(e) if isinstance(e, ProbeError) else _config_message(e)
         log.error("%s", message)
         print(f"probe: error: {message}", file=sys.stderr)
+        if getattr(e, "hdf5_unclosed", False):  # a file HDF5 could not close crashes it at exit
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(2)
         sys.exit(2)
     except KeyboardInterrupt:
         print("probe: interrupted; the file is closed with complete=false", file=sys.stderr)

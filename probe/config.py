@@ -106,6 +106,7 @@ class StoreConfig:
     chunk_bytes: int = 1 << 20
     queue_batches: int = 2
     filename: str = "probe.h5"
+    flush_seconds: float = 0.0  # 0: flush after every batch; >0: at most every so many seconds
 
 
 @dataclass
@@ -121,6 +122,8 @@ class Config:
     train_mode: bool = False
     print_summary: bool = True
     progress: bool = True
+    resume: bool = False  # continue an interrupted run in the same run directory
+    fail_on_nonfinite: bool = False  # stop at the first layer that produces NaN or Inf
 
 
 def register_configs() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +46,17 @@ class OrderedBatches:
 
     def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, has_targets: bool):
         self.dataset, self.has_targets = dataset, has_targets
-        self.batch_size = batch_size
+        self.batch_size, self.num_workers, self.first = batch_size, num_workers, 0
         self.loader = DataLoader(
             dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers
+        )
+
+    def skip(self, batches: int) -> None:
+        """Start at batch `batches` (a resumed run); the skipped samples are never loaded."""
+        self.first = min(batches * self.batch_size, len(self.dataset))
+        rest = Subset(self.dataset, range(self.first, len(self.dataset)))
+        self.loader = DataLoader(
+            rest, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
 
     def __len__(self) -> int:
@@ -58,14 +67,31 @@ class OrderedBatches:
         return len(self.dataset)
 
     def __iter__(self):
-        start = 0
-        for item in self.loader:
+        start = self.first
+        for item in _loaded(self.loader, start, self.batch_size):
             if self.has_targets:
                 inputs, targets = item
             else:
                 inputs, targets = (item[0] if isinstance(item, list | tuple) else item), None
             yield Batch(inputs, targets, start)
             start += len(inputs)
+
+
+def _loaded(loader: DataLoader, start: int, batch_size: int):
+    """The loader's items; a sample that cannot be read becomes a DataError naming where."""
+    items = iter(loader)
+    for position in range(start, 1 << 62, batch_size):
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except (OSError, ValueError, RuntimeError) as e:
+            raise DataError(
+                f"loading the batch that starts at sample {position} failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); fix or remove that file, or limit "
+                "dataset.num_samples; the samples before it are written"
+            ) from None
+        yield item
 
 
 def build_batches(cfg, model_cfg, seed: int) -> OrderedBatches:
@@ -133,13 +159,21 @@ def _imagefolder(cfg) -> Dataset:
 
 def _tensors(path) -> tuple[Dataset, bool]:
     p = Path(str(path))
+    if p.is_dir():
+        raise DataError(f"dataset.path={str(path)!r} is a directory; give a .pt file of inputs")
     if not p.is_file():
         raise DataError(f"dataset.path={str(path)!r} does not exist; give a .pt file of inputs")
+    if not os.access(p, os.R_OK):
+        raise DataError(
+            f"dataset.path={str(path)!r} cannot be read (permission denied); fix its permissions"
+        )
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
         raise DataError(
-            f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__})"
+            f"dataset.path={str(p)!r} is not a readable .pt file ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); save the inputs with "
+            "torch.save(tensor, path) or torch.save({'inputs': x, 'targets': y}, path)"
         ) from None
     if isinstance(obj, torch.Tensor):
         return _checked_tensor_dataset(p, obj, None), False

@@ -15,14 +15,17 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from probe import nonfinite
 from probe.config import GRAD_SITES
 from probe.data import build_batches
 from probe.effects import Effects
 from probe.errors import ConfigError, ModelError
 from probe.hooks import Capture, flatten, resolve_grads
+from probe.interrupt import Interrupted, StopFlag
 from probe.intervene import GRAD_EDIT_SITES, build_edits, first_pass_means
 from probe.models import build_model
 from probe.objective import batch_loss, build_objective
+from probe.resume import check_resumable
 from probe.select import select_modules
 from probe.store import ProbeWriter, Record
 from probe.summarize import summary_frame
@@ -114,8 +117,11 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
     model.train(cfg.train_mode)
+    h5_path = run_dir / cfg.store.filename
+    resuming = bool(cfg.resume) and check_resumable(h5_path, cfg)
+    first_pass_means(model, batches, edits, device)
     writer = ProbeWriter(
-        run_dir / cfg.store.filename,
+        h5_path,
         mode=cfg.store.mode,
         compression=cfg.store.compression,
         compression_level=cfg.store.compression_level,
@@ -123,23 +129,36 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         queue_batches=cfg.store.queue_batches,
         module_types={s.name: s.module_type for s in selections},
         attrs={**file_attrs(cfg, run_dir), "edits": json.dumps([e.describe for e in edits])},
+        resume=resuming,
+        batch_rows=cfg.dataset.batch_size,
+        flush_seconds=cfg.store.flush_seconds,
     )
+    if resuming:
+        batches.skip(writer.num_batches)
+        log.info("resuming %s after %d samples", h5_path, writer.num_samples)
     effects = Effects() if edits else None
     complete = False
+    stop = StopFlag()
     try:
-        first_pass_means(model, batches, edits, device)
-        with Capture(selections, edits) as capture:
+        with Capture(selections, edits) as capture, stop:
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
-            for index, batch in enumerate(bar):
+            for index, batch in enumerate(bar, start=writer.num_batches):
                 record = run_batch(
                     model, capture, selections, batch, index, device, objective, effects
                 )
                 writer.put(record)
-        complete = True
+                if cfg.fail_on_nonfinite:
+                    nonfinite.check_batch(record)
+                if stop.requested is not None:
+                    break
+        complete = stop.requested is None
     finally:
         if buffers is not None:
             model.load_state_dict(buffers)
         writer.close(complete=complete)
+    if stop.requested is not None:
+        raise Interrupted(stop.requested, writer.num_samples, h5_path)
+    nonfinite.report(writer.datasets.values())
     summary = summary_frame(writer.datasets.values())
     summary.to_csv(run_dir / "summary.csv", index=False)
     if effects is not None:

@@ -8,8 +8,11 @@ says how many rows are valid, and `complete=True` is the very last write of a cl
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,10 +20,13 @@ import h5py
 import numpy as np
 import torch
 
+from probe.diskspace import check_space
 from probe.errors import WriteError
+from probe.resume import describe, restore
 from probe.stats import RunningStats, stats_for
 
 FORMAT_VERSION = 1
+log = logging.getLogger("probe")
 COMPRESSIONS = ("none", "lzf", "gzip")
 
 
@@ -64,6 +70,9 @@ class ProbeWriter:
         queue_batches: int = 2,
         module_types: dict[str, str] | None = None,
         attrs: dict | None = None,
+        resume: bool = False,
+        batch_rows: int = 1,
+        flush_seconds: float = 0.0,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -77,6 +86,7 @@ class ProbeWriter:
         self.compression = None if compression == "none" else compression
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunk_bytes = chunk_bytes
+        self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.num_samples = 0
@@ -84,18 +94,25 @@ class ProbeWriter:
         self.error: BaseException | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = h5py.File(self.path, "w")
+            self.file = h5py.File(self.path, "r+" if resume else "w")
         except OSError as e:
             raise WriteError(
                 f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
                 "hydra.run.dir=PATH"
             ) from None
-        self.file.attrs["format_version"] = FORMAT_VERSION
-        self.file.attrs["complete"] = False
-        self.file.attrs["num_samples"] = 0
-        self.file.attrs["store_mode"] = mode
-        for k, v in (attrs or {}).items():
-            self.file.attrs[k] = v
+        if resume:  # append mode: continue after the last flushed batch
+            try:
+                restore(self, batch_rows)
+            except BaseException:
+                self.file.close()
+                raise
+        else:
+            self.file.attrs["format_version"] = FORMAT_VERSION
+            self.file.attrs["complete"] = False
+            self.file.attrs["num_samples"] = 0
+            self.file.attrs["store_mode"] = mode
+            for k, v in (attrs or {}).items():
+                self.file.attrs[k] = v
         self.file.flush()
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
@@ -123,8 +140,11 @@ class ProbeWriter:
                     if not self.thread.is_alive():
                         break
             self.thread.join()
+        io_failed = isinstance(self.error, OSError | RuntimeError) and not isinstance(
+            self.error, WriteError
+        )
         try:
-            if self.file.id.valid:
+            if self.file.id.valid and not io_failed:  # after a failed write HDF5 cannot flush
                 self._write_stats()
                 self.file.attrs["num_samples"] = self.num_samples
                 self.file.attrs["num_batches"] = self.num_batches
@@ -132,15 +152,18 @@ class ProbeWriter:
                 if complete and self.error is None:
                     self.file.attrs["complete"] = True
                     self.file.flush()
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
             self.error = self.error or e
         finally:
-            if self.file.id.valid:
-                self.file.close()
+            with contextlib.suppress(OSError, RuntimeError):
+                if self.file.id.valid:
+                    self.file.close()
         if complete:
             self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self.error, WriteError):
+            raise self.error
         if self.error is not None:
             e = self.error
             hint = (
@@ -148,7 +171,12 @@ class ProbeWriter:
                 if "space" in str(e).lower() or isinstance(e, OSError)
                 else ""
             )
-            raise WriteError(f"writing {str(self.path)!r} failed{hint}: {e}") from None
+            error = WriteError(
+                f"writing {str(self.path)!r} failed{hint}: {e}; HDF5 stopped in the middle of a "
+                "write, so the file may not open. Free space, then run again into a new hydra.run.dir"
+            )
+            error.hdf5_unclosed = self.file.id.valid  # HDF5 retries the flush at exit and crashes
+            raise error from None
         if not self.thread.is_alive() and self.queue.qsize():
             raise WriteError(f"the writer of {str(self.path)!r} stopped unexpectedly")
 
@@ -161,6 +189,7 @@ class ProbeWriter:
             if self.error is not None:
                 continue
             try:
+                check_space(self, record)
                 self._write(record)
             except BaseException as e:  # noqa: BLE001 - reported to the main thread by put/close
                 self.error = e
@@ -180,15 +209,20 @@ class ProbeWriter:
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
         self.num_samples, self.num_batches = end, r.batch_index + 1
+        if time.monotonic() - self.last_flush < self.flush_seconds:
+            return  # the row count on disk moves only with a flush, so it never overstates
         self.file.attrs["num_samples"] = end
         self.file.attrs["num_batches"] = self.num_batches
         self.file.flush()
+        self.last_flush = time.monotonic()
+        log.debug("flushed batch %d (%d samples)", r.batch_index, end)
 
     def _append(
         self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool
     ) -> None:
         info = self.datasets.get(key)
-        if info is None:
+        new = info is None
+        if new:
             if lo != 0:
                 raise WriteError(
                     f"layer {key[0]!r} produced {key[1]} first at row {lo}: its calls differ between "
@@ -211,6 +245,8 @@ class ProbeWriter:
         info.stats.update(t)
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
+            if new:
+                describe(self.file[f"layers/{key[0]}/{key[1]}"], info, len(self.datasets) - 1)
 
     def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
         ds = self.file.get(name)
@@ -241,7 +277,7 @@ class ProbeWriter:
         group = self.file.require_group("stats")
         for order, ((layer, site), info) in enumerate(self.datasets.items()):
             g = group.require_group(layer).require_group(site)
-            g.attrs["order"] = order
+            describe(g, info, order)
             for k, v in info.stats.state().items():
                 g.attrs[k] = v
             g.attrs["module_type"] = info.module_type

@@ -1,0 +1,66 @@
+"""Refuse a batch the disk cannot hold before HDF5 starts writing it.
+
+When a write fails half-way, HDF5 has already rewritten some metadata in place (the superblock's end
+of file, chunk indexes) and the file no longer opens. So the writer checks, before each batch, that
+the free space (and the process's file size limit, RLIMIT_FSIZE) covers every chunk the batch can
+allocate plus a margin for metadata, and stops cleanly otherwise: the file keeps every batch before.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from probe.errors import WriteError
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
+
+METADATA_MARGIN = 1 << 20
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes the file at `path` can still grow by: free disk space, capped by RLIMIT_FSIZE."""
+    st = os.statvfs(path.parent)
+    free = st.f_bavail * st.f_frsize
+    if resource is not None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY:
+            free = min(free, soft - path.stat().st_size)
+    return free
+
+
+def chunk_bytes_needed(existing_rows: int, new_rows: int, row_bytes: int, chunk_bytes: int) -> int:
+    """Bytes of the chunks that appending `new_rows` allocates (the writer's chunking rule)."""
+    per_chunk = max(1, chunk_bytes // max(1, row_bytes))
+    chunks = math.ceil((existing_rows + new_rows) / per_chunk) - math.ceil(
+        existing_rows / per_chunk
+    )
+    return chunks * per_chunk * row_bytes
+
+
+def check_space(writer, record) -> None:
+    """WriteError naming the numbers when the next batch would not fit."""
+    need = METADATA_MARGIN
+    if writer.mode == "full":
+        arrays = [(t, record.start) for t in record.values.values()]
+        arrays += [(t, record.batch_index) for t in record.per_batch.values()]
+        arrays.append((np.zeros(record.size, np.int64), record.start))  # samples/index
+        if record.targets is not None:
+            arrays.append((record.targets, record.start))
+        for a, lo in arrays:
+            row_bytes = int(a[0].nbytes) if len(a) else 1
+            need += chunk_bytes_needed(lo, len(a), row_bytes, writer.chunk_bytes)
+    free = free_bytes(writer.path)
+    if free < need:
+        raise WriteError(
+            f"the disk holding {str(writer.path)!r} is full: {free / 2**20:.1f} MiB can still be "
+            f"written but the next batch needs about {need / 2**20:.1f} MiB. The file holds the "
+            f"{writer.num_samples} samples before it; free some space and continue with resume=true "
+            "and the same hydra.run.dir (or start again elsewhere with hydra.run.dir=PATH)"
+        )

@@ -1,0 +1,127 @@
+"""Small models that misbehave on purpose; every instance is remembered so tests can check hooks."""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import torch
+from torch import nn
+
+BUILT: list[weakref.ref] = []
+
+
+def built_models() -> list[nn.Module]:
+    return [m for m in (r() for r in BUILT) if m is not None]
+
+
+def assert_no_hooks(model: nn.Module) -> None:
+    for name, m in model.named_modules():
+        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)
+        assert not any(hooks), f"hooks left on {name!r}"
+
+
+class Tracked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        BUILT.append(weakref.ref(self))
+
+
+class TinyNet(Tracked):
+    """3x8x8 inputs: conv, relu, linear; `delay` seconds of sleep per forward slows a run down."""
+
+    def __init__(self, num_classes: int = 10, delay: float = 0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(4 * 8 * 8, num_classes)
+        self.delay = delay
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.fc(self.relu(self.conv(x)).flatten(1))
+
+
+class Inner(nn.Module):
+    def forward(self, *, x):
+        return x * 2
+
+
+class KeywordOnly(Tracked):
+    """`inner` is called with a keyword argument only, so it has no positional input."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.inner = Inner()
+        self.fc = nn.Linear(3 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.inner(x=x).flatten(1))
+
+
+class Raises(TinyNet):
+    """Its forward raises on every call after the first `ok_calls`."""
+
+    def __init__(self, num_classes: int = 10, ok_calls: int = 0):
+        super().__init__(num_classes)
+        self.ok_calls = ok_calls
+
+    def forward(self, x):
+        if self.ok_calls <= 0:
+            raise RuntimeError("deliberate failure inside forward")
+        self.ok_calls -= 1
+        return super().forward(x)
+
+
+class NonFinite(nn.Module):
+    """NaN where the input is negative, Inf where it is above 0.5."""
+
+    def forward(self, x):
+        x = torch.where(x < 0, torch.full_like(x, float("nan")), x)
+        return torch.where(x > 0.5, torch.full_like(x, float("inf")), x)
+
+
+class MakesNaN(Tracked):
+    """conv (finite) -> bad (first NaN/Inf) -> fc (NaN from there on)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bad = NonFinite()
+        self.fc = nn.Linear(4 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.bad(self.conv(x)).flatten(1))
+
+
+class SignalsItself(TinyNet):
+    """Sends `SignalsItself.signal` to its own process on forward call `SignalsItself.at_call`
+    (class attributes, so a resumed run with the same config can leave them unset)."""
+
+    at_call: int | None = None
+    signal: int = 2  # SIGINT
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        if self.calls == SignalsItself.at_call:
+            os.kill(os.getpid(), SignalsItself.signal)
+        self.calls += 1
+        return super().forward(x)
+
+
+class RecordsResources(TinyNet):
+    """Appends this process's open file descriptors and RSS (KiB) to `log` when built: built once
+    per job of a sweep, it samples the process between jobs."""
+
+    def __init__(self, num_classes: int = 10, log: str = ""):
+        super().__init__(num_classes)
+        with open("/proc/self/status") as f:
+            rss = next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
+        fds = len(os.listdir("/proc/self/fd"))
+        with open(log, "a") as f:
+            f.write(f"{fds} {rss}\n")
