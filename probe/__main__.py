@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from probe.config import config_dir
 from probe.errors import ProbeError
+from probe.sweep import JobFailed, in_sweep, job_label
 
 log = logging.getLogger("probe")
 
@@ -26,6 +27,10 @@ def app(cfg: DictConfig) -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("%s", e)
+        if in_sweep():
+            # Hydra's sweepers finish every job of the batch before they look at the failures,
+            # then print this message (a compact error: no traceback) and exit non-zero.
+            raise JobFailed(f"probe: error in job {job_label()}: {e}") from None
         print(f"probe: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

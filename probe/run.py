@@ -81,6 +81,12 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         batches.num_samples,
         len(batches),
     )
+    if not selections:
+        log.warning(
+            "no module selected (every probe allows an empty selection): %s will hold the samples "
+            "and no layers, and summary.csv no rows",
+            cfg.store.filename,
+        )
 
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None

@@ -93,6 +93,8 @@ class ProbeWriter:
         self.file.attrs["store_mode"] = mode
         for k, v in (attrs or {}).items():
             self.file.attrs[k] = v
+        if mode == "full":
+            self.file.create_group("layers")  # present even when nothing is selected
         self.file.flush()
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)

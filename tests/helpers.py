@@ -29,14 +29,41 @@ def run_probe(tmp_path: Path, *overrides: str):
 
 
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    """`python -m probe ARGS` in a subprocess."""
+    """`python -m probe ARGS` in a subprocess (`-m` first: Hydra's parser wants flags before overrides)."""
+    flags = [a for a in args if a in ("-m", "--multirun")]
+    args = (*flags, *QUIET, *(a for a in args if a not in flags))
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
-        [sys.executable, "-m", "probe", *QUIET, *args],
+        [sys.executable, "-m", "probe", *args],
         cwd=cwd or ROOT,
         env=full_env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def h5_arrays(path: Path) -> dict:
+    """Every dataset of an HDF5 file (virtual ones read through their sources) by its path."""
+    arrays = {}
+
+    def take(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            arrays[name] = obj[()]
+
+    with h5py.File(path, "r") as f:
+        f.visititems(take)
+    return arrays
+
+
+def assert_same_arrays(a: Path, b: Path) -> int:
+    """Both files hold the same datasets, value for value (NaN equal to NaN); returns how many."""
+    import numpy as np
+
+    left, right = h5_arrays(a), h5_arrays(b)
+    assert sorted(left) == sorted(right)
+    for name in left:
+        assert left[name].dtype == right[name].dtype, name
+        np.testing.assert_array_equal(left[name], right[name], err_msg=name)
+    return len(left)
