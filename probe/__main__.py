@@ -10,6 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from probe import distributed
 from probe.config import config_dir
 from probe.errors import ProbeError
 from probe.sweep import JobFailed, in_sweep, job_label
@@ -66,6 +67,13 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    if distributed.active() and {"-m", "--multirun"} & set(sys.argv):
+        print(
+            "probe: error: torchrun runs one job; sweep over torchrun jobs with a launcher instead",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
     app()
 
 

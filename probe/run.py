@@ -14,6 +14,7 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from probe import distributed
 from probe.config import GRAD_SITES
 from probe.data import build_batches
 from probe.errors import ConfigError, ModelError
@@ -60,10 +61,10 @@ def resolve_device(name: str) -> torch.device:
 def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's)."""
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
-    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
-    batches = build_batches(cfg.dataset, cfg.model, cfg.seed)
+    shard, batches = distributed.shard(build_batches(cfg.dataset, cfg.model, cfg.seed))
+    device = shard.device(resolve_device(cfg.device))
     selections = select_modules(model, cfg.probes)
     wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites)
     objective = (
@@ -91,15 +92,17 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
     model.train(cfg.train_mode)
+    h5_path = run_dir / cfg.store.filename
     writer = ProbeWriter(
-        run_dir / cfg.store.filename,
+        shard.path(h5_path),
         mode=cfg.store.mode,
         compression=cfg.store.compression,
         compression_level=cfg.store.compression_level,
         chunk_bytes=cfg.store.chunk_bytes,
         queue_batches=cfg.store.queue_batches,
         module_types={s.name: s.module_type for s in selections},
-        attrs=file_attrs(cfg, run_dir),
+        attrs={**file_attrs(cfg, run_dir), **shard.attrs()},
+        index_offset=shard.samples.start,
     )
     complete = False
     try:
@@ -113,12 +116,17 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
         if buffers is not None:
             model.load_state_dict(buffers)
         writer.close(complete=complete)
-    summary = summary_frame(writer.datasets.values())
+    datasets = distributed.finish(shard, h5_path, writer.datasets)
+    if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files
+        summary = summary_frame(writer.datasets.values())
+        return RunResult(run_dir, shard.path(h5_path), summary, writer.num_samples)
+    summary = summary_frame(datasets)
     summary.to_csv(run_dir / "summary.csv", index=False)
     if cfg.print_summary:
         print_summary(summary)
-    log.info("wrote %s (%d samples)", run_dir / cfg.store.filename, writer.num_samples)
-    return RunResult(run_dir, run_dir / cfg.store.filename, summary, writer.num_samples)
+    num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
+    log.info("wrote %s (%d samples)", h5_path, num_samples)
+    return RunResult(run_dir, h5_path, summary, num_samples)
 
 
 def run_batch(model, capture: Capture, selections, batch, index: int, device, objective) -> Record:

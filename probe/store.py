@@ -61,6 +61,7 @@ class ProbeWriter:
         queue_batches: int = 2,
         module_types: dict[str, str] | None = None,
         attrs: dict | None = None,
+        index_offset: int = 0,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -74,6 +75,7 @@ class ProbeWriter:
         self.compression = None if compression == "none" else compression
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunk_bytes = chunk_bytes
+        self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.num_samples = 0
@@ -172,7 +174,10 @@ class ProbeWriter:
             self._append(key, t, r.batch_index, r.batch_index + 1, per_batch=True)
         if self.mode == "full":
             self._append_plain(
-                "samples/index", np.arange(r.start, end, dtype=np.int64), r.start, end
+                "samples/index",
+                np.arange(r.start, end, dtype=np.int64) + self.index_offset,
+                r.start,
+                end,
             )
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
@@ -230,12 +235,19 @@ class ProbeWriter:
         )
 
     def _write_stats(self) -> None:
-        group = self.file.require_group("stats")
-        for (layer, site), info in self.datasets.items():
-            g = group.require_group(layer).require_group(site)
-            for k, v in info.stats.state().items():
-                g.attrs[k] = v
-            g.attrs["module_type"] = info.module_type
-            g.attrs["shape"] = list(info.shape)
-            g.attrs["dtype"] = info.dtype
-            g.attrs["per_batch"] = info.per_batch
+        write_stats(self.file, self.datasets.values())
+
+
+def write_stats(file: h5py.File, datasets) -> None:
+    """`/stats/<layer>/<site>` attributes: each DatasetInfo's statistics state and layout, and its
+    `order` of first appearance, so a table read back from the file keeps the run's row order."""
+    group = file.require_group("stats")
+    for order, info in enumerate(datasets):
+        g = group.require_group(info.layer).require_group(info.site)
+        for k, v in info.stats.state().items():
+            g.attrs[k] = v
+        g.attrs["module_type"] = info.module_type
+        g.attrs["shape"] = list(info.shape)
+        g.attrs["dtype"] = info.dtype
+        g.attrs["per_batch"] = info.per_batch
+        g.attrs["order"] = order
