@@ -67,6 +67,7 @@ class Shard:
     batches: range
     samples: range
     dataset_samples: int
+    blocks: tuple[int, ...]  # sample count of every rank's file
 
     def path(self, stitched: Path) -> Path:
         """Where this rank writes: the run file itself in a single process."""
@@ -98,12 +99,13 @@ def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
     the sample index by `shard.samples.start`). A single process gets everything, unchanged."""
     n, size = batches.num_samples, batches.batch_size
     if not active():
-        return Shard(0, 1, range(len(batches)), range(n), n), batches
+        return Shard(0, 1, range(len(batches)), range(n), n, (n,)), batches
     init()
     rank, world = dist.get_rank(), dist.get_world_size()
     log.addFilter(_RankPrefix(rank))
-    mine = block(len(batches), rank, world)
-    samples = range(min(mine.start * size, n), min(mine.stop * size, n))
+    ranges = [block(len(batches), r, world) for r in range(world)]
+    blocks = [range(min(b.start * size, n), min(b.stop * size, n)) for b in ranges]
+    mine, samples = ranges[rank], blocks[rank]
     part = OrderedBatches(
         Subset(batches.dataset, samples),
         size,
@@ -119,7 +121,7 @@ def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
         samples.start,
         samples.stop,
     )
-    return Shard(rank, world, mine, samples, n), part
+    return Shard(rank, world, mine, samples, n, tuple(map(len, blocks))), part
 
 
 def finish(shard: Shard, stitched: Path, datasets: dict):

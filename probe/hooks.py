@@ -143,14 +143,15 @@ def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
 
 
 def keep(t: torch.Tensor, sel: Selection, size: int, key: tuple[str, str]) -> torch.Tensor:
-    """A private copy of `t` after the probe's reduction, in its storage dtype, on the CPU."""
+    """A private copy of `t` after the probe's reduction, in its storage dtype, on its device
+    (probe.device.to_host moves GPU copies to the host without stalling the GPU)."""
     check_batch_axis(t, size, key)
     x = t.detach()
     reduced = sel.reduce == "spatial_mean" and x.ndim >= 3
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
     dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
-    return x.to(device="cpu", dtype=dtype, copy=not reduced)
+    return x.to(dtype=dtype, copy=not reduced)
 
 
 def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Selection]) -> dict:
@@ -182,9 +183,7 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
         batch.values[pg.key] = keep(g, pg.selection, batch.size, pg.key)
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
-        g = torch.zeros_like(p) if g is None else g
-        param_grads[(sel.name, f"param_grad.{pname}")] = g.detach().to(
-            "cpu", torch.float32, copy=True
-        )[None]
+        g = torch.zeros_like(p) if g is None else g.detach()
+        param_grads[(sel.name, f"param_grad.{pname}")] = g.to(torch.float32, copy=True)[None]
     batch.pending.clear()
     return param_grads

@@ -14,7 +14,8 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from probe import distributed
+from probe import device as devices
+from probe import distributed, plan
 from probe.config import GRAD_SITES
 from probe.data import build_batches
 from probe.errors import ConfigError, ModelError
@@ -65,6 +66,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     model = build_model(cfg.model, cfg.seed)
     shard, batches = distributed.shard(build_batches(cfg.dataset, cfg.model, cfg.seed))
     device = shard.device(resolve_device(cfg.device))
+    devices.check_precision(cfg.precision)
     selections = select_modules(model, cfg.probes)
     wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites)
     objective = (
@@ -107,9 +109,20 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     complete = False
     try:
         with Capture(selections) as capture:
+            plan.announce(
+                lambda b: run_batch(
+                    model, capture, selections, b, 0, device, objective, cfg.precision
+                ),
+                batches,
+                selections,
+                cfg.store,
+                shard,
+            )
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
             for index, batch in enumerate(bar):
-                record = run_batch(model, capture, selections, batch, index, device, objective)
+                record = run_batch(
+                    model, capture, selections, batch, index, device, objective, cfg.precision
+                )
                 writer.put(record)
         complete = True
     finally:
@@ -129,7 +142,9 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     return RunResult(run_dir, h5_path, summary, num_samples)
 
 
-def run_batch(model, capture: Capture, selections, batch, index: int, device, objective) -> Record:
+def run_batch(
+    model, capture: Capture, selections, batch, index: int, device, objective, precision="fp32"
+) -> Record:
     """Forward (and backward when a gradient site is asked for) one batch; return its captures."""
     size = len(batch.inputs)
     inputs = batch.inputs.to(device, non_blocking=True)
@@ -137,16 +152,18 @@ def run_batch(model, capture: Capture, selections, batch, index: int, device, ob
     captured = capture.begin(size)
     per_batch = {}
     if objective is None:
-        with torch.inference_mode():
+        with torch.inference_mode(), devices.autocast(device, precision):
             _forward(model, inputs)
     else:
         with torch.enable_grad():
             inputs = inputs.detach().requires_grad_(True)
-            output = _forward(model, inputs)
-            loss = batch_loss(objective, output, targets)
+            with devices.autocast(device, precision):
+                output = _forward(model, inputs)
+                loss = batch_loss(objective, output, targets)
             per_batch = resolve_grads(captured, loss, selections)
     targets_cpu = batch.targets if batch.targets is not None else None
-    return Record(batch.start, size, index, captured.values, per_batch, targets_cpu)
+    (values, per_batch), ready = devices.to_host(captured.values, per_batch)
+    return Record(batch.start, size, index, values, per_batch, targets_cpu, ready)
 
 
 def _forward(model, inputs):

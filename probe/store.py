@@ -12,6 +12,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -34,6 +35,7 @@ class Record:
     values: dict[tuple[str, str], torch.Tensor]
     per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     targets: torch.Tensor | None = None
+    ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
 
 
 @dataclass
@@ -167,6 +169,8 @@ class ProbeWriter:
                 self.error = e
 
     def _write(self, r: Record) -> None:
+        if r.ready is not None:
+            r.ready.synchronize()
         end = r.start + r.size
         for key, t in r.values.items():
             self._append(key, t, r.start, end, per_batch=False)
@@ -220,7 +224,7 @@ class ProbeWriter:
 
     def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
         row_bytes = max(1, a[0].nbytes if len(a) else a.itemsize)
-        rows = max(1, self.chunk_bytes // row_bytes)
+        rows = chunk_rows(row_bytes, self.chunk_bytes)
         chunk_bytes = rows * row_bytes
         return self.file.create_dataset(
             name,
@@ -236,6 +240,11 @@ class ProbeWriter:
 
     def _write_stats(self) -> None:
         write_stats(self.file, self.datasets.values())
+
+
+def chunk_rows(row_bytes: int, chunk_bytes: int) -> int:
+    """Rows per chunk along axis 0: as many rows as fit in `chunk_bytes`, at least one."""
+    return max(1, chunk_bytes // max(1, row_bytes))
 
 
 def write_stats(file: h5py.File, datasets) -> None:

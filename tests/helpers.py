@@ -67,3 +67,26 @@ def assert_same_arrays(a: Path, b: Path) -> int:
         assert left[name].dtype == right[name].dtype, name
         np.testing.assert_array_equal(left[name], right[name], err_msg=name)
     return len(left)
+
+
+def cloned_outputs(model, names: list[str], batches, autocast=None) -> dict:
+    """{name: output over all batches} of a plain forward per batch of inputs (optionally under
+    CPU autocast to `autocast`), seen by throwaway hooks that clone, so an in-place op after a
+    module cannot change what was seen."""
+    import torch
+
+    seen: dict[str, list] = {n: [] for n in names}
+
+    def keeper(name):
+        return lambda module, args, output: seen[name].append(output.detach().float().clone())
+
+    handles = [model.get_submodule(n).register_forward_hook(keeper(n)) for n in names]
+    try:
+        with torch.no_grad():
+            for inputs in batches:
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(v).numpy() for n, v in seen.items()}

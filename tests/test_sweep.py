@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from probe.data import build_batches
 from probe.models import build_model
-from tests.helpers import assert_same_arrays, cli
+from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=3", "dataset.batch_size=2"]
 GRID = ["model=resnet18,vgg11", "probes=all_convs,all_norms"]
@@ -28,19 +28,6 @@ def sweep_jobs(sweep_dir) -> dict[tuple[str, str], object]:
         )
         jobs[overrides["model"], overrides["probes"]] = job
     return jobs
-
-
-def cloned_outputs(model, names, inputs) -> dict:
-    """A plain forward with throwaway hooks that clone (vgg's in-place ReLU follows each conv)."""
-    out, handles = {}, []
-    for name in names:
-        hook = (lambda n: lambda m, a, o: out.__setitem__(n, o.clone()))(name)
-        handles.append(model.get_submodule(name).register_forward_hook(hook))
-    with torch.no_grad():
-        model(inputs)
-    for h in handles:
-        h.remove()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +64,11 @@ def test_2x2_multirun_runs_four_complete_jobs(sequential_sweep):
                     [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)]
                 )
                 convs = [n for n, m in model_.named_modules() if isinstance(m, torch.nn.Conv2d)]
-                ref = cloned_outputs(model_, convs, inputs)
+                ref = cloned_outputs(model_, convs, [inputs])
                 assert sorted(f["layers"]) == sorted(convs)
                 for name in convs:
                     np.testing.assert_allclose(
-                        f[f"layers/{name}/output"][:], ref[name].numpy(), rtol=1e-5, atol=1e-5
+                        f[f"layers/{name}/output"][:], ref[name], rtol=1e-5, atol=1e-5
                     )
     # vgg11 has no normalisation layer: a complete file with samples, no layers, an empty table
     empty = jobs["vgg11", "all_norms"]
