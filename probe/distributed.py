@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import Subset
 
 from probe.data import OrderedBatches
+from probe.stitch import stitch
 
 log = logging.getLogger("probe")
 
@@ -113,13 +114,13 @@ def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
         batches.has_targets,
     )
     log.info(
-        "rank %d of %d: batches [%d, %d), samples [%d, %d)",
-        rank,
+        "this rank of %d: batches [%d, %d) and samples [%d, %d) of %d",
         world,
         mine.start,
         mine.stop,
         samples.start,
         samples.stop,
+        n,
     )
     return Shard(rank, world, mine, samples, n, tuple(map(len, blocks))), part
 
@@ -129,8 +130,6 @@ def finish(shard: Shard, stitched: Path, datasets: dict):
     torchrun, after every rank closed its shard, rank 0 stitches them into `stitched` and returns
     the merged records while the other ranks return None. (A rank that failed never gets here:
     torchrun stops the others.)"""
-    from probe.stitch import stitch
-
     if shard.world == 1:
         return list(datasets.values())
     dist.barrier()

@@ -79,10 +79,10 @@ def test_2x2_multirun_runs_four_complete_jobs(sequential_sweep):
 
 
 def test_a_failing_job_is_reported_and_the_others_complete(tmp_path):
-    """The first job fails (vgg11 has no norms and the probe may not be empty); the second runs."""
+    """The first job fails (LeNet has no norms and the probe may not be empty); the second runs."""
     out = cli(
         "-m",
-        "model=vgg11,resnet18",
+        "model=lenet,resnet18",
         "probes=all_norms",
         "probes.norms.allow_empty=false",
         *TINY,
@@ -90,7 +90,7 @@ def test_a_failing_job_is_reported_and_the_others_complete(tmp_path):
         cwd=tmp_path,
     )
     assert out.returncode != 0
-    assert "probe: error in job #0" in out.stderr and "selects no module of VGG" in out.stderr
+    assert "probe: error in job #0" in out.stderr and "selects no module of LeNet" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "0" / "probe.h5").exists()
     with h5py.File(tmp_path / "1" / "probe.h5") as f:
