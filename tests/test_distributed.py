@@ -113,3 +113,42 @@ def test_blocks_are_numpy_array_split():
         for world in (1, 2, 3, 5):
             expected = [list(a) for a in np.array_split(np.arange(count), world)]
             assert [list(block(count, r, world)) for r in range(world)] == expected
+
+
+@pytest.mark.parametrize("mode", ["stats", "full"])
+def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path, mode):
+    """Two shard files written by the writer (uneven blocks, one with NaN and Inf) stitch into
+    statistics equal to numpy's over the concatenation, and (full) rows in order."""
+    import torch
+
+    from probe.stitch import stitch
+    from probe.store import ProbeWriter, Record
+
+    g = torch.Generator().manual_seed(0)
+    data = 1000 + 0.01 * torch.randn(11, 3, 4, generator=g)  # a large mean, a small spread
+    data[7, 0, 0], data[9, 1, 2] = float("nan"), float("inf")
+    blocks, paths = [range(0, 6), range(6, 11)], []
+    for rank, block in enumerate(blocks):
+        paths.append(tmp_path / f"probe.rank{rank}.h5")
+        writer = ProbeWriter(paths[-1], mode=mode, index_offset=block.start)
+        for index, lo in enumerate(range(block.start, block.stop, 4)):
+            hi = min(lo + 4, block.stop)
+            values = {("layer", "output"): data[lo:hi].clone()}
+            writer.put(Record(lo - block.start, hi - lo, index, values))
+        writer.close(complete=True)
+    (info,) = stitch(tmp_path / "probe.h5", paths)
+    row = info.stats.as_row()
+    a = data.double().numpy()
+    finite = a[np.isfinite(a)]
+    assert (row["n"], row["nan_count"], row["inf_count"], row["rows"]) == (finite.size, 1, 1, 11)
+    assert (row["min"], row["max"]) == (finite.min(), finite.max())
+    np.testing.assert_allclose([row["mean"], row["std"]], [finite.mean(), finite.std()], rtol=1e-9)
+    with open_checked(tmp_path / "probe.h5") as f:
+        assert (
+            f.attrs["num_samples"] == 11 and read_stats(f)["layer", "output"].stats.n == finite.size
+        )
+        if mode == "full":
+            np.testing.assert_array_equal(f["layers/layer/output"][:], data.numpy())
+            np.testing.assert_array_equal(f["samples/index"][:], np.arange(11))
+        else:
+            assert "layers" not in f
