@@ -27,16 +27,18 @@ def outputs_per_batch(cfg, names, autocast=None) -> dict:
 
 
 def test_bf16_autocast_stores_what_an_autocast_forward_gives(tmp_path):
-    _, f = run_probe(tmp_path, *TINY, *LAYERS, "precision=bf16")
+    lenet = ["model=lenet", "dataset.num_samples=5", "dataset.batch_size=2", "probes=all_convs"]
+    _, f = run_probe(tmp_path, *lenet, "precision=bf16")
     names = sorted(f["layers"])
-    ref = outputs_per_batch(make_cfg(*TINY, *LAYERS), names, torch.bfloat16)
+    assert names == ["conv1", "conv2"]
+    ref = outputs_per_batch(make_cfg(*lenet), names, torch.bfloat16)
     for name in names:
         stored = f[f"layers/{name}/output"][:]
         assert stored.dtype == np.float32  # the probe's storage dtype
         np.testing.assert_allclose(stored, ref[name], rtol=1e-6, atol=1e-6)
         as_bf16 = torch.from_numpy(stored).to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(stored, as_bf16)  # bf16 values, widened
-    fp32 = outputs_per_batch(make_cfg(*TINY, *LAYERS), ["conv1"])["conv1"]
+    fp32 = outputs_per_batch(make_cfg(*lenet), ["conv1"])["conv1"]
     assert np.abs(f["layers/conv1/output"][:] - fp32).max() > 1e-4  # autocast did act
 
 
