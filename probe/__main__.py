@@ -11,8 +11,10 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from probe import distributed
 from probe.config import config_dir
 from probe.errors import ProbeError
+from probe.sweep import JobFailed, in_sweep, job_label
 
 log = logging.getLogger("probe")
 
@@ -33,11 +35,16 @@ def app(cfg: DictConfig) -> None:
             raise
         message = str(e) if isinstance(e, ProbeError) else _config_message(e)
         log.error("%s", message)
-        print(f"probe: error: {message}", file=sys.stderr)
         if getattr(e, "hdf5_unclosed", False):  # a file HDF5 could not close crashes it at exit
+            print(f"probe: error: {message}", file=sys.stderr)
             logging.shutdown()
             sys.stderr.flush()
             os._exit(2)
+        if in_sweep():
+            # Hydra's sweepers finish every job of the batch before they look at the failures,
+            # then print this message (a compact error: no traceback) and exit non-zero.
+            raise JobFailed(f"probe: error in job {job_label()}: {message}") from None
+        print(f"probe: error: {message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("probe: interrupted; the file is closed with complete=false", file=sys.stderr)
@@ -81,6 +88,13 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    if distributed.active() and {"-m", "--multirun"} & set(sys.argv):
+        print(
+            "probe: error: torchrun runs one job; sweep over torchrun jobs with a launcher instead",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
     app()
 
 

@@ -119,6 +119,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     seed: int = 0
     device: str = "cpu"
+    precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast
     train_mode: bool = False
     print_summary: bool = True
     progress: bool = True

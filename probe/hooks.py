@@ -101,8 +101,11 @@ class Capture:
     no captures) can run in between. Order at one site: edits in config order, then capture.
     """
 
-    def __init__(self, selections: list[Selection], edits: list | None = None):
+    def __init__(
+        self, selections: list[Selection], edits: list | None = None, index_offset: int = 0
+    ):
         self.selections = selections
+        self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
         targets: dict[str, Target] = {s.name: Target(s.name, s.module, s) for s in selections}
         for e in edits or []:
             if e.module_name not in targets:
@@ -135,7 +138,7 @@ class Capture:
         self.batch = None
 
     def begin(self, size: int, start: int = 0) -> BatchCapture:
-        self.batch = BatchCapture(size, start)
+        self.batch = BatchCapture(size, self.index_offset + start)
         self.in_calls.clear()
         self.out_calls.clear()
         return self.batch
@@ -247,14 +250,15 @@ def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
 
 
 def keep(t: torch.Tensor, sel: Selection, size: int, key: tuple[str, str]) -> torch.Tensor:
-    """A private copy of `t` after the probe's reduction, in its storage dtype, on the CPU."""
+    """A private copy of `t` after the probe's reduction, in its storage dtype, on its device
+    (probe.device.to_host moves GPU copies to the host without stalling the GPU)."""
     check_batch_axis(t, size, key)
     x = t.detach()
     reduced = sel.reduce == "spatial_mean" and x.ndim >= 3
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
     dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
-    return x.to(device="cpu", dtype=dtype, copy=not reduced)
+    return x.to(dtype=dtype, copy=not reduced)
 
 
 def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Selection]) -> dict:
@@ -294,8 +298,8 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
         batch.values[key] = keep(g, pg.selection, batch.size, key)
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
-        g = torch.zeros_like(p) if g is None else g
-        row = g.detach().to("cpu", DTYPES[sel.dtype], copy=True)[None]  # one row per batch
+        g = torch.zeros_like(p) if g is None else g.detach()
+        row = g.to(DTYPES[sel.dtype], copy=True)[None]  # one row per batch, on the model's device
         param_grads[(sel.name, f"param_grad.{pname}")] = row
     batch.pending.clear()
     return param_grads

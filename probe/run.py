@@ -15,7 +15,9 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from probe import nonfinite
+from probe import device as devices
+from probe import distributed, nonfinite
+from probe import plan as size_plan
 from probe.config import GRAD_SITES
 from probe.data import build_batches
 from probe.effects import Effects
@@ -73,14 +75,16 @@ class Plan:
     objective: object
     device: torch.device
     edits: list = field(default_factory=list)
+    shard: distributed.Shard | None = None
 
 
 def plan(cfg: DictConfig) -> Plan:
-    """Build the model, the batches, the selected sites and the objective of `cfg`."""
-    device = resolve_device(cfg.device)
+    """Build the model, this process's batches, the selected sites, the edits and the objective."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
-    batches = build_batches(cfg.dataset, cfg.model, cfg.seed)
+    shard, batches = distributed.shard(build_batches(cfg.dataset, cfg.model, cfg.seed))
+    device = shard.device(resolve_device(cfg.device))
+    devices.check_precision(cfg.precision)
     selections = select_modules(model, cfg.probes)
     edits = build_edits(model, cfg.intervene, cfg.seed)
     wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites) or any(
@@ -104,7 +108,13 @@ def plan(cfg: DictConfig) -> Plan:
         batches.num_samples,
         len(batches),
     )
-    return Plan(model, batches, selections, objective, device, edits)
+    if not selections:
+        log.warning(
+            "no module selected (every probe allows an empty selection): %s will hold the samples "
+            "and no layers, and summary.csv no rows",
+            cfg.store.filename,
+        )
+    return Plan(model, batches, selections, objective, device, edits, shard)
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = None) -> RunResult:
@@ -114,24 +124,30 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     p = prepared or plan(cfg)
     model, batches, selections, objective = p.model, p.batches, p.selections, p.objective
     device, edits = p.device, p.edits
+    shard = p.shard or distributed.shard(batches)[0]
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
     model.train(cfg.train_mode)
     h5_path = run_dir / cfg.store.filename
-    resuming = bool(cfg.resume) and check_resumable(h5_path, cfg)
+    resuming = bool(cfg.resume) and check_resumable(shard.path(h5_path), cfg)
     first_pass_means(model, batches, edits, device)
     writer = ProbeWriter(
-        h5_path,
+        shard.path(h5_path),
         mode=cfg.store.mode,
         compression=cfg.store.compression,
         compression_level=cfg.store.compression_level,
         chunk_bytes=cfg.store.chunk_bytes,
         queue_batches=cfg.store.queue_batches,
         module_types={s.name: s.module_type for s in selections},
-        attrs={**file_attrs(cfg, run_dir), "edits": json.dumps([e.describe for e in edits])},
+        attrs={
+            **file_attrs(cfg, run_dir),
+            **shard.attrs(),
+            "edits": json.dumps([e.describe for e in edits]),
+        },
         resume=resuming,
         batch_rows=cfg.dataset.batch_size,
         flush_seconds=cfg.store.flush_seconds,
+        index_offset=shard.samples.start,
     )
     if resuming:
         batches.skip(writer.num_batches)
@@ -140,12 +156,22 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     complete = False
     stop = StopFlag()
     try:
-        with Capture(selections, edits) as capture, stop:
+        with Capture(selections, edits, index_offset=shard.samples.start) as capture, stop:
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
             for index, batch in enumerate(bar, start=writer.num_batches):
                 record = run_batch(
-                    model, capture, selections, batch, index, device, objective, effects
+                    model,
+                    capture,
+                    selections,
+                    batch,
+                    index,
+                    device,
+                    objective,
+                    effects,
+                    cfg.precision,
                 )
+                if index == 0:
+                    size_plan.announce(record, batches, selections, cfg.store, shard)
                 writer.put(record)
                 if cfg.fail_on_nonfinite:
                     nonfinite.check_batch(record)
@@ -159,18 +185,31 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     if stop.requested is not None:
         raise Interrupted(stop.requested, writer.num_samples, h5_path)
     nonfinite.report(writer.datasets.values())
-    summary = summary_frame(writer.datasets.values())
+    datasets = distributed.finish(shard, h5_path, writer.datasets)
+    if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files
+        summary = summary_frame(writer.datasets.values())
+        return RunResult(run_dir, shard.path(h5_path), summary, writer.num_samples)
+    summary = summary_frame(datasets)
     summary.to_csv(run_dir / "summary.csv", index=False)
     if effects is not None:
         effects.table().to_csv(run_dir / "effects.csv", index=False)
     if cfg.print_summary:
         print_summary(summary)
-    log.info("wrote %s (%d samples)", run_dir / cfg.store.filename, writer.num_samples)
-    return RunResult(run_dir, run_dir / cfg.store.filename, summary, writer.num_samples)
+    num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
+    log.info("wrote %s (%d samples)", h5_path, num_samples)
+    return RunResult(run_dir, h5_path, summary, num_samples)
 
 
 def run_batch(
-    model, capture: Capture, selections, batch, index, device, objective, effects=None
+    model,
+    capture: Capture,
+    selections,
+    batch,
+    index,
+    device,
+    objective,
+    effects=None,
+    precision: str = "fp32",
 ) -> Record:
     """Forward (and backward when a gradient site is asked for) one batch; return its captures.
 
@@ -182,26 +221,28 @@ def run_batch(
     targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
     extra = {}
     if effects is not None:
-        with torch.inference_mode():
+        with torch.inference_mode(), devices.autocast(device, precision):
             extra["model/output_clean"] = _output_tensor(_forward(model, inputs))
     captured = capture.begin(size, batch.start)
     per_batch = {}
     try:
         if objective is None:
-            with torch.inference_mode():
+            with torch.inference_mode(), devices.autocast(device, precision):
                 output = _forward(model, inputs)
         else:
             with torch.enable_grad():
                 inputs = inputs.detach().requires_grad_(True)
-                output = _forward(model, inputs)
-                loss = batch_loss(objective, output, targets)
+                with devices.autocast(device, precision):
+                    output = _forward(model, inputs)
+                    loss = batch_loss(objective, output, targets)
                 per_batch = resolve_grads(captured, loss, selections)
     finally:
         capture.end()
     extra["model/output"] = _output_tensor(output)
     if effects is not None:
         effects.update(extra["model/output_clean"], extra["model/output"], batch.targets)
-    return Record(batch.start, size, index, captured.values, per_batch, batch.targets, extra)
+    (values, per_batch), ready = devices.to_host(captured.values, per_batch)
+    return Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
 
 
 def _output_tensor(output) -> torch.Tensor:

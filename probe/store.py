@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -40,9 +41,8 @@ class Record:
     values: dict[tuple[str, str], torch.Tensor]
     per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     targets: torch.Tensor | None = None
-    extra: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # per-sample, written at their own path
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
+    ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
 
 
 @dataclass
@@ -73,6 +73,7 @@ class ProbeWriter:
         resume: bool = False,
         batch_rows: int = 1,
         flush_seconds: float = 0.0,
+        index_offset: int = 0,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -87,6 +88,7 @@ class ProbeWriter:
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunk_bytes = chunk_bytes
         self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
+        self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.num_samples = 0
@@ -113,6 +115,8 @@ class ProbeWriter:
             self.file.attrs["store_mode"] = mode
             for k, v in (attrs or {}).items():
                 self.file.attrs[k] = v
+            if mode == "full":
+                self.file.create_group("layers")  # present even when nothing is selected
         self.file.flush()
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
@@ -195,6 +199,8 @@ class ProbeWriter:
                 self.error = e
 
     def _write(self, r: Record) -> None:
+        if r.ready is not None:
+            r.ready.synchronize()
         end = r.start + r.size
         for key, t in r.values.items():
             self._append(key, t, r.start, end, per_batch=False)
@@ -204,7 +210,10 @@ class ProbeWriter:
             self._append_plain(name, t.numpy(), r.start, end)
         if self.mode == "full":
             self._append_plain(
-                "samples/index", np.arange(r.start, end, dtype=np.int64), r.start, end
+                "samples/index",
+                np.arange(r.start, end, dtype=np.int64) + self.index_offset,
+                r.start,
+                end,
             )
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
@@ -274,20 +283,7 @@ class ProbeWriter:
         )
 
     def _write_stats(self) -> None:
-        group = self.file.require_group("stats")
-        for order, ((layer, site), info) in enumerate(self.datasets.items()):
-            g = group.require_group(layer).require_group(site)
-            describe(g, info, order)
-            for k, v in info.stats.state().items():
-                g.attrs[k] = v
-            g.attrs["module_type"] = info.module_type
-            g.attrs["shape"] = list(info.shape)
-            g.attrs["dtype"] = info.dtype
-            g.attrs["per_batch"] = info.per_batch
-            for name, a in info.stats.arrays().items():
-                if name in g:
-                    del g[name]
-                g.create_dataset(name, data=a)
+        write_stats(self.file, self.datasets.values())
 
 
 def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int) -> int:
@@ -299,3 +295,21 @@ def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int) -> int:
         return batch * (chunk_bytes // (batch * row_bytes))
     fits = max(1, chunk_bytes // row_bytes)
     return max(d for d in range(1, min(batch, fits) + 1) if batch % d == 0)
+
+
+def write_stats(file: h5py.File, datasets) -> None:
+    """`/stats/<layer>/<site>`: each DatasetInfo's statistics (scalar attributes, histogram and
+    per-unit arrays) and layout, tagged with its `order` of first appearance so a table read back
+    from the file (or a resumed run) keeps the run's row order."""
+    group = file.require_group("stats")
+    for order, info in enumerate(datasets):
+        g = group.require_group(info.layer).require_group(info.site)
+        describe(g, info, order)
+        for k, v in info.stats.state().items():
+            g.attrs[k] = v
+        g.attrs["shape"] = list(info.shape)
+        g.attrs["dtype"] = info.dtype
+        for name, a in info.stats.arrays().items():
+            if name in g:
+                del g[name]
+            g.create_dataset(name, data=a)

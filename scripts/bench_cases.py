@@ -32,6 +32,8 @@ class Materialised:
         self.items = list(batches)
         self.has_targets = batches.has_targets
         self.num_samples = batches.num_samples
+        self.batch_size = batches.batch_size
+        self.dataset = batches.dataset  # the run's size plan forwards its first samples
 
     def __len__(self) -> int:
         return len(self.items)

@@ -29,21 +29,64 @@ def run_probe(tmp_path: Path, *overrides: str):
 
 
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    """`python -m probe ARGS` in a subprocess."""
+    """`python -m probe ARGS` in a subprocess (`-m` first: Hydra's parser wants flags before overrides)."""
+    flags = [a for a in args if a in ("-m", "--multirun")]
+    args = (*flags, *QUIET, *(a for a in args if a not in flags))
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "probe",
-            *[a for a in args if a.startswith("-")],
-            *QUIET,
-            *[a for a in args if not a.startswith("-")],
-        ],
+        [sys.executable, "-m", "probe", *args],
         cwd=cwd or ROOT,
         env=full_env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def h5_arrays(path: Path) -> dict:
+    """Every dataset of an HDF5 file (virtual ones read through their sources) by its path."""
+    arrays = {}
+
+    def take(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            arrays[name] = obj[()]
+
+    with h5py.File(path, "r") as f:
+        f.visititems(take)
+    return arrays
+
+
+def assert_same_arrays(a: Path, b: Path) -> int:
+    """Both files hold the same datasets, value for value (NaN equal to NaN); returns how many."""
+    import numpy as np
+
+    left, right = h5_arrays(a), h5_arrays(b)
+    assert sorted(left) == sorted(right)
+    for name in left:
+        assert left[name].dtype == right[name].dtype, name
+        np.testing.assert_array_equal(left[name], right[name], err_msg=name)
+    return len(left)
+
+
+def cloned_outputs(model, names: list[str], batches, autocast=None) -> dict:
+    """{name: output over all batches} of a plain forward per batch of inputs (optionally under
+    CPU autocast to `autocast`), seen by throwaway hooks that clone, so an in-place op after a
+    module cannot change what was seen."""
+    import torch
+
+    seen: dict[str, list] = {n: [] for n in names}
+
+    def keeper(name):
+        return lambda module, args, output: seen[name].append(output.detach().float().clone())
+
+    handles = [model.get_submodule(n).register_forward_hook(keeper(n)) for n in names]
+    try:
+        with torch.no_grad():
+            for inputs in batches:
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(v).numpy() for n, v in seen.items()}

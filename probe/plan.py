@@ -1,0 +1,109 @@
+"""How big a run will be, logged before anything is written: bytes per sample for each probe and
+the projected size of the file(s) for the whole dataset.
+
+The sizes come from the run's first batch (its real forward and backward through the same hooks),
+so every site, reduction and storage dtype counts exactly. The projection follows the writer's
+layout: whole chunks of `store.chunk_bytes` per dataset (HDF5 allocates the last chunk in full),
+one file per rank, no compression (a compressed file is smaller).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from probe.data import OrderedBatches
+from probe.store import Record, chunk_rows
+
+log = logging.getLogger("probe")
+
+# Measured on HDF5 2.0 files of this writer (resnet18 all_convs): fixed costs besides the data.
+FILE_OVERHEAD = 8 << 10  # superblock, root group, attributes (the resolved config)
+STATS_OVERHEAD = 2900  # one /stats/<layer>/<site> group and its attributes
+DATASET_OVERHEAD = 4600  # one chunked dataset's object header and chunk index
+
+
+@dataclass
+class Plan:
+    per_sample: dict[str, int]  # probe name -> bytes per sample
+    per_batch: int  # bytes per batch (parameter gradients)
+    projected: int  # bytes of all files of the run
+
+    @property
+    def sample_bytes(self) -> int:
+        return sum(self.per_sample.values())
+
+
+def announce(record: Record, batches: OrderedBatches, selections, store, shard) -> Plan | None:
+    """On rank 0, log the plan measured from the run's first batch, before it is written."""
+    if shard.rank != 0 or batches.num_samples == 0:
+        return None
+    if record.ready is not None:
+        record.ready.synchronize()
+    result = estimate(record, selections, store, list(shard.blocks), batches.batch_size)
+    log_plan(result, shard.dataset_samples, shard.world, store)
+    return result
+
+
+def estimate(record: Record, selections, store, blocks: list[int], batch_size: int) -> Plan:
+    """Sizes from one record; `blocks` are the sample counts of the files (one per rank)."""
+    probe_of = {s.name: s.probe for s in selections}
+    per_sample: dict[str, int] = defaultdict(int)
+    rows: list[tuple[int, bool]] = []  # (bytes per row, per batch)
+    for (layer, _), t in record.values.items():
+        row = t[0].nbytes
+        per_sample[probe_of.get(layer, "?")] += row
+        rows.append((row, False))
+    per_batch = 0
+    for t in record.per_batch.values():
+        per_batch += t[0].nbytes
+        rows.append((t[0].nbytes, True))
+    for t in record.extra.values():  # /model/output and, with edits, /model/output_clean
+        rows.append((t[0].nbytes, False))
+    rows.append((8, False))  # samples/index
+    if record.targets is not None:
+        rows.append((record.targets[0].element_size(), False))
+    stats = len(record.values) + len(record.per_batch)
+    fixed = FILE_OVERHEAD + STATS_OVERHEAD * stats
+    if store.mode == "full":
+        fixed += DATASET_OVERHEAD * len(rows)
+    projected = fixed if len(blocks) > 1 else 0  # the stitched file of a torchrun job
+    for n in blocks:
+        projected += fixed
+        if store.mode != "full":
+            continue
+        for row, batchwise in rows:
+            count = math.ceil(n / batch_size) if batchwise else n
+            chunk = chunk_rows(1 if batchwise else min(batch_size, n), row, store.chunk_bytes)
+            projected += math.ceil(count / chunk) * chunk * row
+    return Plan(dict(per_sample), per_batch, projected)
+
+
+def log_plan(plan: Plan, num_samples: int, world: int, store) -> None:
+    for probe, size in plan.per_sample.items():
+        log.info("plan: probe %-12s %s per sample", probe, human(size))
+    if plan.per_batch:
+        log.info("plan: parameter gradients %s per batch", human(plan.per_batch))
+    files = f"{world} shard files" if world > 1 else store.filename
+    note = "" if store.mode == "full" else " (store=stats: statistics only)"
+    if store.mode == "full" and store.compression != "none":
+        note = f" (uncompressed; {store.compression} makes it smaller)"
+    log.info(
+        "plan: %s per sample; projected %s for %d samples: %s (%d bytes)%s",
+        human(plan.sample_bytes),
+        files,
+        num_samples,
+        human(plan.projected),
+        plan.projected,
+        note,
+    )
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,170 @@
+"""One file from per-rank shard files: HDF5 virtual datasets in dataset order, merged statistics.
+
+A virtual dataset reads a missing source file as fill values without any error, so a stitched file
+is only trusted after `missing_sources` finds every shard present and complete; `read_stats` and
+`open_checked` do that check for every reader of a run file.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import fields
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from probe.errors import DataError
+from probe.stats import RunningStats
+from probe.store import DatasetInfo, write_stats
+
+STAT_FIELDS = [f.name for f in fields(RunningStats)]
+SHARD_ATTRS = ("complete", "num_samples", "num_batches", "rank", "shard_first_sample")
+
+
+class IncompleteFileError(DataError):
+    """A run file that is unfinished, or stitched from a shard that is gone or unfinished."""
+
+
+def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
+    """Write `path`: every dataset of the shards as one virtual dataset (rows in rank order), the
+    shards' statistics merged exactly, `complete` last. Returns the merged DatasetInfo records."""
+    files = [h5py.File(p, "r") for p in shards]
+    try:
+        merged = merge_stats([read_stats(f, check=False) for f in files])
+        with h5py.File(path, "w") as out:
+            for k, v in files[0].attrs.items():
+                if k not in SHARD_ATTRS:
+                    out.attrs[k] = v
+            out.attrs["complete"] = False
+            out.attrs["num_samples"] = sum(int(f.attrs["num_samples"]) for f in files)
+            out.attrs["num_batches"] = sum(int(f.attrs["num_batches"]) for f in files)
+            out.attrs["world_size"] = len(files)
+            out.attrs["shards"] = [p.name for p in shards]
+            if "layers" in files[0]:
+                out.create_group("layers")
+            for name in _dataset_names(files):
+                _virtual(
+                    out, name, [(p.name, f.get(name)) for p, f in zip(shards, files, strict=True)]
+                )
+            write_stats(out, merged.values())
+            out.flush()
+            out.attrs["complete"] = all(bool(f.attrs["complete"]) for f in files)
+    finally:
+        for f in files:
+            f.close()
+    return list(merged.values())
+
+
+def _dataset_names(files: list[h5py.File]) -> list[str]:
+    names: dict[str, None] = {}
+    for f in files:
+        f.visititems(lambda n, o: names.setdefault(n) if isinstance(o, h5py.Dataset) else None)
+    return list(names)
+
+
+def _virtual(out: h5py.File, name: str, sources: list[tuple[str, h5py.Dataset | None]]) -> None:
+    present = [(file, ds) for file, ds in sources if ds is not None]
+    first = present[0][1]
+    rows = sum(ds.shape[0] for _, ds in present)
+    layout = h5py.VirtualLayout(shape=(rows, *first.shape[1:]), dtype=first.dtype)
+    row = 0
+    for file, ds in present:
+        if ds.shape[0]:
+            layout[row : row + ds.shape[0]] = h5py.VirtualSource(file, name, shape=ds.shape)
+            row += ds.shape[0]
+    fill = np.nan if first.dtype.kind == "f" else -1
+    out.create_virtual_dataset(name, layout, fillvalue=fill)
+
+
+def merge_stats(per_shard: list[dict]) -> dict:
+    """Chan merges of each (layer, site)'s statistics over the shards, in rank order."""
+    merged: dict[tuple[str, str], DatasetInfo] = {}
+    for infos in per_shard:
+        for key, info in infos.items():
+            if key in merged:
+                merged[key].stats.merge(info.stats)
+            else:
+                merged[key] = copy.deepcopy(info)
+    return merged
+
+
+def read_stats(f: h5py.File, check: bool = True) -> dict[tuple[str, str], DatasetInfo]:
+    """The `/stats` records of a run file, in the run's order; with `check`, refuse a file that is
+    incomplete or whose shards are missing."""
+    if check:
+        check_complete(f)
+    found = []
+    for layer, group in f.get("stats", {}).items():
+        for site, g in group.items():
+            found.append((int(g.attrs.get("order", 0)), layer, site, g))
+    out = {}
+    for _, layer, site, g in sorted(found, key=lambda x: x[0]):
+        a = g.attrs
+        out[layer, site] = DatasetInfo(
+            layer,
+            site,
+            str(a["module_type"]),
+            tuple(int(x) for x in a["shape"]),
+            str(a["dtype"]),
+            bool(a["per_batch"]),
+            RunningStats.from_saved(a, g),
+        )
+    return out
+
+
+def missing_sources(f: h5py.File) -> list[str]:
+    """Shard files that a virtual dataset of `f` reads and that are absent or not complete."""
+    base = Path(f.filename).parent
+    files: set[str] = set()
+
+    def collect(_, obj):
+        if isinstance(obj, h5py.Dataset) and obj.is_virtual:
+            files.update(vs.file_name for vs in obj.virtual_sources())
+
+    f.visititems(collect)
+    bad = []
+    for name in sorted(files):
+        p = base / name
+        if not p.is_file():
+            bad.append(f"{name} (missing)")
+            continue
+        try:
+            with h5py.File(p, "r") as shard:
+                if not shard.attrs.get("complete", False):
+                    bad.append(f"{name} (not complete)")
+        except OSError:
+            bad.append(f"{name} (unreadable)")
+    return bad
+
+
+def check_complete(f: h5py.File) -> None:
+    """Raise IncompleteFileError unless `f` was closed cleanly and all of its shards are there."""
+    if not f.attrs.get("complete", False):
+        raise IncompleteFileError(
+            f"{f.filename!r} is not complete (the run stopped early); re-run it, or read the "
+            f"first num_samples={int(f.attrs.get('num_samples', 0))} rows with plain h5py"
+        )
+    bad = missing_sources(f)
+    if bad:
+        raise IncompleteFileError(
+            f"{f.filename!r} is stitched from shard files and some are unusable: {', '.join(bad)}; "
+            "its virtual datasets would read those rows as fill values. Restore the shard files "
+            "next to it or re-run the job"
+        )
+
+
+def is_complete(path: Path) -> bool:
+    with h5py.File(path, "r") as f:
+        return bool(f.attrs.get("complete", False)) and not missing_sources(f)
+
+
+def open_checked(path: Path) -> h5py.File:
+    """Open a run file for reading after `check_complete`: the safe way to read a stitched file."""
+    f = h5py.File(path, "r")
+    try:
+        check_complete(f)
+    except BaseException:
+        f.close()
+        raise
+    return f

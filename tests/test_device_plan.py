@@ -1,0 +1,84 @@
+"""The device path (autocast on the CPU here; the GPU test runs where there is one) and the plan
+logged before a run: bytes per sample and the projected file size against the real file."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from probe.data import build_batches
+from probe.errors import ConfigError
+from probe.models import build_model
+from tests.helpers import cloned_outputs, make_cfg, run_probe
+
+TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]
+LAYERS = ["probes=all_convs", "probes.convs.layers=[conv1,layer2.*,layer4.1.conv2]"]
+
+
+def outputs_per_batch(cfg, names, autocast=None) -> dict:
+    """Each named module's output over the dataset from a plain forward per batch."""
+    model = build_model(cfg.model, cfg.seed).eval()
+    batches = [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)]
+    return cloned_outputs(model, names, batches, autocast)
+
+
+def test_bf16_autocast_stores_what_an_autocast_forward_gives(tmp_path):
+    lenet = ["model=lenet", "dataset.num_samples=5", "dataset.batch_size=2", "probes=all_convs"]
+    _, f = run_probe(tmp_path, *lenet, "precision=bf16")
+    names = sorted(f["layers"])
+    assert names == ["conv1", "conv2"]
+    ref = outputs_per_batch(make_cfg(*lenet), names, torch.bfloat16)
+    for name in names:
+        stored = f[f"layers/{name}/output"][:]
+        assert stored.dtype == np.float32  # the probe's storage dtype
+        np.testing.assert_allclose(stored, ref[name], rtol=1e-6, atol=1e-6)
+        as_bf16 = torch.from_numpy(stored).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(stored, as_bf16)  # bf16 values, widened
+    fp32 = outputs_per_batch(make_cfg(*lenet), ["conv1"])["conv1"]
+    assert np.abs(f["layers/conv1/output"][:] - fp32).max() > 1e-4  # autocast did act
+
+
+def test_unknown_precision_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"precision='fp8'.*fp32, bf16, fp16"):
+        run_probe(tmp_path, *TINY, "precision=fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_equals_the_cpu_run(tmp_path):
+    _, gpu = run_probe(tmp_path / "gpu", *TINY, *LAYERS, "device=cuda")
+    _, cpu = run_probe(tmp_path / "cpu", *TINY, *LAYERS, "device=cpu")
+    assert sorted(gpu["layers"]) == sorted(cpu["layers"])
+    for name in cpu["layers"]:
+        np.testing.assert_allclose(
+            gpu[f"layers/{name}/output"][:], cpu[f"layers/{name}/output"][:], rtol=1e-3, atol=1e-3
+        )
+
+
+def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path, caplog):
+    """The logged bytes per sample are the stored rows' bytes; the projection is within 5% of the
+    real file (whole chunks included: here most chunks hold more rows than the 7 samples)."""
+    overrides = [
+        *TINY,
+        "dataset.num_samples=7",
+        "probes=all_convs",
+        "probes.convs.capture=[output,input]",
+    ]
+    with caplog.at_level(logging.INFO, logger="probe"):
+        result, f = run_probe(tmp_path, *overrides)
+    messages = [r.getMessage() for r in caplog.records]
+    plan_at = next(i for i, m in enumerate(messages) if "projected" in m)
+    assert plan_at < next(i for i, m in enumerate(messages) if m.startswith("wrote"))
+    projected = int(re.search(r"\((\d+) bytes\)", messages[plan_at]).group(1))
+    row_bytes = sum(
+        ds.dtype.itemsize * int(np.prod(ds.shape[1:]))
+        for g in f["layers"].values()
+        for ds in g.values()
+    )
+    assert f"{row_bytes / 1024:.1f} KiB per sample" in messages[plan_at]
+    f.close()
+    real = result.h5_path.stat().st_size
+    assert abs(projected - real) / real < 0.05, (projected, real)
