@@ -182,10 +182,12 @@ class RunningStats:
     hist: LogHistogram | None = field(default_factory=LogHistogram)
     units: UnitStats | None = None
 
+    @torch.inference_mode()
     def update(self, x: torch.Tensor) -> None:
-        """Fold in one batch (axis 0 = rows)."""
+        """Fold in one batch (axis 0 = rows). Runs in inference mode wherever it is called from."""
         self.merge(batch_stats(x, self.bounds, self.hist))
 
+    @torch.inference_mode()
     def merge(self, b: RunningStats) -> None:
         """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare."""
         n = self.n + b.n
@@ -277,8 +279,9 @@ class RunningStats:
 def variance_shift(row: torch.Tensor) -> float:
     """A value to subtract before summing squares: the first row's mean when the data sit far from
     zero (1000 +- 0.01 keeps its variance), else 0 (x - 0 is exact, and no pass is needed)."""
-    std, mean = torch.std_mean(row, correction=0)
-    return float(mean) if abs(float(mean)) > float(std) else 0.0
+    lo, hi = torch.aminmax(row)
+    mean = row.sum() / max(row.numel(), 1)  # in row's dtype, so that x - shift is exact
+    return float(mean) if abs(float(mean)) > 0.1 * float(hi - lo) else 0.0
 
 
 def precise_sum(t: torch.Tensor) -> torch.Tensor:
