@@ -6,11 +6,12 @@ counted apart. std is the population standard deviation (ddof=0).
 
 A batch is viewed as (rows, units, rest): units are axis 1 (channels of a conv output, features of a
 linear one). Reductions run in the tensor's own dtype along the contiguous last axis (fast, vectorised)
-and are combined in float64; the variance is taken about the batch mean, so data such as 1000 +- 0.01
-keeps its variance.
+over blocks short enough to stay accurate, and are combined in float64; when the data sit far from zero
+the variance is taken about a shift near their mean, so data such as 1000 +- 0.01 keeps its variance.
 
 Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
-sign, exponent and 7 mantissa bits), so histograms merge exactly by adding counts. A quantile is the
+sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
+sparse), so histograms merge exactly by adding counts. A quantile is the
 midpoint of the bucket holding the value of rank floor(q*(n-1)) (numpy's method="lower"), clipped to
 [min, max]; its error is at most QUANTILE_REL_ERROR = 2**-8 (0.39%) of that value's magnitude
 (at most 2**-133 in absolute terms for |values| below 2**-126, where float32 turns subnormal).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,7 +43,9 @@ SATURATING = {
     "ReLU6": (0.0, 6.0),
 }
 SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
-SCALARS = ("rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count")
+SCALARS = (
+    "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
+)  # fmt: skip
 
 
 # Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
@@ -56,10 +59,6 @@ class LogHistogram:
 
     def __init__(self, counts: torch.Tensor | None = None):
         self.counts = counts if counts is not None else torch.zeros(self.BINS, dtype=torch.int64)
-
-    def update(self, x: torch.Tensor) -> None:
-        """Fold in the finite values of `x` (any float tensor)."""
-        self.counts += torch.bincount(bucket_index(x), minlength=self.BINS)
 
     def merge(self, other: LogHistogram) -> None:
         self.counts += other.counts
@@ -240,9 +239,7 @@ class RunningStats:
 
     def state(self) -> dict:
         """The scalar state (HDF5 attributes); `arrays` holds the histogram and per-unit arrays."""
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name in (*SCALARS, "l2_sum")
-        }
+        return {k: getattr(self, k) for k in SCALARS}
 
     def arrays(self) -> dict[str, np.ndarray]:
         index, count = self.hist.sparse()
@@ -254,12 +251,7 @@ class RunningStats:
     @classmethod
     def from_saved(cls, attrs, arrays) -> RunningStats:
         """Rebuild from `state()` attributes and `arrays()` (e.g. a /stats group of probe.h5)."""
-        s = cls(
-            **{
-                k: attrs[k].item() if hasattr(attrs[k], "item") else attrs[k]
-                for k in (*SCALARS, "l2_sum")
-            }
-        )
+        s = cls(**{k: attrs[k].item() if hasattr(attrs[k], "item") else attrs[k] for k in SCALARS})
         if "hist_index" in arrays:
             s.hist = LogHistogram.from_sparse(arrays["hist_index"][()], arrays["hist_count"][()])
         if "unit_count" in arrays:
