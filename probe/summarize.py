@@ -52,7 +52,7 @@ COLUMNS = [
     "saturated_frac",
 ]
 UNIT_COLUMNS = ["layer", "site", "unit", "count", "mean", "min", "max", "frac_positive", "dead"]
-SLAB_BYTES = 32 << 20
+SLAB_BYTES = 16 << 20
 
 
 def summary_frame(datasets: Iterable) -> pd.DataFrame:
