@@ -67,7 +67,7 @@ class LogHistogram:
         """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
         counts = self.counts.numpy()
         order = np.concatenate(
-            [np.arange(self.BINS // 2 - 1, -1, -1), np.arange(self.BINS // 2, self.BINS)]
+            [np.arange(self.BINS - 1, self.BINS // 2 - 1, -1), np.arange(self.BINS // 2)]
         )
         keep = order[counts[order] > 0]
         return bucket_midpoints(keep), counts[keep]
@@ -97,21 +97,21 @@ class LogHistogram:
 
 
 def bucket_index(x: torch.Tensor) -> torch.Tensor:
-    """Bucket of each value: its float32 bits' top half (sign, exponent, 7 mantissa bits) + 2**15."""
+    """Bucket of each value: the top half of its float32 bits (sign, exponent, 7 mantissa bits) as an
+    unsigned number: positive values below 2**15, negative ones from 2**15 up."""
     x = x.detach().reshape(-1)
     if x.dtype != torch.float32:
         x = x.float()
     x = x.contiguous()
     high = 1 if sys.byteorder == "little" else 0
-    top = x.view(torch.int16)[high::2]  # the high 16 bits of each value
-    return top.to(torch.int32) + (1 << 15)
+    return x.view(torch.uint16)[high::2].to(torch.int32)  # the high 16 bits of each value
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
     """The midpoint of each bucket; the bucket of +-0 (and |x| < 2**-133) is represented by 0."""
     index = np.asarray(index, dtype=np.int64)
-    negative = index < (1 << 15)
-    magnitude = np.where(negative, index, index - (1 << 15))
+    negative = index >= (1 << 15)
+    magnitude = np.where(negative, index - (1 << 15), index)
     lo = (magnitude.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     hi = ((magnitude + 1).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     mid = np.where(magnitude == 0, 0.0, (lo + hi) / 2)
@@ -268,6 +268,17 @@ class RunningStats:
         return s
 
 
+def sign_counts(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of values above zero and of non-zero values per (row, unit), as int64. Float sums of
+    signs (fast, vectorised) are exact below 2**24 values per (row, unit); beyond, integer sums."""
+    if y.shape[2] >= (1 << 24):
+        return (y > 0).sum(dim=2), (y != 0).sum(dim=2)
+    signs = torch.sign(y)
+    balance = signs.sum(dim=2)  # positives - negatives
+    nonzero = signs.abs_().sum(dim=2)  # positives + negatives
+    return ((balance + nonzero) / 2).to(torch.int64), nonzero.to(torch.int64)
+
+
 def variance_shift(row: torch.Tensor) -> float:
     """A value to subtract before summing squares: the first row's mean when the data sit far from
     zero (1000 +- 0.01 keeps its variance), else 0 (x - 0 is exact, and no pass is needed)."""
@@ -340,15 +351,11 @@ def batch_stats(
     positive_part = y.clamp(min=0)
     pos_sum = torch.sum(positive_part.sum(dim=2), dtype=F64).item()
     s.abs_sum = 2 * pos_sum - (shift64 * n + d_total)
-    s.zeros = int(y.numel() - torch.count_nonzero(y)) - (y.numel() - n)
+    positive, nonzero = sign_counts(y)  # per (row, unit)
+    s.zeros = n - int(nonzero.sum())
     sq = d_sq if d is y else torch.linalg.vector_norm(y, dim=2).to(F64).square()
     s.l2_sum = sq.sum(dim=1).sqrt().sum().item()
     if has_units:
-        positive = (
-            torch.sign(positive_part).sum(dim=2)  # exact below 2**24 values per (row, unit)
-            if y.shape[2] < (1 << 24)
-            else (positive_part > 0).sum(dim=2)
-        )
         s.units = UnitStats(
             count=count.sum(dim=0),
             sum=shift64 * count.sum(dim=0).to(F64) + d_sum.sum(dim=0),
