@@ -6,11 +6,12 @@ counted apart. std is the population standard deviation (ddof=0).
 
 A batch is viewed as (rows, units, rest): units are axis 1 (channels of a conv output, features of a
 linear one). Reductions run in the tensor's own dtype along the contiguous last axis (fast, vectorised)
-and are combined in float64; the variance is taken about the batch mean, so data such as 1000 +- 0.01
-keeps its variance.
+over blocks short enough to stay accurate, and are combined in float64; when the data sit far from zero
+the variance is taken about a shift near their mean, so data such as 1000 +- 0.01 keeps its variance.
 
 Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
-sign, exponent and 7 mantissa bits), so histograms merge exactly by adding counts. A quantile is the
+sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
+sparse), so histograms merge exactly by adding counts. A quantile is the
 midpoint of the bucket holding the value of rank floor(q*(n-1)) (numpy's method="lower"), clipped to
 [min, max]; its error is at most QUANTILE_REL_ERROR = 2**-8 (0.39%) of that value's magnitude
 (at most 2**-133 in absolute terms for |values| below 2**-126, where float32 turns subnormal).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,7 +43,9 @@ SATURATING = {
     "ReLU6": (0.0, 6.0),
 }
 SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
-SCALARS = ("rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count")
+SCALARS = (
+    "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
+)  # fmt: skip
 
 
 # Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
@@ -57,10 +60,6 @@ class LogHistogram:
     def __init__(self, counts: torch.Tensor | None = None):
         self.counts = counts if counts is not None else torch.zeros(self.BINS, dtype=torch.int64)
 
-    def update(self, x: torch.Tensor) -> None:
-        """Fold in the finite values of `x` (any float tensor)."""
-        self.counts += torch.bincount(bucket_index(x), minlength=self.BINS)
-
     def merge(self, other: LogHistogram) -> None:
         self.counts += other.counts
 
@@ -68,7 +67,7 @@ class LogHistogram:
         """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
         counts = self.counts.numpy()
         order = np.concatenate(
-            [np.arange(self.BINS // 2 - 1, -1, -1), np.arange(self.BINS // 2, self.BINS)]
+            [np.arange(self.BINS - 1, self.BINS // 2 - 1, -1), np.arange(self.BINS // 2)]
         )
         keep = order[counts[order] > 0]
         return bucket_midpoints(keep), counts[keep]
@@ -98,21 +97,21 @@ class LogHistogram:
 
 
 def bucket_index(x: torch.Tensor) -> torch.Tensor:
-    """Bucket of each value: its float32 bits' top half (sign, exponent, 7 mantissa bits) + 2**15."""
+    """Bucket of each value: the top half of its float32 bits (sign, exponent, 7 mantissa bits) as an
+    unsigned number: positive values below 2**15, negative ones from 2**15 up."""
     x = x.detach().reshape(-1)
     if x.dtype != torch.float32:
         x = x.float()
     x = x.contiguous()
     high = 1 if sys.byteorder == "little" else 0
-    top = x.view(torch.int16)[high::2]  # the high 16 bits of each value
-    return top.to(torch.int32) + (1 << 15)
+    return x.view(torch.uint16)[high::2].to(torch.int32)  # the high 16 bits of each value
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
     """The midpoint of each bucket; the bucket of +-0 (and |x| < 2**-133) is represented by 0."""
     index = np.asarray(index, dtype=np.int64)
-    negative = index < (1 << 15)
-    magnitude = np.where(negative, index, index - (1 << 15))
+    negative = index >= (1 << 15)
+    magnitude = np.where(negative, index - (1 << 15), index)
     lo = (magnitude.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     hi = ((magnitude + 1).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     mid = np.where(magnitude == 0, 0.0, (lo + hi) / 2)
@@ -182,10 +181,12 @@ class RunningStats:
     hist: LogHistogram | None = field(default_factory=LogHistogram)
     units: UnitStats | None = None
 
+    @torch.inference_mode()
     def update(self, x: torch.Tensor) -> None:
-        """Fold in one batch (axis 0 = rows)."""
+        """Fold in one batch (axis 0 = rows). Runs in inference mode wherever it is called from."""
         self.merge(batch_stats(x, self.bounds, self.hist))
 
+    @torch.inference_mode()
     def merge(self, b: RunningStats) -> None:
         """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare."""
         n = self.n + b.n
@@ -238,9 +239,7 @@ class RunningStats:
 
     def state(self) -> dict:
         """The scalar state (HDF5 attributes); `arrays` holds the histogram and per-unit arrays."""
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name in (*SCALARS, "l2_sum")
-        }
+        return {k: getattr(self, k) for k in SCALARS}
 
     def arrays(self) -> dict[str, np.ndarray]:
         index, count = self.hist.sparse()
@@ -252,12 +251,7 @@ class RunningStats:
     @classmethod
     def from_saved(cls, attrs, arrays) -> RunningStats:
         """Rebuild from `state()` attributes and `arrays()` (e.g. a /stats group of probe.h5)."""
-        s = cls(
-            **{
-                k: attrs[k].item() if hasattr(attrs[k], "item") else attrs[k]
-                for k in (*SCALARS, "l2_sum")
-            }
-        )
+        s = cls(**{k: attrs[k].item() if hasattr(attrs[k], "item") else attrs[k] for k in SCALARS})
         if "hist_index" in arrays:
             s.hist = LogHistogram.from_sparse(arrays["hist_index"][()], arrays["hist_count"][()])
         if "unit_count" in arrays:
@@ -274,11 +268,23 @@ class RunningStats:
         return s
 
 
+def sign_counts(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of values above zero and of non-zero values per (row, unit), as int64. Float sums of
+    signs (fast, vectorised) are exact below 2**24 values per (row, unit); beyond, integer sums."""
+    if y.shape[2] >= (1 << 24):
+        return (y > 0).sum(dim=2), (y != 0).sum(dim=2)
+    signs = torch.sign(y)
+    balance = signs.sum(dim=2)  # positives - negatives
+    nonzero = signs.abs_().sum(dim=2)  # positives + negatives
+    return ((balance + nonzero) / 2).to(torch.int64), nonzero.to(torch.int64)
+
+
 def variance_shift(row: torch.Tensor) -> float:
     """A value to subtract before summing squares: the first row's mean when the data sit far from
     zero (1000 +- 0.01 keeps its variance), else 0 (x - 0 is exact, and no pass is needed)."""
-    std, mean = torch.std_mean(row, correction=0)
-    return float(mean) if abs(float(mean)) > float(std) else 0.0
+    lo, hi = torch.aminmax(row)
+    mean = row.sum() / max(row.numel(), 1)  # in row's dtype, so that x - shift is exact
+    return float(mean) if abs(float(mean)) > 0.1 * float(hi - lo) else 0.0
 
 
 def precise_sum(t: torch.Tensor) -> torch.Tensor:
@@ -345,15 +351,11 @@ def batch_stats(
     positive_part = y.clamp(min=0)
     pos_sum = torch.sum(positive_part.sum(dim=2), dtype=F64).item()
     s.abs_sum = 2 * pos_sum - (shift64 * n + d_total)
-    s.zeros = int(y.numel() - torch.count_nonzero(y)) - (y.numel() - n)
+    positive, nonzero = sign_counts(y)  # per (row, unit)
+    s.zeros = n - int(nonzero.sum())
     sq = d_sq if d is y else torch.linalg.vector_norm(y, dim=2).to(F64).square()
     s.l2_sum = sq.sum(dim=1).sqrt().sum().item()
     if has_units:
-        positive = (
-            torch.sign(positive_part).sum(dim=2)  # exact below 2**24 values per (row, unit)
-            if y.shape[2] < (1 << 24)
-            else (positive_part > 0).sum(dim=2)
-        )
         s.units = UnitStats(
             count=count.sum(dim=0),
             sum=shift64 * count.sum(dim=0).to(F64) + d_sum.sum(dim=0),

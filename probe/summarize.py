@@ -52,7 +52,7 @@ COLUMNS = [
     "saturated_frac",
 ]
 UNIT_COLUMNS = ["layer", "site", "unit", "count", "mean", "min", "max", "frac_positive", "dead"]
-SLAB_BYTES = 32 << 20
+SLAB_BYTES = 16 << 20
 
 
 def summary_frame(datasets: Iterable) -> pd.DataFrame:
@@ -261,7 +261,9 @@ def sweep_table(path: Path, from_stats: bool = False) -> tuple[pd.DataFrame, lis
         if table.empty:
             table = pd.DataFrame([{"run": run_dir.name, "status": s.state, **overrides}])
         frames.append(table)
-    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if not frames:
+        return pd.DataFrame(columns=["run", "status", *COLUMNS]), summaries
+    table = pd.concat(frames, ignore_index=True)
     override_cols = [c for c in table.columns if c not in ("run", "status", *COLUMNS)]
     return table[["run", "status", *override_cols, *[c for c in COLUMNS if c in table]]], summaries
 
@@ -317,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"probe.summarize: error: {e}", file=sys.stderr)
             failed = True
             continue
+        if not summaries:
+            print(f"{path}: no runs found (no */.hydra/overrides.yaml)", file=sys.stderr)
+            failed = True
         for s in summaries:
             if s.state == "complete":
                 print(f"{s.path}: complete, {s.num_samples} samples, {len(s.datasets)} datasets")

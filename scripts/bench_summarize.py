@@ -37,6 +37,13 @@ with h5py.File(sys.argv[1]) as f:
 print(total, time.perf_counter() - t)
 """
 
+CHILD_IMPORT = """
+import time
+t = time.perf_counter()
+import probe.summarize  # torch, h5py, pandas: the floor of any summarize process
+print(0, time.perf_counter() - t)
+"""
+
 CHILD_SUMMARIZE = """
 import sys, time
 from probe.summarize import main
@@ -99,6 +106,7 @@ def main() -> int:
     t = time.perf_counter()
     size = write_file(h5, args.gb)
     print(f"wrote {h5}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+    _, import_rss, _ = child(CHILD_IMPORT, h5)
     raw_s, raw_rss, _ = child(CHILD_RAW, h5)  # warms the page cache for both
     raw_s, raw_rss, _ = child(CHILD_RAW, h5)
     sum_s, sum_rss, code = child(CHILD_SUMMARIZE, args.dir)
@@ -107,6 +115,7 @@ def main() -> int:
         "raw_read_mb_s": round(size / 2**20 / raw_s, 1),
         "summarize_mb_s": round(size / 2**20 / sum_s, 1),
         "summarize_time_over_raw": round(sum_s / raw_s, 2),
+        "import_only_peak_rss_mb": round(import_rss, 1),
         "raw_peak_rss_mb": round(raw_rss, 1),
         "summarize_peak_rss_mb": round(sum_rss, 1),
         "summarize_exit": code,
