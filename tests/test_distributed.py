@@ -143,7 +143,9 @@ def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path,
     finite = a[np.isfinite(a)]
     assert (row["n"], row["nan_count"], row["inf_count"], row["rows"]) == (finite.size, 1, 1, 11)
     assert (row["min"], row["max"]) == (finite.min(), finite.max())
-    np.testing.assert_allclose([row["mean"], row["std"]], [finite.mean(), finite.std()], rtol=1e-9)
+    np.testing.assert_allclose(
+        [row["mean"], row["std"]], [finite.mean(), finite.std()], rtol=2e-7
+    )  # the streaming bound of test_stats
     with open_checked(tmp_path / "probe.h5") as f:
         assert (
             f.attrs["num_samples"] == 11 and read_stats(f)["layer", "output"].stats.n == finite.size
