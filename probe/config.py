@@ -144,3 +144,19 @@ def config_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("probe's config files are missing: reinstall the package")
     return str(next(iter(spec.submodule_search_locations)))
+
+
+def import_target(key: str, target: str | None, example: str = "pkg.mod.name"):
+    """The object a `_target_` names (configs are code: any importable callable), or a ConfigError
+    naming the key."""
+    from hydra.utils import get_object
+
+    from probe.errors import ConfigError
+
+    try:
+        return get_object(str(target))
+    except Exception as e:
+        raise ConfigError(
+            f"{key}={target!r} cannot be imported ({e}); give a dotted path importable from this "
+            f"environment, e.g. {example}"
+        ) from None

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import h5py
 import torch
-from hydra.utils import get_object
 from torch import nn
 
+from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.select import match_modules
 
@@ -135,12 +135,7 @@ def _op(name: str, spec, module_name: str, seed: int):
             )
         return MeanSource(name, module_name, spec.source)
     target = spec.get("_target_")
-    try:
-        fn = get_object(target)
-    except Exception as e:
-        raise ConfigError(
-            f"intervene {name!r}: _target_={target!r} cannot be imported ({e}); give pkg.mod.fn"
-        ) from None
+    fn = import_target(f"intervene.{name}._target_", target, example="my_edits.halve")
     return lambda x, start, key, ch: fn(x)
 
 

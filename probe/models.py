@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 import torchvision
-from hydra.utils import get_object
 from omegaconf import OmegaConf
 from torch import nn
 
+from probe.config import import_target
 from probe.errors import CheckpointError, ConfigError
 
 
@@ -32,13 +32,7 @@ def build_model(cfg, seed: int) -> nn.Module:
 
 
 def _build_custom(target: str, kwargs: dict) -> nn.Module:
-    try:
-        cls = get_object(target)
-    except Exception as e:
-        raise ConfigError(
-            f"model._target_={target!r} cannot be imported ({e}); give a dotted path to an "
-            "nn.Module class importable from this environment, e.g. probe.zoo.LeNet"
-        ) from None
+    cls = import_target("model._target_", target, example="probe.zoo.LeNet")
     try:
         model = cls(**kwargs)
     except TypeError as e:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from hydra.utils import get_object
 from torch.nn import functional as F
 
+from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.hooks import flatten
 
@@ -43,12 +43,7 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
             )
         return lambda out, y: out[:, k]
     target = cfg.get("_target_")
-    try:
-        fn = get_object(target)
-    except Exception as e:
-        raise ConfigError(
-            f"objective._target_={target!r} cannot be imported ({e}); give pkg.mod.fn"
-        ) from None
+    fn = import_target("objective._target_", target, example="my_losses.per_sample_loss")
     if not callable(fn):
         raise ConfigError(f"objective._target_={target!r} is not callable")
     return fn
