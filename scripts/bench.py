@@ -175,6 +175,14 @@ def interleave(cases: dict, reps: int, tmp: Path) -> tuple[dict, dict]:
 
 
 def peak_rss_mb() -> float:
+    """This process's own peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the
+    parent at fork, so a child of a big parent would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
