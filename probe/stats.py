@@ -92,14 +92,12 @@ def batch_stats(x: torch.Tensor) -> RunningStats:
     width = min(a.size, BLOCK if a.shape[1] >= BLOCK else max(1, BLOCK // a.shape[1]) * a.shape[1])
     b, t = np.empty(width), np.empty(width)
     is_zero = np.empty(width, dtype=bool)
-    ones = np.ones(width)
     for r0, r1, piece in _blocks(a):
         k, cols = piece.shape
         bb, tt = b[: piece.size].reshape(k, cols), t[: piece.size].reshape(k, cols)
         np.copyto(bb, piece)
-        total = float((bb @ ones[:cols]).sum())
-        np.multiply(bb, bb, out=tt)
-        sq = tt @ ones[:cols]
+        total = float(bb.sum())
+        sq = np.einsum("ij,ij->i", bb, bb)  # no temporary, no BLAS threads
         row_sq[r0:r1] += sq
         mean = total / bb.size
         m2 = float(sq.sum()) - total * mean
@@ -108,7 +106,7 @@ def batch_stats(x: torch.Tensor) -> RunningStats:
             m2 = float(np.vdot(bb, bb))
             np.copyto(bb, piece)
         s.merge(RunningStats(n=bb.size, mean=mean, m2=m2))
-        s.abs_sum += float(np.abs(bb, out=tt).ravel() @ ones[: bb.size])
+        s.abs_sum += float(np.abs(bb, out=tt).sum())
         s.zeros += int(
             np.count_nonzero(np.equal(piece, 0, out=is_zero[: piece.size].reshape(k, cols)))
         )
