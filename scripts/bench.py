@@ -145,16 +145,17 @@ def timed(fn, out: Path) -> tuple[float, int]:
     """Seconds for one run of `fn` into a fresh `out`, and the bytes it left there."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    sync(fn)
+    sync()
     t0 = time.perf_counter()
     fn(out)
-    sync(fn)
+    sync()
     seconds = time.perf_counter() - t0
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return seconds, written
 
 
-def sync(_fn) -> None:
+def sync() -> None:
+    """Wait for queued GPU work, so a timing covers it."""
     import torch
 
     if torch.cuda.is_available():
