@@ -145,16 +145,17 @@ def timed(fn, out: Path) -> tuple[float, int]:
     """Seconds for one run of `fn` into a fresh `out`, and the bytes it left there."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    sync(fn)
+    sync()
     t0 = time.perf_counter()
     fn(out)
-    sync(fn)
+    sync()
     seconds = time.perf_counter() - t0
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return seconds, written
 
 
-def sync(_fn) -> None:
+def sync() -> None:
+    """Wait for queued GPU work, so a timing covers it."""
     import torch
 
     if torch.cuda.is_available():
@@ -175,6 +176,14 @@ def interleave(cases: dict, reps: int, tmp: Path) -> tuple[dict, dict]:
 
 
 def peak_rss_mb() -> float:
+    """This process's own peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the
+    parent at fork, so a child of a big parent would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

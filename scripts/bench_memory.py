@@ -74,7 +74,7 @@ def main() -> None:
         f"store.queue_batches={args.queue_batches}",
     ]
     no_hooks = [
-        f"probes.{args.probe_name}.types=[NoSuchModule]",
+        f"probes.{args.probe_name}.types=[Conv3d]",  # none in resnet18: the loop without hooks
         f"probes.{args.probe_name}.allow_empty=true",
     ]
     with tempfile.TemporaryDirectory(prefix="probe-mem-") as tmp:
