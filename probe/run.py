@@ -18,7 +18,6 @@ from tqdm import tqdm
 from probe import device as devices
 from probe import distributed, nonfinite
 from probe import plan as size_plan
-from probe.alloc import reuse_freed_memory
 from probe.config import GRAD_SITES
 from probe.data import build_batches
 from probe.effects import Effects
@@ -122,7 +121,6 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's).
     `prepared` reuses a Plan built by `plan(cfg)` (the benchmark times the loop alone)."""
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
-    reuse_freed_memory()
     p = prepared or plan(cfg)
     model, batches, selections, objective = p.model, p.batches, p.selections, p.objective
     device, edits = p.device, p.edits

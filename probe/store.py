@@ -186,9 +186,6 @@ class ProbeWriter:
 
     # -- writer thread -----------------------------------------------------------------------
     def _loop(self) -> None:
-        # One intra-op thread here (the setting is per thread): the statistics then use the core the
-        # forward leaves free instead of a second thread team fighting it for every core.
-        torch.set_num_threads(1)
         while True:
             record = self.queue.get()
             if record is None:

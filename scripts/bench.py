@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from probe.alloc import reuse_freed_memory  # noqa: E402
 from scripts import bench_cases as bc  # noqa: E402
 
 
@@ -200,7 +199,6 @@ def subprocess_json(args, flag: str, name: str) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    reuse_freed_memory()  # the pipeline sets this allocator policy: every case runs under it
     cases = catalogue(args)
     if args.cases:
         wanted = set(args.cases.split(","))
