@@ -35,27 +35,39 @@ def free_bytes(path: Path) -> int:
     return free
 
 
-def chunk_bytes_needed(existing_rows: int, new_rows: int, row_bytes: int, chunk_bytes: int) -> int:
-    """Bytes of the chunks that appending `new_rows` allocates (the writer's chunking rule)."""
-    per_chunk = max(1, chunk_bytes // max(1, row_bytes))
-    chunks = math.ceil((existing_rows + new_rows) / per_chunk) - math.ceil(
-        existing_rows / per_chunk
+def chunk_bytes_needed(existing_rows: int, new_rows: int, row_bytes: int, chunk_rows: int) -> int:
+    """Bytes of the chunks of `chunk_rows` rows that appending `new_rows` allocates."""
+    chunks = math.ceil((existing_rows + new_rows) / chunk_rows) - math.ceil(
+        existing_rows / chunk_rows
     )
-    return chunks * per_chunk * row_bytes
+    return chunks * chunk_rows * row_bytes
+
+
+def bytes_needed(writer, record) -> int:
+    """What writing `record` can add to the file: the chunks it allocates plus a metadata margin."""
+    from probe.store import chunk_rows
+
+    need = METADATA_MARGIN
+    arrays = [(name, t, record.start) for name, t in record.extra.items()]
+    if writer.mode == "full":
+        arrays += [(f"layers/{k[0]}/{k[1]}", t, record.start) for k, t in record.values.items()]
+        arrays += [
+            (f"layers/{k[0]}/{k[1]}", t, record.batch_index) for k, t in record.per_batch.items()
+        ]
+        arrays.append(("samples/index", np.zeros(record.size, np.int64), record.start))
+        if record.targets is not None:
+            arrays.append(("samples/target", record.targets, record.start))
+    for name, a, lo in arrays:
+        row_bytes = int(a[0].nbytes) if len(a) else 1
+        ds = writer.file.get(name)  # an existing dataset keeps the chunking it was created with
+        rows = ds.chunks[0] if ds is not None else chunk_rows(len(a), row_bytes, writer.chunk_bytes)
+        need += chunk_bytes_needed(lo, len(a), row_bytes, rows)
+    return need
 
 
 def check_space(writer, record) -> None:
     """WriteError naming the numbers when the next batch would not fit."""
-    need = METADATA_MARGIN
-    if writer.mode == "full":
-        arrays = [(t, record.start) for t in record.values.values()]
-        arrays += [(t, record.batch_index) for t in record.per_batch.values()]
-        arrays.append((np.zeros(record.size, np.int64), record.start))  # samples/index
-        if record.targets is not None:
-            arrays.append((record.targets, record.start))
-        for a, lo in arrays:
-            row_bytes = int(a[0].nbytes) if len(a) else 1
-            need += chunk_bytes_needed(lo, len(a), row_bytes, writer.chunk_bytes)
+    need = bytes_needed(writer, record)
     free = free_bytes(writer.path)
     if free < need:
         raise WriteError(

@@ -14,6 +14,8 @@ log = logging.getLogger("probe")
 
 def check_batch(record: Record) -> None:
     """ModelError naming the first capture, in execution order, that holds NaN or Inf."""
+    if record.ready is not None:  # host copies of GPU tensors are readable once their copy ran
+        record.ready.synchronize()
     for (layer, site), t in [*record.values.items(), *record.per_batch.items()]:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             nan = int(torch.isnan(t).sum())
