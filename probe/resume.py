@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import h5py
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from probe.errors import ConfigError, DataError
@@ -139,5 +138,5 @@ def _restore_stats(writer, key, info, batch_rows: int) -> None:
     step = 1 if info.per_batch else batch_rows
     info.stats = stats_for(info.module_type, key[1])
     for lo in range(0, rows, step):
-        info.stats.update(torch.from_numpy(ds[lo : min(lo + step, rows)]))
+        info.stats.update(ds[lo : min(lo + step, rows)])
     info.shape, info.dtype = tuple(ds.shape[1:]), str(ds.dtype)

@@ -1,13 +1,13 @@
 """Streaming per-dataset statistics with exact merges in float64 (Chan et al. for mean and variance).
 
-Each batch is reduced with a few vectorised torch passes; batches, files and processes merge with
-the same `merge`. Mean, std, min, max, abs_mean and rms are over the finite values; NaN and Inf are
+Each batch is reduced in one compiled pass (`probe.kernels`) over a numpy view of it, accumulating
+in float64; batches, files and processes merge with the same `merge`. No torch here: the summarizer
+reads files with numpy alone. Mean, std, min, max, abs_mean and rms are over the finite values; NaN and Inf are
 counted apart. std is the population standard deviation (ddof=0).
 
 A batch is viewed as (rows, units, rest): units are axis 1 (channels of a conv output, features of a
-linear one). Reductions run in the tensor's own dtype along the contiguous last axis (fast, vectorised)
-over blocks short enough to stay accurate, and are combined in float64; when the data sit far from zero
-the variance is taken about a shift near their mean, so data such as 1000 +- 0.01 keeps its variance.
+linear one). When the data sit far from zero the variance is taken about a shift near their mean, so
+data such as 1000 +- 0.01 keeps its variance.
 
 Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
 sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
@@ -25,13 +25,12 @@ the range from a bound of the module's output range (`SATURATING`, output sites 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-F64 = torch.float64
+from probe.kernels import reduce_segments
+
 QUANTILE_REL_ERROR = 2.0**-8
 QUANTILES = {"p01": 0.01, "p50": 0.5, "p99": 0.99}
 # Output range of bounded activations (defaults of their torch constructors).
@@ -49,7 +48,7 @@ SCALARS = (
 
 
 # Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
-NONFINITE_BUCKETS = torch.cat([torch.arange(0x7F80, 0x8000), torch.arange(0xFF80, 0x10000)])
+NONFINITE_BUCKETS = np.concatenate([np.arange(0x7F80, 0x8000), np.arange(0xFF80, 0x10000)])
 
 
 class LogHistogram:
@@ -57,20 +56,19 @@ class LogHistogram:
 
     BINS = 1 << 16
 
-    def __init__(self, counts: torch.Tensor | None = None):
-        self.counts = counts if counts is not None else torch.zeros(self.BINS, dtype=torch.int64)
+    def __init__(self, counts: np.ndarray | None = None):
+        self.counts = counts if counts is not None else np.zeros(self.BINS, dtype=np.int64)
 
     def merge(self, other: LogHistogram) -> None:
         self.counts += other.counts
 
     def ordered(self) -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
-        counts = self.counts.numpy()
         order = np.concatenate(
             [np.arange(self.BINS - 1, self.BINS // 2 - 1, -1), np.arange(self.BINS // 2)]
         )
-        keep = order[counts[order] > 0]
-        return bucket_midpoints(keep), counts[keep]
+        keep = order[self.counts[order] > 0]
+        return bucket_midpoints(keep), self.counts[keep]
 
     def quantiles(self, qs, lo: float, hi: float) -> list[float]:
         """Value of rank floor(q*(n-1)) for each q, within QUANTILE_REL_ERROR of the true one."""
@@ -84,27 +82,14 @@ class LogHistogram:
         return [float(v) for v in np.clip(picked, lo, hi)]
 
     def sparse(self) -> tuple[np.ndarray, np.ndarray]:
-        idx = torch.nonzero(self.counts).flatten()
-        return idx.numpy().astype(np.int32), self.counts[idx].numpy()
+        idx = np.flatnonzero(self.counts)
+        return idx.astype(np.int32), self.counts[idx]
 
     @classmethod
     def from_sparse(cls, index: np.ndarray, count: np.ndarray) -> LogHistogram:
         h = cls()
-        h.counts[torch.as_tensor(np.asarray(index, dtype=np.int64))] = torch.as_tensor(
-            np.asarray(count, dtype=np.int64)
-        )
+        h.counts[np.asarray(index, dtype=np.int64)] = np.asarray(count, dtype=np.int64)
         return h
-
-
-def bucket_index(x: torch.Tensor) -> torch.Tensor:
-    """Bucket of each value: the top half of its float32 bits (sign, exponent, 7 mantissa bits) as an
-    unsigned number: positive values below 2**15, negative ones from 2**15 up."""
-    x = x.detach().reshape(-1)
-    if x.dtype != torch.float32:
-        x = x.float()
-    x = x.contiguous()
-    high = 1 if sys.byteorder == "little" else 0
-    return x.view(torch.uint16)[high::2].to(torch.int32)  # the high 16 bits of each value
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
@@ -122,23 +107,21 @@ def bucket_midpoints(index: np.ndarray) -> np.ndarray:
 class UnitStats:
     """Per-unit (axis 1) counts, sums and extremes; merges exactly by adding and comparing."""
 
-    count: torch.Tensor
-    sum: torch.Tensor
-    min: torch.Tensor
-    max: torch.Tensor
-    positive: torch.Tensor
-    saturated: torch.Tensor | None = None
+    count: np.ndarray
+    sum: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    positive: np.ndarray
+    saturated: np.ndarray | None = None
 
     def merge(self, b: UnitStats) -> None:
         if b.count.shape != self.count.shape:
-            raise ValueError(
-                f"unit counts differ: {tuple(self.count.shape)} vs {tuple(b.count.shape)}"
-            )
+            raise ValueError(f"unit counts differ: {self.count.shape} vs {b.count.shape}")
         self.count += b.count
         self.sum += b.sum
         self.positive += b.positive
-        torch.minimum(self.min, b.min, out=self.min)
-        torch.maximum(self.max, b.max, out=self.max)
+        np.minimum(self.min, b.min, out=self.min)
+        np.maximum(self.max, b.max, out=self.max)
         if self.saturated is not None and b.saturated is not None:
             self.saturated += b.saturated
 
@@ -152,13 +135,13 @@ class UnitStats:
         }
         if self.saturated is not None:
             out["unit_saturated"] = self.saturated
-        return {k: v.numpy() for k, v in out.items()}
+        return out
 
-    def dead(self) -> torch.Tensor:
+    def dead(self) -> np.ndarray:
         """Units never above zero (among their finite values), and that saw at least one value."""
         return (self.positive == 0) & (self.count > 0)
 
-    def saturated_units(self) -> torch.Tensor | None:
+    def saturated_units(self) -> np.ndarray | None:
         if self.saturated is None:
             return None
         return (self.saturated == self.count) & (self.count > 0)
@@ -181,12 +164,10 @@ class RunningStats:
     hist: LogHistogram | None = field(default_factory=LogHistogram)
     units: UnitStats | None = None
 
-    @torch.inference_mode()
-    def update(self, x: torch.Tensor) -> None:
-        """Fold in one batch (axis 0 = rows). Runs in inference mode wherever it is called from."""
+    def update(self, x) -> None:
+        """Fold in one batch (axis 0 = rows): a numpy array or a CPU torch tensor."""
         self.merge(batch_stats(x, self.bounds, self.hist))
 
-    @torch.inference_mode()
     def merge(self, b: RunningStats) -> None:
         """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare."""
         n = self.n + b.n
@@ -231,10 +212,10 @@ class RunningStats:
         }
         if self.units is not None and len(self.units.count):
             row["units"] = len(self.units.count)
-            row["dead_frac"] = self.units.dead().double().mean().item()
+            row["dead_frac"] = float(self.units.dead().mean())
             saturated = self.units.saturated_units()
             if saturated is not None:
-                row["saturated_frac"] = saturated.double().mean().item()
+                row["saturated_frac"] = float(saturated.mean())
         return row
 
     def state(self) -> dict:
@@ -256,44 +237,37 @@ class RunningStats:
             s.hist = LogHistogram.from_sparse(arrays["hist_index"][()], arrays["hist_count"][()])
         if "unit_count" in arrays:
             get = {
-                k: torch.as_tensor(np.asarray(arrays[f"unit_{k}"][()]))
+                k: np.array(arrays[f"unit_{k}"][()])
                 for k in ("count", "sum", "min", "max", "positive")
             }
-            sat = (
-                torch.as_tensor(np.asarray(arrays["unit_saturated"][()]))
-                if "unit_saturated" in arrays
-                else None
-            )
+            sat = np.array(arrays["unit_saturated"][()]) if "unit_saturated" in arrays else None
             s.units = UnitStats(**get, saturated=sat)
         return s
 
 
-def sign_counts(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counts of values above zero and of non-zero values per (row, unit), as int64. Float sums of
-    signs (fast, vectorised) are exact below 2**24 values per (row, unit); beyond, integer sums."""
-    if y.shape[2] >= (1 << 24):
-        return (y > 0).sum(dim=2), (y != 0).sum(dim=2)
-    signs = torch.sign(y)
-    balance = signs.sum(dim=2)  # positives - negatives
-    nonzero = signs.abs_().sum(dim=2)  # positives + negatives
-    return ((balance + nonzero) / 2).to(torch.int64), nonzero.to(torch.int64)
+def as_array(x) -> np.ndarray:
+    """A C-contiguous numpy view of a CPU tensor or array, as float32 unless it is float32 or
+    float64 (half precision, bfloat16 and integers are widened; none of them loses a value)."""
+    if hasattr(x, "detach"):  # a torch tensor (duck-typed: this module does not import torch)
+        x = x.detach()
+        if not x.is_floating_point() or x.element_size() < 4:
+            x = x.float()
+        x = x.numpy()
+    a = np.asarray(x)
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float32)
+    return np.ascontiguousarray(a)
 
 
-def variance_shift(row: torch.Tensor) -> float:
-    """A value to subtract before summing squares: the first row's mean when the data sit far from
-    zero (1000 +- 0.01 keeps its variance), else 0 (x - 0 is exact, and no pass is needed)."""
-    lo, hi = torch.aminmax(row)
-    mean = row.sum() / max(row.numel(), 1)  # in row's dtype, so that x - shift is exact
-    return float(mean) if abs(float(mean)) > 0.1 * float(hi - lo) else 0.0
-
-
-def precise_sum(t: torch.Tensor) -> torch.Tensor:
-    """Float64 sums over the last axis of a (rows, units, rest) tensor: float32 sums of short
-    blocks (at most 64 values, vectorised), then float64. Near-float64 accuracy at float32 speed,
-    which a mean close to zero (values cancelling) needs."""
-    size = t.shape[2]
-    block = next(b for b in range(min(64, size), 0, -1) if size % b == 0)
-    return t.reshape(*t.shape[:2], size // block, block).sum(dim=3).to(F64).sum(dim=2)
+def variance_shift(row: np.ndarray) -> float:
+    """A value to subtract before summing squares: the first row's mean (rounded to the data's
+    dtype) when the data sit far from zero, so 1000 +- 0.01 keeps its variance; else 0."""
+    finite = row[np.isfinite(row)]
+    if finite.size == 0:
+        return 0.0
+    mean = finite.mean(dtype=np.float64)
+    spread = float(finite.max()) - float(finite.min())
+    return float(row.dtype.type(mean)) if abs(mean) > 0.1 * spread else 0.0
 
 
 def stats_for(module_type: str, site: str) -> RunningStats:
@@ -302,72 +276,57 @@ def stats_for(module_type: str, site: str) -> RunningStats:
     return RunningStats(bounds=bounds)
 
 
-def batch_stats(
-    x: torch.Tensor, bounds: tuple[float, float] | None = None, hist: LogHistogram | None = None
-) -> RunningStats:
-    """Statistics of one batch in a handful of vectorised passes, combined in float64. Its finite
-    values are added to `hist` (the running histogram: no new 64k-bin array per batch)."""
-    rows = x.shape[0] if x.ndim else 1
-    has_units = x.ndim >= 2
-    x = x.detach()
-    if not x.is_floating_point() or x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
+def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram | None = None):
+    """Statistics of one batch from one compiled pass. Its values are counted into `hist` (the
+    running histogram: no new 64k-bin array per batch); NaN and Inf are counted apart."""
+    a = as_array(x)
+    rows = a.shape[0] if a.ndim else 1
+    has_units = a.ndim >= 2
     s = RunningStats(rows=rows, hist=None)
-    if x.numel() == 0:
+    if a.size == 0:
         return s
-    y = x.reshape(rows, x.shape[1] if has_units else 1, -1)
-    counts = torch.bincount(bucket_index(y), minlength=LogHistogram.BINS)
-    nonfinite = counts[NONFINITE_BUCKETS]
-    finite = None
-    if nonfinite.any():  # only NaN and Inf land in these buckets: count them exactly
-        counts[NONFINITE_BUCKETS] = 0
-        finite = torch.isfinite(y)
-        s.nan_count = int(torch.isnan(y).sum())
-        s.inf_count = int(y.numel() - finite.sum()) - s.nan_count
-        y = torch.where(finite, y, 0.0)
-        count = finite.sum(dim=2)
-    else:
-        count = torch.full(y.shape[:2], y.shape[2], dtype=torch.int64)
-    if hist is not None:
-        hist.counts += counts
+    y = a.reshape(rows, a.shape[1] if has_units else 1, -1)
+    bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
+    shift = variance_shift(y[0])
+    counts = hist.counts if hist is not None else np.zeros(LogHistogram.BINS, dtype=np.int64)
+    sums = np.empty((*y.shape[:2], 3))
+    lows, highs = np.empty(y.shape[:2]), np.empty(y.shape[:2])
+    tallies = np.empty((*y.shape[:2], 5), dtype=np.int64)
+    reduce_segments(y, bits, shift, counts, sums, lows, highs, tallies)
+    count = tallies[..., 0]
+    s.nan_count, s.inf_count = int(tallies[..., 3].sum()), int(tallies[..., 4].sum())
+    if s.nan_count or s.inf_count:
+        counts[NONFINITE_BUCKETS] = 0  # they never hold a finite value
     n = s.n = int(count.sum())
     if n == 0:
         return s
-    shift = variance_shift(y[0])
-    d = y if shift == 0 else y - shift
-    if finite is not None and shift != 0:
-        d = torch.where(finite, d, 0.0)
-    d_sum = precise_sum(d)  # (rows, units)
-    d_sq = torch.linalg.vector_norm(d, dim=2).to(F64).square()
-    shift64 = float(shift)
-    d_total = d_sum.sum().item()
-    s.mean = shift64 + d_total / n
-    s.m2 = max(d_sq.sum().item() - d_total * d_total / n, 0.0)
-    lows, highs = (
-        (y, y) if finite is None else (y.where(finite, math.inf), y.where(finite, -math.inf))
-    )
-    unit_min, unit_max = lows.amin(dim=2).amin(dim=0), highs.amax(dim=2).amax(dim=0)
-    s.min, s.max = unit_min.min().item(), unit_max.max().item()
-    positive_part = y.clamp(min=0)
-    pos_sum = torch.sum(positive_part.sum(dim=2), dtype=F64).item()
-    s.abs_sum = 2 * pos_sum - (shift64 * n + d_total)
-    positive, nonzero = sign_counts(y)  # per (row, unit)
-    s.zeros = n - int(nonzero.sum())
-    sq = d_sq if d is y else torch.linalg.vector_norm(y, dim=2).to(F64).square()
-    s.l2_sum = sq.sum(dim=1).sqrt().sum().item()
+    d_sum, d_sq = sums[..., 0], sums[..., 1]
+    d_total = float(d_sum.sum())
+    s.mean = shift + d_total / n
+    s.m2 = max(float(d_sq.sum()) - d_total * d_total / n, 0.0)
+    s.min, s.max = float(lows.min()), float(highs.max())
+    s.abs_sum = float(sums[..., 2].sum())
+    s.zeros = int(tallies[..., 1].sum())
+    squares = d_sq + 2 * shift * d_sum + count * shift * shift  # sum of v**2 per (row, unit)
+    s.l2_sum = float(np.sqrt(np.maximum(squares.sum(axis=1), 0.0)).sum())
     if has_units:
+        unit_count = count.sum(axis=0)
         s.units = UnitStats(
-            count=count.sum(dim=0),
-            sum=shift64 * count.sum(dim=0).to(F64) + d_sum.sum(dim=0),
-            min=unit_min.to(F64),
-            max=unit_max.to(F64),
-            positive=positive.sum(dim=0, dtype=torch.int64),
+            count=unit_count,
+            sum=shift * unit_count + d_sum.sum(axis=0),
+            min=lows.min(axis=0),
+            max=highs.max(axis=0),
+            positive=tallies[..., 2].sum(axis=0),
         )
         if bounds is not None:
-            lo, hi = bounds
-            tol = SATURATION_TOL * (hi - lo)
-            near = (y <= lo + tol) | (y >= hi - tol)
-            if finite is not None:
-                near &= finite
-            s.units.saturated = near.sum(dim=(0, 2))
+            s.units.saturated = saturated_counts(y, bounds)
     return s
+
+
+def saturated_counts(y: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:
+    """Per unit of y (rows, units, rest): finite values within SATURATION_TOL of the range from
+    a bound (bounded activations only, so this extra pass is rare)."""
+    lo, hi = bounds
+    tol = SATURATION_TOL * (hi - lo)
+    near = ((y <= lo + tol) | (y >= hi - tol)) & np.isfinite(y)
+    return near.sum(axis=(0, 2))

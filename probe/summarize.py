@@ -20,7 +20,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pandas as pd
-import torch
 import yaml
 
 from probe.errors import DataError, ProbeError
@@ -78,7 +77,7 @@ def units_frame(datasets: Iterable) -> pd.DataFrame:
         u = info.stats.units
         if u is None:
             continue
-        count = u.count.numpy()
+        count = u.count
         with np.errstate(invalid="ignore", divide="ignore"):
             frame = pd.DataFrame(
                 {
@@ -86,16 +85,16 @@ def units_frame(datasets: Iterable) -> pd.DataFrame:
                     "site": info.site,
                     "unit": np.arange(len(count)),
                     "count": count,
-                    "mean": u.sum.numpy() / count,
-                    "min": u.min.numpy(),
-                    "max": u.max.numpy(),
-                    "frac_positive": u.positive.numpy() / count,
-                    "dead": u.dead().numpy(),
+                    "mean": u.sum / count,
+                    "min": u.min,
+                    "max": u.max,
+                    "frac_positive": u.positive / count,
+                    "dead": u.dead(),
                 }
             )
         sat = u.saturated_units()
         if sat is not None:
-            frame["saturated"] = sat.numpy()
+            frame["saturated"] = sat
         frames.append(frame)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=UNIT_COLUMNS)
 
@@ -154,7 +153,7 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
         module_type = str(f[f"layers/{layer}"].attrs.get("module_type", ""))
         stats = stats_for(module_type, site)
         for slab in read_slabs(ds, valid):
-            stats.update(torch.from_numpy(slab))
+            stats.update(slab)
         out.datasets.append(
             DatasetSummary(layer, site, module_type, ds.shape[1:], str(ds.dtype), stats)
         )
