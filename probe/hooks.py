@@ -9,7 +9,7 @@ the gradient onto the wrong tensor, and the user's model is never modified.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,20 @@ class BatchCapture:
     start: int = 0
     values: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     pending: list[PendingGrad] = field(default_factory=list)
+    observe: Callable[[tuple[str, str], torch.Tensor], None] | None = None
+    keep_values: bool = True  # False: only statistics are wanted (store.mode=stats)
+    observed: set[tuple[str, str]] = field(default_factory=set)
+
+    def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
+        """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
+        cache and before any later in-place op; when values are not kept it needs no copy, and
+        `values` holds an empty slice that only tells the writer the layout."""
+        observing = self.observe is not None and t.device.type == "cpu"
+        value = keep(t, sel, self.size, key, copy=self.keep_values or not observing)
+        if observing:
+            self.observe(key, value)
+            self.observed.add(key)
+        self.values[key] = value if self.keep_values or not observing else value[:0]
 
 
 @dataclass
@@ -102,9 +116,16 @@ class Capture:
     """
 
     def __init__(
-        self, selections: list[Selection], edits: list | None = None, index_offset: int = 0
+        self,
+        selections: list[Selection],
+        edits: list | None = None,
+        index_offset: int = 0,
+        observe: Callable[[tuple[str, str], torch.Tensor], None] | None = None,
+        keep_values: bool = True,
     ):
         self.selections = selections
+        self.observe = observe  # called with each CPU capture as it is taken
+        self.keep_values = keep_values
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
         targets: dict[str, Target] = {s.name: Target(s.name, s.module, s) for s in selections}
         for e in edits or []:
@@ -138,7 +159,9 @@ class Capture:
         self.batch = None
 
     def begin(self, size: int, start: int = 0) -> BatchCapture:
-        self.batch = BatchCapture(size, self.index_offset + start)
+        self.batch = BatchCapture(
+            size, self.index_offset + start, observe=self.observe, keep_values=self.keep_values
+        )
         self.in_calls.clear()
         self.out_calls.clear()
         return self.batch
@@ -209,9 +232,9 @@ class Capture:
         for e in t.edits.get(site, []):
             edited = e.apply(edited, batch.start, key)
         if sel is not None and sel.unedited and edited is not x and t.captures(site):
-            batch.values[(t.name, "unedited_" + key)] = keep(x, sel, batch.size, (t.name, key))
+            batch.take((t.name, "unedited_" + key), x, sel)
         if t.captures(site):
-            batch.values[(t.name, key)] = keep(edited, sel, batch.size, (t.name, key))
+            batch.take((t.name, key), edited, sel)
         if not t.wants(grad_site) or not edited.requires_grad:
             return edited
         if own_use:  # grad_input is this module's own contribution, not every use of the tensor
@@ -235,7 +258,7 @@ class Capture:
             for e in edits:
                 grad = e.apply(grad, batch.start, gkey[1])
             if t.captures(grad_site):
-                batch.values[gkey] = keep(grad, t.selection, batch.size, gkey)
+                batch.take(gkey, grad, t.selection)
             return grad
 
         return hook
@@ -249,16 +272,19 @@ def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
         )
 
 
-def keep(t: torch.Tensor, sel: Selection, size: int, key: tuple[str, str]) -> torch.Tensor:
-    """A private copy of `t` after the probe's reduction, in its storage dtype, on its device
-    (probe.device.to_host moves GPU copies to the host without stalling the GPU)."""
+def keep(
+    t: torch.Tensor, sel: Selection, size: int, key: tuple[str, str], copy: bool = True
+) -> torch.Tensor:
+    """A private copy of `t` (with copy=False: possibly `t` itself) after the probe's reduction,
+    in its storage dtype, on its device (probe.device.to_host moves GPU copies to the host
+    without stalling the GPU)."""
     check_batch_axis(t, size, key)
     x = t.detach()
     reduced = sel.reduce == "spatial_mean" and x.ndim >= 3
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
     dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
-    return x.to(dtype=dtype, copy=not reduced)
+    return x.to(dtype=dtype, copy=copy and not reduced)
 
 
 def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Selection]) -> dict:
@@ -295,7 +321,7 @@ def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Sele
             if not pg.selection.unedited:
                 continue
             key = (key[0], "unedited_" + key[1])
-        batch.values[key] = keep(g, pg.selection, batch.size, key)
+        batch.take(key, g, pg.selection)
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
         g = torch.zeros_like(p) if g is None else g.detach()

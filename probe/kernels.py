@@ -1,8 +1,10 @@
-"""The one pass over the data that every statistic comes from, compiled with numba.
+"""The passes over the data that every statistic comes from, compiled with numba.
 
-A chain of vectorised torch or numpy reductions reads an activation a dozen times (sums, squares,
-extremes, signs, a histogram); this loop reads it once, in float64, and releases the GIL so that the
-writer thread runs beside the forward pass. Compiled code is cached on disk after the first call.
+A chain of torch or numpy reductions reads an activation a dozen times (sums, squares, extremes,
+signs, a histogram) and allocates as many temporaries; here each (row, unit) segment is read twice
+while it sits in the L1 cache: a scalar pass for the histogram (and to find NaN and Inf), then a
+vectorised pass for the moments, in float64, and the extremes, as integer order keys. The functions release the GIL, so several threads
+can share a batch. Compiled code is cached on disk after the first call.
 """
 
 from __future__ import annotations
@@ -11,84 +13,155 @@ import numba
 import numpy as np
 
 EXPONENT = 0x7F800000  # float32 exponent bits: all set for Inf and NaN
-MAGNITUDE = 0x7FFFFFFF
-SIGN = 0x80000000
 
 
 @numba.njit(nogil=True, cache=True)
-def reduce_segments(y, bits, shift, counts, sums, lows, highs, tallies):
-    """Fold y (rows, units, size) into per-(row, unit) results, over finite values only:
+def _histogram(w, counts):
+    """counts[top 16 bits] += 1 for every float32 bit pattern of w; the number of NaN and Inf."""
+    nonfinite = 0
+    for i in range(w.size):
+        x = np.int64(w[i])
+        counts[x >> 16] += 1
+        nonfinite += (x & EXPONENT) == EXPONENT
+    return nonfinite
 
-    sums[r, u] = (sum of v - shift, sum of (v - shift)**2, sum of |v|) in float64;
-    lows/highs[r, u] = min/max (+inf/-inf when none); tallies[r, u] = (finite, zeros, positive,
-    nan, inf) counts. `bits` are the float32 bit patterns of y (y itself when y is float32), whose
-    top 16 bits index `counts`, the running histogram, for every value including NaN and Inf."""
-    rows, units, size = y.shape
+
+@numba.njit(nogil=True, cache=True)
+def order_key(x, low_bits):
+    """An integer that sorts as the float whose bit pattern is x (`low_bits` = all bits but the
+    sign): negative floats have their magnitude bits flipped. It is its own inverse. Integer
+    min/max run in SIMD lanes where float min/max (NaN rules) do not."""
+    return x ^ low_bits if x < 0 else x
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _moments(a, keys, low_bits):
+    """Moments about the first value of a segment known to hold only finite values (so fast-math
+    rules are exact enough: sums may be reassociated, which is what lets them run in SIMD lanes);
+    extremes as order keys."""
+    shift = np.float64(a[0])
+    s = 0.0
+    q = 0.0
+    b = 0.0
+    lo = order_key(keys[0], low_bits)
+    hi = lo
+    zeros = 0
+    positive = 0
+    for i in range(a.size):
+        v = np.float64(a[i])
+        d = v - shift
+        s += d
+        q += d * d
+        b += abs(v)
+        zeros += v == 0
+        positive += v > 0
+        k = order_key(keys[i], low_bits)
+        lo = min(lo, k)
+        hi = max(hi, k)
+    return shift, s, q, b, lo, hi, zeros, positive
+
+
+@numba.njit(nogil=True, cache=True)
+def _moments_checked(a, keys, low_bits):
+    """The same over the finite values of a segment that holds NaN or Inf (about the first finite
+    one); also counts NaN and Inf."""
+    shift = np.nan
+    s = 0.0
+    q = 0.0
+    b = 0.0
+    lo = low_bits  # the key of NaN: above every finite key
+    hi = -low_bits - 1
+    zeros = 0
+    positive = 0
+    nans = 0
+    infs = 0
+    for i in range(a.size):
+        v = np.float64(a[i])
+        if np.isnan(v):
+            nans += 1
+        elif np.isinf(v):
+            infs += 1
+        else:
+            if np.isnan(shift):
+                shift = v
+            d = v - shift
+            s += d
+            q += d * d
+            b += abs(v)
+            zeros += v == 0
+            positive += v > 0
+            k = order_key(keys[i], low_bits)
+            lo = min(lo, k)
+            hi = max(hi, k)
+    return shift, s, q, b, lo, hi, zeros, positive, nans, infs
+
+
+@numba.njit(nogil=True, cache=True)
+def reduce_rows(y, bits, keys, low_bits, counts, moments, tallies, units, extremes):
+    """Fold y (rows, units, size) into one partial result, over finite values only.
+
+    moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
+    tallies = (finite, zeros, NaN, Inf) counts; per unit, `units` (3, units) float64 holds the
+    finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
+    the max (meaningless when the count is 0).
+    Each (row, unit) segment's sums are taken about its first finite value, then merged into the
+    running mean and M2 with Chan's formula, so 1000 +- 0.01 keeps its variance. `bits` are the
+    float32 bit patterns of y (y itself when float32), whose top 16 bits index `counts`, the
+    running histogram, for every value including NaN and Inf; `keys` is y viewed as signed
+    integers of its own width, `low_bits` that width's largest value."""
+    rows, width, size = y.shape
+    n = 0
+    mean = 0.0
+    m2 = 0.0
+    absolute = 0.0
+    l2 = 0.0
+    zeros = 0
+    nans = 0
+    infs = 0
+    for u in range(width):
+        units[0, u] = 0.0
+        units[1, u] = 0.0
+        units[2, u] = 0.0
+        extremes[0, u] = low_bits
+        extremes[1, u] = -low_bits - 1
     for r in range(rows):
-        for u in range(units):
+        row_sq = 0.0
+        for u in range(width):
             a = y[r, u]
-            w = bits[r, u]
-            s0 = 0.0
-            s1 = 0.0
-            q0 = 0.0
-            q1 = 0.0
-            b0 = 0.0
-            b1 = 0.0
-            lo0 = np.inf
-            lo1 = np.inf
-            hi0 = -np.inf
-            hi1 = -np.inf
-            zeros = 0
-            positive = 0
-            nans = 0
-            infs = 0
-            i = 0
-            while i < size:
-                x0 = np.int64(w[i])
-                counts[x0 >> 16] += 1
-                m0 = x0 & MAGNITUDE
-                if m0 >= EXPONENT:
-                    if m0 == EXPONENT:
-                        infs += 1
-                    else:
-                        nans += 1
-                else:
-                    v0 = np.float64(a[i])
-                    zeros += m0 == 0
-                    positive += (m0 != 0) & (x0 < SIGN)
-                    d0 = v0 - shift
-                    s0 += d0
-                    q0 += d0 * d0
-                    b0 += abs(v0)
-                    lo0 = min(lo0, v0)
-                    hi0 = max(hi0, v0)
-                if i + 1 < size:
-                    x1 = np.int64(w[i + 1])
-                    counts[x1 >> 16] += 1
-                    m1 = x1 & MAGNITUDE
-                    if m1 >= EXPONENT:
-                        if m1 == EXPONENT:
-                            infs += 1
-                        else:
-                            nans += 1
-                    else:
-                        v1 = np.float64(a[i + 1])
-                        zeros += m1 == 0
-                        positive += (m1 != 0) & (x1 < SIGN)
-                        d1 = v1 - shift
-                        s1 += d1
-                        q1 += d1 * d1
-                        b1 += abs(v1)
-                        lo1 = min(lo1, v1)
-                        hi1 = max(hi1, v1)
-                i += 2
-            sums[r, u, 0] = s0 + s1
-            sums[r, u, 1] = q0 + q1
-            sums[r, u, 2] = b0 + b1
-            lows[r, u] = min(lo0, lo1)
-            highs[r, u] = max(hi0, hi1)
-            tallies[r, u, 0] = size - nans - infs
-            tallies[r, u, 1] = zeros
-            tallies[r, u, 2] = positive
-            tallies[r, u, 3] = nans
-            tallies[r, u, 4] = infs
+            seg_nans = 0
+            seg_infs = 0
+            if _histogram(bits[r, u], counts) == 0:
+                shift, s, q, b, lo, hi, seg_zeros, positive = _moments(a, keys[r, u], low_bits)
+            else:
+                shift, s, q, b, lo, hi, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
+                    a, keys[r, u], low_bits
+                )
+            k = size - seg_nans - seg_infs
+            nans += seg_nans
+            infs += seg_infs
+            if k == 0:
+                continue
+            seg_mean = shift + s / k
+            seg_m2 = max(q - s * s / k, 0.0)
+            total = n + k
+            delta = seg_mean - mean
+            mean += delta * k / total
+            m2 += seg_m2 + delta * delta * n * k / total
+            n = total
+            absolute += b
+            zeros += seg_zeros
+            row_sq += q + 2.0 * shift * s + k * shift * shift
+            units[0, u] += k
+            units[1, u] += k * shift + s
+            units[2, u] += positive
+            extremes[0, u] = min(extremes[0, u], lo)
+            extremes[1, u] = max(extremes[1, u], hi)
+        l2 += np.sqrt(max(row_sq, 0.0))
+    moments[0] = mean
+    moments[1] = m2
+    moments[2] = absolute
+    moments[3] = l2
+    tallies[0] = n
+    tallies[1] = zeros
+    tallies[2] = nans
+    tallies[3] = infs

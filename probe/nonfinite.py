@@ -12,17 +12,25 @@ from probe.store import Record
 log = logging.getLogger("probe")
 
 
-def check_batch(record: Record) -> None:
-    """ModelError naming the first capture, in execution order, that holds NaN or Inf."""
+def check_batch(record: Record, stats: dict) -> None:
+    """ModelError naming the first capture, in execution order, that holds NaN or Inf. Captures
+    whose statistics are already counted are judged by them (this is the first batch with any,
+    or the run would have stopped), the others by their values."""
     if record.ready is not None:  # host copies of GPU tensors are readable once their copy ran
         record.ready.synchronize()
-    for (layer, site), t in [*record.values.items(), *record.per_batch.items()]:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    for key, t in [*record.values.items(), *record.per_batch.items()]:
+        if key in record.counted:
+            nan, inf = stats[key].nan_count, stats[key].inf_count
+        elif t.is_floating_point():
             nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+        else:
+            continue
+        if nan or inf:
             raise ModelError(
-                f"layer {layer!r} {site} produced {nan} NaN and {int(t.numel() - nan - torch.isfinite(t).sum())} "
-                f"Inf values in the batch that starts at sample {record.start} (the first layer to do so); "
-                "the batches up to and including it are written. Check the model and inputs, or set "
+                f"layer {key[0]!r} {key[1]} produced {nan} NaN and {inf} Inf values in the batch "
+                f"that starts at sample {record.start} (the first layer to do so); the batches up "
+                "to and including it are written. Check the model and inputs, or set "
                 "fail_on_nonfinite=false to count them and go on"
             )
 

@@ -47,21 +47,26 @@ def announce(record: Record, batches: OrderedBatches, selections, store, shard) 
     return result
 
 
+def row_bytes(t) -> int:
+    """Bytes of one row (a stats-only record holds empty slices: their shape is what counts)."""
+    return t.element_size() * math.prod(t.shape[1:])
+
+
 def estimate(record: Record, selections, store, blocks: list[int], batch_size: int) -> Plan:
     """Sizes from one record; `blocks` are the sample counts of the files (one per rank)."""
     probe_of = {s.name: s.probe for s in selections}
     per_sample: dict[str, int] = defaultdict(int)
     rows: list[tuple[int, bool]] = []  # (bytes per row, per batch)
     for (layer, _), t in record.values.items():
-        row = t[0].nbytes
+        row = row_bytes(t)
         per_sample[probe_of.get(layer, "?")] += row
         rows.append((row, False))
     per_batch = 0
     for t in record.per_batch.values():
-        per_batch += t[0].nbytes
-        rows.append((t[0].nbytes, True))
+        per_batch += row_bytes(t)
+        rows.append((row_bytes(t), True))
     for t in record.extra.values():  # /model/output and, with edits, /model/output_clean
-        rows.append((t[0].nbytes, False))
+        rows.append((row_bytes(t), False))
     rows.append((8, False))  # samples/index
     if record.targets is not None:
         rows.append((record.targets[0].element_size(), False))

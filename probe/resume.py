@@ -125,8 +125,9 @@ def _restore_stats(writer, key, info, batch_rows: int) -> None:
     """From /stats when they cover exactly the kept rows, else recomputed batch by batch from them."""
     rows = writer.num_batches if info.per_batch else writer.num_samples
     saved = writer.file.get(f"stats/{key[0]}/{key[1]}")
-    if saved is not None and int(saved.attrs.get("rows", -1)) == rows:
-        info.stats = RunningStats.from_saved(saved.attrs, saved)
+    stored = RunningStats.from_saved(saved.attrs, saved) if saved is not None else None
+    if stored is not None and stored.rows == rows:
+        info.stats = stored
         info.shape, info.dtype = tuple(int(x) for x in saved.attrs["shape"]), saved.attrs["dtype"]
         return
     ds = writer.file.get(f"layers/{key[0]}/{key[1]}")

@@ -156,7 +156,10 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     complete = False
     stop = StopFlag()
     try:
-        with Capture(selections, edits, index_offset=shard.samples.start) as capture, stop:
+        observe = writer.observe if device.type == "cpu" else None
+        keep_values = cfg.store.mode == "full"
+        capture = Capture(selections, edits, shard.samples.start, observe, keep_values)
+        with capture, stop:
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
             for index, batch in enumerate(bar, start=writer.num_batches):
                 record = run_batch(
@@ -174,7 +177,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
                     size_plan.announce(record, batches, selections, cfg.store, shard)
                 writer.put(record)
                 if cfg.fail_on_nonfinite:
-                    nonfinite.check_batch(record)
+                    nonfinite.check_batch(record, writer.stats)
                 if stop.requested is not None:
                     break
         complete = stop.requested is None
@@ -242,7 +245,9 @@ def run_batch(
     if effects is not None:
         effects.update(extra["model/output_clean"], extra["model/output"], batch.targets)
     (values, per_batch), ready = devices.to_host(captured.values, per_batch)
-    return Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
+    record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
+    record.counted = captured.observed
+    return record
 
 
 def _output_tensor(output) -> torch.Tensor:

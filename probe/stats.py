@@ -6,8 +6,8 @@ reads files with numpy alone. Mean, std, min, max, abs_mean and rms are over the
 counted apart. std is the population standard deviation (ddof=0).
 
 A batch is viewed as (rows, units, rest): units are axis 1 (channels of a conv output, features of a
-linear one). When the data sit far from zero the variance is taken about a shift near their mean, so
-data such as 1000 +- 0.01 keeps its variance.
+linear one). Each (row, unit) segment's sums are taken about its own first value and the segments
+merged with Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
 
 Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
 sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probe.kernels import reduce_segments
+from probe.kernels import reduce_rows
+from probe.parallel import threads
 
 QUANTILE_REL_ERROR = 2.0**-8
 QUANTILES = {"p01": 0.01, "p50": 0.5, "p99": 0.99}
@@ -41,10 +42,13 @@ SATURATING = {
     "Hardtanh": (-1.0, 1.0),
     "ReLU6": (0.0, 6.0),
 }
+PARALLEL_MIN_VALUES = 1 << 18  # below this a batch is reduced on the calling thread alone
 SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
 SCALARS = (
     "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
 )  # fmt: skip
+INTEGER_SCALARS = {"rows", "n", "zeros", "nan_count", "inf_count"}
+UNIT_FIELDS = ("count", "sum", "min", "max", "positive", "saturated")  # rows of a saved `units`
 
 
 # Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
@@ -57,10 +61,24 @@ class LogHistogram:
     BINS = 1 << 16
 
     def __init__(self, counts: np.ndarray | None = None):
-        self.counts = counts if counts is not None else np.zeros(self.BINS, dtype=np.int64)
+        self._counts = counts if counts is not None else np.zeros(self.BINS, dtype=np.int64)
+        self._lanes: list[np.ndarray] = []  # counts of helper threads, folded in when read
+
+    @property
+    def counts(self) -> np.ndarray:
+        while self._lanes:
+            np.add(self._counts, self._lanes.pop(), out=self._counts)
+        return self._counts
+
+    def lanes(self, n: int) -> list[np.ndarray]:
+        """n arrays to count into, one per thread: this histogram's own, then helpers' lanes
+        (kept across batches, so a parallel batch allocates and adds nothing)."""
+        while len(self._lanes) < n - 1:
+            self._lanes.append(np.zeros(self.BINS, dtype=np.int64))
+        return [self._counts, *self._lanes[: n - 1]]
 
     def merge(self, other: LogHistogram) -> None:
-        self.counts += other.counts
+        np.add(self.counts, other.counts, out=self._counts)
 
     def ordered(self) -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
@@ -125,17 +143,16 @@ class UnitStats:
         if self.saturated is not None and b.saturated is not None:
             self.saturated += b.saturated
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        out = {
-            "unit_count": self.count,
-            "unit_sum": self.sum,
-            "unit_min": self.min,
-            "unit_max": self.max,
-            "unit_positive": self.positive,
-        }
-        if self.saturated is not None:
-            out["unit_saturated"] = self.saturated
-        return out
+    def packed(self) -> np.ndarray:
+        """(UNIT_FIELDS, units) float64, the saturated row only where it is tracked."""
+        rows = [self.count, self.sum, self.min, self.max, self.positive]
+        return np.stack(rows + ([] if self.saturated is None else [self.saturated])).astype(float)
+
+    @classmethod
+    def unpacked(cls, a: np.ndarray) -> UnitStats:
+        a = np.asarray(a, dtype=np.float64)
+        ints = [a[i].astype(np.int64) for i in (0, 4, 5) if i < len(a)]
+        return cls(ints[0], a[1].copy(), a[2].copy(), a[3].copy(), *ints[1:])
 
     def dead(self) -> np.ndarray:
         """Units never above zero (among their finite values), and that saw at least one value."""
@@ -219,29 +236,27 @@ class RunningStats:
         return row
 
     def state(self) -> dict:
-        """The scalar state (HDF5 attributes); `arrays` holds the histogram and per-unit arrays."""
-        return {k: getattr(self, k) for k in SCALARS}
+        """The `state` attribute: the SCALARS as one float64 vector (one HDF5 attribute is much
+        cheaper to write than eleven; counts stay exact below 2**53)."""
+        return {"state": np.array([getattr(self, k) for k in SCALARS], dtype=np.float64)}
 
     def arrays(self) -> dict[str, np.ndarray]:
-        index, count = self.hist.sparse()
-        out = {"hist_index": index, "hist_count": count}
+        """`hist` (2, k): index and count of the non-empty buckets; `units` (UNIT_FIELDS, units)."""
+        out = {"hist": np.stack(self.hist.sparse()).astype(np.int64)}
         if self.units is not None:
-            out.update(self.units.arrays())
+            out["units"] = self.units.packed()
         return out
 
     @classmethod
     def from_saved(cls, attrs, arrays) -> RunningStats:
         """Rebuild from `state()` attributes and `arrays()` (e.g. a /stats group of probe.h5)."""
-        s = cls(**{k: attrs[k].item() if hasattr(attrs[k], "item") else attrs[k] for k in SCALARS})
-        if "hist_index" in arrays:
-            s.hist = LogHistogram.from_sparse(arrays["hist_index"][()], arrays["hist_count"][()])
-        if "unit_count" in arrays:
-            get = {
-                k: np.array(arrays[f"unit_{k}"][()])
-                for k in ("count", "sum", "min", "max", "positive")
-            }
-            sat = np.array(arrays["unit_saturated"][()]) if "unit_saturated" in arrays else None
-            s.units = UnitStats(**get, saturated=sat)
+        values = dict(zip(SCALARS, np.asarray(attrs["state"], dtype=np.float64), strict=True))
+        s = cls(**{k: int(v) if k in INTEGER_SCALARS else float(v) for k, v in values.items()})
+        if "hist" in arrays:
+            index, count = np.asarray(arrays["hist"][()])
+            s.hist = LogHistogram.from_sparse(index, count)
+        if "units" in arrays:
+            s.units = UnitStats.unpacked(arrays["units"][()])
         return s
 
 
@@ -259,17 +274,6 @@ def as_array(x) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def variance_shift(row: np.ndarray) -> float:
-    """A value to subtract before summing squares: the first row's mean (rounded to the data's
-    dtype) when the data sit far from zero, so 1000 +- 0.01 keeps its variance; else 0."""
-    finite = row[np.isfinite(row)]
-    if finite.size == 0:
-        return 0.0
-    mean = finite.mean(dtype=np.float64)
-    spread = float(finite.max()) - float(finite.min())
-    return float(row.dtype.type(mean)) if abs(mean) > 0.1 * spread else 0.0
-
-
 def stats_for(module_type: str, site: str) -> RunningStats:
     """Empty statistics for one dataset; output sites of bounded activations track saturation."""
     bounds = SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
@@ -277,50 +281,74 @@ def stats_for(module_type: str, site: str) -> RunningStats:
 
 
 def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram | None = None):
-    """Statistics of one batch from one compiled pass. Its values are counted into `hist` (the
-    running histogram: no new 64k-bin array per batch); NaN and Inf are counted apart."""
+    """Statistics of one batch from one compiled pass, split by rows across `threads`. Its values
+    are counted into `hist` (the running histogram: no new 64k-bin array per batch); NaN and Inf
+    are counted apart."""
     a = as_array(x)
     rows = a.shape[0] if a.ndim else 1
     has_units = a.ndim >= 2
-    s = RunningStats(rows=rows, hist=None)
     if a.size == 0:
-        return s
+        return RunningStats(rows=rows, hist=None)
     y = a.reshape(rows, a.shape[1] if has_units else 1, -1)
     bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
-    shift = variance_shift(y[0])
-    counts = hist.counts if hist is not None else np.zeros(LogHistogram.BINS, dtype=np.int64)
-    sums = np.empty((*y.shape[:2], 3))
-    lows, highs = np.empty(y.shape[:2]), np.empty(y.shape[:2])
-    tallies = np.empty((*y.shape[:2], 5), dtype=np.int64)
-    reduce_segments(y, bits, shift, counts, sums, lows, highs, tallies)
-    count = tallies[..., 0]
-    s.nan_count, s.inf_count = int(tallies[..., 3].sum()), int(tallies[..., 4].sum())
+    keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
+    low_bits = keys.dtype.type(np.iinfo(keys.dtype).max)
+    hist = hist if hist is not None else LogHistogram()
+    parts = min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1
+    cuts = [rows * i // parts for i in range(parts + 1)]
+    width = y.shape[1]
+    outs = [
+        (np.empty(4), np.empty(4, np.int64), np.empty((3, width)), np.empty((2, width), np.int64))
+        for _ in range(parts)
+    ]
+    threads.run(
+        reduce_rows,
+        [
+            (y[i:j], bits[i:j], keys[i:j], low_bits, lane, *out)
+            for i, j, lane, out in zip(cuts[:-1], cuts[1:], hist.lanes(parts), outs, strict=True)
+        ],
+    )
+    s = RunningStats(hist=None)
+    for (i, j), out in zip(zip(cuts[:-1], cuts[1:], strict=True), outs, strict=True):
+        s.merge(_partial(j - i, *out, low_bits, y.dtype, has_units))
     if s.nan_count or s.inf_count:
-        counts[NONFINITE_BUCKETS] = 0  # they never hold a finite value
-    n = s.n = int(count.sum())
-    if n == 0:
-        return s
-    d_sum, d_sq = sums[..., 0], sums[..., 1]
-    d_total = float(d_sum.sum())
-    s.mean = shift + d_total / n
-    s.m2 = max(float(d_sq.sum()) - d_total * d_total / n, 0.0)
-    s.min, s.max = float(lows.min()), float(highs.max())
-    s.abs_sum = float(sums[..., 2].sum())
-    s.zeros = int(tallies[..., 1].sum())
-    squares = d_sq + 2 * shift * d_sum + count * shift * shift  # sum of v**2 per (row, unit)
-    s.l2_sum = float(np.sqrt(np.maximum(squares.sum(axis=1), 0.0)).sum())
-    if has_units:
-        unit_count = count.sum(axis=0)
-        s.units = UnitStats(
-            count=unit_count,
-            sum=shift * unit_count + d_sum.sum(axis=0),
-            min=lows.min(axis=0),
-            max=highs.max(axis=0),
-            positive=tallies[..., 2].sum(axis=0),
-        )
-        if bounds is not None:
-            s.units.saturated = saturated_counts(y, bounds)
+        hist.counts[NONFINITE_BUCKETS] = 0  # they never hold a finite value
+    if bounds is not None and has_units:
+        s.units.saturated = saturated_counts(y, bounds)
     return s
+
+
+def _partial(rows, moments, tallies, units, extremes, low_bits, dtype, has_units) -> RunningStats:
+    """RunningStats of one `reduce_rows` result."""
+    count = units[0].astype(np.int64)
+    none = count == 0
+    lows = np.where(none, np.inf, from_key(extremes[0], low_bits, dtype))
+    highs = np.where(none, -np.inf, from_key(extremes[1], low_bits, dtype))
+    s = RunningStats(
+        rows=rows,
+        n=int(tallies[0]),
+        mean=float(moments[0]),
+        m2=float(moments[1]),
+        min=float(lows.min()),
+        max=float(highs.max()),
+        abs_sum=float(moments[2]),
+        zeros=int(tallies[1]),
+        nan_count=int(tallies[2]),
+        inf_count=int(tallies[3]),
+        l2_sum=float(moments[3]),
+        hist=None,
+    )
+    if has_units:
+        positive = units[2].astype(np.int64)
+        s.units = UnitStats(count, units[1].copy(), lows, highs, positive)
+    return s
+
+
+def from_key(keys: np.ndarray, low_bits, dtype) -> np.ndarray:
+    """Float64 values of integer order keys (`probe.kernels.order_key` is its own inverse)."""
+    keys = keys.astype(type(low_bits))
+    bits = np.where(keys < 0, keys ^ low_bits, keys)
+    return bits.view(dtype).astype(np.float64)
 
 
 def saturated_counts(y: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:

@@ -57,10 +57,11 @@ def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
 
 
 def _dataset_names(files: list[h5py.File]) -> list[str]:
+    """Every per-row dataset of the shards (/stats are merged, not stacked)."""
     names: dict[str, None] = {}
     for f in files:
         f.visititems(lambda n, o: names.setdefault(n) if isinstance(o, h5py.Dataset) else None)
-    return list(names)
+    return [n for n in names if not n.startswith("stats/")]
 
 
 def _virtual(out: h5py.File, name: str, sources: list[tuple[str, h5py.Dataset | None]]) -> None:

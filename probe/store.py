@@ -43,6 +43,7 @@ class Record:
     targets: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
+    counted: set[tuple[str, str]] = field(default_factory=set)  # statistics already folded in
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ProbeWriter:
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
+        self.stats: dict[tuple[str, str], RunningStats] = {}  # shared by both threads, by key
         self.num_samples = 0
         self.num_batches = 0
         self.error: BaseException | None = None
@@ -108,6 +110,7 @@ class ProbeWriter:
             except BaseException:
                 self.file.close()
                 raise
+            self.stats = {key: info.stats for key, info in self.datasets.items()}
         else:
             self.file.attrs["format_version"] = FORMAT_VERSION
             self.file.attrs["complete"] = False
@@ -124,7 +127,17 @@ class ProbeWriter:
 
     # -- main thread -------------------------------------------------------------------------
     def put(self, record: Record) -> None:
-        """Queue a batch; blocks while the queue is full, raises promptly if the writer failed."""
+        """Fold a CPU batch into the statistics here, then queue it; blocks while the queue is full,
+        raises promptly if the writer failed.
+
+        Statistics run on this thread, between forward passes (or in the hooks, as each capture
+        is taken: `observe`), on every core while the forward's cores are idle; on the writer
+        thread they would compete with the next forward pass."""
+        if record.ready is None:
+            for key, t in [*record.values.items(), *record.per_batch.items()]:
+                if key not in record.counted:
+                    self.observe(key, t)
+                    record.counted.add(key)
         while True:
             self._raise_if_failed()
             try:
@@ -203,9 +216,9 @@ class ProbeWriter:
             r.ready.synchronize()
         end = r.start + r.size
         for key, t in r.values.items():
-            self._append(key, t, r.start, end, per_batch=False)
+            self._append(key, t, r.start, end, per_batch=False, counted=key in r.counted)
         for key, t in r.per_batch.items():
-            self._append(key, t, r.batch_index, r.batch_index + 1, per_batch=True)
+            self._append(key, t, r.batch_index, r.batch_index + 1, True, key in r.counted)
         for name, t in r.extra.items():
             self._append_plain(name, t.numpy(), r.start, end)
         if self.mode == "full":
@@ -226,8 +239,23 @@ class ProbeWriter:
         self.last_flush = time.monotonic()
         log.debug("flushed batch %d (%d samples)", r.batch_index, end)
 
+    def observe(self, key: tuple[str, str], t: torch.Tensor) -> None:
+        """Fold one CPU capture of the current batch into its statistics (main thread)."""
+        self._stats(key).update(t)
+
+    def _stats(self, key: tuple[str, str]) -> RunningStats:
+        if key not in self.stats:
+            self.stats[key] = stats_for(self.module_types.get(key[0], ""), key[1])
+        return self.stats[key]
+
     def _append(
-        self, key: tuple[str, str], t: torch.Tensor, lo: int, hi: int, per_batch: bool
+        self,
+        key: tuple[str, str],
+        t: torch.Tensor,
+        lo: int,
+        hi: int,
+        per_batch: bool,
+        counted: bool = False,
     ) -> None:
         info = self.datasets.get(key)
         new = info is None
@@ -244,14 +272,15 @@ class ProbeWriter:
                 tuple(t.shape[1:]),
                 str(t.dtype).removeprefix("torch."),
                 per_batch,
-                stats_for(self.module_types.get(key[0], ""), key[1]),
+                self._stats(key),
             )
             self.datasets[key] = info
             if self.mode == "full":  # lets a file cut short say what each layer is, in order
                 g = self.file.require_group(f"layers/{key[0]}")
                 g.attrs["module_type"] = info.module_type
                 g.attrs.setdefault("order", len(self.datasets) - 1)
-        info.stats.update(t)
+        if not counted:
+            info.stats.update(t)
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
             if new:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.stats import QUANTILE_REL_ERROR, RunningStats, batch_stats
+from probe.stats import QUANTILE_REL_ERROR, UNIT_FIELDS, RunningStats, batch_stats
 from tests.analysis_models import DEAD, SATURATED
 from tests.helpers import run_probe
 
@@ -73,14 +73,10 @@ def test_per_unit_stats_equal_numpy(name):
     np.testing.assert_array_equal(units.count, count)
     total = np.where(finite, a, 0).astype(np.float64).sum(axis=axes)
     scale = np.abs(np.where(finite, a, 0)).max()  # partial sums run in float32 along the last axes
-    np.testing.assert_allclose(
-        units.sum / count, total / count, rtol=1e-6, atol=1e-7 * scale
-    )
+    np.testing.assert_allclose(units.sum / count, total / count, rtol=1e-6, atol=1e-7 * scale)
     np.testing.assert_array_equal(units.min, np.where(finite, a, np.inf).min(axis=axes))
     np.testing.assert_array_equal(units.max, np.where(finite, a, -np.inf).max(axis=axes))
-    np.testing.assert_array_equal(
-        units.positive, (np.where(finite, a, 0) > 0).sum(axis=axes)
-    )
+    np.testing.assert_array_equal(units.positive, (np.where(finite, a, 0) > 0).sum(axis=axes))
 
 
 @pytest.mark.parametrize("dist", ["lognormal", "signed", "relu", "tiny_and_huge"])
@@ -141,9 +137,10 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     relu = f["layers/relu/output"][:]
     dead = (relu <= 0).all(axis=(0, 2, 3))
     assert list(np.flatnonzero(dead)) == [DEAD]
-    assert list(np.flatnonzero(f["stats/relu/output/unit_positive"][:] == 0)) == [DEAD]
+    positive = f["stats/relu/output/units"][UNIT_FIELDS.index("positive")]
+    assert list(np.flatnonzero(positive == 0)) == [DEAD]
     tanh = f["layers/tanh/output"][:]
     saturated = (np.abs(tanh) >= 0.98).all(axis=(0, 2, 3))
     assert list(np.flatnonzero(saturated)) == [SATURATED]
-    sat_counts = f["stats/tanh/output/unit_saturated"][:]
+    sat_counts = f["stats/tanh/output/units"][UNIT_FIELDS.index("saturated")]
     np.testing.assert_array_equal(sat_counts, (np.abs(tanh) >= 0.98).sum(axis=(0, 2, 3)))

@@ -1,0 +1,34 @@
+"""Threads that share a compiled, GIL-free pass with the calling thread, one per spare core.
+
+A batch's statistics are computed on the main thread between forward passes, when the cores the
+forward used are idle; splitting the pass across them keeps that pause short. PROBE_STATS_THREADS
+caps the threads (the caller included); the default is the cores this process may use.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Threads:
+    def __init__(self, total: int):
+        self.total = max(1, total)
+        self.pool = ThreadPoolExecutor(self.total - 1, "probe-stats") if self.total > 1 else None
+
+    def run(self, fn, calls: list[tuple]) -> None:
+        """fn(*args) for every args of `calls` (at most `total`): the first on this thread."""
+        futures = [self.pool.submit(fn, *args) for args in calls[1:]]
+        fn(*calls[0])
+        for f in futures:
+            f.result()
+
+
+threads = Threads(int(os.environ.get("PROBE_STATS_THREADS", "0")) or usable_cores())
