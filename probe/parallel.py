@@ -1,8 +1,10 @@
 """Threads that share a compiled, GIL-free pass with the calling thread, one per spare core.
 
-A batch's statistics are computed on the main thread between forward passes, when the cores the
-forward used are idle; splitting the pass across them keeps that pause short. PROBE_STATS_THREADS
-caps the threads (the caller included); the default is the cores this process may use.
+A batch's statistics are computed in the hooks, between the forward's operations, when the cores
+the forward used are idle; splitting the pass across them keeps that pause short. But torch's own
+workers keep spinning for a moment after each operation, so the default takes half the cores this
+process may use (on 2 cores a helper measured no faster than none). PROBE_STATS_THREADS sets the
+threads, the caller included.
 """
 
 from __future__ import annotations
@@ -31,4 +33,4 @@ class Threads:
             f.result()
 
 
-threads = Threads(int(os.environ.get("PROBE_STATS_THREADS", "0")) or usable_cores())
+threads = Threads(int(os.environ.get("PROBE_STATS_THREADS", "0")) or usable_cores() // 2)

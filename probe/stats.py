@@ -51,6 +51,7 @@ INTEGER_SCALARS = {"rows", "n", "zeros", "nan_count", "inf_count"}
 UNIT_FIELDS = ("count", "sum", "min", "max", "positive", "saturated")  # rows of a saved `units`
 
 
+LOW_BITS = {np.dtype(t): t(np.iinfo(t).max) for t in (np.int32, np.int64)}  # all but the sign
 # Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
 NONFINITE_BUCKETS = np.concatenate([np.arange(0x7F80, 0x8000), np.arange(0xFF80, 0x10000)])
 
@@ -292,7 +293,7 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     y = a.reshape(rows, a.shape[1] if has_units else 1, -1)
     bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
     keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
-    low_bits = keys.dtype.type(np.iinfo(keys.dtype).max)
+    low_bits = LOW_BITS[keys.dtype]
     hist = hist if hist is not None else LogHistogram()
     parts = min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1
     cuts = [rows * i // parts for i in range(parts + 1)]

@@ -144,3 +144,28 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     assert list(np.flatnonzero(saturated)) == [SATURATED]
     sat_counts = f["stats/tanh/output/units"][UNIT_FIELDS.index("saturated")]
     np.testing.assert_array_equal(sat_counts, (np.abs(tanh) >= 0.98).sum(axis=(0, 2, 3)))
+
+
+def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch):
+    """Rows split across helper threads (each with its own histogram lane) equal one thread."""
+    import probe.stats as stats_module
+    from probe.parallel import Threads
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((6, 8, 128 * 64)).astype(np.float32)  # above PARALLEL_MIN_VALUES
+    a[2, 3, 5] = np.nan
+    results = {}
+    for n in (1, 3):
+        monkeypatch.setattr(stats_module, "threads", Threads(n))
+        s = RunningStats()
+        s.update(a)
+        s.update(a[:1])
+        results[n] = s
+    one, three = results[1], results[3]
+    np.testing.assert_array_equal(one.hist.counts, three.hist.counts)
+    for key, value in one.as_row().items():
+        np.testing.assert_allclose(three.as_row()[key], value, rtol=1e-12, err_msg=key)
+    for field in ("count", "sum", "min", "max", "positive"):
+        np.testing.assert_allclose(getattr(three.units, field), getattr(one.units, field))
+    finite = a[np.isfinite(a)].astype(np.float64)
+    assert (three.n, three.max, three.nan_count) == (finite.size + a[0].size, finite.max(), 1)
