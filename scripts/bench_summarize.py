@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(64, 56, 56), (128, 28, 28), (256, 14, 14)]  # per-sample shapes of the datasets
+
+# The child's own peak RSS (VmHWM): ru_maxrss of children carries over the forking parent's.
+HWM = """
+print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0])
+"""
 
 CHILD_RAW = """
 import sys, time, h5py
@@ -35,14 +39,14 @@ with h5py.File(sys.argv[1]) as f:
         for lo in range(0, n, step):  # plain h5py, the same slabs of whole chunks
             total += ds[lo : lo + step].nbytes
 print(total, time.perf_counter() - t)
-"""
+""" + HWM
 
 CHILD_IMPORT = """
 import time
 t = time.perf_counter()
-import probe.summarize  # torch, h5py, pandas: the floor of any summarize process
+import probe.summarize  # numpy, numba, h5py, pandas: the floor of any summarize process
 print(0, time.perf_counter() - t)
-"""
+""" + HWM
 
 CHILD_SUMMARIZE = """
 import sys, time
@@ -50,6 +54,7 @@ from probe.summarize import main
 t = time.perf_counter()
 code = main([sys.argv[1]])
 print(-1, time.perf_counter() - t)
+""" + HWM + """
 sys.exit(code)
 """
 
@@ -86,14 +91,11 @@ def write_file(path: Path, gigabytes: float) -> int:
 def child(code: str, arg: Path) -> tuple[float, float, int]:
     """(seconds of work, peak RSS in MB, exit code) of a child process."""
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out = subprocess.run(
         [sys.executable, "-c", code, str(arg)], env=env, capture_output=True, text=True
     )
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    seconds = float(out.stdout.split()[-1])
-    # ru_maxrss of children is the largest child so far: run the lighter child first
-    return seconds, max(peak, before) / 1024, out.returncode
+    words = out.stdout.split()
+    return float(words[-2]), int(words[-1]) / 1024, out.returncode
 
 
 def main() -> int:
