@@ -35,11 +35,10 @@ def order_key(x, low_bits):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
-def _moments(a, keys, low_bits):
-    """Moments about the first value of a segment known to hold only finite values (so fast-math
-    rules are exact enough: sums may be reassociated, which is what lets them run in SIMD lanes);
+def _moments(a, keys, low_bits, shift):
+    """Moments about `shift` of a segment known to hold only finite values (so fast-math rules
+    are exact enough: sums may be reassociated, which is what lets them run in SIMD lanes);
     extremes as order keys."""
-    shift = np.float64(a[0])
     s = 0.0
     q = 0.0
     b = 0.0
@@ -58,14 +57,12 @@ def _moments(a, keys, low_bits):
         k = order_key(keys[i], low_bits)
         lo = min(lo, k)
         hi = max(hi, k)
-    return shift, s, q, b, lo, hi, zeros, positive
+    return s, q, b, lo, hi, zeros, positive
 
 
 @numba.njit(nogil=True, cache=True)
-def _moments_checked(a, keys, low_bits):
-    """The same over the finite values of a segment that holds NaN or Inf (about the first finite
-    one); also counts NaN and Inf."""
-    shift = np.nan
+def _moments_checked(a, keys, low_bits, shift):
+    """The same over the finite values of a segment that holds NaN or Inf; also counts them."""
     s = 0.0
     q = 0.0
     b = 0.0
@@ -82,8 +79,6 @@ def _moments_checked(a, keys, low_bits):
         elif np.isinf(v):
             infs += 1
         else:
-            if np.isnan(shift):
-                shift = v
             d = v - shift
             s += d
             q += d * d
@@ -93,7 +88,7 @@ def _moments_checked(a, keys, low_bits):
             k = order_key(keys[i], low_bits)
             lo = min(lo, k)
             hi = max(hi, k)
-    return shift, s, q, b, lo, hi, zeros, positive, nans, infs
+    return s, q, b, lo, hi, zeros, positive, nans, infs
 
 
 @numba.njit(nogil=True, cache=True)
@@ -103,60 +98,70 @@ def reduce_rows(y, bits, keys, low_bits, counts, moments, tallies, units, extrem
     moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
     tallies = (finite, zeros, NaN, Inf) counts; per unit, `units` (3, units) float64 holds the
     finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
-    the max (meaningless when the count is 0).
-    Each (row, unit) segment's sums are taken about its first finite value, then merged into the
-    running mean and M2 with Chan's formula, so 1000 +- 0.01 keeps its variance. `bits` are the
-    float32 bit patterns of y (y itself when float32), whose top 16 bits index `counts`, the
-    running histogram, for every value including NaN and Inf; `keys` is y viewed as signed
-    integers of its own width, `low_bits` that width's largest value."""
+    the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
+    (its first finite one in row 0, else 0), and the units merged with Chan's formula at the end,
+    so 1000 +- 0.01 keeps its variance. `bits` are the float32 bit patterns of y (y itself when
+    float32), whose top 16 bits index `counts`, the running histogram, for every value including
+    NaN and Inf; `keys` is y viewed as signed integers of its own width, `low_bits` that width's
+    largest value."""
     rows, width, size = y.shape
-    n = 0
-    mean = 0.0
-    m2 = 0.0
+    shifts = np.zeros(width)
+    unit_s = np.zeros(width)
+    unit_q = np.zeros(width)
     absolute = 0.0
     l2 = 0.0
     zeros = 0
     nans = 0
     infs = 0
     for u in range(width):
+        first = np.float64(y[0, u, 0])
+        shifts[u] = first if np.isfinite(first) else 0.0
         units[0, u] = 0.0
-        units[1, u] = 0.0
         units[2, u] = 0.0
         extremes[0, u] = low_bits
         extremes[1, u] = -low_bits - 1
     for r in range(rows):
         row_sq = 0.0
         for u in range(width):
-            a = y[r, u]
+            shift = shifts[u]
             seg_nans = 0
             seg_infs = 0
             if _histogram(bits[r, u], counts) == 0:
-                shift, s, q, b, lo, hi, seg_zeros, positive = _moments(a, keys[r, u], low_bits)
+                s, q, b, lo, hi, seg_zeros, positive = _moments(
+                    y[r, u], keys[r, u], low_bits, shift
+                )
             else:
-                shift, s, q, b, lo, hi, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
-                    a, keys[r, u], low_bits
+                s, q, b, lo, hi, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
+                    y[r, u], keys[r, u], low_bits, shift
                 )
             k = size - seg_nans - seg_infs
             nans += seg_nans
             infs += seg_infs
-            if k == 0:
-                continue
-            seg_mean = shift + s / k
-            seg_m2 = max(q - s * s / k, 0.0)
-            total = n + k
-            delta = seg_mean - mean
-            mean += delta * k / total
-            m2 += seg_m2 + delta * delta * n * k / total
-            n = total
             absolute += b
             zeros += seg_zeros
             row_sq += q + 2.0 * shift * s + k * shift * shift
+            unit_s[u] += s
+            unit_q[u] += q
             units[0, u] += k
-            units[1, u] += k * shift + s
             units[2, u] += positive
             extremes[0, u] = min(extremes[0, u], lo)
             extremes[1, u] = max(extremes[1, u], hi)
         l2 += np.sqrt(max(row_sq, 0.0))
+    n = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for u in range(width):
+        k = units[0, u]
+        units[1, u] = k * shifts[u] + unit_s[u]
+        if k == 0:
+            continue
+        unit_mean = shifts[u] + unit_s[u] / k
+        unit_m2 = max(unit_q[u] - unit_s[u] * unit_s[u] / k, 0.0)
+        total = n + k
+        delta = unit_mean - mean
+        mean += delta * k / total
+        m2 += unit_m2 + delta * delta * n * k / total
+        n = total
     moments[0] = mean
     moments[1] = m2
     moments[2] = absolute

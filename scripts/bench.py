@@ -118,7 +118,13 @@ def parse_args(argv=None):
     p.add_argument("--grad-probes", default="grads_all_convs")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--image-size", type=int, default=112)
-    p.add_argument("--batches", type=int, default=4, help="batches per repetition")
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=16,
+        help="batches per run (default 16: a run's fixed costs, file set-up and close, weigh "
+        "more in fewer batches)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default="", help="comma-separated subset (default: all)")

@@ -27,7 +27,8 @@ HWM = """
 print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0])
 """
 
-CHILD_RAW = """
+CHILD_RAW = (
+    """
 import sys, time, h5py
 from probe.summarize import SLAB_BYTES
 t = time.perf_counter(); total = 0
@@ -39,24 +40,33 @@ with h5py.File(sys.argv[1]) as f:
         for lo in range(0, n, step):  # plain h5py, the same slabs of whole chunks
             total += ds[lo : lo + step].nbytes
 print(total, time.perf_counter() - t)
-""" + HWM
+"""
+    + HWM
+)
 
-CHILD_IMPORT = """
+CHILD_IMPORT = (
+    """
 import time
 t = time.perf_counter()
 import probe.summarize  # numpy, numba, h5py, pandas: the floor of any summarize process
 print(0, time.perf_counter() - t)
-""" + HWM
+"""
+    + HWM
+)
 
-CHILD_SUMMARIZE = """
+CHILD_SUMMARIZE = (
+    """
 import sys, time
 from probe.summarize import main
 t = time.perf_counter()
 code = main([sys.argv[1]])
 print(-1, time.perf_counter() - t)
-""" + HWM + """
+"""
+    + HWM
+    + """
 sys.exit(code)
 """
+)
 
 
 def write_file(path: Path, gigabytes: float) -> int:
