@@ -76,9 +76,9 @@ class BatchCapture:
     start: int = 0
     values: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     pending: list[PendingGrad] = field(default_factory=list)
-    observe: Callable[[tuple[str, str], torch.Tensor], None] | None = None
+    observe: Callable[[tuple[str, str], torch.Tensor], Any] | None = None
     keep_values: bool = True  # False: only statistics are wanted (store.mode=stats)
-    observed: set[tuple[str, str]] = field(default_factory=set)
+    observed: dict[tuple[str, str], Any] = field(default_factory=dict)  # key -> its statistics
 
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
@@ -87,9 +87,10 @@ class BatchCapture:
         observing = self.observe is not None and t.device.type == "cpu"
         value = keep(t, sel, self.size, key, copy=self.keep_values or not observing)
         if observing:
-            self.observe(key, value)
-            self.observed.add(key)
-        self.values[key] = value if self.keep_values or not observing else value[:0]
+            self.observed[key] = self.observe(key, value)
+        if not (self.keep_values or not observing):
+            value = value.new_empty((0, *value.shape[1:]))  # the layout, not the activation
+        self.values[key] = value
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Capture:
         selections: list[Selection],
         edits: list | None = None,
         index_offset: int = 0,
-        observe: Callable[[tuple[str, str], torch.Tensor], None] | None = None,
+        observe: Callable[[tuple[str, str], torch.Tensor], Any] | None = None,
         keep_values: bool = True,
     ):
         self.selections = selections

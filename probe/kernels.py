@@ -114,8 +114,10 @@ def reduce_rows(y, bits, keys, low_bits, counts, moments, tallies, units, extrem
     nans = 0
     infs = 0
     for u in range(width):
-        first = np.float64(y[0, u, 0])
-        shifts[u] = first if np.isfinite(first) else 0.0
+        for i in range(size):  # the unit's first finite value in row 0, else 0
+            if np.isfinite(y[0, u, i]):
+                shifts[u] = y[0, u, i]
+                break
         units[0, u] = 0.0
         units[2, u] = 0.0
         extremes[0, u] = low_bits

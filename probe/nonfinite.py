@@ -12,15 +12,14 @@ from probe.store import Record
 log = logging.getLogger("probe")
 
 
-def check_batch(record: Record, stats: dict) -> None:
+def check_batch(record: Record) -> None:
     """ModelError naming the first capture, in execution order, that holds NaN or Inf. Captures
-    whose statistics are already counted are judged by them (this is the first batch with any,
-    or the run would have stopped), the others by their values."""
+    whose batch statistics are already taken are judged by them, the others by their values."""
     if record.ready is not None:  # host copies of GPU tensors are readable once their copy ran
         record.ready.synchronize()
     for key, t in [*record.values.items(), *record.per_batch.items()]:
         if key in record.counted:
-            nan, inf = stats[key].nan_count, stats[key].inf_count
+            nan, inf = record.counted[key].nan_count, record.counted[key].inf_count
         elif t.is_floating_point():
             nan = int(torch.isnan(t).sum())
             inf = int(torch.isinf(t).sum())

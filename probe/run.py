@@ -177,7 +177,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
                     size_plan.announce(record, batches, selections, cfg.store, shard)
                 writer.put(record)
                 if cfg.fail_on_nonfinite:
-                    nonfinite.check_batch(record, writer.stats)
+                    nonfinite.check_batch(record)
                 if stop.requested is not None:
                     break
         complete = stop.requested is None

@@ -250,7 +250,10 @@ class RunningStats:
 
     @classmethod
     def from_saved(cls, attrs, arrays) -> RunningStats:
-        """Rebuild from `state()` attributes and `arrays()` (e.g. a /stats group of probe.h5)."""
+        """Rebuild from `state()` attributes and `arrays()` (e.g. a /stats group of probe.h5);
+        files written before the packed layout keep one attribute per scalar and unit_* arrays."""
+        if "state" not in attrs:
+            return cls._from_unpacked(attrs, arrays)
         values = dict(zip(SCALARS, np.asarray(attrs["state"], dtype=np.float64), strict=True))
         s = cls(**{k: int(v) if k in INTEGER_SCALARS else float(v) for k, v in values.items()})
         if "hist" in arrays:
@@ -258,6 +261,16 @@ class RunningStats:
             s.hist = LogHistogram.from_sparse(index, count)
         if "units" in arrays:
             s.units = UnitStats.unpacked(arrays["units"][()])
+        return s
+
+    @classmethod
+    def _from_unpacked(cls, attrs, arrays) -> RunningStats:
+        s = cls(**{k: np.asarray(attrs[k]).item() for k in SCALARS})
+        if "hist_index" in arrays:
+            s.hist = LogHistogram.from_sparse(arrays["hist_index"][()], arrays["hist_count"][()])
+        if "unit_count" in arrays:
+            fields = [f for f in UNIT_FIELDS if f"unit_{f}" in arrays]
+            s.units = UnitStats.unpacked(np.stack([arrays[f"unit_{f}"][()] for f in fields]))
         return s
 
 
@@ -291,7 +304,8 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     if a.size == 0:
         return RunningStats(rows=rows, hist=None)
     y = a.reshape(rows, a.shape[1] if has_units else 1, -1)
-    bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: an Inf bucket, cleared below
+        bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
     keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
     low_bits = LOW_BITS[keys.dtype]
     hist = hist if hist is not None else LogHistogram()
@@ -312,8 +326,9 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     s = RunningStats(hist=None)
     for (i, j), out in zip(zip(cuts[:-1], cuts[1:], strict=True), outs, strict=True):
         s.merge(_partial(j - i, *out, low_bits, y.dtype, has_units))
-    if s.nan_count or s.inf_count:
-        hist.counts[NONFINITE_BUCKETS] = 0  # they never hold a finite value
+    if s.nan_count or s.inf_count or y.dtype == np.float64:
+        # they never hold a finite value (a float64 beyond float32's range lands there too)
+        hist.counts[NONFINITE_BUCKETS] = 0
     if bounds is not None and has_units:
         s.units.saturated = saturated_counts(y, bounds)
     return s

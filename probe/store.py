@@ -24,7 +24,7 @@ import torch
 from probe.diskspace import check_space
 from probe.errors import WriteError
 from probe.resume import describe, restore
-from probe.stats import RunningStats, stats_for
+from probe.stats import LogHistogram, RunningStats, batch_stats, stats_for
 
 FORMAT_VERSION = 1
 log = logging.getLogger("probe")
@@ -43,7 +43,8 @@ class Record:
     targets: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
-    counted: set[tuple[str, str]] = field(default_factory=set)  # statistics already folded in
+    # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
+    counted: dict[tuple[str, str], RunningStats] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,8 +137,7 @@ class ProbeWriter:
         if record.ready is None:
             for key, t in [*record.values.items(), *record.per_batch.items()]:
                 if key not in record.counted:
-                    self.observe(key, t)
-                    record.counted.add(key)
+                    record.counted[key] = self.observe(key, t)
         while True:
             self._raise_if_failed()
             try:
@@ -216,9 +216,9 @@ class ProbeWriter:
             r.ready.synchronize()
         end = r.start + r.size
         for key, t in r.values.items():
-            self._append(key, t, r.start, end, per_batch=False, counted=key in r.counted)
+            self._append(key, t, r.start, end, per_batch=False, counted=r.counted.get(key))
         for key, t in r.per_batch.items():
-            self._append(key, t, r.batch_index, r.batch_index + 1, True, key in r.counted)
+            self._append(key, t, r.batch_index, r.batch_index + 1, True, r.counted.get(key))
         for name, t in r.extra.items():
             self._append_plain(name, t.numpy(), r.start, end)
         if self.mode == "full":
@@ -239,9 +239,13 @@ class ProbeWriter:
         self.last_flush = time.monotonic()
         log.debug("flushed batch %d (%d samples)", r.batch_index, end)
 
-    def observe(self, key: tuple[str, str], t: torch.Tensor) -> None:
-        """Fold one CPU capture of the current batch into its statistics (main thread)."""
-        self._stats(key).update(t)
+    def observe(self, key: tuple[str, str], t: torch.Tensor) -> RunningStats:
+        """Statistics of one CPU capture of the current batch (main thread). The writer folds
+        them in when it writes the batch, so /stats never count rows the file does not hold."""
+        hist = LogHistogram()
+        batch = batch_stats(t, self._stats(key).bounds, hist)
+        batch.hist = hist
+        return batch
 
     def _stats(self, key: tuple[str, str]) -> RunningStats:
         if key not in self.stats:
@@ -255,7 +259,7 @@ class ProbeWriter:
         lo: int,
         hi: int,
         per_batch: bool,
-        counted: bool = False,
+        counted: RunningStats | None = None,
     ) -> None:
         info = self.datasets.get(key)
         new = info is None
@@ -279,8 +283,10 @@ class ProbeWriter:
                 g = self.file.require_group(f"layers/{key[0]}")
                 g.attrs["module_type"] = info.module_type
                 g.attrs.setdefault("order", len(self.datasets) - 1)
-        if not counted:
+        if counted is None:
             info.stats.update(t)
+        else:
+            info.stats.merge(counted)
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
             if new:

@@ -169,3 +169,35 @@ def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch):
         np.testing.assert_allclose(getattr(three.units, field), getattr(one.units, field))
     finite = a[np.isfinite(a)].astype(np.float64)
     assert (three.n, three.max, three.nan_count) == (finite.size + a[0].size, finite.max(), 1)
+
+
+def test_a_unit_that_starts_with_nan_keeps_its_variance():
+    a = np.concatenate([[np.nan], 1e6 + 0.001 * np.arange(1000)]).reshape(1, 1, -1)
+    s = RunningStats()
+    s.update(a)
+    row = s.as_row()
+    finite = a[np.isfinite(a)]
+    np.testing.assert_allclose(row["std"], finite.std(), rtol=1e-9)
+    np.testing.assert_allclose(row["mean"], finite.mean(), rtol=1e-15)
+
+
+def test_float64_beyond_float32_range_keeps_quantiles_finite():
+    s = RunningStats()
+    s.update(np.array([[1e39, 1e39, 1e39], [2.0, 3.0, 1e39]]))
+    row = s.as_row()
+    assert (row["nan_count"], row["inf_count"], row["max"]) == (0, 0, 1e39)
+    assert np.isfinite([row["p01"], row["p50"], row["p99"]]).all()
+
+
+def test_statistics_saved_one_attribute_per_scalar_still_read():
+    """Files written before the packed `state` layout: one attribute per scalar, unit_* arrays."""
+    s = _stream(_arrays()["normal"])
+    attrs = {k: getattr(s, k) for k in ("rows", "n", "mean", "m2", "min", "max", "abs_sum")}
+    attrs.update(zeros=s.zeros, nan_count=s.nan_count, inf_count=s.inf_count, l2_sum=s.l2_sum)
+    index, count = s.hist.sparse()
+    arrays = {"hist_index": index, "hist_count": count}
+    arrays.update({f"unit_{f}": getattr(s.units, f) for f in ("count", "sum", "min", "max")})
+    arrays["unit_positive"] = s.units.positive
+    back = RunningStats.from_saved(attrs, arrays)
+    assert back.as_row() == pytest.approx(s.as_row(), nan_ok=True)
+    np.testing.assert_array_equal(back.units.positive, s.units.positive)
