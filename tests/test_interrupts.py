@@ -193,3 +193,26 @@ def test_in_process_stop_and_resume_with_parameter_gradients(tmp_path, store):
     assert got.keys() == want.keys()
     for name, a in want.items():
         np.testing.assert_array_equal(got[name], a, err_msg=name)
+
+
+def test_statistics_count_only_the_batches_written(tmp_path):
+    """A batch whose forward failed part-way was observed in the hooks but never written: the
+    statistics closed into the file cover exactly its num_samples rows (a stats-only file has
+    nothing else to resume from)."""
+    import torch
+
+    from probe.stats import RunningStats
+    from probe.store import ProbeWriter, Record
+
+    key = ("conv", "output")
+    writer = ProbeWriter(tmp_path / "probe.h5", mode="stats", module_types={"conv": "Conv2d"})
+    first, second = torch.randn(2, 3, 4), torch.randn(2, 3, 4) + 100
+    record = Record(0, 2, 0, {key: first[:0]}, counted={key: writer.observe(key, first)})
+    writer.put(record)
+    writer.observe(key, second)  # the hooks saw it; the batch never reached the writer
+    writer.close(complete=False)
+    with h5py.File(tmp_path / "probe.h5") as f:
+        assert int(f.attrs["num_samples"]) == 2
+        stored = RunningStats.from_saved(f["stats/conv/output"].attrs, f["stats/conv/output"])
+    assert (stored.rows, stored.n) == (2, first.numel())
+    np.testing.assert_allclose(stored.mean, first.double().mean().item(), rtol=1e-12)
