@@ -83,12 +83,12 @@ class BatchCapture:
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
         cache and before any later in-place op; when values are not kept it needs no copy, and
-        `values` holds an empty slice that only tells the writer the layout."""
+        `values` holds an empty tensor that only tells the writer the layout."""
         observing = self.observe is not None and t.device.type == "cpu"
         value = keep(t, sel, self.size, key, copy=self.keep_values or not observing)
         if observing:
             self.observed[key] = self.observe(key, value)
-        if not (self.keep_values or not observing):
+        if observing and not self.keep_values:
             value = value.new_empty((0, *value.shape[1:]))  # the layout, not the activation
         self.values[key] = value
 

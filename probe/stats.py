@@ -288,16 +288,20 @@ def as_array(x) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def bounds_for(module_type: str, site: str) -> tuple[float, float] | None:
+    """The output range whose saturation a dataset tracks: output sites of bounded activations."""
+    return SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
+
+
 def stats_for(module_type: str, site: str) -> RunningStats:
     """Empty statistics for one dataset; output sites of bounded activations track saturation."""
-    bounds = SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
-    return RunningStats(bounds=bounds)
+    return RunningStats(bounds=bounds_for(module_type, site))
 
 
 def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram | None = None):
     """Statistics of one batch from one compiled pass, split by rows across `threads`. Its values
-    are counted into `hist` (the running histogram: no new 64k-bin array per batch); NaN and Inf
-    are counted apart."""
+    are counted into `hist` (a running histogram, or the batch's own); NaN and Inf are counted
+    apart."""
     a = as_array(x)
     rows = a.shape[0] if a.ndim else 1
     has_units = a.ndim >= 2

@@ -24,7 +24,7 @@ import torch
 from probe.diskspace import check_space
 from probe.errors import WriteError
 from probe.resume import describe, restore
-from probe.stats import LogHistogram, RunningStats, batch_stats, stats_for
+from probe.stats import LogHistogram, RunningStats, batch_stats, bounds_for, stats_for
 
 FORMAT_VERSION = 1
 log = logging.getLogger("probe")
@@ -93,7 +93,6 @@ class ProbeWriter:
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
-        self.stats: dict[tuple[str, str], RunningStats] = {}  # shared by both threads, by key
         self.num_samples = 0
         self.num_batches = 0
         self.error: BaseException | None = None
@@ -111,7 +110,6 @@ class ProbeWriter:
             except BaseException:
                 self.file.close()
                 raise
-            self.stats = {key: info.stats for key, info in self.datasets.items()}
         else:
             self.file.attrs["format_version"] = FORMAT_VERSION
             self.file.attrs["complete"] = False
@@ -128,12 +126,12 @@ class ProbeWriter:
 
     # -- main thread -------------------------------------------------------------------------
     def put(self, record: Record) -> None:
-        """Fold a CPU batch into the statistics here, then queue it; blocks while the queue is full,
-        raises promptly if the writer failed.
+        """Take the statistics of a CPU batch's captures the hooks did not `observe`, then queue it;
+        blocks while the queue is full, raises promptly if the writer failed.
 
-        Statistics run on this thread, between forward passes (or in the hooks, as each capture
-        is taken: `observe`), on every core while the forward's cores are idle; on the writer
-        thread they would compete with the next forward pass."""
+        Statistics run on this thread (mostly in the hooks, as each capture is taken), while the
+        forward's cores are idle; on the writer thread they would compete with the next forward
+        pass. The writer folds them in when it writes the batch."""
         if record.ready is None:
             for key, t in [*record.values.items(), *record.per_batch.items()]:
                 if key not in record.counted:
@@ -243,14 +241,9 @@ class ProbeWriter:
         """Statistics of one CPU capture of the current batch (main thread). The writer folds
         them in when it writes the batch, so /stats never count rows the file does not hold."""
         hist = LogHistogram()
-        batch = batch_stats(t, self._stats(key).bounds, hist)
+        batch = batch_stats(t, bounds_for(self.module_types.get(key[0], ""), key[1]), hist)
         batch.hist = hist
         return batch
-
-    def _stats(self, key: tuple[str, str]) -> RunningStats:
-        if key not in self.stats:
-            self.stats[key] = stats_for(self.module_types.get(key[0], ""), key[1])
-        return self.stats[key]
 
     def _append(
         self,
@@ -276,7 +269,7 @@ class ProbeWriter:
                 tuple(t.shape[1:]),
                 str(t.dtype).removeprefix("torch."),
                 per_batch,
-                self._stats(key),
+                stats_for(self.module_types.get(key[0], ""), key[1]),
             )
             self.datasets[key] = info
             if self.mode == "full":  # lets a file cut short say what each layer is, in order
