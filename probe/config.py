@@ -106,7 +106,9 @@ class StoreConfig:
     chunk_bytes: int = 1 << 20
     queue_batches: int = 2
     filename: str = "probe.h5"
-    flush_seconds: float = 0.0  # 0: flush after every batch; >0: at most every so many seconds
+    # 0: flush after every batch; >0: at most every so many seconds; None: 0 in full mode, and
+    # STATS_FLUSH_SECONDS in stats mode, whose flush also writes /stats
+    flush_seconds: float | None = None
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 A chain of torch or numpy reductions reads an activation a dozen times (sums, squares, extremes,
 signs, a histogram) and allocates as many temporaries; here each (row, unit) segment is read twice
-while it sits in the L1 cache: a scalar pass for the histogram (and to find NaN and Inf), then a
-vectorised pass for the moments, in float64, and the extremes, as integer order keys. The functions release the GIL, so several threads
-can share a batch. Compiled code is cached on disk after the first call.
+while it sits in the L1 cache: a scalar pass for the histogram, then a vectorised pass for the
+moments, in float64, and the extremes, as integer order keys. Extremes beyond +-Inf's keys mean
+the segment holds NaN or Inf, and only then is it read a third time, checking every value. The
+functions release the GIL, so several threads can share a batch. Compiled code is cached on disk
+after the first call.
 """
 
 from __future__ import annotations
@@ -12,18 +14,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-EXPONENT = 0x7F800000  # float32 exponent bits: all set for Inf and NaN
-
 
 @numba.njit(nogil=True, cache=True)
 def _histogram(w, counts):
-    """counts[top 16 bits] += 1 for every float32 bit pattern of w; the number of NaN and Inf."""
-    nonfinite = 0
+    """counts[top 16 bits] += 1 for every float32 bit pattern of w."""
     for i in range(w.size):
-        x = np.int64(w[i])
-        counts[x >> 16] += 1
-        nonfinite += (x & EXPONENT) == EXPONENT
-    return nonfinite
+        counts[w[i] >> 16] += 1
 
 
 @numba.njit(nogil=True, cache=True)
@@ -92,7 +88,7 @@ def _moments_checked(a, keys, low_bits, shift):
 
 
 @numba.njit(nogil=True, cache=True)
-def reduce_rows(y, bits, keys, low_bits, counts, moments, tallies, units, extremes):
+def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, units, extremes):
     """Fold y (rows, units, size) into one partial result, over finite values only.
 
     moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
@@ -101,9 +97,9 @@ def reduce_rows(y, bits, keys, low_bits, counts, moments, tallies, units, extrem
     the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
     (its first finite one in row 0, else 0), and the units merged with Chan's formula at the end,
     so 1000 +- 0.01 keeps its variance. `bits` are the float32 bit patterns of y (y itself when
-    float32), whose top 16 bits index `counts`, the running histogram, for every value including
-    NaN and Inf; `keys` is y viewed as signed integers of its own width, `low_bits` that width's
-    largest value."""
+    float32), whose top 16 bits index `counts` for every value including NaN and Inf; `keys` is y
+    viewed as signed integers of its own width, `low_bits` that width's largest value and
+    `infinite` the key of +Inf."""
     rows, width, size = y.shape
     shifts = np.zeros(width)
     unit_s = np.zeros(width)
@@ -128,11 +124,9 @@ def reduce_rows(y, bits, keys, low_bits, counts, moments, tallies, units, extrem
             shift = shifts[u]
             seg_nans = 0
             seg_infs = 0
-            if _histogram(bits[r, u], counts) == 0:
-                s, q, b, lo, hi, seg_zeros, positive = _moments(
-                    y[r, u], keys[r, u], low_bits, shift
-                )
-            else:
+            _histogram(bits[r, u], counts)
+            s, q, b, lo, hi, seg_zeros, positive = _moments(y[r, u], keys[r, u], low_bits, shift)
+            if lo <= -infinite - 1 or hi >= infinite:  # NaN or Inf: again, over finite values
                 s, q, b, lo, hi, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
                     y[r, u], keys[r, u], low_bits, shift
                 )

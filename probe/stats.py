@@ -25,6 +25,7 @@ the range from a bound of the module's output range (`SATURATING`, output sites 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,11 @@ UNIT_FIELDS = ("count", "sum", "min", "max", "positive", "saturated")  # rows of
 
 
 LOW_BITS = {np.dtype(t): t(np.iinfo(t).max) for t in (np.int32, np.int64)}  # all but the sign
+# The order key of +Inf per key width; NaN's lie beyond +-Inf's.
+INFINITE = {
+    np.dtype(np.int32): np.float32(np.inf).view(np.int32),
+    np.dtype(np.int64): np.float64(np.inf).view(np.int64),
+}
 # Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
 NONFINITE_BUCKETS = np.concatenate([np.arange(0x7F80, 0x8000), np.arange(0xFF80, 0x10000)])
 
@@ -75,11 +81,14 @@ class LogHistogram:
         """n arrays to count into, one per thread: this histogram's own, then helpers' lanes
         (kept across batches, so a parallel batch allocates and adds nothing)."""
         while len(self._lanes) < n - 1:
-            self._lanes.append(np.zeros(self.BINS, dtype=np.int64))
+            self._lanes.append(np.zeros(self.BINS, dtype=self._counts.dtype))
         return [self._counts, *self._lanes[: n - 1]]
 
-    def merge(self, other: LogHistogram) -> None:
-        np.add(self.counts, other.counts, out=self._counts)
+    def add_to(self, counts: np.ndarray) -> None:
+        np.add(counts, self.counts, out=counts)
+
+    def merge(self, other: LogHistogram | BucketSpans) -> None:
+        other.add_to(self.counts)
 
     def ordered(self) -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
@@ -109,6 +118,38 @@ class LogHistogram:
         h = cls()
         h.counts[np.asarray(index, dtype=np.int64)] = np.asarray(count, dtype=np.int64)
         return h
+
+
+class BucketSpans:
+    """One batch's histogram as copies of the bucket ranges its finite values can fall in (one
+    per sign, from its min and max): a batch then allocates and folds a few kilobytes instead of
+    a whole 512 KiB LogHistogram."""
+
+    def __init__(self, spans: list[tuple[int, np.ndarray]]):
+        self.spans = spans  # (first bucket, int64 counts from it on)
+
+    def add_to(self, counts: np.ndarray) -> None:
+        for start, c in self.spans:
+            counts[start : start + len(c)] += c
+
+
+def bucket_ranges(lo: float, hi: float) -> list[tuple[int, int]]:
+    """[start, stop) bucket ranges holding every float32 in [lo, hi], one per sign: in order-key
+    terms (`probe.kernels.order_key`) [lo, hi] is one interval, and a key's bucket grows with it
+    for non-negative floats and shrinks with it for negative ones (whose magnitude grows)."""
+    low_bits = 0x7FFFFFFF
+    bits = np.array([lo, hi], np.float32).view(np.int32).tolist()
+    klo, khi = (k ^ low_bits if k < 0 else k for k in bits)
+
+    def bucket(key: int) -> int:
+        return ((key ^ low_bits if key < 0 else key) & 0xFFFFFFFF) >> 16
+
+    ranges = []
+    if khi >= 0:
+        ranges.append((bucket(max(klo, 0)), bucket(khi) + 1))
+    if klo < 0:  # -1 is the key of -0.0
+        ranges.append((bucket(min(khi, -1)), bucket(klo) + 1))
+    return ranges
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
@@ -298,10 +339,23 @@ def stats_for(module_type: str, site: str) -> RunningStats:
     return RunningStats(bounds=bounds_for(module_type, site))
 
 
+class _Scratch(threading.local):
+    """This thread's histogram that batches without a running one count into, before their
+    ranges are copied out and zeroed again. int32 counts: a cache-friendlier half the size, and
+    a batch with fewer than 2**31 values cannot overflow them."""
+
+    def __init__(self):
+        self.hist = LogHistogram(np.zeros(LogHistogram.BINS, dtype=np.int32))
+
+
+_scratch = _Scratch()
+
+
 def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram | None = None):
     """Statistics of one batch from one compiled pass, split by rows across `threads`. Its values
-    are counted into `hist` (a running histogram, or the batch's own); NaN and Inf are counted
-    apart."""
+    are counted into `hist` (a running histogram), or without one into this thread's scratch,
+    whose ranges the batch can occupy become its own histogram (`BucketSpans`); NaN and Inf are
+    counted apart."""
     a = as_array(x)
     rows = a.shape[0] if a.ndim else 1
     has_units = a.ndim >= 2
@@ -312,7 +366,10 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
         bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
     keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
     low_bits = LOW_BITS[keys.dtype]
-    hist = hist if hist is not None else LogHistogram()
+    infinite = INFINITE[keys.dtype]
+    own = hist is None
+    if own:
+        hist = _scratch.hist if y.size < 1 << 31 else LogHistogram()
     parts = min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1
     cuts = [rows * i // parts for i in range(parts + 1)]
     width = y.shape[1]
@@ -320,22 +377,41 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
         (np.empty(4), np.empty(4, np.int64), np.empty((3, width)), np.empty((2, width), np.int64))
         for _ in range(parts)
     ]
+    lanes = hist.lanes(parts)
     threads.run(
         reduce_rows,
         [
-            (y[i:j], bits[i:j], keys[i:j], low_bits, lane, *out)
-            for i, j, lane, out in zip(cuts[:-1], cuts[1:], hist.lanes(parts), outs, strict=True)
+            (y[i:j], bits[i:j], keys[i:j], low_bits, infinite, lane, *out)
+            for i, j, lane, out in zip(cuts[:-1], cuts[1:], lanes, outs, strict=True)
         ],
     )
-    s = RunningStats(hist=None)
-    for (i, j), out in zip(zip(cuts[:-1], cuts[1:], strict=True), outs, strict=True):
-        s.merge(_partial(j - i, *out, low_bits, y.dtype, has_units))
+    s, *rest = (
+        _partial(j - i, *out, low_bits, y.dtype, has_units)
+        for i, j, out in zip(cuts[:-1], cuts[1:], outs, strict=True)
+    )
+    for part in rest:
+        s.merge(part)
     if s.nan_count or s.inf_count or y.dtype == np.float64:
-        # they never hold a finite value (a float64 beyond float32's range lands there too)
-        hist.counts[NONFINITE_BUCKETS] = 0
+        for lane in lanes:  # they never hold a finite value (nor a float64 beyond float32's range)
+            lane[NONFINITE_BUCKETS] = 0
+    if own:
+        s.hist = _take_ranges(lanes, s.min, s.max) if s.n else BucketSpans([])
     if bounds is not None and has_units:
         s.units.saturated = saturated_counts(y, bounds)
     return s
+
+
+def _take_ranges(lanes: list[np.ndarray], lo: float, hi: float) -> BucketSpans:
+    """The lanes' summed counts over the buckets [lo, hi] can occupy, leaving them zero."""
+    spans = []
+    for start, stop in bucket_ranges(lo, hi):
+        counts = lanes[0][start:stop].astype(np.int64)
+        for lane in lanes[1:]:
+            counts += lane[start:stop]
+        for lane in lanes:
+            lane[start:stop] = 0
+        spans.append((start, counts))
+    return BucketSpans(spans)
 
 
 def _partial(rows, moments, tallies, units, extremes, low_bits, dtype, has_units) -> RunningStats:

@@ -1,10 +1,12 @@
 """The HDF5 writer: one background thread fed by a bounded queue, chunked resizable datasets.
 
 The main thread hands over one record per batch; the queue bound caps memory at `queue_batches`
-batches of captures. The thread also folds each record into the streaming statistics, so the
-forward pass overlaps both. The file is flushed after every batch, its `num_samples` attribute
-says how many rows are valid, and `complete=True` is the very last write of a clean run.
-"""
+batches of captures, which the thread writes while the next forward pass runs. A record carries
+its batch's statistics (taken in the hooks), folded in as the batch is written, so they never
+count rows the file does not hold; a stats-only run on the CPU has nothing else to write and
+folds them on the calling thread. The file is flushed after every batch (a stats-only file,
+whose flush rewrites /stats, every STATS_FLUSH_SECONDS), its `num_samples` attribute says how many
+rows are valid, and `complete=True` is the very last write of a clean run."""
 
 from __future__ import annotations
 
@@ -24,11 +26,14 @@ import torch
 from probe.diskspace import check_space
 from probe.errors import WriteError
 from probe.resume import describe, restore
-from probe.stats import LogHistogram, RunningStats, batch_stats, bounds_for, stats_for
+from probe.stats import RunningStats, batch_stats, bounds_for, stats_for
 
 FORMAT_VERSION = 1
 log = logging.getLogger("probe")
 COMPRESSIONS = ("none", "lzf", "gzip")
+# A stats-only run writes nothing between flushes, so a kill there leaves the file of the last
+# flush; each flush rewrites /stats (about 1 ms per dataset), hence not after every batch.
+STATS_FLUSH_SECONDS = 10.0
 
 
 @dataclass
@@ -74,7 +79,7 @@ class ProbeWriter:
         attrs: dict | None = None,
         resume: bool = False,
         batch_rows: int = 1,
-        flush_seconds: float = 0.0,
+        flush_seconds: float | None = None,
         index_offset: int = 0,
     ):
         if compression not in COMPRESSIONS:
@@ -89,6 +94,8 @@ class ProbeWriter:
         self.compression = None if compression == "none" else compression
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunk_bytes = chunk_bytes
+        if flush_seconds is None:
+            flush_seconds = STATS_FLUSH_SECONDS if mode == "stats" else 0.0
         self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
@@ -122,7 +129,7 @@ class ProbeWriter:
         self.file.flush()
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
-        self.thread.start()
+        self.inline: bool | None = None  # decided by the first record (see put)
 
     # -- main thread -------------------------------------------------------------------------
     def put(self, record: Record) -> None:
@@ -136,6 +143,22 @@ class ProbeWriter:
             for key, t in [*record.values.items(), *record.per_batch.items()]:
                 if key not in record.counted:
                     record.counted[key] = self.observe(key, t)
+        if self.inline is None:
+            # A stats-only batch of CPU tensors leaves nothing to write but its statistics:
+            # folding them here costs less than handing them to a thread that would take the
+            # GIL from the next forward pass. Records with GPU copies still go to the thread.
+            self.inline = self.mode == "stats" and record.ready is None
+            if not self.inline:
+                self.thread.start()
+        if self.inline:
+            self._raise_if_failed()
+            try:
+                check_space(self, record)
+                self._write(record)
+            except Exception as e:  # noqa: BLE001 - reported as the writer thread's would be
+                self.error = e
+            self._raise_if_failed()
+            return
         while True:
             self._raise_if_failed()
             try:
@@ -192,7 +215,7 @@ class ProbeWriter:
             )
             error.hdf5_unclosed = self.file.id.valid  # HDF5 retries the flush at exit and crashes
             raise error from None
-        if not self.thread.is_alive() and self.queue.qsize():
+        if self.inline is False and not self.thread.is_alive() and self.queue.qsize():
             raise WriteError(f"the writer of {str(self.path)!r} stopped unexpectedly")
 
     # -- writer thread -----------------------------------------------------------------------
@@ -231,6 +254,8 @@ class ProbeWriter:
         self.num_samples, self.num_batches = end, r.batch_index + 1
         if time.monotonic() - self.last_flush < self.flush_seconds:
             return  # the row count on disk moves only with a flush, so it never overstates
+        if self.mode == "stats":  # the statistics are all a stats-only file holds
+            self._write_stats()
         self.file.attrs["num_samples"] = end
         self.file.attrs["num_batches"] = self.num_batches
         self.file.flush()
@@ -240,10 +265,7 @@ class ProbeWriter:
     def observe(self, key: tuple[str, str], t: torch.Tensor) -> RunningStats:
         """Statistics of one CPU capture of the current batch (main thread). The writer folds
         them in when it writes the batch, so /stats never count rows the file does not hold."""
-        hist = LogHistogram()
-        batch = batch_stats(t, bounds_for(self.module_types.get(key[0], ""), key[1]), hist)
-        batch.hist = hist
-        return batch
+        return batch_stats(t, bounds_for(self.module_types.get(key[0], ""), key[1]))
 
     def _append(
         self,

@@ -20,6 +20,7 @@ from probe.errors import ConfigError
 from probe.interrupt import Interrupted
 from probe.run import run
 from probe.runfile import is_partial, open_probe_file
+from probe.stats import RunningStats, stats_for
 from tests.helpers import QUIET, ROOT, make_cfg
 
 SLOW = [
@@ -115,6 +116,32 @@ def test_sigkill_leaves_a_readable_partial_file(tmp_path, reference, batches):
         assert_prefix_of(reference[0], f, at_least=3 * batches)
     if batches == 2:  # no /stats after a kill: resume recomputes them from the stored rows
         assert_resume_gives_the_reference(tmp_path, reference)
+
+
+def test_sigkill_of_a_stats_only_run_keeps_the_statistics_of_its_flushed_rows(tmp_path, reference):
+    """A stats-only flush writes /stats with the row count: after a kill they describe exactly
+    the flushed rows (equal to statistics of the reference's first rows), and a resume finishes
+    with the uninterrupted run's summary."""
+    stats_only = ["store.mode=stats", "store.flush_seconds=0"]
+    proc = start(tmp_path, *stats_only)
+    signal_after(proc, 2, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    ref_arrays, ref_summary, _ = reference
+    with open_probe_file(tmp_path / "probe.h5") as f:
+        assert is_partial(f)
+        n = int(f.attrs["num_samples"])
+        assert n >= 6 and "layers" not in f
+        for layer, group in f["stats"].items():
+            for site, saved in group.items():
+                got = RunningStats.from_saved(saved.attrs, saved)
+                want = stats_for(saved.attrs["module_type"], site)
+                rows = ref_arrays[f"layers/{layer}/{site}"][:n]
+                for lo in range(0, n, 3):
+                    want.update(rows[lo : lo + 3])
+                assert got.rows == n, (layer, site)
+                assert got.as_row() == pytest.approx(want.as_row(), rel=1e-12, nan_ok=True)
+    result = run(make_cfg(*SLOW, DELAY, "resume=true", *stats_only), run_dir=tmp_path)
+    pd.testing.assert_frame_equal(result.summary, ref_summary, rtol=1e-12)
 
 
 @pytest.mark.parametrize(
