@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from probe.direct import AlignedPool, aligned_empty
 from probe.errors import ModelError
 from probe.select import Selection
 
@@ -79,13 +80,17 @@ class BatchCapture:
     observe: Callable[[tuple[str, str], torch.Tensor], Any] | None = None
     keep_values: bool = True  # False: only statistics are wanted (store.mode=stats)
     observed: dict[tuple[str, str], Any] = field(default_factory=dict)  # key -> its statistics
+    pool: AlignedPool | None = None  # where CPU copies come from
+    pooled: list[torch.Tensor] = field(default_factory=list)  # to give back once written
 
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
         cache and before any later in-place op; when values are not kept it needs no copy, and
         `values` holds an empty tensor that only tells the writer the layout."""
         observing = self.observe is not None and t.device.type == "cpu"
-        value = keep(t, sel, self.size, key, copy=self.keep_values or not observing)
+        value = keep(t, sel, self.size, key, self.keep_values or not observing, self.pool)
+        if self.pool is not None and value is not t and value.device.type == "cpu":
+            self.pooled.append(value)
         if observing:
             self.observed[key] = self.observe(key, value)
         if observing and not self.keep_values:
@@ -127,6 +132,7 @@ class Capture:
         self.selections = selections
         self.observe = observe  # called with each CPU capture as it is taken
         self.keep_values = keep_values
+        self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
         targets: dict[str, Target] = {s.name: Target(s.name, s.module, s) for s in selections}
         for e in edits or []:
@@ -161,7 +167,11 @@ class Capture:
 
     def begin(self, size: int, start: int = 0) -> BatchCapture:
         self.batch = BatchCapture(
-            size, self.index_offset + start, observe=self.observe, keep_values=self.keep_values
+            size,
+            self.index_offset + start,
+            observe=self.observe,
+            keep_values=self.keep_values,
+            pool=self.pool,
         )
         self.in_calls.clear()
         self.out_calls.clear()
@@ -274,7 +284,12 @@ def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
 
 
 def keep(
-    t: torch.Tensor, sel: Selection, size: int, key: tuple[str, str], copy: bool = True
+    t: torch.Tensor,
+    sel: Selection,
+    size: int,
+    key: tuple[str, str],
+    copy: bool = True,
+    pool: AlignedPool | None = None,
 ) -> torch.Tensor:
     """A private copy of `t` (with copy=False: possibly `t` itself) after the probe's reduction,
     in its storage dtype, on its device (probe.device.to_host moves GPU copies to the host
@@ -285,6 +300,8 @@ def keep(
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
     dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
+    if copy and not reduced and x.device.type == "cpu":  # aligned, so it can be written O_DIRECT
+        return (pool.take(x.shape, dtype) if pool else aligned_empty(x.shape, dtype)).copy_(x)
     return x.to(dtype=dtype, copy=copy and not reduced)
 
 

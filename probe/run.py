@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable
@@ -247,6 +248,8 @@ def run_batch(
     (values, per_batch), ready = devices.to_host(captured.values, per_batch)
     record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
     record.counted = captured.observed
+    if captured.pooled:
+        record.release = functools.partial(capture.pool.give, captured.pooled)
     return record
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import h5py
 import numpy as np
 import torch
 
+from probe import direct
 from probe.diskspace import check_space
 from probe.errors import WriteError
 from probe.resume import describe, restore
@@ -50,6 +53,8 @@ class Record:
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
     # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
     counted: dict[tuple[str, str], RunningStats] = field(default_factory=dict)
+    # gives the values' buffers back for reuse once written; they may not be read after
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -100,12 +105,18 @@ class ProbeWriter:
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
+        self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
         self.num_samples = 0
         self.num_batches = 0
         self.error: BaseException | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = h5py.File(self.path, "r+" if resume else "w")
+            self.file = h5py.File(
+                self.path,
+                "r+" if resume else "w",
+                alignment_threshold=direct.ALIGN,
+                alignment_interval=direct.ALIGN,
+            )
         except OSError as e:
             raise WriteError(
                 f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
@@ -127,6 +138,8 @@ class ProbeWriter:
             if mode == "full":
                 self.file.create_group("layers")  # present even when nothing is selected
         self.file.flush()
+        # written chunks bypass the page cache where they can (probe.direct)
+        self.direct_fd = direct.open_direct(self.path) if mode == "full" else None
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
         self.inline: bool | None = None  # decided by the first record (see put)
@@ -196,6 +209,9 @@ class ProbeWriter:
             with contextlib.suppress(OSError, RuntimeError):
                 if self.file.id.valid:
                     self.file.close()
+            if self.direct_fd is not None:
+                os.close(self.direct_fd)
+                self.direct_fd = None
         if complete:
             self._raise_if_failed()
 
@@ -231,6 +247,9 @@ class ProbeWriter:
                 self._write(record)
             except BaseException as e:  # noqa: BLE001 - reported to the main thread by put/close
                 self.error = e
+            else:
+                if record.release is not None:
+                    record.release()
 
     def _write(self, r: Record) -> None:
         if r.ready is not None:
@@ -308,21 +327,26 @@ class ProbeWriter:
                 describe(self.file[f"layers/{key[0]}/{key[1]}"], info, len(self.datasets) - 1)
 
     def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
-        ds = self.file.get(name)
-        if ds is None:
-            if lo != 0:
-                raise WriteError(f"dataset {name!r} appeared first at row {lo}")
-            ds = self._create(name, a)
-        ds.resize(hi, axis=0)
-        if not write_whole_chunks(ds, a, lo, hi):
-            ds[lo:hi] = a
+        target = self.targets.get(name)
+        if target is None:
+            ds = self.file.get(name)
+            if ds is None:
+                if lo != 0:
+                    raise WriteError(f"dataset {name!r} appeared first at row {lo}")
+                ds = self._create(name, a)
+            target = self.targets[name] = ChunkedTarget(ds)
+        target.append(a, lo, hi, self.direct_fd)
 
     def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
         row_bytes = max(1, a[0].nbytes if len(a) else a.itemsize)
         rows = chunk_rows(len(a), row_bytes, self.chunk_bytes)
         chunk_bytes = rows * row_bytes
+        plist = (
+            direct.creation_plist(chunk_bytes) if self.direct_fd and not self.compression else None
+        )
         return self.file.create_dataset(
             name,
+            dcpl=plist,
             shape=(0, *a.shape[1:]),
             maxshape=(None, *a.shape[1:]),
             dtype=a.dtype,
@@ -337,34 +361,56 @@ class ProbeWriter:
         write_stats(self.file, self.datasets.values())
 
 
-def write_whole_chunks(ds: h5py.Dataset, a: np.ndarray, lo: int, hi: int) -> bool:
-    """Write rows [lo, hi) straight to disk when they are whole uncompressed chunks (the usual
-    case: chunks hold whole batches): one write per chunk from the array's own memory, skipping
-    HDF5's chunk cache and its copy. False (nothing written) when they are not."""
-    rows = ds.chunks[0] if ds.chunks else 0
-    if (
-        not rows
-        or ds.id.get_create_plist().get_nfilters()
-        or ds.chunks[1:] != ds.shape[1:]
-        or lo % rows
-        or (hi - lo) % rows
-        or a.dtype != ds.dtype
-        or not a.flags.c_contiguous
-    ):
-        return False
-    origin = (0,) * (a.ndim - 1)
-    for r in range(0, hi - lo, rows):
-        ds.id.write_direct_chunk((lo + r, *origin), a[r : r + rows])
-    return True
+class ChunkedTarget:
+    """One dataset being appended to, with what its writes depend on read once: asking HDF5 for
+    a dataset's properties holds the GIL, which the forward pass is waiting for."""
+
+    def __init__(self, ds: h5py.Dataset):
+        plist = ds.id.get_create_plist()
+        self.ds, self.dtype = ds, ds.dtype
+        self.rows = ds.chunks[0] if ds.chunks else 0
+        # whole batches of rows can be whole chunks, written straight from the array's memory
+        self.by_chunk = (
+            bool(self.rows) and not plist.get_nfilters() and ds.chunks[1:] == ds.shape[1:]
+        )
+        self.allocated_early = plist.get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
+
+    def append(self, a: np.ndarray, lo: int, hi: int, direct_fd: int | None) -> None:
+        """Rows [lo, hi): O_DIRECT or HDF5 direct chunk writes for whole uncompressed chunks (the
+        usual case: chunks hold whole batches), else through HDF5's chunk cache."""
+        ds, rows = self.ds, self.rows
+        ds.resize(hi, axis=0)
+        whole = (
+            self.by_chunk
+            and lo % rows == 0
+            and (hi - lo) % rows == 0
+            and a.dtype == self.dtype
+            and a.flags.c_contiguous
+        )
+        if not whole:
+            ds[lo:hi] = a
+            return
+        if (
+            direct_fd is not None
+            and self.allocated_early
+            and direct.write_chunks(direct_fd, ds, a, lo)
+        ):
+            return
+        origin = (0,) * (a.ndim - 1)
+        for r in range(0, len(a), rows):  # skips HDF5's chunk cache and its copy
+            ds.id.write_direct_chunk((lo + r, *origin), a[r : r + rows])
 
 
 def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int) -> int:
-    """Rows per chunk, aligned to the batch so that a batch's write fills whole chunks: a multiple
-    of the batch when one batch fits in `chunk_bytes`, else the largest divisor of the batch that
-    fits (at least one row). Whole-chunk writes skip the read-modify-write of partial chunks."""
+    """Rows per chunk, aligned to the batch so that a batch's write fills whole chunks: the
+    largest divisor of the batch that fits in `chunk_bytes` (at least one row); when a whole batch
+    fits, the batch, or several batches when one is under a quarter of `chunk_bytes`. A chunk of
+    several batches is written again at every flush until full (and through HDF5's chunk cache,
+    not straight from the capture), which costs little only while batches are small."""
     batch = max(1, batch)
     if batch * row_bytes <= chunk_bytes:
-        return batch * (chunk_bytes // (batch * row_bytes))
+        batches = chunk_bytes // (batch * row_bytes)
+        return batch * (batches if batches >= 4 else 1)
     fits = max(1, chunk_bytes // row_bytes)
     return max(d for d in range(1, min(batch, fits) + 1) if batch % d == 0)
 
