@@ -417,9 +417,9 @@ def _take_ranges(lanes: list[np.ndarray], lo: float, hi: float) -> BucketSpans:
 def _partial(rows, moments, tallies, units, extremes, low_bits, dtype, has_units) -> RunningStats:
     """RunningStats of one `reduce_rows` result."""
     count = units[0].astype(np.int64)
-    none = count == 0
-    lows = np.where(none, np.inf, from_key(extremes[0], low_bits, dtype))
-    highs = np.where(none, -np.inf, from_key(extremes[1], low_bits, dtype))
+    lows, highs = from_key(extremes, low_bits, dtype)
+    if not count.all():  # units without a finite value
+        lows[count == 0], highs[count == 0] = np.inf, -np.inf
     s = RunningStats(
         rows=rows,
         n=int(tallies[0]),
