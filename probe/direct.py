@@ -85,11 +85,10 @@ def write_chunks(fd: int, ds: h5py.Dataset, a: np.ndarray, lo: int) -> bool:
     if chunk_bytes % ALIGN or a.ctypes.data % ALIGN:
         return False
     origin = (0,) * (a.ndim - 1)
-    offsets = [
-        ds.id.get_chunk_info_by_coord((lo + r, *origin)).byte_offset for r in range(0, len(a), rows)
-    ]
-    if any(o is None or o % ALIGN for o in offsets):
-        return False
+    chunks = [ds.id.get_chunk_info_by_coord((lo + r, *origin)) for r in range(0, len(a), rows)]
+    if any(c.byte_offset is None or c.byte_offset % ALIGN or c.size != chunk_bytes for c in chunks):
+        return False  # unallocated, unaligned, or not the size of these rows
+    offsets = [c.byte_offset for c in chunks]
     view = memoryview(a.reshape(-1).view(np.uint8))
     for i, offset in enumerate(offsets):
         part = view[i * chunk_bytes : (i + 1) * chunk_bytes]

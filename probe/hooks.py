@@ -88,9 +88,8 @@ class BatchCapture:
         cache and before any later in-place op; when values are not kept it needs no copy, and
         `values` holds an empty tensor that only tells the writer the layout."""
         observing = self.observe is not None and t.device.type == "cpu"
-        value = keep(t, sel, self.size, key, self.keep_values or not observing, self.pool)
-        if self.pool is not None and value is not t and value.device.type == "cpu":
-            self.pooled.append(value)
+        copy = self.keep_values or not observing
+        value = keep(t, sel, self.size, key, copy, self.pool, self.pooled)
         if observing:
             self.observed[key] = self.observe(key, value)
         if observing and not self.keep_values:
@@ -290,10 +289,12 @@ def keep(
     key: tuple[str, str],
     copy: bool = True,
     pool: AlignedPool | None = None,
+    lent: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A private copy of `t` (with copy=False: possibly `t` itself) after the probe's reduction,
     in its storage dtype, on its device (probe.device.to_host moves GPU copies to the host
-    without stalling the GPU)."""
+    without stalling the GPU). A CPU copy is page-aligned, taken from `pool` and listed in `lent`
+    when they are given."""
     check_batch_axis(t, size, key)
     x = t.detach()
     reduced = sel.reduce == "spatial_mean" and x.ndim >= 3
@@ -301,7 +302,12 @@ def keep(
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
     dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
     if copy and not reduced and x.device.type == "cpu":  # aligned, so it can be written O_DIRECT
-        return (pool.take(x.shape, dtype) if pool else aligned_empty(x.shape, dtype)).copy_(x)
+        if pool is None:
+            return aligned_empty(x.shape, dtype).copy_(x)
+        buffer = pool.take(x.shape, dtype)
+        if lent is not None:  # given back to `pool` once the batch is written
+            lent.append(buffer)
+        return buffer.copy_(x)
     return x.to(dtype=dtype, copy=copy and not reduced)
 
 

@@ -28,9 +28,11 @@ class Threads:
     def run(self, fn, calls: list[tuple]) -> None:
         """fn(*args) for every args of `calls` (at most `total`): the first on this thread."""
         futures = [self.pool.submit(fn, *args) for args in calls[1:]]
-        fn(*calls[0])
-        for f in futures:
-            f.result()
+        try:
+            fn(*calls[0])
+        finally:  # the helpers' arrays are the caller's: never return while they are in use
+            for f in futures:
+                f.result()
 
 
 threads = Threads(int(os.environ.get("PROBE_STATS_THREADS", "0")) or usable_cores() // 2)

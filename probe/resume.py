@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from probe.errors import ConfigError, DataError
 from probe.runfile import open_probe_file
-from probe.stats import RunningStats, stats_for
+from probe.stats import RunningStats, counts_agree, stats_for
 
 # The parts of the resolved config that decide the values in the file.
 COMPARED = ("model", "dataset", "probes", "objective", "store", "seed", "train_mode")
@@ -126,7 +126,7 @@ def _restore_stats(writer, key, info, batch_rows: int) -> None:
     rows = writer.num_batches if info.per_batch else writer.num_samples
     saved = writer.file.get(f"stats/{key[0]}/{key[1]}")
     stored = RunningStats.from_saved(saved.attrs, saved) if saved is not None else None
-    if stored is not None and stored.rows == rows:
+    if stored is not None and stored.rows == rows and counts_agree(stored, saved.attrs["dtype"]):
         info.stats = stored
         info.shape, info.dtype = tuple(int(x) for x in saved.attrs["shape"]), saved.attrs["dtype"]
         return
@@ -134,7 +134,9 @@ def _restore_stats(writer, key, info, batch_rows: int) -> None:
     if ds is None:
         raise DataError(
             f"{str(writer.path)!r} holds no statistics for the {rows} rows of {key[0]} {key[1]} "
-            "(a store.mode=stats run that was killed); start a new run without resume=true"
+            "that agree with each other, and no stored rows to recompute them from (a "
+            "store.mode=stats run killed while it rewrote them); start a new run without "
+            "resume=true"
         )
     step = 1 if info.per_batch else batch_rows
     info.stats = stats_for(info.module_type, key[1])

@@ -34,9 +34,11 @@ from probe.stats import RunningStats, batch_stats, bounds_for, stats_for
 FORMAT_VERSION = 1
 log = logging.getLogger("probe")
 COMPRESSIONS = ("none", "lzf", "gzip")
-# A stats-only run writes nothing between flushes, so a kill there leaves the file of the last
-# flush; each flush rewrites /stats (about 1 ms per dataset), hence not after every batch.
+# A stats-only run writes nothing between flushes (its per-sample extras wait for the flush), so
+# a kill there leaves the file of the last flush; each flush rewrites /stats (about 1 ms per
+# dataset), hence not after every batch.
 STATS_FLUSH_SECONDS = 10.0
+HELD_BYTES = 64 << 20  # ... or sooner when the extras it holds until then reach this size
 
 
 @dataclass
@@ -106,6 +108,10 @@ class ProbeWriter:
         self.module_types = module_types or {}
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
+        # per-sample extras (the model's output) a stats-only run writes at its next flush
+        self.held: list[tuple[str, np.ndarray, int, int]] = []
+        self.held_bytes = 0
+        self.unflushable = False
         self.num_samples = 0
         self.num_batches = 0
         self.error: BaseException | None = None
@@ -170,7 +176,12 @@ class ProbeWriter:
                 self._write(record)
             except Exception as e:  # noqa: BLE001 - reported as the writer thread's would be
                 self.error = e
+            except BaseException:  # a second Ctrl-C part-way through folding the batch in
+                self.unflushable = True  # the statistics in memory no longer match a row count
+                raise
             self._raise_if_failed()
+            if record.release is not None:
+                record.release()
             return
         while True:
             self._raise_if_failed()
@@ -195,7 +206,9 @@ class ProbeWriter:
             self.error, WriteError
         )
         try:
-            if self.file.id.valid and not io_failed:  # after a failed write HDF5 cannot flush
+            # after a failed write HDF5 cannot flush
+            if self.file.id.valid and not io_failed and not self.unflushable:
+                self._write_held()
                 self._write_stats()
                 self.file.attrs["num_samples"] = self.num_samples
                 self.file.attrs["num_batches"] = self.num_batches
@@ -260,7 +273,11 @@ class ProbeWriter:
         for key, t in r.per_batch.items():
             self._append(key, t, r.batch_index, r.batch_index + 1, True, r.counted.get(key))
         for name, t in r.extra.items():
-            self._append_plain(name, t.numpy(), r.start, end)
+            if self.mode == "stats":  # written with the statistics, at the flush
+                self.held.append((name, t.numpy(), r.start, end))
+                self.held_bytes += self.held[-1][1].nbytes
+            else:
+                self._append_plain(name, t.numpy(), r.start, end)
         if self.mode == "full":
             self._append_plain(
                 "samples/index",
@@ -271,15 +288,22 @@ class ProbeWriter:
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
         self.num_samples, self.num_batches = end, r.batch_index + 1
-        if time.monotonic() - self.last_flush < self.flush_seconds:
+        if time.monotonic() - self.last_flush < self.flush_seconds and self.held_bytes < HELD_BYTES:
             return  # the row count on disk moves only with a flush, so it never overstates
-        if self.mode == "stats":  # the statistics are all a stats-only file holds
+        if self.mode == "stats":  # all a stats-only file holds, written only here
+            self._write_held()
             self._write_stats()
         self.file.attrs["num_samples"] = end
         self.file.attrs["num_batches"] = self.num_batches
         self.file.flush()
         self.last_flush = time.monotonic()
         log.debug("flushed batch %d (%d samples)", r.batch_index, end)
+
+    def _write_held(self) -> None:
+        for name, a, lo, hi in self.held:
+            self._append_plain(name, a, lo, hi)
+        self.held.clear()
+        self.held_bytes = 0
 
     def observe(self, key: tuple[str, str], t: torch.Tensor) -> RunningStats:
         """Statistics of one CPU capture of the current batch (main thread). The writer folds
@@ -367,7 +391,7 @@ class ChunkedTarget:
 
     def __init__(self, ds: h5py.Dataset):
         plist = ds.id.get_create_plist()
-        self.ds, self.dtype = ds, ds.dtype
+        self.ds, self.dtype, self.row_shape = ds, ds.dtype, ds.shape[1:]
         self.rows = ds.chunks[0] if ds.chunks else 0
         # whole batches of rows can be whole chunks, written straight from the array's memory
         self.by_chunk = (
@@ -385,6 +409,7 @@ class ChunkedTarget:
             and lo % rows == 0
             and (hi - lo) % rows == 0
             and a.dtype == self.dtype
+            and a.shape[1:] == self.row_shape
             and a.flags.c_contiguous
         )
         if not whole:

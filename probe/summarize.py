@@ -11,6 +11,7 @@ such; the first gives what is there.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,9 @@ import pandas as pd
 import yaml
 
 from probe.errors import DataError, ProbeError
-from probe.stats import RunningStats, stats_for
+from probe.stats import RunningStats, counts_agree, stats_for
+
+log = logging.getLogger("probe")
 
 COLUMNS = [
     "layer",
@@ -163,7 +166,10 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
             "written before it stopped"
         )
         if not out.datasets:
-            out.message += "; it holds no statistics (a stats-only run writes them at the end)"
+            out.message += (
+                "; it holds no statistics (a stats-only run writes them at each flush, "
+                "every 10 s by default)"
+            )
     return out
 
 
@@ -182,18 +188,19 @@ def dataset_keys(f: h5py.File) -> list[tuple[str, str]]:
 
 
 def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
-    """The statistics the writer stored at close under /stats (absent if the run was killed)."""
+    """The statistics the writer stored under /stats: at close, and at each flush of a stats-only
+    run (a killed full run has none)."""
     out = {}
     for layer, group in f.get("stats", {}).items():
         for site, g in group.items():
-            out[(layer, site)] = DatasetSummary(
-                layer,
-                site,
-                str(g.attrs.get("module_type", "")),
-                tuple(int(v) for v in g.attrs.get("shape", ())),
-                str(g.attrs.get("dtype", "")),
-                RunningStats.from_saved(g.attrs, g),
-            )
+            dtype = str(g.attrs.get("dtype", ""))
+            stats = RunningStats.from_saved(g.attrs, g)
+            if not counts_agree(stats, dtype):
+                log.warning("%s: /stats/%s/%s mixes two flushes; not used", f.filename, layer, site)
+                continue
+            shape = tuple(int(v) for v in g.attrs.get("shape", ()))
+            module_type = str(g.attrs.get("module_type", ""))
+            out[(layer, site)] = DatasetSummary(layer, site, module_type, shape, dtype, stats)
     return out
 
 

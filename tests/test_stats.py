@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from probe.stats import QUANTILE_REL_ERROR, UNIT_FIELDS, RunningStats, batch_stats
+from probe.stats import (
+    QUANTILE_REL_ERROR,
+    UNIT_FIELDS,
+    LogHistogram,
+    RunningStats,
+    batch_stats,
+    bucket_ranges,
+    counts_agree,
+)
 from tests.analysis_models import DEAD, SATURATED
 from tests.helpers import run_probe
 
@@ -201,3 +209,58 @@ def test_statistics_saved_one_attribute_per_scalar_still_read():
     back = RunningStats.from_saved(attrs, arrays)
     assert back.as_row() == pytest.approx(s.as_row(), nan_ok=True)
     np.testing.assert_array_equal(back.units.positive, s.units.positive)
+
+
+def test_bucket_ranges_hold_every_float32_between_the_extremes():
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        scale = np.float32(10.0 ** rng.integers(-40, 38))
+        x = (rng.standard_normal(64) * scale).astype(np.float32)
+        x = [x, np.abs(x), -np.abs(x), np.concatenate([x, [0.0, -0.0, 1e-45]])][trial % 4]
+        x = np.asarray(x, dtype=np.float32)
+        ranges = bucket_ranges(float(x.min()), float(x.max()))
+        buckets = x.view(np.uint32) >> 16
+        assert all(any(a <= b < c for a, c in ranges) for b in buckets), (x.min(), x.max())
+    assert bucket_ranges(-0.0, 0.0) == [(0, 1), (0x8000, 0x8001)]
+
+
+def test_a_batch_histogram_equals_counting_into_a_running_one():
+    """Counted into the scratch and copied out as ranges, or counted into a running histogram:
+    the same counts, and the scratch is left empty for the next batch."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5, 4, 300)).astype(np.float32) * 3
+    a[1, 2, 7], a[3, 0, 0] = np.nan, -np.inf
+    running = RunningStats()
+    running.update(a)
+    for _ in range(2):
+        counted = LogHistogram()
+        counted.merge(batch_stats(a).hist)
+        np.testing.assert_array_equal(counted.counts, running.hist.counts)
+
+
+def test_zeros_of_either_sign_at_the_extremes_are_all_counted():
+    """ReLU gives -0.0 for -0.0 and +0.0 for negatives: a batch whose min is a zero of either
+    sign keeps every value in its histogram, and leaves nothing behind for the next batch."""
+    a = np.array([[[0.0, 1.0], [-0.0, 1.0]], [[-0.0, 2.0], [0.0, 3.0]]], dtype=np.float32)
+    for x in (a, -a, np.abs(a), np.array([[[-0.0, 0.0]]], dtype=np.float32)):
+        s = batch_stats(x)
+        counted = LogHistogram()
+        counted.merge(s.hist)
+        assert counted.counts.sum() == s.n == x.size
+    after = batch_stats(np.ones((1, 1, 3), dtype=np.float32))
+    counted = LogHistogram()
+    counted.merge(after.hist)
+    assert counted.counts.sum() == 3
+
+
+def test_saved_statistics_mixing_two_flushes_are_told_apart():
+    """The scalars of one flush beside the arrays of the next (a kill while /stats is rewritten)
+    do not add up, and are not used."""
+    a = _arrays()["holes"]
+    early, late = RunningStats(), RunningStats()
+    early.update(a[:20])
+    late.update(a[:20])
+    late.update(a[20:])
+    assert counts_agree(early, "float32") and counts_agree(late, "float32")
+    mixed = RunningStats.from_saved(early.state(), late.arrays())
+    assert not counts_agree(mixed, "float32")

@@ -1,0 +1,144 @@
+"""Chunks written with O_DIRECT into space HDF5 allocated: the file holds the plain hooks' values,
+and memory or chunks O_DIRECT cannot take go through HDF5 instead."""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torchvision.models.feature_extraction import create_feature_extractor
+
+from probe import direct
+from probe.hooks import keep
+from probe.select import Selection
+from probe.store import ProbeWriter, Record, chunk_rows
+from tests.helpers import make_cfg, run_probe
+from tests.test_forward_values import _model_and_inputs
+
+RESNET = [
+    "model=resnet18",
+    "dataset.image_size=64",
+    "dataset.num_samples=12",
+    "dataset.batch_size=4",
+    "probes=all_convs",
+    "store.queue_batches=1",  # capture buffers go back to the pool, and are reused, quickly
+]
+
+
+def test_whole_chunks_go_to_disk_directly_with_the_values_of_plain_hooks(tmp_path, monkeypatch):
+    if direct.open_direct(__file__) is None:
+        pytest.skip("this file system has no O_DIRECT")
+    calls = []
+
+    def spy(fd, ds, a, lo):
+        done = real(fd, ds, a, lo)
+        calls.append((ds.name, done))
+        return done
+
+    real = direct.write_chunks
+    monkeypatch.setattr(direct, "write_chunks", spy)
+    _, f = run_probe(tmp_path, *RESNET)
+    model, inputs, _ = _model_and_inputs(make_cfg(*RESNET))
+    convs = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        ref = create_feature_extractor(model, {n: n for n in convs})(inputs)
+    direct_names = {name for name, done in calls if done}
+    for name in convs:
+        ds = f[f"layers/{name}/output"]
+        np.testing.assert_allclose(ds[:], ref[name].numpy(), rtol=1e-5, atol=1e-5)
+        assert ds.id.get_create_plist().get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
+        one_batch_per_chunk = ds.chunks[0] == 4
+        assert (ds.name in direct_names) == one_batch_per_chunk, ds.name
+    assert "/layers/conv1/output" in direct_names  # 4 rows of 256 KiB: one chunk per batch
+    assert "/layers/layer4.1.conv2/output" not in direct_names  # 32 KiB batches share chunks
+    assert all(done for _, done in calls)  # every whole chunk met O_DIRECT's alignment
+
+
+def test_memory_o_direct_cannot_take_is_written_through_hdf5(tmp_path):
+    rows = np.arange(2 * 1024 * 2, dtype=np.float32).reshape(2, 1024, 2)  # 8 KiB per row
+    unaligned = np.empty(rows.nbytes + 4, np.uint8)[4:].view(np.float32).reshape(rows.shape)
+    unaligned[...] = rows
+    if unaligned.ctypes.data % direct.ALIGN == 0:  # pragma: no cover - numpy aligns to 16 bytes
+        unaligned = np.empty(rows.nbytes + 8, np.uint8)[8:].view(np.float32).reshape(rows.shape)
+        unaligned[...] = rows
+    path = tmp_path / "probe.h5"
+    writer = ProbeWriter(path, chunk_bytes=rows.nbytes, module_types={"lin": "Linear"})
+    for start in (0, 2):
+        writer.put(Record(start, 2, start // 2, {("lin", "output"): torch.from_numpy(unaligned)}))
+    writer.close(complete=True)
+    with h5py.File(path) as f:
+        ds = f["layers/lin/output"]
+        np.testing.assert_array_equal(ds[:], np.concatenate([rows, rows]))
+        fd = direct.open_direct(path)
+        if fd is not None:
+            try:
+                assert not direct.write_chunks(fd, ds, unaligned, 0)
+            finally:
+                os.close(fd)
+
+
+def test_aligned_chunks_written_directly_read_back_through_hdf5(tmp_path):
+    path = tmp_path / "d.h5"
+    shape = (4, 16, 8, 8)  # 4 KiB per row
+    batches = [np.random.default_rng(i).standard_normal(shape).astype(np.float32) for i in range(3)]
+    with h5py.File(
+        path, "w", alignment_threshold=direct.ALIGN, alignment_interval=direct.ALIGN
+    ) as f:
+        ds = f.create_dataset(
+            "x",
+            shape=(0, *shape[1:]),
+            maxshape=(None, *shape[1:]),
+            dtype="f4",
+            chunks=(2, *shape[1:]),
+            dcpl=direct.creation_plist(2 * 4096),
+        )
+        fd = direct.open_direct(path)
+        if fd is None:
+            pytest.skip("this file system has no O_DIRECT")
+        buffer = direct.aligned_empty(shape, torch.float32).numpy()
+        try:
+            for i, b in enumerate(batches):
+                ds.resize((i + 1) * 4, axis=0)
+                buffer[...] = b
+                assert direct.write_chunks(fd, ds, buffer, i * 4)  # two chunks per batch
+        finally:
+            os.close(fd)
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(f["x"][:], np.concatenate(batches))
+
+
+@pytest.mark.parametrize(
+    ("batch", "row_bytes", "rows"),
+    [
+        (16, 800 << 10, 1),  # a row near the chunk size: one row per chunk
+        (16, 50 << 10, 16),  # 800 KiB batches: one batch per chunk
+        (16, 32 << 10, 16),  # 512 KiB batches: still one (two would be written twice each)
+        (16, 1 << 10, 16 * 64),  # 16 KiB batches: 64 to a chunk
+        (6, 300 << 10, 3),  # the largest divisor of the batch that fits
+    ],
+)
+def test_chunks_hold_whole_batches(batch, row_bytes, rows):
+    assert chunk_rows(batch, row_bytes, 1 << 20) == rows
+
+
+def test_only_page_aligned_copies_are_lent_from_the_pool_and_reused():
+    """Copies come from the pool, aligned, with the capture's values, and are reused once given
+    back; reduced captures and uncopied views are never lent (the pool would keep them)."""
+    conv = torch.nn.Conv2d(3, 4, 3)
+    t = torch.randn(2, 4, 6, 6)
+    pool, lent = direct.AlignedPool(), []
+    full = Selection("conv", conv, ("output",), "none", "float32", "p")
+    mean = Selection("conv", conv, ("output",), "spatial_mean", "float32", "p")
+    copy = keep(t, full, 2, ("conv", "output"), True, pool, lent)
+    assert lent == [copy] and copy.data_ptr() % direct.ALIGN == 0
+    torch.testing.assert_close(copy, t, rtol=0, atol=0)
+    keep(t, mean, 2, ("conv", "output"), True, pool, lent)
+    keep(t, full, 2, ("conv", "output"), False, pool, lent)
+    assert len(lent) == 1
+    pool.give(lent)
+    again = keep(t * 2, full, 2, ("conv", "output"), True, pool, [])
+    assert again.data_ptr() == copy.data_ptr()
+    torch.testing.assert_close(again, t * 2, rtol=0, atol=0)
