@@ -58,7 +58,9 @@ def _moments(a, keys, low_bits, shift):
 
 @numba.njit(nogil=True, cache=True)
 def _moments_checked(a, keys, low_bits, shift):
-    """The same over the finite values of a segment that holds NaN or Inf; also counts them."""
+    """The same over the finite values of a segment that holds NaN or Inf; also counts them.
+    Kept apart from `_moments`: under fast-math the compiler may assume no NaN and drop these
+    tests, and with them in one loop the fast path would no longer vectorise."""
     s = 0.0
     q = 0.0
     b = 0.0

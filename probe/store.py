@@ -172,16 +172,13 @@ class ProbeWriter:
         if self.inline:
             self._raise_if_failed()
             try:
-                check_space(self, record)
-                self._write(record)
+                self._take(record)
             except Exception as e:  # noqa: BLE001 - reported as the writer thread's would be
                 self.error = e
             except BaseException:  # a second Ctrl-C part-way through folding the batch in
                 self.unflushable = True  # the statistics in memory no longer match a row count
                 raise
             self._raise_if_failed()
-            if record.release is not None:
-                record.release()
             return
         while True:
             self._raise_if_failed()
@@ -256,13 +253,16 @@ class ProbeWriter:
             if self.error is not None:
                 continue
             try:
-                check_space(self, record)
-                self._write(record)
+                self._take(record)
             except BaseException as e:  # noqa: BLE001 - reported to the main thread by put/close
                 self.error = e
-            else:
-                if record.release is not None:
-                    record.release()
+
+    def _take(self, record: Record) -> None:
+        """Write one record, then give its buffers back for the next batches."""
+        check_space(self, record)
+        self._write(record)
+        if record.release is not None:
+            record.release()
 
     def _write(self, r: Record) -> None:
         if r.ready is not None:
