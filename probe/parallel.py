@@ -1,10 +1,10 @@
 """Threads that share a compiled, GIL-free pass with the calling thread, one per spare core.
 
-A batch's statistics are computed in the hooks, between the forward's operations, when the cores
-the forward used are idle; splitting the pass across them keeps that pause short. But torch's own
-workers keep spinning for a moment after each operation, so the default takes half the cores this
-process may use (on 2 cores a helper measured no faster than none). PROBE_STATS_THREADS sets the
-threads, the caller included.
+Used where torch's own threads cannot take the pass (`probe.team`: not the thread running the
+model, or no OpenMP runtime found), such as the summarizer and the writer thread. Torch's workers
+keep spinning for a moment after each operation, so beside a running model threads of our own
+compete with them: the default takes half the cores this process may use. PROBE_STATS_THREADS sets
+the threads, the caller included.
 """
 
 from __future__ import annotations

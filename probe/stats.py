@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probe.kernels import reduce_rows
+from probe import team
+from probe.kernels import combine, reduce_rows, take_spans
 from probe.parallel import threads
 
 QUANTILE_REL_ERROR = 2.0**-8
@@ -44,6 +45,7 @@ SATURATING = {
     "ReLU6": (0.0, 6.0),
 }
 PARALLEL_MIN_VALUES = 1 << 18  # below this a batch is reduced on the calling thread alone
+TEAM_MIN_VALUES = 1 << 14  # torch's idle workers start at once (`probe.team`): worth it sooner
 SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
 SCALARS = (
     "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
@@ -131,25 +133,6 @@ class BucketSpans:
     def add_to(self, counts: np.ndarray) -> None:
         for start, c in self.spans:
             counts[start : start + len(c)] += c
-
-
-def bucket_ranges(lo: float, hi: float) -> list[tuple[int, int]]:
-    """[start, stop) bucket ranges holding every float32 in [lo, hi], one per sign. A bucket is
-    the top 16 bits of a float32: 0x0000 up for +0.0 and growing magnitudes, 0x8000 up for -0.0
-    and growing negative magnitudes. Zeros of either sign are within [lo, hi] whenever 0 is (a
-    min or max of 0.0 may carry either sign), so both zero buckets are then included."""
-
-    def magnitude(v: float) -> int:
-        with np.errstate(over="ignore"):  # beyond float32's range: the Inf bucket
-            return int(np.array(abs(v), np.float32).view(np.int32)) >> 16
-
-    ranges = []
-    if hi >= 0.0:
-        ranges.append((magnitude(lo) if lo > 0.0 else 0, magnitude(hi) + 1))
-    if lo <= 0.0:
-        nearest = magnitude(hi) if hi < 0.0 else 0
-        ranges.append((0x8000 | nearest, (0x8000 | magnitude(lo)) + 1))
-    return ranges
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
@@ -362,10 +345,10 @@ _scratch = _Scratch()
 
 
 def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram | None = None):
-    """Statistics of one batch from one compiled pass, split by rows across `threads`. Its values
-    are counted into `hist` (a running histogram), or without one into this thread's scratch,
-    whose ranges the batch can occupy become its own histogram (`BucketSpans`); NaN and Inf are
-    counted apart."""
+    """Statistics of one batch from one compiled pass, split by rows across torch's threads
+    (`probe.team`) or else `threads`. Its values are counted into `hist` (a running histogram),
+    or without one into this thread's scratch, whose occupied buckets become its own histogram
+    (`BucketSpans`); NaN and Inf are counted apart."""
     a = as_array(x)
     rows = a.shape[0] if a.ndim else 1
     has_units = a.ndim >= 2
@@ -380,33 +363,34 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     own = hist is None
     if own:
         hist = _scratch.hist if y.size < 1 << 31 else LogHistogram()
-    parts = min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1
+    parts, on_team = _split(y)
     cuts = [rows * i // parts for i in range(parts + 1)]
-    width = y.shape[1]
-    outs = [
-        (np.empty(4), np.empty(4, np.int64), np.empty((3, width)), np.empty((2, width), np.int64))
-        for _ in range(parts)
-    ]
+    units = y.shape[1]
+    outs = (
+        np.empty((parts, 4)),
+        np.empty((parts, 4), np.int64),
+        np.empty((parts, 3, units)),
+        np.empty((parts, 2, units), np.int64),
+    )
     lanes = hist.lanes(parts)
     try:
-        threads.run(
-            reduce_rows,
-            [
-                (y[i:j], bits[i:j], keys[i:j], low_bits, infinite, lane, *out)
-                for i, j, lane, out in zip(cuts[:-1], cuts[1:], lanes, outs, strict=True)
-            ],
-        )
-        s, *rest = (
-            _partial(j - i, *out, low_bits, y.dtype, has_units)
-            for i, j, out in zip(cuts[:-1], cuts[1:], outs, strict=True)
-        )
-        for part in rest:
-            s.merge(part)
+        if on_team:
+            team.reduce(y, low_bits, infinite, cuts, lanes, outs)
+        else:
+            pieces = enumerate(zip(cuts[:-1], cuts[1:], lanes, strict=True))
+            threads.run(
+                reduce_rows,
+                [
+                    (y[i:j], bits[i:j], keys[i:j], low_bits, infinite, lane, *(o[p] for o in outs))
+                    for p, (i, j, lane) in pieces
+                ],
+            )
+        s = _batch(rows, outs, low_bits, keys, y, has_units)
         if s.nan_count or s.inf_count or y.dtype == np.float64:
             for lane in lanes:  # never a finite value there (nor a float64 beyond float32's range)
                 lane[NONFINITE_BUCKETS] = 0
         if own:
-            s.hist = _take_ranges(lanes, s.min, s.max) if s.n else BucketSpans([])
+            s.hist = BucketSpans(take_spans(tuple(lanes), s.min, s.max) if s.n else [])
     except BaseException:  # e.g. a second Ctrl-C: the scratch must not carry counts to the next
         if own:
             for lane in lanes:
@@ -417,50 +401,26 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     return s
 
 
-def _take_ranges(lanes: list[np.ndarray], lo: float, hi: float) -> BucketSpans:
-    """The lanes' summed counts over the buckets [lo, hi] can occupy, leaving them zero."""
-    spans = []
-    for start, stop in bucket_ranges(lo, hi):
-        counts = lanes[0][start:stop].astype(np.int64)
-        for lane in lanes[1:]:
-            counts += lane[start:stop]
-        for lane in lanes:
-            lane[start:stop] = 0
-        spans.append((start, counts))
-    return BucketSpans(spans)
+def _split(y: np.ndarray) -> tuple[int, bool]:
+    """How many parts of rows y is reduced in, and whether on torch's threads (`probe.team`)."""
+    rows = y.shape[0]
+    if y.dtype == np.float32 and y.flags.c_contiguous and y.size >= TEAM_MIN_VALUES:
+        parts = min(team.size(), rows)
+        if parts > 1:
+            return parts, True
+    return (min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1), False
 
 
-def _partial(rows, moments, tallies, units, extremes, low_bits, dtype, has_units) -> RunningStats:
-    """RunningStats of one `reduce_rows` result."""
-    count = units[0].astype(np.int64)
-    lows, highs = from_key(extremes, low_bits, dtype)
-    if not count.all():  # units without a finite value
-        lows[count == 0], highs[count == 0] = np.inf, -np.inf
+def _batch(rows: int, outs, low_bits, keys: np.ndarray, y: np.ndarray, has_units: bool):
+    """RunningStats of one batch from its parts' `reduce_rows` results (`combine`)."""
+    scalars, count, sums, lows, highs, positive = combine(*outs, low_bits, keys, y)
+    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2 = scalars.tolist()
     s = RunningStats(
-        rows=rows,
-        n=int(tallies[0]),
-        mean=float(moments[0]),
-        m2=float(moments[1]),
-        min=float(lows.min()),
-        max=float(highs.max()),
-        abs_sum=float(moments[2]),
-        zeros=int(tallies[1]),
-        nan_count=int(tallies[2]),
-        inf_count=int(tallies[3]),
-        l2_sum=float(moments[3]),
-        hist=None,
+        rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
     )
     if has_units:
-        positive = units[2].astype(np.int64)
-        s.units = UnitStats(count, units[1].copy(), lows, highs, positive)
+        s.units = UnitStats(count, sums, lows, highs, positive)
     return s
-
-
-def from_key(keys: np.ndarray, low_bits, dtype) -> np.ndarray:
-    """Float64 values of integer order keys (`probe.kernels.order_key` is its own inverse)."""
-    keys = keys.astype(type(low_bits))
-    bits = np.where(keys < 0, keys ^ low_bits, keys)
-    return bits.view(dtype).astype(np.float64)
 
 
 def saturated_counts(y: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:

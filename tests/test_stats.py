@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from probe.kernels import bucket_ranges
 from probe.stats import (
     QUANTILE_REL_ERROR,
     UNIT_FIELDS,
     LogHistogram,
     RunningStats,
     batch_stats,
-    bucket_ranges,
     counts_agree,
 )
 from tests.analysis_models import DEAD, SATURATED

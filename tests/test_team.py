@@ -1,0 +1,102 @@
+"""Statistics split across torch's OpenMP threads equal one thread's and numpy's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from probe import stats, team
+from probe.stats import LogHistogram, RunningStats, batch_stats
+
+pytestmark = pytest.mark.skipif(
+    "OpenMP" not in torch.__config__.parallel_info(), reason="torch runs without OpenMP here"
+)
+
+
+def _batches() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    shape = (16, 8, 40, 40)  # above TEAM_MIN_VALUES, so the split is used
+    narrow = (1000 + rng.uniform(-0.01, 0.01, shape)).astype(np.float32)
+    holes = rng.standard_normal(shape).astype(np.float32)
+    holes[2, 3, 0, :7] = np.nan
+    holes[11, 0, 5, 5] = np.inf
+    holes[15, 7, 1, 1] = -np.inf
+    relu = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
+    return {"narrow": narrow, "holes": holes, "relu": relu}
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _one_thread(monkeypatch, x) -> RunningStats:
+    with monkeypatch.context() as m:
+        m.setattr(team, "size", lambda: 0)
+        m.setattr(stats.threads, "total", 1)
+        return batch_stats(torch.from_numpy(x))
+
+
+def _counts(s: RunningStats) -> np.ndarray:
+    h = LogHistogram()
+    s.hist.add_to(h.counts)
+    return h.counts
+
+
+@pytest.mark.parametrize("name", list(_batches()))
+def test_split_on_torch_threads_equals_one_thread_and_numpy(name, monkeypatch, two_threads):
+    x = _batches()[name]
+    y = x.reshape(16, 8, -1)
+    assert stats._split(y) == (2, True)
+    split, alone = batch_stats(torch.from_numpy(x)), _one_thread(monkeypatch, x)
+    assert np.array_equal(_counts(split), _counts(alone))
+    for f in ("count", "positive"):
+        assert np.array_equal(getattr(split.units, f), getattr(alone.units, f))
+    for f in ("min", "max", "sum"):
+        np.testing.assert_allclose(getattr(split.units, f), getattr(alone.units, f), rtol=1e-12)
+    finite = x[np.isfinite(x)].astype(np.float64)
+    running = RunningStats()
+    running.merge(split)
+    row = running.as_row()
+    assert (row["n"], row["nan_count"], row["inf_count"]) == (
+        finite.size,
+        int(np.isnan(x).sum()),
+        int(np.isinf(x).sum()),
+    )
+    np.testing.assert_allclose(row["mean"], finite.mean(), rtol=1e-12)
+    np.testing.assert_allclose(row["std"], finite.std(), rtol=1e-9)
+    assert (row["min"], row["max"]) == (finite.min(), finite.max())
+    assert _counts(split).sum() == finite.size  # NaN and Inf are counted apart
+    for u in range(x.shape[1]):  # per-unit extremes over finite values
+        unit = x[:, u][np.isfinite(x[:, u])]
+        assert (split.units.min[u], split.units.max[u]) == (unit.min(), unit.max())
+
+
+def test_running_histogram_of_split_batches_equals_numpy(two_threads):
+    """RunningStats.update counts into its own int64 histogram from every thread of the team."""
+    batches = _batches()
+    s = RunningStats()
+    for x in batches.values():
+        s.update(torch.from_numpy(x))
+    every = np.concatenate([x.ravel() for x in batches.values()])
+    finite = every[np.isfinite(every)].astype(np.float64)
+    assert s.hist.counts.sum() == finite.size
+    np.testing.assert_allclose(s.mean, finite.mean(), rtol=1e-12)
+    buckets = np.bincount(every[np.isfinite(every)].view(np.uint32) >> 16, minlength=1 << 16)
+    assert np.array_equal(s.hist.counts, buckets)
+
+
+def test_only_the_thread_that_runs_the_forward_uses_the_team():
+    """Another thread (the writer) would get a team of new threads competing with the forward."""
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(team.size()))
+    t.start()
+    t.join()
+    assert seen == [0]
+    assert team.size() == torch.get_num_threads()
