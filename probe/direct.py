@@ -76,11 +76,10 @@ def creation_plist(chunk_bytes: int) -> h5py.h5p.PropDCID | None:
     return dcpl
 
 
-def write_chunks(fd: int, ds: h5py.Dataset, a: np.ndarray, lo: int) -> bool:
-    """Write `a` (whole chunks starting at row `lo` of `ds`, which was created with
-    `creation_plist` and resized over them) with one O_DIRECT pwrite per chunk; False, with
+def write_chunks(fd: int, ds: h5py.Dataset, a: np.ndarray, lo: int, rows: int) -> bool:
+    """Write `a` (whole chunks of `rows` rows starting at row `lo` of `ds`, which was created
+    with `creation_plist` and resized over them) with one O_DIRECT pwrite per chunk; False, with
     nothing written, when the memory or the chunks do not meet O_DIRECT's alignment."""
-    rows = ds.chunks[0]
     chunk_bytes = a[:rows].nbytes
     if chunk_bytes % ALIGN or a.ctypes.data % ALIGN:
         return False
@@ -88,16 +87,29 @@ def write_chunks(fd: int, ds: h5py.Dataset, a: np.ndarray, lo: int) -> bool:
     chunks = [ds.id.get_chunk_info_by_coord((lo + r, *origin)) for r in range(0, len(a), rows)]
     if any(c.byte_offset is None or c.byte_offset % ALIGN or c.size != chunk_bytes for c in chunks):
         return False  # unallocated, unaligned, or not the size of these rows
-    offsets = [c.byte_offset for c in chunks]
     view = memoryview(a.reshape(-1).view(np.uint8))
-    for i, offset in enumerate(offsets):
-        part = view[i * chunk_bytes : (i + 1) * chunk_bytes]
+    for i, (first, end) in enumerate(_runs([c.byte_offset for c in chunks], chunk_bytes)):
+        part = view[first * chunk_bytes : end * chunk_bytes]
+        offset = chunks[first].byte_offset
         try:
             written = os.pwrite(fd, part, offset)
         except OSError as e:
             if e.errno == errno.EINVAL and i == 0:  # this file system refuses O_DIRECT here
                 return False
             raise
-        if written != chunk_bytes:
-            raise OSError(errno.EIO, f"short write: {written} of {chunk_bytes} bytes at {offset}")
+        if written != len(part):
+            raise OSError(errno.EIO, f"short write: {written} of {len(part)} bytes at {offset}")
     return True
+
+
+def _runs(offsets: list[int], size: int) -> list[tuple[int, int]]:
+    """[first, end) of each run of chunks of `size` bytes that lie back to back in the file:
+    HDF5 allocates a batch's chunks together, so a batch is usually one write, not one per
+    chunk."""
+    runs = []
+    first = 0
+    for i in range(1, len(offsets) + 1):
+        if i == len(offsets) or offsets[i] != offsets[i - 1] + size:
+            runs.append((first, i))
+            first = i
+    return runs

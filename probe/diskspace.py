@@ -59,10 +59,20 @@ def bytes_needed(writer, record) -> int:
             arrays.append(("samples/target", record.targets, record.start))
     for name, a, lo in arrays:
         row_bytes = int(a[0].nbytes) if len(a) else 1
-        ds = writer.file.get(name)  # an existing dataset keeps the chunking it was created with
-        rows = ds.chunks[0] if ds is not None else chunk_rows(len(a), row_bytes, writer.chunk_bytes)
+        rows = chunking(writer, name) or chunk_rows(len(a), row_bytes, writer.chunk_bytes)
         need += chunk_bytes_needed(lo, len(a), row_bytes, rows)
     return need
+
+
+def chunking(writer, name: str) -> int | None:
+    """Rows per chunk of an existing dataset, which keeps the chunking it was created with; read
+    from the writer's open targets (asking HDF5 for each dataset every batch held the GIL for
+    milliseconds), else from the file (a resumed run's first batch)."""
+    target = writer.targets.get(name)
+    if target is not None and target.rows:
+        return target.rows
+    ds = writer.file.get(name)
+    return ds.chunks[0] if ds is not None and ds.chunks else None
 
 
 def check_space(writer, record) -> None:

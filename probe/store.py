@@ -403,7 +403,7 @@ class ChunkedTarget:
         """Rows [lo, hi): O_DIRECT or HDF5 direct chunk writes for whole uncompressed chunks (the
         usual case: chunks hold whole batches), else through HDF5's chunk cache."""
         ds, rows = self.ds, self.rows
-        ds.resize(hi, axis=0)
+        ds.id.set_extent((hi, *self.row_shape))  # what ds.resize does, without its checks
         whole = (
             self.by_chunk
             and lo % rows == 0
@@ -418,7 +418,7 @@ class ChunkedTarget:
         if (
             direct_fd is not None
             and self.allocated_early
-            and direct.write_chunks(direct_fd, ds, a, lo)
+            and direct.write_chunks(direct_fd, ds, a, lo, rows)
         ):
             return
         origin = (0,) * (a.ndim - 1)

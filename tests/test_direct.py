@@ -33,8 +33,8 @@ def test_whole_chunks_go_to_disk_directly_with_the_values_of_plain_hooks(tmp_pat
         pytest.skip("this file system has no O_DIRECT")
     calls = []
 
-    def spy(fd, ds, a, lo):
-        done = real(fd, ds, a, lo)
+    def spy(fd, ds, a, lo, rows):
+        done = real(fd, ds, a, lo, rows)
         calls.append((ds.name, done))
         return done
 
@@ -75,7 +75,7 @@ def test_memory_o_direct_cannot_take_is_written_through_hdf5(tmp_path):
         fd = direct.open_direct(path)
         if fd is not None:
             try:
-                assert not direct.write_chunks(fd, ds, unaligned, 0)
+                assert not direct.write_chunks(fd, ds, unaligned, 0, ds.chunks[0])
             finally:
                 os.close(fd)
 
@@ -103,7 +103,7 @@ def test_aligned_chunks_written_directly_read_back_through_hdf5(tmp_path):
             for i, b in enumerate(batches):
                 ds.resize((i + 1) * 4, axis=0)
                 buffer[...] = b
-                assert direct.write_chunks(fd, ds, buffer, i * 4)  # two chunks per batch
+                assert direct.write_chunks(fd, ds, buffer, i * 4, 2)  # two chunks per batch
         finally:
             os.close(fd)
     with h5py.File(path) as f:
