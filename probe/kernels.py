@@ -36,12 +36,13 @@ def order_key(x, low_bits):
 def _moments(a, keys, low_bits, shift):
     """Moments about `shift` of a segment known to hold only finite values (so fast-math rules
     are exact enough: sums may be reassociated, which is what lets them run in SIMD lanes);
-    extremes as order keys."""
+    extremes as order keys, and the smallest magnitude as the bits of |v|."""
     s = 0.0
     q = 0.0
     b = 0.0
     lo = order_key(keys[0], low_bits)
     hi = lo
+    small = low_bits
     zeros = 0
     positive = 0
     for i in range(a.size):
@@ -55,7 +56,8 @@ def _moments(a, keys, low_bits, shift):
         k = order_key(keys[i], low_bits)
         lo = min(lo, k)
         hi = max(hi, k)
-    return s, q, b, lo, hi, zeros, positive
+        small = min(small, keys[i] & low_bits)
+    return s, q, b, lo, hi, small, zeros, positive
 
 
 @numba.njit(nogil=True, cache=True)
@@ -68,6 +70,7 @@ def _moments_checked(a, keys, low_bits, shift):
     b = 0.0
     lo = low_bits  # the key of NaN: above every finite key
     hi = -low_bits - 1
+    small = low_bits
     zeros = 0
     positive = 0
     nans = 0
@@ -88,7 +91,8 @@ def _moments_checked(a, keys, low_bits, shift):
             k = order_key(keys[i], low_bits)
             lo = min(lo, k)
             hi = max(hi, k)
-    return s, q, b, lo, hi, zeros, positive, nans, infs
+            small = min(small, keys[i] & low_bits)
+    return s, q, b, lo, hi, small, zeros, positive, nans, infs
 
 
 @numba.njit(nogil=True, cache=True)
@@ -96,7 +100,8 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     """Fold y (rows, units, size) into one partial result, over finite values only.
 
     moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
-    tallies = (finite, zeros, NaN, Inf) counts; per unit, `units` (3, units) float64 holds the
+    tallies = (finite, zeros, NaN, Inf) counts and the smallest finite magnitude (the bits of
+    |v|; `low_bits` when none); per unit, `units` (3, units) float64 holds the
     finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
     the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
     (its first finite one in row 0, else 0), and the units merged with Chan's formula at the end,
@@ -113,6 +118,7 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     zeros = 0
     nans = 0
     infs = 0
+    smallest = low_bits
     for u in range(width):
         for i in range(size):  # the unit's first finite value in row 0, else 0
             if np.isfinite(y[0, u, i]):
@@ -129,11 +135,14 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
             seg_nans = 0
             seg_infs = 0
             _histogram(bits[r, u], counts)
-            s, q, b, lo, hi, seg_zeros, positive = _moments(y[r, u], keys[r, u], low_bits, shift)
+            s, q, b, lo, hi, small, seg_zeros, positive = _moments(
+                y[r, u], keys[r, u], low_bits, shift
+            )
             if lo <= -infinite - 1 or hi >= infinite:  # NaN or Inf: again, over finite values
-                s, q, b, lo, hi, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
+                s, q, b, lo, hi, small, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
                     y[r, u], keys[r, u], low_bits, shift
                 )
+            smallest = min(smallest, small)
             k = size - seg_nans - seg_infs
             nans += seg_nans
             infs += seg_infs
@@ -170,6 +179,7 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     tallies[1] = zeros
     tallies[2] = nans
     tallies[3] = infs
+    tallies[4] = smallest
 
 
 @numba.njit(nogil=True, cache=True)
@@ -177,14 +187,18 @@ def combine(moments, tallies, units, extremes, low_bits, keys, values):
     """One batch's statistics from its parts' `reduce_rows` results (stacked on axis 0): Chan's
     merge of (count, mean, M2), sums of the rest, and the extremes' order keys turned back into
     values (of `values`' dtype, `keys` being their integer view). Returns scalars (finite count,
-    mean, M2, min, max, sum of |v|, zeros, NaN, Inf, L2 sum) and per unit (count, sum, min, max,
-    count above 0); a unit without a finite value has min +Inf and max -Inf."""
+    mean, M2, min, max, sum of |v|, zeros, NaN, Inf, L2 sum, smallest finite |v|) and per unit
+    (count, sum, min, max, count above 0); a unit without a finite value has min +Inf and max
+    -Inf."""
     parts, _, width = units.shape
     n = 0.0
     mean = 0.0
     m2 = 0.0
-    scalars = np.zeros(10)
+    scalars = np.zeros(11)
+    smallest = np.empty(1, keys.dtype)
+    smallest[0] = low_bits
     for p in range(parts):
+        smallest[0] = min(smallest[0], tallies[p, 4])
         k = float(tallies[p, 0])
         if k > 0:
             total = n + k
@@ -226,6 +240,7 @@ def combine(moments, tallies, units, extremes, low_bits, keys, values):
     scalars[0] = n
     scalars[1] = mean
     scalars[2] = m2
+    scalars[10] = smallest.view(values.dtype)[0] if n > 0 else np.inf
     return scalars, count, sums, lows, highs, positive
 
 
@@ -238,63 +253,32 @@ def _magnitude(v):
 
 
 @numba.njit(nogil=True, cache=True)
-def bucket_ranges(lo, hi):
-    """[start, stop) bucket ranges holding every float32 in [lo, hi], one per sign. A bucket is
-    the top 16 bits of a float32: 0x0000 up for +0.0 and growing magnitudes, 0x8000 up for -0.0
-    and growing negative magnitudes. Zeros of either sign are within [lo, hi] whenever 0 is (a
-    min or max of 0.0 may carry either sign), so both zero buckets are then included."""
+def bucket_ranges(lo, hi, smallest=0.0):
+    """[start, stop) bucket ranges holding every float32 in [lo, hi] whose magnitude is at least
+    `smallest`, one per sign. A bucket is the top 16 bits of a float32: 0x0000 up for +0.0 and
+    growing magnitudes, 0x8000 up for -0.0 and growing negative magnitudes. Zeros of either sign
+    are within [lo, hi] whenever 0 is (a min or max of 0.0 may carry either sign), so both zero
+    buckets are then included unless `smallest` is above 0."""
     ranges = [(np.int64(0), np.int64(0))][:0]
     if hi >= 0.0:
-        ranges.append((_magnitude(lo) if lo > 0.0 else np.int64(0), _magnitude(hi) + 1))
+        ranges.append((_magnitude(max(lo, smallest)), _magnitude(hi) + 1))
     if lo <= 0.0:
-        nearest = _magnitude(hi) if hi < 0.0 else np.int64(0)
+        nearest = _magnitude(min(hi, -smallest))
         ranges.append((0x8000 | nearest, (0x8000 | _magnitude(lo)) + 1))
     return ranges
 
 
 @numba.njit(nogil=True, cache=True)
-def take_spans(lanes, lo, hi):
-    """The lanes' summed counts over the buckets [lo, hi] can occupy, as (first bucket, int64
-    counts) for the part of each range that holds counts, leaving the lanes zero there."""
+def take_spans(lanes, lo, hi, smallest):
+    """The lanes' summed counts over the buckets of finite values in [lo, hi] with magnitudes
+    from `smallest` up, as (first bucket, int64 counts) per sign, leaving the lanes zero there."""
     spans = [(np.int64(0), np.zeros(0, np.int64))][:0]
-    for start, stop in bucket_ranges(lo, hi):
-        first, end = stop, start
+    for start, stop in bucket_ranges(lo, hi, smallest):
+        counts = np.zeros(stop - start, np.int64)
         for lane in lanes:
-            f, e = occupied(lane, start, stop)
-            if f < e:
-                first, end = min(first, f), max(end, e)
-        if first < end:
-            counts = np.zeros(end - first, np.int64)
-            for lane in lanes:
-                drain(lane, first, counts)
-            spans.append((first, counts))
+            drain(lane, start, counts)
+        spans.append((start, counts))
     return spans
-
-
-@numba.njit(nogil=True, cache=True)
-def _any(counts, start):
-    """Whether counts[start:start + 64] holds a non-zero count (one vectorised OR)."""
-    bits = 0
-    for i in range(start, start + 64):
-        bits |= counts[i]
-    return bits != 0
-
-
-@numba.njit(nogil=True, cache=True)
-def occupied(counts, start, stop):
-    """[first, end) of the non-zero counts within [start, stop) (first >= end when none),
-    skipping empty blocks of 64 buckets at a time."""
-    first = start
-    while first + 64 <= stop and not _any(counts, first):
-        first += 64
-    while first < stop and counts[first] == 0:
-        first += 1
-    end = stop
-    while end - 64 >= first and not _any(counts, end - 64):
-        end -= 64
-    while end > first and counts[end - 1] == 0:
-        end -= 1
-    return first, end
 
 
 @numba.njit(nogil=True, cache=True)

@@ -368,7 +368,7 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     units = y.shape[1]
     outs = (
         np.empty((parts, 4)),
-        np.empty((parts, 4), np.int64),
+        np.empty((parts, 5), np.int64),
         np.empty((parts, 3, units)),
         np.empty((parts, 2, units), np.int64),
     )
@@ -385,12 +385,13 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
                     for p, (i, j, lane) in pieces
                 ],
             )
-        s = _batch(rows, outs, low_bits, keys, y, has_units)
+        s, smallest = _batch(rows, outs, low_bits, keys, y, has_units)
         if s.nan_count or s.inf_count or y.dtype == np.float64:
             for lane in lanes:  # never a finite value there (nor a float64 beyond float32's range)
                 lane[NONFINITE_BUCKETS] = 0
         if own:
-            s.hist = BucketSpans(take_spans(tuple(lanes), s.min, s.max) if s.n else [])
+            spans = take_spans(tuple(lanes), s.min, s.max, smallest) if s.n else []
+            s.hist = BucketSpans(spans)
     except BaseException:  # e.g. a second Ctrl-C: the scratch must not carry counts to the next
         if own:
             for lane in lanes:
@@ -412,15 +413,16 @@ def _split(y: np.ndarray) -> tuple[int, bool]:
 
 
 def _batch(rows: int, outs, low_bits, keys: np.ndarray, y: np.ndarray, has_units: bool):
-    """RunningStats of one batch from its parts' `reduce_rows` results (`combine`)."""
+    """RunningStats of one batch from its parts' `reduce_rows` results (`combine`), and the
+    smallest magnitude among its finite values."""
     scalars, count, sums, lows, highs, positive = combine(*outs, low_bits, keys, y)
-    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2 = scalars.tolist()
+    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, smallest = scalars.tolist()
     s = RunningStats(
         rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
     )
     if has_units:
         s.units = UnitStats(count, sums, lows, highs, positive)
-    return s
+    return s, smallest
 
 
 def saturated_counts(y: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:

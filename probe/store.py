@@ -146,6 +146,7 @@ class ProbeWriter:
         self.file.flush()
         # written chunks bypass the page cache where they can (probe.direct)
         self.direct_fd = direct.open_direct(self.path) if mode == "full" else None
+        self.direct_writes: list | None = None  # a batch's whole chunks, written together
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
         self.inline: bool | None = None  # decided by the first record (see put)
@@ -268,6 +269,25 @@ class ProbeWriter:
         if r.ready is not None:
             r.ready.synchronize()
         end = r.start + r.size
+        self.direct_writes = [] if self.direct_fd is not None else None
+        try:
+            self._append_batch(r, end)
+            self._write_direct()
+        finally:
+            self.direct_writes = None
+        self.num_samples, self.num_batches = end, r.batch_index + 1
+        if time.monotonic() - self.last_flush < self.flush_seconds and self.held_bytes < HELD_BYTES:
+            return  # the row count on disk moves only with a flush, so it never overstates
+        if self.mode == "stats":  # all a stats-only file holds, written only here
+            self._write_held()
+            self._write_stats()
+        self.file.attrs["num_samples"] = end
+        self.file.attrs["num_batches"] = self.num_batches
+        self.file.flush()
+        self.last_flush = time.monotonic()
+        log.debug("flushed batch %d (%d samples)", r.batch_index, end)
+
+    def _append_batch(self, r: Record, end: int) -> None:
         for key, t in r.values.items():
             self._append(key, t, r.start, end, per_batch=False, counted=r.counted.get(key))
         for key, t in r.per_batch.items():
@@ -287,17 +307,17 @@ class ProbeWriter:
             )
             if r.targets is not None:
                 self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
-        self.num_samples, self.num_batches = end, r.batch_index + 1
-        if time.monotonic() - self.last_flush < self.flush_seconds and self.held_bytes < HELD_BYTES:
-            return  # the row count on disk moves only with a flush, so it never overstates
-        if self.mode == "stats":  # all a stats-only file holds, written only here
-            self._write_held()
-            self._write_stats()
-        self.file.attrs["num_samples"] = end
-        self.file.attrs["num_batches"] = self.num_batches
-        self.file.flush()
-        self.last_flush = time.monotonic()
-        log.debug("flushed batch %d (%d samples)", r.batch_index, end)
+
+    def _write_direct(self) -> None:
+        """The batch's whole chunks in as few O_DIRECT writes as their places in the file allow;
+        those O_DIRECT cannot take go through HDF5."""
+        pending = self.direct_writes
+        if not pending:
+            return
+        done = direct.write_chunks(self.direct_fd, [(t.ds, a, lo, t.rows) for t, a, lo in pending])
+        for (target, a, lo), written in zip(pending, done, strict=True):
+            if not written:
+                target.write_direct_chunks(a, lo)
 
     def _write_held(self) -> None:
         for name, a, lo, hi in self.held:
@@ -359,7 +379,7 @@ class ProbeWriter:
                     raise WriteError(f"dataset {name!r} appeared first at row {lo}")
                 ds = self._create(name, a)
             target = self.targets[name] = ChunkedTarget(ds)
-        target.append(a, lo, hi, self.direct_fd)
+        target.append(a, lo, hi, self.direct_writes)
 
     def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
         row_bytes = max(1, a[0].nbytes if len(a) else a.itemsize)
@@ -399,9 +419,10 @@ class ChunkedTarget:
         )
         self.allocated_early = plist.get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
 
-    def append(self, a: np.ndarray, lo: int, hi: int, direct_fd: int | None) -> None:
-        """Rows [lo, hi): O_DIRECT or HDF5 direct chunk writes for whole uncompressed chunks (the
-        usual case: chunks hold whole batches), else through HDF5's chunk cache."""
+    def append(self, a: np.ndarray, lo: int, hi: int, direct_writes: list | None = None) -> None:
+        """Rows [lo, hi): whole uncompressed chunks (the usual case: chunks hold whole batches)
+        are added to `direct_writes` for O_DIRECT when it is given and they can go there, else
+        written with HDF5's direct chunk writes; anything else goes through the chunk cache."""
         ds, rows = self.ds, self.rows
         ds.id.set_extent((hi, *self.row_shape))  # what ds.resize does, without its checks
         whole = (
@@ -415,12 +436,13 @@ class ChunkedTarget:
         if not whole:
             ds[lo:hi] = a
             return
-        if (
-            direct_fd is not None
-            and self.allocated_early
-            and direct.write_chunks(direct_fd, ds, a, lo, rows)
-        ):
+        if direct_writes is not None and self.allocated_early:
+            direct_writes.append((self, a, lo))
             return
+        self.write_direct_chunks(a, lo)
+
+    def write_direct_chunks(self, a: np.ndarray, lo: int) -> None:
+        ds, rows = self.ds, self.rows
         origin = (0,) * (a.ndim - 1)
         for r in range(0, len(a), rows):  # skips HDF5's chunk cache and its copy
             ds.id.write_direct_chunk((lo + r, *origin), a[r : r + rows])

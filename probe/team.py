@@ -76,7 +76,7 @@ def _parts(table, counts_type):
             np.int32(top[7]),
             carray(_pointer(d[2]), (1 << 16,), counts_type),
             carray(_pointer(d[3]), (4,), np.float64),
-            carray(_pointer(d[4]), (4,), np.int64),
+            carray(_pointer(d[4]), (5,), np.int64),
             carray(_pointer(d[5]), (3, width), np.float64),
             carray(_pointer(d[6]), (2, width), np.int64),
         )

@@ -33,9 +33,9 @@ def test_whole_chunks_go_to_disk_directly_with_the_values_of_plain_hooks(tmp_pat
         pytest.skip("this file system has no O_DIRECT")
     calls = []
 
-    def spy(fd, ds, a, lo, rows):
-        done = real(fd, ds, a, lo, rows)
-        calls.append((ds.name, done))
+    def spy(fd, pieces):
+        done = real(fd, pieces)
+        calls.extend((ds.name, written) for (ds, *_), written in zip(pieces, done, strict=True))
         return done
 
     real = direct.write_chunks
@@ -75,7 +75,7 @@ def test_memory_o_direct_cannot_take_is_written_through_hdf5(tmp_path):
         fd = direct.open_direct(path)
         if fd is not None:
             try:
-                assert not direct.write_chunks(fd, ds, unaligned, 0, ds.chunks[0])
+                assert direct.write_chunks(fd, [(ds, unaligned, 0, ds.chunks[0])]) == [False]
             finally:
                 os.close(fd)
 
@@ -103,7 +103,7 @@ def test_aligned_chunks_written_directly_read_back_through_hdf5(tmp_path):
             for i, b in enumerate(batches):
                 ds.resize((i + 1) * 4, axis=0)
                 buffer[...] = b
-                assert direct.write_chunks(fd, ds, buffer, i * 4, 2)  # two chunks per batch
+                assert direct.write_chunks(fd, [(ds, buffer, i * 4, 2)]) == [True]  # two chunks
         finally:
             os.close(fd)
     with h5py.File(path) as f:
@@ -142,3 +142,52 @@ def test_only_page_aligned_copies_are_lent_from_the_pool_and_reused():
     again = keep(t * 2, full, 2, ("conv", "output"), True, pool, [])
     assert again.data_ptr() == copy.data_ptr()
     torch.testing.assert_close(again, t * 2, rtol=0, atol=0)
+
+
+def test_chunks_back_to_back_across_datasets_go_in_one_write(tmp_path, monkeypatch):
+    path = tmp_path / "d.h5"
+    shape = (4, 16, 8, 8)  # 4 KiB per row, two chunks of 2 rows per batch
+    rng = np.random.default_rng(3)
+    with h5py.File(
+        path, "w", alignment_threshold=direct.ALIGN, alignment_interval=direct.ALIGN
+    ) as f:
+        names = ["a", "b", "c"]
+        for name in names:
+            f.create_dataset(
+                name,
+                shape=(0, *shape[1:]),
+                maxshape=(None, *shape[1:]),
+                dtype="f4",
+                chunks=(2, *shape[1:]),
+                dcpl=direct.creation_plist(2 * 4096),
+            )
+        fd = direct.open_direct(path)
+        if fd is None:
+            pytest.skip("this file system has no O_DIRECT")
+        writes = []
+        real = os.pwritev
+        monkeypatch.setattr(os, "pwritev", lambda *a: writes.append(a[2]) or real(*a))
+        values = {n: rng.standard_normal(shape).astype(np.float32) for n in names}
+        buffers = {}
+        for name in names:
+            f[name].resize(4, axis=0)
+            buffers[name] = direct.aligned_empty(shape, torch.float32).numpy()
+            buffers[name][...] = values[name]
+        unaligned = np.empty(shape[0] * 4096 + 4, np.uint8)[4:].view(np.float32).reshape(shape)
+        unaligned[...] = values["b"]
+        try:
+            pieces = [(f["a"], buffers["a"], 0, 2), (f["b"], unaligned, 0, 2)]
+            pieces.append((f["c"], buffers["c"], 0, 2))
+            assert direct.write_chunks(fd, pieces) == [True, False, True]
+        finally:
+            os.close(fd)
+        offsets = sorted(
+            f[n].id.get_chunk_info_by_coord((r, 0, 0, 0)).byte_offset
+            for n in ("a", "c")
+            for r in (0, 2)
+        )
+        gaps = sum(b - a != 2 * 4096 for a, b in zip(offsets, offsets[1:], strict=False))
+        assert len(writes) == 1 + gaps < len(offsets)  # one write per run of adjacent chunks
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(f["a"][:], values["a"])
+        np.testing.assert_array_equal(f["c"][:], values["c"])

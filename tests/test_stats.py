@@ -218,10 +218,15 @@ def test_bucket_ranges_hold_every_float32_between_the_extremes():
         x = (rng.standard_normal(64) * scale).astype(np.float32)
         x = [x, np.abs(x), -np.abs(x), np.concatenate([x, [0.0, -0.0, 1e-45]])][trial % 4]
         x = np.asarray(x, dtype=np.float32)
-        ranges = bucket_ranges(float(x.min()), float(x.max()))
-        buckets = x.view(np.uint32) >> 16
-        assert all(any(a <= b < c for a, c in ranges) for b in buckets), (x.min(), x.max())
+        smallest = float(np.abs(x).min())
+        for ranges in (
+            bucket_ranges(float(x.min()), float(x.max())),
+            bucket_ranges(float(x.min()), float(x.max()), smallest),
+        ):
+            buckets = x.view(np.uint32) >> 16
+            assert all(any(a <= b < c for a, c in ranges) for b in buckets), (x.min(), x.max())
     assert bucket_ranges(-0.0, 0.0) == [(0, 1), (0x8000, 0x8001)]
+    assert bucket_ranges(-4.0, 2.0, 1.0) == [(0x3F80, 0x4001), (0xBF80, 0xC081)]
 
 
 def test_a_batch_histogram_equals_counting_into_a_running_one():

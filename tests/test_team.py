@@ -55,6 +55,8 @@ def test_split_on_torch_threads_equals_one_thread_and_numpy(name, monkeypatch, t
     y = x.reshape(16, 8, -1)
     assert stats._split(y) == (2, True)
     split, alone = batch_stats(torch.from_numpy(x)), _one_thread(monkeypatch, x)
+    scratch = stats._scratch.hist
+    assert not any(lane.any() for lane in [scratch._counts, *scratch._lanes])  # left clean
     assert np.array_equal(_counts(split), _counts(alone))
     for f in ("count", "positive"):
         assert np.array_equal(getattr(split.units, f), getattr(alone.units, f))
