@@ -87,14 +87,7 @@ def test_aligned_chunks_written_directly_read_back_through_hdf5(tmp_path):
     with h5py.File(
         path, "w", alignment_threshold=direct.ALIGN, alignment_interval=direct.ALIGN
     ) as f:
-        ds = f.create_dataset(
-            "x",
-            shape=(0, *shape[1:]),
-            maxshape=(None, *shape[1:]),
-            dtype="f4",
-            chunks=(2, *shape[1:]),
-            dcpl=direct.creation_plist(2 * 4096),
-        )
+        ds = _two_row_chunks(f, "x", shape)
         fd = direct.open_direct(path)
         if fd is None:
             pytest.skip("this file system has no O_DIRECT")
@@ -153,14 +146,7 @@ def test_chunks_back_to_back_across_datasets_go_in_one_write(tmp_path, monkeypat
     ) as f:
         names = ["a", "b", "c"]
         for name in names:
-            f.create_dataset(
-                name,
-                shape=(0, *shape[1:]),
-                maxshape=(None, *shape[1:]),
-                dtype="f4",
-                chunks=(2, *shape[1:]),
-                dcpl=direct.creation_plist(2 * 4096),
-            )
+            _two_row_chunks(f, name, shape)
         fd = direct.open_direct(path)
         if fd is None:
             pytest.skip("this file system has no O_DIRECT")
@@ -191,3 +177,15 @@ def test_chunks_back_to_back_across_datasets_go_in_one_write(tmp_path, monkeypat
     with h5py.File(path) as f:
         np.testing.assert_array_equal(f["a"][:], values["a"])
         np.testing.assert_array_equal(f["c"][:], values["c"])
+
+
+def _two_row_chunks(f: h5py.File, name: str, shape: tuple) -> h5py.Dataset:
+    """An empty float32 dataset of chunks of 2 rows (of 4 KiB each) that O_DIRECT can fill."""
+    return f.create_dataset(
+        name,
+        shape=(0, *shape[1:]),
+        maxshape=(None, *shape[1:]),
+        dtype="f4",
+        chunks=(2, *shape[1:]),
+        dcpl=direct.creation_plist(2 * 4096),
+    )
