@@ -200,7 +200,9 @@ def combine(moments, tallies, units, extremes, low_bits, keys, values):
     for p in range(parts):
         smallest[0] = min(smallest[0], tallies[p, 4])
         k = float(tallies[p, 0])
-        if k > 0:
+        if k > 0 and n == 0:  # the first part as it is: (delta * k) / k may move the last bit
+            n, mean, m2 = k, moments[p, 0], moments[p, 1]
+        elif k > 0:
             total = n + k
             delta = moments[p, 0] - mean
             mean += delta * k / total

@@ -24,9 +24,15 @@ class Threads:
     def __init__(self, total: int):
         self.total = max(1, total)
         self.pool = ThreadPoolExecutor(self.total - 1, "probe-stats") if self.total > 1 else None
+        self.pid = os.getpid()
 
     def run(self, fn, calls: list[tuple]) -> None:
-        """fn(*args) for every args of `calls` (at most `total`): the first on this thread."""
+        """fn(*args) for every args of `calls` (at most `total`): the first on this thread; all
+        of them in a forked child, where the pool's threads do not exist."""
+        if self.pid != os.getpid():
+            for args in calls:
+                fn(*args)
+            return
         futures = [self.pool.submit(fn, *args) for args in calls[1:]]
         try:
             fn(*calls[0])

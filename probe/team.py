@@ -8,18 +8,18 @@ runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtim
 runs on exactly the workers that were idle. The work function is a numba `cfunc` (no GIL, no
 Python objects) that reads the arrays' addresses from a table of int64s.
 
-Only from the main thread, where the forward runs, and only when the runtime torch loaded is
-found; `size()` is then the team's width (torch.set_num_threads), else 0 and the caller splits
-the pass some other way.
+Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
+and not in a process forked after the team was used; `size()` is then the team's width
+(torch.set_num_threads), else 0 and the caller splits the pass some other way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import sys
 import threading
-from functools import cache
 
 import numpy as np
 from llvmlite import ir
@@ -95,31 +95,62 @@ def _work64(table):
 WORK = {np.dtype(np.int32): _work32, np.dtype(np.int64): _work64}  # by the counts' dtype
 
 
-@cache
 def _runtime() -> ctypes.CDLL | None:
-    """torch's OpenMP runtime if this process has loaded it (never loads one itself)."""
+    """torch's OpenMP runtime if this process has loaded it (never loads one itself), looked
+    for once torch is imported. None in a process forked from one that looked: the child has
+    the parent's runtime state but not its threads."""
     torch = sys.modules.get("torch")
-    if torch is None or "OpenMP" not in torch.__config__.parallel_info():
+    if torch is None:
         return None
-    own = os.path.join(os.path.dirname(torch.__file__), "lib")
-    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
-        for path in (os.path.join(own, name), name):  # torch's wheel, else the system's
-            try:
-                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
-            except (OSError, AttributeError):  # not loaded (or no RTLD_NOLOAD: not Linux)
-                continue
-            if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
-                lib.GOMP_parallel.restype = None
-                lib.GOMP_parallel.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_uint] * 2
-                lib.omp_get_max_threads.restype = ctypes.c_int
-                return lib
+    pid = os.getpid()
+    if pid not in _found:
+        _found[pid] = None if _found else _find(torch)
+    return _found[pid]
+
+
+_found: dict[int, ctypes.CDLL | None] = {}  # by the process that looked
+
+
+def _find(torch) -> ctypes.CDLL | None:
+    """The OpenMP runtime in torch's own lib directory (libgomp in pip wheels, perhaps renamed
+    with a hash), else the one runtime the process has loaded; None when torch's ATen backend
+    is not OpenMP or the choice is not clear."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    own = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "lib*omp*.so*"))
+    for path in own or _loaded_runtimes():
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        except (OSError, AttributeError):  # not loaded (or no RTLD_NOLOAD: not Linux)
+            continue
+        if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
+            lib.GOMP_parallel.restype = None
+            lib.GOMP_parallel.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_uint] * 2
+            lib.omp_get_max_threads.restype = ctypes.c_int
+            return lib
     return None
 
 
+def _loaded_runtimes() -> list[str]:
+    """Paths of OpenMP runtimes mapped into this process, when there is exactly one."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {
+                line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line
+            }
+    except OSError:
+        return []
+    names = ("libgomp", "libiomp5", "libomp")
+    found = sorted(p for p in paths if os.path.basename(p).startswith(names))
+    return found if len(found) == 1 else []
+
+
 def size() -> int:
-    """Threads a pass can be split across on torch's team from here; 0 when it cannot."""
+    """Threads a pass can be split across on torch's team from here; 0 when it cannot (another
+    thread would get a team of new threads, competing with the forward; so would a process
+    forked from one that used the team)."""
     if threading.current_thread() is not threading.main_thread():
-        return 0  # another thread would get a new team, competing with the forward
+        return 0
     lib = _runtime()
     return lib.omp_get_max_threads() if lib is not None else 0
 
@@ -128,6 +159,10 @@ def reduce(y: np.ndarray, low_bits, infinite, cuts: list[int], lanes, outs) -> N
     """`reduce_rows` over y[cuts[p]:cuts[p+1]] into lanes[p] and part p of each of `outs`
     (moments, tallies, units, extremes stacked on axis 0), one part per thread of torch's team.
     y is C-contiguous float32; every array of `outs` and every lane is C-contiguous."""
+    if y.dtype != np.float32 or not y.flags.c_contiguous:
+        raise ValueError(f"team.reduce takes C-contiguous float32 values, not {y.dtype}")
+    if any(lane.shape != (1 << 16,) or not lane.flags.c_contiguous for lane in lanes):
+        raise ValueError("team.reduce counts into C-contiguous lanes of 65536 buckets")
     parts = len(cuts) - 1
     table = np.empty(H + P * parts, np.int64)
     table[:H] = (0, parts, *y.shape, y.ctypes.data, low_bits, infinite)

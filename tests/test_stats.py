@@ -157,7 +157,10 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
 def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch):
     """Rows split across helper threads (each with its own histogram lane) equal one thread."""
     import probe.stats as stats_module
+    from probe import team
     from probe.parallel import Threads
+
+    monkeypatch.setattr(team, "size", lambda: 0)  # the pool of our own threads, not torch's
 
     rng = np.random.default_rng(1)
     a = rng.standard_normal((6, 8, 128 * 64)).astype(np.float32)  # above PARALLEL_MIN_VALUES

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import select
+import signal
 import threading
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 import torch
 
 from probe import stats, team
+from probe.parallel import Threads
 from probe.stats import LogHistogram, RunningStats, batch_stats
 
 pytestmark = pytest.mark.skipif(
@@ -102,3 +106,41 @@ def test_only_the_thread_that_runs_the_forward_uses_the_team():
     t.join()
     assert seen == [0]
     assert team.size() == torch.get_num_threads()
+
+
+def _in_forked_child(work) -> str:
+    """What work() returns in a forked child; fails (killing it) if it does not finish."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(writer, work().encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        ready, _, _ = select.select([reader], [], [], 60)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the forked child hung")
+        with os.fdopen(reader) as r:
+            return r.read()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_a_forked_child_does_not_use_its_parents_team(two_threads):
+    """libgomp's threads do not survive fork: a child would wait for them forever."""
+    x = _batches()["holes"]
+    batch_stats(torch.from_numpy(x))  # the parent has used the team
+    got = _in_forked_child(lambda: f"{team.size()} {batch_stats(torch.from_numpy(x)).n}")
+    assert got == f"0 {int(np.isfinite(x).sum())}"
+
+
+def test_a_forked_child_splits_without_its_parents_thread_pool(monkeypatch):
+    """The pool's threads do not survive fork either: the child does every part itself."""
+    monkeypatch.setattr(stats, "threads", Threads(3))
+    monkeypatch.setattr(team, "size", lambda: 0)
+    x = np.random.default_rng(2).standard_normal((6, 8, 128 * 64)).astype(np.float32)
+    assert batch_stats(x).n == x.size  # the parent uses its pool
+    assert _in_forked_child(lambda: str(batch_stats(x).n)) == str(x.size)
