@@ -3,17 +3,20 @@
     python scripts/bench.py                       # resnet18, all convs, batch 16, 112x112, CPU
     python scripts/bench.py --model vgg11 --device cuda --batch 32 --image-size 224
 
-Cases run interleaved in one process (A B C ... A B C ...) after one warm-up pass each, over the same
-materialised batches and the same model; the table holds medians and ratios to the plain forward
-(and, for gradient cases, to the plain forward + backward). Peak RSS is measured per case in a fresh
-subprocess. TorchLens and nnsight patch torch and the model for the rest of a process, so each is
-timed in its own subprocess, interleaved with a plain forward there, and its ratio is to that one.
+Cases run interleaved in one process (A B C ... A B C ...) after one warm-up pass each, over the
+same materialised batches and the same model; the table holds medians and ratios to the plain
+forward (and, for gradient cases, to the plain forward + backward); `durable_s` also waits until
+every file a case wrote is on disk (fsync), which buffered writers leave for later. Peak RSS is
+measured per case in a fresh subprocess. TorchLens and nnsight patch torch and the model for the
+rest of a process, so each is timed in its own subprocess, interleaved with a plain forward there,
+and its ratio is to that one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -147,8 +150,10 @@ def overrides(args) -> list[str]:
     ]
 
 
-def timed(fn, out: Path) -> tuple[float, int]:
-    """Seconds for one run of `fn` into a fresh `out`, and the bytes it left there."""
+def timed(fn, out: Path) -> tuple[float, float, int]:
+    """Seconds for one run of `fn` into a fresh `out`; seconds until what it wrote is on disk
+    (every file fsync'ed: a buffered write that left its bytes in the page cache has not
+    written them yet, and their writeback would land in a later case's timing); the bytes."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     sync()
@@ -156,8 +161,15 @@ def timed(fn, out: Path) -> tuple[float, int]:
     fn(out)
     sync()
     seconds = time.perf_counter() - t0
-    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return seconds, written
+    files = [f for f in out.rglob("*") if f.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    durable = time.perf_counter() - t0
+    return seconds, durable, sum(f.stat().st_size for f in files)
 
 
 def sync() -> None:
@@ -168,17 +180,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def interleave(cases: dict, reps: int, tmp: Path) -> tuple[dict, dict]:
-    """A warm-up pass, then `reps` rounds of every case in turn; per-case times and bytes."""
+def interleave(cases: dict, reps: int, tmp: Path) -> tuple[dict, dict, dict]:
+    """A warm-up pass, then `reps` rounds of every case in turn; per-case times, times until
+    on disk, and bytes."""
     times = {n: [] for n in cases}
+    durable = {n: [] for n in cases}
     written = {}
     for n, fn in cases.items():
-        _, written[n] = timed(fn, tmp / n)
+        *_, written[n] = timed(fn, tmp / n)
     for _ in range(reps):
         for n, fn in cases.items():
-            seconds, _ = timed(fn, tmp / f"{n}.rep")
+            seconds, on_disk, _ = timed(fn, tmp / f"{n}.rep")
             times[n].append(seconds)
-    return times, written
+            durable[n].append(on_disk)
+    return times, durable, written
 
 
 def peak_rss_mb() -> float:
@@ -220,8 +235,8 @@ def main(argv=None) -> None:
         if args.isolated:
             fns = {"plain_forward": bc.plain_forward(setup)}
             fns[args.isolated] = by_name[args.isolated].build(setup)
-            times, written = interleave(fns, args.reps, tmp)
-            print(json.dumps({"times": times, "written": written}))
+            times, durable, written = interleave(fns, args.reps, tmp)
+            print(json.dumps({"times": times, "durable": durable, "written": written}))
             return
         report(args, setup, cases, tmp)
     finally:
@@ -234,8 +249,9 @@ def report(args, setup, cases: list[Case], tmp: Path) -> None:
     notes = []
     local = {c.name: c.build(setup) for c in cases if c.peer is None}
     print(f"timing {len(local)} cases x {args.reps} interleaved repetitions ...", flush=True)
-    times, written = interleave(local, args.reps, tmp)
+    times, durable, written = interleave(local, args.reps, tmp)
     medians = {n: statistics.median(v) for n, v in times.items()}
+    on_disk = {n: statistics.median(v) for n, v in durable.items()}
     floors = dict(medians)
     for c in cases:
         if c.peer is None:
@@ -249,6 +265,7 @@ def report(args, setup, cases: list[Case], tmp: Path) -> None:
             notes.append(f"{c.name}: failed: {got['error']}")
             continue
         medians[c.name] = statistics.median(got["times"][c.name])
+        on_disk[c.name] = statistics.median(got["durable"][c.name])
         floors[c.name] = statistics.median(got["times"]["plain_forward"])
         written[c.name] = got["written"][c.name]
         notes.append(
@@ -270,6 +287,8 @@ def report(args, setup, cases: list[Case], tmp: Path) -> None:
                 "median_s": round(medians[c.name], 3),
                 "x_forward": round(medians[c.name] / fwd, 2),
                 "x_floor": round(medians[c.name] / floor, 2),
+                "durable_s": round(on_disk[c.name], 3),
+                "x_durable": round(on_disk[c.name] / fwd, 2),
                 "peak_rss_mb": None if rss is None else round(rss),
                 "mb_written": round(mb, 1),
                 "mb_per_s": round(mb / medians[c.name], 1) if mb else None,
