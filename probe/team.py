@@ -163,12 +163,29 @@ def reduce(y: np.ndarray, low_bits, infinite, cuts: list[int], lanes, outs) -> N
         raise ValueError(f"team.reduce takes C-contiguous float32 values, not {y.dtype}")
     if any(lane.shape != (1 << 16,) or not lane.flags.c_contiguous for lane in lanes):
         raise ValueError("team.reduce counts into C-contiguous lanes of 65536 buckets")
-    parts = len(cuts) - 1
+    table = _table(y, low_bits, infinite, np.asarray(cuts, np.int64), tuple(lanes), *outs)
+    _runtime().GOMP_parallel(WORK[lanes[0].dtype].address, table.ctypes.data, len(cuts) - 1, 0)
+
+
+@njit(nogil=True, cache=True)
+def _table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extremes):
+    """The table `_parts` reads (HEAD, then PART per part), filled in one compiled call: taking
+    a dozen addresses through numpy's `.ctypes` costs more than a small batch's whole pass."""
+    parts = cuts.size - 1
     table = np.empty(H + P * parts, np.int64)
-    table[:H] = (0, parts, *y.shape, y.ctypes.data, low_bits, infinite)
-    per_part = table[H:].reshape(parts, P)
-    per_part[:, 0], per_part[:, 1] = cuts[:-1], cuts[1:]
-    per_part[:, 2] = [lane.ctypes.data for lane in lanes]
-    for column, a in enumerate(outs, start=3):
-        per_part[:, column] = a.ctypes.data + a.strides[0] * np.arange(parts)
-    _runtime().GOMP_parallel(WORK[lanes[0].dtype].address, table.ctypes.data, parts, 0)
+    table[0] = 0
+    table[1] = parts
+    table[2], table[3], table[4] = y.shape
+    table[5] = y.ctypes.data
+    table[6] = low_bits
+    table[7] = infinite
+    for p in range(parts):
+        d = H + P * p
+        table[d] = cuts[p]
+        table[d + 1] = cuts[p + 1]
+        table[d + 2] = lanes[p].ctypes.data
+        table[d + 3] = moments[p].ctypes.data
+        table[d + 4] = tallies[p].ctypes.data
+        table[d + 5] = units[p].ctypes.data
+        table[d + 6] = extremes[p].ctypes.data
+    return table
