@@ -2,9 +2,10 @@
 
 A chain of torch or numpy reductions reads an activation a dozen times (sums, squares, extremes,
 signs, a histogram) and allocates as many temporaries; here each (row, unit) segment is read twice
-while it sits in the L1 cache: a scalar pass for the histogram, then a vectorised pass for the
-moments, in float64, and the extremes, as integer order keys. Extremes beyond +-Inf's keys mean
-the segment holds NaN or Inf, and only then is it read a third time, checking every value. The
+while it sits in the L1 cache: a vectorised pass for the moments, in float64, and the extremes,
+as integer order keys, then a scalar pass for the histogram (over two arrays when the segment is
+mostly zeros). Extremes beyond +-Inf's keys mean the segment holds NaN or Inf, and only then is
+it read a third time, checking every value. The
 functions release the GIL, so several threads can share a batch. `combine` and `take_spans`
 merge a batch's parts and copy out its histogram in one call each: in a hook, with the caches
 just emptied by a convolution, each of the dozen numpy calls they replace took tens of us.
@@ -22,6 +23,19 @@ def _histogram(w, counts):
     """counts[top 16 bits] += 1 for every float32 bit pattern of w."""
     for i in range(w.size):
         counts[w[i] >> 16] += 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _histogram_split(w, counts, spare):
+    """The same, alternate values counted into `spare`: a run of one value (the zeros of a
+    ReLU) makes each increment wait for the last one to the same bucket; two arrays halve the
+    chain (0.9 -> 0.5 ns per value on half-zero data)."""
+    n = w.size
+    for i in range(0, n - 1, 2):
+        counts[w[i] >> 16] += 1
+        spare[w[i + 1] >> 16] += 1
+    if n % 2:
+        counts[w[n - 1] >> 16] += 1
 
 
 @numba.njit(nogil=True, cache=True)
@@ -119,6 +133,7 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     nans = 0
     infs = 0
     smallest = low_bits
+    spare = counts[:0]  # a second histogram, made for the first segment of many zeros
     for u in range(width):
         for i in range(size):  # the unit's first finite value in row 0, else 0
             if np.isfinite(y[0, u, i]):
@@ -134,10 +149,15 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
             shift = shifts[u]
             seg_nans = 0
             seg_infs = 0
-            _histogram(bits[r, u], counts)
             s, q, b, lo, hi, small, seg_zeros, positive = _moments(
                 y[r, u], keys[r, u], low_bits, shift
             )
+            if seg_zeros * 8 > size:
+                if spare.size == 0:
+                    spare = np.zeros(counts.size, counts.dtype)
+                _histogram_split(bits[r, u], counts, spare)
+            else:
+                _histogram(bits[r, u], counts)
             if lo <= -infinite - 1 or hi >= infinite:  # NaN or Inf: again, over finite values
                 s, q, b, lo, hi, small, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
                     y[r, u], keys[r, u], low_bits, shift
@@ -156,6 +176,8 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
             extremes[0, u] = min(extremes[0, u], lo)
             extremes[1, u] = max(extremes[1, u], hi)
         l2 += np.sqrt(max(row_sq, 0.0))
+    for i in range(spare.size):
+        counts[i] += spare[i]
     n = 0.0
     mean = 0.0
     m2 = 0.0
