@@ -22,9 +22,17 @@ def usable_cores() -> int:
 
 class Threads:
     def __init__(self, total: int):
+        self.pool = None
+        self.resize(total)
+
+    def resize(self, total: int) -> None:
+        """Use `total` threads (the caller included) from now on."""
+        old = self.pool
         self.total = max(1, total)
         self.pool = ThreadPoolExecutor(self.total - 1, "probe-stats") if self.total > 1 else None
         self.pid = os.getpid()
+        if old is not None:
+            old.shutdown(wait=True)
 
     def run(self, fn, calls: list[tuple]) -> None:
         """fn(*args) for every args of `calls` (at most `total`): the first on this thread; all
@@ -41,4 +49,9 @@ class Threads:
                 f.result()
 
 
-threads = Threads(int(os.environ.get("PROBE_STATS_THREADS", "0")) or usable_cores() // 2)
+def configured() -> int:
+    """PROBE_STATS_THREADS, or 0 when it is not set."""
+    return int(os.environ.get("PROBE_STATS_THREADS", "0"))
+
+
+threads = Threads(configured() or usable_cores() // 2)

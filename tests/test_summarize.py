@@ -13,7 +13,7 @@ import pytest
 
 from probe.plots import depth_figure
 from probe.reading import open_sweep
-from probe.summarize import COLUMNS, summarize_file
+from probe.summarize import COLUMNS, read_slabs, summarize_file
 from tests.helpers import QUIET, ROOT, cli, run_probe
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=3"]
@@ -150,3 +150,13 @@ def test_sweep_table_has_every_run_and_the_override_columns(sweep):
     for line, (run, part) in zip(lines, table.groupby("run", sort=False), strict=True):
         assert line.get_label().startswith(f"{run}:")
         np.testing.assert_array_equal(line.get_ydata(), part[part.site == "output"]["mean"])
+
+
+def test_slabs_read_into_two_buffers_hold_every_row(tmp_path):
+    """Slabs of whole chunks, each valid until the next is asked for, cover the rows in order."""
+    a = np.random.default_rng(0).standard_normal((23, 3, 5)).astype(np.float32)
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        ds = f.create_dataset("x", data=a, chunks=(2, 3, 5), maxshape=(None, 3, 5))
+        slabs = [s.copy() for s in read_slabs(ds, 21, slab_bytes=4 * 60)]  # 4 rows a slab
+    assert [len(s) for s in slabs] == [4, 4, 4, 4, 4, 1]
+    np.testing.assert_array_equal(np.concatenate(slabs), a[:21])
