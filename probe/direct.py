@@ -115,15 +115,26 @@ def write_chunks(fd: int, pieces: list[tuple[h5py.Dataset, np.ndarray, int, int]
     return done
 
 
+RUN_BYTES = 1 << 30  # Linux writes at most 2 GiB - 4 KiB in one call
+
+
 def _runs(blocks: list[tuple[int, memoryview]]) -> list[list[tuple[int, memoryview]]]:
     """Blocks sorted by offset, grouped into runs that lie back to back in the file (at most
-    IOV_MAX blocks each)."""
+    IOV_MAX blocks and RUN_BYTES bytes each, unless one block is bigger)."""
     limit = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
     runs: list[list[tuple[int, memoryview]]] = []
+    size = 0
     for offset, memory in blocks:
         last = runs[-1][-1] if runs else None
-        if last is not None and last[0] + len(last[1]) == offset and len(runs[-1]) < limit:
+        if (
+            last is not None
+            and last[0] + len(last[1]) == offset
+            and len(runs[-1]) < limit
+            and size + len(memory) <= RUN_BYTES
+        ):
             runs[-1].append((offset, memory))
+            size += len(memory)
         else:
             runs.append([(offset, memory)])
+            size = len(memory)
     return runs

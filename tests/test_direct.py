@@ -189,3 +189,15 @@ def _two_row_chunks(f: h5py.File, name: str, shape: tuple) -> h5py.Dataset:
         chunks=(2, *shape[1:]),
         dcpl=direct.creation_plist(2 * 4096),
     )
+
+
+def test_runs_of_adjacent_chunks_stay_under_the_write_size_limit(monkeypatch):
+    monkeypatch.setattr(direct, "RUN_BYTES", 3 * 4096)
+    page = memoryview(bytearray(4096))
+    blocks = [(i * 4096, page) for i in (0, 1, 2, 3, 4, 6)]
+    runs = direct._runs(blocks)
+    assert [[offset for offset, _ in run] for run in runs] == [
+        [0, 4096, 8192],
+        [12288, 16384],
+        [24576],
+    ]
