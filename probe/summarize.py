@@ -1,8 +1,9 @@
 """Per-layer statistic tables from a run or a sweep; `python -m probe.summarize PATH...`.
 
-A run directory's probe.h5 is re-summarized chunk by chunk (bounded memory: two slabs of whole
-chunks at a time, the next one read while the current one is reduced); a stats-only file gives its
-stored statistics. Only rows below the file's `num_samples` attribute are read. A sweep directory
+A run directory's probe.h5 is re-summarized chunk by chunk (bounded memory: a few slabs of whole
+chunks at a time, reduced where they lie in the file's pages when they are stored plain
+(`probe.mapped`), else read through h5py while the previous one is reduced); a stats-only file
+gives its stored statistics. Only rows below the file's `num_samples` attribute are read. A sweep directory
 gives one table with a row per (run, layer, site) and a column per override of each run's
 `.hydra/overrides.yaml`. A partial file (complete false or absent) or a corrupt one is reported as
 such; the first gives what is there.
@@ -25,6 +26,7 @@ import yaml
 
 from probe import parallel
 from probe.errors import DataError, ProbeError
+from probe.mapped import mapped_slabs
 from probe.stats import RunningStats, counts_agree, stats_for
 
 log = logging.getLogger("probe")
@@ -156,7 +158,7 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
         valid = min(len(ds), num_batches if per_batch else num_samples)
         module_type = str(f[f"layers/{layer}"].attrs.get("module_type", ""))
         stats = stats_for(module_type, site)
-        for slab in read_slabs(ds, valid):
+        for slab in slabs(ds, valid):
             stats.update(slab)
         out.datasets.append(
             DatasetSummary(layer, site, module_type, ds.shape[1:], str(ds.dtype), stats)
@@ -203,6 +205,12 @@ def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
             module_type = str(g.attrs.get("module_type", ""))
             out[(layer, site)] = DatasetSummary(layer, site, module_type, shape, dtype, stats)
     return out
+
+
+def slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
+    """Rows [0, rows) in slabs of whole chunks: views of the file's pages where the dataset is
+    stored plain, else copies read through h5py. A slab is valid until the next one is asked for."""
+    return mapped_slabs(ds, rows, slab_bytes) or read_slabs(ds, rows, slab_bytes)
 
 
 def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:

@@ -1,0 +1,114 @@
+"""A dataset's rows read in place: views of the file's own pages (mmap) instead of copies.
+
+A read through h5py copies every byte from the page cache into a buffer before the statistics
+read it again; an unfiltered dataset whose chunks hold whole rows lies in the file as plain arrays,
+so the summarizer maps them and reduces the page cache's bytes directly (one pass instead of two).
+Anything else (compression or other filters, a foreign byte order, a user block, external or
+virtual storage, a chunk missing or reaching past the end of the file, another HDF5 driver) gives
+None, and the caller reads through h5py.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+
+import h5py
+import numpy as np
+
+
+def mapped_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int) -> Iterator[np.ndarray] | None:
+    """Rows [0, rows) of ds as arrays over the file's pages, in slabs of chunks that follow one
+    another in the file (up to slab_bytes, at least one chunk); None when ds cannot be mapped.
+    The pages are mapped copy-on-write: writing to a slab never reaches the file."""
+    spans = _row_spans(ds, rows)
+    if spans is None:
+        return None
+    row_bytes = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
+    return _slabs(ds.file.filename, _grouped(spans, row_bytes, slab_bytes), ds.dtype, ds.shape[1:])
+
+
+def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None:
+    """(first row, rows, file offset) of the stored pieces holding rows [0, rows), in row order."""
+    if rows <= 0 or not hasattr(ds.id, "chunk_iter") or not _plain(ds):
+        return None
+    row_bytes = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
+    layout = ds.id.get_create_plist().get_layout()
+    if layout == h5py.h5d.CONTIGUOUS:
+        offset = ds.id.get_offset()
+        spans = [] if offset is None else [(0, rows, offset)]
+    elif layout == h5py.h5d.CHUNKED and tuple(ds.chunks[1:]) == tuple(ds.shape[1:]):
+        step = ds.chunks[0]
+        found: dict[int, int] = {}
+
+        def keep(info) -> None:
+            if info.filter_mask == 0 and info.size == step * row_bytes:
+                found[info.chunk_offset[0]] = info.byte_offset
+
+        ds.id.chunk_iter(keep)
+        starts = range(0, rows, step)
+        if any(lo not in found for lo in starts):
+            return None
+        spans = [(lo, min(step, rows - lo), found[lo]) for lo in starts]
+    else:
+        return None
+    size = os.path.getsize(ds.file.filename)
+    if not spans or any(offset + n * row_bytes > size for _, n, offset in spans):
+        return None  # a mapped page past the end would kill the process (SIGBUS)
+    return spans
+
+
+def _plain(ds: h5py.Dataset) -> bool:
+    """Whether ds's bytes lie in its file as a C array of native numbers."""
+    f = ds.file
+    dcpl = ds.id.get_create_plist()
+    return (
+        f.driver == "sec2"
+        and f.id.get_create_plist().get_userblock() == 0
+        and ds.dtype.kind in "fiu"
+        and ds.dtype.isnative
+        and dcpl.get_nfilters() == 0
+        and dcpl.get_external_count() == 0
+        and ds.ndim >= 1
+        and ds.size > 0
+    )
+
+
+def _grouped(spans, row_bytes: int, slab_bytes: int) -> list[tuple[int, int]]:
+    """(file offset, rows) of runs of spans that are back to back both in rows and in the file."""
+    groups: list[list[int]] = []
+    for _, n, offset in spans:
+        if groups:
+            start, count = groups[-1]
+            if offset == start + count * row_bytes and (count + n) * row_bytes <= slab_bytes:
+                groups[-1][1] += n
+                continue
+        groups.append([offset, n])
+    return [(offset, n) for offset, n in groups]
+
+
+def _slabs(path: str, groups, dtype: np.dtype, row_shape) -> Iterator[np.ndarray]:
+    """One mapping per slab, unmapped once the last view of it is gone; the next slab's pages
+    are asked of the disk (MADV_WILLNEED) while the current one is reduced."""
+    values = int(np.prod(row_shape, dtype=np.int64))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        following = _map(fd, groups[0][0], groups[0][1] * values * dtype.itemsize)
+        for i, (_, n) in enumerate(groups):
+            mm, start = following
+            if i + 1 < len(groups):
+                offset, rows = groups[i + 1]
+                following = _map(fd, offset, rows * values * dtype.itemsize)
+                if hasattr(mmap, "MADV_WILLNEED"):
+                    following[0].madvise(mmap.MADV_WILLNEED)
+            yield np.frombuffer(mm, dtype, n * values, start).reshape(n, *row_shape)
+            del mm
+    finally:
+        os.close(fd)
+
+
+def _map(fd: int, offset: int, length: int) -> tuple[mmap.mmap, int]:
+    """A private mapping of [offset, offset + length) and where that offset lies in it."""
+    start = offset % mmap.ALLOCATIONGRANULARITY
+    return mmap.mmap(fd, start + length, access=mmap.ACCESS_COPY, offset=offset - start), start
