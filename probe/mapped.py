@@ -26,7 +26,14 @@ def mapped_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int) -> Iterator[np.nd
     if spans is None:
         return None
     row_bytes = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
-    return _slabs(ds.file.filename, _grouped(spans, row_bytes, slab_bytes), ds.dtype, ds.shape[1:])
+    per_slab = max(1, slab_bytes // row_bytes)
+    pieces = [  # a contiguous dataset or a chunk bigger than a slab, cut into slabs of rows
+        (lo + i, min(per_slab, n - i), offset + i * row_bytes)
+        for lo, n, offset in spans
+        for i in range(0, n, per_slab)
+    ]
+    groups = _grouped(pieces, row_bytes, slab_bytes)
+    return _slabs(ds.file.filename, groups, ds.dtype, ds.shape[1:])
 
 
 def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None:
