@@ -40,7 +40,15 @@ def _arrays():
     holes[70, 0, 3, 4] = -np.inf
     holes[5, 0, 0, :] = np.nan
     flat = rng.standard_normal((75, 9)).astype(np.float32) * 1e-3 - 5
-    return {"narrow": narrow, "normal": normal, "relu": relu, "holes": holes, "flat": flat}
+    wide = np.where(normal < -1, -0.0, normal).astype(np.float64)  # int64 keys, signed zeros
+    return {
+        "narrow": narrow,
+        "normal": normal,
+        "relu": relu,
+        "holes": holes,
+        "flat": flat,
+        "float64": wide,
+    }
 
 
 @pytest.mark.parametrize("name", list(_arrays()))
