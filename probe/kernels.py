@@ -9,14 +9,19 @@ it read a third time, checking every value. The
 functions release the GIL, so several threads can share a batch. `combine` and `take_spans`
 merge a batch's parts and copy out its histogram in one call each: in a hook, with the caches
 just emptied by a convolution, each of the dozen numpy calls they replace took tens of us.
-Compiled code is cached on disk after the first call.
+Compiled code is cached on disk after the first call, checked against this file's stamp: the
+callers of these passes (`probe.team`'s entry points) are here too, so a change here never leaves
+a stale copy of a pass compiled into a caller cached elsewhere.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba.extending import overload
+from llvmlite import ir
+from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype
 
 
@@ -50,6 +55,7 @@ def order_key(x, low_bits):
 
 def same_width(x, like):
     """x as an integer of like's type (numba promotes int32 arithmetic to int64)."""
+    return type(like)(x)
 
 
 @overload(same_width, jit_options={"cache": True})
@@ -328,3 +334,95 @@ def drain(counts, first, out):
     for i in range(out.size):
         out[i] += counts[first + i]
         counts[first + i] = 0
+
+
+# -- the team's entry points (`probe.team`): a table of addresses, parts claimed atomically ------
+HEAD = ("claimed", "parts", "rows", "width", "size", "values", "low_bits", "infinite")
+PART = ("first_row", "end_row", "counts", "moments", "tallies", "units", "extremes")
+H, P = len(HEAD), len(PART)
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The int64 `address` as a void pointer (to view it with numba.carray)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.int64), codegen
+
+
+@intrinsic
+def _claim(typingctx, table):
+    """Atomically add 1 to the int64 at `table`, returning what it held: the next part to do."""
+
+    def codegen(context, builder, signature, args):
+        slot = builder.bitcast(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", slot, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(types.voidptr), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _parts(table, counts_type):
+    """Each thread of the team claims parts until none is left, so it does not matter which
+    thread wakes first or how many the team has."""
+    top = carray(table, (H,), np.int64)
+    rows, width, size = top[2], top[3], top[4]
+    shape = (rows, width, size)
+    while True:
+        p = _claim(table)
+        if p >= top[1]:
+            return
+        d = carray(table, (H + P * top[1],), np.int64)[H + P * p :]
+        lo, hi = d[0], d[1]
+        reduce_rows(
+            carray(_pointer(top[5]), shape, np.float32)[lo:hi],
+            carray(_pointer(top[5]), shape, np.uint32)[lo:hi],
+            carray(_pointer(top[5]), shape, np.int32)[lo:hi],
+            np.int32(top[6]),
+            np.int32(top[7]),
+            carray(_pointer(d[2]), (1 << 16,), counts_type),
+            carray(_pointer(d[3]), (4,), np.float64),
+            carray(_pointer(d[4]), (5,), np.int64),
+            carray(_pointer(d[5]), (3, width), np.float64),
+            carray(_pointer(d[6]), (2, width), np.int64),
+        )
+
+
+@numba.cfunc(types.void(types.voidptr), cache=True)
+def _work32(table):
+    _parts(table, np.int32)
+
+
+@numba.cfunc(types.void(types.voidptr), cache=True)
+def _work64(table):
+    _parts(table, np.int64)
+
+
+WORK = {np.dtype(np.int32): _work32, np.dtype(np.int64): _work64}  # by the counts' dtype
+
+
+@numba.njit(nogil=True, cache=True)
+def team_table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extremes):
+    """The table `_parts` reads (HEAD, then PART per part) for `team.reduce`, filled in one
+    compiled call: taking a dozen addresses through numpy's `.ctypes` costs more than a small
+    batch's whole pass."""
+    parts = cuts.size - 1
+    table = np.empty(H + P * parts, np.int64)
+    table[0] = 0
+    table[1] = parts
+    table[2], table[3], table[4] = y.shape
+    table[5] = y.ctypes.data
+    table[6] = low_bits
+    table[7] = infinite
+    for p in range(parts):
+        d = H + P * p
+        table[d] = cuts[p]
+        table[d + 1] = cuts[p + 1]
+        table[d + 2] = lanes[p].ctypes.data
+        table[d + 3] = moments[p].ctypes.data
+        table[d + 4] = tallies[p].ctypes.data
+        table[d + 5] = units[p].ctypes.data
+        table[d + 6] = extremes[p].ctypes.data
+    return table

@@ -3,15 +3,20 @@
 A read through h5py copies every byte from the page cache into a buffer before the statistics
 read it again; an unfiltered dataset whose chunks hold whole rows lies in the file as plain arrays,
 so the summarizer maps them and reduces the page cache's bytes directly (one pass instead of two).
-Anything else (compression or other filters, a foreign byte order, a user block, external or
-virtual storage, a chunk missing or reaching past the end of the file, another HDF5 driver) gives
-None, and the caller reads through h5py.
+Anything else (compression or other filters, a stored type that is not numpy's own, a foreign byte
+order, a user block, external or virtual storage, a chunk missing, misaligned or reaching past the
+end of the file, another HDF5 driver) gives None, and the caller reads through h5py.
+
+The mappings are of the descriptor h5py holds, so a file replaced under the same name is not read.
+A file cut shorter while a slab of it is being read (another process truncating it in place)
+ends this process with SIGBUS, where a read would have returned zeros.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from collections.abc import Iterator
 
 import h5py
@@ -20,8 +25,10 @@ import numpy as np
 
 def mapped_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int) -> Iterator[np.ndarray] | None:
     """Rows [0, rows) of ds as arrays over the file's pages, in slabs of chunks that follow one
-    another in the file (up to slab_bytes, at least one chunk); None when ds cannot be mapped.
-    The pages are mapped copy-on-write: writing to a slab never reaches the file."""
+    another in the file (up to slab_bytes, at least one row); None when ds cannot be mapped.
+    The pages are mapped copy-on-write: writing to a slab never reaches the file. A slab holds
+    its mapping (and a descriptor) until the last view of it is gone."""
+    rows = min(rows, ds.shape[0]) if ds.ndim else 0
     spans = _row_spans(ds, rows)
     if spans is None:
         return None
@@ -33,7 +40,10 @@ def mapped_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int) -> Iterator[np.nd
         for i in range(0, n, per_slab)
     ]
     groups = _grouped(pieces, row_bytes, slab_bytes)
-    return _slabs(ds.file.filename, groups, ds.dtype, ds.shape[1:])
+    fd = os.dup(ds.file.id.get_vfd_handle())  # this file, even if its name now names another
+    slabs = _slabs(fd, groups, ds.dtype, ds.shape[1:])
+    weakref.finalize(slabs, os.close, fd)
+    return slabs
 
 
 def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None:
@@ -44,13 +54,16 @@ def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None
     layout = ds.id.get_create_plist().get_layout()
     if layout == h5py.h5d.CONTIGUOUS:
         offset = ds.id.get_offset()
-        spans = [] if offset is None else [(0, rows, offset)]
+        if offset is None or ds.id.get_storage_size() < rows * row_bytes:
+            return None
+        spans = [(0, rows, offset)]
     elif layout == h5py.h5d.CHUNKED and tuple(ds.chunks[1:]) == tuple(ds.shape[1:]):
         step = ds.chunks[0]
         found: dict[int, int] = {}
 
         def keep(info) -> None:
-            if info.filter_mask == 0 and info.size == step * row_bytes:
+            whole_rows = not any(info.chunk_offset[1:])
+            if whole_rows and info.filter_mask == 0 and info.size == step * row_bytes:
                 found[info.chunk_offset[0]] = info.byte_offset
 
         ds.id.chunk_iter(keep)
@@ -60,21 +73,25 @@ def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None
         spans = [(lo, min(step, rows - lo), found[lo]) for lo in starts]
     else:
         return None
-    size = os.path.getsize(ds.file.filename)
-    if not spans or any(offset + n * row_bytes > size for _, n, offset in spans):
-        return None  # a mapped page past the end would kill the process (SIGBUS)
+    size = os.fstat(ds.file.id.get_vfd_handle()).st_size
+    if any(offset % ds.dtype.itemsize for _, _, offset in spans):
+        return None  # a view of misaligned numbers
+    if any(offset + n * row_bytes > size for _, n, offset in spans):
+        return None  # a mapped page past the end would end the process (SIGBUS)
     return spans
 
 
 def _plain(ds: h5py.Dataset) -> bool:
-    """Whether ds's bytes lie in its file as a C array of native numbers."""
+    """Whether ds's bytes lie in its file as a C array of numpy's own numbers (h5py may present a
+    stored type as a numpy one it is not, e.g. a 16-bit precision int32, and convert on read)."""
     f = ds.file
     dcpl = ds.id.get_create_plist()
     return (
         f.driver == "sec2"
-        and f.id.get_create_plist().get_userblock() == 0
+        and f.id.get_create_plist().get_userblock() == 0  # offsets below are from the file's start
         and ds.dtype.kind in "fiu"
         and ds.dtype.isnative
+        and ds.id.get_type().equal(h5py.h5t.py_create(ds.dtype))
         and dcpl.get_nfilters() == 0
         and dcpl.get_external_count() == 0
         and ds.ndim >= 1
@@ -82,10 +99,11 @@ def _plain(ds: h5py.Dataset) -> bool:
     )
 
 
-def _grouped(spans, row_bytes: int, slab_bytes: int) -> list[tuple[int, int]]:
-    """(file offset, rows) of runs of spans that are back to back both in rows and in the file."""
+def _grouped(pieces, row_bytes: int, slab_bytes: int) -> list[tuple[int, int]]:
+    """(file offset, rows) of runs of pieces that lie back to back in the file (pieces come in
+    row order, so a run's rows follow one another too), each run within slab_bytes."""
     groups: list[list[int]] = []
-    for _, n, offset in spans:
+    for _, n, offset in pieces:
         if groups:
             start, count = groups[-1]
             if offset == start + count * row_bytes and (count + n) * row_bytes <= slab_bytes:
@@ -95,24 +113,20 @@ def _grouped(spans, row_bytes: int, slab_bytes: int) -> list[tuple[int, int]]:
     return [(offset, n) for offset, n in groups]
 
 
-def _slabs(path: str, groups, dtype: np.dtype, row_shape) -> Iterator[np.ndarray]:
+def _slabs(fd: int, groups, dtype: np.dtype, row_shape) -> Iterator[np.ndarray]:
     """One mapping per slab, unmapped once the last view of it is gone; the next slab's pages
     are asked of the disk (MADV_WILLNEED) while the current one is reduced."""
     values = int(np.prod(row_shape, dtype=np.int64))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        following = _map(fd, groups[0][0], groups[0][1] * values * dtype.itemsize)
-        for i, (_, n) in enumerate(groups):
-            mm, start = following
-            if i + 1 < len(groups):
-                offset, rows = groups[i + 1]
-                following = _map(fd, offset, rows * values * dtype.itemsize)
-                if hasattr(mmap, "MADV_WILLNEED"):
-                    following[0].madvise(mmap.MADV_WILLNEED)
-            yield np.frombuffer(mm, dtype, n * values, start).reshape(n, *row_shape)
-            del mm
-    finally:
-        os.close(fd)
+    following = _map(fd, groups[0][0], groups[0][1] * values * dtype.itemsize)
+    for i, (_, n) in enumerate(groups):
+        mm, start = following
+        if i + 1 < len(groups):
+            offset, rows = groups[i + 1]
+            following = _map(fd, offset, rows * values * dtype.itemsize)
+            if hasattr(mmap, "MADV_WILLNEED"):
+                following[0].madvise(mmap.MADV_WILLNEED)
+        yield np.frombuffer(mm, dtype, n * values, start).reshape(n, *row_shape)
+        del mm
 
 
 def _map(fd: int, offset: int, length: int) -> tuple[mmap.mmap, int]:

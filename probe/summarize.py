@@ -12,6 +12,7 @@ such; the first gives what is there.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 from collections.abc import Iterable, Iterator
@@ -208,8 +209,9 @@ def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
 
 
 def slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
-    """Rows [0, rows) in slabs of whole chunks: views of the file's pages where the dataset is
-    stored plain, else copies read through h5py. A slab is valid until the next one is asked for."""
+    """Rows [0, rows) in slabs of at most about slab_bytes: views of the file's pages where the
+    dataset is stored plain (`probe.mapped`), else copies of whole chunks read through h5py. A
+    slab is valid until the next one is asked for."""
     return mapped_slabs(ds, rows, slab_bytes) or read_slabs(ds, rows, slab_bytes)
 
 
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "--units", action="store_true", help="also write units.csv (one row per unit)"
     )
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a file truncated while mapped ends the process (SIGBUS): say where
     if not parallel.configured():  # no forward runs beside the summarizer: every core
         parallel.threads.resize(parallel.usable_cores())
     failed = False

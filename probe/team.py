@@ -6,7 +6,9 @@ sleep. Threads of our own would compete with them for those cores (on 2 cores a 
 measured no faster than none). Here the pass is handed to torch's team through its OpenMP
 runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtimes), so the split
 runs on exactly the workers that were idle. The work function is a numba `cfunc` (no GIL, no
-Python objects) that reads the arrays' addresses from a table of int64s.
+Python objects) that reads the arrays' addresses from a table of int64s (`probe.kernels`: every
+compiled function lives there, since numba's disk cache is checked against the stamp of the file
+a function is defined in, not of the files its callees are).
 
 Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
 and not in a process forked after the team was used; `size()` is then the team's width
@@ -22,77 +24,8 @@ import sys
 import threading
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, cfunc, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
-from probe.kernels import reduce_rows
-
-HEAD = ("claimed", "parts", "rows", "width", "size", "values", "low_bits", "infinite")
-PART = ("first_row", "end_row", "counts", "moments", "tallies", "units", "extremes")
-H, P = len(HEAD), len(PART)
-
-
-@intrinsic
-def _pointer(typingctx, address):
-    """The int64 `address` as a void pointer (to view it with numba.carray)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(types.int64), codegen
-
-
-@intrinsic
-def _claim(typingctx, table):
-    """Atomically add 1 to the int64 at `table`, returning what it held: the next part to do."""
-
-    def codegen(context, builder, signature, args):
-        slot = builder.bitcast(args[0], ir.IntType(64).as_pointer())
-        return builder.atomic_rmw("add", slot, ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return types.int64(types.voidptr), codegen
-
-
-@njit(nogil=True, cache=True)
-def _parts(table, counts_type):
-    """Each thread of the team claims parts until none is left, so it does not matter which
-    thread wakes first or how many the team has."""
-    top = carray(table, (H,), np.int64)
-    rows, width, size = top[2], top[3], top[4]
-    shape = (rows, width, size)
-    while True:
-        p = _claim(table)
-        if p >= top[1]:
-            return
-        d = carray(table, (H + P * top[1],), np.int64)[H + P * p :]
-        lo, hi = d[0], d[1]
-        reduce_rows(
-            carray(_pointer(top[5]), shape, np.float32)[lo:hi],
-            carray(_pointer(top[5]), shape, np.uint32)[lo:hi],
-            carray(_pointer(top[5]), shape, np.int32)[lo:hi],
-            np.int32(top[6]),
-            np.int32(top[7]),
-            carray(_pointer(d[2]), (1 << 16,), counts_type),
-            carray(_pointer(d[3]), (4,), np.float64),
-            carray(_pointer(d[4]), (5,), np.int64),
-            carray(_pointer(d[5]), (3, width), np.float64),
-            carray(_pointer(d[6]), (2, width), np.int64),
-        )
-
-
-@cfunc(types.void(types.voidptr), cache=True)
-def _work32(table):
-    _parts(table, np.int32)
-
-
-@cfunc(types.void(types.voidptr), cache=True)
-def _work64(table):
-    _parts(table, np.int64)
-
-
-WORK = {np.dtype(np.int32): _work32, np.dtype(np.int64): _work64}  # by the counts' dtype
+from probe.kernels import WORK, team_table
 
 
 def _runtime() -> ctypes.CDLL | None:
@@ -163,29 +96,5 @@ def reduce(y: np.ndarray, low_bits, infinite, cuts: list[int], lanes, outs) -> N
         raise ValueError(f"team.reduce takes C-contiguous float32 values, not {y.dtype}")
     if any(lane.shape != (1 << 16,) or not lane.flags.c_contiguous for lane in lanes):
         raise ValueError("team.reduce counts into C-contiguous lanes of 65536 buckets")
-    table = _table(y, low_bits, infinite, np.asarray(cuts, np.int64), tuple(lanes), *outs)
+    table = team_table(y, low_bits, infinite, np.asarray(cuts, np.int64), tuple(lanes), *outs)
     _runtime().GOMP_parallel(WORK[lanes[0].dtype].address, table.ctypes.data, len(cuts) - 1, 0)
-
-
-@njit(nogil=True, cache=True)
-def _table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extremes):
-    """The table `_parts` reads (HEAD, then PART per part), filled in one compiled call: taking
-    a dozen addresses through numpy's `.ctypes` costs more than a small batch's whole pass."""
-    parts = cuts.size - 1
-    table = np.empty(H + P * parts, np.int64)
-    table[0] = 0
-    table[1] = parts
-    table[2], table[3], table[4] = y.shape
-    table[5] = y.ctypes.data
-    table[6] = low_bits
-    table[7] = infinite
-    for p in range(parts):
-        d = H + P * p
-        table[d] = cuts[p]
-        table[d + 1] = cuts[p + 1]
-        table[d + 2] = lanes[p].ctypes.data
-        table[d + 3] = moments[p].ctypes.data
-        table[d + 4] = tallies[p].ctypes.data
-        table[d + 5] = units[p].ctypes.data
-        table[d + 6] = extremes[p].ctypes.data
-    return table

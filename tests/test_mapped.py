@@ -3,6 +3,8 @@ stored bytes are not a plain array (the summarizer then reads through h5py)."""
 
 from __future__ import annotations
 
+import os
+
 import h5py
 import numpy as np
 
@@ -92,3 +94,34 @@ def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path):
     )
     dead = (data.max(axis=(0, 2, 3)) <= 0).mean()
     assert row["dead_frac"] == dead
+
+
+def test_stored_types_numpy_would_misread_and_user_blocks_fall_back(tmp_path):
+    path = tmp_path / "t.h5"
+    narrow = h5py.h5t.STD_I32LE.copy()
+    narrow.set_precision(16)  # h5py presents it as int32 and converts on read
+    with h5py.File(path, "w", userblock_size=512) as f:
+        f.create_dataset("x", data=A, chunks=(2, 3, 5))  # offsets would count from the user block
+    with h5py.File(path, "r") as f:
+        assert mapped_slabs(f["x"], 23, 1 << 20) is None
+        np.testing.assert_array_equal(concat(slabs(f["x"], 23)), A)
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("n", shape=(6, 4), dtype=narrow, chunks=(2, 4))
+        ds[:] = np.arange(-12, 12).reshape(6, 4)
+        assert ds.dtype == np.int32 and mapped_slabs(ds, 6, 1 << 20) is None
+        np.testing.assert_array_equal(concat(slabs(ds, 6)), np.arange(-12, 12).reshape(6, 4))
+
+
+def test_slabs_read_the_open_file_stop_at_its_rows_and_let_go_of_it(tmp_path):
+    path = tmp_path / "o.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=A)
+    fds = len(os.listdir("/proc/self/fd"))
+    with h5py.File(path, "r") as f:
+        found = mapped_slabs(f["x"], 99, slab_bytes=10 * ROW)  # rows beyond the dataset: none
+        with h5py.File(tmp_path / "other.h5", "w") as g:
+            g.create_dataset("x", data=A + 1)
+        os.replace(tmp_path / "other.h5", path)  # the name now names another file
+        np.testing.assert_array_equal(concat(found), A)
+        del found
+    assert len(os.listdir("/proc/self/fd")) == fds  # every mapping and descriptor let go

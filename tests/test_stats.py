@@ -280,3 +280,15 @@ def test_saved_statistics_mixing_two_flushes_are_told_apart():
     assert counts_agree(early, "float32") and counts_agree(late, "float32")
     mixed = RunningStats.from_saved(early.state(), late.arrays())
     assert not counts_agree(mixed, "float32")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_negative_zero_is_the_minimum_below_positive_zero(dtype):
+    """Order keys put -0.0 just below +0.0, for 32- and 64-bit keys alike."""
+    normal = _arrays()["normal"]
+    a = np.where(normal < 0, -0.0, normal).astype(dtype)
+    s = RunningStats()
+    s.update(a)
+    assert s.min == 0 and np.signbit(s.min)
+    assert np.signbit(s.units.min).all() and (s.units.min == 0).all()
+    assert s.as_row()["frac_zero"] == (a == 0).mean()
