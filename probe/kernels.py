@@ -25,22 +25,68 @@ from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype
 
 
-@numba.njit(nogil=True, cache=True)
-def _histogram(w, counts):
-    """counts[top 16 bits] += 1 for every float32 bit pattern of w."""
-    for i in range(w.size):
-        counts[w[i] >> 16] += 1
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Ask for the cache line holding array[index] (llvm.prefetch: read, keep in all levels)."""
+
+    def codegen(context, builder, signature, args):
+        kind = signature.args[0]
+        view = context.make_array(kind)(context, builder, args[0])
+        item = cgutils.get_item_pointer(context, builder, kind, view, [args[1]], wraparound=False)
+        byte = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]), "llvm.prefetch"
+        )
+        flags = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        builder.call(fn, [builder.bitcast(item, byte), *flags])
+        return context.get_dummy_value()
+
+    return types.void(array, types.intp), codegen
+
+
+LINE = 16  # values of 4 bytes in a 64-byte cache line
+AHEAD_MIN = 1024  # segments of at least a page ask for the next one; smaller ones need not
 
 
 @numba.njit(nogil=True, cache=True)
-def _histogram_split(w, counts, spare):
+def _histogram(w, counts, flat, ahead):
+    """counts[top 16 bits] += 1 for every float32 bit pattern of w. With `ahead` >= 0, a line of
+    flat[ahead:] (the next segment) is asked for every LINE values: the increments leave the
+    memory system idle, and the hardware prefetcher stops at every 4 KiB page, so the next
+    moments pass would start on values still in memory (a capture's statistics took twice as
+    long as the same pass over values in cache)."""
+    n = w.size
+    if ahead < 0:
+        for i in range(n):
+            counts[w[i] >> 16] += 1
+        return
+    end = min(n, flat.size - ahead)
+    for block in range(0, n, LINE):
+        if block < end:
+            _prefetch(flat, ahead + block)
+        for i in range(block, min(block + LINE, n)):
+            counts[w[i] >> 16] += 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _histogram_split(w, counts, spare, flat, ahead):
     """The same, alternate values counted into `spare`: a run of one value (the zeros of a
     ReLU) makes each increment wait for the last one to the same bucket; two arrays halve the
     chain (0.9 -> 0.5 ns per value on half-zero data)."""
     n = w.size
-    for i in range(0, n - 1, 2):
-        counts[w[i] >> 16] += 1
-        spare[w[i + 1] >> 16] += 1
+    if ahead < 0:
+        for i in range(0, n - 1, 2):
+            counts[w[i] >> 16] += 1
+            spare[w[i + 1] >> 16] += 1
+    else:
+        end = min(n, flat.size - ahead)
+        for block in range(0, n - 1, LINE):
+            if block < end:
+                _prefetch(flat, ahead + block)
+            for i in range(block, min(block + LINE, n - 1), 2):
+                counts[w[i] >> 16] += 1
+                spare[w[i + 1] >> 16] += 1
     if n % 2:
         counts[w[n - 1] >> 16] += 1
 
@@ -157,6 +203,7 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     infs = 0
     smallest = low_bits
     spare = counts[:0]  # a second histogram, made for the first segment of many zeros
+    flat = bits.reshape(-1)
     for u in range(width):
         for i in range(size):  # the unit's first finite value in row 0, else 0
             if np.isfinite(y[0, u, i]):
@@ -175,12 +222,13 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
             s, q, b, lo, hi, small, seg_zeros, positive = _moments(
                 y[r, u], keys[r, u], low_bits, shift
             )
+            ahead = (r * width + u + 1) * size if size >= AHEAD_MIN else -1
             if seg_zeros * 8 > size:
                 if spare.size == 0:
                     spare = np.zeros(counts.size, counts.dtype)
-                _histogram_split(bits[r, u], counts, spare)
+                _histogram_split(bits[r, u], counts, spare, flat, ahead)
             else:
-                _histogram(bits[r, u], counts)
+                _histogram(bits[r, u], counts, flat, ahead)
             if lo <= -infinite - 1 or hi >= infinite:  # NaN or Inf: again, over finite values
                 s, q, b, lo, hi, small, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
                     y[r, u], keys[r, u], low_bits, shift
