@@ -1,12 +1,12 @@
 """Per-layer statistic tables from a run or a sweep; `python -m probe.summarize PATH...`.
 
-A run directory's probe.h5 is re-summarized chunk by chunk (bounded memory: a few slabs of whole
-chunks at a time, reduced where they lie in the file's pages when they are stored plain
-(`probe.mapped`), else read through h5py while the previous one is reduced); a stats-only file
-gives its stored statistics. Only rows below the file's `num_samples` attribute are read. A sweep directory
-gives one table with a row per (run, layer, site) and a column per override of each run's
-`.hydra/overrides.yaml`. A partial file (complete false or absent) or a corrupt one is reported as
-such; the first gives what is there.
+A run directory's probe.h5 is re-summarized slab by slab (bounded memory: a few slabs at a time,
+reduced where they lie in the file's pages when they are stored plain (`probe.mapped`), else read
+through h5py while the previous one is reduced); a stats-only file gives its stored statistics.
+Only rows below the file's `num_samples` attribute are read. A sweep directory gives one table
+with a row per (run, layer, site) and a column per override of each run's `.hydra/overrides.yaml`.
+A partial file (complete false or absent) or a corrupt one is reported as such; the first gives
+what is there.
 """
 
 from __future__ import annotations
