@@ -32,11 +32,11 @@ def mapped_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int) -> Iterator[np.nd
     spans = _row_spans(ds, rows)
     if spans is None:
         return None
-    row_bytes = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
+    row_bytes = _row_bytes(ds)
     per_slab = max(1, slab_bytes // row_bytes)
     pieces = [  # a contiguous dataset or a chunk bigger than a slab, cut into slabs of rows
-        (lo + i, min(per_slab, n - i), offset + i * row_bytes)
-        for lo, n, offset in spans
+        (offset + i * row_bytes, min(per_slab, n - i))
+        for offset, n in spans
         for i in range(0, n, per_slab)
     ]
     groups = _grouped(pieces, row_bytes, slab_bytes)
@@ -46,17 +46,21 @@ def mapped_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int) -> Iterator[np.nd
     return slabs
 
 
-def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None:
-    """(first row, rows, file offset) of the stored pieces holding rows [0, rows), in row order."""
+def _row_bytes(ds: h5py.Dataset) -> int:
+    return int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
+
+
+def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int]] | None:
+    """(file offset, rows) of the stored pieces holding rows [0, rows), in row order."""
     if rows <= 0 or not hasattr(ds.id, "chunk_iter") or not _plain(ds):
         return None
-    row_bytes = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
+    row_bytes = _row_bytes(ds)
     layout = ds.id.get_create_plist().get_layout()
     if layout == h5py.h5d.CONTIGUOUS:
         offset = ds.id.get_offset()
         if offset is None or ds.id.get_storage_size() < rows * row_bytes:
             return None
-        spans = [(0, rows, offset)]
+        spans = [(offset, rows)]
     elif layout == h5py.h5d.CHUNKED and tuple(ds.chunks[1:]) == tuple(ds.shape[1:]):
         step = ds.chunks[0]
         found: dict[int, int] = {}
@@ -70,13 +74,13 @@ def _row_spans(ds: h5py.Dataset, rows: int) -> list[tuple[int, int, int]] | None
         starts = range(0, rows, step)
         if any(lo not in found for lo in starts):
             return None
-        spans = [(lo, min(step, rows - lo), found[lo]) for lo in starts]
+        spans = [(found[lo], min(step, rows - lo)) for lo in starts]
     else:
         return None
     size = os.fstat(ds.file.id.get_vfd_handle()).st_size
-    if any(offset % ds.dtype.itemsize for _, _, offset in spans):
+    if any(offset % ds.dtype.itemsize for offset, _ in spans):
         return None  # a view of misaligned numbers
-    if any(offset + n * row_bytes > size for _, n, offset in spans):
+    if any(offset + n * row_bytes > size for offset, n in spans):
         return None  # a mapped page past the end would end the process (SIGBUS)
     return spans
 
@@ -100,10 +104,10 @@ def _plain(ds: h5py.Dataset) -> bool:
 
 
 def _grouped(pieces, row_bytes: int, slab_bytes: int) -> list[tuple[int, int]]:
-    """(file offset, rows) of runs of pieces that lie back to back in the file (pieces come in
-    row order, so a run's rows follow one another too), each run within slab_bytes."""
+    """Pieces (file offset, rows) joined into runs that lie back to back in the file (pieces
+    come in row order, so a run's rows follow one another too), each run within slab_bytes."""
     groups: list[list[int]] = []
-    for _, n, offset in pieces:
+    for offset, n in pieces:
         if groups:
             start, count = groups[-1]
             if offset == start + count * row_bytes and (count + n) * row_bytes <= slab_bytes:
