@@ -29,7 +29,9 @@ def _batches() -> dict[str, np.ndarray]:
     holes[11, 0, 5, 5] = np.inf
     holes[15, 7, 1, 1] = -np.inf
     relu = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
-    return {"narrow": narrow, "holes": holes, "relu": relu}
+    # segments of an odd 1601 values, above AHEAD_MIN: the prefetching loop's last, odd block
+    odd = np.maximum(rng.standard_normal((16, 8, 1601)), 0).astype(np.float32)
+    return {"narrow": narrow, "holes": holes, "relu": relu, "odd": odd}
 
 
 @pytest.fixture
@@ -56,7 +58,7 @@ def _counts(s: RunningStats) -> np.ndarray:
 @pytest.mark.parametrize("name", list(_batches()))
 def test_split_on_torch_threads_equals_one_thread_and_numpy(name, monkeypatch, two_threads):
     x = _batches()[name]
-    y = x.reshape(16, 8, -1)
+    y = x.reshape(16, x.shape[1], -1)
     assert stats._split(y) == (2, True)
     split, alone = batch_stats(torch.from_numpy(x)), _one_thread(monkeypatch, x)
     scratch = stats._scratch.hist
