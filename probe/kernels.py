@@ -47,6 +47,8 @@ def _prefetch(typingctx, array, index):
 
 LINE = 16  # values of 4 bytes in a 64-byte cache line
 AHEAD_MIN = 1024  # segments of at least a page ask for the next one; smaller ones need not
+NARROW = 32  # segments shorter than this are reduced column by column (`_by_column`),
+COLUMNS_MAX = 1 << 20  # when a row has at most this many columns (40 bytes of scratch each)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -182,23 +184,10 @@ def _moments_checked(a, keys, low_bits, shift):
 
 
 @numba.njit(nogil=True, cache=True)
-def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, units, extremes):
-    """Fold y (rows, units, size) into one partial result, over finite values only.
-
-    moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
-    tallies = (finite, zeros, NaN, Inf) counts and the smallest finite magnitude (the bits of
-    |v|; `low_bits` when none); per unit, `units` (3, units) float64 holds the
-    finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
-    the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
-    (its first finite one in row 0, else 0), and the units merged with Chan's formula at the end,
-    so 1000 +- 0.01 keeps its variance. `bits` are the float32 bit patterns of y (y itself when
-    float32), whose top 16 bits index `counts` for every value including NaN and Inf; `keys` is y
-    viewed as signed integers of its own width, `low_bits` that width's largest value and
-    `infinite` the key of +Inf."""
+def _by_segment(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q, units, extremes):
+    """`reduce_rows`' loop by (row, unit) segment, each read while it sits in L1. Returns (sum
+    of |v|, L2 sum, zeros, NaN, Inf, smallest magnitude, spare histogram)."""
     rows, width, size = y.shape
-    shifts = np.zeros(width)
-    unit_s = np.zeros(width)
-    unit_q = np.zeros(width)
     absolute = 0.0
     l2 = 0.0
     zeros = 0
@@ -207,15 +196,6 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     smallest = low_bits
     spare = counts[:0]  # a second histogram, made for the first segment of many zeros
     flat = bits.reshape(-1)
-    for u in range(width):
-        for i in range(size):  # the unit's first finite value in row 0, else 0
-            if np.isfinite(y[0, u, i]):
-                shifts[u] = y[0, u, i]
-                break
-        units[0, u] = 0.0
-        units[2, u] = 0.0
-        extremes[0, u] = low_bits
-        extremes[1, u] = -low_bits - 1
     for r in range(rows):
         row_sq = 0.0
         for u in range(width):
@@ -253,6 +233,167 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
             extremes[0, u] = min(extremes[0, u], lo)
             extremes[1, u] = max(extremes[1, u], hi)
         l2 += np.sqrt(max(row_sq, 0.0))
+    return absolute, l2, zeros, nans, infs, smallest, spare
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _columns(a, keys, low_bits, shift, sums, squares, positive, lows, highs):
+    """One row of finite values into per-column accumulators (each column's sums about its
+    shift, its count above 0 and extremes as order keys), in SIMD lanes across the columns.
+    Returns the row's sum of |v|, sum of squares, zeros and smallest magnitude."""
+    sign = same_width(keys.itemsize * 8 - 1, low_bits)
+    b = 0.0
+    sq = 0.0
+    zeros = 0.0
+    small = low_bits
+    for j in range(a.size):
+        v = np.float64(a[j])
+        d = v - shift[j]
+        sums[j] += d
+        squares[j] += d * d
+        b += abs(v)
+        sq += v * v
+        x = keys[j]
+        magnitude = same_width(x & low_bits, low_bits)
+        k = same_width(x ^ (low_bits & (x >> sign)), low_bits)  # order_key without a branch
+        lows[j] = min(lows[j], k)
+        highs[j] = max(highs[j], k)
+        small = min(small, magnitude)
+        zeros += 1.0 if magnitude == 0 else 0.0
+        positive[j] += 1.0 if x > 0 else 0.0
+    return b, sq, int(zeros), small
+
+
+@numba.njit(nogil=True, cache=True)
+def _columns_checked(a, keys, low_bits, shift, sums, squares, positive, lows, highs, bad):
+    """The same for a row holding NaN or Inf, over its finite values; `bad` counts the others
+    per column. Returns also the row's NaN and Inf counts."""
+    b = 0.0
+    sq = 0.0
+    zeros = 0
+    small = low_bits
+    nans = 0
+    infs = 0
+    for j in range(a.size):
+        v = np.float64(a[j])
+        if not np.isfinite(v):
+            nans += np.isnan(v)
+            infs += np.isinf(v)
+            bad[j] += 1
+            continue
+        d = v - shift[j]
+        sums[j] += d
+        squares[j] += d * d
+        b += abs(v)
+        sq += v * v
+        zeros += v == 0
+        positive[j] += v > 0
+        k = order_key(keys[j], low_bits)
+        lows[j] = min(lows[j], k)
+        highs[j] = max(highs[j], k)
+        small = min(small, keys[j] & low_bits)
+    return b, sq, zeros, small, nans, infs
+
+
+@numba.njit(nogil=True, cache=True)
+def _worst(keys, low_bits):
+    """The largest magnitude's bits in a row: at least +Inf's when it holds NaN or Inf."""
+    worst = same_width(0, low_bits)
+    for j in range(keys.size):
+        worst = max(worst, same_width(keys[j] & low_bits, low_bits))
+    return worst
+
+
+@numba.njit(nogil=True, cache=True)
+def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q, units, extremes):
+    """`reduce_rows`' loop for narrow segments (a linear layer's single values, a 4x4 map): a
+    segment's moments end in a dozen horizontal sums, which cost more than a few values. Here
+    each row is one pass across its columns (unit, position), whose sums, counts and extremes
+    accumulate in arrays, folded into the units at the end; sums about a unit's shift add up.
+    Returns what `_by_segment` does."""
+    rows, width, size = y.shape
+    columns = width * size
+    shift = np.repeat(shifts, size)
+    sums = np.zeros(columns)
+    squares = np.zeros(columns)
+    positive = np.zeros(columns)
+    lows = np.full(columns, low_bits)
+    highs = np.full(columns, -low_bits - 1)
+    bad = np.zeros(columns, np.int64)
+    absolute = 0.0
+    l2 = 0.0
+    zeros = 0
+    nans = 0
+    infs = 0
+    smallest = low_bits
+    spare = counts[:0]
+    for r in range(rows):
+        a = y[r].reshape(-1)
+        k = keys[r].reshape(-1)
+        if _worst(k, low_bits) < infinite:
+            b, sq, row_zeros, small = _columns(
+                a, k, low_bits, shift, sums, squares, positive, lows, highs
+            )
+        else:
+            b, sq, row_zeros, small, row_nans, row_infs = _columns_checked(
+                a, k, low_bits, shift, sums, squares, positive, lows, highs, bad
+            )
+            nans += row_nans
+            infs += row_infs
+        absolute += b
+        l2 += np.sqrt(sq)
+        zeros += row_zeros
+        smallest = min(smallest, small)
+        row_bits = bits[r].reshape(-1)
+        if row_zeros * 8 > columns:
+            if spare.size == 0:
+                spare = np.zeros(counts.size, counts.dtype)
+            _histogram_split(row_bits, counts, spare)
+        else:
+            _histogram(row_bits, counts)
+    for u in range(width):
+        for j in range(u * size, (u + 1) * size):
+            unit_s[u] += sums[j]
+            unit_q[u] += squares[j]
+            units[0, u] += rows - bad[j]
+            units[2, u] += positive[j]
+            extremes[0, u] = min(extremes[0, u], lows[j])
+            extremes[1, u] = max(extremes[1, u], highs[j])
+    return absolute, l2, zeros, nans, infs, smallest, spare
+
+
+@numba.njit(nogil=True, cache=True)
+def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, units, extremes):
+    """Fold y (rows, units, size) into one partial result, over finite values only.
+
+    moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
+    tallies = (finite, zeros, NaN, Inf) counts and the smallest finite magnitude (the bits of
+    |v|; `low_bits` when none); per unit, `units` (3, units) float64 holds the
+    finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
+    the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
+    (its first finite one in row 0, else 0), and the units merged with Chan's formula at the end,
+    so 1000 +- 0.01 keeps its variance. `bits` are the float32 bit patterns of y (y itself when
+    float32), whose top 16 bits index `counts` for every value including NaN and Inf; `keys` is y
+    viewed as signed integers of its own width, `low_bits` that width's largest value and
+    `infinite` the key of +Inf."""
+    rows, width, size = y.shape
+    shifts = np.zeros(width)
+    unit_s = np.zeros(width)
+    unit_q = np.zeros(width)
+    for u in range(width):
+        for i in range(size):  # the unit's first finite value in row 0, else 0
+            if np.isfinite(y[0, u, i]):
+                shifts[u] = y[0, u, i]
+                break
+        units[0, u] = 0.0
+        units[2, u] = 0.0
+        extremes[0, u] = low_bits
+        extremes[1, u] = -low_bits - 1
+    given = (y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q, units, extremes)
+    if size < NARROW and width * size <= COLUMNS_MAX:
+        absolute, l2, zeros, nans, infs, smallest, spare = _by_column(*given)
+    else:
+        absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*given)
     for i in range(spare.size):
         counts[i] += spare[i]
     n = 0.0

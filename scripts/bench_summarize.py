@@ -2,9 +2,10 @@
 raw h5py chunked read of the same file, measured side by side.
 
     python scripts/bench_summarize.py --gb 2 [--dir /tmp/bench_summarize] [--keep]
+    python scripts/bench_summarize.py --gb 1 --shapes 4096,4096,1000    # linear layers' outputs
 
-Writes a complete probe.h5 of about GB gigabytes (conv-like float32 datasets, post-ReLU values,
-chunked as the writer chunks them), then in two child processes: a raw read of every dataset in
+Writes a complete probe.h5 of about GB gigabytes (by default conv-like float32 datasets; per-sample
+shapes from --shapes; post-ReLU values, chunked as the writer chunks them), then in two child processes: a raw read of every dataset in
 chunk-aligned slabs, and `probe.summarize` on the run directory. Targets: summarize peak RSS under
 500 MB, throughput within 2x of the raw read.
 """
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = [(64, 56, 56), (128, 28, 28), (256, 14, 14)]  # per-sample shapes of the datasets
+SHAPES = "64x56x56,128x28x28,256x14x14"  # per-sample shapes of the datasets
 
 # The child's own peak RSS (VmHWM): ru_maxrss of children carries over the forking parent's.
 HWM = """
@@ -69,23 +70,23 @@ sys.exit(code)
 )
 
 
-def write_file(path: Path, gigabytes: float) -> int:
+def write_file(path: Path, gigabytes: float, shapes: list[tuple[int, ...]]) -> int:
     import h5py
     import numpy as np
 
     from probe.store import FORMAT_VERSION
 
-    per_sample = sum(int(np.prod(s)) * 4 for s in SHAPES)
+    per_sample = sum(int(np.prod(s)) * 4 for s in shapes)
     rows = max(1, int(gigabytes * 2**30 / per_sample))
     rng = np.random.default_rng(0)
     path.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(path, "w") as f:
         f.attrs.update(format_version=FORMAT_VERSION, store_mode="full", config="{}")
-        for i, shape in enumerate(SHAPES):
+        for i, shape in enumerate(shapes):
             row_bytes = int(np.prod(shape)) * 4
             chunk_rows = max(1, (1 << 20) // row_bytes)
             g = f.create_group(f"layers/layer{i + 1}.conv")
-            g.attrs.update(module_type="Conv2d", order=i)
+            g.attrs.update(module_type="Conv2d" if len(shape) == 3 else "Linear", order=i)
             ds = g.create_dataset(
                 "output", shape=(rows, *shape), dtype="f4", chunks=(chunk_rows, *shape)
             )
@@ -113,16 +114,21 @@ def main() -> int:
     parser.add_argument("--gb", type=float, default=2.0, help="file size in GiB (default 2)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_summarize"))
     parser.add_argument("--keep", action="store_true", help="keep the file afterwards")
+    parser.add_argument(
+        "--shapes", default=SHAPES, help=f"per-sample shapes, comma-separated (default {SHAPES})"
+    )
     args = parser.parse_args()
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     h5 = args.dir / "probe.h5"
     t = time.perf_counter()
-    size = write_file(h5, args.gb)
+    size = write_file(h5, args.gb, shapes)
     print(f"wrote {h5}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
     _, import_rss, _ = child(CHILD_IMPORT, h5)
     raw_s, raw_rss, _ = child(CHILD_RAW, h5)  # warms the page cache for both
     raw_s, raw_rss, _ = child(CHILD_RAW, h5)
     sum_s, sum_rss, code = child(CHILD_SUMMARIZE, args.dir)
     result = {
+        "shapes": args.shapes,
         "file_gib": round(size / 2**30, 3),
         "raw_read_mb_s": round(size / 2**20 / raw_s, 1),
         "summarize_mb_s": round(size / 2**20 / sum_s, 1),

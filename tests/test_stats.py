@@ -41,6 +41,9 @@ def _arrays():
     holes[5, 0, 0, :] = np.nan
     flat = rng.standard_normal((75, 9)).astype(np.float32) * 1e-3 - 5
     wide = np.where(normal < -1, -0.0, normal).astype(np.float64)  # int64 keys, signed zeros
+    # segments of 20 values (and flat's single ones) are reduced by column, these by segment
+    long = rng.standard_normal((75, 2, 40)).astype(np.float32)
+    long[[3, 9, 9], [1, 0, 0], [0, 5, 39]] = [np.nan, np.inf, -np.inf]
     return {
         "narrow": narrow,
         "normal": normal,
@@ -48,6 +51,8 @@ def _arrays():
         "holes": holes,
         "flat": flat,
         "float64": wide,
+        "narrow_long": (1000 + rng.uniform(-0.01, 0.01, (75, 2, 40))).astype(np.float32),
+        "holes_long": long,
     }
 
 
