@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from probe.config import config_dir
+from probe.config import GRAD_SITES, config_dir
 from probe.objective import build_objective
 from probe.run import Plan, plan, run
 from probe.select import select_modules
@@ -75,7 +75,7 @@ class Setup:
             for spec in cfg.probes.values():
                 spec.dtype = dtype
         sels = select_modules(self.model, cfg.probes)
-        needs_grad = any(s.startswith("grad") for sel in sels for s in sel.sites)
+        needs_grad = any(s in GRAD_SITES for sel in sels for s in sel.sites)
         objective = (
             build_objective(cfg.objective, True, cfg.model.num_classes) if needs_grad else None
         )
