@@ -7,6 +7,7 @@ import os
 
 import h5py
 import numpy as np
+import pytest
 
 from probe.mapped import mapped_slabs
 from probe.summarize import slabs, summarize_file
@@ -74,15 +75,16 @@ def test_stored_bytes_that_are_not_a_plain_array_fall_back_to_h5py(tmp_path):
         assert mapped_slabs(sparse, 4, 1 << 20) is not None  # the rows that were written
 
 
-def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path):
+@pytest.mark.parametrize("row", [(4, 6, 6), (50,)], ids=["by_segment", "by_column"])
+def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path, row):
     run = tmp_path / "run"
     run.mkdir()
-    data = np.maximum(np.random.default_rng(1).standard_normal((37, 4, 6, 6)), 0).astype("f4")
+    data = np.maximum(np.random.default_rng(1).standard_normal((37, *row)), 0).astype("f4")
     with h5py.File(run / "probe.h5", "w") as f:
         f.attrs.update(num_samples=37, complete=True)
         g = f.create_group("layers/relu")
         g.attrs["module_type"] = "ReLU"
-        ds = g.create_dataset("output", shape=(40, 4, 6, 6), dtype="f4", chunks=(8, 4, 6, 6))
+        ds = g.create_dataset("output", shape=(40, *row), dtype="f4", chunks=(8, *row))
         ds[:37] = data
         assert mapped_slabs(ds, 37, 1 << 20) is not None
     row = summarize_file(run / "probe.h5").table.iloc[0]
@@ -92,7 +94,7 @@ def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path):
         [37, x.mean(), x.std(), x.min(), x.max(), (x == 0).mean()],
         rtol=1e-9,
     )
-    dead = (data.max(axis=(0, 2, 3)) <= 0).mean()
+    dead = (data.max(axis=(0, *range(2, data.ndim))) <= 0).mean()
     assert row["dead_frac"] == dead
 
 
