@@ -5,8 +5,9 @@ signs, a histogram) and allocates as many temporaries; here each (row, unit) seg
 while it sits in the L1 cache: a vectorised pass for the moments, in float64, and the extremes,
 as integer order keys, then a scalar pass for the histogram (over two arrays when the segment is
 mostly zeros). Extremes beyond +-Inf's keys mean the segment holds NaN or Inf, and only then is
-it read a third time, checking every value. The
-functions release the GIL, so several threads can share a batch. `combine` and `take_spans`
+it read a third time, checking every value. Segments of fewer than NARROW values (a linear
+layer's outputs are segments of one) are reduced a row at a time across their columns instead
+(`_by_column`), and rows of a single value all as one segment. The functions release the GIL, so several threads can share a batch. `combine` and `take_spans`
 merge a batch's parts and copy out its histogram in one call each: in a hook, with the caches
 just emptied by a convolution, each of the dozen numpy calls they replace took tens of us.
 Compiled code is cached on disk after the first call, checked against this file's stamp: the
@@ -390,7 +391,11 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
         extremes[0, u] = low_bits
         extremes[1, u] = -low_bits - 1
     given = (y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q, units, extremes)
-    if size < NARROW and width * size <= COLUMNS_MAX:
+    if width * size == 1:  # one value a row: all rows as one segment, a row's L2 norm its |v|
+        whole = (y.reshape(1, 1, rows), bits.reshape(1, 1, rows), keys.reshape(1, 1, rows))
+        absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*whole, *given[3:])
+        l2 = absolute
+    elif size < NARROW and width * size <= COLUMNS_MAX:
         absolute, l2, zeros, nans, infs, smallest, spare = _by_column(*given)
     else:
         absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*given)

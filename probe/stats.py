@@ -6,8 +6,8 @@ reads files with numpy alone. Mean, std, min, max, abs_mean and rms are over the
 counted apart. std is the population standard deviation (ddof=0).
 
 A batch is viewed as (rows, units, rest): units are axis 1 (channels of a conv output, features of a
-linear one). Each (row, unit) segment's sums are taken about its own first value and the segments
-merged with Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
+linear one). Each unit's sums are taken about one of its own values and the units merged with
+Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
 
 Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
 sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored

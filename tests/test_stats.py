@@ -56,14 +56,12 @@ def _arrays():
     }
 
 
-@pytest.mark.parametrize("name", list(_arrays()))
-def test_streaming_stats_equal_numpy_float64(name):
-    a = _arrays()[name]
-    row = _stream(a).as_row()
+def _numpy_row(a: np.ndarray) -> dict:
+    """The table's scalar statistics of `a` in numpy float64."""
     finite = np.isfinite(a)
     f = a[finite].astype(np.float64)
     clean = np.where(finite, a, 0).astype(np.float64).reshape(len(a), -1)
-    expected = {
+    return {
         "rows": len(a),
         "n": f.size,
         "mean": f.mean(),
@@ -77,7 +75,13 @@ def test_streaming_stats_equal_numpy_float64(name):
         "inf_count": np.isinf(a).sum(),
         "l2_mean": np.linalg.norm(clean, axis=1).mean(),
     }
-    for key, value in expected.items():
+
+
+@pytest.mark.parametrize("name", list(_arrays()))
+def test_streaming_stats_equal_numpy_float64(name):
+    a = _arrays()[name]
+    row = _stream(a).as_row()
+    for key, value in _numpy_row(a).items():
         np.testing.assert_allclose(row[key], value, rtol=2e-7, atol=0, err_msg=key)
     if name == "narrow":  # naive float32 E[x^2]-E[x]^2 collapses here
         a32 = torch.from_numpy(a)
@@ -98,6 +102,25 @@ def test_per_unit_stats_equal_numpy(name):
     np.testing.assert_array_equal(units.min, np.where(finite, a, np.inf).min(axis=axes))
     np.testing.assert_array_equal(units.max, np.where(finite, a, -np.inf).max(axis=axes))
     np.testing.assert_array_equal(units.positive, (np.where(finite, a, 0) > 0).sum(axis=axes))
+
+
+@pytest.mark.parametrize("shape", [(75,), (75, 1)])
+def test_one_value_per_row_equals_numpy(shape):
+    """Rows of one value are reduced as one segment; each row's L2 norm is its |v|."""
+    a = np.random.default_rng(3).standard_normal(75).astype(np.float32) * 3 + 1000
+    a[[4, 40, 41]] = [np.nan, np.inf, -np.inf]
+    a = a.reshape(shape)
+    s = _stream(a)
+    row = s.as_row()
+    for key, value in _numpy_row(a).items():
+        np.testing.assert_allclose(row[key], value, rtol=2e-7, atol=0, err_msg=key)
+    if len(shape) == 2:
+        finite = a[np.isfinite(a)]
+        assert (s.units.count[0], s.units.min[0], s.units.max[0]) == (
+            72,
+            finite.min(),
+            finite.max(),
+        )
 
 
 @pytest.mark.parametrize("dist", ["lognormal", "signed", "relu", "tiny_and_huge"])
