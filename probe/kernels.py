@@ -7,9 +7,10 @@ as integer order keys, then a scalar pass for the histogram (over two arrays whe
 mostly zeros). Extremes beyond +-Inf's keys mean the segment holds NaN or Inf, and only then is
 it read a third time, checking every value. Segments of fewer than NARROW values (a linear
 layer's outputs are segments of one) are reduced a row at a time across their columns instead
-(`_by_column`), and rows of a single value all as one segment. The functions release the GIL, so several threads can share a batch. `combine` and `take_spans`
-merge a batch's parts and copy out its histogram in one call each: in a hook, with the caches
-just emptied by a convolution, each of the dozen numpy calls they replace took tens of us.
+(`_by_column`), and rows of a single value all as one segment. The functions release the GIL,
+so several threads can share a batch. `combine` and `take_spans` merge a batch's parts and copy
+out its histogram in one call each: in a hook, with the caches just emptied by a convolution,
+each of the dozen numpy calls they replace took tens of us.
 Compiled code is cached on disk after the first call, checked against this file's stamp: the
 callers of these passes (`probe.team`'s entry points) are here too, so a change here never leaves
 a stale copy of a pass compiled into a caller cached elsewhere.
