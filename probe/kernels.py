@@ -7,7 +7,8 @@ as integer order keys, then a scalar pass for the histogram (over two arrays whe
 mostly zeros). Extremes beyond +-Inf's keys mean the segment holds NaN or Inf, and only then is
 it read a third time, checking every value. Segments of fewer than NARROW values (a linear
 layer's outputs are segments of one) are reduced a row at a time across their columns instead
-(`_by_column`), and rows of a single value all as one segment. The functions release the GIL,
+(`_by_column`: a row's piece is read for its largest magnitude, then its moments, then its
+histogram), and rows of a single value all as one segment. The functions release the GIL,
 so several threads can share a batch. `combine` and `take_spans` merge a batch's parts and copy
 out its histogram in one call each: in a hook, with the caches just emptied by a convolution,
 each of the dozen numpy calls they replace took tens of us.
@@ -49,8 +50,12 @@ def _prefetch(typingctx, array, index):
 
 LINE = 16  # values of 4 bytes in a 64-byte cache line
 AHEAD_MIN = 1024  # segments of at least a page ask for the next one; smaller ones need not
-NARROW = 32  # segments shorter than this are reduced column by column (`_by_column`),
-COLUMNS_MAX = 1 << 20  # when a row has at most this many columns (40 bytes of scratch each)
+# Segments shorter than NARROW are reduced column by column (`_by_column`) when a row has at
+# least NARROW_UNITS units and there are at least a quarter as many rows as values in a segment
+# (the columns' scratch is set up and folded once per call); single values always are.
+NARROW = 32
+NARROW_UNITS = 4
+COLUMN_BLOCK = 4096  # columns reduced together: their scratch (52-56 bytes each) stays in L2
 
 
 @numba.njit(nogil=True, cache=True)
@@ -121,13 +126,15 @@ def _same_width(x, like):
 def _moments(a, keys, low_bits, shift):
     """Moments about `shift` of a segment known to hold only finite values (so fast-math rules
     are exact enough: sums may be reassociated, which is what lets them run in SIMD lanes);
-    extremes as order keys, and the smallest magnitude as the bits of |v|. Integer work stays
-    at the keys' width and the counts are floats: lanes of one width vectorise best (20% faster
-    than int64 tallies)."""
+    extremes as order keys, the smallest magnitude as the bits of |v|, and the sum of squares
+    itself (a row's norm from the shifted sums would cancel when its values are far below the
+    shift). Integer work stays at the keys' width and the counts are floats: lanes of one width
+    vectorise best (20% faster than int64 tallies)."""
     sign = same_width(keys.itemsize * 8 - 1, low_bits)
     s = 0.0
     q = 0.0
     b = 0.0
+    sq = 0.0
     lo = same_width(order_key(keys[0], low_bits), low_bits)
     hi = lo
     small = low_bits
@@ -139,6 +146,7 @@ def _moments(a, keys, low_bits, shift):
         s += d
         q += d * d
         b += abs(v)
+        sq += v * v
         x = keys[i]
         magnitude = same_width(x & low_bits, low_bits)
         k = same_width(x ^ (low_bits & (x >> sign)), low_bits)  # order_key without a branch
@@ -147,7 +155,7 @@ def _moments(a, keys, low_bits, shift):
         small = min(small, magnitude)
         zeros += 1.0 if magnitude == 0 else 0.0
         positive += 1.0 if x > 0 else 0.0
-    return s, q, b, lo, hi, small, int(zeros), int(positive)
+    return s, q, b, sq, lo, hi, small, int(zeros), int(positive)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -158,6 +166,7 @@ def _moments_checked(a, keys, low_bits, shift):
     s = 0.0
     q = 0.0
     b = 0.0
+    sq = 0.0
     lo = low_bits  # the key of NaN: above every finite key
     hi = -low_bits - 1
     small = low_bits
@@ -176,13 +185,14 @@ def _moments_checked(a, keys, low_bits, shift):
             s += d
             q += d * d
             b += abs(v)
+            sq += v * v
             zeros += v == 0
             positive += v > 0
             k = order_key(keys[i], low_bits)
             lo = min(lo, k)
             hi = max(hi, k)
             small = min(small, keys[i] & low_bits)
-    return s, q, b, lo, hi, small, zeros, positive, nans, infs
+    return s, q, b, sq, lo, hi, small, zeros, positive, nans, infs
 
 
 @numba.njit(nogil=True, cache=True)
@@ -204,7 +214,7 @@ def _by_segment(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_
             shift = shifts[u]
             seg_nans = 0
             seg_infs = 0
-            s, q, b, lo, hi, small, seg_zeros, positive = _moments(
+            s, q, b, sq, lo, hi, small, seg_zeros, positive = _moments(
                 y[r, u], keys[r, u], low_bits, shift
             )
             split = seg_zeros * 8 > size
@@ -218,23 +228,22 @@ def _by_segment(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_
             else:
                 _histogram(bits[r, u], counts)
             if lo <= -infinite - 1 or hi >= infinite:  # NaN or Inf: again, over finite values
-                s, q, b, lo, hi, small, seg_zeros, positive, seg_nans, seg_infs = _moments_checked(
-                    y[r, u], keys[r, u], low_bits, shift
-                )
+                checked = _moments_checked(y[r, u], keys[r, u], low_bits, shift)
+                s, q, b, sq, lo, hi, small, seg_zeros, positive, seg_nans, seg_infs = checked
             smallest = min(smallest, small)
             k = size - seg_nans - seg_infs
             nans += seg_nans
             infs += seg_infs
             absolute += b
             zeros += seg_zeros
-            row_sq += q + 2.0 * shift * s + k * shift * shift
+            row_sq += sq
             unit_s[u] += s
             unit_q[u] += q
             units[0, u] += k
             units[2, u] += positive
             extremes[0, u] = min(extremes[0, u], lo)
             extremes[1, u] = max(extremes[1, u], hi)
-        l2 += np.sqrt(max(row_sq, 0.0))
+        l2 += np.sqrt(row_sq)
     return absolute, l2, zeros, nans, infs, smallest, spare
 
 
@@ -310,58 +319,104 @@ def _worst(keys, low_bits):
 def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q, units, extremes):
     """`reduce_rows`' loop for narrow segments (a linear layer's single values, a 4x4 map): a
     segment's moments end in a dozen horizontal sums, which cost more than a few values. Here
-    each row is one pass across its columns (unit, position), whose sums, counts and extremes
-    accumulate in arrays, folded into the units at the end; sums about a unit's shift add up.
-    Returns what `_by_segment` does."""
+    the columns (unit, position) of every row are reduced in blocks of COLUMN_BLOCK: each
+    block's piece of a row is one pass across its columns, whose sums, counts and extremes
+    accumulate in arrays over all rows, then fold into the units (sums about a unit's shift add
+    up). Returns what `_by_segment` does."""
     rows, width, size = y.shape
     columns = width * size
-    shift = np.repeat(shifts, size)
-    sums = np.zeros(columns)
-    squares = np.zeros(columns)
-    positive = np.zeros(columns)
-    lows = np.full(columns, low_bits)
-    highs = np.full(columns, -low_bits - 1)
-    bad = np.zeros(columns, np.int64)
+    span = min(columns, COLUMN_BLOCK)
+    shift = np.empty(span)
+    sums = np.empty(span)
+    squares = np.empty(span)
+    positive = np.empty(span)
+    lows = np.empty(span, keys.dtype)
+    highs = np.empty(span, keys.dtype)
+    bad = np.empty(span, np.int64)
+    row_sq = np.zeros(rows)
     absolute = 0.0
-    l2 = 0.0
     zeros = 0
     nans = 0
     infs = 0
     smallest = low_bits
     spare = counts[:0]
-    for r in range(rows):
-        a = y[r].reshape(-1)
-        k = keys[r].reshape(-1)
-        if _worst(k, low_bits) < infinite:
-            b, sq, row_zeros, small = _columns(
-                a, k, low_bits, shift, sums, squares, positive, lows, highs
-            )
-        else:
-            b, sq, row_zeros, small, row_nans, row_infs = _columns_checked(
-                a, k, low_bits, shift, sums, squares, positive, lows, highs, bad
-            )
-            nans += row_nans
-            infs += row_infs
-        absolute += b
-        l2 += np.sqrt(sq)
-        zeros += row_zeros
-        smallest = min(smallest, small)
-        row_bits = bits[r].reshape(-1)
-        if row_zeros * 8 > columns:
-            if spare.size == 0:
-                spare = np.zeros(counts.size, counts.dtype)
-            _histogram_split(row_bits, counts, spare)
-        else:
-            _histogram(row_bits, counts)
-    for u in range(width):
-        for j in range(u * size, (u + 1) * size):
+    for c0 in range(0, columns, span):
+        c1 = min(columns, c0 + span)
+        n = c1 - c0
+        first = c0 // size  # the unit of column c0, and its position
+        u, i = first, c0 - first * size
+        for j in range(n):
+            shift[j] = shifts[u]
+            sums[j] = 0.0
+            squares[j] = 0.0
+            positive[j] = 0.0
+            lows[j] = low_bits
+            highs[j] = same_width(-low_bits - 1, low_bits)
+            bad[j] = 0
+            i += 1
+            if i == size:
+                u, i = u + 1, 0
+        for r in range(rows):
+            a = y[r].reshape(-1)[c0:c1]
+            k = keys[r].reshape(-1)[c0:c1]
+            if _worst(k, low_bits) < infinite:
+                b, sq, piece_zeros, small = _columns(
+                    a, k, low_bits, shift[:n], sums, squares, positive, lows, highs
+                )
+            else:
+                b, sq, piece_zeros, small, piece_nans, piece_infs = _columns_checked(
+                    a, k, low_bits, shift[:n], sums, squares, positive, lows, highs, bad
+                )
+                nans += piece_nans
+                infs += piece_infs
+            absolute += b
+            row_sq[r] += sq
+            zeros += piece_zeros
+            smallest = min(smallest, small)
+            piece = bits[r].reshape(-1)[c0:c1]
+            if piece_zeros * 8 > n:
+                if spare.size == 0:
+                    spare = np.zeros(counts.size, counts.dtype)
+                _histogram_split(piece, counts, spare)
+            else:
+                _histogram(piece, counts)
+        u, i = first, c0 - first * size
+        for j in range(n):
             unit_s[u] += sums[j]
             unit_q[u] += squares[j]
             units[0, u] += rows - bad[j]
             units[2, u] += positive[j]
             extremes[0, u] = min(extremes[0, u], lows[j])
             extremes[1, u] = max(extremes[1, u], highs[j])
+            i += 1
+            if i == size:
+                u, i = u + 1, 0
+    l2 = 0.0
+    for r in range(rows):
+        l2 += np.sqrt(row_sq[r])
     return absolute, l2, zeros, nans, infs, smallest, spare
+
+
+@numba.njit(nogil=True, cache=True)
+def first_finite(y):
+    """Each unit's first finite value (row by row), else 0: the shift its sums are taken about."""
+    rows, width, size = y.shape
+    shifts = np.zeros(width)
+    found = np.zeros(width, np.bool_)
+    left = width
+    for r in range(rows):
+        for u in range(width):
+            if found[u]:
+                continue
+            for i in range(size):
+                if np.isfinite(y[r, u, i]):
+                    shifts[u] = y[r, u, i]
+                    found[u] = True
+                    left -= 1
+                    break
+        if left == 0:
+            break
+    return shifts
 
 
 @numba.njit(nogil=True, cache=True)
@@ -373,20 +428,16 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
     |v|; `low_bits` when none); per unit, `units` (3, units) float64 holds the
     finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
     the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
-    (its first finite one in row 0, else 0), and the units merged with Chan's formula at the end,
+    (its first finite one, else 0), and the units merged with Chan's formula at the end,
     so 1000 +- 0.01 keeps its variance. `bits` are the float32 bit patterns of y (y itself when
     float32), whose top 16 bits index `counts` for every value including NaN and Inf; `keys` is y
     viewed as signed integers of its own width, `low_bits` that width's largest value and
     `infinite` the key of +Inf."""
     rows, width, size = y.shape
-    shifts = np.zeros(width)
+    shifts = first_finite(y)
     unit_s = np.zeros(width)
     unit_q = np.zeros(width)
     for u in range(width):
-        for i in range(size):  # the unit's first finite value in row 0, else 0
-            if np.isfinite(y[0, u, i]):
-                shifts[u] = y[0, u, i]
-                break
         units[0, u] = 0.0
         units[2, u] = 0.0
         extremes[0, u] = low_bits
@@ -396,7 +447,7 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
         whole = (y.reshape(1, 1, rows), bits.reshape(1, 1, rows), keys.reshape(1, 1, rows))
         absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*whole, *given[3:])
         l2 = absolute
-    elif size < NARROW and width * size <= COLUMNS_MAX:
+    elif size == 1 or (size < NARROW and width >= NARROW_UNITS and 4 * rows >= size):
         absolute, l2, zeros, nans, infs, smallest, spare = _by_column(*given)
     else:
         absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*given)

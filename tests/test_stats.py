@@ -228,6 +228,31 @@ def test_a_unit_that_starts_with_nan_keeps_its_variance():
     np.testing.assert_allclose(row["mean"], finite.mean(), rtol=1e-15)
 
 
+@pytest.mark.parametrize("shape", [(64,), (64, 8), (64, 8, 4), (64, 8, 40)])
+def test_a_unit_whose_first_row_is_nan_keeps_its_variance(shape):
+    """Sums are taken about a unit's first finite value, in whichever row it is."""
+    rng = np.random.default_rng(4)
+    a = 1e4 + rng.uniform(-0.01, 0.01, shape)
+    a[0] = np.nan
+    s = RunningStats()
+    s.update(a)  # one batch, whose row 0 gives no unit a value
+    finite = a[np.isfinite(a)]
+    np.testing.assert_allclose(s.as_row()["std"], finite.std(), rtol=1e-9)
+
+
+@pytest.mark.parametrize("size", [31, 32, 3136])
+def test_row_norms_beside_a_huge_first_row(size):
+    """A row's norm is its own sum of squares, not one rebuilt from sums about the unit's
+    shift (1e8 here), which cancels."""
+    a = np.random.default_rng(5).uniform(0.5, 1.5, (4, 2, size)).astype(np.float32)
+    a[0] = 1e8
+    s = RunningStats()
+    s.update(torch.from_numpy(a))  # one batch (split in two by rows at most): row 1 with row 0
+    norms = np.linalg.norm(a.astype(np.float64).reshape(4, -1), axis=1)
+    # the small rows' norms are 1e-8 of the total: an error of one in them shows at 1e-12
+    np.testing.assert_allclose(s.as_row()["l2_mean"], norms.mean(), rtol=1e-12)
+
+
 def test_float64_beyond_float32_range_keeps_quantiles_finite():
     s = RunningStats()
     s.update(np.array([[1e39, 1e39, 1e39], [2.0, 3.0, 1e39]]))
