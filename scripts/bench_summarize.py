@@ -101,6 +101,19 @@ def write_file(path: Path, gigabytes: float, shapes: list[tuple[int, ...]]) -> i
     return path.stat().st_size
 
 
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """'64x56x56,4096' -> [(64, 56, 56), (4096,)]."""
+    try:
+        shapes = [tuple(int(n) for n in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(n < 1 for s in shapes for n in s):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of per-sample shapes; write them like 64x56x56,4096"
+        )
+    return shapes
+
+
 def child(code: str, arg: Path) -> tuple[float, float, int]:
     """(seconds of work, peak RSS in MB, exit code) of a child process."""
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
@@ -117,13 +130,15 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_summarize"))
     parser.add_argument("--keep", action="store_true", help="keep the file afterwards")
     parser.add_argument(
-        "--shapes", default=SHAPES, help=f"per-sample shapes, comma-separated (default {SHAPES})"
+        "--shapes",
+        type=parse_shapes,
+        default=SHAPES,
+        help=f"per-sample shapes, comma-separated (default {SHAPES})",
     )
     args = parser.parse_args()
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     h5 = args.dir / "probe.h5"
     t = time.perf_counter()
-    size = write_file(h5, args.gb, shapes)
+    size = write_file(h5, args.gb, args.shapes)
     print(f"wrote {h5}: {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
     _, import_rss, _ = child(CHILD_IMPORT, h5)
     raw_s, raw_rss, _ = child(CHILD_RAW, h5)  # warms the page cache for both
@@ -132,7 +147,7 @@ def main() -> int:
     first_s, _, _ = child(CHILD_SUMMARIZE, args.dir)
     sum_s, sum_rss, code = child(CHILD_SUMMARIZE, args.dir)
     result = {
-        "shapes": args.shapes,
+        "shapes": ",".join("x".join(map(str, s)) for s in args.shapes),
         "file_gib": round(size / 2**30, 3),
         "raw_read_mb_s": round(size / 2**20 / raw_s, 1),
         "summarize_mb_s": round(size / 2**20 / sum_s, 1),
