@@ -12,7 +12,7 @@ histogram), and rows of a single value all as one segment. The functions release
 so several threads can share a batch. `combine` and `take_spans` merge a batch's parts and copy
 out its histogram in one call each: in a hook, with the caches just emptied by a convolution,
 each of the dozen numpy calls they replace took tens of us.
-Compiled code is cached on disk after the first call, checked against this file's stamp: the
+Compiled code is cached on disk after the first call, checked against this file's contents: the
 callers of these passes (`probe.team`'s entry points) are here too, so a change here never leaves
 a stale copy of a pass compiled into a caller cached elsewhere.
 """

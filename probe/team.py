@@ -7,7 +7,7 @@ measured no faster than none). Here the pass is handed to torch's team through i
 runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtimes), so the split
 runs on exactly the workers that were idle. The work function is a numba `cfunc` (no GIL, no
 Python objects) that reads the arrays' addresses from a table of int64s (`probe.kernels`: every
-compiled function lives there, since numba's disk cache is checked against the stamp of the file
+compiled function lives there, since numba's disk cache is checked against the contents of the file
 a function is defined in, not of the files its callees are).
 
 Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
