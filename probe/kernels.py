@@ -9,9 +9,10 @@ it read a third time, checking every value. Segments of fewer than NARROW values
 layer's outputs are segments of one) are reduced a row at a time across their columns instead
 (`_by_column`: a row's piece is read for its largest magnitude, then its moments, then its
 histogram), and rows of a single value all as one segment. The functions release the GIL,
-so several threads can share a batch. `combine` and `take_spans` merge a batch's parts and copy
-out its histogram in one call each: in a hook, with the caches just emptied by a convolution,
-each of the dozen numpy calls they replace took tens of us.
+so several threads can share a batch. `finish` merges a batch's parts (`combine`) and copies out
+its histogram (`take_spans`), and `team_batch` does a whole batch on torch's threads, in one call
+each: in a hook, with the caches just emptied by a convolution, each of the dozen Python-level
+steps they replace took tens of us.
 Compiled code is cached on disk after the first call, checked against this file's contents: the
 callers of these passes (`probe.team`'s entry points) are here too, so a change here never leaves
 a stale copy of a pass compiled into a caller cached elsewhere.
@@ -570,14 +571,23 @@ def bucket_ranges(lo, hi, smallest=0.0):
 @numba.njit(nogil=True, cache=True)
 def take_spans(lanes, lo, hi, smallest):
     """The lanes' summed counts over the buckets of finite values in [lo, hi] with magnitudes
-    from `smallest` up, as (first bucket, int64 counts) per sign, leaving the lanes zero there."""
-    spans = [(np.int64(0), np.zeros(0, np.int64))][:0]
-    for start, stop in bucket_ranges(lo, hi, smallest):
-        counts = np.zeros(stop - start, np.int64)
+    from `smallest` up, leaving the lanes zero there: (first bucket, length) per sign in `heads`
+    (k, 2), their int64 counts one after another in `counts`."""
+    ranges = bucket_ranges(lo, hi, smallest)
+    heads = np.empty((len(ranges), 2), np.int64)
+    total = 0
+    for j, (start, stop) in enumerate(ranges):
+        heads[j, 0] = start
+        heads[j, 1] = stop - start
+        total += stop - start
+    counts = np.zeros(total, np.int64)
+    offset = 0
+    for j in range(heads.shape[0]):
+        piece = counts[offset : offset + heads[j, 1]]
         for lane in lanes:
-            drain(lane, start, counts)
-        spans.append((start, counts))
-    return spans
+            drain(lane, heads[j, 0], piece)
+        offset += heads[j, 1]
+    return heads, counts
 
 
 @numba.njit(nogil=True, cache=True)
@@ -678,3 +688,63 @@ def team_table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extr
         table[d + 5] = units[p].ctypes.data
         table[d + 6] = extremes[p].ctypes.data
     return table
+
+
+@intrinsic
+def _call_parallel(typingctx, parallel, work, data, threads):
+    """parallel(work, data, threads, 0) for the int64 address `parallel` of GOMP_parallel."""
+
+    def codegen(context, builder, signature, args):
+        byte = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        kind = ir.FunctionType(ir.VoidType(), [byte, byte, i32, i32])
+        fn = builder.inttoptr(args[0], kind.as_pointer())
+        work_ptr, data_ptr = (builder.inttoptr(a, byte) for a in args[1:3])
+        builder.call(fn, [work_ptr, data_ptr, builder.trunc(args[3], i32), ir.Constant(i32, 0)])
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def finish(moments, tallies, units, extremes, low_bits, keys, values, lanes, spans):
+    """A batch's result from its parts' `reduce_rows`: `combine`'s, then (with `spans`) the
+    counts its finite values left in the lanes (`take_spans`; else none). The buckets of NaN and
+    Inf are cleared first when there were any (or the values are float64, whose values beyond
+    float32's range count there): they never hold a finite value."""
+    scalars, count, sums, lows, highs, positive = combine(
+        moments, tallies, units, extremes, low_bits, keys, values
+    )
+    if scalars[7] > 0 or scalars[8] > 0 or values.itemsize == 8:
+        for lane in lanes:
+            lane[0x7F80:0x8000] = 0
+            lane[0xFF80:] = 0
+    if spans and scalars[0] > 0:
+        heads, counts = take_spans(lanes, scalars[3], scalars[4], scalars[10])
+    else:
+        heads, counts = np.empty((0, 2), np.int64), np.empty(0, np.int64)
+    return scalars, count, sums, lows, highs, positive, heads, counts
+
+
+@numba.njit(nogil=True, cache=True)
+def team_batch(y, lanes, spans, parallel, work):
+    """`finish` of y (rows, units, size; C-contiguous float32) reduced in lanes.shape[0] parts
+    of rows, one per thread of torch's team: `parallel` is the address of its runtime's
+    GOMP_parallel and `work` that of the `_work32`/`_work64` matching the lanes' dtype. One call
+    from Python per batch: after a convolution every Python-level step is slow (its caches
+    are cold), so the hooks' fixed cost is in the number of steps."""
+    parts = lanes.shape[0]
+    rows, width, _ = y.shape
+    cuts = np.empty(parts + 1, np.int64)
+    for p in range(parts + 1):
+        cuts[p] = rows * p // parts
+    low_bits = np.int32(0x7FFFFFFF)
+    infinite = np.int32(0x7F800000)  # +Inf's key
+    moments = np.empty((parts, 4))
+    tallies = np.empty((parts, 5), np.int64)
+    units = np.empty((parts, 3, width))
+    extremes = np.empty((parts, 2, width), np.int64)
+    table = team_table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extremes)
+    _call_parallel(parallel, work, table.ctypes.data, parts)
+    keys = y.view(np.int32)
+    return finish(moments, tallies, units, extremes, low_bits, keys, y, lanes, spans)

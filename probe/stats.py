@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from probe import team
-from probe.kernels import combine, reduce_rows, take_spans
+from probe.kernels import WORK, finish, reduce_rows, team_batch
 from probe.parallel import threads
 
 QUANTILE_REL_ERROR = 2.0**-8
@@ -60,8 +60,6 @@ INFINITE = {
     np.dtype(np.int32): np.float32(np.inf).view(np.int32),
     np.dtype(np.int64): np.float64(np.inf).view(np.int64),
 }
-# Buckets of exponent 255 (NaN and Inf of either sign), which never hold a finite value.
-NONFINITE_BUCKETS = np.concatenate([np.arange(0x7F80, 0x8000), np.arange(0xFF80, 0x10000)])
 
 
 class LogHistogram:
@@ -70,21 +68,25 @@ class LogHistogram:
     BINS = 1 << 16
 
     def __init__(self, counts: np.ndarray | None = None):
-        self._counts = counts if counts is not None else np.zeros(self.BINS, dtype=np.int64)
-        self._lanes: list[np.ndarray] = []  # counts of helper threads, folded in when read
+        counts = counts if counts is not None else np.zeros(self.BINS, dtype=np.int64)
+        self._rows = counts[None]  # its own counts, then lanes that other threads count into
 
     @property
     def counts(self) -> np.ndarray:
-        while self._lanes:
-            np.add(self._counts, self._lanes.pop(), out=self._counts)
-        return self._counts
+        rows = self._rows
+        for lane in rows[1:] if len(rows) > 1 else ():
+            np.add(rows[0], lane, out=rows[0])
+            lane[:] = 0
+        return rows[0]
 
-    def lanes(self, n: int) -> list[np.ndarray]:
-        """n arrays to count into, one per thread: this histogram's own, then helpers' lanes
-        (kept across batches, so a parallel batch allocates and adds nothing)."""
-        while len(self._lanes) < n - 1:
-            self._lanes.append(np.zeros(self.BINS, dtype=self._counts.dtype))
-        return [self._counts, *self._lanes[: n - 1]]
+    def lanes(self, n: int) -> np.ndarray:
+        """(n, BINS) counts, one row per thread: this histogram's own, then helpers' lanes (kept
+        across batches, so a parallel batch allocates and adds nothing)."""
+        if len(self._rows) < n:
+            rows = np.zeros((n, self.BINS), dtype=self._rows.dtype)
+            rows[: len(self._rows)] = self._rows
+            self._rows = rows
+        return self._rows[:n]
 
     def add_to(self, counts: np.ndarray) -> None:
         np.add(counts, self.counts, out=counts)
@@ -127,12 +129,15 @@ class BucketSpans:
     per sign, from its min and max): up to the bucket of the largest magnitude instead of all
     65536 (a batch in [-5, 5] copies 33K buckets, one in [1, 2] 129)."""
 
-    def __init__(self, spans: list[tuple[int, np.ndarray]]):
-        self.spans = spans  # (first bucket, int64 counts from it on)
+    def __init__(self, heads: np.ndarray, counts: np.ndarray):
+        self.heads = heads  # (first bucket, length) per range
+        self.spans = counts  # int64 counts of the ranges, one after another
 
     def add_to(self, counts: np.ndarray) -> None:
-        for start, c in self.spans:
-            counts[start : start + len(c)] += c
+        offset = 0
+        for start, length in self.heads.tolist():
+            counts[start : start + length] += self.spans[offset : offset + length]
+            offset += length
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
@@ -355,50 +360,31 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     if a.size == 0:
         return RunningStats(rows=rows, hist=None)
     y = a.reshape(rows, a.shape[1] if has_units else 1, -1)
-    with np.errstate(over="ignore"):  # float64 beyond float32's range: an Inf bucket, cleared below
-        bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
-    keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
-    low_bits = LOW_BITS[keys.dtype]
-    infinite = INFINITE[keys.dtype]
     own = hist is None
     if own:
         hist = _scratch.hist if y.size < 1 << 31 else LogHistogram()
     parts, on_team = _split(y)
-    cuts = [rows * i // parts for i in range(parts + 1)]
-    units = y.shape[1]
-    outs = (
-        np.empty((parts, 4)),
-        np.empty((parts, 5), np.int64),
-        np.empty((parts, 3, units)),
-        np.empty((parts, 2, units), np.int64),
-    )
     lanes = hist.lanes(parts)
     try:
         if on_team:
-            team.reduce(y, low_bits, infinite, cuts, lanes, outs)
+            result = team_batch(y, lanes, own, team.parallel(), WORK[lanes.dtype].address)
         else:
-            pieces = enumerate(zip(cuts[:-1], cuts[1:], lanes, strict=True))
-            threads.run(
-                reduce_rows,
-                [
-                    (y[i:j], bits[i:j], keys[i:j], low_bits, infinite, lane, *(o[p] for o in outs))
-                    for p, (i, j, lane) in pieces
-                ],
-            )
-        s, smallest = _batch(rows, outs, low_bits, keys, y, has_units)
-        if s.nan_count or s.inf_count or y.dtype == np.float64:
-            for lane in lanes:  # never a finite value there (nor a float64 beyond float32's range)
-                lane[NONFINITE_BUCKETS] = 0
-        if own:
-            spans = take_spans(tuple(lanes), s.min, s.max, smallest) if s.n else []
-            s.hist = BucketSpans(spans)
+            result = _by_threads(y, lanes, parts, own)
     except BaseException:  # e.g. a second Ctrl-C: the scratch must not carry counts to the next
         if own:
-            for lane in lanes:
-                lane[:] = 0
+            lanes[:] = 0
         raise
-    if bounds is not None and has_units:
-        s.units.saturated = saturated_counts(y, bounds)
+    scalars, count, sums, lows, highs, positive, heads, counts = result
+    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = scalars.tolist()
+    s = RunningStats(
+        rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
+    )
+    if own:
+        s.hist = BucketSpans(heads, counts)
+    if has_units:
+        s.units = UnitStats(count, sums, lows, highs, positive)
+        if bounds is not None:
+            s.units.saturated = saturated_counts(y, bounds)
     return s
 
 
@@ -412,17 +398,28 @@ def _split(y: np.ndarray) -> tuple[int, bool]:
     return (min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1), False
 
 
-def _batch(rows: int, outs, low_bits, keys: np.ndarray, y: np.ndarray, has_units: bool):
-    """RunningStats of one batch from its parts' `reduce_rows` results (`combine`), and the
-    smallest magnitude among its finite values."""
-    scalars, count, sums, lows, highs, positive = combine(*outs, low_bits, keys, y)
-    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, smallest = scalars.tolist()
-    s = RunningStats(
-        rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
+def _by_threads(y: np.ndarray, lanes: np.ndarray, parts: int, spans: bool) -> tuple:
+    """`kernels.finish` of y reduced in `parts` parts of rows on `threads`."""
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: an Inf bucket, cleared
+        bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
+    keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
+    low_bits, infinite = LOW_BITS[keys.dtype], INFINITE[keys.dtype]
+    rows, units = y.shape[:2]
+    outs = (
+        np.empty((parts, 4)),
+        np.empty((parts, 5), np.int64),
+        np.empty((parts, 3, units)),
+        np.empty((parts, 2, units), np.int64),
     )
-    if has_units:
-        s.units = UnitStats(count, sums, lows, highs, positive)
-    return s, smallest
+    cuts = [rows * i // parts for i in range(parts + 1)]
+    threads.run(
+        reduce_rows,
+        [
+            (y[i:j], bits[i:j], keys[i:j], low_bits, infinite, lanes[p], *(o[p] for o in outs))
+            for p, (i, j) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))
+        ],
+    )
+    return finish(*outs, low_bits, keys, y, lanes, spans)
 
 
 def saturated_counts(y: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:

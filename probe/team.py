@@ -5,8 +5,9 @@ operations; torch's OpenMP workers wait meanwhile, spinning on their cores for a
 sleep. Threads of our own would compete with them for those cores (on 2 cores a helper thread
 measured no faster than none). Here the pass is handed to torch's team through its OpenMP
 runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtimes), so the split
-runs on exactly the workers that were idle. The work function is a numba `cfunc` (no GIL, no
-Python objects) that reads the arrays' addresses from a table of int64s (`probe.kernels`: every
+runs on exactly the workers that were idle. Compiled code calls it at the address found here
+(`kernels.team_batch`, one call from Python per batch) with a numba `cfunc` (no GIL, no Python
+objects) that reads the arrays' addresses from a table of int64s (`probe.kernels`: every
 compiled function lives there, since numba's disk cache is checked against the contents of the file
 a function is defined in, not of the files its callees are).
 
@@ -22,10 +23,6 @@ import glob
 import os
 import sys
 import threading
-
-import numpy as np
-
-from probe.kernels import WORK, team_table
 
 
 def _runtime() -> ctypes.CDLL | None:
@@ -57,9 +54,8 @@ def _find(torch) -> ctypes.CDLL | None:
         except (OSError, AttributeError):  # not loaded (or no RTLD_NOLOAD: not Linux)
             continue
         if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
-            lib.GOMP_parallel.restype = None
-            lib.GOMP_parallel.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_uint] * 2
             lib.omp_get_max_threads.restype = ctypes.c_int
+            _address[os.getpid()] = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
             return lib
     return None
 
@@ -88,13 +84,10 @@ def size() -> int:
     return lib.omp_get_max_threads() if lib is not None else 0
 
 
-def reduce(y: np.ndarray, low_bits, infinite, cuts: list[int], lanes, outs) -> None:
-    """`reduce_rows` over y[cuts[p]:cuts[p+1]] into lanes[p] and part p of each of `outs`
-    (moments, tallies, units, extremes stacked on axis 0), one part per thread of torch's team.
-    y is C-contiguous float32; every array of `outs` and every lane is C-contiguous."""
-    if y.dtype != np.float32 or not y.flags.c_contiguous:
-        raise ValueError(f"team.reduce takes C-contiguous float32 values, not {y.dtype}")
-    if any(lane.shape != (1 << 16,) or not lane.flags.c_contiguous for lane in lanes):
-        raise ValueError("team.reduce counts into C-contiguous lanes of 65536 buckets")
-    table = team_table(y, low_bits, infinite, np.asarray(cuts, np.int64), tuple(lanes), *outs)
-    _runtime().GOMP_parallel(WORK[lanes[0].dtype].address, table.ctypes.data, len(cuts) - 1, 0)
+def parallel() -> int:
+    """The address of the runtime's GOMP_parallel, which `kernels.team_batch` calls; only where
+    `size()` is above 0."""
+    return _address[os.getpid()]
+
+
+_address: dict[int, int] = {}  # GOMP_parallel's address, by process
