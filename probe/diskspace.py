@@ -67,12 +67,15 @@ def bytes_needed(writer, record) -> int:
 def chunking(writer, name: str) -> int | None:
     """Rows per chunk of an existing dataset, which keeps the chunking it was created with; read
     from the writer's open targets (asking HDF5 for each dataset every batch held the GIL for
-    milliseconds), else from the file (a resumed run's first batch)."""
+    milliseconds), else from the file once per name (a resumed run's datasets; a stats-only run
+    appends its model outputs only at a flush, until which they are in neither)."""
     target = writer.targets.get(name)
     if target is not None and target.rows:
         return target.rows
-    ds = writer.file.get(name)
-    return ds.chunks[0] if ds is not None and ds.chunks else None
+    if name not in writer.file_chunking:
+        ds = writer.file.get(name)
+        writer.file_chunking[name] = ds.chunks[0] if ds is not None and ds.chunks else None
+    return writer.file_chunking[name]
 
 
 def check_space(writer, record) -> None:

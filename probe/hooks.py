@@ -87,7 +87,7 @@ class BatchCapture:
         """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
         cache and before any later in-place op; when values are not kept it needs no copy, and
         `values` holds an empty tensor that only tells the writer the layout."""
-        observing = self.observe is not None and t.device.type == "cpu"
+        observing = self.observe is not None and t.is_cpu
         copy = self.keep_values or not observing
         value = keep(t, sel, self.size, key, copy, self.pool, self.pooled)
         if observing:
@@ -106,11 +106,14 @@ class Target:
     selection: Selection | None
     edits: dict[str, list] = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.captured = frozenset(self.selection.sites if self.selection is not None else ())
+
     def captures(self, site: str) -> bool:
-        return self.selection is not None and site in self.selection.sites
+        return site in self.captured
 
     def wants(self, *sites: str) -> bool:
-        return any(self.captures(s) or s in self.edits for s in sites)
+        return any(s in self.captured or s in self.edits for s in sites)
 
 
 class Capture:
@@ -214,6 +217,9 @@ class Capture:
                 return None
             call = self.out_calls[t.name]
             self.out_calls[t.name] += 1
+            if isinstance(output, torch.Tensor):  # most modules: no structure to walk
+                new = self._site(t, output, "", call, "output", "grad_output")
+                return None if new is output else new
             new = replace_tensors(
                 output, lambda path, x: self._site(t, x, path, call, "output", "grad_output")
             )
@@ -241,11 +247,12 @@ class Capture:
         edited = x
         for e in t.edits.get(site, []):
             edited = e.apply(edited, batch.start, key)
-        if sel is not None and sel.unedited and edited is not x and t.captures(site):
+        captured = site in t.captured
+        if captured and edited is not x and sel.unedited:
             batch.take((t.name, "unedited_" + key), x, sel)
-        if t.captures(site):
+        if captured:
             batch.take((t.name, key), edited, sel)
-        if not t.wants(grad_site) or not edited.requires_grad:
+        if not edited.requires_grad or not t.wants(grad_site):
             return edited
         if own_use:  # grad_input is this module's own contribution, not every use of the tensor
             edited = edited.clone()
@@ -301,6 +308,8 @@ def keep(
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
     dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
+    if not copy and not reduced and x.dtype == dtype:
+        return x
     if copy and not reduced and x.device.type == "cpu":  # aligned, so it can be written O_DIRECT
         if pool is None:
             return aligned_empty(x.shape, dtype).copy_(x)

@@ -106,8 +106,10 @@ class ProbeWriter:
         self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
+        self.bounds: dict[tuple[str, str], tuple[float, float] | None] = {}  # by dataset
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
+        self.file_chunking: dict[str, int | None] = {}  # rows per chunk in the file, by path
         # per-sample extras (the model's output) a stats-only run writes at its next flush
         self.held: list[tuple[str, np.ndarray, int, int]] = []
         self.held_bytes = 0
@@ -328,7 +330,10 @@ class ProbeWriter:
     def observe(self, key: tuple[str, str], t: torch.Tensor) -> RunningStats:
         """Statistics of one CPU capture of the current batch (main thread). The writer folds
         them in when it writes the batch, so /stats never count rows the file does not hold."""
-        return batch_stats(t, bounds_for(self.module_types.get(key[0], ""), key[1]))
+        bounds = self.bounds.get(key, False)
+        if bounds is False:
+            bounds = self.bounds[key] = bounds_for(self.module_types.get(key[0], ""), key[1])
+        return batch_stats(t, bounds)
 
     def _append(
         self,
