@@ -52,9 +52,11 @@ def _prefetch(typingctx, array, index):
 LINE = 16  # values of 4 bytes in a 64-byte cache line
 AHEAD_MIN = 1024  # segments of at least a page ask for the next one; smaller ones need not
 # Segments shorter than NARROW are reduced column by column (`_by_column`) when a row has at
-# least NARROW_UNITS units and there are at least a quarter as many rows as values in a segment
-# (the columns' scratch is set up and folded once per call); single values always are.
-NARROW = 32
+# least NARROW_UNITS units and there are at least an eighth as many rows as values in a segment
+# (the columns' scratch is set up and folded once per call); single values always are. Measured
+# on one thread: 8 rows of 49 values 1.10 against 1.30 ns per value, 64 rows of 100 0.82 against
+# 0.98; 4 rows of 49 1.40 against 1.30.
+NARROW = 128
 NARROW_UNITS = 4
 COLUMN_BLOCK = 4096  # columns reduced together: their scratch (52-56 bytes each) stays in L2
 
@@ -344,19 +346,18 @@ def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q
     for c0 in range(0, columns, span):
         c1 = min(columns, c0 + span)
         n = c1 - c0
-        first = c0 // size  # the unit of column c0, and its position
-        u, i = first, c0 - first * size
-        for j in range(n):
-            shift[j] = shifts[u]
-            sums[j] = 0.0
-            squares[j] = 0.0
-            positive[j] = 0.0
-            lows[j] = low_bits
-            highs[j] = same_width(-low_bits - 1, low_bits)
-            bad[j] = 0
-            i += 1
-            if i == size:
-                u, i = u + 1, 0
+        first = c0 // size  # the unit of column c0
+        sums[:] = 0.0
+        squares[:] = 0.0
+        positive[:] = 0.0
+        lows[:] = low_bits
+        highs[:] = -low_bits - 1
+        bad[:] = 0
+        u, j = first, 0
+        while j < n:  # each unit's run of columns in the block
+            stop = min(n, (u + 1) * size - c0)
+            shift[j:stop] = shifts[u]
+            u, j = u + 1, stop
         for r in range(rows):
             a = y[r].reshape(-1)[c0:c1]
             k = keys[r].reshape(-1)[c0:c1]
@@ -381,17 +382,29 @@ def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q
                 _histogram_split(piece, counts, spare)
             else:
                 _histogram(piece, counts)
-        u, i = first, c0 - first * size
-        for j in range(n):
-            unit_s[u] += sums[j]
-            unit_q[u] += squares[j]
-            units[0, u] += rows - bad[j]
-            units[2, u] += positive[j]
-            extremes[0, u] = min(extremes[0, u], lows[j])
-            extremes[1, u] = max(extremes[1, u], highs[j])
-            i += 1
-            if i == size:
-                u, i = u + 1, 0
+        u, j = first, 0
+        while j < n:  # folded a unit at a time: one chain of adds per unit, not per column
+            stop = min(n, (u + 1) * size - c0)
+            s = 0.0
+            q = 0.0
+            p = 0.0
+            missing = 0
+            lo = extremes[0, u]
+            hi = extremes[1, u]
+            for c in range(j, stop):
+                s += sums[c]
+                q += squares[c]
+                p += positive[c]
+                missing += bad[c]
+                lo = min(lo, lows[c])
+                hi = max(hi, highs[c])
+            unit_s[u] += s
+            unit_q[u] += q
+            units[0, u] += (stop - j) * rows - missing
+            units[2, u] += p
+            extremes[0, u] = lo
+            extremes[1, u] = hi
+            u, j = u + 1, stop
     l2 = 0.0
     for r in range(rows):
         l2 += np.sqrt(row_sq[r])
@@ -448,7 +461,7 @@ def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, uni
         whole = (y.reshape(1, 1, rows), bits.reshape(1, 1, rows), keys.reshape(1, 1, rows))
         absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*whole, *given[3:])
         l2 = absolute
-    elif size == 1 or (size < NARROW and width >= NARROW_UNITS and 4 * rows >= size):
+    elif size == 1 or (size < NARROW and width >= NARROW_UNITS and 8 * rows >= size):
         absolute, l2, zeros, nans, infs, smallest, spare = _by_column(*given)
     else:
         absolute, l2, zeros, nans, infs, smallest, spare = _by_segment(*given)

@@ -41,7 +41,7 @@ def _arrays():
     holes[5, 0, 0, :] = np.nan
     flat = rng.standard_normal((75, 9)).astype(np.float32) * 1e-3 - 5
     wide = np.where(normal < -1, -0.0, normal).astype(np.float64)  # int64 keys, signed zeros
-    # segments of 20 values in batches of 5 rows or more (and flat's single values) are reduced
+    # segments of 20 values in batches of 3 rows or more (and flat's single values) are reduced
     # by column, the batch of a single row and these segments of 40 by segment
     long = rng.standard_normal((75, 2, 40)).astype(np.float32)
     long[[3, 9, 9], [1, 0, 0], [0, 5, 39]] = [np.nan, np.inf, -np.inf]
