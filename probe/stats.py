@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from probe import team
-from probe.kernels import WORK, finish, reduce_rows, team_batch
+from probe.kernels import WORK, finish, occupied, reduce_rows, team_batch
 from probe.parallel import threads
 
 QUANTILE_REL_ERROR = 2.0**-8
@@ -96,11 +96,8 @@ class LogHistogram:
 
     def ordered(self) -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
-        order = np.concatenate(
-            [np.arange(self.BINS - 1, self.BINS // 2 - 1, -1), np.arange(self.BINS // 2)]
-        )
-        keep = order[self.counts[order] > 0]
-        return bucket_midpoints(keep), self.counts[keep]
+        index, counts = occupied(self.counts, True)
+        return bucket_midpoints(index), counts
 
     def quantiles(self, qs, lo: float, hi: float) -> list[float]:
         """Value of rank floor(q*(n-1)) for each q, within QUANTILE_REL_ERROR of the true one."""
@@ -114,8 +111,8 @@ class LogHistogram:
         return [float(v) for v in np.clip(picked, lo, hi)]
 
     def sparse(self) -> tuple[np.ndarray, np.ndarray]:
-        idx = np.flatnonzero(self.counts)
-        return idx.astype(np.int32), self.counts[idx]
+        index, counts = occupied(self.counts, False)
+        return index.astype(np.int32), counts
 
     @classmethod
     def from_sparse(cls, index: np.ndarray, count: np.ndarray) -> LogHistogram:
@@ -272,7 +269,7 @@ class RunningStats:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """`hist` (2, k): index and count of the non-empty buckets; `units` (UNIT_FIELDS, units)."""
-        out = {"hist": np.stack(self.hist.sparse()).astype(np.int64)}
+        out = {"hist": occupied(self.hist.counts, False)}
         if self.units is not None:
             out["units"] = self.units.packed()
         return out

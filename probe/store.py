@@ -473,13 +473,15 @@ def write_stats(file: h5py.File, datasets) -> None:
     from the file (or a resumed run) keeps the run's row order."""
     group = file.require_group("stats")
     for order, info in enumerate(datasets):
-        g = group.require_group(info.layer).require_group(info.site)
+        path = f"{info.layer}/{info.site}"
+        fresh = path not in group  # (the first flush): nothing to replace, no lookups
+        g = group.create_group(path) if fresh else group[path]
         describe(g, info, order)
         for k, v in info.stats.state().items():
             g.attrs[k] = v
         g.attrs["shape"] = list(info.shape)
         g.attrs["dtype"] = info.dtype
         for name, a in info.stats.arrays().items():
-            if name in g:
+            if not fresh and name in g:
                 del g[name]
             g.create_dataset(name, data=a)
