@@ -160,6 +160,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         observe = writer.observe if device.type == "cpu" else None
         keep_values = cfg.store.mode == "full"
         capture = Capture(selections, edits, shard.samples.start, observe, keep_values)
+        precision, fail_on_nonfinite = cfg.precision, cfg.fail_on_nonfinite  # read once
         with capture, stop:
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
             for index, batch in enumerate(bar, start=writer.num_batches):
@@ -172,12 +173,12 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
                     device,
                     objective,
                     effects,
-                    cfg.precision,
+                    precision,
                 )
                 if index == 0:
                     size_plan.announce(record, batches, selections, cfg.store, shard)
                 writer.put(record)
-                if cfg.fail_on_nonfinite:
+                if fail_on_nonfinite:
                     nonfinite.check_batch(record)
                 if stop.requested is not None:
                     break
