@@ -702,9 +702,9 @@ WORK = {np.dtype(np.int32): _work32, np.dtype(np.int64): _work64}  # by the coun
 
 @numba.njit(nogil=True, cache=True)
 def team_table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extremes):
-    """The table `_parts` reads (HEAD, then PART per part) for `team.reduce`, filled in one
-    compiled call: taking a dozen addresses through numpy's `.ctypes` costs more than a small
-    batch's whole pass."""
+    """The table `_parts` reads (HEAD, then PART per part) for `team_batch`: the arrays'
+    addresses, taken in compiled code (through numpy's `.ctypes` a dozen of them cost more than a
+    small batch's whole pass)."""
     parts = cuts.size - 1
     table = np.empty(H + P * parts, np.int64)
     table[0] = 0
@@ -781,5 +781,9 @@ def team_batch(y, lanes, spans, parallel, work):
     extremes = np.empty((parts, 2, width), np.int64)
     table = team_table(y, low_bits, infinite, cuts, lanes, moments, tallies, units, extremes)
     _call_parallel(parallel, work, table.ctypes.data, parts)
+    # Read after the call: the workers see only the table's address, so numba must not free it
+    # before (it may, after an array's last use); every part must have been claimed.
+    if table[0] < parts:
+        raise RuntimeError("torch's OpenMP team left parts of a batch's statistics undone")
     keys = y.view(np.int32)
     return finish(moments, tallies, units, extremes, low_bits, keys, y, lanes, spans)

@@ -87,6 +87,8 @@ def size() -> int:
 def parallel() -> int:
     """The address of the runtime's GOMP_parallel, which `kernels.team_batch` calls; only where
     `size()` is above 0."""
+    if _runtime() is None:
+        raise RuntimeError("no OpenMP runtime of torch's in this process: check team.size() first")
     return _address[os.getpid()]
 
 

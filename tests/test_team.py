@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -145,3 +147,17 @@ def test_a_forked_child_splits_without_its_parents_thread_pool(monkeypatch):
     x = np.random.default_rng(2).standard_normal((6, 8, 128 * 64)).astype(np.float32)
     assert batch_stats(x).n == x.size  # the parent uses its pool
     assert _in_forked_child(lambda: str(batch_stats(x).n)) == str(x.size)
+
+
+def test_the_team_entry_needs_torchs_runtime():
+    """Without torch's OpenMP runtime in the process there is no address to call: a clear error,
+    not a jump to address 0."""
+    code = (
+        "from probe import team\n"
+        "try:\n"
+        "    team.parallel()\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("refused: no OpenMP runtime"), done.stdout + done.stderr
