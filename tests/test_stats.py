@@ -45,6 +45,10 @@ def _arrays():
     # by column, the batch of a single row and these segments of 40 by segment
     long = rng.standard_normal((75, 2, 40)).astype(np.float32)
     long[[3, 9, 9], [1, 0, 0], [0, 5, 39]] = [np.nan, np.inf, -np.inf]
+    # 100 units of 49 values: 4900 columns, reduced by column in blocks of 4096 (unit 83 lies
+    # across the two) in batches of 7 rows or more
+    across = rng.standard_normal((75, 100, 7, 7)).astype(np.float32)
+    across[[2, 30, 30], [83, 83, 99], [6, 0, 3], [6, 0, 3]] = [np.nan, np.inf, -np.inf]
     return {
         "narrow": narrow,
         "normal": normal,
@@ -54,6 +58,7 @@ def _arrays():
         "float64": wide,
         "narrow_long": (1000 + rng.uniform(-0.01, 0.01, (75, 2, 40))).astype(np.float32),
         "holes_long": long,
+        "across_blocks": across,
     }
 
 
