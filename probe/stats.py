@@ -74,7 +74,7 @@ class LogHistogram:
     @property
     def counts(self) -> np.ndarray:
         rows = self._rows
-        for lane in rows[1:] if len(rows) > 1 else ():
+        for lane in rows[1:]:
             np.add(rows[0], lane, out=rows[0])
             lane[:] = 0
         return rows[0]
