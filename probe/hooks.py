@@ -82,6 +82,7 @@ class BatchCapture:
     observed: dict[tuple[str, str], Any] = field(default_factory=dict)  # key -> its statistics
     pool: AlignedPool | None = None  # where CPU copies come from
     pooled: list[torch.Tensor] = field(default_factory=list)  # to give back once written
+    layouts: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # across batches
 
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
@@ -93,8 +94,16 @@ class BatchCapture:
         if observing:
             self.observed[key] = self.observe(key, value)
         if observing and not self.keep_values:
-            value = value.new_empty((0, *value.shape[1:]))  # the layout, not the activation
+            value = self.layout(key, value)
         self.values[key] = value
+
+    def layout(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
+        """An empty tensor shaped like a row of `value`: the layout, not the activation; the
+        previous batch's when it fits (one torch call fewer per capture)."""
+        held = self.layouts.get(key)
+        if held is None or held.dtype != value.dtype or held.shape[1:] != value.shape[1:]:
+            held = self.layouts[key] = value.new_empty((0, *value.shape[1:]))
+        return held
 
 
 @dataclass
@@ -146,6 +155,7 @@ class Capture:
         self.batch: BatchCapture | None = None
         self.in_calls: Counter[str] = Counter()
         self.out_calls: Counter[str] = Counter()
+        self.layouts: dict[tuple[str, str], torch.Tensor] = {}
 
     def __enter__(self) -> Capture:
         try:
@@ -174,6 +184,7 @@ class Capture:
             observe=self.observe,
             keep_values=self.keep_values,
             pool=self.pool,
+            layouts=self.layouts,
         )
         self.in_calls.clear()
         self.out_calls.clear()
@@ -303,13 +314,14 @@ def keep(
     without stalling the GPU). A CPU copy is page-aligned, taken from `pool` and listed in `lent`
     when they are given."""
     check_batch_axis(t, size, key)
+    reduced = sel.reduce == "spatial_mean" and t.ndim >= 3
+    dtype = DTYPES[sel.dtype] if t.is_floating_point() else t.dtype
+    if not copy and not reduced and t.dtype == dtype:
+        return t if not t.requires_grad else t.detach()  # (no new tensor: a hook's steps cost)
     x = t.detach()
-    reduced = sel.reduce == "spatial_mean" and x.ndim >= 3
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
-    dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype
-    if not copy and not reduced and x.dtype == dtype:
-        return x
+        dtype = DTYPES[sel.dtype]
     if copy and not reduced and x.device.type == "cpu":  # aligned, so it can be written O_DIRECT
         if pool is None:
             return aligned_empty(x.shape, dtype).copy_(x)
