@@ -582,25 +582,27 @@ def bucket_ranges(lo, hi, smallest=0.0):
 
 
 @numba.njit(nogil=True, cache=True)
-def take_spans(lanes, lo, hi, smallest):
-    """The lanes' summed counts over the buckets of finite values in [lo, hi] with magnitudes
-    from `smallest` up, leaving the lanes zero there: (first bucket, length) per sign in `heads`
-    (k, 2), their int64 counts one after another in `counts`."""
+def span_heads(lo, hi, smallest):
+    """(first bucket, length) per sign of the buckets finite values in [lo, hi] with magnitudes
+    from `smallest` up can fall in."""
     ranges = bucket_ranges(lo, hi, smallest)
     heads = np.empty((len(ranges), 2), np.int64)
-    total = 0
     for j, (start, stop) in enumerate(ranges):
         heads[j, 0] = start
         heads[j, 1] = stop - start
-        total += stop - start
-    counts = np.zeros(total, np.int64)
+    return heads
+
+
+@numba.njit(nogil=True, cache=True)
+def take_spans(lanes, heads, out):
+    """The lanes' summed counts over the buckets of `heads`, one span after another into `out`,
+    leaving the lanes zero there."""
     offset = 0
     for j in range(heads.shape[0]):
-        piece = counts[offset : offset + heads[j, 1]]
+        piece = out[offset : offset + heads[j, 1]]
         for lane in lanes:
             drain(lane, heads[j, 0], piece)
         offset += heads[j, 1]
-    return heads, counts
 
 
 @numba.njit(nogil=True, cache=True)
@@ -741,12 +743,18 @@ def _call_parallel(typingctx, parallel, work, data, threads):
     return types.void(types.int64, types.int64, types.int64, types.int64), codegen
 
 
+PACKED_HEAD = 13  # width, spans, then the 11 scalars of `combine`
+
+
 @numba.njit(nogil=True, cache=True)
 def finish(moments, tallies, units, extremes, low_bits, keys, values, lanes, spans):
-    """A batch's result from its parts' `reduce_rows`: `combine`'s, then (with `spans`) the
-    counts its finite values left in the lanes (`take_spans`; else none). The buckets of NaN and
-    Inf are cleared first when there were any (or the values are float64, whose values beyond
-    float32's range count there): they never hold a finite value."""
+    """A batch's result from its parts' `reduce_rows`, packed into one float64 array (after a
+    convolution each array handed back to Python costs microseconds): the units' width w and
+    the number k of histogram spans, `combine`'s 11 scalars, its count, sums, lows, highs and
+    positive (w each), then with `spans` the (first bucket, length) of each span and the counts
+    its finite values left in the lanes (`take_spans`; all exact below 2**53). The buckets of
+    NaN and Inf are cleared first when there were any (or the values are float64, whose values
+    beyond float32's range count there): they never hold a finite value."""
     scalars, count, sums, lows, highs, positive = combine(
         moments, tallies, units, extremes, low_bits, keys, values
     )
@@ -755,21 +763,57 @@ def finish(moments, tallies, units, extremes, low_bits, keys, values, lanes, spa
             lane[0x7F80:0x8000] = 0
             lane[0xFF80:] = 0
     if spans and scalars[0] > 0:
-        heads, counts = take_spans(lanes, scalars[3], scalars[4], scalars[10])
+        heads = span_heads(scalars[3], scalars[4], scalars[10])
     else:
-        heads, counts = np.empty((0, 2), np.int64), np.empty(0, np.int64)
-    return scalars, count, sums, lows, highs, positive, heads, counts
+        heads = np.empty((0, 2), np.int64)
+    width, k = count.size, heads.shape[0]
+    packed = np.zeros(PACKED_HEAD + 5 * width + 2 * k + heads[:, 1].sum())
+    packed[0], packed[1] = width, k
+    packed[2:PACKED_HEAD] = scalars
+    o = PACKED_HEAD
+    packed[o : o + width] = count
+    packed[o + width : o + 2 * width] = sums
+    packed[o + 2 * width : o + 3 * width] = lows
+    packed[o + 3 * width : o + 4 * width] = highs
+    packed[o + 4 * width : o + 5 * width] = positive
+    o += 5 * width
+    packed[o : o + 2 * k] = heads.ravel()
+    take_spans(lanes, heads, packed[o + 2 * k :])
+    return packed
 
 
 @numba.njit(nogil=True, cache=True)
-def team_batch(y, lanes, spans, parallel, work):
-    """`finish` of y (rows, units, size; C-contiguous float32) reduced in lanes.shape[0] parts
-    of rows, one per thread of torch's team: `parallel` is the address of its runtime's
-    GOMP_parallel and `work` that of the `_work32`/`_work64` matching the lanes' dtype. One call
-    from Python per batch: after a convolution every Python-level step is slow (its caches
-    are cold), so the hooks' fixed cost is in the number of steps."""
-    parts = lanes.shape[0]
-    rows, width, _ = y.shape
+def fold_packed(packed, counts, count, sums, lows, highs, positive):
+    """Adds a `finish` result's units and histogram spans into running ones, in place."""
+    width, k = int(packed[0]), int(packed[1])
+    o = PACKED_HEAD
+    for u in range(width):
+        count[u] += np.int64(packed[o + u])
+        sums[u] += packed[o + width + u]
+        lows[u] = np.minimum(lows[u], packed[o + 2 * width + u])
+        highs[u] = np.maximum(highs[u], packed[o + 3 * width + u])
+        positive[u] += np.int64(packed[o + 4 * width + u])
+    o += 5 * width
+    offset = o + 2 * k
+    for j in range(k):
+        start, length = int(packed[o + 2 * j]), int(packed[o + 2 * j + 1])
+        for i in range(length):
+            counts[start + i] += np.int64(packed[offset + i])
+        offset += length
+
+
+@numba.njit(nogil=True, cache=True)
+def team_batch(x, lanes, spans, parallel, work):
+    """`finish` of x (rows, units, ...; C-contiguous float32, not empty) seen as (rows, units,
+    rest) and reduced in parts of rows, one per thread of torch's team (at most one per lane
+    and per row): `parallel` is the address of its runtime's GOMP_parallel and `work` that of
+    the `_work32`/`_work64` matching the lanes' dtype. One call from Python per batch: after a
+    convolution every Python-level step is slow (its caches are cold), so the hooks' fixed cost
+    is in the number of steps."""
+    rows, width = x.shape[0], x.shape[1]
+    y = x.reshape((rows, width, x.size // (rows * width)))
+    parts = min(lanes.shape[0], rows)
+    lanes = lanes[:parts]
     cuts = np.empty(parts + 1, np.int64)
     for p in range(parts + 1):
         cuts[p] = rows * p // parts

@@ -164,6 +164,8 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         with capture, stop:
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
             for index, batch in enumerate(bar, start=writer.num_batches):
+                if observe is not None:
+                    writer.begin_batch()
                 record = run_batch(
                     model,
                     capture,

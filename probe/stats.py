@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from probe import team
-from probe.kernels import WORK, finish, occupied, reduce_rows, team_batch
+from probe.kernels import (
+    PACKED_HEAD,
+    WORK,
+    finish,
+    fold_packed,
+    occupied,
+    reduce_rows,
+    team_batch,
+)
 from probe.parallel import threads
 
 QUANTILE_REL_ERROR = 2.0**-8
@@ -159,6 +167,14 @@ class UnitStats:
     positive: np.ndarray
     saturated: np.ndarray | None = None
 
+    @classmethod
+    def empty(cls, width: int) -> UnitStats:
+        """What merges into anything unchanged."""
+        zeros = np.zeros(width, np.int64)
+        return cls(
+            zeros, np.zeros(width), np.full(width, np.inf), np.full(width, -np.inf), zeros.copy()
+        )
+
     def merge(self, b: UnitStats) -> None:
         if b.count.shape != self.count.shape:
             raise ValueError(f"unit counts differ: {self.count.shape} vs {b.count.shape}")
@@ -212,18 +228,15 @@ class RunningStats:
         """Fold in one batch (axis 0 = rows): a numpy array or a CPU torch tensor."""
         self.merge(batch_stats(x, self.bounds, self.hist))
 
-    def merge(self, b: RunningStats) -> None:
+    def merge(self, b: RunningStats | Pending) -> None:
         """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare."""
-        n = self.n + b.n
-        if b.n:
-            d = b.mean - self.mean
-            self.mean += d * b.n / n
-            self.m2 += b.m2 + d * d * self.n * b.n / n
-            self.min, self.max = min(self.min, b.min), max(self.max, b.max)
-        self.n = n
-        self.rows += b.rows
-        for name in ("abs_sum", "zeros", "nan_count", "inf_count", "l2_sum"):
-            setattr(self, name, getattr(self, name) + getattr(b, name))
+        if type(b) is Pending:
+            self._fold(b)
+            return
+        self._add(
+            b.rows, b.n, b.mean, b.m2, b.min, b.max, b.abs_sum, b.zeros, b.nan_count, b.inf_count,
+            b.l2_sum,
+        )  # fmt: skip
         if b.hist is not None:
             self.hist.merge(b.hist)
         if b.units is not None:
@@ -231,6 +244,34 @@ class RunningStats:
                 self.units = b.units
             else:
                 self.units.merge(b.units)
+
+    def _add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
+        total = self.n + n
+        if n:
+            d = mean - self.mean
+            self.mean += d * n / total
+            self.m2 += m2 + d * d * self.n * n / total
+            self.min, self.max = min(self.min, lo), max(self.max, hi)
+        self.n = total
+        self.rows += rows
+        self.abs_sum += abs_sum
+        self.zeros += zeros
+        self.nan_count += nans
+        self.inf_count += infs
+        self.l2_sum += l2_sum
+
+    def _fold(self, b: Pending) -> None:
+        """Merge b's packed result: the scalars here, its units and histogram spans in one
+        compiled call."""
+        packed = b.packed
+        n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
+        self._add(b.rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2)
+        u, width = self.units, int(packed[0])
+        if u is None:
+            u = self.units = UnitStats.empty(width)
+        elif width != len(u.count):
+            raise ValueError(f"unit counts differ: {u.count.shape} vs ({width},)")
+        fold_packed(packed, self.hist.counts, u.count, u.sum, u.min, u.max, u.positive)
 
     def as_row(self) -> dict:
         n = self.n
@@ -312,16 +353,18 @@ def counts_agree(s: RunningStats, dtype: str) -> bool:
 
 def as_array(x) -> np.ndarray:
     """A C-contiguous numpy view of a CPU tensor or array, as float32 unless it is float32 or
-    float64 (half precision, bfloat16 and integers are widened; none of them loses a value)."""
+    float64 (half precision, bfloat16 and integers are widened; none of them loses a value).
+    Few steps for the common case, a float32 tensor outside autograd: in a hook each costs."""
     if hasattr(x, "detach"):  # a torch tensor (duck-typed: this module does not import torch)
-        x = x.detach()
-        if not x.is_floating_point() or x.element_size() < 4:
-            x = x.float()
-        x = x.numpy()
-    a = np.asarray(x)
-    if a.dtype not in (np.float32, np.float64):
+        try:
+            x = x.numpy()  # refused for tensors needing grad, bfloat16 and other numpy-less kinds
+        except (RuntimeError, TypeError):
+            x = x.detach()
+            x = (x if x.is_floating_point() and x.element_size() >= 4 else x.float()).numpy()
+    a = x if type(x) is np.ndarray else np.asarray(x)
+    if a.dtype.char not in "fd":  # float32 and float64 are kept
         a = a.astype(np.float32)
-    return np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def bounds_for(module_type: str, site: str) -> tuple[float, float] | None:
@@ -360,39 +403,107 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
     own = hist is None
     if own:
         hist = _scratch.hist if y.size < 1 << 31 else LogHistogram()
-    parts, on_team = _split(y)
+    parts, entry = _split(y)
     lanes = hist.lanes(parts)
     try:
-        if on_team:
-            result = team_batch(y, lanes, own, team.parallel(), WORK[lanes.dtype].address)
+        if entry:
+            result = team_batch(y, lanes, own, entry, WORK[lanes.dtype].address)
         else:
             result = _by_threads(y, lanes, parts, own)
     except BaseException:  # e.g. a second Ctrl-C: the scratch must not carry counts to the next
         if own:
             lanes[:] = 0
         raise
-    scalars, count, sums, lows, highs, positive, heads, counts = result
-    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = scalars.tolist()
-    s = RunningStats(
-        rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
-    )
-    if own:
-        s.hist = BucketSpans(heads, counts)
-    if has_units:
-        s.units = UnitStats(count, sums, lows, highs, positive)
-        if bounds is not None:
-            s.units.saturated = saturated_counts(y, bounds)
+    s = _from_result(rows, has_units, result, own)
+    if has_units and bounds is not None:
+        s.units.saturated = saturated_counts(y, bounds)
     return s
 
 
-def _split(y: np.ndarray) -> tuple[int, bool]:
-    """How many parts of rows y is reduced in, and whether on torch's threads (`probe.team`)."""
+def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
+    """RunningStats of a batch from the array `kernels.finish` packed it into."""
+    width, k = int(packed[0]), int(packed[1])
+    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
+    s = RunningStats(
+        rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
+    )
+    o = PACKED_HEAD + 5 * width
+    if spans:
+        heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
+        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
+    if has_units:
+        count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
+        s.units = UnitStats(count.astype(np.int64), sums, lows, highs, positive.astype(np.int64))
+    return s
+
+
+class Pending:
+    """A batch's statistics as the compiled pass packed them, folded straight into running
+    ones by `RunningStats.merge` (no RunningStats of its own to build)."""
+
+    __slots__ = ("rows", "packed")
+
+    def __init__(self, rows: int, packed: np.ndarray):
+        self.rows, self.packed = rows, packed
+
+    @property
+    def nan_count(self) -> int:
+        return int(self.packed[9])
+
+    @property
+    def inf_count(self) -> int:
+        return int(self.packed[10])
+
+
+class HookStats:
+    """`batch_stats` for captures taken in a forward's hooks, in as few Python steps as they
+    allow: after a convolution each step costs microseconds (its caches are cold). Torch's team
+    and this thread's scratch lanes are looked up once per batch (`begin`, on the thread that
+    runs the forward); a float32 capture of rows and units is then one numpy view and one
+    compiled call, its result a `Pending`. Other captures, and those on another thread, take
+    `batch_stats`."""
+
+    def __init__(self):
+        self.thread, self.entry, self.lanes = None, 0, None
+        self.work = WORK[np.dtype(np.int32)].address
+
+    def begin(self) -> None:
+        width, entry = team.entry()
+        self.thread = threading.get_ident() if width > 1 else None
+        self.entry = entry
+        self.lanes = _scratch.hist.lanes(width) if width > 1 else None
+
+    def __call__(self, x, bounds: tuple[float, float] | None = None) -> RunningStats | Pending:
+        if bounds is None and self.thread == threading.get_ident():
+            try:
+                a = x.numpy()
+            except (RuntimeError, TypeError, AttributeError):  # needs grad, bfloat16, ...
+                a = None
+            if (
+                a is not None
+                and a.dtype.char == "f"
+                and a.ndim >= 2
+                and a.size >= TEAM_MIN_VALUES
+                and a.flags.c_contiguous
+            ):
+                lanes = self.lanes
+                try:
+                    return Pending(len(a), team_batch(a, lanes, True, self.entry, self.work))
+                except BaseException:  # the scratch must not carry counts to the next batch
+                    lanes[:] = 0
+                    raise
+        return batch_stats(x, bounds)
+
+
+def _split(y: np.ndarray) -> tuple[int, int]:
+    """How many parts of rows y is reduced in, and on torch's threads (`probe.team`) the
+    address of their entry (else 0)."""
     rows = y.shape[0]
-    if y.dtype == np.float32 and y.flags.c_contiguous and y.size >= TEAM_MIN_VALUES:
-        parts = min(team.size(), rows)
-        if parts > 1:
-            return parts, True
-    return (min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1), False
+    if y.dtype.char == "f" and y.flags.c_contiguous and y.size >= TEAM_MIN_VALUES:
+        width, entry = team.entry()
+        if min(width, rows) > 1:
+            return min(width, rows), entry
+    return (min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1), 0
 
 
 def _by_threads(y: np.ndarray, lanes: np.ndarray, parts: int, spans: bool) -> tuple:

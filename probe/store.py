@@ -29,7 +29,7 @@ from probe import direct
 from probe.diskspace import check_space
 from probe.errors import WriteError
 from probe.resume import describe, restore
-from probe.stats import RunningStats, batch_stats, bounds_for, stats_for
+from probe.stats import HookStats, Pending, RunningStats, bounds_for, stats_for
 
 FORMAT_VERSION = 1
 log = logging.getLogger("probe")
@@ -54,7 +54,7 @@ class Record:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
     # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
-    counted: dict[tuple[str, str], RunningStats] = field(default_factory=dict)
+    counted: dict[tuple[str, str], RunningStats | Pending] = field(default_factory=dict)
     # gives the values' buffers back for reuse once written; they may not be read after
     release: Callable[[], None] | None = None
 
@@ -107,6 +107,7 @@ class ProbeWriter:
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.bounds: dict[tuple[str, str], tuple[float, float] | None] = {}  # by dataset
+        self.hook_stats = HookStats()
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
         self.file_chunking: dict[str, int | None] = {}  # rows per chunk in the file, by path
@@ -161,10 +162,11 @@ class ProbeWriter:
         Statistics run on this thread (mostly in the hooks, as each capture is taken), while the
         forward's cores are idle; on the writer thread they would compete with the next forward
         pass. The writer folds them in when it writes the batch."""
+        counted = record.counted
         if record.ready is None:
             for key, t in [*record.values.items(), *record.per_batch.items()]:
-                if key not in record.counted:
-                    record.counted[key] = self.observe(key, t)
+                if key not in counted:
+                    counted[key] = self.observe(key, t)
         if self.inline is None:
             # A stats-only batch of CPU tensors leaves nothing to write but its statistics:
             # folding them here costs less than handing them to a thread that would take the
@@ -327,13 +329,17 @@ class ProbeWriter:
         self.held.clear()
         self.held_bytes = 0
 
-    def observe(self, key: tuple[str, str], t: torch.Tensor) -> RunningStats:
+    def observe(self, key: tuple[str, str], t: torch.Tensor) -> RunningStats | Pending:
         """Statistics of one CPU capture of the current batch (main thread). The writer folds
         them in when it writes the batch, so /stats never count rows the file does not hold."""
         bounds = self.bounds.get(key, False)
         if bounds is False:
             bounds = self.bounds[key] = bounds_for(self.module_types.get(key[0], ""), key[1])
-        return batch_stats(t, bounds)
+        return self.hook_stats(t, bounds)
+
+    def begin_batch(self) -> None:
+        """Before each forward, on its thread: what `observe` can look up once per batch."""
+        self.hook_stats.begin()
 
     def _append(
         self,

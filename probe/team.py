@@ -78,15 +78,20 @@ def size() -> int:
     """Threads a pass can be split across on torch's team from here; 0 when it cannot (another
     thread would get a team of new threads, competing with the forward; so would a process
     forked from one that used the team)."""
+    return entry()[0]
+
+
+def entry() -> tuple[int, int]:
+    """(`size()`, the address of the runtime's GOMP_parallel, which `kernels.team_batch` calls)
+    in one look, as a hook needs both: (0, 0) where the team cannot be used."""
     if threading.current_thread() is not threading.main_thread():
-        return 0
+        return 0, 0
     lib = _runtime()
-    return lib.omp_get_max_threads() if lib is not None else 0
+    return (lib.omp_get_max_threads(), _address[os.getpid()]) if lib is not None else (0, 0)
 
 
 def parallel() -> int:
-    """The address of the runtime's GOMP_parallel, which `kernels.team_batch` calls; only where
-    `size()` is above 0."""
+    """The address of the runtime's GOMP_parallel; only where `size()` is above 0."""
     if _runtime() is None:
         raise RuntimeError("no OpenMP runtime of torch's in this process: check team.size() first")
     return _address[os.getpid()]

@@ -204,7 +204,7 @@ def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch):
     from probe import team
     from probe.parallel import Threads
 
-    monkeypatch.setattr(team, "size", lambda: 0)  # the pool of our own threads, not torch's
+    monkeypatch.setattr(team, "entry", lambda: (0, 0))  # the pool of our own threads, not torch's
 
     rng = np.random.default_rng(1)
     a = rng.standard_normal((6, 8, 128 * 64)).astype(np.float32)  # above PARALLEL_MIN_VALUES

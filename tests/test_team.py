@@ -46,7 +46,7 @@ def two_threads():
 
 def _one_thread(monkeypatch, x) -> RunningStats:
     with monkeypatch.context() as m:
-        m.setattr(team, "size", lambda: 0)
+        m.setattr(team, "entry", lambda: (0, 0))
         m.setattr(stats.threads, "total", 1)
         return batch_stats(torch.from_numpy(x))
 
@@ -61,7 +61,7 @@ def _counts(s: RunningStats) -> np.ndarray:
 def test_split_on_torch_threads_equals_one_thread_and_numpy(name, monkeypatch, two_threads):
     x = _batches()[name]
     y = x.reshape(16, x.shape[1], -1)
-    assert stats._split(y) == (2, True)
+    assert stats._split(y) == (2, team.parallel())
     split, alone = batch_stats(torch.from_numpy(x)), _one_thread(monkeypatch, x)
     assert not stats._scratch.hist._rows.any()  # left clean
     assert np.array_equal(_counts(split), _counts(alone))
@@ -85,6 +85,40 @@ def test_split_on_torch_threads_equals_one_thread_and_numpy(name, monkeypatch, t
     for u in range(x.shape[1]):  # per-unit extremes over finite values
         unit = x[:, u][np.isfinite(x[:, u])]
         assert (split.units.min[u], split.units.max[u]) == (unit.min(), unit.max())
+
+
+@pytest.mark.parametrize("name", list(_batches()))
+def test_hook_statistics_folded_in_equal_numpy(name, two_threads):
+    """HookStats' packed results (two halves of a batch, as two batches), folded straight into
+    running statistics, against numpy: scalars, the histogram and every unit's fields."""
+    x = _batches()[name]
+    hook = stats.HookStats()
+    hook.begin()
+    s = RunningStats()
+    for half in (x[:7], x[7:]):
+        pending = hook(torch.from_numpy(half))
+        assert type(pending) is stats.Pending
+        s.merge(pending)
+    assert not stats._scratch.hist._rows.any()  # left clean
+    ok = np.isfinite(x)
+    finite = x[ok].astype(np.float64)
+    assert (s.n, s.rows, s.nan_count, s.inf_count) == (
+        finite.size,
+        16,
+        np.isnan(x).sum(),
+        np.isinf(x).sum(),
+    )
+    np.testing.assert_allclose([s.mean, s.m2 / s.n], [finite.mean(), finite.var()], rtol=1e-9)
+    assert (s.min, s.max, s.zeros) == (finite.min(), finite.max(), (finite == 0).sum())
+    buckets = np.bincount(x[ok].view(np.uint32) >> 16, minlength=1 << 16)
+    assert np.array_equal(s.hist.counts, buckets)
+    values = np.where(ok, x, np.nan).astype(np.float64)
+    rest = tuple(a for a in range(x.ndim) if a != 1)
+    assert np.array_equal(s.units.count, ok.sum(axis=rest))
+    assert np.array_equal(s.units.positive, (values > 0).sum(axis=rest))
+    np.testing.assert_allclose(s.units.sum, np.nansum(values, axis=rest), rtol=1e-9)
+    assert np.array_equal(s.units.min, np.nanmin(values, axis=rest))
+    assert np.array_equal(s.units.max, np.nanmax(values, axis=rest))
 
 
 def test_running_histogram_of_split_batches_equals_numpy(two_threads):
@@ -143,7 +177,7 @@ def test_a_forked_child_does_not_use_its_parents_team(two_threads):
 def test_a_forked_child_splits_without_its_parents_thread_pool(monkeypatch):
     """The pool's threads do not survive fork either: the child does every part itself."""
     monkeypatch.setattr(stats, "threads", Threads(3))
-    monkeypatch.setattr(team, "size", lambda: 0)
+    monkeypatch.setattr(team, "entry", lambda: (0, 0))
     x = np.random.default_rng(2).standard_normal((6, 8, 128 * 64)).astype(np.float32)
     assert batch_stats(x).n == x.size  # the parent uses its pool
     assert _in_forked_child(lambda: str(batch_stats(x).n)) == str(x.size)
