@@ -61,9 +61,12 @@ def check_resumable(path: Path, cfg: DictConfig) -> bool:
 def describe(obj: h5py.HLObject, info, order: int) -> None:
     """Tag a dataset (or its /stats group) with its creation order and kind, so a resumed run
     rebuilds its table in the same order."""
-    obj.attrs["order"] = order
-    obj.attrs["module_type"] = info.module_type
-    obj.attrs["per_batch"] = info.per_batch
+    for name, value in tags(info, order).items():
+        obj.attrs[name] = value
+
+
+def tags(info, order: int) -> dict:
+    return {"order": order, "module_type": info.module_type, "per_batch": info.per_batch}
 
 
 def _described(f: h5py.File) -> list[tuple[str, str, str, bool]]:

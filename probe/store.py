@@ -28,7 +28,8 @@ import torch
 from probe import direct
 from probe.diskspace import check_space
 from probe.errors import WriteError
-from probe.resume import describe, restore
+from probe.h5fresh import add_attrs, add_dataset
+from probe.resume import describe, restore, tags
 from probe.stats import HookStats, Pending, RunningStats, bounds_for, stats_for
 
 FORMAT_VERSION = 1
@@ -480,14 +481,22 @@ def write_stats(file: h5py.File, datasets) -> None:
     group = file.require_group("stats")
     for order, info in enumerate(datasets):
         path = f"{info.layer}/{info.site}"
-        fresh = path not in group  # (the first flush): nothing to replace, no lookups
-        g = group.create_group(path) if fresh else group[path]
-        describe(g, info, order)
-        for k, v in info.stats.state().items():
+        attrs = {
+            **tags(info, order),
+            **info.stats.state(),
+            "shape": list(info.shape),
+            "dtype": info.dtype,
+        }
+        if path not in group:  # (the first flush): nothing to replace
+            g = group.create_group(path)
+            add_attrs(g, attrs)
+            for name, a in info.stats.arrays().items():
+                add_dataset(g, name, a)
+            continue
+        g = group[path]
+        for k, v in attrs.items():
             g.attrs[k] = v
-        g.attrs["shape"] = list(info.shape)
-        g.attrs["dtype"] = info.dtype
         for name, a in info.stats.arrays().items():
-            if not fresh and name in g:
+            if name in g:
                 del g[name]
             g.create_dataset(name, data=a)
