@@ -98,10 +98,11 @@ class BatchCapture:
         self.values[key] = value
 
     def layout(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
-        """An empty tensor shaped like a row of `value`: the layout, not the activation; the
-        previous batch's when it fits (one torch call fewer per capture)."""
+        """An empty tensor shaped like a row of `value`: the layout, not the activation, which
+        the writer reads for a dataset's first batch only (its statistics merge whatever the
+        later rows' shape), so the first batch's serves them all (fewer torch calls a hook)."""
         held = self.layouts.get(key)
-        if held is None or held.dtype != value.dtype or held.shape[1:] != value.shape[1:]:
+        if held is None:
             held = self.layouts[key] = value.new_empty((0, *value.shape[1:]))
         return held
 
@@ -293,7 +294,8 @@ class Capture:
 
 
 def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
-    if t.ndim == 0 or t.shape[0] != size:
+    shape = t.shape
+    if not shape or shape[0] != size:
         raise ModelError(
             f"layer {key[0]!r} {key[1]} has shape {tuple(t.shape)}, whose first axis is not the batch "
             f"of {size}; exclude this layer from the probe (exclude: [{key[0]!r}])"
@@ -315,9 +317,10 @@ def keep(
     when they are given."""
     check_batch_axis(t, size, key)
     reduced = sel.reduce == "spatial_mean" and t.ndim >= 3
-    dtype = DTYPES[sel.dtype] if t.is_floating_point() else t.dtype
-    if not copy and not reduced and t.dtype == dtype:
-        return t if not t.requires_grad else t.detach()  # (no new tensor: a hook's steps cost)
+    kind = t.dtype
+    dtype = DTYPES[sel.dtype] if kind.is_floating_point else kind
+    if not copy and not reduced and kind == dtype:  # (few tensor calls: in a hook each costs)
+        return t if not t.requires_grad else t.detach()
     x = t.detach()
     if reduced:
         x = x.float().mean(dim=tuple(range(2, x.ndim)))
