@@ -364,8 +364,11 @@ def as_array(x) -> np.ndarray:
         except RuntimeError:  # a tensor that needs grad
             x = x.detach().numpy()
     a = x if type(x) is np.ndarray else np.asarray(x)
-    if a.dtype.char not in "fd":  # float32 and float64 are kept
+    kind = a.dtype
+    if kind.char not in "fd":  # float32 and float64 are kept
         a = a.astype(np.float32)
+    elif not kind.isnative:  # (a file written on a machine of the other byte order)
+        a = a.astype(kind.newbyteorder("="))
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
@@ -435,7 +438,13 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
         s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
     if has_units:
         count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
-        s.units = UnitStats(count.astype(np.int64), sums, lows, highs, positive.astype(np.int64))
+        s.units = UnitStats(  # copies: a running one adopting them must not hold `packed`
+            count.astype(np.int64),
+            sums.copy(),
+            lows.copy(),
+            highs.copy(),
+            positive.astype(np.int64),
+        )
     return s
 
 
@@ -485,7 +494,7 @@ class HookStats:
                 a is not None
                 and a.dtype.char == "f"
                 and a.ndim >= 2
-                and a.size >= TEAM_MIN_VALUES
+                and TEAM_MIN_VALUES <= a.size < 1 << 31  # (int32 scratch counts)
                 and a.flags.c_contiguous
             ):
                 lanes = self.lanes

@@ -353,3 +353,17 @@ def test_negative_zero_is_the_minimum_below_positive_zero(dtype):
     assert s.min == 0 and np.signbit(s.min)
     assert np.signbit(s.units.min).all() and (s.units.min == 0).all()
     assert s.as_row()["frac_zero"] == (a == 0).mean()
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", ">f8"])
+def test_either_byte_order_gives_the_same_statistics(dtype):
+    """Arrays read from a file written on a machine of the other byte order (h5py keeps it)."""
+    x = np.random.default_rng(5).standard_normal((6, 3, 40))
+    x[2, 1, 5] = np.nan
+    native = batch_stats(x.astype(np.dtype(dtype).newbyteorder("=")))
+    other = batch_stats(x.astype(dtype))
+    assert (other.n, other.nan_count, other.min, other.max) == (
+        native.n, native.nan_count, native.min, native.max,
+    )  # fmt: skip
+    assert (other.mean, other.m2) == (native.mean, native.m2)
+    assert np.array_equal(other.units.sum, native.units.sum)
