@@ -113,6 +113,11 @@ def test_hook_statistics_folded_in_equal_numpy(name, two_threads):
     buckets = np.bincount(x[ok].view(np.uint32) >> 16, minlength=1 << 16)
     assert np.array_equal(s.hist.counts, buckets)
     values = np.where(ok, x, np.nan).astype(np.float64)
+    rows = values.reshape(16, -1)
+    norms = np.sqrt(np.nansum(rows * rows, axis=1))
+    np.testing.assert_allclose(
+        [s.abs_sum, s.l2_sum], [np.abs(finite).sum(), norms.sum()], rtol=1e-9
+    )
     rest = tuple(a for a in range(x.ndim) if a != 1)
     assert np.array_equal(s.units.count, ok.sum(axis=rest))
     assert np.array_equal(s.units.positive, (values > 0).sum(axis=rest))
