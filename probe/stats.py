@@ -264,8 +264,7 @@ class RunningStats:
         """Merge b's packed result: the scalars here, its units and histogram spans in one
         compiled call."""
         packed = b.packed
-        n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
-        self._add(b.rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2)
+        self._add(b.rows, *_scalars(packed))
         u, width = self.units, int(packed[0])
         if u is None:
             u = self.units = UnitStats.empty(width)
@@ -428,10 +427,7 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
 def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
     """RunningStats of a batch from the array `kernels.finish` packed it into."""
     width, k = int(packed[0]), int(packed[1])
-    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
-    s = RunningStats(
-        rows, int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2, hist=None
-    )
+    s = RunningStats(rows, *_scalars(packed), hist=None)
     o = PACKED_HEAD + 5 * width
     if spans:
         heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
@@ -448,6 +444,13 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
     return s
 
 
+def _scalars(packed: np.ndarray) -> tuple:
+    """(n, mean, m2, min, max, abs_sum, zeros, nan_count, inf_count, l2_sum) of a packed result,
+    counts as ints: RunningStats' fields after `rows`."""
+    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
+    return int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2
+
+
 class Pending:
     """A batch's statistics as the compiled pass packed them, folded straight into running
     ones by `RunningStats.merge` (no RunningStats of its own to build)."""
@@ -459,11 +462,11 @@ class Pending:
 
     @property
     def nan_count(self) -> int:
-        return int(self.packed[9])
+        return int(self.packed[2 + 7])  # (the scalars start at 2; see `_scalars`)
 
     @property
     def inf_count(self) -> int:
-        return int(self.packed[10])
+        return int(self.packed[2 + 8])
 
 
 class HookStats:

@@ -90,11 +90,4 @@ def entry() -> tuple[int, int]:
     return (lib.omp_get_max_threads(), _address[os.getpid()]) if lib is not None else (0, 0)
 
 
-def parallel() -> int:
-    """The address of the runtime's GOMP_parallel; only where `size()` is above 0."""
-    if _runtime() is None:
-        raise RuntimeError("no OpenMP runtime of torch's in this process: check team.size() first")
-    return _address[os.getpid()]
-
-
 _address: dict[int, int] = {}  # GOMP_parallel's address, by process

@@ -61,7 +61,8 @@ def _counts(s: RunningStats) -> np.ndarray:
 def test_split_on_torch_threads_equals_one_thread_and_numpy(name, monkeypatch, two_threads):
     x = _batches()[name]
     y = x.reshape(16, x.shape[1], -1)
-    assert stats._split(y) == (2, team.parallel())
+    width, entry = team.entry()
+    assert width == 2 and entry and stats._split(y) == (2, entry)
     split, alone = batch_stats(torch.from_numpy(x)), _one_thread(monkeypatch, x)
     assert not stats._scratch.hist._rows.any()  # left clean
     assert np.array_equal(_counts(split), _counts(alone))
@@ -189,14 +190,16 @@ def test_a_forked_child_splits_without_its_parents_thread_pool(monkeypatch):
 
 
 def test_the_team_entry_needs_torchs_runtime():
-    """Without torch's OpenMP runtime in the process there is no address to call: a clear error,
-    not a jump to address 0."""
+    """Without torch's OpenMP runtime in the process there is no address to call: no team (not a
+    jump to address 0), and the statistics are taken on our own threads."""
     code = (
+        "import sys, numpy as np\n"
         "from probe import team\n"
-        "try:\n"
-        "    team.parallel()\n"
-        "except RuntimeError as e:\n"
-        "    print('refused:', e)\n"
+        "from probe.stats import batch_stats\n"
+        "x = np.random.default_rng(0).standard_normal((16, 8, 4096)).astype(np.float32)\n"
+        "print(team.entry(), 'torch' in sys.modules, batch_stats(x).mean - x.astype(float).mean())\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.startswith("refused: no OpenMP runtime"), done.stdout + done.stderr
+    entry, torch_loaded, error = done.stdout.rsplit(" ", 2)
+    assert (entry, torch_loaded) == ("(0, 0)", "False"), done.stdout + done.stderr
+    assert abs(float(error)) < 1e-12
