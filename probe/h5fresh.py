@@ -8,6 +8,8 @@ str as a variable-length UTF-8 string, a bool as h5py's enum), so readers see no
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import h5py
 import numpy as np
 from h5py import h5a, h5d, h5p, h5s, h5t
@@ -19,17 +21,40 @@ def _array(value) -> np.ndarray:
     return np.asarray(value, dtype=TEXT if isinstance(value, str) else None, order="C")
 
 
-def _space(a: np.ndarray):
-    return h5s.create_simple(a.shape) if a.ndim else h5s.create(h5s.SCALAR)
+def _types(dtype: np.dtype) -> tuple:
+    """(type in the file, type in memory) of `dtype`; HDF5 copies a type it is given, so the
+    same two serve every object (each costs microseconds to build). Keyed with the metadata too:
+    numpy's object dtypes compare equal whatever string encoding h5py marks on them."""
+    return _types_of(dtype, repr(dtype.metadata))
+
+
+@lru_cache(maxsize=64)
+def _types_of(dtype: np.dtype, _metadata: str) -> tuple:
+    return h5t.py_create(dtype, logical=True), h5t.py_create(dtype)
+
+
+@lru_cache(maxsize=256)
+def _space(shape: tuple[int, ...]):
+    return h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
+
+
+def _track_nothing():
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    dcpl.set_obj_track_times(False)  # as h5py creates them: files of equal content are equal
+    return dcpl
+
+
+DCPL = _track_nothing()
 
 
 def add_attrs(obj: h5py.HLObject, values: dict) -> None:
     """Attributes of `obj`, none of which exists yet."""
     for name, value in values.items():
         a = _array(value)
-        attr = h5a.create(obj.id, name.encode(), h5t.py_create(a.dtype, logical=True), _space(a))
+        stored, held = _types(a.dtype)
+        attr = h5a.create(obj.id, name.encode(), stored, _space(a.shape))
         try:
-            attr.write(a, mtype=h5t.py_create(a.dtype))
+            attr.write(a, mtype=held)
         finally:
             attr.close()
 
@@ -37,10 +62,7 @@ def add_attrs(obj: h5py.HLObject, values: dict) -> None:
 def add_dataset(group: h5py.Group, name: str, a: np.ndarray) -> None:
     """A contiguous dataset holding `a`, which `group` does not hold yet."""
     a = np.ascontiguousarray(a)
-    dcpl = h5p.create(h5p.DATASET_CREATE)
-    dcpl.set_obj_track_times(False)  # as h5py creates them: files of equal content are equal
-    tid = h5t.py_create(a.dtype, logical=True)
-    ds = h5d.create(group.id, name.encode(), tid, _space(a), dcpl=dcpl)
+    ds = h5d.create(group.id, name.encode(), _types(a.dtype)[0], _space(a.shape), dcpl=DCPL)
     try:
         if a.size:
             ds.write(h5s.ALL, h5s.ALL, a)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import h5py
 import numpy as np
+from h5py import h5t
 
 from probe.h5fresh import add_attrs, add_dataset
 
@@ -15,12 +16,20 @@ VALUES = {
     "shape": [64, 56, 56],
     "dtype": "float32",
     "empty": "",
+    "ascii": np.array(["a", "b"], dtype=h5py.string_dtype("ascii")),  # after the UTF-8 ones
 }
 ARRAYS = {
     "hist": np.arange(12, dtype=np.int64).reshape(2, 6),
     "units": np.random.default_rng(0).standard_normal((5, 7)),
     "none": np.empty((2, 0), np.int64),
 }
+
+
+def stored(obj) -> tuple:
+    """An attribute's or dataset's HDF5 type with a string's encoding: numpy's dtypes (and
+    HDF5's type equality) do not tell UTF-8 from ASCII apart."""
+    t = obj.get_type()
+    return t, t.get_cset() if t.get_class() == h5t.STRING else None
 
 
 def test_fresh_attributes_and_datasets_read_back_as_h5pys(tmp_path):
@@ -38,8 +47,9 @@ def test_fresh_attributes_and_datasets_read_back_as_h5pys(tmp_path):
         for name in VALUES:
             a, b = ours.attrs[name], theirs.attrs[name]
             assert type(a) is type(b) and np.array_equal(a, b), name
-            assert ours.attrs.get_id(name).dtype == theirs.attrs.get_id(name).dtype, name
+            assert stored(ours.attrs.get_id(name)) == stored(theirs.attrs.get_id(name)), name
         for name in ARRAYS:
             a, b = ours[name], theirs[name]
             assert (a.dtype, a.shape, a.chunks) == (b.dtype, b.shape, b.chunks), name
+            assert stored(a.id) == stored(b.id), name
             assert np.array_equal(a[()], b[()]), name
