@@ -18,6 +18,7 @@ from torch import nn
 
 from probe.config import import_target
 from probe.errors import ConfigError, DataError
+from probe.models import model_input
 from probe.select import match_modules
 
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom")
@@ -104,7 +105,7 @@ def _describe(name: str, spec, module_name: str) -> dict:
 def _op(name: str, spec, module_name: str, seed: int):
     op = spec.op
     if op == "zero":
-        return lambda x, start, key, ch: torch.zeros_like(x)
+        return lambda x, start, key, ch: replacing(x, torch.zeros_like(x))
     if op == "scale":
         factor = float(spec.factor)
         return lambda x, start, key, ch: x * factor
@@ -161,8 +162,27 @@ def _noise(std: float, seed: int, name: str, module_name: str):
     return add_noise
 
 
+class _Replaced(torch.autograd.Function):
+    """`value` in place of x, on x's autograd edge: the sites after an ablation keep their
+    gradients and x gets zeros, as after `x * 0` (which a NaN or Inf in x would make NaN)."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad), None
+
+
+def replacing(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value`, which does not depend on x, connected to autograd in x's place when x has a graph."""
+    return _Replaced.apply(x, value) if x.requires_grad else value
+
+
 class MeanSource:
-    """op=mean: replaces values by their per-unit mean over the dataset (from a first pass or a file)."""
+    """op=mean: replaces each value by its mean over the dataset's samples, position by position
+    (from a first pass or a file)."""
 
     def __init__(self, name: str, module_name: str, source: str):
         self.name, self.module_name, self.source = name, module_name, source
@@ -178,7 +198,7 @@ class MeanSource:
             mean = self.means[key] = self._from_file(key)
         if ch is not None:
             mean = mean[ch]
-        return mean.to(device=x.device, dtype=x.dtype).expand_as(x).clone()
+        return replacing(x, mean.to(device=x.device, dtype=x.dtype).expand_as(x).clone())
 
     def _from_file(self, key: str) -> torch.Tensor:
         if self.needs_first_pass:
@@ -230,7 +250,7 @@ def first_pass_means(model: nn.Module, batches, edits: list[Edit], device) -> No
     with Capture(selections) as capture, torch.inference_mode():
         for batch in batches:
             captured = capture.begin(len(batch.inputs), batch.start)
-            model(batch.inputs.to(device))
+            model(model_input(model, batch.inputs, device))
             capture.end()
             for key, v in captured.values.items():
                 s = v.double().sum(0)

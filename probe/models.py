@@ -18,6 +18,15 @@ def classification_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def model_input(model: nn.Module, inputs: torch.Tensor, device, non_blocking: bool = False):
+    """`inputs` on `device`; floating ones in the dtype of the model's floating parameters, so a
+    tensors file saved as float64 (numpy's default) or float16 feeds a float32 model."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None and inputs.is_floating_point() and inputs.dtype != dtype:
+        return inputs.to(device, dtype, non_blocking=non_blocking)
+    return inputs.to(device, non_blocking=non_blocking)
+
+
 def build_model(cfg, seed: int) -> nn.Module:
     """A model with seeded random init (or the named weights), checkpoint loaded, in eval mode."""
     torch.manual_seed(seed)

@@ -26,7 +26,7 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks import Capture, flatten, resolve_grads
 from probe.interrupt import Interrupted, StopFlag
 from probe.intervene import GRAD_EDIT_SITES, build_edits, first_pass_means
-from probe.models import build_model
+from probe.models import build_model, model_input
 from probe.objective import batch_loss, build_objective
 from probe.resume import check_resumable
 from probe.select import select_modules
@@ -224,7 +224,7 @@ def run_batch(
     can be measured in the same run.
     """
     size = len(batch.inputs)
-    inputs = batch.inputs.to(device, non_blocking=True)
+    inputs = model_input(model, batch.inputs, device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
     extra = {}
     if effects is not None:

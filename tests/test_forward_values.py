@@ -148,6 +148,30 @@ def test_nested_outputs_and_inputs_are_flattened(tmp_path):
     assert "samples/target" not in f
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_tensors_of_another_float_dtype_feed_the_model_in_its_own(tmp_path, dtype):
+    """A float64 file (numpy's default) runs a float32 model, as after `.float()` in PyTorch."""
+    x = torch.randn(5, 4, dtype=dtype)
+    torch.save(x, tmp_path / "x.pt")
+    _, f = run_probe(
+        tmp_path,
+        "model=custom",
+        "model._target_=tests.test_forward_values.TwoHeads",
+        "dataset=tensors",
+        f"dataset.path={tmp_path / 'x.pt'}",
+        "dataset.batch_size=2",
+        "probes=everything",
+        "probes.everything.dtype=float32",
+    )
+    torch.manual_seed(0)
+    model = TwoHeads().eval()
+    with torch.no_grad():
+        h = model.body(x.float())
+    np.testing.assert_array_equal(f["layers/body/input"][:], x.float().numpy())
+    np.testing.assert_allclose(f["layers/body/output"][:], h.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(f["model/output"][:], (h * 2).numpy(), rtol=1e-6)
+
+
 def test_spatial_mean_and_float16(tmp_path, small_resnet):
     _, f = run_probe(
         tmp_path,

@@ -198,6 +198,57 @@ def test_channel_subset_and_first_pass_mean(tmp_path):
     )
 
 
+@pytest.mark.parametrize("ablation", ["zero_layer4", "mean_layer3"])
+def test_gradients_after_an_ablation_equal_autograd_through_the_replaced_value(tmp_path, ablation):
+    """The ablated output no longer depends on its module: what follows keeps its gradients, what
+    precedes gets zeros, as autograd gives for a plain hook returning the replaced value."""
+    sites = "[output,grad_output,grad_input]"
+    probe = ["probes=all_linear", "probes.linear.types=[]", f"probes.linear.capture={sites}"]
+    layers = "probes.linear.layers=[layer2,layer3,layer4,avgpool,fc]"
+    _, f = run_probe(tmp_path, *SMALL, f"intervene={ablation}", *probe, layers)
+    model, inputs = _clean_model_and_inputs()
+    ablated = model.layer4 if ablation == "zero_layer4" else model.layer3
+    mean = None
+    if ablation == "mean_layer3":  # source=first_pass: the clean outputs' mean over the dataset
+        clean = []
+        handle = ablated.register_forward_hook(lambda m, a, out: clean.append(out))
+        with torch.no_grad():
+            model(inputs)
+        handle.remove()
+        mean = clean[0].mean(0)
+    seen = {}
+
+    def replace(module, args, out):
+        value = torch.zeros_like(out) if mean is None else mean.expand_as(out)
+        return out * 0 + value  # the value, with zero gradient back to the module
+
+    def keep(name):
+        def hook(module, args, out):
+            out.retain_grad()
+            seen[name] = out
+
+        return hook
+
+    ablated.register_forward_hook(replace)
+    for name in ["layer2", "layer3", "layer4", "avgpool"]:
+        getattr(model, name).register_forward_hook(keep(name))
+    logits = model(inputs)
+    targets = torch.as_tensor(f["samples/target"][:])
+    torch.nn.functional.cross_entropy(logits, targets, reduction="sum").backward()
+    for name, out in seen.items():
+        np.testing.assert_allclose(f[f"layers/{name}/output"][:], out.detach().numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            f[f"layers/{name}/grad_output"][:], out.grad.numpy(), rtol=1e-4, atol=1e-6
+        )
+    zero_before = ["layer2", "layer3"] if ablation == "zero_layer4" else ["layer2"]
+    for name in zero_before:
+        assert not f[f"layers/{name}/grad_output"][:].any(), name
+    assert f[f"layers/{ablation[-6:]}/grad_output"][:].any()
+    np.testing.assert_allclose(
+        f["layers/fc/grad_input"][:], seen["avgpool"].grad.flatten(1).numpy(), rtol=1e-4, atol=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
