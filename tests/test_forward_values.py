@@ -123,8 +123,8 @@ class Split(torch.nn.Module):
         return {"pair": (h * 2, h - 1), "scale": h.abs()}
 
 
-def test_nested_outputs_and_inputs_are_flattened(tmp_path):
-    x = torch.randn(5, 4)
+def _run_two_heads(tmp_path, x: torch.Tensor, *overrides: str):
+    """TwoHeads over the inputs x saved as a tensors file, every module captured as float32."""
     torch.save(x, tmp_path / "x.pt")
     _, f = run_probe(
         tmp_path,
@@ -135,8 +135,14 @@ def test_nested_outputs_and_inputs_are_flattened(tmp_path):
         "dataset.batch_size=2",
         "probes=everything",
         "probes.everything.dtype=float32",
-        "probes.everything.leaves_only=false",
+        *overrides,
     )
+    return f
+
+
+def test_nested_outputs_and_inputs_are_flattened(tmp_path):
+    x = torch.randn(5, 4)
+    f = _run_two_heads(tmp_path, x, "probes.everything.leaves_only=false")
     torch.manual_seed(0)
     model = TwoHeads().eval()
     h = model.body(x).detach()
@@ -152,17 +158,7 @@ def test_nested_outputs_and_inputs_are_flattened(tmp_path):
 def test_tensors_of_another_float_dtype_feed_the_model_in_its_own(tmp_path, dtype):
     """A float64 file (numpy's default) runs a float32 model, as after `.float()` in PyTorch."""
     x = torch.randn(5, 4, dtype=dtype)
-    torch.save(x, tmp_path / "x.pt")
-    _, f = run_probe(
-        tmp_path,
-        "model=custom",
-        "model._target_=tests.test_forward_values.TwoHeads",
-        "dataset=tensors",
-        f"dataset.path={tmp_path / 'x.pt'}",
-        "dataset.batch_size=2",
-        "probes=everything",
-        "probes.everything.dtype=float32",
-    )
+    f = _run_two_heads(tmp_path, x)
     torch.manual_seed(0)
     model = TwoHeads().eval()
     with torch.no_grad():
