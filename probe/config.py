@@ -155,6 +155,8 @@ def import_target(key: str, target: str | None, example: str = "pkg.mod.name"):
 
     from probe.errors import ConfigError
 
+    if target is None:
+        raise ConfigError(f"{key} is missing; name what to import, e.g. {key}={example}")
     try:
         return get_object(str(target))
     except Exception as e:

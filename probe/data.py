@@ -103,6 +103,15 @@ def build_batches(cfg, model_cfg, seed: int) -> OrderedBatches:
         )
     if cfg.name not in DATASETS:
         raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(DATASETS)}")
+    for key in ("image_size", "channels", "num_classes"):
+        if cfg.get(key) is not None and cfg[key] < 1:
+            raise ConfigError(
+                f"dataset.{key}={cfg[key]} must be at least 1 (or null for the model's own)"
+            )
+    if cfg.name == "imagefolder" and cfg.root is None:
+        raise ConfigError("dataset=imagefolder needs dataset.root=DIR (a folder of class folders)")
+    if cfg.name == "tensors" and cfg.path is None:
+        raise ConfigError("dataset=tensors needs dataset.path=FILE (a .pt file of inputs)")
     channels = cfg.channels or model_cfg.input_shape[0]
     size = cfg.image_size or model_cfg.input_shape[-1]
     num_classes = cfg.num_classes or model_cfg.num_classes

@@ -134,6 +134,11 @@ def _op(name: str, spec, module_name: str, seed: int):
                 f"intervene {name!r}: op=mean needs a source of means: source=first_pass (an extra pass "
                 "over the dataset) or source=PATH of an earlier run's probe.h5 that captured this site"
             )
+        if spec.source != "first_pass" and not Path(spec.source).is_file():
+            raise DataError(
+                f"intervene {name!r}: source={spec.source!r} is not a file; give the probe.h5 of an "
+                "earlier run that captured this site, or source=first_pass"
+            )
         return MeanSource(name, module_name, spec.source)
     target = spec.get("_target_")
     fn = import_target(f"intervene.{name}._target_", target, example="my_edits.halve")

@@ -31,8 +31,8 @@ def build_model(cfg, seed: int) -> nn.Module:
     """A model with seeded random init (or the named weights), checkpoint loaded, in eval mode."""
     torch.manual_seed(seed)
     kwargs = OmegaConf.to_container(cfg.kwargs, resolve=True) if cfg.kwargs else {}
-    if cfg.get("_target_"):
-        model = _build_custom(cfg._target_, kwargs)
+    if cfg.get("_target_") or cfg.name == "custom":
+        model = _build_custom(cfg.get("_target_"), kwargs)
     else:
         model = _build_torchvision(cfg, kwargs)
     if cfg.checkpoint:

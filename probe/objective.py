@@ -16,6 +16,7 @@ from probe.hooks import flatten
 
 OBJECTIVES = ("cross_entropy", "logit", "output_sum", "custom")
 NEEDS_TARGETS = {"cross_entropy"}
+IGNORED = -100  # cross_entropy's ignore_index: a sample with this label adds no loss
 
 Objective = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -31,12 +32,17 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
             "objective=logit objective.index=K, or a dataset with targets"
         )
     if name == "cross_entropy":
-        return lambda out, y: F.cross_entropy(out, y, reduction="none")
+        return _cross_entropy
     if name == "output_sum":
         return lambda out, y: out.reshape(len(out), -1).sum(dim=1)
     if name == "logit":
         k = cfg.index
-        if k is None or (num_outputs is not None and not -num_outputs <= k < num_outputs):
+        if k is None:
+            raise ConfigError(
+                "objective=logit needs the logit to differentiate: add objective.index=K "
+                "(0 for the first output)"
+            )
+        if num_outputs is not None and not -num_outputs <= k < num_outputs:
             raise ConfigError(
                 f"objective.index={k} is out of range for a model output of {num_outputs} logits; "
                 f"give 0 <= index < {num_outputs}"
@@ -47,6 +53,22 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
     if not callable(fn):
         raise ConfigError(f"objective._target_={target!r} is not callable")
     return fn
+
+
+def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-sample cross-entropy; a label the model has no output for is the data's error (synthetic
+    and fakedata draw labels below model.num_classes, 1000 unless set), not an IndexError."""
+    classes = out.shape[1] if out.ndim > 1 else 0
+    if y.is_floating_point():  # class probabilities
+        return F.cross_entropy(out, y, reduction="none")
+    bad = y[((y < 0) & (y != IGNORED)) | (y >= classes)]
+    if len(bad):
+        raise DataError(
+            f"target {int(bad[0])} is out of range for a model output of {classes} classes; set "
+            f"model.num_classes={classes} (synthetic and fakedata labels are drawn below it) or "
+            f"give targets in [0, {classes})"
+        )
+    return F.cross_entropy(out, y, reduction="none")
 
 
 def batch_loss(objective: Objective, output, targets) -> torch.Tensor:

@@ -14,7 +14,17 @@ from probe.runfile import open_probe_file
 from probe.stats import RunningStats, counts_agree, stats_for
 
 # The parts of the resolved config that decide the values in the file.
-COMPARED = ("model", "dataset", "probes", "objective", "store", "seed", "train_mode")
+COMPARED = (
+    "model",
+    "dataset",
+    "probes",
+    "objective",
+    "store",
+    "seed",
+    "train_mode",
+    "precision",
+    "intervene",
+)
 IGNORED = {"store": ("queue_batches", "flush_seconds")}  # change speed, not values
 
 

@@ -22,7 +22,7 @@ from probe import plan as size_plan
 from probe.config import GRAD_SITES
 from probe.data import build_batches
 from probe.effects import Effects
-from probe.errors import ConfigError, ModelError
+from probe.errors import ConfigError, ModelError, ProbeError
 from probe.hooks import Capture, flatten, resolve_grads
 from probe.interrupt import Interrupted, StopFlag
 from probe.intervene import GRAD_EDIT_SITES, build_edits, first_pass_means
@@ -267,7 +267,7 @@ def _output_tensor(output) -> torch.Tensor:
 def _forward(model, inputs):
     try:
         return model(inputs)
-    except (ConfigError, ModelError):
+    except ProbeError:  # ours already names the value and the way out
         raise
     except Exception as e:
         raise ModelError(

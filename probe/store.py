@@ -99,6 +99,15 @@ class ProbeWriter:
         if queue_batches < 1:
             raise WriteError(f"store.queue_batches={queue_batches} must be at least 1")
         self.path, self.mode = Path(path), mode
+        if (
+            compression == "gzip"
+            and compression_level is not None
+            and not 0 <= compression_level <= 9
+        ):
+            raise WriteError(
+                f"store.compression_level={compression_level} is out of range for gzip; give 0-9 "
+                "(1 is fastest, 9 smallest)"
+            )
         self.compression = None if compression == "none" else compression
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunk_bytes = chunk_bytes

@@ -110,6 +110,51 @@ def test_wrong_type_or_value(cli_here, args, words):
     assert_words(text, *words)
 
 
+GRADS = "probes.everything.capture=[output,grad_output]"
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["dataset.image_size=0"], ["dataset.image_size=0 must be at least 1"]),
+        (["dataset.channels=0"], ["dataset.channels=0 must be at least 1"]),
+        (["dataset=imagefolder"], ["dataset=imagefolder needs dataset.root=DIR"]),
+        (["dataset=tensors"], ["dataset=tensors needs dataset.path=FILE"]),
+        (
+            ["store.compression=gzip", "store.compression_level=99"],
+            ["store.compression_level=99", "0-9"],
+        ),
+        (["objective=logit", GRADS], ["objective=logit needs", "objective.index=K"]),
+        (["objective=custom", GRADS], ["objective._target_ is missing"]),
+        (
+            ["intervene=edit", "intervene.edit.layers=[conv]", "intervene.edit.op=mean",
+             "intervene.edit.source=/nonexistent/probe.h5"],
+            ["source='/nonexistent/probe.h5' is not a file", "source=first_pass"],
+        ),
+    ],
+    ids=["image_size", "channels", "root", "path", "gzip-level", "logit", "objective-target",
+         "mean-source"],
+)  # fmt: skip
+def test_missing_or_impossible_value(cli_here, tmp_path, args, words):
+    code, text = cli_here(*TINYNET, *args)
+    assert code == 2, text
+    assert_words(text, *words)
+    assert not (tmp_path / "run" / "probe.h5").exists()  # refused before any file
+
+
+def test_labels_beyond_the_model_outputs(cli_here):
+    """Synthetic labels are drawn below model.num_classes (1000 by default); TinyNet has 10."""
+    code, text = cli_here(*TINYNET, "model.num_classes=1000", GRADS)
+    assert code == 2
+    assert_words(text, "out of range for a model output of 10 classes", "model.num_classes=10")
+
+
+def test_custom_model_without_its_class(cli_here):
+    code, text = cli_here(*TINY, "probes=everything")
+    assert code == 2
+    assert_words(text, "model._target_ is missing", "model._target_=")
+
+
 def test_site_a_module_cannot_provide(cli_here):
     code, text = cli_here(
         *TINY,
@@ -312,10 +357,22 @@ def test_resume_of_a_truncated_file(cli_here, tmp_path, finished_file):
     assert_words(text, "cut short", "new hydra.run.dir")
 
 
-def test_resume_with_another_config(cli_here, tmp_path, finished_file):
-    code, text = cli_here(*TINYNET, "resume=true", "seed=3", run_dir=finished_file.parent)
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (["seed=3"], "seed: 0 in the file, 3 now"),
+        (["precision=bf16"], "precision: 'fp32' in the file, 'bf16' now"),
+        (
+            ["intervene=edit", "intervene.edit.layers=[conv]", "intervene.edit.op=zero"],
+            "intervene.edit: None in the file",
+        ),
+    ],
+    ids=["seed", "precision", "intervene"],
+)
+def test_resume_with_another_config(cli_here, tmp_path, finished_file, change, words):
+    code, text = cli_here(*TINYNET, "resume=true", *change, run_dir=finished_file.parent)
     assert code == 2
-    assert_words(text, "resume=true", "seed: 0 in the file, 3 now", "hydra.run.dir")
+    assert_words(text, "resume=true", words, "hydra.run.dir")
 
 
 def test_disk_full_stops_cleanly_and_keeps_the_flushed_batches(tmp_path):
