@@ -9,6 +9,7 @@ Arrays are h5py-backed: slicing reads only the rows asked for, and only rows bel
 
 from __future__ import annotations
 
+import warnings
 from functools import cached_property
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from probe.errors import DataError
+from probe.runfile import missing_sources, open_probe_file
 from probe.stats import RunningStats
 from probe.summarize import (
     dataset_keys,
@@ -78,14 +80,17 @@ class Run:
         path = Path(path)
         self.h5_path = path if path.is_file() else path / "probe.h5"
         self.path = self.h5_path.parent
-        if not self.h5_path.is_file():
-            raise DataError(f"{str(self.h5_path)!r} does not exist; give a run directory")
-        try:
-            self.file = h5py.File(self.h5_path, "r")
-        except OSError as e:
-            raise DataError(f"{str(self.h5_path)!r} cannot be read ({e}): is it corrupt?") from None
+        self.file = open_probe_file(self.h5_path)
         self.attrs = dict(self.file.attrs)
-        self.complete = bool(self.attrs.get("complete", False))
+        unusable = missing_sources(self.file)
+        if unusable:
+            warnings.warn(
+                f"{str(self.h5_path)!r} is stitched from shard files and some are unusable "
+                f"({', '.join(unusable)}): their rows read as NaN (-1 for integers); restore the "
+                "shard files next to it",
+                stacklevel=2,
+            )
+        self.complete = bool(self.attrs.get("complete", False)) and not unusable
         self.num_samples = int(self.attrs.get("num_samples", 0))
         self.num_batches = int(self.attrs.get("num_batches", 0))
 

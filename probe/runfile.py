@@ -44,3 +44,28 @@ def open_probe_file(path, mode: str = "r") -> h5py.File:
 def is_partial(f: h5py.File) -> bool:
     """True unless the run that wrote `f` finished cleanly."""
     return not bool(f.attrs.get("complete", False))
+
+
+def missing_sources(f: h5py.File) -> list[str]:
+    """Shard files that a virtual dataset of `f` reads and that are absent or not complete."""
+    base = Path(f.filename).parent
+    files: set[str] = set()
+
+    def collect(_, obj):
+        if isinstance(obj, h5py.Dataset) and obj.is_virtual:
+            files.update(vs.file_name for vs in obj.virtual_sources())
+
+    f.visititems(collect)
+    bad = []
+    for name in sorted(files):
+        p = base / name
+        if not p.is_file():
+            bad.append(f"{name} (missing)")
+            continue
+        try:
+            with h5py.File(p, "r") as shard:
+                if not shard.attrs.get("complete", False):
+                    bad.append(f"{name} (not complete)")
+        except OSError:
+            bad.append(f"{name} (unreadable)")
+    return bad

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 
 from probe.errors import DataError
+from probe.runfile import missing_sources
 from probe.stats import RunningStats
 from probe.store import DatasetInfo, write_stats
 
@@ -75,7 +76,11 @@ def _virtual(out: h5py.File, name: str, sources: list[tuple[str, h5py.Dataset | 
             layout[row : row + ds.shape[0]] = h5py.VirtualSource(file, name, shape=ds.shape)
             row += ds.shape[0]
     fill = np.nan if first.dtype.kind == "f" else -1
-    out.create_virtual_dataset(name, layout, fillvalue=fill)
+    stacked = out.create_virtual_dataset(name, layout, fillvalue=fill)
+    for made, source in ((stacked, first), (stacked.parent, first.parent)):  # module_type, order
+        for k, v in source.attrs.items():
+            if k not in made.attrs:
+                made.attrs[k] = v
 
 
 def merge_stats(per_shard: list[dict]) -> dict:
@@ -112,31 +117,6 @@ def read_stats(f: h5py.File, check: bool = True) -> dict[tuple[str, str], Datase
             RunningStats.from_saved(a, g),
         )
     return out
-
-
-def missing_sources(f: h5py.File) -> list[str]:
-    """Shard files that a virtual dataset of `f` reads and that are absent or not complete."""
-    base = Path(f.filename).parent
-    files: set[str] = set()
-
-    def collect(_, obj):
-        if isinstance(obj, h5py.Dataset) and obj.is_virtual:
-            files.update(vs.file_name for vs in obj.virtual_sources())
-
-    f.visititems(collect)
-    bad = []
-    for name in sorted(files):
-        p = base / name
-        if not p.is_file():
-            bad.append(f"{name} (missing)")
-            continue
-        try:
-            with h5py.File(p, "r") as shard:
-                if not shard.attrs.get("complete", False):
-                    bad.append(f"{name} (not complete)")
-        except OSError:
-            bad.append(f"{name} (unreadable)")
-    return bad
 
 
 def check_complete(f: h5py.File) -> None:

@@ -28,6 +28,7 @@ import yaml
 from probe import parallel
 from probe.errors import DataError, ProbeError
 from probe.mapped import mapped_slabs
+from probe.runfile import missing_sources
 from probe.stats import RunningStats, counts_agree, stats_for
 
 log = logging.getLogger("probe")
@@ -149,10 +150,21 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
     num_batches = int(f.attrs.get("num_batches", 0))
     out = FileSummary(path, "complete" if complete else "partial", num_samples)
     stored = stored_stats(f)
+    unusable = missing_sources(f)  # a stitched file's shards: their rows would read as fill values
+    if unusable:
+        from_stats, out.state = True, "partial"
+        out.message = (
+            f"{path} is stitched from shard files and some are unusable ({', '.join(unusable)}): "
+            "its table comes from the /stats merged when it was stitched; restore the shard "
+            "files next to it to read its layers"
+        )
     for layer, site in dataset_keys(f):
         saved = stored.get((layer, site))
         if saved is not None and (from_stats or f"layers/{layer}/{site}" not in f):
             out.datasets.append(saved)
+            continue
+        if unusable:
+            out.message += f"; {layer}/{site} has no /stats and is left out"
             continue
         ds = f[f"layers/{layer}/{site}"]
         per_batch = site.startswith("param_grad")
@@ -165,10 +177,11 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
             DatasetSummary(layer, site, module_type, ds.shape[1:], str(ds.dtype), stats)
         )
     if not complete:
+        stitched = out.message
         out.message = (
             f"{path} is partial (complete is not true): summarized the {num_samples} rows "
             "written before it stopped"
-        )
+        ) + (f"; {stitched}" if stitched else "")
         if not out.datasets:
             out.message += (
                 "; it holds no statistics (a stats-only run writes them at each flush, "

@@ -13,8 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import probe
 from probe.errors import DataError
 from probe.stitch import IncompleteFileError, is_complete, open_checked, read_stats
+from probe.summarize import summarize_file
 from tests.helpers import QUIET, ROOT, assert_same_arrays, cli
 
 # 7 samples in batches of 2: rank 0 gets batches 0-1 (samples 0-3), rank 1 batches 2-3 (samples
@@ -105,6 +107,15 @@ def test_a_missing_shard_makes_the_stitched_file_incomplete(runs, tmp_path):
     assert not is_complete(copy / "probe.h5")
     with pytest.raises(DataError, match="Restore the shard files"):
         open_checked(copy / "probe.h5")
+    # the summarizer does not count the fill values: its table comes from the merged /stats
+    damaged, intact = summarize_file(copy / "probe.h5"), summarize_file(two / "probe.h5")
+    assert damaged.state == "partial" and "probe.rank1.h5 (missing)" in damaged.message
+    assert intact.state == "complete"
+    pd.testing.assert_frame_equal(damaged.table, intact.table, check_exact=False, rtol=1e-12)
+    with pytest.warns(UserWarning, match=r"probe\.rank1\.h5 \(missing\)"):
+        run = probe.open_run(copy)
+    with run:
+        assert not run.complete
 
 
 def test_blocks_are_numpy_array_split():
