@@ -4,7 +4,10 @@ the projected size of the file(s) for the whole dataset.
 The sizes come from the run's first batch (its real forward and backward through the same hooks),
 so every site, reduction and storage dtype counts exactly. The projection follows the writer's
 layout: whole chunks of `store.chunk_bytes` per dataset (HDF5 allocates the last chunk in full),
-one file per rank, no compression (a compressed file is smaller).
+one file per rank, no compression (a compressed file is smaller). A stats-only file holds the
+per-sample rows of /model/output (written at the close, or at each flush), and per dataset its /stats: the histogram's
+non-empty buckets (from those the first batch filled; later batches add a few, BUCKET_GROWTH)
+and the per-unit arrays.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from probe.data import OrderedBatches
+from probe.stats import UNIT_FIELDS, occupied_buckets
 from probe.store import Record, chunk_rows
 
 log = logging.getLogger("probe")
@@ -22,6 +26,12 @@ log = logging.getLogger("probe")
 # Measured on HDF5 2.0 files of this writer (resnet18 all_convs): fixed costs besides the data.
 FILE_OVERHEAD = 8 << 10  # superblock, root group, attributes (the resolved config)
 STATS_OVERHEAD = 2900  # one /stats/<layer>/<site> group and its attributes
+# Non-empty histogram buckets of a dataset whose first batch was not observed (a GPU run): after
+# many samples resnet18's convs fill 3300-3900, each stored as an int64 index and count.
+TYPICAL_BUCKETS = 4096
+# Later samples fill a few more buckets: about 1 + 0.13 ln(samples / first batch's) times the
+# first batch's (resnet18's convs, 7 to 1024 samples at 32-64 px).
+BUCKET_GROWTH = 0.13
 DATASET_OVERHEAD = 4600  # one chunked dataset's object header and chunk index
 
 
@@ -56,34 +66,48 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
     """Sizes from one record; `blocks` are the sample counts of the files (one per rank)."""
     probe_of = {s.name: s.probe for s in selections}
     per_sample: dict[str, int] = defaultdict(int)
-    rows: list[tuple[int, bool]] = []  # (bytes per row, per batch)
+    rows: list[tuple[int, bool]] = []  # (bytes per row, per batch) of the chunked datasets
+    full = store.mode == "full"
     for (layer, _), t in record.values.items():
         row = row_bytes(t)
         per_sample[probe_of.get(layer, "?")] += row
-        rows.append((row, False))
+        if full:
+            rows.append((row, False))
     per_batch = 0
     for t in record.per_batch.values():
         per_batch += row_bytes(t)
-        rows.append((row_bytes(t), True))
+        if full:
+            rows.append((row_bytes(t), True))
     for t in record.extra.values():  # /model/output and, with edits, /model/output_clean
         rows.append((row_bytes(t), False))
-    rows.append((8, False))  # samples/index
-    if record.targets is not None:
-        rows.append((record.targets[0].element_size(), False))
-    stats = len(record.values) + len(record.per_batch)
-    fixed = FILE_OVERHEAD + STATS_OVERHEAD * stats
-    if store.mode == "full":
-        fixed += DATASET_OVERHEAD * len(rows)
-    projected = fixed if len(blocks) > 1 else 0  # the stitched file of a torchrun job
+    if full:
+        rows.append((8, False))  # samples/index
+        if record.targets is not None:
+            rows.append((record.targets[0].element_size(), False))
+    captured = [*record.values.items(), *record.per_batch.items()]
+
+    def fixed(n: int) -> int:
+        growth = 1 + BUCKET_GROWTH * math.log(max(n / record.size, 1))
+        stats = sum(stats_bytes(t, record.counted.get(key), growth) for key, t in captured)
+        return FILE_OVERHEAD + DATASET_OVERHEAD * len(rows) + stats
+
+    projected = fixed(sum(blocks)) if len(blocks) > 1 else 0  # a torchrun job's stitched file
     for n in blocks:
-        projected += fixed
-        if store.mode != "full":
-            continue
+        projected += fixed(n)
         for row, batchwise in rows:
             count = math.ceil(n / batch_size) if batchwise else n
-            chunk = chunk_rows(1 if batchwise else min(batch_size, n), row, store.chunk_bytes)
+            held = min(batch_size if full else n, n)  # stats-only: rows held to the close
+            chunk = chunk_rows(1 if batchwise else held, row, store.chunk_bytes)
             projected += math.ceil(count / chunk) * chunk * row
     return Plan(dict(per_sample), per_batch, projected)
+
+
+def stats_bytes(t, first, growth: float) -> int:
+    """One dataset's /stats: its histogram's buckets, `growth` times those the first batch's
+    statistics `first` filled (None when not observed), and its per-unit arrays."""
+    buckets = min(int(occupied_buckets(first) * growth), 1 << 16) if first else TYPICAL_BUCKETS
+    units = t.shape[1] if t.ndim > 1 else 0
+    return STATS_OVERHEAD + 16 * buckets + 8 * len(UNIT_FIELDS) * units
 
 
 def log_plan(plan: Plan, num_samples: int, world: int, store) -> None:

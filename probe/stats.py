@@ -468,6 +468,22 @@ class Pending:
     def inf_count(self) -> int:
         return int(self.packed[2 + 8])
 
+    @property
+    def buckets(self) -> int:
+        """Non-empty histogram buckets (the span counts close the packed array)."""
+        width, k = int(self.packed[0]), int(self.packed[1])
+        return int(np.count_nonzero(self.packed[PACKED_HEAD + 5 * width + 2 * k :]))
+
+
+def occupied_buckets(stats: RunningStats | Pending) -> int:
+    """How many histogram buckets a batch's (or a run's) statistics fill: /stats stores each."""
+    if isinstance(stats, Pending):
+        return stats.buckets
+    hist = stats.hist
+    if hist is None:
+        return 0
+    return int(np.count_nonzero(hist.spans if isinstance(hist, BucketSpans) else hist.counts))
+
 
 class HookStats:
     """`batch_stats` for captures taken in a forward's hooks, in as few Python steps as they

@@ -58,14 +58,17 @@ def test_cuda_run_equals_the_cpu_run(tmp_path):
         )
 
 
-def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path, caplog):
-    """The logged bytes per sample are the stored rows' bytes; the projection is within 5% of the
-    real file (whole chunks included: here most chunks hold more rows than the 7 samples)."""
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path, caplog, mode):
+    """The logged bytes per sample are the captured rows' bytes; the projection is within 5% of
+    the real file (whole chunks included: here most chunks hold more rows than the 7 samples), or
+    15% for a stats-only file (/model/output, each dataset's histogram and per-unit arrays)."""
     overrides = [
         *TINY,
         "dataset.num_samples=7",
         "probes=all_convs",
         "probes.convs.capture=[output,input]",
+        f"store.mode={mode}",
     ]
     with caplog.at_level(logging.INFO, logger="probe"):
         result, f = run_probe(tmp_path, *overrides)
@@ -73,12 +76,13 @@ def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path,
     plan_at = next(i for i, m in enumerate(messages) if "projected" in m)
     assert plan_at < next(i for i, m in enumerate(messages) if m.startswith("wrote"))
     projected = int(re.search(r"\((\d+) bytes\)", messages[plan_at]).group(1))
-    row_bytes = sum(
-        ds.dtype.itemsize * int(np.prod(ds.shape[1:]))
-        for g in f["layers"].values()
-        for ds in g.values()
+    row_bytes = sum(  # a stats-only file's /stats keep each dataset's shape and dtype
+        np.dtype(str(g.attrs["dtype"])).itemsize * int(np.prod(g.attrs["shape"]))
+        for layer in f["stats"].values()
+        for g in layer.values()
     )
     assert f"{row_bytes / 1024:.1f} KiB per sample" in messages[plan_at]
     f.close()
     real = result.h5_path.stat().st_size
-    assert abs(projected - real) / real < 0.05, (projected, real)
+    # a stats-only file's histograms fill buckets as data comes: projected from the first batch
+    assert abs(projected - real) / real < (0.05 if mode == "full" else 0.15), (projected, real)
