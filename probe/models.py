@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +17,11 @@ from probe.errors import CheckpointError, ConfigError
 
 def classification_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def _plain(text: str) -> str:
+    """`text` without terminal colour codes (torch's unpickling errors carry some)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def model_input(model: nn.Module, inputs: torch.Tensor, device, non_blocking: bool = False):
@@ -93,7 +99,8 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
     except Exception as e:
         raise CheckpointError(
             f"model.checkpoint={path!r} is not a readable weights-only checkpoint ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); save it with torch.save(model.state_dict(), path)"
+            f"{_plain(str(e).splitlines()[0]) if str(e) else ''}); save it with "
+            "torch.save(model.state_dict(), path)"
         ) from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]

@@ -290,6 +290,9 @@ def file_attrs(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def print_summary(summary: pd.DataFrame) -> None:
+    if summary.empty:
+        print("summary: no rows (no module was selected)")
+        return
     cols = ["layer", "site", "module_type", "shape", "mean", "std", "min", "max", "frac_zero"]
     with pd.option_context("display.max_rows", 200, "display.width", 160, "display.precision", 4):
         print(summary[cols].to_string(index=False))

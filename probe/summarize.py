@@ -58,6 +58,7 @@ COLUMNS = [
     "dead_frac",
     "saturated_frac",
 ]
+INTEGER_COLUMNS = {"rows", "n", "nan_count", "inf_count", "units"}
 UNIT_COLUMNS = ["layer", "site", "unit", "count", "mean", "min", "max", "frac_positive", "dead"]
 SLAB_BYTES = 16 << 20
 
@@ -302,6 +303,8 @@ def sweep_table(path: Path, from_stats: bool = False) -> tuple[pd.DataFrame, lis
     if not frames:
         return pd.DataFrame(columns=["run", "status", *COLUMNS]), summaries
     table = pd.concat(frames, ignore_index=True)
+    for column in INTEGER_COLUMNS & set(table.columns):  # a run without rows made them float
+        table[column] = table[column].astype("Int64")
     override_cols = [c for c in table.columns if c not in ("run", "status", *COLUMNS)]
     return table[["run", "status", *override_cols, *[c for c in COLUMNS if c in table]]], summaries
 

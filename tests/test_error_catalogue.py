@@ -267,6 +267,7 @@ def test_pickle_only_checkpoint_is_refused(cli_here, tmp_path):
     code, text = cli_here(*TINYNET, f"model.checkpoint={path}")
     assert code == 2
     assert_words(text, str(path), "weights-only", "torch.save(model.state_dict(), path)")
+    assert "\x1b[" not in text  # no terminal colour codes from torch's message
 
 
 def test_checkpoint_that_is_not_a_state_dict(cli_here, tmp_path):

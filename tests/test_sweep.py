@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from probe.data import build_batches
 from probe.models import build_model
+from probe.summarize import sweep_table
 from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=3", "dataset.batch_size=2"]
@@ -81,6 +82,15 @@ def test_2x2_multirun_runs_four_complete_jobs(sequential_sweep):
         assert list(f["layers"]) == [] and list(f["samples/index"]) == [0, 1, 2]
     assert len(pd.read_csv(empty / "summary.csv")) == 0
     assert "no module selected" in (empty / "probe.log").read_text()
+    # the sweep's table keeps integer counts as integers, the empty run's cells blank
+    table, _ = sweep_table(sequential_sweep)
+    assert table.loc[table.run == empty.name, "n"].isna().all()
+    for column in ["rows", "n", "nan_count", "inf_count", "units"]:
+        assert str(table[column].dtype) == "Int64", column
+    for job in jobs.values():
+        if job != empty:
+            got, own = table[table.run == job.name], pd.read_csv(job / "summary.csv")
+            assert list(got.n) == list(own.n) and list(got.units) == list(own.units)
 
 
 def test_a_failing_job_is_reported_and_the_others_complete(tmp_path):
