@@ -28,7 +28,7 @@ import yaml
 from probe import parallel
 from probe.errors import DataError, ProbeError
 from probe.mapped import mapped_slabs
-from probe.runfile import missing_sources
+from probe.runfile import missing_sources, open_probe_file
 from probe.stats import RunningStats, counts_agree, stats_for
 
 log = logging.getLogger("probe")
@@ -139,7 +139,11 @@ def summarize_file(path: Path | str, from_stats: bool = False) -> FileSummary:
     if not path.is_file():
         return FileSummary(path, "missing", message=f"{path} does not exist")
     try:
-        with h5py.File(path, "r") as f:
+        f = open_probe_file(path)  # names a file cut short, or one not written by probe
+    except DataError as e:
+        return FileSummary(path, "corrupt", message=str(e))
+    try:
+        with f:
             return _summarize_open(path, f, from_stats)
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         return FileSummary(path, "corrupt", message=f"{path} cannot be read ({e})")

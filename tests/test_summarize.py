@@ -95,6 +95,12 @@ def test_a_run_cut_short_is_reported_partial_and_summarized(tmp_path):
     (bad / "probe.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + os.urandom(4096))
     out = summarize_cli(bad)
     assert out.returncode == 1 and "corrupt" in out.stderr and "Traceback" not in out.stderr
+    assert "not an HDF5 file or its header is damaged" in out.stderr
+    # a file cut short (a copy that stopped) says so
+    whole = (run_dir / "probe.h5").read_bytes()
+    (bad / "probe.h5").write_bytes(whole[: len(whole) // 2])
+    out = summarize_cli(bad)
+    assert out.returncode == 1 and "cut short" in out.stderr, out.stderr
     out = summarize_cli(tmp_path / "missing")
     assert out.returncode == 1 and "missing" in out.stderr and "Traceback" not in out.stderr
 
