@@ -26,32 +26,34 @@ def depth_rows(table: pd.DataFrame, site: str) -> pd.DataFrame:
 
 def depth_figure(table: pd.DataFrame, title: str = "") -> plt.Figure:
     """mean, std, frac_zero of each layer's output and the mean per-sample gradient norm against
-    layer order; a sweep table (with a `run` column) gets one line per run on the same axes."""
+    layer order; a sweep table (with a `run` column) gets one line per run on the same axes, over
+    relative depth (0 first layer, 1 last) when its runs hold different layers."""
     panels = [*DEPTH_PANELS, GRAD_PANEL]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), squeeze=False)
     groups = list(table.groupby("run", sort=False)) if "run" in table else [(None, table)]
-    labels = {}
-    for run, part in groups:
-        label = None if run is None else run_label(part, run)
-        for ax, (column, site) in zip(axes[:, 0], panels, strict=True):
-            rows = depth_rows(part, site)
-            if rows.empty:
-                continue
-            ax.plot(np.arange(len(rows)), rows[column].to_numpy(), marker="o", label=label)
-            labels[(column, site)] = list(rows["layer"])
+    where = "in this run" if len(groups) == 1 else "in these runs"
     for ax, (column, site) in zip(axes[:, 0], panels, strict=True):
         name = (
             "grad norm (l2_mean of grad_output)" if site == "grad_output" else f"{column} ({site})"
         )
         ax.set_ylabel(name, fontsize=8)
-        layers = labels.get((column, site))
-        if layers is None:
-            ax.text(0.5, 0.5, f"no {site} sites in this run", ha="center", transform=ax.transAxes)
+        lines = [(run, rows) for run, part in groups if not (rows := depth_rows(part, site)).empty]
+        if not lines:
+            ax.text(0.5, 0.5, f"no {site} sites {where}", ha="center", transform=ax.transAxes)
             continue
-        ax.set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=6)
+        layers = [list(rows["layer"]) for _, rows in lines]
+        shared = all(names == layers[0] for names in layers)
+        for run, rows in lines:
+            x = np.arange(len(rows)) if shared else np.linspace(0, 1, len(rows))
+            label = None if run is None else run_label(rows, run)
+            ax.plot(x, rows[column].to_numpy(), marker="o", label=label)
+        if shared:
+            ax.set_xticks(np.arange(len(layers[0])), layers[0], rotation=60, ha="right", fontsize=6)
+        else:
+            ax.set_xlabel("relative depth (0 first layer, 1 last)", fontsize=7)
         if len(groups) > 1:
             ax.legend(fontsize=6)
-    axes[-1, 0].set_xlabel("layer (execution order)")
+    axes[-1, 0].set_xlabel(axes[-1, 0].get_xlabel() or "layer (execution order)")
     fig.suptitle(title or "statistics across depth")
     fig.tight_layout()
     return fig

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from probe.plots import depth_figure, features_figure, histogram_figure
@@ -66,6 +67,21 @@ def test_depth_figure_plots_the_table_values(grad_run):
         (line,) = ax.get_lines()
         np.testing.assert_array_equal(line.get_ydata(), values.to_numpy())
         assert [t.get_text() for t in ax.get_xticklabels()] == list(out.layer)
+
+
+def test_depth_figure_of_runs_with_different_layers_uses_relative_depth(grad_run):
+    """A sweep over two models: no layer names on a shared axis (they differ), each run's line
+    over relative depth with its own values."""
+    one = grad_run.summary.assign(run="0", model="a")
+    other = one[one.layer != one.layer.iloc[0]].assign(run="1", model="b")
+    fig = depth_figure(pd.concat([one, other], ignore_index=True))
+    ax = fig.axes[0]  # mean of outputs
+    for line, part in zip(ax.get_lines(), [one, other], strict=True):
+        rows = part[part.site == "output"]
+        np.testing.assert_array_equal(line.get_ydata(), rows["mean"].to_numpy())
+        np.testing.assert_allclose(line.get_xdata(), np.linspace(0, 1, len(rows)))
+    assert not {t.get_text() for t in ax.get_xticklabels()} & set(one.layer)
+    assert "relative depth" in ax.get_xlabel()
 
 
 def test_histograms_and_feature_maps_hold_the_data(grad_run):
