@@ -101,6 +101,7 @@ def restore(writer, batch_rows: int) -> None:
     from probe.store import DatasetInfo
 
     f = writer.file
+    finished = bool(f.attrs.get("complete", False))  # only summarised again: not a resumption
     writer.num_samples = int(f.attrs.get("num_samples", 0))
     writer.num_batches = int(f.attrs.get("num_batches", 0))
     for layer, site, module_type, per_batch in _described(f):
@@ -118,7 +119,8 @@ def restore(writer, batch_rows: int) -> None:
     for key, info in writer.datasets.items():
         _restore_stats(writer, key, info, batch_rows)
     f.attrs["complete"] = False
-    f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
+    if not finished:
+        f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
     f.flush()
 
 
