@@ -13,8 +13,9 @@ import h5py
 from probe.errors import DataError
 
 
-def open_probe_file(path, mode: str = "r") -> h5py.File:
-    """The open file, or DataError naming the path, what is wrong and what to do."""
+def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
+    """The open file, or DataError naming the path, what is wrong and what to do; `ours_only`
+    also refuses an HDF5 file without probe's format_version."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{str(p)!r} does not exist; give the probe.h5 of a run directory")
@@ -33,7 +34,7 @@ def open_probe_file(path, mode: str = "r") -> h5py.File:
             f"{str(p)!r} cannot be opened: {hint} ({detail}); re-run the probe into a new "
             "hydra.run.dir, or copy the file again"
         ) from None
-    if "format_version" not in f.attrs:
+    if ours_only and "format_version" not in f.attrs:
         f.close()
         raise DataError(
             f"{str(p)!r} is an HDF5 file but not one written by probe (no format_version attribute)"

@@ -139,7 +139,7 @@ def summarize_file(path: Path | str, from_stats: bool = False) -> FileSummary:
     if not path.is_file():
         return FileSummary(path, "missing", message=f"{path} does not exist")
     try:
-        f = open_probe_file(path)  # names a file cut short, or one not written by probe
+        f = open_probe_file(path, ours_only=False)  # names a file cut short
     except DataError as e:
         return FileSummary(path, "corrupt", message=str(e))
     try:
