@@ -105,7 +105,7 @@ def _describe(name: str, spec, module_name: str) -> dict:
 def _op(name: str, spec, module_name: str, seed: int):
     op = spec.op
     if op == "zero":
-        return lambda x, start, key, ch: replacing(x, torch.zeros_like(x))
+        return lambda x, start, key, ch: replacing(x, lambda: torch.zeros_like(x))
     if op == "scale":
         factor = float(spec.factor)
         return lambda x, start, key, ch: x * factor
@@ -168,21 +168,23 @@ def _noise(std: float, seed: int, name: str, module_name: str):
 
 
 class _Replaced(torch.autograd.Function):
-    """`value` in place of x, on x's autograd edge: the sites after an ablation keep their
-    gradients and x gets zeros, as after `x * 0` (which a NaN or Inf in x would make NaN)."""
+    """`make()` in place of x, on x's autograd edge: the sites after an ablation keep their
+    gradients and x gets zeros, as after `x * 0` (which a NaN or Inf in x would make NaN). The
+    value is made inside `forward`, so it is the Function's own output, which a later in-place
+    op (ReLU(inplace=True), `out += identity`) may modify; a tensor passed in would be a view."""
 
     @staticmethod
-    def forward(ctx, x, value):
-        return value
+    def forward(ctx, x, make):
+        return make()
 
     @staticmethod
     def backward(ctx, grad):
         return torch.zeros_like(grad), None
 
 
-def replacing(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`value`, which does not depend on x, connected to autograd in x's place when x has a graph."""
-    return _Replaced.apply(x, value) if x.requires_grad else value
+def replacing(x: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`make()`, a value that does not depend on x, in x's place in autograd when x has a graph."""
+    return _Replaced.apply(x, make) if x.requires_grad else make()
 
 
 class MeanSource:
@@ -203,7 +205,7 @@ class MeanSource:
             mean = self.means[key] = self._from_file(key)
         if ch is not None:
             mean = mean[ch]
-        return replacing(x, mean.to(device=x.device, dtype=x.dtype).expand_as(x).clone())
+        return replacing(x, lambda: mean.to(device=x.device, dtype=x.dtype).expand_as(x).clone())
 
     def _from_file(self, key: str) -> torch.Tensor:
         if self.needs_first_pass:

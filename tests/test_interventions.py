@@ -249,6 +249,35 @@ def test_gradients_after_an_ablation_equal_autograd_through_the_replaced_value(t
     )
 
 
+def test_an_ablation_followed_by_an_in_place_op_keeps_its_gradients(tmp_path):
+    """A BasicBlock's bn2 feeds `out += identity`: its zeroed output is modified in place, and the
+    gradients around it still equal autograd's through a plain hook returning `out * 0`."""
+    edit = ["intervene=edit", "intervene.edit.layers=[layer1.0.bn2]", "intervene.edit.op=zero"]
+    layers = "probes.linear.layers=[layer1.0.conv2,layer1.0]"
+    probe = ["probes=all_linear", "probes.linear.types=[]", layers]
+    capture = "probes.linear.capture=[output,grad_output]"
+    _, f = run_probe(tmp_path, *SMALL, *edit, *probe, capture)
+    model, inputs = _clean_model_and_inputs()
+    block = model.layer1[0]
+    block.bn2.register_forward_hook(lambda m, a, out: out * 0)
+    names, seen = {block.conv2: "layer1.0.conv2", block: "layer1.0"}, {}
+
+    def keep(module, args, out):
+        out.retain_grad()
+        seen[names[module]] = out
+
+    for module in names:
+        module.register_forward_hook(keep)
+    targets = torch.as_tensor(f["samples/target"][:])
+    torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum").backward()
+    before, after = f["layers/layer1.0.conv2/grad_output"][:], f["layers/layer1.0/grad_output"][:]
+    assert not before.any() and after.any()
+    for name, out in seen.items():
+        np.testing.assert_allclose(
+            f[f"layers/{name}/grad_output"][:], out.grad.numpy(), rtol=1e-4, atol=1e-6
+        )
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
