@@ -58,15 +58,15 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
 def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-sample cross-entropy; a label the model has no output for is the data's error (synthetic
     and fakedata draw labels below model.num_classes, 1000 unless set), not an IndexError."""
-    classes = out.shape[1] if out.ndim > 1 else 0
-    if y.is_floating_point():  # class probabilities
+    if y.is_floating_point() or out.ndim < 2:  # class probabilities; torch names other misuse
         return F.cross_entropy(out, y, reduction="none")
+    classes = out.shape[1]
     bad = y[((y < 0) & (y != IGNORED)) | (y >= classes)]
     if len(bad):
         raise DataError(
             f"target {int(bad[0])} is out of range for a model output of {classes} classes; set "
-            f"model.num_classes={classes} (synthetic and fakedata labels are drawn below it) or "
-            f"give targets in [0, {classes})"
+            f"model.num_classes={classes} (synthetic and fakedata labels are drawn below it, or "
+            f"below dataset.num_classes when set) or give targets in [0, {classes})"
         )
     return F.cross_entropy(out, y, reduction="none")
 

@@ -5,7 +5,7 @@ The sizes come from the run's first batch (its real forward and backward through
 so every site, reduction and storage dtype counts exactly. The projection follows the writer's
 layout: whole chunks of `store.chunk_bytes` per dataset (HDF5 allocates the last chunk in full),
 one file per rank, no compression (a compressed file is smaller). A stats-only file holds the
-per-sample rows of /model/output (written at the close, or at each flush), and per dataset its /stats: the histogram's
+per-sample rows of /model/output (chunked by batch as in full mode), and per dataset its /stats: the histogram's
 non-empty buckets (from those the first batch filled; later batches add a few, BUCKET_GROWTH)
 and the per-unit arrays.
 """
@@ -88,7 +88,7 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
 
     def fixed(n: int) -> int:
         growth = 1 + BUCKET_GROWTH * math.log(max(n / record.size, 1))
-        stats = sum(stats_bytes(t, record.counted.get(key), growth) for key, t in captured)
+        stats = sum(stats_bytes(t, record.counted.get(key), growth, n) for key, t in captured)
         return FILE_OVERHEAD + DATASET_OVERHEAD * len(rows) + stats
 
     projected = fixed(sum(blocks)) if len(blocks) > 1 else 0  # a torchrun job's stitched file
@@ -96,16 +96,19 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
         projected += fixed(n)
         for row, batchwise in rows:
             count = math.ceil(n / batch_size) if batchwise else n
-            held = min(batch_size if full else n, n)  # stats-only: rows held to the close
-            chunk = chunk_rows(1 if batchwise else held, row, store.chunk_bytes)
+            chunk = chunk_rows(1 if batchwise else min(batch_size, n), row, store.chunk_bytes)
             projected += math.ceil(count / chunk) * chunk * row
     return Plan(dict(per_sample), per_batch, projected)
 
 
-def stats_bytes(t, first, growth: float) -> int:
+def stats_bytes(t, first, growth: float, rows: int) -> int:
     """One dataset's /stats: its histogram's buckets, `growth` times those the first batch's
-    statistics `first` filled (None when not observed), and its per-unit arrays."""
-    buckets = min(int(occupied_buckets(first) * growth), 1 << 16) if first else TYPICAL_BUCKETS
+    statistics `first` filled, or when not observed yet (parameter gradients, a GPU run) at most
+    TYPICAL_BUCKETS and the values of `rows` rows; and its per-unit arrays."""
+    if first is not None:
+        buckets = min(int(occupied_buckets(first) * growth), 1 << 16)
+    else:
+        buckets = min(TYPICAL_BUCKETS, rows * math.prod(t.shape[1:]))
     units = t.shape[1] if t.ndim > 1 else 0
     return STATS_OVERHEAD + 16 * buckets + 8 * len(UNIT_FIELDS) * units
 
