@@ -426,9 +426,8 @@ def batch_stats(x, bounds: tuple[float, float] | None = None, hist: LogHistogram
 
 def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
     """RunningStats of a batch from the array `kernels.finish` packed it into."""
-    width, k = int(packed[0]), int(packed[1])
+    width, k, o = _layout(packed)
     s = RunningStats(rows, *_scalars(packed), hist=None)
-    o = PACKED_HEAD + 5 * width
     if spans:
         heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
         s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
@@ -442,6 +441,13 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
             positive.astype(np.int64),
         )
     return s
+
+
+def _layout(packed: np.ndarray) -> tuple[int, int, int]:
+    """(units' width, histogram spans k, where the span heads start) of a `kernels.finish` result:
+    the 11 scalars from 2, then 5 arrays of `width`, then 2k heads, then the spans' counts."""
+    width = int(packed[0])
+    return width, int(packed[1]), PACKED_HEAD + 5 * width
 
 
 def _scalars(packed: np.ndarray) -> tuple:
@@ -471,8 +477,8 @@ class Pending:
     @property
     def buckets(self) -> int:
         """Non-empty histogram buckets (the span counts close the packed array)."""
-        width, k = int(self.packed[0]), int(self.packed[1])
-        return int(np.count_nonzero(self.packed[PACKED_HEAD + 5 * width + 2 * k :]))
+        _, k, heads = _layout(self.packed)
+        return int(np.count_nonzero(self.packed[heads + 2 * k :]))
 
 
 def occupied_buckets(stats: RunningStats | Pending) -> int:

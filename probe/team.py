@@ -12,7 +12,7 @@ compiled function lives there, since numba's disk cache is checked against the c
 a function is defined in, not of the files its callees are).
 
 Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
-and not in a process forked after the team was used; `size()` is then the team's width
+and not in a process forked after the team was used; `entry()` then gives the team's width
 (torch.set_num_threads), else 0 and the caller splits the pass some other way.
 """
 
@@ -74,16 +74,11 @@ def _loaded_runtimes() -> list[str]:
     return found if len(found) == 1 else []
 
 
-def size() -> int:
-    """Threads a pass can be split across on torch's team from here; 0 when it cannot (another
-    thread would get a team of new threads, competing with the forward; so would a process
-    forked from one that used the team)."""
-    return entry()[0]
-
-
 def entry() -> tuple[int, int]:
-    """(`size()`, the address of the runtime's GOMP_parallel, which `kernels.team_batch` calls)
-    in one look, as a hook needs both: (0, 0) where the team cannot be used."""
+    """(threads a pass can be split across on torch's team from here, the address of the
+    runtime's GOMP_parallel, which `kernels.team_batch` calls) in one look, as a hook needs both:
+    (0, 0) where the team cannot be used (another thread would get a team of new threads,
+    competing with the forward; so would a process forked from one that used the team)."""
     if threading.current_thread() is not threading.main_thread():
         return 0, 0
     lib = _runtime()

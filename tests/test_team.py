@@ -144,11 +144,11 @@ def test_running_histogram_of_split_batches_equals_numpy(two_threads):
 def test_only_the_thread_that_runs_the_forward_uses_the_team():
     """Another thread (the writer) would get a team of new threads competing with the forward."""
     seen = []
-    t = threading.Thread(target=lambda: seen.append(team.size()))
+    t = threading.Thread(target=lambda: seen.append(team.entry()[0]))
     t.start()
     t.join()
     assert seen == [0]
-    assert team.size() == torch.get_num_threads()
+    assert team.entry()[0] == torch.get_num_threads()
 
 
 def _in_forked_child(work) -> str:
@@ -176,7 +176,7 @@ def test_a_forked_child_does_not_use_its_parents_team(two_threads):
     """libgomp's threads do not survive fork: a child would wait for them forever."""
     x = _batches()["holes"]
     batch_stats(torch.from_numpy(x))  # the parent has used the team
-    got = _in_forked_child(lambda: f"{team.size()} {batch_stats(torch.from_numpy(x)).n}")
+    got = _in_forked_child(lambda: f"{team.entry()[0]} {batch_stats(torch.from_numpy(x)).n}")
     assert got == f"0 {int(np.isfinite(x).sum())}"
 
 
