@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -249,9 +250,11 @@ def timed(fn: Callable, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     gc.collect()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     c0, t0 = time.process_time(), time.perf_counter()
     fn(out)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
     files = [f for f in out.rglob("*") if f.is_file()]
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -261,7 +264,14 @@ def timed(fn: Callable, out: Path) -> dict:
             os.close(fd)
     durable = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in files)
-    return {"wall": wall, "cpu": cpu, "durable": durable, "bytes": size}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "sys": u1.ru_stime - u0.ru_stime,  # kernel time: page faults, copies into the page cache
+        "faults": u1.ru_minflt - u0.ru_minflt,
+        "durable": durable,
+        "bytes": size,
+    }
 
 
 def rounds(variants: dict[str, Callable], n: int, tmp: Path, threads: int, verbose=True) -> dict:
@@ -435,6 +445,8 @@ def summarise(times: list[dict], floor: list[dict], quiet: list[bool], tokens, t
         "x_durable": statistics.median(
             t["durable"] / p["durable"] for t, p in zip(times, floor, strict=True)
         ),
+        "sys_s": statistics.median(t["sys"] for t in times),
+        "faults_k": statistics.median(t["faults"] for t in times) / 1e3,
         "tokens_per_s": tokens / statistics.median(walls),
         "cpu_util": statistics.median(t["cpu"] / (threads * t["wall"]) for t in times),
         "mb_written": times[0]["bytes"] / 1e6,
@@ -449,6 +461,8 @@ def table_lines(rows: list[dict]) -> list[str]:
         "x_quiet",
         "x_cpu",
         "x_durable",
+        "sys_s",
+        "faults_k",
         "tokens_per_s",
         "cpu_util",
         "rss_mb",
@@ -465,6 +479,8 @@ def table_lines(rows: list[dict]) -> list[str]:
                 "-" if calm is None else f"{calm:.3f}",
                 f"{r['x_cpu']:.3f}",
                 f"{r['x_durable']:.3f}",
+                f"{r['sys_s']:.2f}",
+                f"{r['faults_k']:.0f}",
                 f"{r['tokens_per_s']:,.0f}",
                 f"{r['cpu_util']:.2f}",
                 "-" if rss is None else f"{rss:.0f}",
@@ -588,7 +604,8 @@ def report(args, setup, tmp: Path, assets: Path, threads: int) -> None:
         f"{os.cpu_count()} cores; median of {args.rounds} interleaved rounds, x_plain = median "
         f"of per-round ratios to the plain forward (x_quiet: over the quiet rounds, where every "
         f"variant's CPU time >= {QUIET} x threads x wall; x_cpu: of process CPU time; x_durable: "
-        f"of the seconds until the files are on disk, fsync included)"
+        f"of the seconds until the files are on disk, fsync included; sys_s: kernel CPU seconds "
+        f"and faults_k: minor page faults (thousands) of a run, medians)"
     )
     versions = (
         f"{datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, "
