@@ -162,6 +162,14 @@ class StoreConfig:
 
 
 @dataclass
+class StatsConfig:
+    """How statistics are computed: `backend` auto, torch (the reference, on the capture's
+    device) or numba (a compiled CPU accelerator, the `fast` extra); see probe.backend."""
+
+    backend: str = "auto"
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     dataset: DatasetConfig = MISSING
@@ -170,6 +178,7 @@ class Config:
     intervene: dict[str, Any] = field(default_factory=dict)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast

@@ -41,7 +41,9 @@ def to_host(*groups: dict) -> tuple[list[dict], torch.cuda.Event | None]:
     for group in groups:
         host = {}
         for key, t in group.items():
-            if t.is_cuda:
+            if t.is_cuda and t.numel() == 0:  # a layout (statistics-only run): nothing to copy
+                host[key] = torch.empty(t.shape, dtype=t.dtype)
+            elif t.is_cuda:
                 # torch's caching host allocator reuses pinned blocks once the writer drops them;
                 # the GPU tensor stays valid until the copy ran (same stream, caching allocator).
                 host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -88,12 +88,14 @@ class BatchCapture:
     tokens: TokenBatch | None = None  # a token batch's mask (token reductions and rows)
     recording: bool = True  # False: the edits act, nothing is captured (a grid's cell passes)
     repeats: int = 1  # the batch stacked so many times in one forward (a grid's cells)
+    observe_device: bool = False  # `observe` also takes GPU values (the torch backend)
 
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
-        """Capture `t` at `key`. `observe` (the statistics) sees a CPU value now, while it is in
-        cache and before any later in-place op; when values are not kept it needs no copy, and
-        `values` holds an empty tensor that only tells the writer the layout."""
-        observing = self.observe is not None and t.is_cpu
+        """Capture `t` at `key`. `observe` (the statistics) sees the value now, before any later
+        in-place op (a CPU one while it is in cache, a GPU one where it lives, when the backend
+        reduces there); when values are not kept it needs no copy, and `values` holds an empty
+        tensor that only tells the writer the layout."""
+        observing = self.observe is not None and (t.is_cpu or self.observe_device)
         copy = self.keep_values or not observing
         value, axis = keep(t, sel, self.size, key, copy, self.pool, self.pooled, self.tokens)
         self.axes[key] = axis
@@ -146,9 +148,11 @@ class Capture:
         index_offset: int = 0,
         observe: Callable[[tuple[str, str], torch.Tensor, int], Any] | None = None,
         keep_values: bool = True,
+        observe_device: bool = False,
     ):
         self.selections = selections
-        self.observe = observe  # called with each CPU capture (and its unit axis) as it is taken
+        self.observe = observe  # called with each capture (and its unit axis) as it is taken
+        self.observe_device = observe_device  # GPU captures too, else only CPU ones
         self.keep_values = keep_values
         self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
@@ -204,6 +208,7 @@ class Capture:
             tokens=tokens,
             recording=recording,
             repeats=repeats,
+            observe_device=self.observe_device,
         )
         self.in_calls.clear()
         self.out_calls.clear()

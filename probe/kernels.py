@@ -606,28 +606,6 @@ def take_spans(lanes, heads, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def occupied(counts, by_value):
-    """(2, k) int64: the index and count of each non-empty bucket, in index order or, with
-    `by_value`, in increasing value order (the negative buckets from the largest magnitude down,
-    then the positive ones up). One pass where numpy's nonzero and fancy indexing took 130 us."""
-    size = counts.size
-    k = 0
-    for i in range(size):
-        k += counts[i] != 0
-    out = np.empty((2, k), np.int64)
-    j = 0
-    for step in range(size):
-        i = step
-        if by_value:
-            i = size - 1 - step if step < size // 2 else step - size // 2
-        if counts[i] != 0:
-            out[0, j] = i
-            out[1, j] = counts[i]
-            j += 1
-    return out
-
-
-@numba.njit(nogil=True, cache=True)
 def drain(counts, first, out):
     """out += counts[first:first + out.size], leaving those counts zero."""
     for i in range(out.size):

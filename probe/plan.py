@@ -17,6 +17,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+from probe.backend import DeviceStats
 from probe.data import OrderedBatches
 from probe.stats import UNIT_FIELDS, occupied_buckets
 from probe.store import Record, chunk_rows
@@ -54,7 +55,23 @@ def announce(record: Record, batches: OrderedBatches, selections, store, shard) 
         record.ready.synchronize()
     result = estimate(record, selections, store, list(shard.blocks), batches.batch_size)
     log_plan(result, shard.dataset_samples, shard.world, store)
+    if record.ready is not None:
+        log_transfer(record)
     return result
+
+
+def log_transfer(record: Record) -> None:
+    """What a GPU batch moves to the host: the captures' copies (full capture, or every
+    capture when the statistics are reduced on the host) and the statistics' packed results."""
+    captures = sum(t.nbytes for t in [*record.values.values(), *record.per_batch.values()])
+    stats = sum(c.packed.nbytes for c in record.counted.values() if isinstance(c, DeviceStats))
+    where = "on the GPU" if stats else "on the host"
+    log.info(
+        "plan: GPU -> host per batch: captures %s, statistics %s (statistics reduced %s)",
+        human(captures),
+        human(stats),
+        where,
+    )
 
 
 def row_bytes(t) -> int:

@@ -18,9 +18,10 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from probe import backend, distributed, nonfinite
 from probe import device as devices
-from probe import distributed, nonfinite
 from probe import plan as size_plan
+from probe.backend import DeviceStats
 from probe.config import GRAD_SITES
 from probe.data import build_batches, check_token_data
 from probe.errors import ConfigError
@@ -86,6 +87,7 @@ class Plan:
     device: torch.device
     edits: list = field(default_factory=list)
     shard: distributed.Shard | None = None
+    stats_backend: str | None = None  # what reduces captures (`probe.backend`); None: stats.backend
 
 
 def plan(cfg: DictConfig) -> Plan:
@@ -97,6 +99,8 @@ def plan(cfg: DictConfig) -> Plan:
     device = shard.device(resolve_device(cfg.device))
     devices.check_precision(cfg.precision)
     check_model_output(cfg.store.model_output)
+    stats_backend = backend.resolve(cfg.stats.backend, device.type)
+    backend.use(stats_backend)
     selections = select_modules(model, cfg.probes)
     check_token_data(every.dataset, selections, model)
     edits = build_edits(model, cfg.intervene, cfg.seed)
@@ -124,7 +128,7 @@ def plan(cfg: DictConfig) -> Plan:
             "and no layers, and summary.csv no rows",
             cfg.store.filename,
         )
-    return Plan(model, batches, selections, objective, device, edits, shard)
+    return Plan(model, batches, selections, objective, device, edits, shard, stats_backend)
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = None) -> RunResult:
@@ -135,6 +139,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     model, batches, selections, objective = p.model, p.batches, p.selections, p.objective
     device, edits = p.device, p.edits
     shard = p.shard or distributed.shard(batches)[0]
+    stats_backend = p.stats_backend or backend.resolve(cfg.stats.backend, device.type)
     model.to(device)
     buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
     model.train(cfg.train_mode)
@@ -158,12 +163,14 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
             **file_attrs(cfg, run_dir),
             **shard.attrs(),
             "edits": json.dumps([e.describe for e in edits]),
+            "stats_backend": stats_backend,
             **(interventions.attrs() if interventions is not None else {}),
         },
         resume=resuming,
         batch_rows=cfg.dataset.batch_size,
         flush_seconds=cfg.store.flush_seconds,
         index_offset=shard.samples.start,
+        stats_backend=stats_backend,
     )
     if resuming:
         batches.skip(writer.num_batches)
@@ -171,9 +178,10 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
     complete = False
     stop = StopFlag()
     try:
-        observe = writer.observe if device.type == "cpu" else None
+        on_device = writer.observes_device
+        observe = writer.observe if device.type == "cpu" or on_device else None
         keep_values = cfg.store.mode == "full"
-        capture = Capture(selections, edits, shard.samples.start, observe, keep_values)
+        capture = Capture(selections, edits, shard.samples.start, observe, keep_values, on_device)
         precision, fail_on_nonfinite = cfg.precision, cfg.fail_on_nonfinite  # read once
         model_output = cfg.store.model_output
         with capture, stop, interventions or contextlib.nullcontext():
@@ -270,9 +278,17 @@ def run_batch(
         run = (model, device, precision, capture)
         extra.update(interventions.after(passes, output, batch, inputs, tokens, model_output, run))
         interventions.release()
-    (values, per_batch), ready = devices.to_host(captured.values, per_batch)
+    observed = captured.observed
+    if capture.observe_device:  # parameter gradients' statistics too, where they lie
+        for key, t in per_batch.items():
+            if not t.is_cpu:
+                observed[key] = capture.observe(key, t, 1)
+    on_device = {k: v.packed for k, v in observed.items() if isinstance(v, DeviceStats)}
+    (values, per_batch, host_stats), ready = devices.to_host(captured.values, per_batch, on_device)
+    for key, packed in host_stats.items():  # readable once `ready` has fired
+        observed[key].packed = packed
     record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
-    record.counted = captured.observed
+    record.counted = observed
     record.axes = captured.axes
     if host_tokens is not None and any(s.rows == "tokens" for s in selections):
         record.tokens = host_tokens.rows(batch.inputs["input_ids"], batch.start)

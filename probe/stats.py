@@ -1,13 +1,14 @@
 """Streaming per-dataset statistics with exact merges in float64 (Chan et al. for mean and variance).
 
-Each batch is reduced in one compiled pass (`probe.kernels`) over a numpy view of it, accumulating
-in float64; batches, files and processes merge with the same `merge`. No torch here: the summarizer
-reads files with numpy alone. Mean, std, min, max, abs_mean and rms are over the finite values; NaN and Inf are
-counted apart. std is the population standard deviation (ddof=0).
+Each batch is reduced by a backend (`probe.backend`: the torch reference `probe.torch_stats`, on
+the tensor's own device, or the compiled numba accelerator `probe.numba_stats`) into the fields
+below, accumulated in float64; batches, files and processes merge with the same `merge`. This
+module needs numpy alone. Mean, std, min, max, abs_mean and rms are over the finite values; NaN
+and Inf are counted apart. std is the population standard deviation (ddof=0).
 
-A batch is viewed as (rows, units, rest): units are axis 1 (channels of a conv output, features of a
-linear one). Each unit's sums are taken about one of its own values and the units merged with
-Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
+A batch is viewed as (rows, units, rest): units lie along the dataset's unit axis (channels of a
+conv output, features of a linear one). Each unit's moments are taken about its own values and
+the units merged with Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
 
 Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
 sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
@@ -16,32 +17,18 @@ midpoint of the bucket holding the value of rank floor(q*(n-1)) (numpy's method=
 [min, max]; its error is at most QUANTILE_REL_ERROR = 2**-8 (0.39%) of that value's magnitude
 (at most 2**-133 in absolute terms for |values| below 2**-126, where float32 turns subnormal).
 
-Per-unit statistics (one entry per unit of axis 1): finite count, sum, min, max, count above zero, and
-for bounded activations the count of values within 1% of the range from a bound. A unit is *dead*
-when no value of it was ever above zero; it is *saturated* when every value of it was within 1% of
-the range from a bound of the module's output range (`SATURATING`, output sites only).
+Per-unit statistics: finite count, sum, min, max, count above zero, and for bounded activations
+the count of values within 1% of the range from a bound. A unit is *dead* when no value of it was
+ever above zero; it is *saturated* when every value of it was within 1% of the range from a bound
+of the module's output range (`SATURATING`, output sites only).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from probe import team
-from probe.kernels import (
-    PACKED_HEAD,
-    WORK,
-    finish,
-    fold_packed,
-    occupied,
-    reduce_rows,
-    team_batch,
-)
-from probe.parallel import threads
-from probe.units import row_l2_sum, units_view
 
 QUANTILE_REL_ERROR = 2.0**-8
 QUANTILES = {"p01": 0.01, "p50": 0.5, "p99": 0.99}
@@ -53,22 +40,12 @@ SATURATING = {
     "Hardtanh": (-1.0, 1.0),
     "ReLU6": (0.0, 6.0),
 }
-PARALLEL_MIN_VALUES = 1 << 18  # below this a batch is reduced on the calling thread alone
-TEAM_MIN_VALUES = 1 << 14  # torch's idle workers start at once (`probe.team`): worth it sooner
 SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
 SCALARS = (
     "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
 )  # fmt: skip
 INTEGER_SCALARS = {"rows", "n", "zeros", "nan_count", "inf_count"}
 UNIT_FIELDS = ("count", "sum", "min", "max", "positive", "saturated")  # rows of a saved `units`
-
-
-LOW_BITS = {np.dtype(t): t(np.iinfo(t).max) for t in (np.int32, np.int64)}  # all but the sign
-# The order key of +Inf per key width; NaN's lie beyond +-Inf's.
-INFINITE = {
-    np.dtype(np.int32): np.float32(np.inf).view(np.int32),
-    np.dtype(np.int64): np.float64(np.inf).view(np.int64),
-}
 
 
 class LogHistogram:
@@ -230,12 +207,14 @@ class RunningStats:
         """Fold in one batch (axis 0 = rows): a numpy array or a CPU torch tensor."""
         self.merge(batch_stats(x, self.bounds, self.hist, self.unit_axis))
 
-    def merge(self, b: RunningStats | Pending) -> None:
-        """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare."""
-        if type(b) is Pending:
-            self._fold(b)
+    def merge(self, b) -> None:
+        """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare. `b` is
+        another RunningStats, or a backend's packed batch result, which folds itself in."""
+        fold = getattr(b, "fold_into", None)
+        if fold is not None:
+            fold(self)
             return
-        self._add(
+        self.add(
             b.rows, b.n, b.mean, b.m2, b.min, b.max, b.abs_sum, b.zeros, b.nan_count, b.inf_count,
             b.l2_sum,
         )  # fmt: skip
@@ -247,7 +226,7 @@ class RunningStats:
             else:
                 self.units.merge(b.units)
 
-    def _add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
+    def add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
         total = self.n + n
         if n:
             d = mean - self.mean
@@ -261,18 +240,6 @@ class RunningStats:
         self.nan_count += nans
         self.inf_count += infs
         self.l2_sum += l2_sum
-
-    def _fold(self, b: Pending) -> None:
-        """Merge b's packed result: the scalars here, its units and histogram spans in one
-        compiled call."""
-        packed = b.packed
-        self._add(b.rows, *_scalars(packed))
-        u, width = self.units, int(packed[0])
-        if u is None:
-            u = self.units = UnitStats.empty(width)
-        elif width != len(u.count):
-            raise ValueError(f"unit counts differ: {u.count.shape} vs ({width},)")
-        fold_packed(packed, self.hist.counts, u.count, u.sum, u.min, u.max, u.positive)
 
     def as_row(self) -> dict:
         n = self.n
@@ -384,120 +351,10 @@ def stats_for(module_type: str, site: str, unit_axis: int = 1) -> RunningStats:
     return RunningStats(bounds=bounds_for(module_type, site), unit_axis=unit_axis)
 
 
-class _Scratch(threading.local):
-    """This thread's histogram that batches without a running one count into, before their
-    ranges are copied out and zeroed again. int32 counts: a cache-friendlier half the size, and
-    a batch with fewer than 2**31 values cannot overflow them."""
-
-    def __init__(self):
-        self.hist = LogHistogram(np.zeros(LogHistogram.BINS, dtype=np.int32))
-
-
-_scratch = _Scratch()
-
-
-def batch_stats(
-    x,
-    bounds: tuple[float, float] | None = None,
-    hist: LogHistogram | None = None,
-    unit_axis: int = 1,
-):
-    """Statistics of one batch from one compiled pass, split by rows across torch's threads
-    (`probe.team`) or else `threads`. Its values are counted into `hist` (a running histogram),
-    or without one into this thread's scratch, whose occupied buckets become its own histogram
-    (`BucketSpans`); NaN and Inf are counted apart. Units lie along `unit_axis`."""
-    a = as_array(x)
-    rows = a.shape[0] if a.ndim else 1
-    has_units = a.ndim >= 2
-    if a.size == 0:
-        return RunningStats(rows=rows, hist=None, unit_axis=unit_axis)
-    y, regrouped = units_view(a, unit_axis)
-    own = hist is None
-    if own:
-        hist = _scratch.hist if y.size < 1 << 31 else LogHistogram()
-    parts, entry = _split(y)
-    lanes = hist.lanes(parts)
-    try:
-        if entry:
-            result = team_batch(y, lanes, own, entry, WORK[lanes.dtype].address)
-        else:
-            result = _by_threads(y, lanes, parts, own)
-    except BaseException:  # e.g. a second Ctrl-C: the scratch must not carry counts to the next
-        if own:
-            lanes[:] = 0
-        raise
-    s = _from_result(rows, has_units, result, own)
-    s.unit_axis = unit_axis
-    if regrouped:  # the pass's rows were tokens: each sample's L2 norm is taken here
-        s.l2_sum = row_l2_sum(a, bool(s.nan_count or s.inf_count))
-    if has_units and bounds is not None:
-        s.units.saturated = saturated_counts(y, bounds)
-    return s
-
-
-def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
-    """RunningStats of a batch from the array `kernels.finish` packed it into."""
-    width, k, o = _layout(packed)
-    s = RunningStats(rows, *_scalars(packed), hist=None)
-    if spans:
-        heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
-        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
-    if has_units:
-        count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
-        s.units = UnitStats(  # copies: a running one adopting them must not hold `packed`
-            count.astype(np.int64),
-            sums.copy(),
-            lows.copy(),
-            highs.copy(),
-            positive.astype(np.int64),
-        )
-    return s
-
-
-def _layout(packed: np.ndarray) -> tuple[int, int, int]:
-    """(units' width, histogram spans k, where the span heads start) of a `kernels.finish` result:
-    the 11 scalars from 2, then 5 arrays of `width`, then 2k heads, then the spans' counts."""
-    width = int(packed[0])
-    return width, int(packed[1]), PACKED_HEAD + 5 * width
-
-
-def _scalars(packed: np.ndarray) -> tuple:
-    """(n, mean, m2, min, max, abs_sum, zeros, nan_count, inf_count, l2_sum) of a packed result,
-    counts as ints: RunningStats' fields after `rows`."""
-    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
-    return int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2
-
-
-L2_AT = 2 + 9  # where a packed result holds l2_sum, after nan_count and inf_count (`_scalars`)
-
-
-class Pending:
-    """A batch's statistics as the compiled pass packed them, folded straight into running
-    ones by `RunningStats.merge` (no RunningStats of its own to build)."""
-
-    __slots__ = ("rows", "packed")
-
-    def __init__(self, rows: int, packed: np.ndarray):
-        self.rows, self.packed = rows, packed
-
-    @property
-    def nan_count(self) -> int:
-        return int(self.packed[2 + 7])  # (the scalars start at 2; see `_scalars`)
-
-    @property
-    def inf_count(self) -> int:
-        return int(self.packed[2 + 8])
-
-    @property
-    def buckets(self) -> int:
-        """Non-empty histogram buckets (the span counts close the packed array)."""
-        _, k, heads = _layout(self.packed)
-        return int(np.count_nonzero(self.packed[heads + 2 * k :]))
-
-
-def occupied_buckets(stats: RunningStats | Pending) -> int:
-    """How many histogram buckets a batch's (or a run's) statistics fill: /stats stores each."""
-    if isinstance(stats, Pending):
+def occupied_buckets(stats) -> int:
+    """How many histogram buckets a batch's (or a run's) statistics fill: /stats stores each.
+    A backend's packed batch result counts its own (`buckets`)."""
+    if hasattr(stats, "buckets"):
         return stats.buckets
     hist = stats.hist
     if hist is None:
@@ -505,91 +362,21 @@ def occupied_buckets(stats: RunningStats | Pending) -> int:
     return int(np.count_nonzero(hist.spans if isinstance(hist, BucketSpans) else hist.counts))
 
 
-class HookStats:
-    """`batch_stats` for captures taken in a forward's hooks, in as few Python steps as they
-    allow: after a convolution each step costs microseconds (its caches are cold). Torch's team
-    and this thread's scratch lanes are looked up once per batch (`begin`, on the thread that
-    runs the forward); a float32 capture of rows and units is then one numpy view and one
-    compiled call, its result a `Pending`. Other captures, and those on another thread, take
-    `batch_stats`."""
-
-    def __init__(self):
-        self.thread, self.entry, self.lanes = None, 0, None
-        self.work = WORK[np.dtype(np.int32)].address
-
-    def begin(self) -> None:
-        width, entry = team.entry()
-        self.thread = threading.get_ident() if width > 1 else None
-        self.entry = entry
-        self.lanes = _scratch.hist.lanes(width) if width > 1 else None
-
-    def __call__(
-        self, x, bounds: tuple[float, float] | None = None, unit_axis: int = 1
-    ) -> RunningStats | Pending:
-        if bounds is None and self.thread == threading.get_ident():
-            try:
-                a = x.numpy()
-            except (RuntimeError, TypeError, AttributeError):  # needs grad, bfloat16, ...
-                a = None
-            if (
-                a is not None
-                and a.dtype.char == "f"
-                and a.ndim >= 2
-                and TEAM_MIN_VALUES <= a.size < 1 << 31  # (int32 scratch counts)
-                and a.flags.c_contiguous
-            ):
-                lanes = self.lanes
-                y, regrouped = units_view(a, unit_axis)
-                try:
-                    packed = team_batch(y, lanes, True, self.entry, self.work)
-                except BaseException:  # the scratch must not carry counts to the next batch
-                    lanes[:] = 0
-                    raise
-                if regrouped:  # (see batch_stats)
-                    packed[L2_AT] = row_l2_sum(a, bool(packed[L2_AT - 2] or packed[L2_AT - 1]))
-                return Pending(len(a), packed)
-        return batch_stats(x, bounds, unit_axis=unit_axis)
+def occupied(counts: np.ndarray, by_value: bool) -> np.ndarray:
+    """(2, k) int64: the index and count of each non-empty bucket, in index order or, with
+    `by_value`, in increasing value order (the negative buckets from the largest magnitude down,
+    then the positive ones up)."""
+    index = np.flatnonzero(counts)
+    if by_value:
+        negative = index >= LogHistogram.BINS // 2
+        index = np.concatenate([index[negative][::-1], index[~negative]])
+    return np.stack([index, counts[index]]).astype(np.int64, copy=False)
 
 
-def _split(y: np.ndarray) -> tuple[int, int]:
-    """How many parts of rows y is reduced in, and on torch's threads (`probe.team`) the
-    address of their entry (else 0)."""
-    rows = y.shape[0]
-    if y.dtype.char == "f" and y.flags.c_contiguous and y.size >= TEAM_MIN_VALUES:
-        width, entry = team.entry()
-        if min(width, rows) > 1:
-            return min(width, rows), entry
-    return (min(threads.total, rows) if y.size >= PARALLEL_MIN_VALUES else 1), 0
+def batch_stats(x, bounds=None, hist: LogHistogram | None = None, unit_axis: int = 1):
+    """Statistics of one batch (axis 0 = rows; a numpy array or a torch tensor) from this
+    process's CPU backend (`probe.backend`); those that count into a running histogram `hist`
+    do so, the others return their own."""
+    from probe import backend
 
-
-def _by_threads(y: np.ndarray, lanes: np.ndarray, parts: int, spans: bool) -> tuple:
-    """`kernels.finish` of y reduced in `parts` parts of rows on `threads`."""
-    with np.errstate(over="ignore"):  # float64 beyond float32's range: an Inf bucket, cleared
-        bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
-    keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)
-    low_bits, infinite = LOW_BITS[keys.dtype], INFINITE[keys.dtype]
-    rows, units = y.shape[:2]
-    outs = (
-        np.empty((parts, 4)),
-        np.empty((parts, 5), np.int64),
-        np.empty((parts, 3, units)),
-        np.empty((parts, 2, units), np.int64),
-    )
-    cuts = [rows * i // parts for i in range(parts + 1)]
-    threads.run(
-        reduce_rows,
-        [
-            (y[i:j], bits[i:j], keys[i:j], low_bits, infinite, lanes[p], *(o[p] for o in outs))
-            for p, (i, j) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))
-        ],
-    )
-    return finish(*outs, low_bits, keys, y, lanes, spans)
-
-
-def saturated_counts(y: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:
-    """Per unit of y (rows, units, rest): finite values within SATURATION_TOL of the range from
-    a bound (bounded activations only, so this extra pass is rare)."""
-    lo, hi = bounds
-    tol = SATURATION_TOL * (hi - lo)
-    near = ((y <= lo + tol) | (y >= hi - tol)) & np.isfinite(y)
-    return near.sum(axis=(0, 2))
+    return backend.cpu_stats()(x, bounds, hist, unit_axis)

@@ -25,12 +25,12 @@ import h5py
 import numpy as np
 import torch
 
-from probe import direct
+from probe import backend, direct
 from probe.diskspace import check_space
 from probe.errors import WriteError
 from probe.h5fresh import add_attrs, add_dataset
 from probe.resume import describe, restore, tags
-from probe.stats import HookStats, Pending, RunningStats, bounds_for, stats_for
+from probe.stats import RunningStats, bounds_for, stats_for
 
 FORMAT_VERSION = 1
 log = logging.getLogger("probe")
@@ -55,7 +55,7 @@ class Record:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
     # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
-    counted: dict[tuple[str, str], RunningStats | Pending] = field(default_factory=dict)
+    counted: dict[tuple[str, str], Any] = field(default_factory=dict)  # RunningStats or packed
     # gives the values' buffers back for reuse once written; they may not be read after
     release: Callable[[], None] | None = None
     axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis by dataset
@@ -98,6 +98,7 @@ class ProbeWriter:
         flush_seconds: float | None = None,
         index_offset: int = 0,
         token_layers: frozenset[str] = frozenset(),
+        stats_backend: str | None = None,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -127,7 +128,10 @@ class ProbeWriter:
         self.module_types = module_types or {}
         self.token_layers = token_layers  # layers stored one row per token
         self.bounds: dict[tuple[str, str], tuple[float, float] | None] = {}  # by dataset
-        self.hook_stats = HookStats()
+        # what reduces captures to statistics in the hooks (`probe.backend`)
+        if stats_backend is None:
+            stats_backend = backend.resolve(os.environ.get(backend.ENV, "auto"))
+        self.hook_stats = backend.observer(stats_backend)
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
         self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
         self.file_chunking: dict[str, int | None] = {}  # rows per chunk in the file, by path
@@ -363,15 +367,19 @@ class ProbeWriter:
         self.held.clear()
         self.held_bytes = 0
 
-    def observe(
-        self, key: tuple[str, str], t: torch.Tensor, unit_axis: int = 1
-    ) -> RunningStats | Pending:
-        """Statistics of one CPU capture of the current batch (main thread). The writer folds
-        them in when it writes the batch, so /stats never count rows the file does not hold."""
+    def observe(self, key: tuple[str, str], t: torch.Tensor, unit_axis: int = 1):
+        """Statistics of one capture of the current batch (main thread): a CPU one's now, a GPU
+        one's queued on its device (torch backend). The writer folds them in when it writes the
+        batch, so /stats never count rows the file does not hold."""
         bounds = self.bounds.get(key, False)
         if bounds is False:
             bounds = self.bounds[key] = bounds_for(self.module_types.get(key[0], ""), key[1])
         return self.hook_stats(t, bounds, unit_axis)
+
+    @property
+    def observes_device(self) -> bool:
+        """Whether `observe` takes GPU captures where they are (else they reach it on the host)."""
+        return getattr(self.hook_stats, "on_device", False)
 
     def begin_batch(self) -> None:
         """Before each forward, on its thread: what `observe` can look up once per batch."""
@@ -384,7 +392,7 @@ class ProbeWriter:
         lo: int,
         hi: int,
         per_batch: bool,
-        counted: RunningStats | None = None,
+        counted=None,
         unit_axis: int = 1,
     ) -> None:
         info = self.datasets.get(key)
@@ -410,10 +418,7 @@ class ProbeWriter:
                 g = self.file.require_group(f"layers/{key[0]}")
                 g.attrs["module_type"] = info.module_type
                 g.attrs.setdefault("order", len(self.datasets) - 1)
-        if counted is None:
-            info.stats.update(t)
-        else:
-            info.stats.merge(counted)
+        info.stats.merge(counted if counted is not None else self.observe(key, t, unit_axis))
         if self.mode == "full":
             self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
             if new:

@@ -13,7 +13,9 @@ a function is defined in, not of the files its callees are).
 
 Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
 and not in a process forked after the team was used; `entry()` then gives the team's width
-(torch.set_num_threads), else 0 and the caller splits the pass some other way.
+(torch.set_num_threads), else 0 and the caller splits the pass some other way. Assumes Linux
+(RTLD_NOLOAD, /proc/self/maps) and a GOMP-compatible runtime; elsewhere it finds none.
+PROBE_OMP_TEAM=0 turns it off.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import glob
 import os
 import sys
 import threading
+
+ENABLED = os.environ.get("PROBE_OMP_TEAM", "1") != "0"
 
 
 def _runtime() -> ctypes.CDLL | None:
@@ -79,7 +83,7 @@ def entry() -> tuple[int, int]:
     runtime's GOMP_parallel, which `kernels.team_batch` calls) in one look, as a hook needs both:
     (0, 0) where the team cannot be used (another thread would get a team of new threads,
     competing with the forward; so would a process forked from one that used the team)."""
-    if threading.current_thread() is not threading.main_thread():
+    if not ENABLED or threading.current_thread() is not threading.main_thread():
         return 0, 0
     lib = _runtime()
     return (lib.omp_get_max_threads(), _address[os.getpid()]) if lib is not None else (0, 0)

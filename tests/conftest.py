@@ -6,6 +6,17 @@ import torch
 from tests.token_fixtures import make_tiny, make_tokenizer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """numba's kernels compiled once before any test, where numba is installed: every run's
+    stats.backend=auto then takes the same backend (in a fresh clone the first runs would use
+    torch while the kernels compile in the background)."""
+    from probe import backend, kernel_cache
+
+    if backend.numba_installed() and not kernel_cache.is_warm():
+        kernel_cache.warm_up()
+
+
 @pytest.fixture
 def small_resnet():
     """Overrides for a quick resnet18 run: 7 samples of 64x64 in batches of 3 (the last one short)."""

@@ -58,6 +58,33 @@ def test_cuda_run_equals_the_cpu_run(tmp_path):
         )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_statistics_reduced_on_the_gpu_equal_numpy_over_the_stored_values(tmp_path, caplog, mode):
+    """stats.backend=auto on a GPU reduces there (the plan says what crosses to the host); its
+    /stats equal numpy's over the values a full run stored from the same forward."""
+    import probe
+
+    caplog.set_level(logging.INFO, logger="probe")
+    result, f = run_probe(tmp_path, *TINY, *LAYERS, "device=cuda", "store.compression=none")
+    assert f.attrs["stats_backend"] == "torch"
+    assert "statistics reduced on the GPU" in caplog.text
+    with probe.open_run(tmp_path) as run:
+        for layer, site in run.keys:
+            a = f[f"layers/{layer}/{site}"][:].astype(np.float64)
+            s = run.stats(layer, site)
+            assert (s.n, s.min, s.max) == (a.size, a.min(), a.max())
+            np.testing.assert_allclose(
+                [s.mean, s.m2], [a.mean(), ((a - a.mean()) ** 2).sum()], 1e-9
+            )
+            top = (a.astype(np.float32).view(np.uint32) >> 16).ravel()
+            np.testing.assert_array_equal(s.hist.counts, np.bincount(top, minlength=1 << 16))
+    if mode == "stats":
+        caplog.clear()
+        run_probe(tmp_path / "stats", *TINY, *LAYERS, "device=cuda", "store=stats")
+        assert "GPU -> host per batch: captures 0 B" in caplog.text
+
+
 @pytest.mark.parametrize("mode", ["full", "stats"])
 def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path, caplog, mode):
     """The logged bytes per sample are the captured rows' bytes; the projection is within 5% of

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.kernels import bucket_ranges
+from probe import backend
 from probe.stats import (
     QUANTILE_REL_ERROR,
     UNIT_FIELDS,
@@ -19,6 +19,21 @@ from tests.analysis_models import DEAD, SATURATED
 from tests.helpers import run_probe
 
 CUTS = [0, 1, 6, 7, 30, 61]  # uneven batches, one of a single row
+
+
+@pytest.fixture(params=["numba", "torch"], autouse=True)
+def stats_backend(request, monkeypatch):
+    """Every test here holds for both backends (`probe.backend`)."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setattr(backend, "_cpu", request.param)
+    return request.param
+
+
+@pytest.fixture
+def numba_only(stats_backend):
+    if stats_backend != "numba":
+        pytest.skip("the compiled kernels' own paths")
 
 
 def _stream(a: np.ndarray, bounds=None) -> RunningStats:
@@ -198,9 +213,9 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     np.testing.assert_array_equal(sat_counts, (np.abs(tanh) >= 0.98).sum(axis=(0, 2, 3)))
 
 
-def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch):
+def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch, numba_only):
     """Rows split across helper threads (each with its own histogram lane) equal one thread."""
-    import probe.stats as stats_module
+    import probe.numba_stats as stats_module
     from probe import team
     from probe.parallel import Threads
 
@@ -283,7 +298,9 @@ def test_statistics_saved_one_attribute_per_scalar_still_read():
     np.testing.assert_array_equal(back.units.positive, s.units.positive)
 
 
-def test_bucket_ranges_hold_every_float32_between_the_extremes():
+def test_bucket_ranges_hold_every_float32_between_the_extremes(numba_only):
+    from probe.kernels import bucket_ranges
+
     rng = np.random.default_rng(7)
     for trial in range(400):
         scale = np.float32(10.0 ** rng.integers(-40, 38))

@@ -13,13 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from probe import stats, team
+from probe import backend, team
+from probe import numba_stats as stats
+from probe.numba_stats import batch_stats
 from probe.parallel import Threads
-from probe.stats import LogHistogram, RunningStats, batch_stats
+from probe.stats import LogHistogram, RunningStats
 
 pytestmark = pytest.mark.skipif(
     "OpenMP" not in torch.__config__.parallel_info(), reason="torch runs without OpenMP here"
 )
+
+
+@pytest.fixture(autouse=True)
+def numba_backend(monkeypatch):
+    """RunningStats.update reduces with the numba backend, whose split these tests check."""
+    monkeypatch.setattr(backend, "_cpu", "numba")
 
 
 def _batches() -> dict[str, np.ndarray]:
@@ -195,7 +203,7 @@ def test_the_team_entry_needs_torchs_runtime():
     code = (
         "import sys, numpy as np\n"
         "from probe import team\n"
-        "from probe.stats import batch_stats\n"
+        "from probe.numba_stats import batch_stats\n"
         "x = np.random.default_rng(0).standard_normal((16, 8, 4096)).astype(np.float32)\n"
         "print(team.entry(), 'torch' in sys.modules, batch_stats(x).mean - x.astype(float).mean())\n"
     )
