@@ -1,8 +1,8 @@
 """Per-layer statistic tables from a run or a sweep; `python -m probe.summarize PATH...`.
 
 A run directory's probe.h5 is re-summarized slab by slab (bounded memory: a few slabs at a time,
-reduced where they lie in the file's pages when they are stored plain (`probe.mapped`), else read
-through h5py while the previous one is reduced); a stats-only file gives its stored statistics.
+read through h5py while the previous one is reduced, or with `--mapped` reduced where they lie
+in the file's pages, `probe.mapped`); a stats-only file gives its stored statistics.
 Only rows below the file's `num_samples` attribute are read. A sweep directory gives one table
 with a row per (run, layer, site) and a column per override of each run's `.hydra/overrides.yaml`.
 A partial file (complete false or absent) or a corrupt one is reported as such; the first gives
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -231,11 +232,17 @@ def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
     return out
 
 
+# Opt-in (`--mapped`, PROBE_MAPPED_READS=1): reduce plain datasets in the file's own pages
+# (`probe.mapped`), faster, but a file truncated while it is mapped ends the process (SIGBUS).
+MAPPED = os.environ.get("PROBE_MAPPED_READS") == "1"
+
+
 def slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
-    """Rows [0, rows) in slabs of at most about slab_bytes: views of the file's pages where the
-    dataset is stored plain (`probe.mapped`), else copies of whole chunks read through h5py. A
-    slab is valid until the next one is asked for."""
-    return mapped_slabs(ds, rows, slab_bytes) or read_slabs(ds, rows, slab_bytes)
+    """Rows [0, rows) in slabs of at most about slab_bytes: copies of whole chunks read through
+    h5py, or with MAPPED views of the file's pages where the dataset is stored plain. A slab is
+    valid until the next one is asked for."""
+    mapped = mapped_slabs(ds, rows, slab_bytes) if MAPPED else None
+    return mapped or read_slabs(ds, rows, slab_bytes)
 
 
 def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
@@ -252,9 +259,17 @@ def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Ite
     step = min(rows, max(1, slab_bytes // (row_bytes * chunk_rows)) * chunk_rows)
     buffers = [np.empty((step, *ds.shape[1:]), ds.dtype) for _ in range(2 if step < rows else 1)]
 
+    size = file_size(ds)
+
     def read(lo: int, into: np.ndarray) -> np.ndarray:
         n = min(step, rows - lo)
         ds.read_direct(into, np.s_[lo : lo + n], np.s_[0:n])
+        now = file_size(ds)  # HDF5 reads what lies past the end as zeros: check it did not shrink
+        if now is not None and size is not None and now < size:
+            raise DataError(
+                f"{ds.file.filename!r} was cut from {size} to {now} bytes while it was read; "
+                "summarize it again once whatever truncated it is done"
+            )
         return into[:n]
 
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -265,6 +280,15 @@ def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Ite
             if nxt < rows:
                 pending = pool.submit(read, nxt, buffers[(i + 1) % len(buffers)])
             yield slab
+
+
+def file_size(ds: h5py.Dataset) -> int | None:
+    """The size of the file ds is read from, through HDF5's own descriptor (None where the
+    driver has none)."""
+    try:
+        return os.fstat(ds.file.id.get_vfd_handle()).st_size
+    except (OSError, TypeError, ValueError, RuntimeError):
+        return None
 
 
 # -- runs and sweeps ---------------------------------------------------------------------------
@@ -378,7 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--units", action="store_true", help="also write units.csv (one row per unit)"
     )
+    parser.add_argument(
+        "--mapped",
+        action="store_true",
+        help="reduce uncompressed datasets in the file's own pages (faster; a file truncated "
+        "meanwhile ends the process with SIGBUS instead of an error)",
+    )
     args = parser.parse_args(argv)
+    global MAPPED
+    MAPPED = MAPPED or args.mapped
     faulthandler.enable()  # a file truncated while mapped ends the process (SIGBUS): say where
     if not parallel.configured():  # no forward runs beside the summarizer: every core
         parallel.threads.resize(parallel.usable_cores())

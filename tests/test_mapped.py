@@ -75,8 +75,13 @@ def test_stored_bytes_that_are_not_a_plain_array_fall_back_to_h5py(tmp_path):
         assert mapped_slabs(sparse, 4, 1 << 20) is not None  # the rows that were written
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
 @pytest.mark.parametrize("row", [(4, 6, 6), (50,)], ids=["by_segment", "by_column"])
-def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path, row):
+def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path, row, mapped, monkeypatch):
+    """The summary of a plain dataset, reduced in place (`--mapped`) or read, equals numpy's."""
+    from probe import summarize
+
+    monkeypatch.setattr(summarize, "MAPPED", mapped)
     run = tmp_path / "run"
     run.mkdir()
     data = np.maximum(np.random.default_rng(1).standard_normal((37, *row)), 0).astype("f4")

@@ -166,3 +166,29 @@ def test_slabs_read_into_two_buffers_hold_every_row(tmp_path):
         slabs = [s.copy() for s in read_slabs(ds, 21, slab_bytes=4 * 60)]  # 4 rows a slab
     assert [len(s) for s in slabs] == [4, 4, 4, 4, 4, 1]
     np.testing.assert_array_equal(np.concatenate(slabs), a[:21])
+
+
+def test_a_file_cut_short_while_it_is_summarized_is_an_error_not_a_crash(tmp_path):
+    """Another process truncating the file between two slabs: the summarizer's reads (of a plain
+    dataset, the kind that could be mapped) end in a DataError, in a process that survives."""
+    code = f"""
+import os, h5py, numpy as np
+from probe.errors import DataError
+from probe.summarize import slabs
+p = {str(tmp_path / "cut.h5")!r}
+with h5py.File(p, "w") as f:
+    f.create_dataset("x", data=np.ones((100, 1000), np.float32), chunks=(10, 1000))
+size = os.path.getsize(p)
+with h5py.File(p, "r") as f:
+    it = slabs(f["x"], 100, 40_000)
+    next(it)
+    os.truncate(p, size // 3)
+    try:
+        sums = [float(s.sum()) for s in it]
+        print("no error", sums)
+    except DataError as e:
+        print("DataError", e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be SIGBUS
+    assert done.stdout.startswith("DataError") and "was cut from" in done.stdout, done.stdout
