@@ -28,7 +28,12 @@ class Batch:
 
     @property
     def size(self) -> int:
-        return len(self.inputs["input_ids"] if isinstance(self.inputs, dict) else self.inputs)
+        inputs = self.inputs
+        if not isinstance(inputs, dict):
+            return len(inputs)
+        if "input_ids" in inputs:
+            return len(inputs["input_ids"])
+        return len(next(v for v in inputs.values() if isinstance(v, torch.Tensor)))
 
 
 class SyntheticImages(Dataset):

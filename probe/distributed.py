@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import Subset
 
 from probe.data import OrderedBatches
+from probe.errors import ConfigError
 from probe.stitch import stitch
 
 log = logging.getLogger("probe")
@@ -99,8 +100,14 @@ def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
     """This rank's block of whole batches, as batches whose rows start at 0 (the writer offsets
     the sample index by `shard.samples.start`). A single process gets everything, unchanged."""
     n, size = batches.num_samples, batches.batch_size
-    if not active():
-        return Shard(0, 1, range(len(batches)), range(n), n, (n,)), batches
+    if not active():  # (a caller's batches, `probe.api`, may not know their count)
+        n = n or 0
+        return Shard(0, 1, range(n and len(batches)), range(n), n, (n,)), batches
+    if not isinstance(batches, OrderedBatches):
+        raise ConfigError(
+            "probe.run over batches of your own runs in one process; under torchrun use the "
+            "command line (python -m probe), whose dataset config each rank can split"
+        )
     init()
     rank, world = dist.get_rank(), dist.get_world_size()
     log.addFilter(_RankPrefix(rank))

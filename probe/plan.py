@@ -49,12 +49,14 @@ class Plan:
 
 def announce(record: Record, batches: OrderedBatches, selections, store, shard) -> Plan | None:
     """On rank 0, log the plan measured from the run's first batch, before it is written."""
-    if shard.rank != 0 or batches.num_samples == 0:
+    if shard.rank != 0:
         return None
     if record.ready is not None:
         record.ready.synchronize()
-    result = estimate(record, selections, store, list(shard.blocks), batches.batch_size)
-    log_plan(result, shard.dataset_samples, shard.world, store)
+    known = batches.num_samples  # None: a caller's batches of unknown count (`probe.api`)
+    blocks = list(shard.blocks) if known else [record.size]
+    result = estimate(record, selections, store, blocks, batches.batch_size)
+    log_plan(result, shard.dataset_samples if known else None, shard.world, store)
     if record.ready is not None:
         log_transfer(record)
     return result
@@ -135,11 +137,16 @@ def stats_bytes(t, first, growth: float, rows: int) -> int:
     return STATS_OVERHEAD + 16 * buckets + 8 * len(UNIT_FIELDS) * units
 
 
-def log_plan(plan: Plan, num_samples: int, world: int, store) -> None:
+def log_plan(plan: Plan, num_samples: int | None, world: int, store) -> None:
     for probe, size in plan.per_sample.items():
         log.info("plan: probe %-12s %s per sample", probe, human(size))
     if plan.per_batch:
         log.info("plan: parameter gradients %s per batch", human(plan.per_batch))
+    if num_samples is None:
+        log.info(
+            "plan: %s per sample (the number of samples is not known)", human(plan.sample_bytes)
+        )
+        return
     files = f"{world} shard files" if world > 1 else store.filename
     note = "" if store.mode == "full" else " (store=stats: statistics only)"
     if store.mode == "full" and store.compression != "none":

@@ -16,12 +16,13 @@ import pandas as pd
 import torch
 import torchvision
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from probe import backend, distributed, nonfinite
 from probe import device as devices
 from probe import plan as size_plan
 from probe.backend import DeviceStats
+from probe.callable import make_callable
 from probe.config import GRAD_SITES
 from probe.data import build_batches, check_token_data
 from probe.errors import ConfigError
@@ -91,10 +92,17 @@ class Plan:
 
 
 def plan(cfg: DictConfig) -> Plan:
-    """Build the model, this process's batches, the selected sites, the edits and the objective."""
+    """Build the model and the batches the config names, then `prepare` the run (the Python
+    API, `probe.api`, prepares a caller's model and batches the same way)."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
     every = build_batches(cfg.dataset, cfg.model, cfg.seed, model)
+    return prepare(cfg, model, every)
+
+
+def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Plan:
+    """This process's batches, the device, the selected sites, the edits and the objective of a
+    run of `model` over `every` (batches as `probe.data.OrderedBatches` gives them)."""
     shard, batches = distributed.shard(every)
     device = shard.device(resolve_device(cfg.device))
     devices.check_precision(cfg.precision)
@@ -116,11 +124,11 @@ def plan(cfg: DictConfig) -> Plan:
     for e in edits:
         log.info("edit  %-12s %-28s %-18s %s", e.name, e.module_name, e.site, e.op)
     log.info(
-        "%d modules selected, %d edits; %d samples in %d batches",
+        "%d modules selected, %d edits; %s samples in %s batches",
         len(selections),
         len(edits),
-        batches.num_samples,
-        len(batches),
+        "?" if batches.num_samples is None else batches.num_samples,
+        "?" if batches.num_samples is None else len(batches),
     )
     if not selections:
         log.warning(
@@ -320,9 +328,14 @@ def model_library_version(library: str) -> dict:
 
 
 def print_summary(summary: pd.DataFrame) -> None:
+    """The summary table through the `probe` logger (the console under the CLI, a notebook's
+    log handler under the API)."""
     if summary.empty:
-        print("summary: no rows (no module was selected)")
+        log.info("summary: no rows (no module was selected)")
         return
     cols = ["layer", "site", "module_type", "shape", "mean", "std", "min", "max", "frac_zero"]
     with pd.option_context("display.max_rows", 200, "display.width", 160, "display.precision", 4):
-        print(summary[cols].to_string(index=False))
+        log.info("summary:\n%s", summary[cols].to_string(index=False))
+
+
+make_callable(__name__, "probe.api", "run")  # probe.run(model, data, probes, out=...)

@@ -1,0 +1,164 @@
+"""`probe.run(model, data, probes, ...)`: a run of a model already in hand, on the CLI's path.
+
+The CLI composes a config, builds the model and the batches from it and calls `probe.run.run`;
+here the caller's model and batches take their place (`probe.run.prepare`), and the config
+comes from the same schema and shipped files (Hydra's compose), so both write the same
+probe.h5, summary.csv and /stats. Every option of the CLI that is not about building the model
+or the data is a keyword of the same name: a shipped file's name (probes="all_convs",
+store="stats") or a mapping of its keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from probe.config import (
+    DatasetConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    ProbeSpec,
+    StatsConfig,
+    StoreConfig,
+    config_dir,
+    typed,
+)
+from probe.errors import ConfigError
+from probe.user_batches import UserBatches
+
+log = logging.getLogger("probe")
+GROUPS = {"store": StoreConfig, "objective": ObjectiveConfig, "stats": StatsConfig}
+
+
+def run(
+    model: torch.nn.Module,
+    data: Iterable,
+    probes: str | Mapping,
+    *,
+    out: str | Path,
+    store: str | Mapping = "full",
+    objective: str | Mapping | None = None,
+    intervene: str | Mapping | None = None,
+    stats: str | Mapping | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    precision: str = "fp32",
+    train_mode: bool = False,
+    resume: bool = False,
+    fail_on_nonfinite: bool = False,
+    progress: bool = True,
+    print_summary: bool = False,
+):
+    """Run `probes` on `model` over `data` into the directory `out`; returns the run's reader
+    (`probe.open_run`). `data` is an iterable of batches, each a tensor, an (inputs, targets)
+    pair or a dict of keyword arguments (input_ids, attention_mask, ...): a DataLoader as it is.
+    `device` None keeps the model where it is; `stats` is a backend name or the stats keys. The
+    model's training mode is given back as it was; no hook is left on it, on any way out."""
+    from probe.reading import open_run
+    from probe.run import prepare
+    from probe.run import run as run_config
+
+    out = Path(out)
+    check_out(out, store, resume)
+    cfg = config(probes, store, objective, intervene, stats, model)
+    batches = UserBatches(data)
+    cfg.device = device or _device_of(model)
+    cfg.dataset = OmegaConf.structured(
+        DatasetConfig(name="python", batch_size=batches.batch_size, num_samples=batches.num_samples)
+    )
+    for key, value in (
+        ("seed", seed),
+        ("precision", precision),
+        ("train_mode", train_mode),
+        ("resume", resume),
+        ("fail_on_nonfinite", fail_on_nonfinite),
+        ("progress", progress),
+        ("print_summary", print_summary),
+    ):
+        cfg[key] = value
+    training = model.training
+    try:
+        torch.manual_seed(seed)
+        run_config(cfg, run_dir=out, prepared=prepare(cfg, model, batches))
+    finally:
+        model.train(training)
+    return open_run(out)
+
+
+def config(probes, store, objective, intervene, stats, model) -> DictConfig:
+    """The run's config: shipped files by name through Hydra's compose (as the CLI has them),
+    mappings typed against the schema, and the caller's model named in `model`."""
+    overrides = ["print_summary=false"]
+    for group, value in (
+        ("probes", probes),
+        ("store", store),
+        ("objective", objective),
+        ("intervene", intervene),
+    ):
+        if isinstance(value, str):
+            shipped = sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml"))
+            if value not in shipped:
+                raise ConfigError(
+                    f"{group}={value!r} is not a shipped {group} file; choose from "
+                    f"{', '.join(shipped)}, or give a mapping of its keys"
+                )
+            overrides.append(f"{group}={value}")
+    if isinstance(stats, str):
+        overrides.append(f"stats.backend={stats}")
+    cfg = _compose(overrides)
+    if isinstance(probes, Mapping | DictConfig):
+        cfg.probes = {
+            str(name): typed(ProbeSpec, spec, f"probe {name!r}") for name, spec in probes.items()
+        }
+    elif not isinstance(probes, str):
+        raise ConfigError(
+            f"probes={probes!r}: give the name of a shipped probe file (e.g. 'all_convs') or a "
+            "mapping {name: {layers: [...], capture: [...]}}"
+        )
+    for group, value in (("store", store), ("objective", objective), ("stats", stats)):
+        if isinstance(value, Mapping | DictConfig):
+            cfg[group] = typed(GROUPS[group], OmegaConf.merge(cfg[group], value), group)
+    if isinstance(intervene, Mapping | DictConfig):
+        cfg.intervene = OmegaConf.create(dict(intervene))
+    cfg.model = OmegaConf.structured(ModelConfig(name=type(model).__name__, library="custom"))
+    return cfg
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """compose("config", overrides) of the shipped config directory; a name that is not a shipped
+    file is a ConfigError listing the choices."""
+    if GlobalHydra.instance().is_initialized():
+        raise ConfigError(
+            "probe.run composes its config with Hydra, which is already initialised in this "
+            "process (inside a @hydra.main app); call probe.run.run(cfg, ...) with that config"
+        )
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+            return compose("config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def check_out(out: Path, store, resume: bool) -> None:
+    """`out` must not hold a run already, unless it is resumed."""
+    filename = store.get("filename", "probe.h5") if isinstance(store, Mapping) else "probe.h5"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={str(out)!r} is a file; give a directory for the run")
+    if (out / filename).exists() and not resume:
+        raise ConfigError(
+            f"out={str(out)!r} already holds a run ({filename}); give a new directory, or "
+            "resume=True to continue an interrupted one"
+        )
+
+
+def _device_of(model: torch.nn.Module) -> str:
+    first = next((t for t in [*model.parameters(), *model.buffers()]), None)
+    return str(first.device) if first is not None else "cpu"
