@@ -104,12 +104,7 @@ def config(probes, store, objective, intervene, stats, model) -> DictConfig:
         ("intervene", intervene),
     ):
         if isinstance(value, str):
-            shipped = sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml"))
-            if value not in shipped:
-                raise ConfigError(
-                    f"{group}={value!r} is not a shipped {group} file; choose from "
-                    f"{', '.join(shipped)}, or give a mapping of its keys"
-                )
+            check_shipped(group, value)
             overrides.append(f"{group}={value}")
     if isinstance(stats, str):
         overrides.append(f"stats.backend={stats}")
@@ -130,6 +125,22 @@ def config(probes, store, objective, intervene, stats, model) -> DictConfig:
         cfg.intervene = OmegaConf.create(dict(intervene))
     cfg.model = OmegaConf.structured(ModelConfig(name=type(model).__name__, library="custom"))
     return cfg
+
+
+def check_shipped(group: str, name: str) -> None:
+    """A ConfigError listing the choices unless `name` is a file of config group `group`."""
+    shipped = sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml"))
+    if name not in shipped:
+        raise ConfigError(
+            f"{group}={name!r} is not a shipped {group} file; choose from {', '.join(shipped)}, "
+            "or give a mapping of its keys"
+        )
+
+
+def shipped_probes(name: str) -> DictConfig:
+    """The probes of shipped probe file `name`, composed (and typed) as the CLI composes them."""
+    check_shipped("probes", name)
+    return _compose([f"probes={name}"]).probes
 
 
 def _compose(overrides: list[str]) -> DictConfig:

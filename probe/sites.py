@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -37,13 +36,9 @@ def probe_specs(probes) -> dict[str, Any]:
     if probes is None:
         return {}
     if isinstance(probes, str):
-        path = Path(config_dir()) / "probes" / f"{probes}.yaml"
-        if not path.is_file():
-            shipped = sorted(p.stem for p in path.parent.glob("*.yaml"))
-            raise ConfigError(f"probes={probes!r} is no shipped probe file; choose from {shipped}")
-        from omegaconf import OmegaConf
+        from probe.api import shipped_probes
 
-        probes = OmegaConf.load(path)
+        probes = shipped_probes(probes)
     if not hasattr(probes, "items"):
         raise ConfigError(
             f"probes is a {type(probes).__name__}; give a mapping name -> spec, such as "
