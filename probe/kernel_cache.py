@@ -6,8 +6,8 @@ numba compiles a kernel at its first call and keeps the machine code in its cach
 after a complete warm-up of the kernels. The stamp's name covers what numba's cache depends on
 (the kernels' file, numba's and Python's versions, the machine, NUMBA_CACHE_DIR) and it lists
 the cache's index files, which must still exist. Without it `compile_in_background` starts one
-detached, low-priority `python -m probe.kernel_cache` that warms the kernels and writes the
-stamp; a lock file keeps that to one process at a time.
+idle-priority `python -m probe.kernel_cache` that warms the kernels and writes the stamp,
+outliving the run; a lock file keeps that to one process at a time.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _lock_is_stale(lock: Path) -> bool:
 
 
 def compile_in_background() -> int | None:
-    """Start the warm-up in a detached low-priority process, unless one is running or the
+    """Start the warm-up in an idle-priority process, unless one is running or the
     cache directory cannot be written; its pid, or None."""
     lock = cache_dir() / f"kernels-{_key()}.lock"
     try:
@@ -103,7 +103,6 @@ def compile_in_background() -> int | None:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,
             close_fds=True,
         )
     except OSError:
@@ -175,11 +174,23 @@ def warm_up() -> Path:
     return stamp
 
 
-def main(argv: list[str]) -> None:
-    """The background warm-up: lowest priority, the lock given back at the end."""
+def lowest_priority() -> None:
+    """Run only on cores nothing else wants: SCHED_IDLE on Linux, else nice 19. It stays in the
+    run's session: a session of its own gets its own autogroup, whose share of the CPU the
+    scheduler keeps equal to the run's whatever the niceness."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
     if hasattr(os, "nice"):
         with contextlib.suppress(OSError):
             os.nice(19)
+
+
+def main(argv: list[str]) -> None:
+    """The background warm-up: lowest priority, the lock given back at the end."""
+    lowest_priority()
     try:
         warm_up()
     finally:

@@ -55,13 +55,25 @@ def catalogue(args) -> list[Case]:
         ),
         Case(
             "probe_stats",
-            "pipeline, store=stats (statistics only)",
+            "pipeline, store=stats (statistics only; stats.backend=auto: numba on a CPU, torch on a GPU)",
             lambda s: bc.probe_case(s, "store=stats"),
         ),
+        Case(
+            "probe_stats_torch",
+            "pipeline, store=stats, stats.backend=torch (the portable reference)",
+            lambda s: bc.probe_case(s, "store=stats", "stats.backend=torch"),
+        ),
+        *gpu_cases(args),
         Case(
             "probe_full",
             "pipeline, full capture, uncompressed (the default)",
             lambda s: bc.probe_case(s, "store.compression=none"),
+            check=(("output",), None, False),
+        ),
+        Case(
+            "probe_full_torch",
+            "pipeline, full capture, stats.backend=torch",
+            lambda s: bc.probe_case(s, "store.compression=none", "stats.backend=torch"),
             check=(("output",), None, False),
         ),
         Case(
@@ -111,6 +123,20 @@ def catalogue(args) -> list[Case]:
             peer="torchlens",
         ),
         Case("nnsight_h5py", "nnsight trace + .save() + h5py", bc.nnsight_h5py, peer="nnsight"),
+    ]
+
+
+def gpu_cases(args) -> list[Case]:
+    """On a GPU: statistics reduced on the host as before the torch backend (every capture
+    copied over), beside probe_stats, which reduces them on the device."""
+    if not args.device.startswith("cuda"):
+        return []
+    return [
+        Case(
+            "probe_stats_host",
+            "pipeline, store=stats, stats.backend=numba: every capture copied to the host",
+            lambda s: bc.probe_case(s, "store=stats", "stats.backend=numba"),
+        )
     ]
 
 
