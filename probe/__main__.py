@@ -1,4 +1,8 @@
-"""`python -m probe` / `probe`: compose the config with Hydra, run, turn user errors into messages."""
+"""`python -m probe` / `probe`: compose the config with Hydra, run, turn user errors into messages.
+
+torch is imported only once the config has passed probe.checks, so a config mistake is reported
+in about a second.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +15,25 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from probe import distributed
+from probe.checks import check_config, unread_keys
 from probe.config import config_dir
 from probe.errors import ProbeError
+from probe.interrupt import Interrupted
 from probe.sweep import JobFailed, in_sweep, job_label
 
 log = logging.getLogger("probe")
+# run directories that existed before this process (set by main): never removed on an error
+_EXISTING: set[Path] | None = None
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def app(cfg: DictConfig) -> None:
-    from probe.interrupt import Interrupted
-    from probe.run import run
-
     try:
+        check_config(cfg)
+        for message in unread_keys(cfg):
+            log.warning("%s", message)
+        from probe.run import run
+
         run(cfg)
     except Interrupted as e:
         log.warning("%s", e)
@@ -44,6 +53,7 @@ def app(cfg: DictConfig) -> None:
             # Hydra's sweepers finish every job of the batch before they look at the failures,
             # then print this message (a compact error: no traceback) and exit non-zero.
             raise JobFailed(f"probe: error in job {job_label()}: {message}") from None
+        _remove_empty_run_dir()
         print(f"probe: error: {message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
@@ -58,6 +68,49 @@ def _config_message(e: OmegaConfBaseException) -> str:
     if isinstance(e, MissingMandatoryValue):
         return f"{first}: give it on the command line, e.g. {key}=VALUE"
     return f"{first} (key {key})" if key else first
+
+
+def _remove_empty_run_dir() -> None:
+    """Remove the run directory Hydra made for this run if it holds only Hydra's own files (.hydra/
+    and the log): a run stopped by an error before writing anything leaves no empty folder."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if _EXISTING is None or not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir).absolute()
+    if run_dir in _EXISTING or run_dir == Path.cwd() or not run_dir.is_dir():
+        return
+    log_file = run_dir / f"{hc.job.name}.log"
+    meta = run_dir / hc.output_subdir if hc.output_subdir else log_file
+    bookkeeping = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    if {p.name for p in run_dir.iterdir()} - {log_file.name, meta.name} or (
+        meta.is_dir() and {p.name for p in meta.iterdir()} - bookkeeping
+    ):
+        return
+    for handler in logging.root.handlers[:]:  # its log file is about to go
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == log_file:
+            logging.root.removeHandler(handler)
+            handler.close()
+    try:
+        if meta.is_dir():
+            for name in bookkeeping:
+                (meta / name).unlink(missing_ok=True)
+            meta.rmdir()
+        log_file.unlink(missing_ok=True)
+        run_dir.rmdir()
+        if not _run_dir_given(sys.argv[1:]):  # the default outputs/<date>/<time>: the empty
+            cwd = Path.cwd()  # folders above it too, up to the working directory
+            for parent in run_dir.parents:
+                if cwd not in parent.parents:
+                    break
+                parent.rmdir()
+    except OSError:  # something else appeared meanwhile: keep it
+        pass
+
+
+def _run_dir_given(argv: list[str]) -> list[str]:
+    return [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
 
 
 def _unwritable_output(argv: list[str]) -> str | None:
@@ -80,6 +133,15 @@ def _unwritable_output(argv: list[str]) -> str | None:
 
 
 def main() -> None:
+    global _EXISTING
+    # a given run directory that exists (or whose name Hydra resolves: it may) is kept
+    _EXISTING = {
+        Path(d).expanduser().absolute()
+        for d in _run_dir_given(sys.argv[1:])
+        if "${" not in d and Path(d).expanduser().exists()
+    }
+    if any("${" in d for d in _run_dir_given(sys.argv[1:])):
+        _EXISTING = None
     bad = _unwritable_output(sys.argv[1:])
     if bad is not None:
         print(
@@ -88,13 +150,17 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    if distributed.active() and {"-m", "--multirun"} & set(sys.argv):
-        print(
-            "probe: error: torchrun runs one job; sweep over torchrun jobs with a launcher instead",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun (imports torch)
+        from probe import distributed
+
+        if {"-m", "--multirun"} & set(sys.argv):
+            print(
+                "probe: error: torchrun runs one job; sweep over torchrun jobs with a launcher "
+                "instead",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
     app()
 
 

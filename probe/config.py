@@ -6,8 +6,9 @@ compose time with Hydra's own message. Imported by the app and by the tests.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ class ModelConfig:
     _target_: str | None = None
     weights: str | None = None
     checkpoint: str | None = None
+    # a prefix every checkpoint key carries (a DDP `module.`, a Lightning `model.`): only the keys
+    # under it are loaded, without it
+    checkpoint_prefix: str | None = None
     num_classes: int = 1000
     input_shape: list[int] = field(default_factory=lambda: [3, 224, 224])
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -159,6 +163,9 @@ class StoreConfig:
     # 0: flush after every batch; >0: at most every so many seconds; None: 0 in full mode, and
     # STATS_FLUSH_SECONDS in stats mode, whose flush also writes /stats
     flush_seconds: float | None = None
+    # full capture: whole chunks written with O_DIRECT where the OS and file system allow it
+    # (probe.direct), else through HDF5; false: always through HDF5
+    direct_io: bool = True
 
 
 @dataclass
@@ -173,7 +180,10 @@ class StatsConfig:
 class Config:
     model: ModelConfig = MISSING
     dataset: DatasetConfig = MISSING
-    probes: dict[str, ProbeSpec] = field(default_factory=dict)
+    # named probes, each a ProbeSpec: typed by `/schema/probe@NAME` in the probe files and by
+    # probe.checks for one added on the command line (`+probes.head.layers=[fc]`), since OmegaConf
+    # cannot add a key to a dict of dataclasses
+    probes: dict[str, Any] = field(default_factory=dict)
     # named edits (EditSpec) and the keys of INTERVENE_KEYS: metrics, position, grid (GridSpec)
     intervene: dict[str, Any] = field(default_factory=dict)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -194,6 +204,7 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
     # typed edits in the intervene group: `defaults: [/schema/edit@NAME]` in its files
     cs.store(group="schema", name="edit", node=EditSpec)
+    cs.store(group="schema", name="probe", node=ProbeSpec)
     cs.store(group="schema", name="grid", node=GridSpec)
 
 
@@ -231,18 +242,25 @@ def import_target(key: str, target: str | None, example: str = "pkg.mod.name"):
 
 def typed(schema, node, label: str):
     """`node` merged onto the structured `schema`: a misspelt key or a wrong type becomes a
-    ConfigError naming `label` (the intervene group holds edits beside its own keys, so its
-    entries are typed here rather than at compose time)."""
+    ConfigError naming `label` and the schema's keys (the intervene group holds edits beside its
+    own keys, and a probe added on the command line composes untyped, so they are typed here)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
     from probe.errors import ConfigError
 
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), node)
     except OmegaConfBaseException as e:
+        keys = [f.name for f in fields(schema)]
         first = str(e).splitlines()[0]
-        raise ConfigError(f"{label}: {first}; see the keys of {schema.__name__}") from None
+        if isinstance(e, ConfigKeyError) and e.key is not None:
+            close = difflib.get_close_matches(str(e.key), keys, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            first = f"key {e.key!r} is not a key of {schema.__name__}{hint}"
+        raise ConfigError(
+            f"{label}: {first}; {schema.__name__}'s keys: {', '.join(keys)}"
+        ) from None
 
 
 def edit_specs(intervene) -> dict:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from probe.config import TOKEN_REDUCTIONS
@@ -17,6 +19,7 @@ from probe.tokens import TOKEN_DATASETS, token_dataset
 DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", *TOKEN_DATASETS, "pairs")
 # what a pairs batch carries besides the model's inputs: the other half and the answer tokens
 SIDE_KEYS = ("corrupt_ids", "answer", "wrong")
+log = logging.getLogger("probe")
 
 
 @dataclass
@@ -147,6 +150,8 @@ def build_batches(cfg, model_cfg, seed: int, model=None) -> OrderedBatches:
     num_classes = cfg.num_classes or model_cfg.num_classes
     shape = (channels, size, size)
     has_targets = True
+    if cfg.name in ("synthetic", "fakedata") and model is not None:
+        _check_target_classes(cfg, model_cfg, model, num_classes)
     if cfg.name == "synthetic":
         dataset = SyntheticImages(cfg.num_samples or 16, shape, num_classes, seed)
     elif cfg.name == "fakedata":
@@ -158,6 +163,46 @@ def build_batches(cfg, model_cfg, seed: int, model=None) -> OrderedBatches:
     if cfg.num_samples is not None and cfg.name in ("imagefolder", "tensors"):
         dataset = Subset(dataset, range(min(cfg.num_samples, len(dataset))))
     return OrderedBatches(dataset, cfg.batch_size, cfg.num_workers, has_targets)
+
+
+def _check_target_classes(cfg, model_cfg, model: nn.Module, num_classes: int) -> None:
+    """Synthetic targets are drawn below dataset.num_classes or model.num_classes (1000 unless
+    set), which a custom model is not built with: say so where its outputs look fewer or more."""
+    if not (model_cfg.get("_target_") or model_cfg.get("library") == "custom"):
+        return
+    source = "dataset.num_classes" if cfg.num_classes else "model.num_classes"
+    width, where = output_width(model, model_cfg)
+    if width is None:
+        log.info("dataset=%s: targets drawn below %d (%s)", cfg.name, num_classes, source)
+    elif width != num_classes:
+        log.warning(
+            "dataset=%s draws its targets below %d (%s), but %s %d outputs: set "
+            "model.num_classes=%d (or dataset.num_classes=%d) so that /samples/target and the "
+            "cross_entropy objective of gradient probes use classes the model has",
+            cfg.name,
+            num_classes,
+            source,
+            where,
+            width,
+            width,
+            width,
+        )
+
+
+def output_width(model: nn.Module, model_cfg=None) -> tuple[int | None, str]:
+    """How many outputs a classifier seems to have, and whence: model.kwargs.num_classes, a
+    `num_classes` attribute, else its last Linear module (in module order). A guess that needs
+    no forward pass, for a warning only."""
+    given = (model_cfg.get("kwargs") or {}).get("num_classes") if model_cfg is not None else None
+    if isinstance(given, int):
+        return given, "model.kwargs.num_classes gives it"
+    attribute = getattr(model, "num_classes", None)
+    if isinstance(attribute, int) and not isinstance(attribute, bool):
+        return attribute, "the model's num_classes attribute says it has"
+    last = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1:]
+    if last:
+        return last[0][1].out_features, f"the model's last Linear layer {last[0][0]!r} has"
+    return None, ""
 
 
 def check_token_data(dataset, selections, model) -> None:

@@ -4,6 +4,7 @@ probe.hub), a user class by `_target_`, a checkpoint."""
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from torch import nn
 
 from probe.config import LIBRARIES, import_target
 from probe.errors import CheckpointError, ConfigError
+
+log = logging.getLogger("probe")
 
 
 def classification_models() -> list[str]:
@@ -56,7 +59,7 @@ def build_model(cfg, seed: int) -> nn.Module:
     else:
         model = _build_torchvision(cfg, kwargs)
     if cfg.checkpoint:
-        load_checkpoint(model, cfg.checkpoint)
+        load_checkpoint(model, cfg.checkpoint, cfg.get("checkpoint_prefix"))
     return model.eval()
 
 
@@ -101,8 +104,10 @@ def _build_torchvision(cfg, kwargs: dict) -> nn.Module:
     )
 
 
-def load_checkpoint(model: nn.Module, path: str) -> None:
-    """Load a state_dict (weights only, strict keys) and say which keys do not fit."""
+def load_checkpoint(model: nn.Module, path: str, prefix: str | None = None) -> None:
+    """Load a state_dict (weights only, strict keys) and say which keys do not fit. With `prefix`
+    only the keys under it are loaded, without it (a wrapper's `module.`, `model.`); a checkpoint
+    whose keys all carry such a prefix is named in the error."""
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(
@@ -122,6 +127,16 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
         raise CheckpointError(
             f"model.checkpoint={path!r} holds a {type(state).__name__}, not a state_dict of tensors"
         )
+    if prefix:
+        under = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if not under:
+            raise CheckpointError(
+                f"model.checkpoint_prefix={prefix!r}: no key of {path!r} starts with it; its keys "
+                f"start {_few(list(state), 3)}"
+            )
+        if len(under) < len(state):
+            log.info("checkpoint: %d keys outside %r left out", len(state) - len(under), prefix)
+        state = under
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:
@@ -131,11 +146,33 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
             "was it saved from another architecture or num_classes?"
         ) from None
     if result.missing_keys or result.unexpected_keys:
+        found = key_prefix(list(state), model.state_dict().keys())
+        hint = (
+            f"; every key carries the prefix {found!r} (a DDP, Lightning or compiled wrapper's): "
+            f"load it with model.checkpoint_prefix={found}"
+            if found
+            else "; was it saved from another architecture or num_classes?"
+        )
         raise CheckpointError(
             f"model.checkpoint={path!r} does not fit {type(model).__name__}: "
-            f"missing keys {_few(result.missing_keys)}, unexpected keys {_few(result.unexpected_keys)}; "
-            "was it saved from another architecture or num_classes?"
+            f"missing keys {_few(result.missing_keys)}, unexpected keys {_few(result.unexpected_keys)}"
+            + hint
         )
+    log.info("loaded checkpoint %s: %d tensors into %s", path, len(state), type(model).__name__)
+
+
+def key_prefix(keys: list[str], wanted) -> str | None:
+    """The dotted prefix (`module.`, `model.`, `module._orig_mod.`) common to all `keys` whose
+    removal turns them into exactly the `wanted` keys, if there is one."""
+    wanted = set(wanted)
+    parts = keys[0].split(".")[:-1] if keys else []
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth]) + "."
+        if not all(k.startswith(prefix) for k in keys):
+            return None
+        if {k[len(prefix) :] for k in keys} == wanted:
+            return prefix
+    return None
 
 
 def _few(keys: list[str], n: int = 5) -> str:

@@ -97,7 +97,7 @@ def test_a_run_stopped_by_bad_data_leaves_no_hook_and_the_mode_it_found(tmp_path
 @pytest.mark.parametrize(
     ("probes", "data", "error", "words"),
     [
-        ({"head": {"layrs": ["fc"]}}, None, ConfigError, "Key 'layrs' not in 'ProbeSpec'"),
+        ({"head": {"layrs": ["fc"]}}, None, ConfigError, "'layrs' is not a key of ProbeSpec"),
         ("all_convz", None, ConfigError, "probes='all_convz' is not a shipped probes file"),
         ("all_convs", [3], DataError, "data yielded a int"),
         ("all_convs", [(1, 2, 3)], DataError, "a tuple of 3 items"),

@@ -1,0 +1,394 @@
+"""What a new user meets first: a probe added on the command line, config mistakes reported at
+once (and no empty run folder), keys nothing reads, checkpoint prefixes, synthetic targets of a
+custom model, and --help. Real Hydra composition and the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from probe import checks
+from probe.checks import check_config, unread_keys
+from probe.config import ProbeSpec
+from probe.data import SyntheticImages, build_batches
+from probe.errors import CheckpointError, ConfigError, ProbeError
+from probe.models import build_model, key_prefix
+from probe.select import select_modules
+from tests.helpers import ROOT, cli, make_cfg
+
+TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=2"]
+TINYNET = [
+    "model=custom",
+    "model._target_=tests.models_for_tests.TinyNet",
+    "model.input_shape=[3,8,8]",
+    "dataset.num_samples=4",
+    "dataset.batch_size=2",
+]
+GRADS = "probes=grads_all_convs"
+
+
+def _inputs(n: int = 4, shape=(3, 32, 32)) -> torch.Tensor:
+    data = SyntheticImages(n, shape, 1000, seed=0)
+    return torch.stack([data[i][0] for i in range(n)])
+
+
+# -- 1. a new probe from the command line --------------------------------------------------------
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["+probes.head.layers=[fc]"],
+        ["probes=none", "+probes.head={layers: [fc], capture: [output]}"],
+    ],
+    ids=["key", "dict"],
+)
+def test_a_probe_added_on_the_command_line_stores_the_layer(tmp_path, args):
+    out = cli(*TINY, *args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    net = build_model(make_cfg(*TINY).model, 0)
+    with torch.no_grad():
+        expected = net(_inputs()).numpy()  # fc is resnet's last layer: its output is the model's
+    with h5py.File(tmp_path / "probe.h5") as f:
+        np.testing.assert_allclose(f["layers/fc/output"][:], expected, rtol=1e-5, atol=1e-5)
+        assert f["layers/fc/output"].dtype == np.float32  # ProbeSpec's default dtype
+        assert ("layers/conv1" in f) == (args[0] != "probes=none")  # beside the default probe
+
+
+def test_an_added_probe_is_typed_with_probespec_defaults_before_select():
+    cfg = make_cfg("probes=none", "+probes.head={layers: [fc], capture: [output]}")
+    assert OmegaConf.get_type(cfg.probes.head) is dict  # OmegaConf composes it untyped
+    check_config(cfg)
+    assert OmegaConf.get_type(cfg.probes.head) is ProbeSpec
+    assert cfg.probes.head.reduce == "none" and cfg.probes.head.types == []
+    (sel,) = select_modules(build_model(cfg.model, 0), cfg.probes)
+    assert (sel.name, sel.sites, sel.reduce, sel.rows) == ("fc", ("output",), "none", "samples")
+
+
+def test_shipped_probe_files_and_their_overrides_stay_typed_at_compose_time():
+    cfg = make_cfg("probes=all_convs", "probes.convs.layers=[layer4.*]")
+    assert OmegaConf.get_type(cfg.probes.convs) is ProbeSpec
+    assert list(cfg.probes.convs.layers) == ["layer4.*"] and cfg.probes.convs.dtype == "float32"
+    everything = make_cfg("probes=everything").probes.everything
+    assert OmegaConf.get_type(everything) is ProbeSpec and everything.dtype == "float16"
+
+
+def test_a_misspelt_key_of_a_new_probe_names_it_and_probespec_keys(tmp_path):
+    out = cli(*TINY, "+probes.head.layrs=[fc]", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert (
+        "probe 'head': key 'layrs' is not a key of ProbeSpec (did you mean layers?)" in out.stderr
+    )
+    assert "ProbeSpec's keys: layers, types, exclude, capture, reduce" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# -- 2. config errors before any heavy work, no empty run folder ----------------------------------
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["dataset=imagefolder"], "dataset=imagefolder needs dataset.root=DIR"),
+        (["objective=logit", GRADS], "objective=logit needs the logit to differentiate"),
+        (["store.mode=everything"], "store.mode='everything' is unknown; choose full or stats"),
+        (
+            ["dataset=tensors", "dataset.path=/nonexistent.pt"],
+            "dataset.path='/nonexistent.pt' does not",
+        ),
+        (["device=gpu"], "device='gpu' is not a torch device"),
+        (["probes.convs.capture=[outptu]"], "probe 'convs': capture site 'outptu' is unknown"),
+    ],
+    ids=["root", "logit", "store", "path", "device", "site"],
+)
+def test_a_config_error_comes_before_torch_and_leaves_no_run_folder(tmp_path, args, message):
+    run_dir = tmp_path / "run"
+    out = cli(*TINY, *args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"probe: error: {message}" in out.stderr
+    assert not run_dir.exists()
+
+
+def test_no_torch_import_and_no_outputs_folder_with_the_default_run_dir(tmp_path):
+    out = cli(*TINY, "precision=fp8", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert out.returncode == 2
+    assert "precision='fp8' is unknown; choose from fp32, bf16, fp16" in out.stderr
+    assert re.search(r"\|\s+probe\.checks$", out.stderr, re.M)  # profiled; torch is not in it
+    assert not re.search(r"\|\s+torch$", out.stderr, re.M)
+    assert list(tmp_path.iterdir()) == []  # outputs/<date>/<time> and its empty parents are gone
+
+
+def test_an_existing_run_folder_is_kept(tmp_path):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    out = cli(*TINY, "store.mode=everything", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 2 and run_dir.is_dir()
+
+
+def _deep(fn):
+    try:
+        fn()
+    except ProbeError as e:
+        return e
+    raise AssertionError("the deep check raised nothing")
+
+
+class _Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3)
+
+
+def _store(cfg, tmp_path):
+    from probe.store import ProbeWriter
+
+    s = cfg.store
+    return lambda: ProbeWriter(
+        tmp_path / "x.h5",
+        mode=s.mode,
+        compression=s.compression,
+        compression_level=s.compression_level,
+        queue_batches=s.queue_batches,
+    )
+
+
+EDIT = ["intervene=edit", "intervene.edit.layers=[conv1]"]
+SAME = {
+    "batch_size": (["dataset.batch_size=0"], "data"),
+    "num_samples": (["dataset.num_samples=0"], "data"),
+    "name": (["dataset.name=imagenet"], "data"),
+    "channels": (["dataset.channels=0"], "data"),
+    "root": (["dataset=imagefolder"], "data"),
+    "no-root": (["dataset=imagefolder", "dataset.root=/nonexistent"], "data"),
+    "path": (["dataset=tensors"], "data"),
+    "no-path": (["dataset=tensors", "dataset.path=/nonexistent.pt"], "data"),
+    "library": (["model.library=jax"], "model"),
+    "target": (["model=custom"], "model"),
+    "checkpoint": (["model.checkpoint=/nonexistent.pt"], "model"),
+    "device": (["device=cuda:x"], "device"),
+    "precision": (["precision=fp8"], "precision"),
+    "model_output": (["store.model_output=bogus"], "model_output"),
+    "backend": (["stats.backend=cuda"], "backend"),
+    "site": (["probes.convs.capture=[outptu]"], "select"),
+    "reduce": (["probes.convs.reduce=mean"], "select"),
+    "tokens": (["probes.convs.rows=tokens", "probes.convs.reduce=spatial_mean"], "select"),
+    "unit_axis": (["probes.convs.unit_axis=0"], "select"),
+    "match": (["probes.convs.match=some"], "select"),
+    "objective": (["objective.name=nope", GRADS], "objective"),
+    "logit": (["objective=logit", GRADS], "objective"),
+    "logit-range": (["objective=logit", "objective.index=1000", GRADS], "objective"),
+    "custom": (["objective=custom", GRADS], "objective"),
+    "op": ([*EDIT, "intervene.edit.op=explode"], "edits"),
+    "edit-site": ([*EDIT, "intervene.edit.op=zero", "intervene.edit.site=weights"], "edits"),
+    "clamp": ([*EDIT, "intervene.edit.op=clamp"], "edits"),
+    "noise": ([*EDIT, "intervene.edit.op=noise", "intervene.edit.std=-1"], "edits"),
+    "mean": ([*EDIT, "intervene.edit.op=mean", "intervene.edit.source=/no/probe.h5"], "edits"),
+    "mode": (["store.mode=everything"], "store"),
+    "compression": (["store.compression=zstd"], "store"),
+    "queue": (["store.queue_batches=0"], "store"),
+    "gzip": (["store.compression=gzip", "store.compression_level=99"], "store"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME))
+def test_early_checks_say_what_the_deep_checks_say(tmp_path, case):
+    from probe import backend, device, forward, intervene, objective, run
+
+    args, where = SAME[case]
+    cfg = make_cfg(*args)
+    with pytest.raises(ProbeError) as early:
+        check_config(cfg)
+    deep = _deep(
+        {
+            "data": lambda: build_batches(cfg.dataset, cfg.model, cfg.seed),
+            "model": lambda: build_model(cfg.model, cfg.seed),
+            "device": lambda: run.resolve_device(cfg.device),
+            "precision": lambda: device.check_precision(cfg.precision),
+            "model_output": lambda: forward.check_model_output(cfg.store.model_output),
+            "backend": lambda: backend.resolve(cfg.stats.backend),
+            "select": lambda: select_modules(_Convs(), cfg.probes),
+            "objective": lambda: objective.build_objective(cfg.objective, True, 1000),
+            "edits": lambda: intervene.build_edits(_Convs(), cfg.intervene, cfg.seed),
+            "store": _store(cfg, tmp_path),
+        }[where]
+    )
+    assert str(early.value) == str(deep)
+    # the store's own checks raise WriteError for a ProbeWriter made directly
+    expected = ConfigError if where == "store" else type(deep)
+    assert type(early.value) is expected
+
+
+def test_the_early_name_lists_are_the_deep_modules():
+    from probe import backend, data, device, forward, intervene, objective, store
+
+    assert checks.DATASETS == data.DATASETS
+    assert tuple(device.PRECISIONS) == checks.PRECISIONS
+    assert checks.MODEL_OUTPUTS == forward.MODEL_OUTPUTS
+    assert checks.STATS_BACKENDS == backend.BACKENDS
+    assert checks.COMPRESSIONS == store.COMPRESSIONS
+    assert checks.OBJECTIVES == objective.OBJECTIVES
+    assert (checks.EDIT_SITES, checks.OPS) == (intervene.EDIT_SITES, intervene.OPS)
+    assert checks.GRAD_EDIT_SITES == intervene.GRAD_EDIT_SITES
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that mkldnn is deprecated
+        for name in [*checks.DEVICE_TYPES, "cuda:0", "cpu:1"]:
+            torch.device(name)
+            assert checks.DEVICE.match(name)
+    for name in ("gpu", "cuda:x", "cuda:-1", "cuda:01", "CUDA"):
+        assert not checks.DEVICE.match(name)
+
+
+def test_every_shipped_config_passes_the_early_checks():
+    for group, option in [("model", "lenet"), ("dataset", "fakedata"), ("intervene", "patch_grid"),
+                          ("probes", "residual"), ("store", "stats"), ("model", "gpt2")]:  # fmt: skip
+        check_config(make_cfg(f"{group}={option}"))
+    check_config(make_cfg(GRADS, "objective=logit", "objective.index=3"))
+
+
+# -- 3. keys nothing reads ------------------------------------------------------------------------
+def test_a_key_nothing_reads_is_named_with_the_close_one(tmp_path):
+    """Hydra's hint for a misspelt key (+key=) adds it; the run warns and takes the default. The
+    custom TinyNet (10 outputs) also gets the synthetic-targets warning of item 5."""
+    out = cli(*TINYNET, "probes=all_linear", "+dataset.num_sample=8", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    words = "dataset.num_sample is not a key probe reads (did you mean dataset.num_samples?)"
+    assert words in out.stdout and words in (tmp_path / "probe.log").read_text()  # Hydra's console
+    assert "[probe][WARNING]" in out.stdout.split(words)[0].splitlines()[-1]
+    with h5py.File(tmp_path / "probe.h5") as f:
+        assert f.attrs["num_samples"] == 4  # dataset.num_samples, untouched
+    assert "'fc' has 10 outputs: set model.num_classes=10" in out.stdout
+
+
+def test_free_form_keys_are_not_reported():
+    cfg = make_cfg(
+        "model=custom",
+        "model._target_=probe.zoo.LeNet",
+        "+model.kwargs.width=64",
+        "+model.config.n_layer=2",
+        "+intervene.mine.op=zero",
+        "+probes.head.layers=[fc]",
+        "+sed=1",
+        "+stats.backendd=torch",
+    )
+    assert unread_keys(cfg) == [
+        "stats.backendd is not a key probe reads (did you mean stats.backend?); it has no effect",
+        "sed is not a key probe reads (did you mean seed?); it has no effect",
+    ]
+
+
+# -- 4. checkpoints: logged, and a wrapper's prefix -----------------------------------------------
+def _prefixed(tmp_path, prefix: str):
+    torch.manual_seed(123)  # weights unlike the run's seeded init
+    import torchvision
+
+    original = torchvision.models.resnet18()
+    path = tmp_path / f"{prefix.strip('.') or 'plain'}.pt"
+    torch.save({f"{prefix}{k}": v for k, v in original.state_dict().items()}, path)
+    return original.eval(), path
+
+
+def test_a_prefixed_checkpoint_names_the_prefix_and_loads_with_it(tmp_path):
+    original, path = _prefixed(tmp_path, "model.")  # Lightning's
+    out = cli(*TINY, f"model.checkpoint={path}", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "every key carries the prefix 'model.'" in out.stderr
+    assert "model.checkpoint_prefix=model." in out.stderr
+    assert not (tmp_path / "bad").exists()
+    run_dir = tmp_path / "run"
+    out = cli(
+        *TINY,
+        "probes=none",
+        "+probes.head.layers=[fc]",
+        f"model.checkpoint={path}",
+        "model.checkpoint_prefix=model.",
+        "device=auto",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert out.returncode == 0, out.stderr
+    log = (run_dir / "probe.log").read_text()
+    assert f"loaded checkpoint {path}: 122 tensors into ResNet" in log
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"device {device} (device=auto)" in log
+    with torch.no_grad():
+        expected = original(_inputs()).numpy()
+    with h5py.File(run_dir / "probe.h5") as f:
+        np.testing.assert_allclose(f["layers/fc/output"][:], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_prefix_loads_every_weight(tmp_path, caplog):
+    original, path = _prefixed(tmp_path, "module.")  # DDP's
+    cfg = make_cfg(f"model.checkpoint={path}", "model.checkpoint_prefix=module.")
+    with caplog.at_level(logging.INFO, logger="probe"):
+        model = build_model(cfg.model, cfg.seed)
+    for k, v in original.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert f"loaded checkpoint {path}" in caplog.text
+    with pytest.raises(CheckpointError, match=r"checkpoint_prefix='model\.': no key .* starts"):
+        build_model(make_cfg(f"model.checkpoint={path}", "model.checkpoint_prefix=model.").model, 0)
+
+
+def test_key_prefix_finds_only_a_prefix_that_makes_the_keys_fit():
+    wanted = ["conv.weight", "fc.bias"]
+    assert key_prefix(["module._orig_mod.conv.weight", "module._orig_mod.fc.bias"], wanted) == (
+        "module._orig_mod."
+    )
+    assert key_prefix(["model.conv.weight", "loss.fc.bias"], wanted) is None
+    assert key_prefix(["model.conv.weight", "model.head.bias"], wanted) is None
+
+
+# -- 5. synthetic targets of a custom model -------------------------------------------------------
+def test_synthetic_targets_of_a_custom_model_warn_with_its_width(caplog):
+    cfg = make_cfg(*TINYNET)
+    model = build_model(cfg.model, 0)  # TinyNet: 10 classes, model.num_classes left at 1000
+    with caplog.at_level(logging.WARNING, logger="probe"):
+        targets = torch.cat([b.targets for b in build_batches(cfg.dataset, cfg.model, 0, model)])
+    assert int(targets.max()) >= 10  # what the warning is about
+    assert "dataset=synthetic draws its targets below 1000 (model.num_classes)" in caplog.text
+    assert "last Linear layer 'fc' has 10 outputs: set model.num_classes=10" in caplog.text
+    caplog.clear()
+    cfg = make_cfg(*TINYNET, "model.num_classes=10")
+    with caplog.at_level(logging.WARNING, logger="probe"):
+        targets = torch.cat([b.targets for b in build_batches(cfg.dataset, cfg.model, 0, model)])
+    assert int(targets.max()) < 10 and caplog.text == ""
+
+
+# -- 6. --help and tab completion -----------------------------------------------------------------
+def test_help_says_what_probe_is(tmp_path):
+    out = cli("--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for words in (
+        "probe: declarative model probing for PyTorch",
+        "python -m probe '+probes.head.layers=[fc]'",
+        "python -m probe -m model=resnet18,vgg11",
+        "python -m probe.sites model=resnet18",
+        "python -m probe.summarize",
+        "(or the `probe` command)",
+        "probes: all_activations, all_convs",  # $APP_CONFIG_GROUPS
+        "checkpoint_prefix: null",  # $CONFIG
+        'eval "$(probe -sc install=bash)"',
+    ):
+        assert words in out.stdout, words
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tab_completion_names_the_keys(tmp_path):
+    """What the script of `eval "$(probe -sc install=bash)"` asks the command for a word."""
+    line = "probe dataset.num_s"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COMP_LINE": line, "COMP_POINT": str(len(line))}
+    out = subprocess.run(
+        [sys.executable, "-m", "probe", "-sc", "query=bash"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "dataset.num_samples=" in out.stdout.split()
