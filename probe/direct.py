@@ -10,7 +10,8 @@ allocated as it grows (`ALLOC_TIME_EARLY`, never filled), the file aligns large 
 ALIGN, and each whole chunk is written at the file offset HDF5 reports for it. O_DIRECT needs the
 memory, the offset and the length aligned: captures are copied into ALIGN-aligned tensors
 (`aligned_empty`), and a chunk qualifies when its byte size is a multiple of ALIGN. Anything else,
-or a file system without O_DIRECT, takes HDF5's own write path.
+a platform without os.O_DIRECT (macOS, Windows), a file system that refuses it, or
+`store.direct_io=false`, takes HDF5's own write path, which holds the same values.
 """
 
 from __future__ import annotations

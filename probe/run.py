@@ -94,6 +94,9 @@ class Plan:
 def plan(cfg: DictConfig) -> Plan:
     """Build the model and the batches the config names, then `prepare` the run (the Python
     API, `probe.api`, prepares a caller's model and batches the same way)."""
+    from probe.checks import check_config
+
+    check_config(cfg)  # what the config alone decides, before any work; types added probes
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
     every = build_batches(cfg.dataset, cfg.model, cfg.seed, model)
@@ -105,6 +108,7 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Plan:
     run of `model` over `every` (batches as `probe.data.OrderedBatches` gives them)."""
     shard, batches = distributed.shard(every)
     device = shard.device(resolve_device(cfg.device))
+    log.info("device %s (device=%s)", device, cfg.device)
     devices.check_precision(cfg.precision)
     check_model_output(cfg.store.model_output)
     stats_backend = backend.resolve(cfg.stats.backend, device.type)
@@ -179,6 +183,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         flush_seconds=cfg.store.flush_seconds,
         index_offset=shard.samples.start,
         stats_backend=stats_backend,
+        direct_io=cfg.store.direct_io,
     )
     if resuming:
         batches.skip(writer.num_batches)

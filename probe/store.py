@@ -99,6 +99,7 @@ class ProbeWriter:
         index_offset: int = 0,
         token_layers: frozenset[str] = frozenset(),
         stats_backend: str | None = None,
+        direct_io: bool = True,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -174,7 +175,7 @@ class ProbeWriter:
                 self.file.create_group("layers")  # present even when nothing is selected
         self.file.flush()
         # written chunks bypass the page cache where they can (probe.direct)
-        self.direct_fd = direct.open_direct(self.path) if mode == "full" else None
+        self.direct_fd = direct.open_direct(self.path) if mode == "full" and direct_io else None
         self.direct_writes: list | None = None  # a batch's whole chunks, written together
         self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)

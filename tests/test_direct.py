@@ -15,7 +15,7 @@ from probe import direct
 from probe.hooks import keep
 from probe.select import Selection
 from probe.store import ProbeWriter, Record, chunk_rows
-from tests.helpers import make_cfg, run_probe
+from tests.helpers import assert_same_arrays, make_cfg, run_probe
 from tests.test_forward_values import _model_and_inputs
 
 RESNET = [
@@ -201,3 +201,14 @@ def test_runs_of_adjacent_chunks_stay_under_the_write_size_limit(monkeypatch):
         [12288, 16384],
         [24576],
     ]
+
+
+def test_store_direct_io_false_writes_the_same_file_through_hdf5_alone(tmp_path, monkeypatch):
+    """The portable path, asked for: no O_DIRECT descriptor, every value as with it."""
+    opened = []
+    real = direct.open_direct
+    monkeypatch.setattr(direct, "open_direct", lambda p: opened.append(p) or real(p))
+    run_probe(tmp_path / "direct", *RESNET)
+    run_probe(tmp_path / "hdf5", *RESNET, "store.direct_io=false")
+    assert len(opened) == 1  # the default run's only
+    assert assert_same_arrays(tmp_path / "direct" / "probe.h5", tmp_path / "hdf5" / "probe.h5") > 20
