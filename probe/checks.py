@@ -1,10 +1,12 @@
 """Config errors decided from the config alone, before torch is imported or a model is built.
 
-The deep checks (probe.data, probe.store, probe.objective, ...) stay where they are, for callers
-that build those pieces directly; these repeat them with the same messages so that a command line
-mistake is reported in a fraction of a second instead of after the imports and the model. The
-name lists below copy the deep modules' own (tests/test_cli_newcomer.py holds them equal), since
-importing those modules would import torch.
+Each check that needs neither torch nor a model lives here once: the modules that build the
+pieces (probe.data, probe.tokens, probe.models, probe.select, probe.intervene, probe.objective)
+call these functions, so a caller that builds a piece directly gets the same error, and
+`check_config` calls them all first, so that a command line mistake is reported in a fraction of
+a second instead of after the imports and the model. The name lists are probe.config's. The checks
+of probe.device, probe.forward, probe.backend, probe.store, probe.hub and probe.run's device are
+still repeated here with their messages (tests/test_cli_newcomer.py holds them equal).
 """
 
 from __future__ import annotations
@@ -20,31 +22,32 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from probe.config import (
+    COMPRESSIONS,
+    DATASETS,
     DTYPES,
+    EDIT_SITES,
+    GRAD_EDIT_SITES,
     GRAD_SITES,
     HF_TASKS,
     LIBRARIES,
+    MODEL_OUTPUTS,
+    OBJECTIVES,
+    OPS,
+    PRECISIONS,
     REDUCTIONS,
     ROWS,
     SITES,
+    STATS_BACKENDS,
     TOKEN_REDUCTIONS,
     Config,
     GridSpec,
     ProbeSpec,
     edit_specs,
+    require_target,
     typed,
 )
 from probe.errors import CheckpointError, ConfigError, DataError
 
-DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", "tokens", "text", "random_tokens", "pairs")  # fmt: skip
-PRECISIONS = ("fp32", "bf16", "fp16")  # probe.device
-MODEL_OUTPUTS = ("auto", "full", "last", "none")  # probe.forward
-STATS_BACKENDS = ("auto", "torch", "numba")  # probe.backend
-COMPRESSIONS = ("none", "lzf", "gzip")  # probe.store
-OBJECTIVES = ("cross_entropy", "logit", "output_sum", "lm_loss", "custom")  # probe.objective
-EDIT_SITES = ("input", "output", "grad_output", "grad_input")  # probe.intervene
-GRAD_EDIT_SITES = ("grad_output", "grad_input")
-OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
 # the device types torch.device parses (the pinned torch's list; `auto` is probe's own)
 DEVICE_TYPES = (
     "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
@@ -61,7 +64,9 @@ def check_config(cfg: DictConfig) -> None:
     _model(cfg.model)
     _dataset(cfg.dataset)
     _device(cfg)
-    _probes(cfg.probes)
+    for name, spec in cfg.probes.items():
+        check_probe_spec(name, spec)
+        check_match(f"probe {name!r}", spec.match)
     edits = _edits(cfg.get("intervene"))
     _objective(cfg, edits)
     _store(cfg.store)
@@ -81,28 +86,47 @@ def typed_probes(cfg: DictConfig) -> None:
 
 def _value(node, key: str):
     """node.key, None where it is unset or `???`."""
-    return None if OmegaConf.is_missing(node, key) else node.get(key)
+    if isinstance(node, DictConfig):
+        return None if OmegaConf.is_missing(node, key) else node.get(key)
+    return getattr(node, key, None)
 
 
-def _model(m) -> None:
+# -- model (probe.models) -------------------------------------------------------------------------
+def model_library(m) -> str:
+    """Which library builds model config `m`: custom where a `_target_`, model.name=custom or
+    model.library=custom says so (then `_target_` must be given), else model.library."""
     library = _value(m, "library") or "torchvision"
     if library not in LIBRARIES:
         raise ConfigError(f"model.library={library!r} is not one of {', '.join(LIBRARIES)}")
-    target, name = _value(m, "_target_"), _value(m, "name")
-    if (target or name == "custom" or library == "custom") and target is None:
-        raise ConfigError(
-            "model._target_ is missing; name what to import, e.g. model._target_=probe.zoo.LeNet"
-        )
-    if library == "hf" and not target and m.task not in HF_TASKS:
-        raise ConfigError(f"model.task={m.task!r} is not one of {', '.join(HF_TASKS)}")
-    path = _value(m, "checkpoint")
-    if path and not Path(path).is_file():
+    target = _value(m, "_target_")
+    if not (target or _value(m, "name") == "custom" or library == "custom"):
+        return library
+    require_target("model._target_", target)
+    return "custom"
+
+
+def check_checkpoint(path) -> Path:
+    """The path of model.checkpoint, which must be a file."""
+    p = Path(path)
+    if not p.is_file():
         raise CheckpointError(
             f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict"
         )
+    return p
 
 
-def _dataset(d) -> None:
+def _model(m) -> None:
+    library = model_library(m)
+    if library == "hf" and m.task not in HF_TASKS:  # probe.hub's, after transformers is imported
+        raise ConfigError(f"model.task={m.task!r} is not one of {', '.join(HF_TASKS)}")
+    path = _value(m, "checkpoint")
+    if path:
+        check_checkpoint(path)
+
+
+# -- dataset (probe.data) -------------------------------------------------------------------------
+def check_dataset(d) -> None:
+    """The dataset config's sizes and name, and the root or path its kind needs."""
     if d.batch_size < 1:
         raise ConfigError(f"dataset.batch_size={d.batch_size} must be at least 1")
     if d.num_samples is not None and d.num_samples < 1:
@@ -116,31 +140,47 @@ def _dataset(d) -> None:
             raise ConfigError(
                 f"dataset.{key}={d[key]} must be at least 1 (or null for the model's own)"
             )
-    root, path = _value(d, "root"), _value(d, "path")
+    if d.name == "imagefolder" and _value(d, "root") is None:
+        raise ConfigError("dataset=imagefolder needs dataset.root=DIR (a folder of class folders)")
+    if d.name == "tensors" and _value(d, "path") is None:
+        raise ConfigError("dataset=tensors needs dataset.path=FILE (a .pt file of inputs)")
+
+
+def check_root(root) -> Path:
+    """dataset.root of dataset=imagefolder, which must be a directory."""
+    p = Path(str(root))
+    if not p.is_dir():
+        raise DataError(
+            f"dataset.root={str(root)!r} is not a directory; give a folder of class sub-folders"
+        )
+    return p
+
+
+def check_data_file(
+    path, what: str = "a .pt file of inputs", fix: str = "; fix its permissions"
+) -> Path:
+    """dataset.path, which must be a readable file; `what` says what it holds (dataset=tensors'
+    by default; probe.tokens gives its own, and no `fix`)."""
+    p = Path(str(path))
+    if p.is_dir():
+        raise DataError(f"dataset.path={str(path)!r} is a directory; give {what}")
+    if not p.is_file():
+        raise DataError(f"dataset.path={str(path)!r} does not exist; give {what}")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"dataset.path={str(path)!r} cannot be read (permission denied){fix}")
+    return p
+
+
+def _dataset(d) -> None:
+    check_dataset(d)
     if d.name == "imagefolder":
-        if root is None:
-            raise ConfigError(
-                "dataset=imagefolder needs dataset.root=DIR (a folder of class folders)"
-            )
-        if not Path(str(root)).is_dir():
-            raise DataError(
-                f"dataset.root={str(root)!r} is not a directory; give a folder of class sub-folders"
-            )
+        check_root(_value(d, "root"))
     if d.name == "tensors":
-        if path is None:
-            raise ConfigError("dataset=tensors needs dataset.path=FILE (a .pt file of inputs)")
-        p = Path(str(path))
-        if p.is_dir():
-            raise DataError(f"dataset.path={str(path)!r} is a directory; give a .pt file of inputs")
-        if not p.is_file():
-            raise DataError(f"dataset.path={str(path)!r} does not exist; give a .pt file of inputs")
-        if not os.access(p, os.R_OK):
-            raise DataError(
-                f"dataset.path={str(path)!r} cannot be read (permission denied); fix its permissions"
-            )
+        check_data_file(_value(d, "path"))
 
 
 def _device(cfg) -> None:
+    """probe.run's resolve_device, probe.device's, probe.forward's and probe.backend's checks."""
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
@@ -165,65 +205,65 @@ def _device(cfg) -> None:
         )
 
 
-def _probes(probes) -> None:
-    """probe.select's checks of each spec that need no model."""
-    for name, spec in probes.items():
-        for site in spec.capture:
-            if site not in SITES:
-                raise ConfigError(
-                    f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}"
-                )
-        if not spec.capture:
+# -- probes (probe.select) ------------------------------------------------------------------------
+def check_probe_spec(name: str, spec) -> None:
+    """A probe's sites, reduction, dtype, rows and unit axis (a ProbeSpec or its DictConfig)."""
+    for site in spec.capture:
+        if site not in SITES:
             raise ConfigError(
-                f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}"
+                f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}"
             )
-        for key, known in (("reduce", REDUCTIONS), ("dtype", DTYPES), ("rows", ROWS)):
-            if spec[key] not in known:
-                raise ConfigError(
-                    f"probe {name!r}: {key}={spec[key]!r} is unknown; choose from {', '.join(known)}"
-                )
-        if spec.rows == "tokens" and spec.reduce != "none":
+    if not spec.capture:
+        raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
+    for key, known in (("reduce", REDUCTIONS), ("dtype", DTYPES), ("rows", ROWS)):
+        value = getattr(spec, key)
+        if value not in known:
             raise ConfigError(
-                f"probe {name!r}: rows: tokens keeps every token, so it takes reduce: none, not "
-                f"{spec.reduce!r} (the token reductions {', '.join(TOKEN_REDUCTIONS)} give one row "
-                "per sample)"
+                f"probe {name!r}: {key}={value!r} is unknown; choose from {', '.join(known)}"
             )
-        axis = spec.unit_axis
-        if axis != "auto" and (isinstance(axis, bool) or not isinstance(axis, int) or axis == 0):
-            raise ConfigError(
-                f"probe {name!r}: unit_axis={axis!r} is neither auto nor a nonzero axis; give auto, "
-                "1 (channels of N, C, H, W) or -1 (features of N, T, C)"
-            )
-        if spec.match not in ("all", "any"):
-            raise ConfigError(f"probe {name!r}: match={spec.match!r} is unknown; choose all or any")
+    if spec.rows == "tokens" and spec.reduce != "none":
+        raise ConfigError(
+            f"probe {name!r}: rows: tokens keeps every token, so it takes reduce: none, not "
+            f"{spec.reduce!r} (the token reductions {', '.join(TOKEN_REDUCTIONS)} give one row "
+            "per sample)"
+        )
+    axis = spec.unit_axis
+    if axis != "auto" and (isinstance(axis, bool) or not isinstance(axis, int) or axis == 0):
+        raise ConfigError(
+            f"probe {name!r}: unit_axis={axis!r} is neither auto nor a nonzero axis; give auto, "
+            "1 (channels of N, C, H, W) or -1 (features of N, T, C)"
+        )
 
 
-def _edits(intervene) -> dict:
-    """probe.intervene's checks of each edit that need no model; the typed edits."""
-    edits = edit_specs(intervene)
-    for name, spec in edits.items():
-        if spec.site not in EDIT_SITES:
-            raise ConfigError(
-                f"intervene {name!r}: site={spec.site!r} is unknown; choose from {', '.join(EDIT_SITES)}"
-            )
-        if spec.op not in OPS:
-            raise ConfigError(
-                f"intervene {name!r}: op={spec.op!r} is unknown; choose from {', '.join(OPS)}"
-            )
-        if spec.op == "clamp" and spec.min is None and spec.max is None:
-            raise ConfigError(
-                f"intervene {name!r}: op=clamp needs min and/or max (e.g. +intervene.{name}.max=1.0)"
-            )
-        if spec.op == "noise" and spec.std < 0:
-            raise ConfigError(f"intervene {name!r}: std={spec.std} must be >= 0")
-        if spec.op == "mean":
-            _mean_source(name, spec)
-    if intervene and intervene.get("grid") is not None:
-        typed(GridSpec, intervene.grid, "intervene.grid")
-    return edits
+def check_match(label: str, match: str) -> None:
+    """`match` of a probe, edit or grid: all or any of its layer patterns."""
+    if match not in ("all", "any"):
+        raise ConfigError(f"{label}: match={match!r} is unknown; choose all or any")
 
 
-def _mean_source(name: str, spec) -> None:
+# -- edits (probe.intervene) ----------------------------------------------------------------------
+def check_edit(name: str, spec) -> None:
+    """An edit's site and op, checked before its modules are matched."""
+    if spec.site not in EDIT_SITES:
+        raise ConfigError(
+            f"intervene {name!r}: site={spec.site!r} is unknown; choose from {', '.join(EDIT_SITES)}"
+        )
+    if spec.op not in OPS:
+        raise ConfigError(
+            f"intervene {name!r}: op={spec.op!r} is unknown; choose from {', '.join(OPS)}"
+        )
+
+
+def check_edit_op(name: str, spec) -> None:
+    """The arguments of an edit's op (clamp, noise, mean), checked as its op is made."""
+    if spec.op == "clamp" and spec.min is None and spec.max is None:
+        raise ConfigError(
+            f"intervene {name!r}: op=clamp needs min and/or max (e.g. +intervene.{name}.max=1.0)"
+        )
+    if spec.op == "noise" and spec.std < 0:
+        raise ConfigError(f"intervene {name!r}: std={spec.std} must be >= 0")
+    if spec.op != "mean":
+        return
     if spec.site not in ("input", "output"):
         raise ConfigError(
             f"intervene {name!r}: op=mean applies to input/output sites, not {spec.site}"
@@ -240,18 +280,21 @@ def _mean_source(name: str, spec) -> None:
         )
 
 
-def _objective(cfg, edits: dict) -> None:
-    """probe.objective's checks, where the run differentiates: a gradient site of a probe that
-    must select something, or a gradient edit."""
-    grads = any(
-        s in GRAD_SITES
-        for spec in cfg.probes.values()
-        if not spec.allow_empty
-        for s in spec.capture
-    ) or any(e.site in GRAD_EDIT_SITES for e in edits.values())
-    if not grads:
-        return
-    o = cfg.objective
+def _edits(intervene) -> dict:
+    """The typed edits, each checked as far as no model is needed."""
+    edits = edit_specs(intervene)
+    for name, spec in edits.items():
+        check_edit(name, spec)
+        check_edit_op(name, spec)
+    if intervene and intervene.get("grid") is not None:
+        typed(GridSpec, intervene.grid, "intervene.grid")
+    return edits
+
+
+# -- objective (probe.objective) ------------------------------------------------------------------
+def check_objective(o, num_outputs: int | None) -> None:
+    """The objective's name, a logit's index (below `num_outputs` where it is known) and a custom
+    one's `_target_`."""
     if o.name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {o.name!r}; choose one of {', '.join(OBJECTIVES)}")
     if o.name == "logit":
@@ -261,17 +304,27 @@ def _objective(cfg, edits: dict) -> None:
                 "objective=logit needs the logit to differentiate: add objective.index=K "
                 "(0 for the first output)"
             )
-        n = cfg.model.num_classes if cfg.model.library in ("torchvision", "timm") else None
-        if n is not None and not -n <= k < n:
+        if num_outputs is not None and not -num_outputs <= k < num_outputs:
             raise ConfigError(
-                f"objective.index={k} is out of range for a model output of {n} logits; "
-                f"give 0 <= index < {n}"
+                f"objective.index={k} is out of range for a model output of {num_outputs} logits; "
+                f"give 0 <= index < {num_outputs}"
             )
-    if o.name == "custom" and _value(o, "_target_") is None:
-        raise ConfigError(
-            "objective._target_ is missing; name what to import, e.g. "
-            "objective._target_=my_losses.per_sample_loss"
-        )
+    if o.name == "custom":
+        require_target("objective._target_", _value(o, "_target_"))
+
+
+def _objective(cfg, edits: dict) -> None:
+    """Where the run differentiates: a gradient site of a probe that must select something, or a
+    gradient edit. The output width is known for torchvision and timm models."""
+    grads = any(
+        s in GRAD_SITES
+        for spec in cfg.probes.values()
+        if not spec.allow_empty
+        for s in spec.capture
+    ) or any(e.site in GRAD_EDIT_SITES for e in edits.values())
+    if grads:
+        n = cfg.model.num_classes if cfg.model.library in ("torchvision", "timm") else None
+        check_objective(cfg.objective, n)
 
 
 def _store(s) -> None:

@@ -23,6 +23,23 @@ ROWS = ("samples", "tokens")
 DTYPES = ("float32", "float16")
 LIBRARIES = ("torchvision", "hf", "timm", "custom")
 HF_TASKS = ("base", "causal_lm", "masked_lm", "sequence_classification", "token_classification")
+TOKEN_DATASETS = ("tokens", "text", "random_tokens")
+DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", *TOKEN_DATASETS, "pairs")
+OBJECTIVES = ("cross_entropy", "logit", "output_sum", "lm_loss", "custom")
+EDIT_SITES = ("input", "output", "grad_output", "grad_input")
+GRAD_EDIT_SITES = ("grad_output", "grad_input")
+OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
+# the lists of modules that import torch, for probe.checks (tests/test_cli_newcomer.py holds
+# them equal to probe.device's, probe.forward's, probe.backend's and probe.store's)
+PRECISIONS = ("fp32", "bf16", "fp16")
+MODEL_OUTPUTS = ("auto", "full", "last", "none")
+STATS_BACKENDS = ("auto", "torch", "numba")
+COMPRESSIONS = ("none", "lzf", "gzip")
+# what a `_target_` key's messages give as an example
+TARGET_EXAMPLES = {
+    "model._target_": "probe.zoo.LeNet",
+    "objective._target_": "my_losses.per_sample_loss",
+}
 
 
 @dataclass
@@ -222,21 +239,35 @@ def config_dir() -> str:
     return str(next(iter(spec.submodule_search_locations)))
 
 
-def import_target(key: str, target: str | None, example: str = "pkg.mod.name"):
+def require_target(key: str, target: str | None, example: str | None = None) -> None:
+    """A ConfigError naming `key` where `target` is None: nothing to import. `example` defaults
+    to the key's in TARGET_EXAMPLES."""
+    from probe.errors import ConfigError
+
+    if target is None:
+        raise ConfigError(
+            f"{key} is missing; name what to import, e.g. {key}={_example(key, example)}"
+        )
+
+
+def _example(key: str, example: str | None) -> str:
+    return example or TARGET_EXAMPLES.get(key, "pkg.mod.name")
+
+
+def import_target(key: str, target: str | None, example: str | None = None):
     """The object a `_target_` names (configs are code: any importable callable), or a ConfigError
     naming the key."""
     from hydra.utils import get_object
 
     from probe.errors import ConfigError
 
-    if target is None:
-        raise ConfigError(f"{key} is missing; name what to import, e.g. {key}={example}")
+    require_target(key, target, example)
     try:
         return get_object(str(target))
     except Exception as e:
         raise ConfigError(
             f"{key}={target!r} cannot be imported ({e}); give a dotted path importable from this "
-            f"environment, e.g. {example}"
+            f"environment, e.g. {_example(key, example)}"
         ) from None
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,11 +11,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from probe.config import TOKEN_REDUCTIONS
-from probe.errors import ConfigError, DataError
-from probe.tokens import TOKEN_DATASETS, token_dataset
+from probe.checks import check_data_file, check_dataset, check_root
+from probe.config import TOKEN_DATASETS, TOKEN_REDUCTIONS
+from probe.errors import DataError
+from probe.tokens import token_dataset
 
-DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", *TOKEN_DATASETS, "pairs")
 # what a pairs batch carries besides the model's inputs: the other half and the answer tokens
 SIDE_KEYS = ("corrupt_ids", "answer", "wrong")
 log = logging.getLogger("probe")
@@ -118,23 +117,7 @@ def _loaded(loader: DataLoader, start: int, batch_size: int):
 
 def build_batches(cfg, model_cfg, seed: int, model=None) -> OrderedBatches:
     """The batches of dataset config `cfg`; `model` tells token data its vocabulary."""
-    if cfg.batch_size < 1:
-        raise ConfigError(f"dataset.batch_size={cfg.batch_size} must be at least 1")
-    if cfg.num_samples is not None and cfg.num_samples < 1:
-        raise ConfigError(
-            f"dataset.num_samples={cfg.num_samples} must be at least 1 (or null for all)"
-        )
-    if cfg.name not in DATASETS:
-        raise ConfigError(f"unknown dataset {cfg.name!r}; choose one of {', '.join(DATASETS)}")
-    for key in ("image_size", "channels", "num_classes"):
-        if cfg.get(key) is not None and cfg[key] < 1:
-            raise ConfigError(
-                f"dataset.{key}={cfg[key]} must be at least 1 (or null for the model's own)"
-            )
-    if cfg.name == "imagefolder" and cfg.root is None:
-        raise ConfigError("dataset=imagefolder needs dataset.root=DIR (a folder of class folders)")
-    if cfg.name == "tensors" and cfg.path is None:
-        raise ConfigError("dataset=tensors needs dataset.path=FILE (a .pt file of inputs)")
+    check_dataset(cfg)
     if cfg.name in (*TOKEN_DATASETS, "pairs"):
         from probe.hub import pad_token_id, vocab_size
         from probe.pairs import pair_dataset
@@ -242,11 +225,7 @@ def _fakedata(n: int, shape, num_classes: int, seed: int) -> Dataset:
 def _imagefolder(cfg) -> Dataset:
     from torchvision import datasets, transforms
 
-    root = Path(str(cfg.root))
-    if not root.is_dir():
-        raise DataError(
-            f"dataset.root={str(cfg.root)!r} is not a directory; give a folder of class sub-folders"
-        )
+    root = check_root(cfg.root)
     tf = transforms.Compose(
         [
             transforms.Resize(cfg.resize),
@@ -264,15 +243,7 @@ def _imagefolder(cfg) -> Dataset:
 
 
 def _tensors(path) -> tuple[Dataset, bool]:
-    p = Path(str(path))
-    if p.is_dir():
-        raise DataError(f"dataset.path={str(path)!r} is a directory; give a .pt file of inputs")
-    if not p.is_file():
-        raise DataError(f"dataset.path={str(path)!r} does not exist; give a .pt file of inputs")
-    if not os.access(p, os.R_OK):
-        raise DataError(
-            f"dataset.path={str(path)!r} cannot be read (permission denied); fix its permissions"
-        )
+    p = check_data_file(path)
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -16,15 +16,13 @@ import h5py
 import torch
 from torch import nn
 
+from probe.checks import check_edit, check_edit_op
+from probe.config import GRAD_EDIT_SITES as GRAD_EDIT_SITES  # probe.run's
 from probe.config import edit_specs, import_target
 from probe.errors import ConfigError, DataError
 from probe.layout import class_axis
 from probe.patching import DIRECTIONS, Patch, Region, Steer, load_vector, mean_diff
 from probe.select import match_modules
-
-OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
-EDIT_SITES = ("input", "output", "grad_output", "grad_input")
-GRAD_EDIT_SITES = ("grad_output", "grad_input")
 
 
 @dataclass
@@ -63,14 +61,7 @@ def build_edits(model: nn.Module, cfg: dict, seed: int) -> list[Edit]:
     """Resolve every named edit of the config onto the modules it selects; errors before any work."""
     edits = []
     for name, spec in edit_specs(cfg).items():
-        if spec.site not in EDIT_SITES:
-            raise ConfigError(
-                f"intervene {name!r}: site={spec.site!r} is unknown; choose from {', '.join(EDIT_SITES)}"
-            )
-        if spec.op not in OPS:
-            raise ConfigError(
-                f"intervene {name!r}: op={spec.op!r} is unknown; choose from {', '.join(OPS)}"
-            )
+        check_edit(name, spec)
         for module_name, module in match_modules(model, f"intervene {name!r}", spec):
             fn = _op(name, spec, module_name, seed, region(model, module, module_name, spec))
             channels = list(spec.channels) if spec.channels is not None else None
@@ -163,6 +154,7 @@ def _patch_or_steer(name: str, spec, module_name: str, where: Region):
 
 
 def _op(name: str, spec, module_name: str, seed: int, where: Region):
+    check_edit_op(name, spec)
     op = spec.op
     if op == "patch" or (op == "add" and spec.vector):
         return _patch_or_steer(name, spec, module_name, where)
@@ -175,32 +167,12 @@ def _op(name: str, spec, module_name: str, seed: int, where: Region):
         value = float(spec.value)
         return lambda x, start, key, ch: x + value
     if op == "clamp":
-        if spec.min is None and spec.max is None:
-            raise ConfigError(
-                f"intervene {name!r}: op=clamp needs min and/or max (e.g. +intervene.{name}.max=1.0)"
-            )
         return lambda x, start, key, ch: x.clamp(spec.min, spec.max)
     if op == "noise":
-        if spec.std < 0:
-            raise ConfigError(f"intervene {name!r}: std={spec.std} must be >= 0")
         return _noise(
             float(spec.std), seed if spec.seed is None else int(spec.seed), name, module_name
         )
     if op == "mean":
-        if spec.site not in ("input", "output"):
-            raise ConfigError(
-                f"intervene {name!r}: op=mean applies to input/output sites, not {spec.site}"
-            )
-        if not spec.source:
-            raise ConfigError(
-                f"intervene {name!r}: op=mean needs a source of means: source=first_pass (an extra pass "
-                "over the dataset) or source=PATH of an earlier run's probe.h5 that captured this site"
-            )
-        if spec.source != "first_pass" and not Path(spec.source).is_file():
-            raise DataError(
-                f"intervene {name!r}: source={spec.source!r} is not a file; give the probe.h5 of an "
-                "earlier run that captured this site, or source=first_pass"
-            )
         return MeanSource(name, module_name, spec.source)
     target = spec.get("_target_")
     fn = import_target(f"intervene.{name}._target_", target, example="my_edits.halve")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import difflib
 import logging
 import re
-from pathlib import Path
 
 import torch
 import torchvision
 from omegaconf import OmegaConf
 from torch import nn
 
-from probe.config import LIBRARIES, import_target
+from probe.checks import check_checkpoint, model_library
+from probe.config import import_target
 from probe.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("probe")
@@ -43,10 +43,8 @@ def build_model(cfg, seed: int) -> nn.Module:
     `model.library` says where `model.name` comes from; a `_target_` class is always custom."""
     torch.manual_seed(seed)
     kwargs = OmegaConf.to_container(cfg.kwargs, resolve=True) if cfg.kwargs else {}
-    library = cfg.get("library") or "torchvision"
-    if library not in LIBRARIES:
-        raise ConfigError(f"model.library={library!r} is not one of {', '.join(LIBRARIES)}")
-    if cfg.get("_target_") or cfg.name == "custom" or library == "custom":
+    library = model_library(cfg)
+    if library == "custom":
         model = _build_custom(cfg.get("_target_"), kwargs)
     elif library == "hf":
         from probe.hub import build_hf
@@ -64,7 +62,7 @@ def build_model(cfg, seed: int) -> nn.Module:
 
 
 def _build_custom(target: str, kwargs: dict) -> nn.Module:
-    cls = import_target("model._target_", target, example="probe.zoo.LeNet")
+    cls = import_target("model._target_", target)
     try:
         model = cls(**kwargs)
     except TypeError as e:
@@ -108,11 +106,7 @@ def load_checkpoint(model: nn.Module, path: str, prefix: str | None = None) -> N
     """Load a state_dict (weights only, strict keys) and say which keys do not fit. With `prefix`
     only the keys under it are loaded, without it (a wrapper's `module.`, `model.`); a checkpoint
     whose keys all carry such a prefix is named in the error."""
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(
-            f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict"
-        )
+    p = check_checkpoint(path)
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:

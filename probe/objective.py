@@ -12,12 +12,12 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
+from probe.checks import check_objective
 from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.forward import first_output
 from probe.layout import TokenBatch
 
-OBJECTIVES = ("cross_entropy", "logit", "output_sum", "lm_loss", "custom")
 NEEDS_TARGETS = {"cross_entropy"}
 IGNORED = -100  # cross_entropy's ignore_index: a sample with this label adds no loss
 
@@ -27,9 +27,8 @@ Objective = Callable[[torch.Tensor, torch.Tensor | None, object, TokenBatch | No
 
 def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objective:
     """A function (model output, targets) -> per-sample losses; errors before any work is done."""
+    check_objective(cfg, num_outputs)
     name = cfg.name
-    if name not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
     if name in NEEDS_TARGETS and not has_targets:
         raise DataError(
             f"objective={name} needs targets, but this dataset has none; use objective=output_sum, "
@@ -42,20 +41,9 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
     if name == "lm_loss":
         return _lm_loss
     if name == "logit":
-        k = cfg.index
-        if k is None:
-            raise ConfigError(
-                "objective=logit needs the logit to differentiate: add objective.index=K "
-                "(0 for the first output)"
-            )
-        if num_outputs is not None and not -num_outputs <= k < num_outputs:
-            raise ConfigError(
-                f"objective.index={k} is out of range for a model output of {num_outputs} logits; "
-                f"give 0 <= index < {num_outputs}"
-            )
-        return _logit(k, cfg.get("position"))
+        return _logit(cfg.index, cfg.get("position"))
     target = cfg.get("_target_")
-    fn = import_target("objective._target_", target, example="my_losses.per_sample_loss")
+    fn = import_target("objective._target_", target)
     if not callable(fn):
         raise ConfigError(f"objective._target_={target!r} is not callable")
     return lambda out, y, inputs, tokens: fn(out, y)

@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from probe.config import DTYPES, REDUCTIONS, ROWS, SITES, TOKEN_REDUCTIONS
+from probe.checks import check_match, check_probe_spec
+from probe.config import SITES
 from probe.errors import ConfigError, SelectionError
 from probe.layout import class_axis
 
@@ -115,8 +116,7 @@ def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Modu
                 f"{'; did you mean ' + ', '.join(close) if close else ''}"
             )
     match = getattr(spec, "match", "all")
-    if match not in ("all", "any"):
-        raise ConfigError(f"{label}: match={match!r} is unknown; choose all or any")
+    check_match(label, match)
     layers = _expand(list(spec.layers), model, label)
     unmatched = [p for p in layers if not any(fnmatchcase(n, p) for n in names)]
     if unmatched and (match == "all" or len(unmatched) == len(layers)):
@@ -150,7 +150,7 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
     names = [n for n, _ in model.named_modules() if n]
     merged: dict[str, dict] = {}
     for probe_name, spec in probes.items():
-        _check_spec(probe_name, spec)
+        check_probe_spec(probe_name, spec)
         for n, m in match_modules(model, f"probe {probe_name!r}", spec):
             entry = merged.setdefault(
                 n,
@@ -187,40 +187,6 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
         )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]
-
-
-def _check_spec(name: str, spec) -> None:
-    for site in spec.capture:
-        if site not in SITES:
-            raise ConfigError(
-                f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}"
-            )
-    if not spec.capture:
-        raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
-    if spec.reduce not in REDUCTIONS:
-        raise ConfigError(
-            f"probe {name!r}: reduce={spec.reduce!r} is unknown; choose from {', '.join(REDUCTIONS)}"
-        )
-    if spec.dtype not in DTYPES:
-        raise ConfigError(
-            f"probe {name!r}: dtype={spec.dtype!r} is unknown; choose from {', '.join(DTYPES)}"
-        )
-    if spec.rows not in ROWS:
-        raise ConfigError(
-            f"probe {name!r}: rows={spec.rows!r} is unknown; choose from {', '.join(ROWS)}"
-        )
-    if spec.rows == "tokens" and spec.reduce != "none":
-        raise ConfigError(
-            f"probe {name!r}: rows: tokens keeps every token, so it takes reduce: none, not "
-            f"{spec.reduce!r} (the token reductions {', '.join(TOKEN_REDUCTIONS)} give one row "
-            "per sample)"
-        )
-    axis = spec.unit_axis
-    if axis != "auto" and (isinstance(axis, bool) or not isinstance(axis, int) or axis == 0):
-        raise ConfigError(
-            f"probe {name!r}: unit_axis={axis!r} is neither auto nor a nonzero axis; give auto, "
-            "1 (channels of N, C, H, W) or -1 (features of N, T, C)"
-        )
 
 
 def _closest(pattern: str, names: list[str], n: int = 5) -> list[str]:

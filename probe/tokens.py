@@ -7,15 +7,15 @@ padded position is 0 in `attention_mask`, so padding can be kept out of statisti
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
+from probe.checks import check_data_file
+from probe.config import TOKEN_DATASETS
 from probe.errors import ConfigError, DataError
 
-TOKEN_DATASETS = ("tokens", "text", "random_tokens")
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _WHAT = {"tokens": "a .pt file of token ids", "text": "a .txt, .jsonl or .parquet file of text"}
 _CHUNK = 1024  # documents tokenized per call when packing (stop early once enough rows exist)
@@ -107,14 +107,7 @@ def token_dataset(
 
 
 def _existing_file(path, what: str) -> Path:
-    p = Path(str(path))
-    if p.is_dir():
-        raise DataError(f"dataset.path={str(path)!r} is a directory; give {what}")
-    if not p.is_file():
-        raise DataError(f"dataset.path={str(path)!r} does not exist; give {what}")
-    if not os.access(p, os.R_OK):
-        raise DataError(f"dataset.path={str(path)!r} cannot be read (permission denied)")
-    return p
+    return check_data_file(path, what, fix="")
 
 
 def _first_line(e: Exception) -> str:
