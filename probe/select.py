@@ -126,6 +126,7 @@ def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Modu
             f"{', '.join(_closest(pattern, names))}. Patterns are fnmatch globs over qualified "
             "names such as 'layer1.0.conv1' ('*' also crosses dots)"
             + ("" if match == "any" else "; with match: any, patterns are alternatives")
+            + "; every name: python -m probe.sites model=... (or probe.sites(model) in Python)"
         )
     leaves_only = getattr(spec, "leaves_only", False)
     chosen = [

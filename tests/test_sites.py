@@ -175,3 +175,11 @@ def test_cli_errors_exit_2(capsys):
     assert "Traceback" not in done.stderr
     assert main(["dataset.batch_size=0"]) == 2  # in-process: the same path, no interpreter start
     assert "probe.sites: error: dataset.batch_size=0 must be" in capsys.readouterr().err
+
+
+def test_a_pattern_that_matches_nothing_points_to_the_listing():
+    from probe.errors import SelectionError
+
+    model = torchvision.models.resnet18()
+    with pytest.raises(SelectionError, match=r"matches no module.*python -m probe.sites"):
+        probe.capture(model, {"p": {"layers": ["layer9.*"]}})
