@@ -293,7 +293,8 @@ def _buffer(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch
         return torch.empty(shape, dtype=dtype, device=device)
     buf = _scratch.buffers.get((name, dtype))
     if buf is None or len(buf) < size:
-        buf = _scratch.buffers[name, dtype] = torch.empty(size, dtype=dtype)
+        with torch.inference_mode(False):  # (one made in a run's inference mode stays read-only)
+            buf = _scratch.buffers[name, dtype] = torch.empty(size, dtype=dtype)
     return buf[:size].view(shape)
 
 

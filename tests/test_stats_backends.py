@@ -350,3 +350,15 @@ def test_rows_of_one_value_take_their_magnitude(shape):
     assert s.l2_sum == pytest.approx(1e160 + 5, rel=RTOL)
     assert reference.l2_sum == pytest.approx(1e160 + 5, rel=RTOL)
     assert np.isinf(s.m2)  # (the kernels' shifted sums give NaN: inf - inf)
+
+
+def test_batches_inside_and_outside_inference_mode_share_the_scratch_buffers():
+    """A run's hooks reduce under torch.inference_mode; the summarizer, a notebook or the next
+    test in the same thread outside it: the reused buffers must serve both, with equal results."""
+    x = torch.randn(6, 4, 50, dtype=torch.float32) + 1000
+    torch_stats._scratch.buffers.clear()  # made afresh, inside inference mode
+    with torch.inference_mode():
+        inside = torch_stats.batch_stats(x.clone())
+    outside = torch_stats.batch_stats(x)
+    assert (inside.n, inside.mean, inside.m2) == (outside.n, outside.mean, outside.m2)
+    np.testing.assert_array_equal(inside.hist.counts, outside.hist.counts)
