@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
-import os
 import sys
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +25,8 @@ import pandas as pd
 import yaml
 
 from probe import parallel
+from probe import slabs as slab_reads
 from probe.errors import DataError, ProbeError
-from probe.mapped import mapped_slabs
 from probe.runfile import missing_sources, open_probe_file
 from probe.stats import RunningStats, counts_agree, stats_for
 
@@ -61,7 +59,6 @@ COLUMNS = [
 ]
 INTEGER_COLUMNS = {"rows", "n", "nan_count", "inf_count", "units"}
 UNIT_COLUMNS = ["layer", "site", "unit", "count", "mean", "min", "max", "frac_positive", "dead"]
-SLAB_BYTES = 16 << 20
 
 
 def summary_frame(datasets: Iterable) -> pd.DataFrame:
@@ -182,7 +179,7 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
         valid = min(len(ds), valid)
         module_type = str(f[f"layers/{layer}"].attrs.get("module_type", ""))
         stats = stats_for(module_type, site, int(ds.attrs.get("unit_axis", 1)))
-        for slab in slabs(ds, valid):
+        for slab in slab_reads.slabs(ds, valid):
             stats.update(slab)
         out.datasets.append(
             DatasetSummary(layer, site, module_type, ds.shape[1:], str(ds.dtype), stats)
@@ -230,65 +227,6 @@ def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
             module_type = str(g.attrs.get("module_type", ""))
             out[(layer, site)] = DatasetSummary(layer, site, module_type, shape, dtype, stats)
     return out
-
-
-# Opt-in (`--mapped`, PROBE_MAPPED_READS=1): reduce plain datasets in the file's own pages
-# (`probe.mapped`), faster, but a file truncated while it is mapped ends the process (SIGBUS).
-MAPPED = os.environ.get("PROBE_MAPPED_READS") == "1"
-
-
-def slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
-    """Rows [0, rows) in slabs of at most about slab_bytes: copies of whole chunks read through
-    h5py, or with MAPPED views of the file's pages where the dataset is stored plain. A slab is
-    valid until the next one is asked for."""
-    mapped = mapped_slabs(ds, rows, slab_bytes) if MAPPED else None
-    return mapped or read_slabs(ds, rows, slab_bytes)
-
-
-def read_slabs(ds: h5py.Dataset, rows: int, slab_bytes: int = SLAB_BYTES) -> Iterator[np.ndarray]:
-    """Rows [0, rows) in slabs of whole chunks; the next slab is read while the caller works,
-    into the other of two buffers (fresh memory for every slab costs a page fault per 4 KiB).
-    A slab is valid until the next one is asked for.
-
-    The read runs in a helper thread: do not call this from inside a lazy h5py iteration
-    (`group.items()`), which holds h5py's lock and would keep that thread waiting."""
-    if rows <= 0:
-        return
-    chunk_rows = ds.chunks[0] if ds.chunks else 1
-    row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
-    step = min(rows, max(1, slab_bytes // (row_bytes * chunk_rows)) * chunk_rows)
-    buffers = [np.empty((step, *ds.shape[1:]), ds.dtype) for _ in range(2 if step < rows else 1)]
-
-    size = file_size(ds)
-
-    def read(lo: int, into: np.ndarray) -> np.ndarray:
-        n = min(step, rows - lo)
-        ds.read_direct(into, np.s_[lo : lo + n], np.s_[0:n])
-        now = file_size(ds)  # HDF5 reads what lies past the end as zeros: check it did not shrink
-        if now is not None and size is not None and now < size:
-            raise DataError(
-                f"{ds.file.filename!r} was cut from {size} to {now} bytes while it was read; "
-                "summarize it again once whatever truncated it is done"
-            )
-        return into[:n]
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(read, 0, buffers[0])
-        for i, lo in enumerate(range(0, rows, step)):
-            slab = pending.result()
-            nxt = lo + step
-            if nxt < rows:
-                pending = pool.submit(read, nxt, buffers[(i + 1) % len(buffers)])
-            yield slab
-
-
-def file_size(ds: h5py.Dataset) -> int | None:
-    """The size of the file ds is read from, through HDF5's own descriptor (None where the
-    driver has none)."""
-    try:
-        return os.fstat(ds.file.id.get_vfd_handle()).st_size
-    except (OSError, TypeError, ValueError, RuntimeError):
-        return None
 
 
 # -- runs and sweeps ---------------------------------------------------------------------------
@@ -409,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "meanwhile ends the process with SIGBUS instead of an error)",
     )
     args = parser.parse_args(argv)
-    global MAPPED
-    MAPPED = MAPPED or args.mapped
+    slab_reads.MAPPED = slab_reads.MAPPED or args.mapped
     faulthandler.enable()  # a file truncated while mapped ends the process (SIGBUS): say where
     if not parallel.configured():  # no forward runs beside the summarizer: every core
         parallel.threads.resize(parallel.usable_cores())

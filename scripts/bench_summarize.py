@@ -33,7 +33,7 @@ print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmH
 CHILD_RAW = (
     """
 import sys, time, h5py
-from probe.summarize import SLAB_BYTES
+from probe.slabs import SLAB_BYTES
 t = time.perf_counter(); total = 0
 with h5py.File(sys.argv[1]) as f:
     n = int(f.attrs["num_samples"])
