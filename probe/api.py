@@ -21,6 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from probe import runlock
 from probe.config import (
     DatasetConfig,
     ModelConfig,
@@ -53,6 +54,7 @@ def run(
     precision: str = "fp32",
     train_mode: bool = False,
     resume: bool = False,
+    overwrite: bool = False,
     fail_on_nonfinite: bool = False,
     progress: bool = True,
     print_summary: bool = False,
@@ -61,35 +63,42 @@ def run(
     (`probe.open_run`). `data` is an iterable of batches, each a tensor, an (inputs, targets)
     pair or a dict of keyword arguments (input_ids, attention_mask, ...): a DataLoader as it is.
     `device` None keeps the model where it is; `stats` is a backend name or the stats keys. The
-    model's training mode is given back as it was; no hook is left on it, on any way out."""
+    model's training mode is given back as it was; no hook is left on it, on any way out.
+    `out` is locked for the run (probe.runlock): a second run into it meanwhile is refused."""
     from probe.reading import open_run
     from probe.run import prepare
     from probe.run import run as run_config
 
     out = Path(out)
-    check_out(out, store, resume)
-    cfg = config(probes, store, objective, intervene, stats, model)
-    batches = UserBatches(data)
-    cfg.device = device or _device_of(model)
-    cfg.dataset = OmegaConf.structured(
-        DatasetConfig(name="python", batch_size=batches.batch_size, num_samples=batches.num_samples)
-    )
-    for key, value in (
-        ("seed", seed),
-        ("precision", precision),
-        ("train_mode", train_mode),
-        ("resume", resume),
-        ("fail_on_nonfinite", fail_on_nonfinite),
-        ("progress", progress),
-        ("print_summary", print_summary),
-    ):
-        cfg[key] = value
-    training = model.training
-    try:
-        torch.manual_seed(seed)
-        run_config(cfg, run_dir=out, prepared=prepare(cfg, model, batches))
-    finally:
-        model.train(training)
+    if out.exists() and not out.is_dir():  # (before the lock would make it a directory)
+        raise ConfigError(f"out={str(out)!r} is a file; give a directory for the run")
+    with runlock.reserve(out):  # held for the run (probe.run.run claims it)
+        check_out(out, store, resume, overwrite)
+        cfg = config(probes, store, objective, intervene, stats, model)
+        batches = UserBatches(data)
+        cfg.device = device or _device_of(model)
+        cfg.dataset = OmegaConf.structured(
+            DatasetConfig(
+                name="python", batch_size=batches.batch_size, num_samples=batches.num_samples
+            )
+        )
+        for key, value in (
+            ("seed", seed),
+            ("precision", precision),
+            ("train_mode", train_mode),
+            ("resume", resume),
+            ("overwrite", overwrite),
+            ("fail_on_nonfinite", fail_on_nonfinite),
+            ("progress", progress),
+            ("print_summary", print_summary),
+        ):
+            cfg[key] = value
+        training = model.training
+        try:
+            torch.manual_seed(seed)
+            run_config(cfg, run_dir=out, prepared=prepare(cfg, model, batches))
+        finally:
+            model.train(training)
     return open_run(out)
 
 
@@ -158,15 +167,18 @@ def _compose(overrides: list[str]) -> DictConfig:
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def check_out(out: Path, store, resume: bool) -> None:
-    """`out` must not hold a run already, unless it is resumed."""
+def check_out(out: Path, store, resume: bool, overwrite: bool = False) -> None:
+    """`out` must not hold a run already, unless it is resumed or replaced."""
     filename = store.get("filename", "probe.h5") if isinstance(store, Mapping) else "probe.h5"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={str(out)!r} is a file; give a directory for the run")
-    if (out / filename).exists() and not resume:
+    if resume and overwrite:
+        raise ConfigError("resume=True and overwrite=True ask for opposite things; give one")
+    if (out / filename).exists() and not (resume or overwrite):
         raise ConfigError(
-            f"out={str(out)!r} already holds a run ({filename}); give a new directory, or "
-            "resume=True to continue an interrupted one"
+            f"out={str(out)!r} already holds a run ({filename}: "
+            f"{runlock.file_state(out / filename)}); give a new directory, resume=True to "
+            "continue it, or overwrite=True to replace it"
         )
 
 

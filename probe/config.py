@@ -213,6 +213,7 @@ class Config:
     print_summary: bool = True
     progress: bool = True
     resume: bool = False  # continue an interrupted run in the same run directory
+    overwrite: bool = False  # replace a probe.h5 already in the run directory (else refused)
     fail_on_nonfinite: bool = False  # stop at the first layer that produces NaN or Inf
 
 
@@ -226,6 +227,19 @@ def register_configs() -> None:
 
 
 register_configs()
+
+
+def register_resolvers() -> None:
+    """`${run_suffix:}` in the default run directories (probe.runlock.run_suffix), cached per
+    config like Hydra's `now`; registered on import, before anything composes conf/."""
+    from omegaconf import OmegaConf
+
+    from probe.runlock import run_suffix
+
+    OmegaConf.register_new_resolver("run_suffix", run_suffix, use_cache=True, replace=True)
+
+
+register_resolvers()
 
 
 def config_dir() -> str:
