@@ -53,6 +53,7 @@ DEVICE_TYPES = (
     "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
     "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
 )  # fmt: skip
+SEED_LIMIT = 1 << 40
 DEVICE = re.compile(rf"^(?:{'|'.join(DEVICE_TYPES)})(?::(?:0|[1-9][0-9]*))?$")
 
 
@@ -61,6 +62,7 @@ def check_config(cfg: DictConfig) -> None:
     and message). Types each probe as a ProbeSpec in place first: one added on the command line
     composes untyped, and select_modules reads ProbeSpec's defaults."""
     typed_probes(cfg)
+    check_seed("seed", cfg.seed)
     _model(cfg.model)
     _dataset(cfg.dataset)
     _device(cfg)
@@ -76,12 +78,40 @@ def typed_probes(cfg: DictConfig) -> None:
     """Every entry of cfg.probes merged onto ProbeSpec (a misspelt key is a ConfigError naming
     it and ProbeSpec's keys); untyped entries are replaced by their typed form."""
     probes = cfg.get("probes") or {}
+    for name, node in probes.items():  # `+probes.head.layers=fc` composes a string, not a list
+        for key, value in node.items() if isinstance(node, DictConfig) else ():
+            if key in ("layers", "types", "exclude", "capture") and isinstance(value, str):
+                raise ConfigError(
+                    f"probe {name!r}: {key}={value!r} is not a list; write it in brackets: "
+                    f"probes.{name}.{key}=[{value}]"
+                )
     done = {name: typed(ProbeSpec, node, f"probe {name!r}") for name, node in probes.items()}
     untyped = [n for n in done if OmegaConf.get_type(probes._get_node(n)) is not ProbeSpec]
     if untyped:
         with read_write(cfg.probes), open_dict(cfg.probes):
             for name in untyped:
                 cfg.probes[name] = done[name]
+
+
+def check_seed(key: str, seed) -> None:
+    """Seeds derived from `seed` (seed * 1_000_003 + sample, edit, layer) must fit torch's 64-bit
+    generators; a larger one would fail deep in the data loader."""
+    if seed is not None and not -SEED_LIMIT < seed < SEED_LIMIT:
+        raise ConfigError(
+            f"{key}={seed} is out of range: the seeds derived from it (per sample, per edit) must "
+            f"fit torch's 64-bit generator; give |{key}| < 2**40 ({SEED_LIMIT}), e.g. {key}=0"
+        )
+
+
+def at_least(key: str, value, least: int = 1, note: str = "") -> None:
+    """A ConfigError naming `key` where `value` is below `least` (None: unset, accepted)."""
+    if value is not None and value < least:
+        raise ConfigError(f"{key}={value} must be at least {least}{note}")
+
+
+def _choice(key: str, value, known) -> None:
+    if value not in known:
+        raise ConfigError(f"{key}={value!r} is unknown; choose from {', '.join(known)}")
 
 
 def _value(node, key: str):
@@ -108,6 +138,13 @@ def model_library(m) -> str:
 def check_checkpoint(path) -> Path:
     """The path of model.checkpoint, which must be a file."""
     p = Path(path)
+    if p.is_dir():
+        inside = sorted(f.name for f in p.iterdir() if f.suffix in (".pt", ".pth", ".bin"))[:3]
+        raise CheckpointError(
+            f"model.checkpoint={path!r} is a directory; give the checkpoint file itself, e.g. "
+            f"model.checkpoint={p / (inside[0] if inside else 'model.pt')}"
+            + (f" (it holds {', '.join(inside)})" if inside else "")
+        )
     if not p.is_file():
         raise CheckpointError(
             f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict"
@@ -119,6 +156,7 @@ def _model(m) -> None:
     library = model_library(m)
     if library == "hf" and m.task not in HF_TASKS:  # probe.hub's, after transformers is imported
         raise ConfigError(f"model.task={m.task!r} is not one of {', '.join(HF_TASKS)}")
+    at_least("model.num_classes", m.num_classes, note=" (the classes the model outputs)")
     path = _value(m, "checkpoint")
     if path:
         check_checkpoint(path)
@@ -127,19 +165,20 @@ def _model(m) -> None:
 # -- dataset (probe.data) -------------------------------------------------------------------------
 def check_dataset(d) -> None:
     """The dataset config's sizes and name, and the root or path its kind needs."""
-    if d.batch_size < 1:
-        raise ConfigError(f"dataset.batch_size={d.batch_size} must be at least 1")
-    if d.num_samples is not None and d.num_samples < 1:
-        raise ConfigError(
-            f"dataset.num_samples={d.num_samples} must be at least 1 (or null for all)"
-        )
+    at_least("dataset.batch_size", d.batch_size)
+    at_least("dataset.num_samples", d.num_samples, note=" (or null for all)")
     if d.name not in DATASETS:
         raise ConfigError(f"unknown dataset {d.name!r}; choose one of {', '.join(DATASETS)}")
     for key in ("image_size", "channels", "num_classes"):
-        if d.get(key) is not None and d[key] < 1:
-            raise ConfigError(
-                f"dataset.{key}={d[key]} must be at least 1 (or null for the model's own)"
-            )
+        at_least(f"dataset.{key}", d.get(key), note=" (or null for the model's own)")
+    at_least("dataset.num_workers", d.num_workers, 0, " (0 loads in the main process)")
+    if d.name in ("text", "random_tokens"):
+        at_least("dataset.seq_len", d.seq_len, note=" (tokens per row)")
+    if d.name == "imagefolder":
+        at_least("dataset.resize", d.resize, note=" (pixels)")
+        at_least("dataset.crop", d.crop, note=" (pixels)")
+        if any(v <= 0 for v in d.std):
+            raise ConfigError(f"dataset.std={list(d.std)} must be > 0 (inputs are divided by it)")
     if d.name == "imagefolder" and _value(d, "root") is None:
         raise ConfigError("dataset=imagefolder needs dataset.root=DIR (a folder of class folders)")
     if d.name == "tensors" and _value(d, "path") is None:
@@ -177,6 +216,13 @@ def _dataset(d) -> None:
         check_root(_value(d, "root"))
     if d.name == "tensors":
         check_data_file(_value(d, "path"))
+    tok = str(_value(d, "tokenizer") or "")  # a local folder (a hub name has at most one "/")
+    local = tok.startswith(("/", ".", "~")) or tok.count("/") > 1
+    if d.name in ("text", "pairs") and local and not Path(tok).expanduser().is_dir():
+        raise DataError(
+            f"dataset.tokenizer={tok!r} is not a directory; give a folder saved with "
+            "tokenizer.save_pretrained(DIR), or leave it unset for the model's"
+        )
 
 
 def _device(cfg) -> None:
@@ -184,20 +230,10 @@ def _device(cfg) -> None:
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(
-            f"precision={cfg.precision!r} is unknown; choose from {', '.join(PRECISIONS)}"
-        )
-    mode = cfg.store.model_output
-    if mode not in MODEL_OUTPUTS:
-        raise ConfigError(
-            f"store.model_output={mode!r} is unknown; choose from {', '.join(MODEL_OUTPUTS)}"
-        )
+    _choice("precision", cfg.precision, PRECISIONS)
+    _choice("store.model_output", cfg.store.model_output, MODEL_OUTPUTS)
     backend = cfg.stats.backend
-    if backend not in STATS_BACKENDS:
-        raise ConfigError(
-            f"stats.backend={backend!r} is unknown; choose from {', '.join(STATS_BACKENDS)}"
-        )
+    _choice("stats.backend", backend, STATS_BACKENDS)
     if backend == "numba" and importlib.util.find_spec("numba") is None:
         raise ConfigError(
             "stats.backend=numba needs numba, which is not installed: pip install -e "
@@ -216,11 +252,7 @@ def check_probe_spec(name: str, spec) -> None:
     if not spec.capture:
         raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
     for key, known in (("reduce", REDUCTIONS), ("dtype", DTYPES), ("rows", ROWS)):
-        value = getattr(spec, key)
-        if value not in known:
-            raise ConfigError(
-                f"probe {name!r}: {key}={value!r} is unknown; choose from {', '.join(known)}"
-            )
+        _choice(f"probe {name!r}: {key}", getattr(spec, key), known)
     if spec.rows == "tokens" and spec.reduce != "none":
         raise ConfigError(
             f"probe {name!r}: rows: tokens keeps every token, so it takes reduce: none, not "
@@ -244,14 +276,8 @@ def check_match(label: str, match: str) -> None:
 # -- edits (probe.intervene) ----------------------------------------------------------------------
 def check_edit(name: str, spec) -> None:
     """An edit's site and op, checked before its modules are matched."""
-    if spec.site not in EDIT_SITES:
-        raise ConfigError(
-            f"intervene {name!r}: site={spec.site!r} is unknown; choose from {', '.join(EDIT_SITES)}"
-        )
-    if spec.op not in OPS:
-        raise ConfigError(
-            f"intervene {name!r}: op={spec.op!r} is unknown; choose from {', '.join(OPS)}"
-        )
+    _choice(f"intervene {name!r}: site", spec.site, EDIT_SITES)
+    _choice(f"intervene {name!r}: op", spec.op, OPS)
 
 
 def check_edit_op(name: str, spec) -> None:
@@ -260,6 +286,7 @@ def check_edit_op(name: str, spec) -> None:
         raise ConfigError(
             f"intervene {name!r}: op=clamp needs min and/or max (e.g. +intervene.{name}.max=1.0)"
         )
+    check_seed(f"intervene.{name}.seed", spec.seed)
     if spec.op == "noise" and spec.std < 0:
         raise ConfigError(f"intervene {name!r}: std={spec.std} must be >= 0")
     if spec.op != "mean":
@@ -329,14 +356,19 @@ def _objective(cfg, edits: dict) -> None:
 
 def _store(s) -> None:
     """probe.store's checks (a WriteError there, where a ProbeWriter is made directly)."""
-    if s.compression not in COMPRESSIONS:
-        raise ConfigError(
-            f"store.compression={s.compression!r} is unknown; choose from {', '.join(COMPRESSIONS)}"
-        )
+    _choice("store.compression", s.compression, COMPRESSIONS)
     if s.mode not in ("full", "stats"):
         raise ConfigError(f"store.mode={s.mode!r} is unknown; choose full or stats")
-    if s.queue_batches < 1:
-        raise ConfigError(f"store.queue_batches={s.queue_batches} must be at least 1")
+    at_least("store.queue_batches", s.queue_batches)  # probe.store's message
+    at_least("store.chunk_bytes", s.chunk_bytes, note=" (bytes per HDF5 chunk; default 1048576)")
+    at_least("store.flush_seconds", s.flush_seconds, 0, " (0 flushes after every batch)")
+    name = str(s.filename)
+    if not name or Path(name).is_absolute() or name.startswith("~") or ".." in Path(name).parts:
+        raise ConfigError(
+            f"store.filename={name!r} is outside the run directory: the file must live in the run "
+            "directory (hydra.run.dir); give a relative name such as store.filename=probe.h5, and "
+            "choose the folder with hydra.run.dir=DIR"
+        )
     level = s.compression_level
     if s.compression == "gzip" and level is not None and not 0 <= level <= 9:
         raise ConfigError(

@@ -91,7 +91,11 @@ def _build_torchvision(cfg, kwargs: dict) -> nn.Module:
         try:
             return torchvision.models.get_model(cfg.name, weights=cfg.weights, **kwargs)
         except (ValueError, KeyError) as e:
-            raise ConfigError(f"model.weights={cfg.weights!r} for {cfg.name}: {e}") from None
+            known = [w.name for w in torchvision.models.get_model_weights(cfg.name)]
+            raise ConfigError(
+                f"model.weights={cfg.weights!r} is not a weights name of {cfg.name} ({e}); choose "
+                f"from {', '.join(['DEFAULT', *known])}, or leave it unset for a seeded random init"
+            ) from None
         except (OSError, RuntimeError) as e:
             raise CheckpointError(
                 f"model.weights={cfg.weights!r} could not be loaded ({e}); this machine may have no "

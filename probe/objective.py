@@ -7,6 +7,7 @@ language model's loss is over its own input ids, at its real tokens).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -42,11 +43,47 @@ def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objectiv
         return _lm_loss
     if name == "logit":
         return _logit(cfg.index, cfg.get("position"))
-    target = cfg.get("_target_")
+    return _custom(cfg.get("_target_"))
+
+
+def _custom(target: str) -> Objective:
+    """The callable `target` names, checked before the run where its signature can be read, and
+    its result on each batch; a function that fails is named with what it must be."""
     fn = import_target("objective._target_", target)
+    name = f"objective._target_={target!r}"
+    must = "it must be a callable (outputs, targets) -> a tensor of one loss per sample, shape (N,)"
     if not callable(fn):
-        raise ConfigError(f"objective._target_={target!r} is not callable")
-    return lambda out, y, inputs, tokens: fn(out, y)
+        raise ConfigError(f"{name} is not callable; {must}")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:  # it cannot take two arguments
+        raise ConfigError(
+            f"{name} takes {inspect.signature(fn)}, not (outputs, targets); {must}"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): its first call tells
+        pass
+
+    def custom(out, y, inputs, tokens):
+        try:
+            losses = fn(out, y)
+        except Exception as e:  # the user's code: named, with its traceback under HYDRA_FULL_ERROR
+            raise ConfigError(
+                f"{name} raised {type(e).__name__} ({_first_line(e)}) when called with (outputs, "
+                f"targets); {must}"
+            ) from e
+        if not isinstance(losses, torch.Tensor) or losses.ndim == 0 or len(losses) != len(out):
+            got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            raise ConfigError(
+                f"{name} returned {got}, not one loss per sample ({len(out)},); {must} (a "
+                "torch.nn.functional loss needs reduction='none')"
+            )
+        return losses
+
+    return custom
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 def _logit(k: int, position: int | None) -> Objective:
@@ -54,6 +91,12 @@ def _logit(k: int, position: int | None) -> Objective:
     real token."""
 
     def logit(out, y, inputs, tokens):
+        width = out.shape[-1]  # the output width of hf and custom models is known only now
+        if not -width <= k < width:
+            raise ConfigError(
+                f"objective.index={k} is out of range for a model output of {width} logits; "
+                f"give 0 <= index < {width}"
+            )
         if out.ndim < 3:
             return out[:, k]
         if position is not None:
@@ -102,9 +145,19 @@ def _lm_loss(out, y, inputs, tokens) -> torch.Tensor:
 def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-sample cross-entropy; a label the model has no output for is the data's error (synthetic
     and fakedata draw labels below model.num_classes, 1000 unless set), not an IndexError."""
-    if y.is_floating_point() or out.ndim < 2:  # class probabilities; torch names other misuse
+    if out.ndim >= 2 and y.is_floating_point() and y.shape == out.shape:  # class probabilities
         return F.cross_entropy(out, y, reduction="none")
     by_token = out.ndim == 3 and y.ndim == 2  # a label per token (token classification)
+    integers = not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
+    if out.ndim < 2 or not integers or y.ndim != (2 if by_token else 1):
+        raise DataError(
+            f"objective=cross_entropy takes integer class labels of shape (N,), or class "
+            f"probabilities of the output's shape {tuple(out.shape)}, but the batch's targets are "
+            f"{str(y.dtype).removeprefix('torch.')} of shape {tuple(y.shape)}; save the targets "
+            "as labels (targets.long()), or use an objective without targets: "
+            "objective=output_sum, or objective=logit objective.index=K"
+        )
+    y = y.long()
     classes = out.shape[-1] if by_token else out.shape[1]
     bad = y[((y < 0) & (y != IGNORED)) | (y >= classes)]
     if len(bad):

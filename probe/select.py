@@ -173,6 +173,8 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                     "different reduce/dtype/unit_axis/rows; exclude it from one of them"
                 )
             entry["sites"] += [s for s in spec.capture if s not in entry["sites"]]
+            if "param_grad" in spec.capture:
+                _check_parameters(n, m, probe_name)
     order = {n: i for i, n in enumerate(names)}
     return [
         Selection(
@@ -188,6 +190,22 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
         )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]
+
+
+def _check_parameters(name: str, module: nn.Module, probe: str) -> None:
+    """param_grad of a module without trainable parameters would silently store nothing."""
+    params = list(module.parameters())
+    if not any(p.requires_grad for p in params):
+        why = (
+            "has no parameters"
+            if not params
+            else "has only frozen parameters (requires_grad=False)"
+        )
+        raise ConfigError(
+            f"probe {probe!r}: layer {name!r} ({type(module).__name__}) {why}, so it has no "
+            f"param_grad; exclude it (probes.{probe}.exclude=[{name}], or select by types) or "
+            "capture grad_output instead"
+        )
 
 
 def _closest(pattern: str, names: list[str], n: int = 5) -> list[str]:
