@@ -62,7 +62,7 @@ def test_depth_figure_plots_the_table_values(grad_run):
     out = summary[summary.site == "output"]
     grads = summary[summary.site == "grad_output"]
     for ax, values in zip(
-        axes, [out["mean"], out["std"], out["frac_zero"], grads["l2_mean"]], strict=True
+        axes, [out["mean"], out["std"], out["dead_frac"], grads["l2_mean"]], strict=True
     ):
         (line,) = ax.get_lines()
         np.testing.assert_array_equal(line.get_ydata(), values.to_numpy())
