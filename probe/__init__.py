@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """`probe.run(model, data, probes, out=...)`, `probe.sites`, `probe.capture`,
-    `probe.open_run` and `probe.open_sweep`, imported on first use (keeps `import probe` light)."""
+    `probe.open_run`, `probe.open_sweep` and the error types, imported on first use (keeps `import probe` light)."""
     if name in ("open_run", "open_sweep"):
         from probe import reading
 
@@ -18,7 +18,12 @@ def __getattr__(name: str):
         from probe import memory
 
         return memory.capture
+    if name in ERRORS:
+        from probe import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'probe' has no attribute {name!r}")
 
 
-__all__ = ["run", "sites", "capture", "open_run", "open_sweep"]
+ERRORS = ("ProbeError", "ConfigError", "DataError", "WriteError")
+__all__ = ["run", "sites", "capture", "open_run", "open_sweep", *ERRORS]

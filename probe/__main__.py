@@ -15,6 +15,7 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from probe import runlock
 from probe.checks import check_config, unread_keys
 from probe.config import config_dir
 from probe.errors import ProbeError
@@ -57,7 +58,11 @@ def app(cfg: DictConfig) -> None:
         print(f"probe: error: {message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("probe: interrupted; the file is closed with complete=false", file=sys.stderr)
+        print(
+            "probe: interrupted; probe.h5 holds every batch written before (its `complete` "
+            "says whether the run had finished); continue with resume=true",
+            file=sys.stderr,
+        )
         sys.exit(130)
 
 
@@ -84,10 +89,12 @@ def _remove_empty_run_dir() -> None:
     log_file = run_dir / f"{hc.job.name}.log"
     meta = run_dir / hc.output_subdir if hc.output_subdir else log_file
     bookkeeping = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-    if {p.name for p in run_dir.iterdir()} - {log_file.name, meta.name} or (
+    lock = runlock.lock_name()
+    if {p.name for p in run_dir.iterdir()} - {log_file.name, meta.name, lock} or (
         meta.is_dir() and {p.name for p in meta.iterdir()} - bookkeeping
     ):
         return
+    runlock.release(run_dir)  # removes its lock file
     for handler in logging.root.handlers[:]:  # its log file is about to go
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == log_file:
             logging.root.removeHandler(handler)
@@ -132,6 +139,12 @@ def _unwritable_output(argv: list[str]) -> str | None:
     return None
 
 
+def _is_group(arg: str) -> bool:
+    """Whether `arg` sets a config group (model=, probes=, ...), not a key inside one."""
+    name = arg.split("=", 1)[0].lstrip("+~")
+    return "." not in name and (Path(config_dir()) / name).is_dir()
+
+
 def main() -> None:
     global _EXISTING
     # a given run directory that exists (or whose name Hydra resolves: it may) is kept
@@ -142,6 +155,16 @@ def main() -> None:
     }
     if any("${" in d for d in _run_dir_given(sys.argv[1:])):
         _EXISTING = None
+    nulled = [a for a in sys.argv[1:] if a.split("=", 1)[-1] in ("null", "{}") and _is_group(a)]
+    if nulled:
+        group = nulled[0].split("=", 1)[0].lstrip("+~")
+        hint = ", e.g. probes=none for no probes" if group == "probes" else ""
+        print(
+            f"probe: error: {nulled[0]} names no option of the config group {group!r}; choose one "
+            f"(python -m probe --help lists them){hint}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     bad = _unwritable_output(sys.argv[1:])
     if bad is not None:
         print(
@@ -161,7 +184,10 @@ def main() -> None:
             )
             sys.exit(2)
         sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
-    app()
+    try:
+        app()
+    finally:  # the run directory's lock, taken before Hydra wrote into it (probe.runlock)
+        runlock.release_cli()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 ALIGN = 4096  # the block size O_DIRECT requires on common file systems (512 would do on some)
+ALIGN_FROM = 64 << 10  # allocations this large are aligned; smaller ones (metadata) packed
 log = logging.getLogger("probe")
 
 

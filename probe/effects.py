@@ -7,10 +7,13 @@ the clean one, KL(clean || edited), in nats."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
+import numpy as np
 import pandas as pd
 import torch
+
+BATCH_ROWS = "effects/batches"  # one row per batch: the fields of Effects, summed at the end
 
 
 @dataclass
@@ -42,6 +45,22 @@ class Effects:
                 self.labelled += len(t)
                 self.correct_clean += int((a == t).sum())
                 self.correct_edited += int((b == t).sum())
+
+    def vector(self) -> np.ndarray:
+        """The accumulators as one float64 row (exact for counts below 2**53)."""
+        return np.array(astuple(self), dtype=np.float64)
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray) -> Effects:
+        """The sum of per-batch `vector` rows: the effects over every batch a file holds."""
+        total = np.asarray(rows, dtype=np.float64).reshape(-1, len(fields(cls))).sum(0)
+        kinds = [f.type for f in fields(cls)]
+        return cls(
+            *(
+                float(v) if k in (float, "float") else int(v)
+                for v, k in zip(total, kinds, strict=True)
+            )
+        )
 
     def table(self) -> pd.DataFrame:
         nan = math.nan

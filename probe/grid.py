@@ -22,6 +22,7 @@ import torch
 
 from probe.config import GridSpec, typed
 from probe.errors import ConfigError
+from probe.fileformat import read_progress
 from probe.forward import call
 from probe.layout import TokenBatch, class_axis
 from probe.patching import DIRECTIONS, SOURCES, Region, read_rows, run_file
@@ -233,7 +234,7 @@ def patching_table(h5_path, grid: Grid, metrics: list[str]) -> pd.DataFrame:
     target's and the source's, and normalized = (value - target) / (source - target)."""
     rows = []
     with open_probe_file(h5_path) as f:
-        valid = int(f.attrs["num_samples"])
+        valid = read_progress(f).samples
         for metric in metrics:
             values = f[f"patching/{metric}"][:valid]
             target = float(np.mean(f[f"patching/{metric}_target"][:valid]))

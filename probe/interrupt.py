@@ -7,6 +7,7 @@ KeyboardInterrupt at once (the writer is still drained and closed by the run's `
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -53,3 +54,18 @@ class StopFlag:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signum
+
+
+@contextlib.contextmanager
+def file_size_errors():
+    """Writes past the file size limit (RLIMIT_FSIZE) fail with an error the writer reports,
+    instead of SIGXFSZ ending the process with no message (main thread, where it exists)."""
+    sig = getattr(signal, "SIGXFSZ", None)
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(sig, signal.SIG_DFL if previous is None else previous)

@@ -12,14 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
 import torch
 from torch import nn
 
+from probe import swmr
 from probe.checks import check_edit, check_edit_op
 from probe.config import GRAD_EDIT_SITES as GRAD_EDIT_SITES  # probe.run's
 from probe.config import edit_specs, import_target
 from probe.errors import ConfigError, DataError
+from probe.fileformat import layer_path, read_progress
 from probe.layout import class_axis
 from probe.patching import DIRECTIONS, Patch, Region, Steer, load_vector, mean_diff
 from probe.select import match_modules
@@ -247,16 +248,16 @@ class MeanSource:
                 f"intervene {self.name!r}: no first-pass mean for {self.module_name!r} {key}"
             )
         path = Path(self.source)
-        name = f"layers/{self.module_name}/{key}"
+        name = layer_path(self.module_name, key)
         try:
-            with h5py.File(path, "r") as f:
+            with swmr.open_read(path) as f:
                 ds = f.get(name)
                 if ds is None:
                     raise DataError(
                         f"intervene {self.name!r}: source={str(path)!r} has no dataset {name!r}; run a probe "
                         f"capturing {key.split('@')[0]} of {self.module_name!r} first (reduce: none)"
                     )
-                rows = int(f.attrs.get("num_samples", ds.shape[0]))
+                rows = read_progress(f).valid_rows(ds, key)
                 total = torch.zeros(ds.shape[1:], dtype=torch.float64)
                 step = max(1, ds.chunks[0] if ds.chunks else 64)
                 for lo in range(0, rows, step):

@@ -10,17 +10,20 @@ patched in) and the clean half when noising.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from torch.utils.data import Subset
 
 from probe import device as devices
 from probe.data import Batch
-from probe.effects import Effects
+from probe.effects import BATCH_ROWS, Effects
 from probe.errors import ConfigError
+from probe.fileformat import read_progress
 from probe.forward import answer, call, first_output, output_rows, to_device
 from probe.grid import Grid, grid_spec, heatmap, patching_table
 from probe.hooks import Capture
@@ -29,6 +32,8 @@ from probe.metrics import at_position, check_metrics, per_sample, summary, value
 from probe.patching import SOURCES, Patch
 from probe.runfile import open_probe_file
 from probe.select import Selection
+
+log = logging.getLogger("probe")
 
 
 def split_pair(batch: Batch, direction: str) -> tuple[Batch, dict | None]:
@@ -80,6 +85,7 @@ class Interventions:
     tokenizer: str | None = None  # a local tokenizer to show them as tokens
     held: list = field(default_factory=list)  # (capture, its lent host buffers) of this batch
     recorded: dict = field(default_factory=dict)  # this batch's values of the sites, by source
+    batch_rows: dict = field(default_factory=dict)  # this batch's one-row datasets (effects)
 
     @classmethod
     def of(cls, model, edits, options, dataset, is_pairs: bool, tokenizer=None):
@@ -175,7 +181,10 @@ class Interventions:
         target = passes["clean"]
         rows = output_rows(target, model_output, batch.size, tokens, "model/output_clean")
         if self.effects is not None:
-            self.effects.update(answer(target, tokens), answer(output, tokens), batch.targets)
+            this = Effects()
+            this.update(answer(target, tokens), answer(output, tokens), batch.targets)
+            self.effects = Effects.from_rows(np.stack([self.effects.vector(), this.vector()]))
+            self.batch_rows = {BATCH_ROWS: this.vector()[None]}
         if self.metrics:
             read = [at(x, tokens, self.position) for x in (target, passes.get("pair"), output)]
             values = per_sample(self.metrics, *read, batch.side)
@@ -238,7 +247,9 @@ class Interventions:
             labels = token_labels(self.labels, self.tokenizer) if self.labels else None
             heatmap(table, run_dir / "patching.png", self.grid, labels)
             return
-        effects_table(self, h5_path).to_csv(run_dir / "effects.csv", index=False)
+        table = effects_table(self, h5_path)
+        table.to_csv(run_dir / "effects.csv", index=False)
+        log.info("effects: %s (effects.csv)", one_line(table))
 
     def release(self) -> None:
         """Give the recorded values' host buffers back once the edited pass is done."""
@@ -270,12 +281,26 @@ def side_keys(dataset) -> set[str]:
 def effects_table(interventions: Interventions, h5_path) -> pd.DataFrame:
     """effects.csv: the metrics over every sample the file holds (so a resumed run counts the
     samples before its resumption), else the summary of the output's change."""
-    if not interventions.metrics:
-        return interventions.effects.table()
     with open_probe_file(h5_path) as f:
-        valid = int(f.attrs["num_samples"])
+        progress = read_progress(f)
+        if not interventions.metrics:
+            if BATCH_ROWS in f:  # every batch's, those before a resumption included
+                return Effects.from_rows(f[BATCH_ROWS][: progress.batches]).table()
+            return interventions.effects.table()
+        valid = progress.samples
         rows = {m: f[f"effects/{m}"][:valid] for m in interventions.metrics if f"effects/{m}" in f}
     return summary(rows)
+
+
+def one_line(table: pd.DataFrame) -> str:
+    """The effects table in one line: each column's value, or per metric its normalized value."""
+    if "metric" in table:
+        return "; ".join(
+            f"{r.metric} {r.target:.4g} -> {r.edited:.4g} (normalized {r.normalized:.3g})"
+            for r in table.itertuples()
+        )
+    row = table.iloc[0]
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
 
 
 def token_labels(ids: list[int], tokenizer: str | None) -> list[str]:

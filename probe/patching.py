@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
+from probe import stats_file, swmr
 from probe.errors import ConfigError, DataError
+from probe.fileformat import layer_path, read_progress
 from probe.layout import TokenBatch, unit_axis
 
 SOURCES = ("pair", "clean")  # else the path of an earlier run
@@ -155,8 +156,8 @@ class Patch:
 def read_rows(path: Path, layer: str, key: str, start: int, x: torch.Tensor, label: str):
     """Rows [start, start + len(x)) of an earlier run's capture of `layer` `key`, checked against
     x's shape; errors name both files."""
-    name = f"layers/{layer}/{key}"
-    with h5py.File(path, "r") as f:
+    name = layer_path(layer, key)
+    with swmr.open_read(path) as f:
         ds = f.get(name)
         here = f"this run's {layer!r} {key} of shape {tuple(x.shape[1:])}"
         if ds is None:
@@ -170,7 +171,7 @@ def read_rows(path: Path, layer: str, key: str, start: int, x: torch.Tensor, lab
                 f"({ds.attrs.get('row_unit', 'samples')}), not {here}; capture it with "
                 "rows: samples and reduce: none, on inputs of the same length"
             )
-        valid = int(f.attrs.get("num_samples", len(ds)))
+        valid = read_progress(f).valid_rows(ds, key)
         if start + len(x) > valid:
             raise DataError(
                 f"{label}: {str(path)!r} holds {valid} samples of {name}, fewer than this run's "
@@ -229,20 +230,18 @@ def load_vector(path: str, label: str) -> torch.Tensor:
 def mean_diff(plus: str, minus: str, layer: str, label: str):
     """The difference of two runs' exact per-unit means of a site (their /stats), as a function
     of the site's dataset key."""
-    from probe.stats import RunningStats
-
     files = [run_file(run, f"{label}: {side}") for run, side in ((plus, "plus"), (minus, "minus"))]
     cache: dict[str, torch.Tensor] = {}
 
     def means(path: Path, key: str) -> np.ndarray:
-        with h5py.File(path, "r") as f:
-            g = f.get(f"stats/{layer}/{key}")
-            if g is None or "units" not in g:
+        with swmr.open_read(path) as f:
+            info = stats_file.read(f).get((layer, key))
+            if info is None or info.stats.units is None:
                 raise DataError(
                     f"{label}: {str(path)!r} holds no statistics of {layer!r} {key}; run a probe "
                     f"capturing it there first"
                 )
-            units = RunningStats.from_saved(g.attrs, g).units
+            units = info.stats.units
             return units.sum / np.maximum(units.count, 1)
 
     def vector(key: str) -> torch.Tensor:

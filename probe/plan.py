@@ -18,9 +18,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from probe.backend import DeviceStats
+from probe.chunks import chunk_rows
 from probe.data import OrderedBatches
-from probe.stats import UNIT_FIELDS, occupied_buckets
-from probe.store import Record, chunk_rows
+from probe.stats import occupied_buckets
+from probe.stats_file import BUCKET_TYPE, HIST_CHUNK, UNIT_TYPE
+from probe.store import Record
 
 log = logging.getLogger("probe")
 
@@ -111,7 +113,10 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
 
     def fixed(n: int) -> int:
         growth = 1 + BUCKET_GROWTH * math.log(max(n / record.size, 1))
-        stats = sum(stats_bytes(t, record.counted.get(key), growth, n) for key, t in captured)
+        slots = 1 if full else 2  # a full run writes its statistics once, at its end
+        stats = sum(
+            stats_bytes(t, record.counted.get(key), growth, n, slots) for key, t in captured
+        )
         return FILE_OVERHEAD + DATASET_OVERHEAD * len(rows) + stats
 
     projected = fixed(sum(blocks)) if len(blocks) > 1 else 0  # a torchrun job's stitched file
@@ -120,12 +125,14 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
         for row, kind in rows:
             count = {"batch": math.ceil(n / batch_size), "sample": n, "token": n * tokens}[kind]
             per_write = {"batch": 1, "sample": min(batch_size, n), "token": record.token_count}
-            chunk = chunk_rows(per_write[kind], row, store.chunk_bytes)
+            total = {"batch": None, "sample": n, "token": None}[kind]
+            spans = store.compression == "none"  # compressed chunks hold one batch (probe.chunks)
+            chunk = chunk_rows(per_write[kind], row, store.chunk_bytes, total, spans)
             projected += math.ceil(count / chunk) * chunk * row
     return Plan(dict(per_sample), per_batch, projected)
 
 
-def stats_bytes(t, first, growth: float, rows: int) -> int:
+def stats_bytes(t, first, growth: float, rows: int, slots: int = 2) -> int:
     """One dataset's /stats: its histogram's buckets, `growth` times those the first batch's
     statistics `first` filled, or when not observed yet (parameter gradients, a GPU run) at most
     TYPICAL_BUCKETS and the values of `rows` rows; and its per-unit arrays."""
@@ -134,7 +141,9 @@ def stats_bytes(t, first, growth: float, rows: int) -> int:
     else:
         buckets = min(TYPICAL_BUCKETS, rows * math.prod(t.shape[1:]))
     units = t.shape[1] if t.ndim > 1 else 0
-    return STATS_OVERHEAD + 16 * buckets + 8 * len(UNIT_FIELDS) * units
+    buckets = -(-buckets // HIST_CHUNK) * HIST_CHUNK  # the histogram grows by whole chunks
+    hist = slots * BUCKET_TYPE.itemsize * buckets
+    return STATS_OVERHEAD + hist + 2 * UNIT_TYPE.itemsize * units  # units: both slots, at once
 
 
 def log_plan(plan: Plan, num_samples: int | None, world: int, store) -> None:

@@ -3,8 +3,9 @@
     run = probe.open_run("outputs/2026-11-21/10-00-00")
     run.layers, run.sites("conv1"), run.array("conv1", "output")[:4], run.summary, run.config
 
-Arrays are h5py-backed: slicing reads only the rows asked for, and only rows below the file's
-`num_samples` (the rows a run finished writing) are visible.
+Arrays are h5py-backed: slicing reads only the rows asked for, and only the rows the file counts
+as valid are visible. A run still writing opens too ("in progress"); `run.refresh()` picks up the
+rows flushed since. `run.xarray(layer, site)` gives a labelled array (the `xarray` extra).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from probe.coverage import seen_ranges
 from probe.errors import DataError
-from probe.runfile import missing_sources, open_probe_file
+from probe.fileformat import layer_path, read_progress
+from probe.runfile import missing_sources, open_probe_file, state
 from probe.stats import RunningStats
 from probe.summarize import (
     dataset_keys,
+    gather_tables,
     read_overrides,
     summarize_file,
     summary_frame,
@@ -81,19 +85,35 @@ class Run:
         self.h5_path = path if path.is_file() else path / "probe.h5"
         self.path = self.h5_path.parent
         self.file = open_probe_file(self.h5_path)
+        self._read_state(warn=True)
+
+    def _read_state(self, warn: bool = False) -> None:
         self.attrs = dict(self.file.attrs)
         unusable = missing_sources(self.file)
-        if unusable:
+        if unusable and warn:
             warnings.warn(
                 f"{str(self.h5_path)!r} is stitched from shard files and some are unusable "
                 f"({', '.join(unusable)}): their rows read as NaN (-1 for integers); restore the "
                 "shard files next to it",
-                stacklevel=2,
+                stacklevel=3,
             )
-        self.complete = bool(self.attrs.get("complete", False)) and not unusable
-        self.num_samples = int(self.attrs.get("num_samples", 0))
-        self.num_batches = int(self.attrs.get("num_batches", 0))
-        self.num_tokens = int(self.attrs.get("num_tokens", 0))
+        progress = read_progress(self.file)
+        self.progress = progress
+        self.complete = progress.complete and not unusable
+        self.state = "partial" if unusable else state(self.file)
+        self.num_samples = progress.samples
+        self.num_batches = progress.batches
+        self.num_tokens = progress.tokens
+
+    def refresh(self) -> Run:
+        """Pick up what a run in progress flushed since this Run was opened (reopens the file:
+        the writer may have added datasets)."""
+        self.close()
+        self.file = open_probe_file(self.h5_path)
+        self._read_state()
+        for name in ("keys", "_datasets", "summary"):
+            self.__dict__.pop(name, None)
+        return self
 
     def __enter__(self) -> Run:
         return self
@@ -106,8 +126,10 @@ class Run:
             self.file.close()
 
     def __repr__(self) -> str:
-        state = "complete" if self.complete else "partial"
-        return f"Run({str(self.path)!r}, {state}, {self.num_samples} samples, {len(self.layers)} layers)"
+        return (
+            f"Run({str(self.path)!r}, {self.state}, {self.num_samples} samples, "
+            f"{len(self.layers)} layers)"
+        )
 
     @cached_property
     def keys(self) -> list[tuple[str, str]]:
@@ -125,16 +147,38 @@ class Run:
         return found
 
     def array(self, layer: str, site: str = "output") -> LazyArray:
-        name = f"layers/{layer}/{site}"
+        """Rows of one (layer, site); rows a module skipped (`seen`) read as NaN."""
+        ds = self._dataset(layer, site)
+        return LazyArray(ds, self.progress.valid_rows(ds, site))
+
+    def _dataset(self, layer: str, site: str) -> h5py.Dataset:
+        name = layer_path(layer, site)
         if name not in self.file:
             mode = self.attrs.get("store_mode", "full")
             hint = " (a store=stats run keeps no tensors)" if mode == "stats" else ""
             raise KeyError(f"no tensors for {layer!r} {site!r} in {self.h5_path}{hint}")
         ds = self.file[name]
-        valid = self.num_batches if site.startswith("param_grad") else self.num_samples
-        if ds.attrs.get("row_unit") == "tokens":
-            valid = self.num_tokens
-        return LazyArray(ds, valid)
+        if self.file.swmr_mode:
+            ds.refresh()
+        return ds
+
+    def seen(self, layer: str, site: str = "output") -> np.ndarray:
+        """One boolean per valid row: whether the module produced it (False where it did not run
+        for that batch: data-dependent control flow)."""
+        ds = self._dataset(layer, site)
+        valid = self.progress.valid_rows(ds, site)
+        mask = np.zeros(valid, dtype=bool)
+        for lo, hi in seen_ranges(self.file, layer, site, valid):
+            mask[lo:hi] = True
+        return mask
+
+    def xarray(self, layer: str, site: str = "output", rows: slice = slice(None)):
+        """One (layer, site) as an xarray.DataArray with named dimensions (sample, channel,
+        height, width; token, feature; ...) and the rows' coordinates: dataset-wide sample index,
+        target and per-sample names (sample rows), or sample, position and token id (token rows)."""
+        from probe.labelled import data_array
+
+        return data_array(self, layer, site, rows)
 
     def tokens(self) -> pd.DataFrame:
         """What each row of the token-row datasets (rows: tokens) is: its sample, position and
@@ -222,6 +266,15 @@ class Sweep:
         if csv.is_file():
             return pd.read_csv(csv, dtype={"run": str})
         return sweep_table(self.path, from_stats=True)[0]
+
+    @cached_property
+    def effects(self) -> pd.DataFrame | None:
+        """Every run's effects.csv in one table, with the run and its override columns first
+        (the sweep's effects.csv when `probe.summarize` wrote it); None when no run made one."""
+        csv = self.path / "effects.csv"
+        if csv.is_file():
+            return pd.read_csv(csv, dtype={"run": str})
+        return gather_tables(self.path, "effects.csv")
 
     def run(self, name: str | int) -> Run:
         return Run(self.path / str(name))

@@ -4,15 +4,30 @@ and restore the streaming statistics so the finished file equals an uninterrupte
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import h5py
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from probe import stats_file
+from probe.coverage import seen_ranges
 from probe.errors import ConfigError, DataError
+from probe.fileformat import (
+    FORMAT_VERSION,
+    Progress,
+    captured,
+    encode,
+    is_scale,
+    layer_path,
+    read_progress,
+    write_progress,
+)
 from probe.runfile import open_probe_file
-from probe.stats import RunningStats, counts_agree, stats_for
+from probe.stats import stats_for
+from probe.stats_file import DatasetInfo
 
 # The parts of the resolved config that decide the values in the file.
 COMPARED = (
@@ -69,75 +84,116 @@ def check_resumable(path: Path, cfg: DictConfig) -> bool:
     return True
 
 
-def describe(obj: h5py.HLObject, info, order: int) -> None:
-    """Tag a dataset (or its /stats group) with its creation order and kind, so a resumed run
-    rebuilds its table in the same order."""
-    for name, value in tags(info, order).items():
-        obj.attrs[name] = value
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
-def tags(info, order: int) -> dict:
-    return {
-        "order": order,
-        "module_type": info.module_type,
-        "per_batch": info.per_batch,
-        "unit_axis": info.stats.unit_axis,
-        "row_unit": info.rows,  # what a row is: a sample, or a token (rows: tokens)
-    }
+def check_identity(path: Path, identity: dict[str, str]) -> None:
+    """Refuse to resume when the checkpoint's or the dataset's contents differ from those the
+    file was written with (same paths, other weights or data): the rows would mix two runs."""
+    with open_probe_file(path) as f:
+        stored = {k: str(f.attrs[k]) for k in identity if k in f.attrs}
+    for key, value in identity.items():
+        old = stored.get(key)
+        if old is None or old == value:
+            continue
+        what = "model.checkpoint" if key == "checkpoint_sha256" else "the dataset"
+        if key == "dataset_identity":
+            old, value = (json.loads(v).get("hash", v) for v in (old, value))
+            if old == value:
+                continue
+        raise ConfigError(
+            f"resume=true but the contents of {what} changed since {str(path)!r} was written "
+            f"({key}: {old[:16]}... in the file, {value[:16]}... now); resume with the same "
+            "files, or start a new run (overwrite=true or a new hydra.run.dir)"
+        )
 
 
-def _described(f: h5py.File) -> list[tuple]:
-    """(layer, site, module_type, per_batch, unit_axis, row_unit) of every tagged dataset, in
-    creation order."""
+def _described(f: h5py.File) -> list[DatasetInfo]:
+    """A DatasetInfo (layout, empty statistics) of every tagged dataset, in creation order."""
     found = {}
     for top in ("stats", "layers"):
-        for layer, group in f.get(top, {}).items():
-            for site, obj in group.items():
-                if "order" in obj.attrs:
-                    a = obj.attrs
-                    found[(layer, site)] = (
-                        int(a["order"]),
-                        str(a["module_type"]),
-                        bool(a["per_batch"]),
-                        int(a.get("unit_axis", 1)),
-                        str(a.get("row_unit", "samples")),
-                    )
-    ordered = sorted(found.items(), key=lambda kv: kv[1][0])
-    return [(layer, site, *rest) for (layer, site), (_, *rest) in ordered]
+        for layer_link, group in captured(f.get(top, {})):
+            for site, obj in captured(group):
+                a = obj.attrs
+                if "order" not in a:
+                    continue
+                layer = str(a.get("name", group.attrs.get("name", layer_link)))
+                module_type = str(a["module_type"])
+                info = DatasetInfo(
+                    layer,
+                    site,
+                    module_type,
+                    (),
+                    "",
+                    stats_for(module_type, site, int(a.get("unit_axis", 1))),
+                    bool(a["per_batch"]),
+                    str(a.get("row_unit", "samples")),
+                )
+                found[(layer, site)] = (int(a["order"]), info)
+    return [info for _, info in sorted(found.values(), key=lambda t: t[0])]
 
 
 def restore(writer, batch_rows: int) -> None:
     """Bring a ProbeWriter opened on an existing file back to the state of its last flushed batch."""
-    from probe.store import DatasetInfo
-
     f = writer.file
-    finished = bool(f.attrs.get("complete", False))  # only summarised again: not a resumption
-    writer.num_samples = int(f.attrs.get("num_samples", 0))
-    writer.num_batches = int(f.attrs.get("num_batches", 0))
-    writer.num_tokens = int(f.attrs.get("num_tokens", 0))
-    for layer, site, module_type, per_batch, axis, row_unit in _described(f):
-        stats = stats_for(module_type, site, axis)
-        info = DatasetInfo(layer, site, module_type, (), "", per_batch, stats, row_unit)
-        writer.datasets[(layer, site)] = info
+    progress = read_progress(f)
+    finished = progress.complete  # only summarised again: not a resumption
+    writer.num_samples, writer.num_batches = progress.samples, progress.batches
+    writer.num_tokens = progress.tokens
+    for info in _described(f):
+        writer.datasets[(info.layer, info.site)] = info
+    saved = stats_file.read(f)
     for name in _stored_arrays(f):
         ds = f[name]
         rows = writer.num_samples
-        if name.split("/")[-1].startswith("param_grad"):
+        if ds.attrs.get("per_batch", name.split("/")[-1].startswith("param_grad")):
             rows = writer.num_batches
         elif name.startswith("tokens/") or ds.attrs.get("row_unit") == "tokens":
             rows = writer.num_tokens
-        if ds.shape[0] < rows:
+        if ds.shape[0] < rows and not name.startswith("layers/"):
             raise DataError(
                 f"{str(writer.path)!r}: {name} has {ds.shape[0]} rows but the file says {rows} were "
                 "written; the file is damaged, start a new run without resume=true"
             )
-        ds.resize(rows, axis=0)
+        ds.resize(min(rows, ds.shape[0]), axis=0)
+        writer.known.add(name)
     for key, info in writer.datasets.items():
-        _restore_stats(writer, key, info, batch_rows)
+        rows = writer.num_batches if info.per_batch else writer.num_samples
+        rows = writer.num_tokens if info.rows == "tokens" else rows
+        ds = f.get(layer_path(*key))
+        writer.coverage.restore(f, key, min(rows, len(ds)) if ds is not None else rows)
+        _restore_stats(writer, key, info, rows, saved.get(key), batch_rows)
+        hist = f.get(f"stats/{encode(key[0])}/{encode(key[1])}/hist")
+        writer.hist_capacity[key] = hist.shape[-1] if hist is not None else 0
+    if "scalars" not in _first_stats_group(f):
+        if "stats" in f:
+            del f["stats"]  # a version 1 file: its statistics are rewritten in the new layout
+    else:
+        groups = (f"stats/{encode(a)}/{encode(b)}" for a, b in writer.datasets)
+        writer.known.update(g for g in groups if g in f)
+    writer.known.update(d for d in ("sample", "token", "batch") if d in f)
+    writer.progress = Progress(
+        writer.num_samples, writer.num_batches, writer.num_tokens, False, progress.stats_slot
+    )
     f.attrs["complete"] = False
+    f.attrs["format_version"] = FORMAT_VERSION
     if not finished:
         f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
+    write_progress(f, writer.progress)
     f.flush()
+
+
+def _first_stats_group(f: h5py.File) -> h5py.Group | dict:
+    for _, group in captured(f.get("stats", {})):
+        for _, g in captured(group):
+            return g
+    return {"scalars": None}
 
 
 def _stored_arrays(f: h5py.File) -> list[str]:
@@ -146,24 +202,21 @@ def _stored_arrays(f: h5py.File) -> list[str]:
         if top in f:
             f[top].visititems(
                 lambda n, o, top=top: (
-                    names.append(f"{top}/{n}") if isinstance(o, h5py.Dataset) else None
+                    names.append(f"{top}/{n}")
+                    if isinstance(o, h5py.Dataset) and not is_scale(o) or n == "index"
+                    else None
                 )
             )
     return names
 
 
-def _restore_stats(writer, key, info, batch_rows: int) -> None:
+def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> None:
     """From /stats when they cover exactly the kept rows, else recomputed batch by batch from them."""
-    by_token = info.rows == "tokens"
-    rows = writer.num_batches if info.per_batch else writer.num_samples
-    rows = writer.num_tokens if by_token else rows
-    saved = writer.file.get(f"stats/{key[0]}/{key[1]}")
-    stored = RunningStats.from_saved(saved.attrs, saved) if saved is not None else None
-    if stored is not None and stored.rows == rows and counts_agree(stored, saved.attrs["dtype"]):
-        info.stats = stored
-        info.shape, info.dtype = tuple(int(x) for x in saved.attrs["shape"]), saved.attrs["dtype"]
+    slots = "progress" in writer.file  # whole by construction: published with the counts
+    if stored is not None and (slots or stored.stats.rows == rows - _unseen(writer, key)):
+        info.stats, info.shape, info.dtype = stored.stats, stored.shape, stored.dtype
         return
-    ds = writer.file.get(f"layers/{key[0]}/{key[1]}")
+    ds = writer.file.get(layer_path(*key))
     if ds is None:
         raise DataError(
             f"{str(writer.path)!r} holds no statistics for the {rows} rows of {key[0]} {key[1]} "
@@ -172,9 +225,16 @@ def _restore_stats(writer, key, info, batch_rows: int) -> None:
             "resume=true"
         )
     info.stats = stats_for(info.module_type, key[1], info.stats.unit_axis)
+    seen = seen_ranges(writer.file, key[0], key[1], min(rows, len(ds)))
     for lo, hi in _batch_rows(writer, info, rows, batch_rows):
-        info.stats.update(ds[lo:hi])
+        for a, b in seen:
+            if max(lo, a) < min(hi, b):
+                info.stats.update(ds[max(lo, a) : min(hi, b)])
     info.shape, info.dtype = tuple(ds.shape[1:]), str(ds.dtype)
+
+
+def _unseen(writer, key) -> int:
+    return sum(b - a for a, b in writer.coverage.gaps.get(key, []))
 
 
 def _batch_rows(writer, info, rows: int, batch_rows: int) -> list[tuple[int, int]]:

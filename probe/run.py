@@ -18,7 +18,7 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from probe import backend, distributed, nonfinite
+from probe import backend, distributed, nonfinite, runlock
 from probe import device as devices
 from probe import plan as size_plan
 from probe.backend import DeviceStats
@@ -34,12 +34,13 @@ from probe.forward import (
     token_batch,
 )
 from probe.hooks import Capture, resolve_grads
-from probe.interrupt import Interrupted, StopFlag
+from probe.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.intervene import GRAD_EDIT_SITES, build_edits, first_pass_means
 from probe.models import build_model
 from probe.objective import batch_loss, build_objective
 from probe.passes import Interventions, split_pair
-from probe.resume import check_resumable
+from probe.provenance import describe as describe_dataset
+from probe.resume import check_identity, check_resumable, file_sha256
 from probe.select import select_modules
 from probe.store import ProbeWriter, Record
 from probe.summarize import summary_frame
@@ -145,8 +146,14 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Plan:
 
 def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = None) -> RunResult:
     """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's).
-    `prepared` reuses a Plan built by `plan(cfg)` (the benchmark times the loop alone)."""
+    `prepared` reuses a Plan built by `plan(cfg)` (the benchmark times the loop alone). The run
+    holds the directory's lock (probe.runlock) throughout: one run per directory."""
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
+    with runlock.hold(run_dir), file_size_errors():
+        return _run(cfg, run_dir, prepared)
+
+
+def _run(cfg: DictConfig, run_dir: Path, prepared: Plan | None) -> RunResult:
     p = prepared or plan(cfg)
     model, batches, selections, objective = p.model, p.batches, p.selections, p.objective
     device, edits = p.device, p.edits
@@ -160,7 +167,16 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         model, edits, cfg.intervene, batches.dataset, cfg.dataset.name == "pairs", tokenizer
     )
     h5_path = run_dir / cfg.store.filename
+    runlock.check_existing(shard.path(h5_path), bool(cfg.resume), bool(cfg.get("overwrite")))
     resuming = bool(cfg.resume) and check_resumable(shard.path(h5_path), cfg)
+    provenance = describe_dataset(
+        cfg.dataset, batches if shard.world == 1 else batches.dataset.dataset
+    )
+    identity = {"dataset_identity": json.dumps(provenance.identity, sort_keys=True)}
+    if cfg.model.checkpoint:
+        identity["checkpoint_sha256"] = file_sha256(cfg.model.checkpoint)
+    if resuming:
+        check_identity(shard.path(h5_path), identity)
     first_pass_means(model, batches, edits, device)
     writer = ProbeWriter(
         shard.path(h5_path),
@@ -176,6 +192,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
             **shard.attrs(),
             "edits": json.dumps([e.describe for e in edits]),
             "stats_backend": stats_backend,
+            **identity,
             **(interventions.attrs() if interventions is not None else {}),
         },
         resume=resuming,
@@ -184,6 +201,8 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         index_offset=shard.samples.start,
         stats_backend=stats_backend,
         direct_io=cfg.store.direct_io,
+        total_rows=len(shard.samples),
+        provenance=provenance,
     )
     if resuming:
         batches.skip(writer.num_batches)
@@ -199,7 +218,8 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
         model_output = cfg.store.model_output
         with capture, stop, interventions or contextlib.nullcontext():
             bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
-            for index, batch in enumerate(bar, start=writer.num_batches):
+            first = index = writer.num_batches  # (a resumed run starts after its last batch)
+            for index, batch in enumerate(bar, start=first):
                 if observe is not None:
                     writer.begin_batch()
                 record = run_batch(
@@ -221,7 +241,10 @@ def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = No
                     nonfinite.check_batch(record)
                 if stop.requested is not None:
                     break
-        complete = stop.requested is None
+        # a signal during the last batch stops nothing: the run is whole, so it says so
+        complete = stop.requested is None or index + 1 - first >= remaining_batches(batches)
+        if complete:
+            stop.requested = None
     finally:
         if buffers is not None:
             model.load_state_dict(buffers)
@@ -290,6 +313,7 @@ def run_batch(
     if passes is not None:
         run = (model, device, precision, capture)
         extra.update(interventions.after(passes, output, batch, inputs, tokens, model_output, run))
+        batch_rows, interventions.batch_rows = interventions.batch_rows, {}
         interventions.release()
     observed = captured.observed
     if capture.observe_device:  # parameter gradients' statistics too, where they lie
@@ -301,6 +325,7 @@ def run_batch(
     for key, packed in host_stats.items():  # readable once `ready` has fired
         observed[key].packed = packed
     record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
+    record.batch_rows = batch_rows if passes is not None else {}
     record.counted = observed
     record.axes = captured.axes
     if host_tokens is not None and any(s.rows == "tokens" for s in selections):
@@ -308,6 +333,14 @@ def run_batch(
     if captured.pooled:
         record.release = functools.partial(capture.pool.give, captured.pooled)
     return record
+
+
+def remaining_batches(batches) -> int | float:
+    """How many batches this run's loop has (infinity when the data cannot say)."""
+    try:
+        return len(batches)
+    except TypeError:
+        return float("inf")
 
 
 def file_attrs(cfg: DictConfig, run_dir: Path) -> dict:

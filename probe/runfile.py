@@ -1,7 +1,9 @@
 """Open a probe.h5 for reading with a clear error for a missing, truncated or foreign file.
 
-Reading tools open files through `open_probe_file` and treat a file whose `complete` attribute is
-absent or false as partial: it holds `num_samples` valid rows, those written before a stop or crash.
+Reading tools open files through `open_probe_file`, which also opens a file a run is writing
+(SWMR) or whose writer was killed. A file is *complete*, *in progress* (a live run holds its
+directory: its rows grow) or *partial* (stopped early); the valid rows of the last two are those
+`/progress` counts (probe.fileformat).
 """
 
 from __future__ import annotations
@@ -10,7 +12,17 @@ from pathlib import Path
 
 import h5py
 
+from probe import runlock, swmr
 from probe.errors import DataError
+from probe.fileformat import read_progress
+
+
+class NothingFlushed(DataError):
+    """A file whose writer has not flushed a batch yet (or died before it did)."""
+
+    def __init__(self, message: str, in_progress: bool):
+        super().__init__(message)
+        self.in_progress = in_progress
 
 
 def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
@@ -22,8 +34,10 @@ def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
     if p.is_dir():
         raise DataError(f"{str(p)!r} is a directory; give the probe.h5 inside it")
     try:
-        f = h5py.File(p, mode)
+        f = swmr.open_read(p) if mode == "r" else h5py.File(p, mode)
     except OSError as e:
+        if "open for write" in str(e) or "open for SWMR" in str(e):
+            raise _unflushed(p) from None  # its writer has not entered SWMR mode yet
         detail = str(e).split("(", 1)[-1].rstrip(")")
         hint = (
             "it was cut short (copy incomplete or disk full while closing)"
@@ -37,14 +51,37 @@ def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
     if ours_only and "format_version" not in f.attrs:
         f.close()
         raise DataError(
-            f"{str(p)!r} is an HDF5 file but not one written by probe (no format_version attribute)"
+            f"{str(p)!r} is an HDF5 file but not one written by probe (no format_version "
+            "attribute); give the probe.h5 of a run directory"
         )
     return f
 
 
+def _unflushed(p: Path) -> NothingFlushed:
+    who = runlock.holder(p.parent)
+    if who:
+        return NothingFlushed(
+            f"{str(p)!r} is in progress ({who}) and no batch is flushed yet; open it again in a "
+            "moment",
+            True,
+        )
+    return NothingFlushed(
+        f"{str(p)!r} was being written by a run that stopped before its first batch was flushed: "
+        "it holds nothing; run again (overwrite=true replaces it)",
+        False,
+    )
+
+
 def is_partial(f: h5py.File) -> bool:
     """True unless the run that wrote `f` finished cleanly."""
-    return not bool(f.attrs.get("complete", False))
+    return not read_progress(f).complete
+
+
+def state(f: h5py.File) -> str:
+    """complete, in progress (a live run holds its directory) or partial."""
+    if read_progress(f).complete:
+        return "complete"
+    return "in progress" if runlock.holder(Path(f.filename).parent) else "partial"
 
 
 def missing_sources(f: h5py.File) -> list[str]:

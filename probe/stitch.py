@@ -14,10 +14,16 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from probe import stats_file
+from probe.chunks import name_axes
 from probe.errors import DataError
+from probe.fileformat import Progress, is_scale, read_progress, write_progress
 from probe.runfile import missing_sources
 from probe.stats import RunningStats
-from probe.store import DatasetInfo, write_stats
+from probe.stats_file import DatasetInfo
+
+STACKED = ("layers/", "samples/", "model/", "tokens/", "effects/", "patching/")
+SCALE_ATTRS = {"CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "_Netcdf4Dimid"}
 
 STAT_FIELDS = [f.name for f in fields(RunningStats)]
 SHARD_ATTRS = (
@@ -39,10 +45,16 @@ def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
             for k, v in files[0].attrs.items():
                 if k not in SHARD_ATTRS:
                     out.attrs[k] = v
+            counts = [read_progress(f) for f in files]
+            total = Progress(
+                sum(c.samples for c in counts),
+                sum(c.batches for c in counts),
+                sum(c.tokens for c in counts),
+            )
             out.attrs["complete"] = False
-            out.attrs["num_samples"] = sum(int(f.attrs["num_samples"]) for f in files)
-            out.attrs["num_batches"] = sum(int(f.attrs["num_batches"]) for f in files)
-            out.attrs["num_tokens"] = sum(int(f.attrs.get("num_tokens", 0)) for f in files)
+            out.attrs["num_samples"] = total.samples
+            out.attrs["num_batches"] = total.batches
+            out.attrs["num_tokens"] = total.tokens
             out.attrs["world_size"] = len(files)
             out.attrs["shards"] = [p.name for p in shards]
             if "layers" in files[0]:
@@ -51,9 +63,16 @@ def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
                 _virtual(
                     out, name, [(p.name, f.get(name)) for p, f in zip(shards, files, strict=True)]
                 )
-            write_stats(out, merged.values())
+            _name_axes(out, total, "sample" in files[0])
+            for order, info in enumerate(merged.values()):
+                stats_file.create(out, info, order)
+            stats_file.write_slot(out, merged.values(), 0)
+            total.stats_slot = 0
+            write_progress(out, total)
             out.flush()
-            out.attrs["complete"] = all(bool(f.attrs["complete"]) for f in files)
+            total.complete = all(c.complete for c in counts)
+            write_progress(out, total)
+            out.attrs["complete"] = total.complete
     finally:
         for f in files:
             f.close()
@@ -63,9 +82,37 @@ def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
 def _dataset_names(files: list[h5py.File]) -> list[str]:
     """Every per-row dataset of the shards (/stats are merged, not stacked)."""
     names: dict[str, None] = {}
+
+    def add(name: str, link) -> None:
+        if isinstance(link, h5py.HardLink) and name.startswith(
+            ("layers/", "samples/", "model/", "tokens/")
+        ):
+            names.setdefault(name)
+
     for f in files:
-        f.visititems(lambda n, o: names.setdefault(n) if isinstance(o, h5py.Dataset) else None)
-    return [n for n in names if not n.startswith("stats/")]
+        f.visititems_links(add)
+    return [
+        n
+        for n in names
+        if isinstance(files[0].get(n), h5py.Dataset)
+        and (n == "samples/index" or not is_scale(files[0][n]))
+    ]
+
+
+def _name_axes(out: h5py.File, total: Progress, sample_scale: bool) -> None:
+    """The stitched datasets' dimension scales, as the writer attaches them."""
+    if sample_scale and "samples/index" in out:
+        out["sample"] = out["samples/index"]
+        out["sample"].make_scale("sample")
+    for layer in out.get("layers", {}).values():
+        for ds in layer.values():
+            a = ds.attrs
+            if "order" in a:
+                per_batch, rows = bool(a["per_batch"]), str(a.get("row_unit", "samples"))
+                name_axes(out, ds, int(a.get("unit_axis", 1)), rows, per_batch)
+    for dim, n in (("token", total.tokens), ("batch", total.batches)):
+        if dim in out:
+            out[dim].resize((n,))
 
 
 def _virtual(out: h5py.File, name: str, sources: list[tuple[str, h5py.Dataset | None]]) -> None:
@@ -82,7 +129,7 @@ def _virtual(out: h5py.File, name: str, sources: list[tuple[str, h5py.Dataset | 
     stacked = out.create_virtual_dataset(name, layout, fillvalue=fill)
     for made, source in ((stacked, first), (stacked.parent, first.parent)):  # module_type, order
         for k, v in source.attrs.items():
-            if k not in made.attrs:
+            if k not in made.attrs and k not in SCALE_ATTRS:
                 made.attrs[k] = v
 
 
@@ -103,23 +150,7 @@ def read_stats(f: h5py.File, check: bool = True) -> dict[tuple[str, str], Datase
     incomplete or whose shards are missing."""
     if check:
         check_complete(f)
-    found = []
-    for layer, group in f.get("stats", {}).items():
-        for site, g in group.items():
-            found.append((int(g.attrs.get("order", 0)), layer, site, g))
-    out = {}
-    for _, layer, site, g in sorted(found, key=lambda x: x[0]):
-        a = g.attrs
-        out[layer, site] = DatasetInfo(
-            layer,
-            site,
-            str(a["module_type"]),
-            tuple(int(x) for x in a["shape"]),
-            str(a["dtype"]),
-            bool(a["per_batch"]),
-            RunningStats.from_saved(a, g),
-        )
-    return out
+    return stats_file.read(f)
 
 
 def check_complete(f: h5py.File) -> None:

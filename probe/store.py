@@ -10,7 +10,6 @@ rows are valid, and `complete=True` is the very last write of a clean run."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -25,14 +24,22 @@ import h5py
 import numpy as np
 import torch
 
-from probe import backend, direct
-from probe.diskspace import check_space
+from probe import backend, direct, stats_file
+from probe.appends import Appends
+from probe.chunks import (
+    ChunkedTarget,
+    chunk_rows,
+)
+from probe.coverage import Coverage
+from probe.diskspace import RESUME, check_closing, check_space, failure
 from probe.errors import WriteError
-from probe.h5fresh import add_attrs, add_dataset
-from probe.resume import describe, restore, tags
-from probe.stats import RunningStats, bounds_for, stats_for
+from probe.fileformat import FORMAT_VERSION, Progress, write_progress
+from probe.livefile import LiveFile
+from probe.resume import restore
+from probe.stats import bounds_for
+from probe.stats_file import DatasetInfo
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "DatasetInfo", "ProbeWriter", "Record", "chunk_rows"]
 log = logging.getLogger("probe")
 COMPRESSIONS = ("none", "lzf", "gzip")
 # A stats-only run writes nothing between flushes (its per-sample extras wait for the flush), so
@@ -61,25 +68,14 @@ class Record:
     axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis by dataset
     # a token batch's /tokens/{sample,position,id} rows (the rows of `token_layers` datasets)
     tokens: dict[str, np.ndarray] | None = None
+    batch_rows: dict[str, np.ndarray] = field(default_factory=dict)  # one row for this batch
 
     @property
     def token_count(self) -> int:
         return 0 if self.tokens is None else len(self.tokens["tokens/sample"])
 
 
-@dataclass
-class DatasetInfo:
-    layer: str
-    site: str
-    module_type: str
-    shape: tuple[int, ...]
-    dtype: str
-    per_batch: bool
-    stats: RunningStats = field(default_factory=RunningStats)
-    rows: str = "samples"  # or "tokens": one row per non-padding token
-
-
-class ProbeWriter:
+class ProbeWriter(Appends):
     """Owns probe.h5 for one run. `put` a Record per batch, then `close(complete=...)`."""
 
     def __init__(
@@ -100,6 +96,8 @@ class ProbeWriter:
         token_layers: frozenset[str] = frozenset(),
         stats_backend: str | None = None,
         direct_io: bool = True,
+        total_rows: int | None = None,
+        provenance=None,
     ):
         if compression not in COMPRESSIONS:
             raise WriteError(
@@ -140,18 +138,19 @@ class ProbeWriter:
         self.held: list[tuple[str, np.ndarray, int, int]] = []
         self.held_bytes = 0
         self.unflushable = False
+        self.error: BaseException | None = None
         self.num_samples = 0
         self.num_batches = 0
         self.num_tokens = 0  # rows of the token-row datasets
-        self.error: BaseException | None = None
+        self.progress = Progress()  # what the file says is valid (published at each flush)
+        self.coverage = Coverage()
+        self.known: set[str] = set()  # HDF5 paths of the datasets the file holds
+        self.hist_capacity: dict[tuple[str, str], int] = {}  # /stats histogram buckets per slot
+        self.total_rows = total_rows  # rows the run will write, for right-sized chunks
+        self.provenance = provenance  # the dataset's identity and per-sample names
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = h5py.File(
-                self.path,
-                "r+" if resume else "w",
-                alignment_threshold=direct.ALIGN,
-                alignment_interval=direct.ALIGN,
-            )
+            self.out = LiveFile(self.path, resume)
         except OSError as e:
             raise WriteError(
                 f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
@@ -161,18 +160,24 @@ class ProbeWriter:
             try:
                 restore(self, batch_rows)
             except BaseException:
-                self.file.close()
+                self.out.close(None)
                 raise
         else:
-            self.file.attrs["format_version"] = FORMAT_VERSION
-            self.file.attrs["complete"] = False
-            self.file.attrs["num_samples"] = 0
-            self.file.attrs["num_tokens"] = 0
-            self.file.attrs["store_mode"] = mode
+            f = self.file
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["complete"] = False
+            f.attrs["num_samples"] = 0
+            f.attrs["num_batches"] = 0
+            f.attrs["num_tokens"] = 0
+            f.attrs["store_mode"] = mode
             for k, v in (attrs or {}).items():
-                self.file.attrs[k] = v
+                f.attrs[k] = v
             if mode == "full":
-                self.file.create_group("layers")  # present even when nothing is selected
+                f.create_group("layers")  # present even when nothing is selected
+            if provenance is not None:
+                for name, values in provenance.lists.items():
+                    f.create_dataset(f"dataset/{name}", data=values, dtype=h5py.string_dtype())
+            write_progress(f, self.progress)
         self.file.flush()
         # written chunks bypass the page cache where they can (probe.direct)
         self.direct_fd = direct.open_direct(self.path) if mode == "full" and direct_io else None
@@ -221,7 +226,7 @@ class ProbeWriter:
                 continue
 
     def close(self, complete: bool) -> None:
-        """Drain the queue, write statistics and attributes, mark completion last, close."""
+        """Drain the queue, write statistics and counts, mark completion last, close."""
         if self.thread.is_alive():
             while True:
                 try:
@@ -234,27 +239,38 @@ class ProbeWriter:
         io_failed = isinstance(self.error, OSError | RuntimeError) and not isinstance(
             self.error, WriteError
         )
+        final = None
+        short = check_closing(self) if self.file.id.valid and not io_failed else None
+        self.error = self.error or short
         try:
             # after a failed write HDF5 cannot flush
-            if self.file.id.valid and not io_failed and not self.unflushable:
-                self._write_held()
-                self._write_stats()
-                self._write_counts()
-                self.file.flush()
-                if complete and self.error is None:
-                    self.file.attrs["complete"] = True
-                    self.file.flush()
+            if self.file.id.valid and not io_failed and not self.unflushable and short is None:
+                self._close_coverage()
+                self._flush(final=True, complete=complete and self.error is None)
+                final = {
+                    "num_samples": self.num_samples,
+                    "num_batches": self.num_batches,
+                    "num_tokens": self.num_tokens,
+                    "complete": self.progress.complete,
+                }
         except (OSError, RuntimeError) as e:
             self.error = self.error or e
+            final = None
         finally:
-            with contextlib.suppress(OSError, RuntimeError):
-                if self.file.id.valid:
-                    self.file.close()
             if self.direct_fd is not None:
                 os.close(self.direct_fd)
                 self.direct_fd = None
+            try:
+                self.out.close(final, abandon=final is None and self.error is not None)
+            except (OSError, RuntimeError) as e:
+                self.error = self.error or e
+        self.coverage.warn(self.datasets, self.num_samples, self.num_batches, self.num_tokens)
         if complete:
             self._raise_if_failed()
+
+    @property
+    def file(self) -> h5py.File:
+        return self.out.file
 
     def _raise_if_failed(self) -> None:
         if isinstance(self.error, WriteError):
@@ -267,8 +283,9 @@ class ProbeWriter:
                 else ""
             )
             error = WriteError(
-                f"writing {str(self.path)!r} failed{hint}: {e}; HDF5 stopped in the middle of a "
-                "write, so the file may not open. Free space, then run again into a new hydra.run.dir"
+                f"writing {str(self.path)!r} failed{hint}: {failure(e)}. The file holds the "
+                f"{self.progress.samples} samples flushed before (nothing more is written to it); "
+                f"{RESUME}"
             )
             error.hdf5_unclosed = self.file.id.valid  # HDF5 retries the flush at exit and crashes
             raise error from None
@@ -299,6 +316,8 @@ class ProbeWriter:
         if r.ready is not None:
             r.ready.synchronize()
         end = r.start + r.size
+        if self.out.live and self._needs_objects(r):
+            self._creating()
         self.direct_writes = [] if self.direct_fd is not None else None
         try:
             self._append_batch(r, end)
@@ -309,64 +328,57 @@ class ProbeWriter:
         self.num_tokens += r.token_count
         if time.monotonic() - self.last_flush < self.flush_seconds and self.held_bytes < HELD_BYTES:
             return  # the row count on disk moves only with a flush, so it never overstates
-        if self.mode == "stats":  # all a stats-only file holds, written only here
-            self._write_held()
-            self._write_stats()
-        self._write_counts()
-        self.file.flush()
-        self.last_flush = time.monotonic()
+        self._flush()
         log.debug("flushed batch %d (%d samples)", r.batch_index, end)
 
-    def _write_counts(self) -> None:
-        """The rows valid so far: samples, batches (parameter gradients) and tokens."""
-        attrs = self.file.attrs
-        attrs["num_samples"] = self.num_samples
-        attrs["num_batches"] = self.num_batches
-        attrs["num_tokens"] = self.num_tokens
+    def _flush(self, final: bool = False, complete: bool = False) -> None:
+        """Publish what is written: held extras and (stats-only, or at the end) the statistics
+        into the slot not in use, then the counts that point at them. A full run's statistics
+        are written at its end only (a resumed one recomputes them from the rows)."""
+        if self.held and self.out.live and any(n not in self.known for n, *_ in self.held):
+            self._creating()
+        self._write_held()
+        for dim, n in (("token", self.num_tokens), ("batch", self.num_batches)):
+            if dim in self.known:  # pure dimensions: their length is the rows written
+                self.file[dim].resize((n,))
+        self.out.go_live()
+        slot = -1
+        if self.mode == "stats" or final:
+            previous = self.progress.stats_slot
+            slot = 1 - previous if previous >= 0 else 0
+            self._stats_groups()
+            self.file.flush()  # the data before the statistics that count it
+            capacity = stats_file.write_slot(self.file, self.datasets.values(), slot)
+            self.hist_capacity.update(capacity)
+        self.progress = Progress(
+            self.num_samples, self.num_batches, self.num_tokens, complete, slot
+        )
+        self.out.publish(self.progress)
+        self.last_flush = time.monotonic()
 
-    def _append_batch(self, r: Record, end: int) -> None:
-        tokens = (self.num_tokens, self.num_tokens + r.token_count)
-        for key, t in r.values.items():
-            lo, hi = tokens if key[0] in self.token_layers else (r.start, end)
-            self._append(key, t, lo, hi, False, r.counted.get(key), r.axes.get(key, 1))
-        for key, t in r.per_batch.items():
-            self._append(key, t, r.batch_index, r.batch_index + 1, True, r.counted.get(key))
-        if self.mode == "full" and self.token_layers and r.tokens is not None:
-            for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
-                offset = self.index_offset if name == "tokens/sample" else 0
-                self._append_plain(name, a + offset if offset else a, *tokens)
-        for name, t in r.extra.items():
-            if self.mode == "stats":  # written with the statistics, at the flush
-                self.held.append((name, t.numpy(), r.start, end))
-                self.held_bytes += self.held[-1][1].nbytes
-            else:
-                self._append_plain(name, t.numpy(), r.start, end)
-        if self.mode == "full":
-            self._append_plain(
-                "samples/index",
-                np.arange(r.start, end, dtype=np.int64) + self.index_offset,
-                r.start,
-                end,
-            )
-            if r.targets is not None:
-                self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
+    def _needs_objects(self, r: Record) -> bool:
+        """Whether `r` brings a dataset the file does not hold yet (created outside SWMR mode)."""
+        keys = [*r.values, *r.per_batch]
+        if any(key not in self.datasets for key in keys):
+            return True
+        gaps = any(
+            self.coverage.needs_dataset(self.file, key, lo)
+            for key, _, lo, *_ in self._placements(r, r.start + r.size)
+        )
+        if any(n not in self.known for n in r.batch_rows):
+            return True
+        if gaps or self.mode != "full":
+            return gaps
+        names = [*r.extra, *(r.tokens or {})] + (
+            ["samples/target"] if r.targets is not None else []
+        )
+        return any(n not in self.known for n in names)
 
-    def _write_direct(self) -> None:
-        """The batch's whole chunks in as few O_DIRECT writes as their places in the file allow;
-        those O_DIRECT cannot take go through HDF5."""
-        pending = self.direct_writes
-        if not pending:
-            return
-        done = direct.write_chunks(self.direct_fd, [(t.ds, a, lo, t.rows) for t, a, lo in pending])
-        for (target, a, lo), written in zip(pending, done, strict=True):
-            if not written:
-                target.write_direct_chunks(a, lo)
-
-    def _write_held(self) -> None:
-        for name, a, lo, hi in self.held:
-            self._append_plain(name, a, lo, hi)
-        self.held.clear()
-        self.held_bytes = 0
+    def _creating(self) -> None:
+        """Leave SWMR mode to create objects; dataset handles of the closed file are dropped."""
+        if self.out.creating():
+            self.targets.clear()
+            self.file_chunking.clear()
 
     def observe(self, key: tuple[str, str], t: torch.Tensor, unit_axis: int = 1):
         """Statistics of one capture of the current batch (main thread): a CPU one's now, a GPU
@@ -385,161 +397,3 @@ class ProbeWriter:
     def begin_batch(self) -> None:
         """Before each forward, on its thread: what `observe` can look up once per batch."""
         self.hook_stats.begin()
-
-    def _append(
-        self,
-        key: tuple[str, str],
-        t: torch.Tensor,
-        lo: int,
-        hi: int,
-        per_batch: bool,
-        counted=None,
-        unit_axis: int = 1,
-    ) -> None:
-        info = self.datasets.get(key)
-        new = info is None
-        if new:
-            if lo != 0:
-                raise WriteError(
-                    f"layer {key[0]!r} produced {key[1]} first at row {lo}: its calls differ between "
-                    "batches (data-dependent control flow), which a fixed file layout cannot hold"
-                )
-            info = DatasetInfo(
-                key[0],
-                key[1],
-                self.module_types.get(key[0], ""),
-                tuple(t.shape[1:]),
-                str(t.dtype).removeprefix("torch."),
-                per_batch,
-                stats_for(self.module_types.get(key[0], ""), key[1], unit_axis),
-                "tokens" if key[0] in self.token_layers and not per_batch else "samples",
-            )
-            self.datasets[key] = info
-            if self.mode == "full":  # lets a file cut short say what each layer is, in order
-                g = self.file.require_group(f"layers/{key[0]}")
-                g.attrs["module_type"] = info.module_type
-                g.attrs.setdefault("order", len(self.datasets) - 1)
-        info.stats.merge(counted if counted is not None else self.observe(key, t, unit_axis))
-        if self.mode == "full":
-            self._append_plain(f"layers/{key[0]}/{key[1]}", t.numpy(), lo, hi)
-            if new:
-                describe(self.file[f"layers/{key[0]}/{key[1]}"], info, len(self.datasets) - 1)
-
-    def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
-        target = self.targets.get(name)
-        if target is None:
-            ds = self.file.get(name)
-            if ds is None:
-                if lo != 0:
-                    raise WriteError(f"dataset {name!r} appeared first at row {lo}")
-                ds = self._create(name, a)
-            target = self.targets[name] = ChunkedTarget(ds)
-        target.append(a, lo, hi, self.direct_writes)
-
-    def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
-        row_bytes = max(1, a[0].nbytes if len(a) else a.itemsize)
-        rows = chunk_rows(len(a), row_bytes, self.chunk_bytes)
-        chunk_bytes = rows * row_bytes
-        plist = (
-            direct.creation_plist(chunk_bytes) if self.direct_fd and not self.compression else None
-        )
-        return self.file.create_dataset(
-            name,
-            dcpl=plist,
-            shape=(0, *a.shape[1:]),
-            maxshape=(None, *a.shape[1:]),
-            dtype=a.dtype,
-            chunks=(rows, *a.shape[1:]),
-            compression=self.compression,
-            compression_opts=self.compression_opts,
-            rdcc_nbytes=max(2 * chunk_bytes, 1 << 20),
-            rdcc_w0=1.0,
-        )
-
-    def _write_stats(self) -> None:
-        write_stats(self.file, self.datasets.values())
-
-
-class ChunkedTarget:
-    """One dataset being appended to, with what its writes depend on read once: asking HDF5 for
-    a dataset's properties holds the GIL, which the forward pass is waiting for."""
-
-    def __init__(self, ds: h5py.Dataset):
-        plist = ds.id.get_create_plist()
-        self.ds, self.dtype, self.row_shape = ds, ds.dtype, ds.shape[1:]
-        self.rows = ds.chunks[0] if ds.chunks else 0
-        # whole batches of rows can be whole chunks, written straight from the array's memory
-        self.by_chunk = (
-            bool(self.rows) and not plist.get_nfilters() and ds.chunks[1:] == ds.shape[1:]
-        )
-        self.allocated_early = plist.get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
-
-    def append(self, a: np.ndarray, lo: int, hi: int, direct_writes: list | None = None) -> None:
-        """Rows [lo, hi): whole uncompressed chunks (the usual case: chunks hold whole batches)
-        are added to `direct_writes` for O_DIRECT when it is given and they can go there, else
-        written with HDF5's direct chunk writes; anything else goes through the chunk cache."""
-        ds, rows = self.ds, self.rows
-        ds.id.set_extent((hi, *self.row_shape))  # what ds.resize does, without its checks
-        whole = (
-            self.by_chunk
-            and lo % rows == 0
-            and (hi - lo) % rows == 0
-            and a.dtype == self.dtype
-            and a.shape[1:] == self.row_shape
-            and a.flags.c_contiguous
-        )
-        if not whole:
-            ds[lo:hi] = a
-            return
-        if direct_writes is not None and self.allocated_early:
-            direct_writes.append((self, a, lo))
-            return
-        self.write_direct_chunks(a, lo)
-
-    def write_direct_chunks(self, a: np.ndarray, lo: int) -> None:
-        ds, rows = self.ds, self.rows
-        origin = (0,) * (a.ndim - 1)
-        for r in range(0, len(a), rows):  # skips HDF5's chunk cache and its copy
-            ds.id.write_direct_chunk((lo + r, *origin), a[r : r + rows])
-
-
-def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int) -> int:
-    """Rows per chunk, aligned to the batch so that a batch's write fills whole chunks: the
-    largest divisor of the batch that fits in `chunk_bytes` (at least one row); when a whole batch
-    fits, the batch, or several batches when one is under a quarter of `chunk_bytes`. A chunk of
-    several batches is written again at every flush until full (and through HDF5's chunk cache,
-    not straight from the capture), which costs little only while batches are small."""
-    batch = max(1, batch)
-    if batch * row_bytes <= chunk_bytes:
-        batches = chunk_bytes // (batch * row_bytes)
-        return batch * (batches if batches >= 4 else 1)
-    fits = max(1, chunk_bytes // row_bytes)
-    return max(d for d in range(1, min(batch, fits) + 1) if batch % d == 0)
-
-
-def write_stats(file: h5py.File, datasets) -> None:
-    """`/stats/<layer>/<site>`: each DatasetInfo's statistics (scalar attributes, histogram and
-    per-unit arrays) and layout, tagged with its `order` of first appearance so a table read back
-    from the file (or a resumed run) keeps the run's row order."""
-    group = file.require_group("stats")
-    for order, info in enumerate(datasets):
-        path = f"{info.layer}/{info.site}"
-        attrs = {
-            **tags(info, order),
-            **info.stats.state(),
-            "shape": list(info.shape),
-            "dtype": info.dtype,
-        }
-        if path not in group:  # (the first flush): nothing to replace
-            g = group.create_group(path)
-            add_attrs(g, attrs)
-            for name, a in info.stats.arrays().items():
-                add_dataset(g, name, a)
-            continue
-        g = group[path]
-        for k, v in attrs.items():
-            g.attrs[k] = v
-        for name, a in info.stats.arrays().items():
-            if name in g:
-                del g[name]
-            g.create_dataset(name, data=a)

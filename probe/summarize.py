@@ -3,10 +3,11 @@
 A run directory's probe.h5 is re-summarized slab by slab (bounded memory: a few slabs at a time,
 read through h5py while the previous one is reduced, or with `--mapped` reduced where they lie
 in the file's pages, `probe.mapped`); a stats-only file gives its stored statistics.
-Only rows below the file's `num_samples` attribute are read. A sweep directory gives one table
+Only the rows the file counts as valid are read (`/progress`, probe.fileformat), and of a module
+that skipped batches only the rows it produced (probe.coverage). A sweep directory gives one table
 with a row per (run, layer, site) and a column per override of each run's `.hydra/overrides.yaml`.
-A partial file (complete false or absent) or a corrupt one is reported as such; the first gives
-what is there.
+A file being written is summarized as it stands ("in progress", printed, not written into the
+live run's directory); a partial file (stopped early) or a corrupt one is reported as such.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from probe import parallel
+from probe import parallel, stats_file
 from probe import slabs as slab_reads
+from probe.coverage import seen_ranges
 from probe.errors import DataError, ProbeError
-from probe.runfile import missing_sources, open_probe_file
-from probe.stats import RunningStats, counts_agree, stats_for
+from probe.fileformat import captured, layer_path, read_progress
+from probe.runfile import NothingFlushed, missing_sources, open_probe_file, state
+from probe.stats import stats_for
+from probe.stats_file import DatasetInfo
+
+DatasetSummary = DatasetInfo  # the record a table row is made of (an older name)
 
 log = logging.getLogger("probe")
 
@@ -107,24 +113,15 @@ def units_frame(datasets: Iterable) -> pd.DataFrame:
 
 
 @dataclass
-class DatasetSummary:
-    layer: str
-    site: str
-    module_type: str
-    shape: tuple[int, ...]
-    dtype: str
-    stats: RunningStats
-
-
-@dataclass
 class FileSummary:
-    """What one probe.h5 holds: its state (complete, partial, corrupt, missing) and statistics."""
+    """What one probe.h5 holds: its state (complete, in progress, partial, corrupt, missing) and
+    statistics."""
 
     path: Path
     state: str
     num_samples: int = 0
     message: str = ""
-    datasets: list[DatasetSummary] = field(default_factory=list)
+    datasets: list[DatasetInfo] = field(default_factory=list)
 
     @property
     def table(self) -> pd.DataFrame:
@@ -138,8 +135,18 @@ def summarize_file(path: Path | str, from_stats: bool = False) -> FileSummary:
         return FileSummary(path, "missing", message=f"{path} does not exist")
     try:
         f = open_probe_file(path, ours_only=False)  # names a file cut short
+    except NothingFlushed as e:
+        return FileSummary(path, "in progress" if e.in_progress else "partial", message=str(e))
     except DataError as e:
         return FileSummary(path, "corrupt", message=str(e))
+    if "format_version" not in f.attrs and "stats" not in f and "layers" not in f:
+        f.close()
+        return FileSummary(
+            path,
+            "corrupt",
+            message=f"{path} is an HDF5 file but not one written by probe (no format_version "
+            "attribute); give the probe.h5 of a run directory",
+        )
     try:
         with f:
             return _summarize_open(path, f, from_stats)
@@ -148,12 +155,9 @@ def summarize_file(path: Path | str, from_stats: bool = False) -> FileSummary:
 
 
 def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
-    complete = bool(f.attrs.get("complete", False))
-    num_samples = int(f.attrs.get("num_samples", 0))
-    num_batches = int(f.attrs.get("num_batches", 0))
-    num_tokens = int(f.attrs.get("num_tokens", 0))
-    out = FileSummary(path, "complete" if complete else "partial", num_samples)
-    stored = stored_stats(f)
+    progress = read_progress(f)
+    out = FileSummary(path, state(f), progress.samples)
+    stored = stats_file.read(f, warn=log.warning)
     unusable = missing_sources(f)  # a stitched file's shards: their rows would read as fill values
     if unusable:
         from_stats, out.state = True, "partial"
@@ -164,38 +168,58 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
         )
     for layer, site in dataset_keys(f):
         saved = stored.get((layer, site))
-        if saved is not None and (from_stats or f"layers/{layer}/{site}" not in f):
+        name = layer_path(layer, site)
+        if saved is not None and (from_stats or name not in f):
             out.datasets.append(saved)
             continue
-        if unusable:
-            out.message += f"; {layer}/{site} has no /stats and is left out"
+        if unusable or name not in f:
+            if unusable:
+                out.message += f"; {layer}/{site} has no /stats and is left out"
             continue
-        ds = f[f"layers/{layer}/{site}"]
-        valid = num_samples
-        if site.startswith("param_grad"):
-            valid = num_batches
-        elif ds.attrs.get("row_unit") == "tokens":
-            valid = num_tokens
-        valid = min(len(ds), valid)
-        module_type = str(f[f"layers/{layer}"].attrs.get("module_type", ""))
+        ds = f[name]
+        if f.swmr_mode:
+            ds.refresh()
+        valid = progress.valid_rows(ds, site)
+        module_type = str(f[name].parent.attrs.get("module_type", ""))
         stats = stats_for(module_type, site, int(ds.attrs.get("unit_axis", 1)))
-        for slab in slab_reads.slabs(ds, valid):
+        for slab in _seen_slabs(f, ds, layer, site, valid):
             stats.update(slab)
+        per_batch = bool(ds.attrs.get("per_batch", site.startswith("param_grad")))
+        rows = str(ds.attrs.get("row_unit", "samples"))
         out.datasets.append(
-            DatasetSummary(layer, site, module_type, ds.shape[1:], str(ds.dtype), stats)
+            DatasetInfo(
+                layer, site, module_type, ds.shape[1:], str(ds.dtype), stats, per_batch, rows
+            )
         )
-    if not complete:
+    if out.state != "complete":
         stitched = out.message
-        out.message = (
-            f"{path} is partial (complete is not true): summarized the {num_samples} rows "
-            "written before it stopped"
-        ) + (f"; {stitched}" if stitched else "")
+        if out.state == "in progress":
+            said = f"{path} is in progress: summarized the {progress.samples} rows flushed so far"
+        else:
+            said = (
+                f"{path} is partial (the run stopped early): summarized the {progress.samples} "
+                "rows written before it stopped"
+            )
+        out.message = said + (f"; {stitched}" if stitched else "")
         if not out.datasets:
             out.message += (
-                "; it holds no statistics (a stats-only run writes them at each flush, "
+                "; it holds no statistics yet (a stats-only run writes them at each flush, "
                 "every 10 s by default)"
             )
     return out
+
+
+def _seen_slabs(f: h5py.File, ds: h5py.Dataset, layer: str, site: str, valid: int):
+    """The valid rows (layer, site) produced, in slabs; a site that skipped batches is read range
+    by range."""
+    ranges = seen_ranges(f, layer, site, valid)
+    if ranges == [(0, valid)]:
+        yield from slab_reads.slabs(ds, valid)
+        return
+    step = max(1, slab_reads.SLAB_BYTES // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:]))))
+    for lo, hi in ranges:
+        for at in range(lo, hi, step):
+            yield ds[at : min(at + step, hi)]
 
 
 def dataset_keys(f: h5py.File) -> list[tuple[str, str]]:
@@ -204,29 +228,21 @@ def dataset_keys(f: h5py.File) -> list[tuple[str, str]]:
     for top in ("stats", "layers"):
         if top not in f:
             continue
-        for layer, group in f[top].items():
+        for link, group in captured(f[top]):
             order = int(group.attrs.get("order", 1 << 30))
-            for site, item in group.items():
-                rank = int(item.attrs.get("order", order)) if top == "stats" else order
-                found.setdefault((layer, site), (rank, len(found)))
+            layer = str(group.attrs.get("name", link))
+            for site, item in captured(group):
+                if isinstance(item, h5py.Group) and top == "layers":
+                    continue
+                rank = int(item.attrs.get("order", order))
+                found.setdefault((str(item.attrs.get("name", layer)), site), (rank, len(found)))
     return sorted(found, key=found.get)
 
 
-def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetSummary]:
+def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetInfo]:
     """The statistics the writer stored under /stats: at close, and at each flush of a stats-only
     run (a killed full run has none)."""
-    out = {}
-    for layer, group in f.get("stats", {}).items():
-        for site, g in group.items():
-            dtype = str(g.attrs.get("dtype", ""))
-            stats = RunningStats.from_saved(g.attrs, g)
-            if not counts_agree(stats, dtype):
-                log.warning("%s: /stats/%s/%s mixes two flushes; not used", f.filename, layer, site)
-                continue
-            shape = tuple(int(v) for v in g.attrs.get("shape", ()))
-            module_type = str(g.attrs.get("module_type", ""))
-            out[(layer, site)] = DatasetSummary(layer, site, module_type, shape, dtype, stats)
-    return out
+    return stats_file.read(f, warn=log.warning)
 
 
 # -- runs and sweeps ---------------------------------------------------------------------------
@@ -321,7 +337,9 @@ def summarize_path(path: Path, from_stats: bool = False, units: bool = False) ->
                 write_table(gathered, path / name)
         return summaries
     s = summarize_file(path / "probe.h5", from_stats)
-    if s.state in ("complete", "partial"):
+    if s.state == "in progress":
+        print(s.table.to_string(index=False))
+    elif s.state in ("complete", "partial"):
         write_table(s.table, path / "summary")
         if units:
             units_frame(s.datasets).to_csv(path / "units.csv", index=False)

@@ -7,6 +7,7 @@ padded position is 0 in `attention_mask`, so padding can be kept out of statisti
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,16 +18,35 @@ from probe.config import TOKEN_DATASETS
 from probe.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# what save_pretrained writes for a tokenizer (one of them at least), by tokenizer kind
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 _WHAT = {"tokens": "a .pt file of token ids", "text": "a .txt, .jsonl or .parquet file of text"}
 _CHUNK = 1024  # documents tokenized per call when packing (stop early once enough rows exist)
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where dataset=text rows come from, kept so `probe.provenance` can name a row's document:
+    `lines` holds each non-empty document's 0-based line (.txt, .jsonl) or row (.parquet) in the
+    file; packed, `starts` holds each tokenized document's first offset in the joined ids (an EOS
+    separator belongs to the document it ends) and `tokens` their count."""
+
+    path: Path
+    lines: list[int]
+    tokenizer: str
+    seq_len: int
+    starts: list[int] | None = None
+    tokens: int = 0
 
 
 class TokenDataset(Dataset):
     """Rows of ids held in memory. The whole tensors are attributes so the run can check ids once;
     items are `{"input_ids", "attention_mask"?}` or `(that dict, target)` for the default collate."""
 
-    def __init__(self, input_ids, attention_mask=None, targets=None):
+    def __init__(self, input_ids, attention_mask=None, targets=None, source=None):
         self.input_ids, self.attention_mask, self.targets = input_ids, attention_mask, targets
+        self.source: TextSource | None = source  # dataset=text: the documents rows come from
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -42,7 +62,8 @@ class TokenDataset(Dataset):
         if n is None or n >= len(self):
             return self
         cut = [None if t is None else t[:n].clone() for t in (self.input_ids, self.attention_mask)]
-        return TokenDataset(*cut, None if self.targets is None else self.targets[:n].clone())
+        targets = None if self.targets is None else self.targets[:n].clone()
+        return TokenDataset(*cut, targets, self.source)  # row i of the head is row i of the whole
 
 
 class RandomTokens(Dataset):
@@ -253,8 +274,9 @@ def _text(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDataset:
             f"dataset.path={str(p)!r} has the unsupported suffix {p.suffix!r}; dataset=text reads "
             f"{', '.join(TEXT_SUFFIXES)}"
         )
-    docs = _documents(p, cfg.text_field)
+    docs, lines = _documents(p, cfg.text_field)
     tok = _tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
+    source = TextSource(p, lines, str(cfg.tokenizer or model_cfg.name), cfg.seq_len)
     pad = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
     T = cfg.seq_len
     if not cfg.pack:
@@ -262,24 +284,27 @@ def _text(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDataset:
         rows = [r[:T] for r in enc]
         if not any(rows):
             raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
-        return TokenDataset(*_right_pad(rows, pad, max(len(r) for r in rows)))
-    flat, need = [], None if num_samples is None else num_samples * T
+        return TokenDataset(*_right_pad(rows, pad, max(len(r) for r in rows)), None, source)
+    flat, need, starts = [], None if num_samples is None else num_samples * T, []
     for start in range(0, len(docs), _CHUNK):
         chunk = docs[start : start + _CHUNK]
         for doc in tok(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
             if flat and tok.eos_token_id is not None:
                 flat.append(tok.eos_token_id)
+            starts.append(len(flat))
             flat.extend(doc)
         if need is not None and len(flat) >= need:
             break
     if not flat:
         raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
     rows = [flat[i : i + T] for i in range(0, len(flat), T)]
-    return TokenDataset(*_right_pad(rows, pad, T))
+    packed = TextSource(p, lines, source.tokenizer, T, starts, len(flat))
+    return TokenDataset(*_right_pad(rows, pad, T), None, packed)
 
 
-def _documents(p: Path, field: str) -> list[str]:
-    """Non-empty documents: .txt lines, a field of .jsonl records, a column of .parquet."""
+def _documents(p: Path, field: str) -> tuple[list[str], list[int]]:
+    """Non-empty documents: .txt lines, a field of .jsonl records, a column of .parquet; and the
+    0-based line (or row) of each."""
     where, suffix = f"dataset.path={str(p)!r}", p.suffix.lower()
     way_out = f"name the field holding the text with dataset.text_field=... (now {field!r})"
     if suffix == ".parquet":
@@ -293,13 +318,14 @@ def _documents(p: Path, field: str) -> list[str]:
             line.rstrip("\r") if suffix == ".txt" else _jsonl_text(n, line, field, where, way_out)
             for n, line in enumerate(lines, 1)
         ]
-    docs = [v for v in values if v is not None and v.strip()]
+    kept = [n for n, v in enumerate(values) if v is not None and v.strip()]
+    docs = [values[n] for n in kept]
     if not docs:
         raise DataError(
             f"{where} holds no documents; give one document per non-empty line (.txt), one JSON "
             "object per line (.jsonl) or a text column (.parquet)"
         )
-    return docs
+    return docs, kept
 
 
 def _jsonl_text(n: int, line: str, field: str, where: str, way_out: str):
@@ -348,10 +374,17 @@ def _tokenizer(name: str, named: bool):
         from transformers import AutoTokenizer
     except ImportError:
         raise ConfigError("dataset=text needs transformers; pip install -e '.[hf]'") from None
+    source = f"dataset.tokenizer={name!r}" if named else f"model.name={name!r} (as tokenizer)"
+    folder = Path(str(name)).expanduser()
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from a model's config.json alone
+        raise ConfigError(
+            f"{source} is a folder without tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:3])}, ...); set dataset.tokenizer to a local directory saved with tokenizer.save_pretrained(DIR)"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(name))
     except Exception as e:
-        source = f"dataset.tokenizer={name!r}" if named else f"model.name={name!r} (as tokenizer)"
         raise ConfigError(
             f"{source} cannot be loaded ({_first_line(e)}); set dataset.tokenizer to a local "
             "directory saved with tokenizer.save_pretrained(DIR)"

@@ -83,6 +83,13 @@ def catalogue(args) -> list[Case]:
             check=(("output",), None, False),
         ),
         Case(
+            "probe_full_lzf_spanning",
+            "pipeline, lzf, chunks spanning batches (the earlier layout: rewritten at each flush, "
+            "not kill-safe)",
+            lambda s: bc.spanning(bc.probe_case(s, "store.compression=lzf")),
+            check=(("output",), None, False),
+        ),
+        Case(
             "probe_full_gzip1",
             "pipeline, full capture, gzip level 1",
             lambda s: bc.probe_case(s, "store.compression=gzip", "store.compression_level=1"),

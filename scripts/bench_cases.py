@@ -100,6 +100,20 @@ def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Calla
     return case
 
 
+def spanning(case: Callable) -> Callable:
+    """`case` with compressed chunks spanning several batches, as before they were kill-safe."""
+    from probe import chunks
+
+    def spanned(out: Path):
+        chunks.COMPRESSED_CHUNKS_SPAN = True
+        try:
+            return case(out)
+        finally:
+            chunks.COMPRESSED_CHUNKS_SPAN = False
+
+    return spanned
+
+
 # -- plain PyTorch floors ----------------------------------------------------------------------
 def plain_forward(setup: Setup) -> Callable:
     def case(out: Path) -> None:

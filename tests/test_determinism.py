@@ -28,6 +28,12 @@ def contents(path) -> dict:
             if isinstance(obj, h5py.Dataset):
                 out[name] = obj[()]
             for k, v in obj.attrs.items():
+                if k == "REFERENCE_LIST":  # object references: where objects lie, as names
+                    v = [(f[r["dataset"]].name, int(r["dimension"])) for r in v]
+                elif k == "DIMENSION_LIST":
+                    v = [tuple(f[ref].name for ref in refs) for refs in v]
+                elif isinstance(v, np.ndarray) and v.dtype.kind == "O":  # strings
+                    v = v.tolist()
                 out[f"{name}@{k}"] = v
 
         f.visititems(visit)

@@ -88,8 +88,8 @@ def test_statistics_reduced_on_the_gpu_equal_numpy_over_the_stored_values(tmp_pa
 @pytest.mark.parametrize("mode", ["full", "stats"])
 def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path, caplog, mode):
     """The logged bytes per sample are the captured rows' bytes; the projection is within 5% of
-    the real file (whole chunks included: here most chunks hold more rows than the 7 samples), or
-    15% for a stats-only file (/model/output, each dataset's histogram and per-unit arrays)."""
+    the real file (whole chunks included), and for a stats-only file (/model/output, each
+    dataset's histogram and per-unit arrays, in two slots) an upper bound within 35%."""
     overrides = [
         *TINY,
         "dataset.num_samples=7",
@@ -111,5 +111,9 @@ def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path,
     assert f"{row_bytes / 1024:.1f} KiB per sample" in messages[plan_at]
     f.close()
     real = result.h5_path.stat().st_size
-    # a stats-only file's histograms fill buckets as data comes: projected from the first batch
-    assert abs(projected - real) / real < (0.05 if mode == "full" else 0.15), (projected, real)
+    if mode == "full":
+        assert abs(projected - real) / real < 0.05, (projected, real)
+        return
+    # a stats-only file's histograms fill buckets as data comes (projected from the first
+    # batch), in two slots once a second flush came: a short run's file has one, below the plan
+    assert real <= projected < 1.35 * real, (projected, real)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import probe
 from probe.data import build_batches
 from probe.models import build_model
 from tests.helpers import cli, make_cfg, run_probe
@@ -332,3 +333,10 @@ def test_sweep_over_interventions_reports_each_effect(tmp_path):
             ).mean()
         np.testing.assert_allclose(effects.mean_abs_change[0], change, rtol=1e-6)
         assert change > 0
+    gathered = probe.open_sweep(tmp_path).effects  # every job's effects.csv, with its override
+    assert gathered.columns[0] == "run" and "intervene" in gathered.columns
+    assert list(gathered.intervene) == ["zero_layer4", "noise_convs"]
+    for job, row in zip(("1", "2"), gathered.itertuples(), strict=True):
+        want = pd.read_csv(tmp_path / job / "effects.csv").iloc[0]
+        assert row.mean_abs_change == want.mean_abs_change and str(row.run) == job
+    assert "effects: samples 5, mean_abs_change" in (tmp_path / "1" / "probe.log").read_text()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from probe import backend
+from probe.fileformat import read_progress
 from probe.stats import (
     QUANTILE_REL_ERROR,
-    UNIT_FIELDS,
     LogHistogram,
     RunningStats,
     batch_stats,
@@ -204,12 +204,13 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     relu = f["layers/relu/output"][:]
     dead = (relu <= 0).all(axis=(0, 2, 3))
     assert list(np.flatnonzero(dead)) == [DEAD]
-    positive = f["stats/relu/output/units"][UNIT_FIELDS.index("positive")]
+    slot = read_progress(f).stats_slot  # the labelled per-unit fields of the whole slot
+    positive = f["stats/relu/output/units"][slot]["positive"]
     assert list(np.flatnonzero(positive == 0)) == [DEAD]
     tanh = f["layers/tanh/output"][:]
     saturated = (np.abs(tanh) >= 0.98).all(axis=(0, 2, 3))
     assert list(np.flatnonzero(saturated)) == [SATURATED]
-    sat_counts = f["stats/tanh/output/units"][UNIT_FIELDS.index("saturated")]
+    sat_counts = f["stats/tanh/output/units"][slot]["saturated"]
     np.testing.assert_array_equal(sat_counts, (np.abs(tanh) >= 0.98).sum(axis=(0, 2, 3)))
 
 

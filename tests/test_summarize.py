@@ -11,8 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from probe.fileformat import read_progress
 from probe.plots import depth_figure
 from probe.reading import open_sweep
+from probe.runfile import open_probe_file
 from probe.slabs import read_slabs
 from probe.summarize import COLUMNS, summarize_file
 from tests.helpers import QUIET, ROOT, cli, run_probe
@@ -76,9 +78,10 @@ def test_a_run_cut_short_is_reported_partial_and_summarized(tmp_path):
         f"hydra.run.dir={run_dir}",
     )
     assert out.returncode == 9  # killed inside the third forward
-    with h5py.File(run_dir / "probe.h5") as f:
-        assert not f.attrs["complete"] and "stats" not in f
-        valid = int(f.attrs["num_samples"])
+    with open_probe_file(run_dir / "probe.h5") as f:  # its writer was killed: /progress counts
+        progress = read_progress(f)
+        assert not progress.complete and progress.stats_slot == -1  # no statistics written
+        valid = progress.samples
         conv = f["layers/conv/output"][:valid].astype(np.float64)
     assert valid == 4
     out = summarize_cli(run_dir)

@@ -1,0 +1,317 @@
+"""Files readable while they are written, self-describing (named dimensions, labelled statistics,
+provenance), right-sized, and still readable in the previous format version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import probe
+from probe import stats_file
+from probe.errors import ConfigError
+from probe.fileformat import FORMAT_VERSION, decode, encode, read_progress
+from probe.interrupt import Interrupted
+from probe.run import run
+from probe.runfile import open_probe_file
+from probe.stats import SCALARS, UNIT_FIELDS, stats_for
+from probe.summarize import summarize_file
+from tests.helpers import QUIET, ROOT, make_cfg
+
+DATA = Path(__file__).parent / "data" / "format1"
+SLOW = [
+    "model=custom",
+    "model._target_=tests.models_for_tests.TinyNet",
+    "model.input_shape=[3,8,8]",
+    "model.num_classes=10",
+    "probes=everything",
+    "dataset.num_samples=36",
+    "dataset.batch_size=3",
+]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "probe", *QUIET, *SLOW, *extra, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_second_process_reads_every_flushed_batch_while_the_run_writes(tmp_path):
+    """h5py (SWMR), probe.open_run with refresh() and probe.summarize, every few batches: what
+    they see is the finished file's first rows, and the file is "in progress", never damaged."""
+    proc = start(tmp_path, "+model.kwargs.delay=0.6")
+    h5 = tmp_path / "probe.h5"
+    seen, summarized = [], None
+    opened = None
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+        if not h5.exists():
+            continue
+        try:
+            opened = opened.refresh() if opened is not None else probe.open_run(tmp_path)
+        except probe.DataError as e:  # before the first flush: says so
+            assert "in progress" in str(e) and "no batch is flushed yet" in str(e)
+            continue
+        if opened.state == "complete":
+            break
+        assert opened.state == "in progress"
+        n = opened.num_samples
+        seen.append((n, opened.array("conv", "output")[:n], opened.array("fc", "input")[:n]))
+        with h5py.File(h5, "r", swmr=True) as f:  # plain h5py too, as the docs say
+            assert read_progress(f).samples >= n
+        if summarized is None and n >= 6:
+            summarized = subprocess.Popen(
+                [sys.executable, "-m", "probe.summarize", str(tmp_path)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    assert summarized is not None
+    said, complaints = summarized.communicate(timeout=120)
+    opened.close()
+    assert len(seen) >= 3 and seen[0][0] < 36  # several snapshots, the first mid-run
+    with probe.open_run(tmp_path) as final:
+        assert final.state == "complete" and final.num_samples == 36
+        conv, fc = final.array("conv", "output")[:], final.array("fc", "input")[:]
+    for n, a, b in seen:
+        np.testing.assert_array_equal(a, conv[:n])
+        np.testing.assert_array_equal(b, fc[:n])
+    assert summarized.returncode == 0, complaints
+    assert "in progress" in complaints and "damaged" not in complaints
+    assert "conv" in said  # the table of the rows so far, printed
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    d = tmp_path_factory.mktemp("finished")
+    return run(make_cfg(*SLOW), run_dir=d)
+
+
+def test_xarray_sees_named_dimensions_and_the_sample_coordinate(finished):
+    xr = pytest.importorskip("xarray")
+    pytest.importorskip("h5netcdf")
+    path = finished.h5_path
+    conv = xr.open_dataset(path, group="layers/conv", engine="h5netcdf")
+    assert conv["output"].dims == ("sample", "channel", "height", "width")
+    assert conv["input"].dims == ("sample", "input_channel", "input_height", "input_width")
+    fc = xr.open_dataset(path, group="layers/fc", engine="h5netcdf")
+    assert fc["input"].dims == ("sample", "input_feature") and fc["output"].dims[1] == "feature"
+    root = xr.open_dataset(path, engine="h5netcdf")
+    np.testing.assert_array_equal(root["sample"].values, np.arange(36))
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(conv["output"].values, f["layers/conv/output"][:])
+    with probe.open_run(finished.run_dir) as r:
+        da = r.xarray("conv", "output")
+        assert da.dims == ("sample", "channel", "height", "width")
+        np.testing.assert_array_equal(da["sample"].values, np.arange(36))
+        np.testing.assert_array_equal(da["target"].values, r.file["samples/target"][:])
+        part = r.xarray("conv", "output", rows=slice(3, 9))
+        np.testing.assert_array_equal(part.values, r.array("conv", "output")[3:9])
+        np.testing.assert_array_equal(part["sample"].values, np.arange(3, 9))
+
+
+def test_stats_decode_from_their_field_names_alone(finished):
+    """A reader that knows only HDF5 and the field names in the file gets the summary's values."""
+    summary = finished.summary.set_index(["layer", "site"])
+    with h5py.File(finished.h5_path) as f:
+        slot = int(f["progress"][()]["stats_slot"])
+        for layer, group in f["stats"].items():
+            for site, g in group.items():
+                scalars = g["scalars"][slot]
+                assert set(scalars.dtype.names) >= set(SCALARS)
+                n, mean, m2 = scalars["n"], scalars["mean"], scalars["m2"]
+                row = summary.loc[(layer, site)]
+                assert n == row["n"] and scalars["rows"] == row["rows"] == 36
+                assert mean == pytest.approx(row["mean"], rel=1e-12)
+                assert np.sqrt(m2 / n) == pytest.approx(row["std"], rel=1e-12)
+                units = g["units"][slot]
+                assert units.dtype.names == UNIT_FIELDS
+                assert units["count"].sum() == n  # every finite value belongs to one unit
+                buckets = g["hist"][slot, : scalars["buckets"]]
+                assert buckets["count"].sum() == n and buckets.dtype.names == ("bucket", "count")
+                raw = f[f"layers/{layer}/{site}"][:].astype(np.float64)
+                assert scalars["min"] == raw.min() and scalars["max"] == raw.max()
+
+
+def test_a_kill_inside_a_stats_flush_leaves_the_previous_slot(tmp_path):
+    """Two slots and a pointer written last: a slot torn mid-write is never read."""
+    writer_file = tmp_path / "probe.h5"
+    key = ("conv", "output")
+    x1, x2 = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
+    w = probe.store.ProbeWriter(writer_file, mode="stats", module_types={"conv": "Conv2d"})
+    w.put(probe.store.Record(0, 4, 0, {key: x1}))
+    w.close(complete=False)
+    with h5py.File(writer_file, "r+") as f:
+        slot = int(f["progress"][()]["stats_slot"])
+        other = 1 - slot
+        torn = f["stats/conv/output/scalars"][other]
+        torn["n"], torn["mean"] = 10**9, 12345.0  # half a later flush, never pointed at
+        f["stats/conv/output/scalars"][other] = torn
+    with open_probe_file(writer_file) as f:
+        got = stats_file.read(f)[key].stats
+    want = stats_for("Conv2d", "output")
+    want.update(x1.numpy())
+    assert got.as_row() == pytest.approx(want.as_row(), rel=1e-12, nan_ok=True)
+    del x2
+
+
+class Branchy(nn.Module):
+    """`rare` runs only for batches whose first input value is positive (data-dependent)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.rare = nn.Conv2d(4, 4, 1)
+        self.parts = nn.ModuleDict({"a/b": nn.ReLU(), "c%2Fd": nn.Tanh()})
+        self.fc = nn.Linear(4 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        h = self.conv(x)
+        if x[0, 0, 0, 0] > 0:
+            h = self.rare(h)
+        h = self.parts["c%2Fd"](self.parts["a/b"](h))
+        return self.fc(h.flatten(1))
+
+
+BRANCHY = [
+    "model=custom",
+    "model._target_=tests.test_live_files.Branchy",
+    "model.input_shape=[3,8,8]",
+    "model.num_classes=10",
+    "probes=everything",
+    "dataset.num_samples=24",
+    "dataset.batch_size=3",
+]
+
+
+def test_a_module_that_skips_batches_is_marked_not_zero_and_names_round_trip(tmp_path, caplog):
+    result = run(make_cfg(*BRANCHY), run_dir=tmp_path)
+    model = Branchy()
+    torch.manual_seed(0)
+    with probe.open_run(tmp_path) as r:
+        assert set(r.layers) == {"conv", "rare", "parts.a/b", "parts.c%2Fd", "fc"}
+        seen = r.seen("rare", "output")
+        rare = r.array("rare", "output")[:]
+        conv = r.array("conv", "output")[:]
+        inputs = r.array("conv", "input")[:]
+        relu = r.array("parts.a/b", "output")[:]
+    ran = inputs[::3, 0, 0, 0] > 0  # the branch is decided per batch by its first sample
+    assert 0 < ran.sum() < 8
+    np.testing.assert_array_equal(seen, np.repeat(ran, 3))
+    assert np.isnan(rare[~seen]).all() and not np.isnan(rare[seen]).any()
+    del model
+    np.testing.assert_array_equal(relu, np.maximum(relu, 0))
+    table = result.summary.set_index(["layer", "site"])
+    assert table.loc[("rare", "output"), "rows"] == seen.sum()
+    want = stats_for("Conv2d", "output")
+    for lo in range(0, 24, 3):
+        if seen[lo]:
+            want.update(rare[lo : lo + 3])
+    assert table.loc[("rare", "output"), "mean"] == pytest.approx(want.as_row()["mean"], rel=1e-5)
+    assert "did not run for every batch" in caplog.text and "rare output" in caplog.text
+    again = summarize_file(result.h5_path).table.set_index(["layer", "site"])
+    assert again.loc[("rare", "output"), "rows"] == seen.sum()
+    assert again.loc[("rare", "output"), "mean"] == pytest.approx(
+        table.loc[("rare", "output"), "mean"], rel=1e-6
+    )
+    np.testing.assert_array_equal(conv.shape, (24, 4, 8, 8))
+
+
+def test_names_encode_reversibly():
+    for name in ["a/b", ".", "..", "", "x%2Fy", "plain.name", "/lead/trail/"]:
+        assert decode(encode(name)) == name
+        assert "/" not in encode(name) and encode(name) not in (".", "..", "")
+
+
+def test_a_tiny_run_file_stays_near_its_data_size(tmp_path):
+    """lenet over 64 samples: chunks sized to the run, not to 1 MiB per dataset."""
+    result = run(make_cfg("model=lenet", "probes=everything", "dataset.num_samples=64"), tmp_path)
+    with h5py.File(result.h5_path) as f:
+        data = sum(
+            f[f"layers/{layer}/{site}"].nbytes
+            for layer, site in result.summary[["layer", "site"]].itertuples(index=False)
+        )
+    size = result.h5_path.stat().st_size
+    assert size < 1.5 * data, (size, data)
+
+
+def test_files_of_format_version_1_are_still_read():
+    """Files written by the release before this format (full and stats-only, lenet)."""
+    for kind in ("full", "stats"):
+        path = DATA / f"{kind}.h5"
+        with h5py.File(path) as f:
+            assert int(f.attrs["format_version"]) == 1
+        want = pd.read_csv(DATA / f"{kind}_summary.csv")
+        got = summarize_file(path).table
+        assert summarize_file(path).state == "complete"
+        pd.testing.assert_frame_equal(
+            got.reset_index(drop=True), want, check_dtype=False, rtol=1e-12
+        )
+        with probe.open_run(path) as r:
+            assert r.complete and r.num_samples == 8 and r.layers[0] == want.layer[0]
+            if kind == "full":
+                assert r.array(want.layer[0], want.site[0]).shape[0] == 8
+    assert FORMAT_VERSION == 2
+
+
+def test_the_file_records_the_dataset_and_refuses_a_changed_checkpoint(tmp_path):
+    ckpt = tmp_path / "weights.pt"
+    torch.manual_seed(1)
+    from tests.models_for_tests import TinyNet
+
+    torch.save(TinyNet().state_dict(), ckpt)
+    args = [*SLOW, f"model.checkpoint={ckpt}", "dataset.num_samples=9"]
+    run(make_cfg(*args), run_dir=tmp_path / "run")
+    with h5py.File(tmp_path / "run" / "probe.h5") as f:
+        identity = json.loads(f.attrs["dataset_identity"])
+        assert identity["dataset"] == "synthetic" and identity["hash_of"] == "parameters"
+        recorded = f.attrs["checkpoint_sha256"]
+    import hashlib
+
+    assert recorded == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    torch.manual_seed(2)
+    torch.save(TinyNet().state_dict(), ckpt)  # same path, other weights
+    with pytest.raises(ConfigError, match="contents of model.checkpoint changed"):
+        run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
+
+
+def test_effects_after_a_resume_count_every_batch(tmp_path):
+    """effects.csv of a run stopped and resumed equals an uninterrupted run's: the file keeps
+    each batch's effect sums."""
+    from tests.models_for_tests import SignalsItself
+
+    edit = ["intervene=edit", "intervene.edit.layers=[relu]", "intervene.edit.op=zero"]
+    args = [*SLOW, "dataset.num_samples=12", *edit]
+    run(make_cfg(*args), run_dir=tmp_path / "whole")
+    stopped = [*args, "model._target_=tests.models_for_tests.SignalsItself"]
+    SignalsItself.at_call = 5  # a clean and an edited forward per batch: inside the third batch
+    try:
+        with pytest.raises(Interrupted):
+            run(make_cfg(*stopped), run_dir=tmp_path / "cut")
+    finally:
+        SignalsItself.at_call = None
+    run(make_cfg(*stopped, "resume=true"), run_dir=tmp_path / "cut")
+    whole = pd.read_csv(tmp_path / "whole" / "effects.csv")
+    resumed = pd.read_csv(tmp_path / "cut" / "effects.csv")
+    assert resumed.samples[0] == 12
+    pd.testing.assert_frame_equal(resumed, whole, rtol=1e-12)
