@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from probe import runlock
+from probe.checks import check_seed
 from probe.config import (
     DatasetConfig,
     ModelConfig,
@@ -93,6 +94,7 @@ def run(
             ("print_summary", print_summary),
         ):
             cfg[key] = value
+        check_seed("seed", seed)  # (before torch turns an oversized one into a traceback)
         training = model.training
         try:
             torch.manual_seed(seed)

@@ -109,3 +109,12 @@ def test_ctrl_c_during_the_last_batch_leaves_a_complete_run(tmp_path):
     assert result.num_samples == 6 and (tmp_path / "summary.csv").is_file()
     with h5py.File(result.h5_path) as f:
         assert f.attrs["complete"] and int(f.attrs["num_samples"]) == 6
+
+
+def test_the_python_api_refuses_an_oversized_seed_before_torch_does(tmp_path):
+    import torch
+
+    with pytest.raises(probe.ConfigError, match="seed=100000000000000000000 is out of range"):
+        probe.run(torch.nn.Linear(3, 2), [torch.randn(2, 3)], "all_linear", out=tmp_path / "r",
+                  seed=10**20)  # fmt: skip
+    assert not (tmp_path / "r" / "probe.h5").exists()
