@@ -18,7 +18,7 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from probe import backend, distributed, nonfinite, runlock
+from probe import backend, distributed, nonfinite, runlock, swmr
 from probe import device as devices
 from probe import plan as size_plan
 from probe.backend import DeviceStats
@@ -168,6 +168,8 @@ def _run(cfg: DictConfig, run_dir: Path, prepared: Plan | None) -> RunResult:
     )
     h5_path = run_dir / cfg.store.filename
     runlock.check_existing(shard.path(h5_path), bool(cfg.resume), bool(cfg.get("overwrite")))
+    if cfg.resume and shard.path(h5_path).is_file():  # this run holds the directory's lock:
+        swmr.mark_closed(shard.path(h5_path))  # "open for write" flags are a killed run's
     resuming = bool(cfg.resume) and check_resumable(shard.path(h5_path), cfg)
     provenance = describe_dataset(
         cfg.dataset, batches if shard.world == 1 else batches.dataset.dataset

@@ -66,8 +66,9 @@ def _unflushed(p: Path) -> NothingFlushed:
             True,
         )
     return NothingFlushed(
-        f"{str(p)!r} was being written by a run that stopped before its first batch was flushed: "
-        "it holds nothing; run again (overwrite=true replaces it)",
+        f"{str(p)!r} was left open by a run that stopped before its first batch was flushed, so "
+        "it holds no batch; run again (overwrite=true replaces it), or continue it with "
+        "resume=true",
         False,
     )
 

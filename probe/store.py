@@ -159,6 +159,10 @@ class ProbeWriter(Appends):
         if resume:  # append mode: continue after the last flushed batch
             try:
                 restore(self, batch_rows)
+                # readable at once: a resume killed before its first batch leaves its file in
+                # SWMR mode, which readers open, not plainly open for write, which they cannot
+                self.file.flush()
+                self.out.go_live()
             except BaseException:
                 self.out.close(None)
                 raise

@@ -26,7 +26,7 @@ from probe.run import run
 from probe.runfile import open_probe_file
 from probe.stats import SCALARS, UNIT_FIELDS, stats_for
 from probe.summarize import summarize_file
-from tests.helpers import QUIET, ROOT, make_cfg
+from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
 
 DATA = Path(__file__).parent / "data" / "format1"
 SLOW = [
@@ -315,3 +315,37 @@ def test_effects_after_a_resume_count_every_batch(tmp_path):
     resumed = pd.read_csv(tmp_path / "cut" / "effects.csv")
     assert resumed.samples[0] == 12
     pd.testing.assert_frame_equal(resumed, whole, rtol=1e-12)
+
+
+def test_a_resume_killed_before_its_first_batch_leaves_a_readable_file(tmp_path):
+    """The resumed file enters SWMR mode before its first batch: a kill then leaves every row
+    of the earlier run readable, and another resume finishes it equal to an uninterrupted run."""
+    from tests.models_for_tests import SignalsItself
+
+    stopped = [*SLOW, "model._target_=tests.models_for_tests.SignalsItself"]
+    SignalsItself.at_call = 4
+    try:
+        with pytest.raises(Interrupted):
+            run(make_cfg(*stopped), run_dir=tmp_path)
+    finally:
+        SignalsItself.at_call = None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "probe", *QUIET, *stopped, "+model.kwargs.delay=0.5",
+         "resume=true", "hydra.verbose=probe", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if "resuming" in line:
+            proc.kill()
+            break
+    proc.wait(timeout=60)
+    with open_probe_file(tmp_path / "probe.h5") as f:
+        assert read_progress(f).samples == 15
+    whole = run(make_cfg(*SLOW), run_dir=tmp_path / "whole")
+    resumed = run(make_cfg(*stopped, "resume=true"), run_dir=tmp_path)
+    pd.testing.assert_frame_equal(resumed.summary, whole.summary, check_exact=True)
+    with open_probe_file(resumed.h5_path) as a, open_probe_file(whole.h5_path) as b:
+        got, want = file_arrays(a), file_arrays(b)
+    for name, array in want.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)
