@@ -168,7 +168,6 @@ def restore(writer, batch_rows: int) -> None:
         rows = writer.num_tokens if info.rows == "tokens" else rows
         ds = f.get(layer_path(*key))
         writer.coverage.restore(f, key, min(rows, len(ds)) if ds is not None else rows)
-        _restore_stats(writer, key, info, rows, saved.get(key), batch_rows)
         hist = f.get(f"stats/{encode(key[0])}/{encode(key[1])}/hist")
         writer.hist_capacity[key] = hist.shape[-1] if hist is not None else 0
     if "scalars" not in _first_stats_group(f):
@@ -187,6 +186,13 @@ def restore(writer, batch_rows: int) -> None:
         f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
     write_progress(f, writer.progress)
     f.flush()
+    # readable from here on: a kill while statistics are recomputed below (reads only, seconds
+    # for a long run) leaves a file in SWMR mode, which readers open
+    writer.out.go_live()
+    for key, info in writer.datasets.items():
+        rows = writer.num_batches if info.per_batch else writer.num_samples
+        rows = writer.num_tokens if info.rows == "tokens" else rows
+        _restore_stats(writer, key, info, rows, saved.get(key), batch_rows)
 
 
 def _first_stats_group(f: h5py.File) -> h5py.Group | dict:
