@@ -5,8 +5,8 @@ batches of captures, which the thread writes while the next forward pass runs. A
 its batch's statistics (taken in the hooks), folded in as the batch is written, so they never
 count rows the file does not hold; a stats-only run on the CPU has nothing else to write and
 folds them on the calling thread. The file is flushed after every batch (a stats-only file,
-whose flush rewrites /stats, every STATS_FLUSH_SECONDS), its `num_samples` attribute says how many
-rows are valid, and `complete=True` is the very last write of a clean run."""
+whose flush writes a /stats slot, every STATS_FLUSH_SECONDS); `/progress` says how many rows are
+valid (probe.fileformat), and its `complete` is the very last write of a clean run."""
 
 from __future__ import annotations
 
@@ -26,10 +26,7 @@ import torch
 
 from probe import backend, direct, stats_file
 from probe.appends import Appends
-from probe.chunks import (
-    ChunkedTarget,
-    chunk_rows,
-)
+from probe.chunks import ChunkedTarget, chunk_rows
 from probe.coverage import Coverage
 from probe.diskspace import RESUME, check_closing, check_space, failure
 from probe.errors import WriteError
@@ -42,9 +39,7 @@ from probe.stats_file import DatasetInfo
 __all__ = ["FORMAT_VERSION", "DatasetInfo", "ProbeWriter", "Record", "chunk_rows"]
 log = logging.getLogger("probe")
 COMPRESSIONS = ("none", "lzf", "gzip")
-# A stats-only run writes nothing between flushes (its per-sample extras wait for the flush), so
-# a kill there leaves the file of the last flush; each flush rewrites /stats (about 1 ms per
-# dataset), hence not after every batch.
+# A stats-only run writes nothing between flushes but its statistics (about 1 ms per dataset).
 STATS_FLUSH_SECONDS = 10.0
 HELD_BYTES = 64 << 20  # ... or sooner when the extras it holds until then reach this size
 

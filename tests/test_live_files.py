@@ -27,17 +27,10 @@ from probe.runfile import open_probe_file
 from probe.stats import SCALARS, UNIT_FIELDS, stats_for
 from probe.summarize import summarize_file
 from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
+from tests.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent / "data" / "format1"
-SLOW = [
-    "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
-    "model.input_shape=[3,8,8]",
-    "model.num_classes=10",
-    "probes=everything",
-    "dataset.num_samples=36",
-    "dataset.batch_size=3",
-]
+SLOW = [*INTERRUPTED_SLOW[:-2], "dataset.num_samples=36", "dataset.batch_size=3"]
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -157,7 +150,7 @@ def test_a_kill_inside_a_stats_flush_leaves_the_previous_slot(tmp_path):
     """Two slots and a pointer written last: a slot torn mid-write is never read."""
     writer_file = tmp_path / "probe.h5"
     key = ("conv", "output")
-    x1, x2 = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
+    x1 = torch.randn(4, 3, 2, 2)
     w = probe.store.ProbeWriter(writer_file, mode="stats", module_types={"conv": "Conv2d"})
     w.put(probe.store.Record(0, 4, 0, {key: x1}))
     w.close(complete=False)
@@ -172,7 +165,6 @@ def test_a_kill_inside_a_stats_flush_leaves_the_previous_slot(tmp_path):
     want = stats_for("Conv2d", "output")
     want.update(x1.numpy())
     assert got.as_row() == pytest.approx(want.as_row(), rel=1e-12, nan_ok=True)
-    del x2
 
 
 class Branchy(nn.Module):
@@ -206,8 +198,6 @@ BRANCHY = [
 
 def test_a_module_that_skips_batches_is_marked_not_zero_and_names_round_trip(tmp_path, caplog):
     result = run(make_cfg(*BRANCHY), run_dir=tmp_path)
-    model = Branchy()
-    torch.manual_seed(0)
     with probe.open_run(tmp_path) as r:
         assert set(r.layers) == {"conv", "rare", "parts.a/b", "parts.c%2Fd", "fc"}
         seen = r.seen("rare", "output")
@@ -219,7 +209,6 @@ def test_a_module_that_skips_batches_is_marked_not_zero_and_names_round_trip(tmp
     assert 0 < ran.sum() < 8
     np.testing.assert_array_equal(seen, np.repeat(ran, 3))
     assert np.isnan(rare[~seen]).all() and not np.isnan(rare[seen]).any()
-    del model
     np.testing.assert_array_equal(relu, np.maximum(relu, 0))
     table = result.summary.set_index(["layer", "site"])
     assert table.loc[("rare", "output"), "rows"] == seen.sum()
