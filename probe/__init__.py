@@ -1,29 +1,32 @@
-"""probe: declarative model probing for PyTorch, streamed into chunked HDF5."""
+"""probe: declarative model probing for PyTorch, streamed into chunked HDF5.
+
+The public API, imported on first use so that `import probe` stays light: `run`, `capture`,
+`sites`, `open_run`, `open_sweep` and the error types. Everything else lives in the stage
+subpackages (build, hooks, stats, store, intervene, analysis, launch).
+"""
 
 __version__ = "0.1.0"
 
+_API = {
+    "run": ("probe.launch.api", "run"),
+    "capture": ("probe.hooks.memory", "capture"),
+    "sites": ("probe.hooks.sites", "sites"),
+    "open_run": ("probe.analysis.reading", "open_run"),
+    "open_sweep": ("probe.analysis.reading", "open_sweep"),
+    "ProbeError": ("probe.errors", "ProbeError"),
+    "ConfigError": ("probe.errors", "ConfigError"),
+    "DataError": ("probe.errors", "DataError"),
+    "WriteError": ("probe.errors", "WriteError"),
+}
+
 
 def __getattr__(name: str):
-    """`probe.run(model, data, probes, out=...)`, `probe.sites`, `probe.capture`,
-    `probe.open_run`, `probe.open_sweep` and the error types, imported on first use (keeps `import probe` light)."""
-    if name in ("open_run", "open_sweep"):
-        from probe import reading
+    if name not in _API:
+        raise AttributeError(f"module 'probe' has no attribute {name!r}")
+    import importlib
 
-        return getattr(reading, name)
-    if name in ("sites", "run"):  # modules callable as their main function (probe.callable)
-        import importlib
-
-        return importlib.import_module(f"probe.{name}")
-    if name == "capture":
-        from probe import memory
-
-        return memory.capture
-    if name in ERRORS:
-        from probe import errors
-
-        return getattr(errors, name)
-    raise AttributeError(f"module 'probe' has no attribute {name!r}")
+    module, attr = _API[name]
+    return getattr(importlib.import_module(module), attr)
 
 
-ERRORS = ("ProbeError", "ConfigError", "DataError", "WriteError")
-__all__ = ["run", "sites", "capture", "open_run", "open_sweep", *ERRORS]
+__all__ = list(_API)

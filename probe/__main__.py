@@ -15,12 +15,12 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from probe import runlock
 from probe.checks import check_config, unread_keys
 from probe.config import config_dir
 from probe.errors import ProbeError
-from probe.interrupt import Interrupted
-from probe.sweep import JobFailed, in_sweep, job_label
+from probe.launch.interrupt import Interrupted
+from probe.launch.sweep import JobFailed, in_sweep, job_label
+from probe.store import runlock
 
 log = logging.getLogger("probe")
 # run directories that existed before this process (set by main): never removed on an error
@@ -33,7 +33,7 @@ def app(cfg: DictConfig) -> None:
         check_config(cfg)
         for message in unread_keys(cfg):
             log.warning("%s", message)
-        from probe.run import run
+        from probe.launch.run import run
 
         run(cfg)
     except Interrupted as e:
@@ -174,7 +174,7 @@ def main() -> None:
         )
         sys.exit(2)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun (imports torch)
-        from probe import distributed
+        from probe.launch import distributed
 
         if {"-m", "--multirun"} & set(sys.argv):
             print(
@@ -186,7 +186,7 @@ def main() -> None:
         sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
     try:
         app()
-    finally:  # the run directory's lock, taken before Hydra wrote into it (probe.runlock)
+    finally:  # the run directory's lock, taken before Hydra wrote into it (probe.store.runlock)
         runlock.release_cli()
 
 

@@ -1,5 +1,4 @@
-"""Modules that are also their main function: `probe.run(model, data, probes)` beside
-`probe/run.py`, `probe.sites(model)` beside `python -m probe.sites`.
+"""A module that is also a function: `probe.sites(model)` beside `python -m probe.sites`.
 
 Importing a submodule binds it to the package's attribute of the same name, which would hide a
 function exported there; giving the module a `__call__` keeps `probe.NAME(...)` working either way.

@@ -1,11 +1,11 @@
 """Config errors decided from the config alone, before torch is imported or a model is built.
 
 Each check that needs neither torch nor a model lives here once: the modules that build the
-pieces (probe.data, probe.tokens, probe.models, probe.select, probe.intervene, probe.objective)
+pieces (probe.build.data, probe.build.tokens, probe.build.models, probe.build.select, probe.intervene.edits, probe.hooks.objective)
 call these functions, so a caller that builds a piece directly gets the same error, and
 `check_config` calls them all first, so that a command line mistake is reported in a fraction of
 a second instead of after the imports and the model. The name lists are probe.config's. The checks
-of probe.device, probe.forward, probe.backend, probe.store, probe.hub and probe.run's device are
+of probe.hooks.device, probe.hooks.forward, probe.stats.backend, probe.store.writer, probe.build.hub and probe.launch.run's device are
 still repeated here with their messages (tests/test_cli_newcomer.py holds them equal).
 """
 
@@ -121,7 +121,7 @@ def _value(node, key: str):
     return getattr(node, key, None)
 
 
-# -- model (probe.models) -------------------------------------------------------------------------
+# -- model (probe.build.models) -------------------------------------------------------------------------
 def model_library(m) -> str:
     """Which library builds model config `m`: custom where a `_target_`, model.name=custom or
     model.library=custom says so (then `_target_` must be given), else model.library."""
@@ -154,7 +154,9 @@ def check_checkpoint(path) -> Path:
 
 def _model(m) -> None:
     library = model_library(m)
-    if library == "hf" and m.task not in HF_TASKS:  # probe.hub's, after transformers is imported
+    if (
+        library == "hf" and m.task not in HF_TASKS
+    ):  # probe.build.hub's, after transformers is imported
         raise ConfigError(f"model.task={m.task!r} is not one of {', '.join(HF_TASKS)}")
     at_least("model.num_classes", m.num_classes, note=" (the classes the model outputs)")
     path = _value(m, "checkpoint")
@@ -162,7 +164,7 @@ def _model(m) -> None:
         check_checkpoint(path)
 
 
-# -- dataset (probe.data) -------------------------------------------------------------------------
+# -- dataset (probe.build.data) -------------------------------------------------------------------------
 def check_dataset(d) -> None:
     """The dataset config's sizes and name, and the root or path its kind needs."""
     at_least("dataset.batch_size", d.batch_size)
@@ -199,7 +201,7 @@ def check_data_file(
     path, what: str = "a .pt file of inputs", fix: str = "; fix its permissions"
 ) -> Path:
     """dataset.path, which must be a readable file; `what` says what it holds (dataset=tensors'
-    by default; probe.tokens gives its own, and no `fix`)."""
+    by default; probe.build.tokens gives its own, and no `fix`)."""
     p = Path(str(path))
     if p.is_dir():
         raise DataError(f"dataset.path={str(path)!r} is a directory; give {what}")
@@ -226,7 +228,7 @@ def _dataset(d) -> None:
 
 
 def _device(cfg) -> None:
-    """probe.run's resolve_device, probe.device's, probe.forward's and probe.backend's checks."""
+    """probe.launch.run's resolve_device, probe.hooks.device's, probe.hooks.forward's and probe.stats.backend's checks."""
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
@@ -241,7 +243,7 @@ def _device(cfg) -> None:
         )
 
 
-# -- probes (probe.select) ------------------------------------------------------------------------
+# -- probes (probe.build.select) ------------------------------------------------------------------------
 def check_probe_spec(name: str, spec) -> None:
     """A probe's sites, reduction, dtype, rows and unit axis (a ProbeSpec or its DictConfig)."""
     for site in spec.capture:
@@ -273,7 +275,7 @@ def check_match(label: str, match: str) -> None:
         raise ConfigError(f"{label}: match={match!r} is unknown; choose all or any")
 
 
-# -- edits (probe.intervene) ----------------------------------------------------------------------
+# -- edits (probe.intervene.edits) ----------------------------------------------------------------------
 def check_edit(name: str, spec) -> None:
     """An edit's site and op, checked before its modules are matched."""
     _choice(f"intervene {name!r}: site", spec.site, EDIT_SITES)
@@ -318,7 +320,7 @@ def _edits(intervene) -> dict:
     return edits
 
 
-# -- objective (probe.objective) ------------------------------------------------------------------
+# -- objective (probe.hooks.objective) ------------------------------------------------------------------
 def check_objective(o, num_outputs: int | None) -> None:
     """The objective's name, a logit's index (below `num_outputs` where it is known) and a custom
     one's `_target_`."""
@@ -355,11 +357,11 @@ def _objective(cfg, edits: dict) -> None:
 
 
 def _store(s) -> None:
-    """probe.store's checks (a WriteError there, where a ProbeWriter is made directly)."""
+    """probe.store.writer's checks (a WriteError there, where a ProbeWriter is made directly)."""
     _choice("store.compression", s.compression, COMPRESSIONS)
     if s.mode not in ("full", "stats"):
         raise ConfigError(f"store.mode={s.mode!r} is unknown; choose full or stats")
-    at_least("store.queue_batches", s.queue_batches)  # probe.store's message
+    at_least("store.queue_batches", s.queue_batches)  # probe.store.writer's message
     at_least("store.chunk_bytes", s.chunk_bytes, note=" (bytes per HDF5 chunk; default 1048576)")
     at_least("store.flush_seconds", s.flush_seconds, 0, " (0 flushes after every batch)")
     name = str(s.filename)

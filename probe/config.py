@@ -30,14 +30,14 @@ EDIT_SITES = ("input", "output", "grad_output", "grad_input")
 GRAD_EDIT_SITES = ("grad_output", "grad_input")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
 # the lists of modules that import torch, for probe.checks (tests/test_cli_newcomer.py holds
-# them equal to probe.device's, probe.forward's, probe.backend's and probe.store's)
+# them equal to probe.hooks.device's, probe.hooks.forward's, probe.stats.backend's and probe.store.writer's)
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODEL_OUTPUTS = ("auto", "full", "last", "none")
 STATS_BACKENDS = ("auto", "torch", "numba")
 COMPRESSIONS = ("none", "lzf", "gzip")
 # what a `_target_` key's messages give as an example
 TARGET_EXAMPLES = {
-    "model._target_": "probe.zoo.LeNet",
+    "model._target_": "probe.build.zoo.LeNet",
     "objective._target_": "my_losses.per_sample_loss",
 }
 
@@ -181,14 +181,14 @@ class StoreConfig:
     # STATS_FLUSH_SECONDS in stats mode, whose flush also writes /stats
     flush_seconds: float | None = None
     # full capture: whole chunks written with O_DIRECT where the OS and file system allow it
-    # (probe.direct), else through HDF5; false: always through HDF5
+    # (probe.store.direct), else through HDF5; false: always through HDF5
     direct_io: bool = True
 
 
 @dataclass
 class StatsConfig:
     """How statistics are computed: `backend` auto, torch (the reference, on the capture's
-    device) or numba (a compiled CPU accelerator, the `fast` extra); see probe.backend."""
+    device) or numba (a compiled CPU accelerator, the `fast` extra); see probe.stats.backend."""
 
     backend: str = "auto"
 
@@ -229,12 +229,19 @@ def register_configs() -> None:
 register_configs()
 
 
-def register_resolvers() -> None:
-    """`${run_suffix:}` in the default run directories (probe.runlock.run_suffix), cached per
-    config like Hydra's `now`; registered on import, before anything composes conf/."""
-    from omegaconf import OmegaConf
+def run_suffix() -> str:
+    """`MICROSECONDS-PID`: with `${now:%H-%M-%S}` in front, a default run directory is unique for
+    jobs started in the same second and still sorts by time (OmegaConf resolver `run_suffix`)."""
+    import datetime
+    import os
 
-    from probe.runlock import run_suffix
+    return f"{datetime.datetime.now().microsecond:06d}-{os.getpid()}"
+
+
+def register_resolvers() -> None:
+    """`${run_suffix:}` in the default run directories, cached per config like Hydra's `now`;
+    registered on import, before anything composes conf/."""
+    from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("run_suffix", run_suffix, use_cache=True, replace=True)
 
@@ -315,3 +322,43 @@ def edit_specs(intervene) -> dict:
         for name, node in (intervene or {}).items()
         if name not in INTERVENE_KEYS
     }
+
+
+def check_shipped(group: str, name: str) -> None:
+    """A ConfigError listing the choices unless `name` is a file of config group `group`."""
+    from probe.errors import ConfigError
+
+    shipped = sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml"))
+    if name not in shipped:
+        raise ConfigError(
+            f"{group}={name!r} is not a shipped {group} file; choose from {', '.join(shipped)}, "
+            "or give a mapping of its keys"
+        )
+
+
+def shipped_probes(name: str):
+    """The probes of shipped probe file `name`, composed (and typed) as the CLI composes them."""
+    check_shipped("probes", name)
+    return compose_shipped([f"probes={name}"]).probes
+
+
+def compose_shipped(overrides: list[str]):
+    """compose("config", overrides) of the shipped config directory; a name that is not a shipped
+    file is a ConfigError listing the choices."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from probe.errors import ConfigError
+
+    if GlobalHydra.instance().is_initialized():
+        raise ConfigError(
+            "probe.run composes its config with Hydra, which is already initialised in this "
+            "process (inside a @hydra.main app); call probe.launch.run.run(cfg, ...) with that config"
+        )
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+            return compose("config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None

@@ -3,7 +3,7 @@ than the memory the analyses are given: peak RSS against the bound and the file'
 
     python scripts/bench_analyze.py --gb 1 --memory 64,256 [--dir /tmp/bench_analyze] [--keep]
 
-Writes the run with `probe.run` (a small conv net over planted data: two conv layers' full
+Writes the run with `probe.launch.run` (a small conv net over planted data: two conv layers' full
 outputs, and a 3072-wide linear layer, count-sketched to --max-features), then in a child process
 per bound (torch is never imported there) runs both analyses with `--memory` set to it and reads
 the child's own peak RSS (VmHWM); an import-only child gives the interpreter's floor.
@@ -24,13 +24,13 @@ sys.path.insert(0, str(ROOT))
 HWM = """
 print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0])
 """
-CHILD_IMPORT = "import probe.analyze\nprint(0.0)\n" + HWM
+CHILD_IMPORT = "import probe.analysis.analyze\nprint(0.0)\n" + HWM
 LINEAR = ["layer", "features", "source_features", "accuracy", "chance", "samples_train"]
 CKA = ["layer_a", "layer_b", "cka", "method"]
 CHILD_ANALYZE = (
     """
 import sys, time
-from probe.analyze import main
+from probe.analysis.analyze import main
 t = time.perf_counter()
 assert main([sys.argv[1], "all", "--memory", sys.argv[2], "--max-features", sys.argv[3]]) == 0
 assert "torch" not in sys.modules
@@ -41,7 +41,7 @@ print(time.perf_counter() - t)
 
 
 def write_run(out: Path, gigabytes: float, batch: int = 64) -> int:
-    """A complete run of about `gigabytes` through probe.run; returns the file's size."""
+    """A complete run of about `gigabytes` through probe.launch.run; returns the file's size."""
     import torch
     from torch import nn
 
@@ -93,8 +93,8 @@ def sketch_check(run: Path) -> str:
     import numpy as np
     import pandas as pd
 
-    from probe.cka import linear_cka
-    from probe.runfile import open_probe_file
+    from probe.analysis.cka import linear_cka
+    from probe.store.runfile import open_probe_file
 
     table = pd.read_csv(run / "cka.csv")
     table = table[table.method == "sketch"].copy()

@@ -19,10 +19,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
+from probe.build.select import select_modules
 from probe.config import GRAD_SITES, config_dir
-from probe.objective import build_objective
-from probe.run import Plan, plan, run
-from probe.select import select_modules
+from probe.hooks.objective import build_objective
+from probe.launch.run import Plan, plan, run
 
 
 class Materialised:
@@ -102,7 +102,7 @@ def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Calla
 
 def spanning(case: Callable) -> Callable:
     """`case` with compressed chunks spanning several batches, as before they were kill-safe."""
-    from probe import chunks
+    from probe.store import chunks
 
     def spanned(out: Path):
         chunks.COMPRESSED_CHUNKS_SPAN = True

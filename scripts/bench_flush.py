@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from probe.store import ProbeWriter, Record
+from probe.hooks.record import Record
+from probe.store.writer import ProbeWriter
 
 
 def write(path: Path, records: list[Record], flush: bool) -> float:

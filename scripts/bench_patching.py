@@ -288,18 +288,18 @@ def check_values(run_dir: Path, hand: dict, hand_keep1: dict, seq_len: int) -> l
 # -- the profile -------------------------------------------------------------------------------
 PARTS = [  # (label, file suffix, function name): where a pipeline run spends its time
     ("model forwards (GPT2LMHeadModel)", "transformers/models/gpt2/modeling_gpt2.py", "forward"),
-    ("grid hook: Grid._patched", "probe/grid.py", "_patched"),
-    ("  Region.mask", "probe/patching.py", "mask"),
-    ("metrics.value (per cell)", "probe/metrics.py", "value"),
-    ("Interventions._cells", "probe/passes.py", "_cells"),
-    ("Grid.run_cells", "probe/grid.py", "run_cells"),
-    ("capture.begin/end", "probe/hooks.py", "begin"),
-    ("writer.put", "probe/store.py", "put"),
-    ("writer.close", "probe/store.py", "close"),
-    ("ProbeWriter()", "probe/store.py", "__init__"),
-    ("report: patching_table", "probe/grid.py", "patching_table"),
-    ("report: heatmap", "probe/grid.py", "heatmap"),
-    ("summary_frame", "probe/summarize.py", "summary_frame"),
+    ("grid hook: Grid._patched", "probe/intervene/grid.py", "_patched"),
+    ("  Region.mask", "probe/intervene/patching.py", "mask"),
+    ("metrics.value (per cell)", "probe/intervene/metrics.py", "value"),
+    ("Interventions._cells", "probe/intervene/passes.py", "_cells"),
+    ("Grid.run_cells", "probe/intervene/grid.py", "run_cells"),
+    ("capture.begin/end", "probe/hooks/capture.py", "begin"),
+    ("writer.put", "probe/store/writer.py", "put"),
+    ("writer.close", "probe/store/writer.py", "close"),
+    ("ProbeWriter()", "probe/store/writer.py", "__init__"),
+    ("report: patching_table", "probe/intervene/grid.py", "patching_table"),
+    ("report: heatmap", "probe/intervene/grid.py", "heatmap"),
+    ("summary_frame", "probe/analysis/summarize.py", "summary_frame"),
 ]
 
 
@@ -393,7 +393,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    from probe.run import plan, run
+    from probe.launch.run import plan, run
 
     tmp = Path(tempfile.mkdtemp(prefix="probe-bench-patching-", dir=args.tmp))
     try:

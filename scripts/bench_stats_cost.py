@@ -3,7 +3,7 @@
     python scripts/bench_stats_cost.py [--batches 6] [--batch-size 8] [--image-size 224] [--reps 2]
 
 Both sides build the model and the batches the same way (resnet18, synthetic data); the stats side
-is `probe.run.run` with `probes=all_convs store=stats` (hooks, copies, streaming statistics, file).
+is `probe.launch.run.run` with `probes=all_convs store=stats` (hooks, copies, streaming statistics, file).
 Target: at most 1.15x.
 """
 
@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from probe.build.data import build_batches  # noqa: E402
+from probe.build.models import build_model  # noqa: E402
 from probe.config import config_dir  # noqa: E402
-from probe.data import build_batches  # noqa: E402
-from probe.models import build_model  # noqa: E402
-from probe.run import run  # noqa: E402
+from probe.launch.run import run  # noqa: E402
 
 
 def plain(cfg) -> tuple[float, float]:

@@ -31,10 +31,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from probe import stats_file
-from probe.fileformat import decode, is_scale, layer_path, read_progress
-from probe.runfile import NothingFlushed, open_probe_file
-from probe.stats import SCALARS, occupied, stats_for
+from probe.stats import backend
+from probe.stats.running import SCALARS, occupied, stats_for
+from probe.store import stats_file
+from probe.store.fileformat import decode, is_scale, layer_path, read_progress
+from probe.store.runfile import NothingFlushed, open_probe_file
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -212,7 +213,7 @@ def check_prefix(f: h5py.File, ref: Reference, stats_ref: Reference, batch: int)
             continue
         want, step = stats_for(info.module_type, site, s.unit_axis), 1 if info.per_batch else batch
         for lo in range(0, rows, step):
-            want.update(source[lo : lo + step])
+            backend.fold(want, source[lo : lo + step])
         a, b = s.as_row(), want.as_row()
         bad = [k for k in b if not same_values(a.get(k, math.nan), b[k], 1e-12)]
         if bad:

@@ -11,7 +11,7 @@ def compiled_kernels():
     """numba's kernels compiled once before any test, where numba is installed: every run's
     stats.backend=auto then takes the same backend (in a fresh clone the first runs would use
     torch while the kernels compile in the background)."""
-    from probe import backend, kernel_cache
+    from probe.stats import backend, kernel_cache
 
     if backend.numba_installed() and not kernel_cache.is_warm():
         kernel_cache.warm_up()

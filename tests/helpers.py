@@ -11,7 +11,7 @@ import h5py
 from hydra import compose, initialize_config_dir
 
 from probe.config import config_dir
-from probe.run import run
+from probe.launch.run import run
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["print_summary=false", "progress=false"]
@@ -50,9 +50,9 @@ def file_arrays(f: h5py.File) -> dict:
     depends on how many flushes wrote it, is left out), under stats/<layer>/<site>/..."""
     import numpy as np
 
-    from probe import stats_file
-    from probe.fileformat import is_scale
-    from probe.stats import SCALARS, occupied
+    from probe.stats.running import SCALARS, occupied
+    from probe.store import stats_file
+    from probe.store.fileformat import is_scale
 
     arrays = {}
 
@@ -73,7 +73,7 @@ def file_arrays(f: h5py.File) -> dict:
 
 def h5_arrays(path: Path) -> dict:
     """`file_arrays` of the file at `path`."""
-    from probe.runfile import open_probe_file
+    from probe.store.runfile import open_probe_file
 
     with open_probe_file(path, ours_only=False) as f:
         return file_arrays(f)

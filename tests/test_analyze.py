@@ -1,4 +1,4 @@
-"""`probe.analyze`: linear probes and CKA over a real run, each value checked against the same
+"""`probe.analysis.analyze`: linear probes and CKA over a real run, each value checked against the same
 value computed in memory another way (numpy closed forms, the sample-Gram CKA formula)."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import probe
-from probe.analyze import Options, RunFeatures, analyze
-from probe.cka import CountSketch, Features, cka_pairs, linear_cka, sketch_seed
-from probe.linear_probe import RidgeFit, split
-from probe.runfile import open_probe_file
+from probe.analysis.analyze import Options, RunFeatures, analyze
+from probe.analysis.cka import CountSketch, Features, cka_pairs, linear_cka, sketch_seed
+from probe.analysis.linear_probe import RidgeFit, split
+from probe.store.runfile import open_probe_file
 from tests.helpers import ROOT, cli
 
 CLASSES, CHANNELS, SIDE, N = 3, 6, 4, 403

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.stats import batch_stats
+from probe.stats.backend import batch_stats
 from scripts import bench_cases as bc
 
 BLOCK = 1 << 14  # sizes around a block boundary of the float64 accumulation

@@ -19,12 +19,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from probe import checks
+from probe.build.data import SyntheticImages, build_batches
+from probe.build.models import build_model, key_prefix
+from probe.build.select import select_modules
 from probe.checks import check_config, unread_keys
 from probe.config import ProbeSpec
-from probe.data import SyntheticImages, build_batches
 from probe.errors import CheckpointError, ConfigError, ProbeError
-from probe.models import build_model, key_prefix
-from probe.select import select_modules
 from tests.helpers import ROOT, cli, make_cfg
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=2"]
@@ -147,7 +147,7 @@ class _Convs(nn.Module):
 
 
 def _store(cfg, tmp_path):
-    from probe.store import ProbeWriter
+    from probe.store.writer import ProbeWriter
 
     s = cfg.store
     return lambda: ProbeWriter(
@@ -201,7 +201,10 @@ SAME = {
 
 @pytest.mark.parametrize("case", sorted(SAME))
 def test_early_checks_say_what_the_deep_checks_say(tmp_path, case):
-    from probe import backend, device, forward, intervene, objective, run
+    from probe.hooks import device, forward, objective
+    from probe.intervene import edits as intervene
+    from probe.launch import run
+    from probe.stats import backend
 
     args, where = SAME[case]
     cfg = make_cfg(*args)
@@ -229,7 +232,10 @@ def test_early_checks_say_what_the_deep_checks_say(tmp_path, case):
 
 def test_the_name_lists_of_torch_modules_are_the_configs():
     """probe.config holds the name lists; these four modules import torch and keep their own."""
-    from probe import backend, config, device, forward, store
+    from probe import config
+    from probe.hooks import device, forward
+    from probe.stats import backend
+    from probe.store import writer as store
 
     assert tuple(device.PRECISIONS) == config.PRECISIONS
     assert config.MODEL_OUTPUTS == forward.MODEL_OUTPUTS
@@ -271,7 +277,7 @@ def test_a_key_nothing_reads_is_named_with_the_close_one(tmp_path):
 def test_free_form_keys_are_not_reported():
     cfg = make_cfg(
         "model=custom",
-        "model._target_=probe.zoo.LeNet",
+        "model._target_=probe.build.zoo.LeNet",
         "+model.kwargs.width=64",
         "+model.config.n_layer=2",
         "+intervene.mine.op=zero",

@@ -10,10 +10,10 @@ import torch
 import torchvision
 from PIL import Image
 
+from probe.build.data import build_batches
+from probe.build.models import build_model
+from probe.build.select import select_modules
 from probe.config import config_dir
-from probe.data import build_batches
-from probe.models import build_model
-from probe.select import select_modules
 from tests.helpers import cli, make_cfg, run_probe
 
 CONF = Path(config_dir())

@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pandas as pd
 
-from probe.run import run
+from probe.launch.run import run
 from tests.helpers import cli, make_cfg
 
 ARGS = [

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from probe.data import build_batches
+from probe.build.data import build_batches
+from probe.build.models import build_model
 from probe.errors import ConfigError
-from probe.models import build_model
 from tests.helpers import cloned_outputs, make_cfg, run_probe
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]

@@ -11,10 +11,12 @@ import pytest
 import torch
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from probe import direct
-from probe.hooks import keep
-from probe.select import Selection
-from probe.store import ProbeWriter, Record, chunk_rows
+from probe.build.select import Selection
+from probe.hooks import buffers as host_buffers
+from probe.hooks.capture import keep
+from probe.hooks.record import Record
+from probe.store import direct
+from probe.store.writer import ProbeWriter, chunk_rows
 from tests.helpers import assert_same_arrays, make_cfg, run_probe
 from tests.test_forward_values import _model_and_inputs
 
@@ -91,7 +93,7 @@ def test_aligned_chunks_written_directly_read_back_through_hdf5(tmp_path):
         fd = direct.open_direct(path)
         if fd is None:
             pytest.skip("this file system has no O_DIRECT")
-        buffer = direct.aligned_empty(shape, torch.float32).numpy()
+        buffer = host_buffers.aligned_empty(shape, torch.float32).numpy()
         try:
             for i, b in enumerate(batches):
                 ds.resize((i + 1) * 4, axis=0)
@@ -122,7 +124,7 @@ def test_only_page_aligned_copies_are_lent_from_the_pool_and_reused():
     back; reduced captures and uncopied views are never lent (the pool would keep them)."""
     conv = torch.nn.Conv2d(3, 4, 3)
     t = torch.randn(2, 4, 6, 6)
-    pool, lent = direct.AlignedPool(), []
+    pool, lent = host_buffers.AlignedPool(), []
     full = Selection("conv", conv, ("output",), "none", "float32", "p")
     mean = Selection("conv", conv, ("output",), "spatial_mean", "float32", "p")
     copy, _ = keep(t, full, 2, ("conv", "output"), True, pool, lent)
@@ -157,7 +159,7 @@ def test_chunks_back_to_back_across_datasets_go_in_one_write(tmp_path, monkeypat
         buffers = {}
         for name in names:
             f[name].resize(4, axis=0)
-            buffers[name] = direct.aligned_empty(shape, torch.float32).numpy()
+            buffers[name] = host_buffers.aligned_empty(shape, torch.float32).numpy()
             buffers[name][...] = values[name]
         unaligned = np.empty(shape[0] * 4096 + 4, np.uint8)[4:].view(np.float32).reshape(shape)
         unaligned[...] = values["b"]

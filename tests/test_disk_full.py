@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 import torch
 
-from probe.fileformat import read_progress
-from probe.run import run
-from probe.runfile import open_probe_file
+from probe.launch.run import run
+from probe.store.fileformat import read_progress
+from probe.store.runfile import open_probe_file
 from tests.helpers import QUIET, assert_same_arrays, h5_arrays, make_cfg
 
 TINY = [
@@ -56,7 +56,7 @@ def _child(args: list[str], log: str, limit: int | None, blind: bool) -> None:
     if limit is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     if blind:
-        from probe import diskspace
+        from probe.store import diskspace
 
         diskspace.free_bytes = lambda path: 1 << 50
     sys.argv = ["probe", *QUIET, *args]
@@ -75,7 +75,7 @@ def _child(args: list[str], log: str, limit: int | None, blind: bool) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    SERVER.set_forkserver_preload(["probe.run", "probe.__main__", __name__])
+    SERVER.set_forkserver_preload(["probe.launch.run", "probe.__main__", __name__])
 
 
 class Run:

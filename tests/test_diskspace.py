@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from probe.diskspace import METADATA_MARGIN, bytes_needed
-from probe.store import ProbeWriter, Record
+from probe.hooks.record import Record
+from probe.store.diskspace import METADATA_MARGIN, bytes_needed
+from probe.store.writer import ProbeWriter
 
 
 def test_estimate_covers_the_growth_of_the_file(tmp_path):

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 
 import probe
+from probe.analysis.summarize import summarize_file
 from probe.errors import DataError
-from probe.stitch import IncompleteFileError, is_complete, open_checked, read_stats
-from probe.summarize import summarize_file
+from probe.store.stitch import IncompleteFileError, is_complete, open_checked, read_stats
 from tests.helpers import QUIET, ROOT, assert_same_arrays, cli
 
 # 7 samples in batches of 2: rank 0 gets batches 0-1 (samples 0-3), rank 1 batches 2-3 (samples
@@ -119,7 +119,7 @@ def test_a_missing_shard_makes_the_stitched_file_incomplete(runs, tmp_path):
 
 
 def test_blocks_are_numpy_array_split():
-    from probe.distributed import block
+    from probe.launch.distributed import block
 
     for count in range(0, 12):
         for world in (1, 2, 3, 5):
@@ -133,8 +133,9 @@ def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path,
     statistics equal to numpy's over the concatenation, and (full) rows in order."""
     import torch
 
-    from probe.stitch import stitch
-    from probe.store import ProbeWriter, Record
+    from probe.hooks.record import Record
+    from probe.store.stitch import stitch
+    from probe.store.writer import ProbeWriter
 
     g = torch.Generator().manual_seed(0)
     data = 1000 + 0.01 * torch.randn(11, 3, 4, generator=g)  # a large mean, a small spread

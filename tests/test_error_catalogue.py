@@ -25,9 +25,9 @@ from PIL import Image
 
 from probe.__main__ import main
 from probe.errors import DataError
-from probe.fileformat import is_scale
-from probe.run import run
-from probe.runfile import is_partial, open_probe_file
+from probe.launch.run import run
+from probe.store.fileformat import is_scale
+from probe.store.runfile import is_partial, open_probe_file
 from tests.helpers import QUIET, ROOT, make_cfg
 from tests.models_for_tests import assert_no_hooks, built_models
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import probe
-from probe.run import run
-from probe.runfile import NothingFlushed, open_probe_file
-from probe.summarize import summarize_file
+from probe.analysis.summarize import summarize_file
+from probe.launch.run import run
+from probe.store.runfile import NothingFlushed, open_probe_file
 from tests.helpers import QUIET, ROOT, make_cfg
 from tests.models_for_tests import SignalsItself
 
@@ -71,7 +71,7 @@ def test_a_file_whose_writer_has_not_flushed_says_so(tmp_path):
             open_probe_file(path)
         assert not e.value.in_progress
         assert summarize_file(path).state == "partial"
-        from probe import runlock
+        from probe.store import runlock
 
         with runlock.hold(tmp_path):
             with pytest.raises(NothingFlushed, match="is in progress") as e:
@@ -83,7 +83,7 @@ def test_a_file_whose_writer_has_not_flushed_says_so(tmp_path):
 
 WRITER = """
 import sys, h5py
-from probe.fileformat import Progress, write_progress
+from probe.store.fileformat import Progress, write_progress
 f = h5py.File(sys.argv[1], "w", libver=("v110", "v110"), locking=False)
 f.attrs["format_version"] = 2
 write_progress(f, Progress())

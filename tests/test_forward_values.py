@@ -9,10 +9,10 @@ import pytest
 import torch
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from probe.data import build_batches
-from probe.hooks import Capture
-from probe.models import build_model
-from probe.select import select_modules
+from probe.build.data import build_batches
+from probe.build.models import build_model
+from probe.build.select import select_modules
+from probe.hooks.capture import Capture
 from tests.helpers import make_cfg, run_probe
 
 
@@ -212,7 +212,7 @@ def test_hooks_are_removed_after_a_forward_that_raises(tmp_path):
 def test_run_that_raises_leaves_no_hooks_and_marks_file_incomplete(tmp_path, monkeypatch):
     import h5py
 
-    import probe.run as run_mod
+    import probe.launch.run as run_mod
     from probe.errors import ModelError
 
     built = {}

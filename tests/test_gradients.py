@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from probe.data import build_batches
-from probe.models import build_model
+from probe.build.data import build_batches
+from probe.build.models import build_model
 from tests.helpers import cli, make_cfg, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=7"]
@@ -192,7 +192,7 @@ def test_param_grad_of_every_conv_equals_plain_backward(tmp_path):
 
 
 def test_train_mode_is_recorded_and_leaves_the_model_unchanged(tmp_path, monkeypatch):
-    import probe.run as run_mod
+    import probe.launch.run as run_mod
 
     built = {}
     real = run_mod.build_model

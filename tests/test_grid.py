@@ -12,9 +12,9 @@ from omegaconf import open_dict
 
 from probe.config import EditSpec
 from probe.errors import ConfigError
-from probe.interrupt import Interrupted
-from probe.metrics import METRICS
-from probe.run import run
+from probe.intervene.metrics import METRICS
+from probe.launch.interrupt import Interrupted
+from probe.launch.run import run
 from tests.helpers import make_cfg
 from tests.token_fixtures import hf
 
@@ -172,7 +172,7 @@ def test_causal_tracing_noise_on_the_embeddings_and_a_grid_from_clean(tmp_path, 
         "dataset.batch_size=5", edits={"noise": noise},
     )  # fmt: skip
     model = hf(lm)
-    from probe.intervene import _noise
+    from probe.intervene.edits import _noise
 
     add = _noise(0.5, 7, "noise", "transformer.wte")
     wte = model.transformer.wte
@@ -232,7 +232,7 @@ def test_bad_grids_are_named(tmp_path, lm, extra, words):
 
 
 def test_a_sweep_of_grids_gathers_its_patching_tables(tmp_path, lm):
-    """-m over direction: one grid per job; probe.summarize of the sweep writes one
+    """-m over direction: one grid per job; probe.analysis.summarize of the sweep writes one
     patching.csv with the run and the override beside each job's rows."""
     import subprocess
     import sys

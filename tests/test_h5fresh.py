@@ -5,7 +5,6 @@ from __future__ import annotations
 import h5py
 import numpy as np
 from h5py import h5t
-
 from probe.h5fresh import add_attrs, add_dataset
 
 VALUES = {

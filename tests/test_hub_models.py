@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from probe.build.hub import pad_token_id, vocab_size
+from probe.build.models import build_model
 from probe.errors import CheckpointError, ConfigError
-from probe.hub import pad_token_id, vocab_size
-from probe.models import build_model
 from tests.helpers import cli, make_cfg
 from tests.token_fixtures import tiny_config
 

@@ -16,13 +16,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from probe import stats_file
 from probe.errors import ConfigError
-from probe.fileformat import read_progress
-from probe.interrupt import Interrupted
-from probe.run import run
-from probe.runfile import is_partial, open_probe_file
-from probe.stats import stats_for
+from probe.launch.interrupt import Interrupted
+from probe.launch.run import run
+from probe.stats.running import stats_for
+from probe.store import stats_file
+from probe.store.fileformat import read_progress
+from probe.store.runfile import is_partial, open_probe_file
 from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
 
 SLOW = [
@@ -229,7 +229,8 @@ def test_statistics_count_only_the_batches_written(tmp_path):
     nothing else to resume from)."""
     import torch
 
-    from probe.store import ProbeWriter, Record
+    from probe.hooks.record import Record
+    from probe.store.writer import ProbeWriter
 
     key = ("conv", "output")
     writer = ProbeWriter(tmp_path / "probe.h5", mode="stats", module_types={"conv": "Conv2d"})

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import probe
-from probe.data import build_batches
-from probe.models import build_model
+from probe.build.data import build_batches
+from probe.build.models import build_model
 from tests.helpers import cli, make_cfg, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]

@@ -9,12 +9,14 @@ import torch
 import torchvision
 from torch import nn
 
+from probe.build.layout import class_axis, unit_axis
+from probe.build.select import block_names, select_modules
+from probe.build.zoo import LeNet
 from probe.config import ProbeSpec
 from probe.errors import ConfigError, SelectionError
-from probe.layout import class_axis, unit_axis
-from probe.select import block_names, select_modules
-from probe.stats import RunningStats, batch_stats
-from probe.zoo import LeNet
+from probe.stats import backend
+from probe.stats.backend import batch_stats
+from probe.stats.running import RunningStats
 from tests.models_for_tests import TinyLM
 
 
@@ -84,8 +86,8 @@ def test_per_unit_statistics_along_any_axis_equal_numpy(axis):
     x = torch.randn(5, 4, 3, 6, generator=g)
     x[1, 2, 0, 3] = float("nan")
     s = RunningStats(unit_axis=axis)
-    s.update(x[:2])
-    s.update(x[2:])
+    backend.fold(s, x[:2])
+    backend.fold(s, x[2:])
     a = np.moveaxis(x.double().numpy(), axis, 1).reshape(5, x.shape[axis], -1)
     finite = np.isfinite(a)
     u = s.units

@@ -10,7 +10,7 @@ import h5py
 import pytest
 
 from probe.errors import ModelError
-from probe.run import run
+from probe.launch.run import run
 from tests.helpers import cli, make_cfg
 from tests.models_for_tests import assert_no_hooks, built_models
 

@@ -9,9 +9,9 @@ import h5py
 import numpy as np
 import pytest
 
-from probe.mapped import mapped_slabs
-from probe.slabs import slabs
-from probe.summarize import summarize_file
+from probe.analysis.mapped import mapped_slabs
+from probe.analysis.slabs import slabs
+from probe.analysis.summarize import summarize_file
 
 A = np.random.default_rng(0).standard_normal((23, 3, 5)).astype(np.float32)
 ROW = 3 * 5 * 4  # bytes of a row
@@ -80,7 +80,7 @@ def test_stored_bytes_that_are_not_a_plain_array_fall_back_to_h5py(tmp_path):
 @pytest.mark.parametrize("row", [(4, 6, 6), (50,)], ids=["by_segment", "by_column"])
 def test_summary_of_mapped_slabs_equals_numpy_float64(tmp_path, row, mapped, monkeypatch):
     """The summary of a plain dataset, reduced in place (`--mapped`) or read, equals numpy's."""
-    from probe import slabs as slab_reads
+    from probe.analysis import slabs as slab_reads
 
     monkeypatch.setattr(slab_reads, "MAPPED", mapped)
     run = tmp_path / "run"

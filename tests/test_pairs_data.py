@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from probe.build.pairs import pair_dataset
 from probe.config import DatasetConfig, ModelConfig
 from probe.errors import ConfigError, DataError
-from probe.pairs import pair_dataset
 from tests.token_fixtures import make_tokenizer, padded
 
 VOCAB = 32  # 4 specials + 28 words

@@ -12,7 +12,7 @@ from omegaconf import open_dict
 
 from probe.config import EditSpec
 from probe.errors import ConfigError, DataError
-from probe.run import run
+from probe.launch.run import run
 from tests.helpers import make_cfg
 from tests.token_fixtures import hf, make_tiny
 

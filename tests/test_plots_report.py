@@ -1,4 +1,4 @@
-"""probe.plot figures read back against the stored data, and probe.report's one-page HTML."""
+"""probe.analysis.plot figures read back against the stored data, and probe.analysis.report's one-page HTML."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from probe.plot import figures, main  # noqa: E402
-from probe.reading import open_run  # noqa: E402
-from probe.report import write  # noqa: E402
-from probe.run import run  # noqa: E402
+from probe.analysis.plot import figures, main  # noqa: E402
+from probe.analysis.reading import open_run  # noqa: E402
+from probe.analysis.report import write  # noqa: E402
+from probe.launch.run import run  # noqa: E402
 from tests.helpers import cli, make_cfg  # noqa: E402
 
 TINYNET = [

@@ -1,4 +1,4 @@
-"""probe.provenance: what names a dataset and its samples, checked against the files the tests
+"""probe.build.provenance: what names a dataset and its samples, checked against the files the tests
 write (torchvision's own ImageFolder listing, hashlib over the file, the documents written)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Subset
 
-from probe import provenance
+from probe.build import provenance
+from probe.build.data import build_batches
+from probe.build.provenance import describe
 from probe.config import DatasetConfig, ModelConfig
-from probe.data import build_batches
-from probe.provenance import describe
 
 DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one two three four"]
 
@@ -261,7 +261,7 @@ def test_generated_data_is_named_by_its_parameters():
 
 
 def test_a_callers_batches_are_named_by_kind_alone():
-    from probe.user_batches import UserBatches
+    from probe.build.user_batches import UserBatches
 
     batches = UserBatches([torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3)])
     cfg = OmegaConf.structured(DatasetConfig(name="python", num_samples=batches.num_samples))

@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from probe.plots import depth_figure, features_figure, histogram_figure
-from probe.reading import open_run
+from probe.analysis.plots import depth_figure, features_figure, histogram_figure
+from probe.analysis.reading import open_run
 from tests.helpers import ROOT, run_probe
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]

@@ -25,9 +25,9 @@ import torch
 import yaml
 
 import probe
-from probe import runlock
 from probe.errors import ConfigError
-from probe.run import run
+from probe.launch.run import run
+from probe.store import runlock
 from tests.helpers import QUIET, ROOT, assert_same_arrays, cli, make_cfg
 from tests.models_for_tests import TinyNet
 
@@ -167,7 +167,7 @@ def test_a_rerun_refuses_a_complete_file_and_overwrite_replaces_it(tmp_path, ref
 
 
 def test_an_in_process_run_refuses_an_existing_file_too(tmp_path, reference):
-    """probe.run.run (multirun jobs, scripts) checks under the lock, before the writer."""
+    """probe.launch.run.run (multirun jobs, scripts) checks under the lock, before the writer."""
     run(make_cfg(*QUICK), run_dir=tmp_path)
     before = snapshot(tmp_path)
     with pytest.raises(ConfigError, match=r"already holds probe\.h5 \(complete, 6 samples\)"):
@@ -276,7 +276,7 @@ def test_the_cli_in_one_process_claims_its_own_lock_and_refuses_a_held_one(
 
 
 def test_the_python_api_refuses_a_second_run_into_a_directory_in_use(tmp_path):
-    """Two probe.run calls into one `out` in one process: the second is refused while the first
+    """Two probe.launch.run calls into one `out` in one process: the second is refused while the first
     runs, which then finishes with the values of a run alone; a later call refuses the finished
     run unless overwrite=True, which replaces it."""
     torch.manual_seed(0)

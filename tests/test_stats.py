@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from probe import backend
-from probe.fileformat import read_progress
-from probe.stats import (
+from probe.stats import backend
+from probe.stats.running import (
     QUANTILE_REL_ERROR,
     LogHistogram,
     RunningStats,
     batch_stats,
     counts_agree,
 )
+from probe.store.fileformat import read_progress
 from tests.analysis_models import DEAD, SATURATED
 from tests.helpers import run_probe
 
@@ -23,7 +23,7 @@ CUTS = [0, 1, 6, 7, 30, 61]  # uneven batches, one of a single row
 
 @pytest.fixture(params=["numba", "torch"], autouse=True)
 def stats_backend(request, monkeypatch):
-    """Every test here holds for both backends (`probe.backend`)."""
+    """Every test here holds for both backends (`probe.stats.backend`)."""
     if request.param == "numba":
         pytest.importorskip("numba")
     monkeypatch.setattr(backend, "_cpu", request.param)
@@ -216,9 +216,9 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
 
 def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch, numba_only):
     """Rows split across helper threads (each with its own histogram lane) equal one thread."""
-    import probe.numba_stats as stats_module
-    from probe import team
-    from probe.parallel import Threads
+    import probe.stats.numba_backend as stats_module
+    from probe.stats import team
+    from probe.stats.parallel import Threads
 
     monkeypatch.setattr(team, "entry", lambda: (0, 0))  # the pool of our own threads, not torch's
 
@@ -300,7 +300,7 @@ def test_statistics_saved_one_attribute_per_scalar_still_read():
 
 
 def test_bucket_ranges_hold_every_float32_between_the_extremes(numba_only):
-    from probe.kernels import bucket_ranges
+    from probe.stats.kernels import bucket_ranges
 
     rng = np.random.default_rng(7)
     for trial in range(400):

@@ -1,4 +1,4 @@
-"""The torch backend of batch statistics (`probe.torch_stats`) against the numba kernels and
+"""The torch backend of batch statistics (`probe.stats.torch_backend`) against the numba kernels and
 against numpy float64 computed directly from the data.
 
 Counts, extremes (bit for bit, signed zeros included) and histograms must be equal. Sums (mean,
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from probe import torch_stats
-from probe.stats import SATURATION_TOL, RunningStats
+from probe.stats import torch_backend as torch_stats
+from probe.stats.running import SATURATION_TOL, RunningStats
 
 RTOL = 1e-9
 CANCEL = 1e-12  # absolute tolerance of a signed sum, relative to its sum of magnitudes
@@ -25,7 +25,7 @@ CUTS = [0, 1, 4, 5, 11]  # uneven batches of rows, two of a single row
 def numba_stats(x, bounds=None, unit_axis=1):
     """The reference backend: the compiled passes."""
     pytest.importorskip("numba")
-    from probe.numba_stats import batch_stats
+    from probe.stats.numba_backend import batch_stats
 
     return batch_stats(x, bounds, unit_axis=unit_axis)
 

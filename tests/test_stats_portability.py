@@ -101,8 +101,8 @@ def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path):
 
 def test_importing_probe_compiles_and_imports_no_numba():
     code = (
-        "import sys, probe, probe.run, probe.summarize, probe.__main__, probe.reading\n"
-        "print('numba' in sys.modules, 'probe.kernels' in sys.modules)\n"
+        "import sys, probe, probe.launch.run, probe.analysis.summarize, probe.__main__, probe.analysis.reading\n"
+        "print('numba' in sys.modules, 'probe.stats.kernels' in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

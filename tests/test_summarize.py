@@ -11,12 +11,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from probe.fileformat import read_progress
-from probe.plots import depth_figure
-from probe.reading import open_sweep
-from probe.runfile import open_probe_file
-from probe.slabs import read_slabs
-from probe.summarize import COLUMNS, summarize_file
+from probe.analysis.plots import depth_figure
+from probe.analysis.reading import open_sweep
+from probe.analysis.slabs import read_slabs
+from probe.analysis.summarize import summarize_file
+from probe.analysis.tables import COLUMNS
+from probe.store.fileformat import read_progress
+from probe.store.runfile import open_probe_file
 from tests.helpers import QUIET, ROOT, cli, run_probe
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=3"]
@@ -178,7 +179,7 @@ def test_a_file_cut_short_while_it_is_summarized_is_an_error_not_a_crash(tmp_pat
     code = f"""
 import os, h5py, numpy as np
 from probe.errors import DataError
-from probe.slabs import slabs
+from probe.analysis.slabs import slabs
 p = {str(tmp_path / "cut.h5")!r}
 with h5py.File(p, "w") as f:
     f.create_dataset("x", data=np.ones((100, 1000), np.float32), chunks=(10, 1000))

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from probe import backend, team
-from probe import numba_stats as stats
-from probe.numba_stats import batch_stats
-from probe.parallel import Threads
-from probe.stats import LogHistogram, RunningStats
+from probe.stats import backend, team
+from probe.stats import numba_backend as stats
+from probe.stats.numba_backend import batch_stats
+from probe.stats.parallel import Threads
+from probe.stats.running import LogHistogram, RunningStats
 
 pytestmark = pytest.mark.skipif(
     "OpenMP" not in torch.__config__.parallel_info(), reason="torch runs without OpenMP here"
@@ -140,7 +140,7 @@ def test_running_histogram_of_split_batches_equals_numpy(two_threads):
     batches = _batches()
     s = RunningStats()
     for x in batches.values():
-        s.update(torch.from_numpy(x))
+        backend.fold(s, torch.from_numpy(x))
     every = np.concatenate([x.ravel() for x in batches.values()])
     finite = every[np.isfinite(every)].astype(np.float64)
     assert s.hist.counts.sum() == finite.size
@@ -202,8 +202,8 @@ def test_the_team_entry_needs_torchs_runtime():
     jump to address 0), and the statistics are taken on our own threads."""
     code = (
         "import sys, numpy as np\n"
-        "from probe import team\n"
-        "from probe.numba_stats import batch_stats\n"
+        "from probe.stats import team\n"
+        "from probe.stats.numba_backend import batch_stats\n"
         "x = np.random.default_rng(0).standard_normal((16, 8, 4096)).astype(np.float32)\n"
         "print(team.entry(), 'torch' in sys.modules, batch_stats(x).mean - x.astype(float).mean())\n"
     )

@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from probe.build.tokens import token_dataset
 from probe.config import DatasetConfig, ModelConfig
 from probe.errors import ConfigError, DataError
-from probe.tokens import token_dataset
 from tests.token_fixtures import make_tokenizer, padded
 
 DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one two three four"]

@@ -11,11 +11,11 @@ import torch
 from omegaconf import open_dict
 
 import probe
+from probe.analysis.summarize import summarize_file
+from probe.build.data import build_batches
+from probe.build.models import build_model
 from probe.config import EditSpec, ProbeSpec
-from probe.data import build_batches
-from probe.models import build_model
-from probe.run import run
-from probe.summarize import summarize_file
+from probe.launch.run import run
 from tests.helpers import assert_same_arrays, cli, cloned_outputs, make_cfg, run_probe
 from tests.token_fixtures import make_tiny
 
@@ -248,7 +248,7 @@ def test_stop_and_resume_of_token_rows_gives_the_uninterrupted_file(tmp_path, sa
     """A SIGINT inside the 3rd forward of a token-row run, its /stats gone as after a SIGKILL,
     then resume=true: every dataset (token rows of padded batches, /tokens, /samples) and the
     table equal an uninterrupted run's."""
-    from probe.interrupt import Interrupted
+    from probe.launch.interrupt import Interrupted
     from tests.models_for_tests import SignalsItselfLM
 
     args = [
@@ -331,7 +331,7 @@ def test_torchvision_vit_blocks_probe_averages_tokens_into_features(tmp_path):
 def test_random_tokens_are_all_tokens_even_the_pad_id(tmp_path, saved):
     """dataset=random_tokens (vocabulary 3: the pad id 0 is drawn too) on a model with a pad
     token: every id is a token row, in order, equal to the dataset's seeded ids."""
-    from probe.tokens import RandomTokens
+    from probe.build.tokens import RandomTokens
 
     directory, _ = saved["gpt2"]
     args = ["model=hf", f"model.name={directory}", "model.task=causal_lm", "dataset=random_tokens",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probe.errors import CheckpointError, DataError
-from probe.run import run
+from probe.launch.run import run
 from tests.helpers import make_cfg
 from tests.models_for_tests import TinyNet
 

@@ -1,0 +1,289 @@
+"""Read a run or a sweep back: layers and sites, lazy arrays, config, summary and effects tables.
+
+    run = probe.open_run("outputs/2026-11-21/10-00-00")
+    run.layers, run.sites("conv1"), run.array("conv1", "output")[:4], run.summary, run.config
+
+Arrays are h5py-backed: slicing reads only the rows asked for, and only the rows the file counts
+as valid are visible. A run still writing opens too ("in progress"); `run.refresh()` picks up the
+rows flushed since. `run.xarray(layer, site)` gives a labelled array (the `xarray` extra).
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cached_property
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from probe.analysis.summarize import (
+    dataset_keys,
+    gather_tables,
+    read_overrides,
+    summarize_file,
+    sweep_runs,
+    sweep_table,
+)
+from probe.analysis.tables import summary_frame, units_frame
+from probe.errors import DataError
+from probe.stats.running import RunningStats
+from probe.store.coverage import seen_ranges
+from probe.store.fileformat import layer_path, read_progress
+from probe.store.runfile import missing_sources, open_probe_file, state
+
+
+class LazyArray:
+    """Rows [0, valid) of an HDF5 dataset; indexing reads only what it selects."""
+
+    def __init__(self, ds: h5py.Dataset, valid: int):
+        self.ds, self.valid = ds, min(valid, len(ds))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.valid, *self.ds.shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.ds.dtype
+
+    def __len__(self) -> int:
+        return self.valid
+
+    def __array__(self, dtype=None, copy=None):
+        a = self[:]
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, key):
+        first, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if first is Ellipsis:
+            first, rest = slice(None), (Ellipsis, *rest)
+        if isinstance(first, slice):
+            first = slice(*first.indices(self.valid))
+            if first.step < 0:  # h5py reads increasing rows only
+                return self[(slice(None), *rest)][key[0] if isinstance(key, tuple) else key]
+        elif isinstance(first, (int, np.integer)):
+            if not -self.valid <= first < self.valid:
+                raise IndexError(f"row {first} is outside the {self.valid} valid rows")
+            first = int(first) % self.valid
+        else:
+            rows = np.asarray(first)
+            if rows.size and (rows.max() >= self.valid or rows.min() < 0):
+                raise IndexError(f"rows {rows} reach outside the {self.valid} valid rows")
+            first = rows
+        return self.ds[(first, *rest)]
+
+
+class Run:
+    """One run directory (or a bare probe.h5). Close it, or use it in a `with` block."""
+
+    def __init__(self, path: Path | str):
+        path = Path(path)
+        self.h5_path = path if path.is_file() else path / "probe.h5"
+        self.path = self.h5_path.parent
+        self.file = open_probe_file(self.h5_path)
+        self._read_state(warn=True)
+
+    def _read_state(self, warn: bool = False) -> None:
+        self.attrs = dict(self.file.attrs)
+        unusable = missing_sources(self.file)
+        if unusable and warn:
+            warnings.warn(
+                f"{str(self.h5_path)!r} is stitched from shard files and some are unusable "
+                f"({', '.join(unusable)}): their rows read as NaN (-1 for integers); restore the "
+                "shard files next to it",
+                stacklevel=3,
+            )
+        progress = read_progress(self.file)
+        self.progress = progress
+        self.complete = progress.complete and not unusable
+        self.state = "partial" if unusable else state(self.file)
+        self.num_samples = progress.samples
+        self.num_batches = progress.batches
+        self.num_tokens = progress.tokens
+
+    def refresh(self) -> Run:
+        """Pick up what a run in progress flushed since this Run was opened (reopens the file:
+        the writer may have added datasets)."""
+        self.close()
+        self.file = open_probe_file(self.h5_path)
+        self._read_state()
+        for name in ("keys", "_datasets", "summary"):
+            self.__dict__.pop(name, None)
+        return self
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.file.id.valid:
+            self.file.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Run({str(self.path)!r}, {self.state}, {self.num_samples} samples, "
+            f"{len(self.layers)} layers)"
+        )
+
+    @cached_property
+    def keys(self) -> list[tuple[str, str]]:
+        """(layer, site) pairs in the order the run produced them."""
+        return dataset_keys(self.file)
+
+    @property
+    def layers(self) -> list[str]:
+        return list(dict.fromkeys(layer for layer, _ in self.keys))
+
+    def sites(self, layer: str) -> list[str]:
+        found = [site for name, site in self.keys if name == layer]
+        if not found:
+            raise KeyError(f"no layer {layer!r} in {self.h5_path}; run.layers lists them")
+        return found
+
+    def array(self, layer: str, site: str = "output") -> LazyArray:
+        """Rows of one (layer, site); rows a module skipped (`seen`) read as NaN."""
+        ds = self._dataset(layer, site)
+        return LazyArray(ds, self.progress.valid_rows(ds, site))
+
+    def _dataset(self, layer: str, site: str) -> h5py.Dataset:
+        name = layer_path(layer, site)
+        if name not in self.file:
+            mode = self.attrs.get("store_mode", "full")
+            hint = " (a store=stats run keeps no tensors)" if mode == "stats" else ""
+            raise KeyError(f"no tensors for {layer!r} {site!r} in {self.h5_path}{hint}")
+        ds = self.file[name]
+        if self.file.swmr_mode:
+            ds.refresh()
+        return ds
+
+    def seen(self, layer: str, site: str = "output") -> np.ndarray:
+        """One boolean per valid row: whether the module produced it (False where it did not run
+        for that batch: data-dependent control flow)."""
+        ds = self._dataset(layer, site)
+        valid = self.progress.valid_rows(ds, site)
+        mask = np.zeros(valid, dtype=bool)
+        for lo, hi in seen_ranges(self.file, layer, site, valid):
+            mask[lo:hi] = True
+        return mask
+
+    def xarray(self, layer: str, site: str = "output", rows: slice = slice(None)):
+        """One (layer, site) as an xarray.DataArray with named dimensions (sample, channel,
+        height, width; token, feature; ...) and the rows' coordinates: dataset-wide sample index,
+        target and per-sample names (sample rows), or sample, position and token id (token rows)."""
+        from probe.analysis.labelled import data_array
+
+        return data_array(self, layer, site, rows)
+
+    def tokens(self) -> pd.DataFrame:
+        """What each row of the token-row datasets (rows: tokens) is: its sample, position and
+        token id."""
+        if "tokens" not in self.file:
+            raise KeyError(f"{self.h5_path} holds no token rows (a probe with rows: tokens)")
+        return pd.DataFrame(
+            {k: self.file[f"tokens/{k}"][: self.num_tokens] for k in ("sample", "position", "id")}
+        )
+
+    @cached_property
+    def config(self) -> DictConfig:
+        """The run's resolved config (.hydra/config.yaml, else the copy inside probe.h5)."""
+        hydra_cfg = self.path / ".hydra" / "config.yaml"
+        if hydra_cfg.is_file():
+            return OmegaConf.load(hydra_cfg)
+        return OmegaConf.create(str(self.attrs.get("config", "{}")))
+
+    @cached_property
+    def summary(self) -> pd.DataFrame:
+        """summary.csv when the run wrote one, else computed from the file."""
+        csv = self.path / "summary.csv"
+        if csv.is_file():
+            return pd.read_csv(csv)
+        return summarize_file(self.h5_path).table
+
+    @property
+    def effects(self) -> pd.DataFrame | None:
+        """effects.csv of the run directory, or None when the run made none."""
+        csv = self.path / "effects.csv"
+        return pd.read_csv(csv) if csv.is_file() else None
+
+    def stats(self, layer: str, site: str = "output") -> RunningStats:
+        """The streaming statistics of one (layer, site): stored ones, else re-read from the data."""
+        for d in self._datasets:
+            if (d.layer, d.site) == (layer, site):
+                return d.stats
+        raise KeyError(f"no statistics for {layer!r} {site!r}; run.keys lists them")
+
+    def units(self, layer: str | None = None, site: str | None = None) -> pd.DataFrame:
+        """Per-unit table (one row per channel) of one (layer, site), or of all of them."""
+        picked = [
+            d
+            for d in self._datasets
+            if (layer is None or d.layer == layer) and (site is None or d.site == site)
+        ]
+        return units_frame(picked)
+
+    def histogram(self, layer: str, site: str = "output") -> tuple[np.ndarray, np.ndarray]:
+        """(bucket midpoints, counts) of the quantile sketch, increasing values."""
+        return self.stats(layer, site).hist.ordered()
+
+    def table(self) -> pd.DataFrame:
+        """The summary recomputed from the file (ignores summary.csv)."""
+        return summary_frame(self._datasets)
+
+    @cached_property
+    def _datasets(self):
+        return summarize_file(self.h5_path, from_stats=True).datasets
+
+
+class Sweep:
+    """A sweep directory: its runs, their overrides, and one summary table for all of them."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.run_dirs = sweep_runs(self.path)
+        if not self.run_dirs:
+            raise DataError(
+                f"{str(self.path)!r} holds no runs (no */.hydra/overrides.yaml); give a sweep directory"
+            )
+
+    def __repr__(self) -> str:
+        return f"Sweep({str(self.path)!r}, {len(self.run_dirs)} runs)"
+
+    @cached_property
+    def overrides(self) -> pd.DataFrame:
+        """One row per run: its directory name and one column per override."""
+        return pd.DataFrame([{"run": p.name, **read_overrides(p)} for p in self.run_dirs])
+
+    @cached_property
+    def table(self) -> pd.DataFrame:
+        """One row per (run, layer, site) with the override columns (the sweep's summary.csv)."""
+        csv = self.path / "summary.csv"
+        if csv.is_file():
+            return pd.read_csv(csv, dtype={"run": str})
+        return sweep_table(self.path, from_stats=True)[0]
+
+    @cached_property
+    def effects(self) -> pd.DataFrame | None:
+        """Every run's effects.csv in one table, with the run and its override columns first
+        (the sweep's effects.csv when `probe.analysis.summarize` wrote it); None when no run made one."""
+        csv = self.path / "effects.csv"
+        if csv.is_file():
+            return pd.read_csv(csv, dtype={"run": str})
+        return gather_tables(self.path, "effects.csv")
+
+    def run(self, name: str | int) -> Run:
+        return Run(self.path / str(name))
+
+
+def open_run(path: Path | str) -> Run:
+    """Open a run directory (or its probe.h5) for reading."""
+    return Run(path)
+
+
+def open_sweep(path: Path | str) -> Sweep:
+    """Open a sweep directory (the parent of the runs 0/, 1/, ...)."""
+    return Sweep(path)

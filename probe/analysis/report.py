@@ -1,0 +1,206 @@
+"""One self-contained HTML page per run or sweep: `python -m probe.report RUN_OR_SWEEP`.
+
+report.html holds the run's identity, summary table, the figures of probe.analysis.plot (base64 PNG data
+URIs), linear probes and the CKA heatmap, effects and the resolved config: no other file and no
+network is needed to read it, so it can be mailed or archived alone. A sweep's page holds the
+sweep table, its depth figure, gathered effects and one section per run (each run's own
+report.html is written too and linked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from probe.analysis.reading import open_run, open_sweep
+from probe.analysis.summarize import is_sweep
+from probe.errors import ProbeError
+
+CHEAP_BYTES = 64 * 2**20  # analyses run by the report itself only for files this small
+STYLE = (
+    "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
+    "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+    "img{max-width:100%}pre{background:#f6f6f6;padding:1em;font-size:12px}"
+)
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def figure_png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def img(png: bytes, alt: str) -> str:
+    return f'<figure><img alt="{html.escape(alt)}" src="{data_uri(png)}"></figure>'
+
+
+def table(frame: pd.DataFrame | None, caption: str) -> str:
+    if frame is None or frame.empty:
+        return ""
+    return f"<h3>{html.escape(caption)}</h3>" + frame.to_html(index=False, na_rep="", border=0)
+
+
+def analyses(path: Path, mode: str, size: int) -> str:
+    """Run the linear probes and CKA when asked, or when the data are small (mode auto); return a
+    note saying what was done or how to do it."""
+    if (path / "linear_probes.csv").is_file() or (path / "cka.csv").is_file() or mode == "no":
+        return ""
+    how = f"python -m probe.analyze {path} all"
+    if mode == "auto" and size > CHEAP_BYTES:
+        return f"<p>No linear probes or CKA yet ({size / 2**20:.0f} MB of data): run <code>{html.escape(how)}</code>.</p>"
+    from probe.analysis.analyze import analyze
+
+    try:
+        analyze(path, "all")
+    except ProbeError as e:
+        return f"<p>Analyses not run: {html.escape(str(e))}</p>"
+    return f"<p>Analyses run for this report (<code>{html.escape(how)}</code>).</p>"
+
+
+def analysis_section(path: Path) -> str:
+    out = []
+    csv = path / "linear_probes.csv"
+    if csv.is_file():
+        out.append(table(pd.read_csv(csv), "Linear probes (linear_probes.csv)"))
+    if (path / "cka.png").is_file():
+        out.append("<h3>CKA (cka.png)</h3>" + img((path / "cka.png").read_bytes(), "cka"))
+    elif (path / "cka.csv").is_file():
+        out.append(table(pd.read_csv(path / "cka.csv"), "CKA (cka.csv)"))
+    return "".join(out)
+
+
+def identity(run) -> pd.DataFrame:
+    """One row of what identifies the run."""
+    from probe.analysis.plot import run_title
+
+    cfg = run.config
+    return pd.DataFrame(
+        [
+            {
+                "directory": str(run.path),
+                "state": run.state,
+                "samples": run.num_samples,
+                "store": run.attrs.get("store_mode", ""),
+                "title": run_title(cfg),
+                "layers": len(run.layers),
+            }
+        ]
+    )
+
+
+def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> str:
+    """The HTML sections of one run."""
+    from omegaconf import OmegaConf
+
+    from probe.analysis.plot import run_figures
+
+    size = (path / "probe.h5").stat().st_size if (path / "probe.h5").is_file() else 0
+    note = analyses(path, analyze, size)
+    with open_run(path) as run:
+        parts = [table(identity(run), "Run"), table(run.summary, "Summary (summary.csv)")]
+        parts.append("<h3>Figures</h3>")
+        for name, fig in run_figures(run, layer, sample).items():
+            parts.append(img(figure_png(fig), name))
+        parts += [note, analysis_section(path), table(run.effects, "Effects (effects.csv)")]
+        config = OmegaConf.to_yaml(run.config, resolve=False)
+    parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
+    return "".join(parts)
+
+
+def sweep_body(path: Path, analyze: str = "auto") -> str:
+    """The HTML sections of a sweep; each run's report.html is written and linked."""
+    from probe.analysis.plot import sweep_figures
+
+    sweep = open_sweep(path)
+    size = sum(
+        (p / "probe.h5").stat().st_size for p in sweep.run_dirs if (p / "probe.h5").is_file()
+    )
+    note = analyses(path, analyze, size)
+    parts = [table(sweep.overrides, "Runs and their overrides"), "<h3>Figures</h3>"]
+    for name, fig in sweep_figures(sweep).items():
+        parts.append(img(figure_png(fig), name))
+    parts += [table(sweep.table, "Sweep table (summary.csv)"), note, analysis_section(path)]
+    parts.append(table(sweep.effects, "Effects of every run"))
+    for run_dir in sweep.run_dirs:
+        name = html.escape(run_dir.name)
+        if not (run_dir / "probe.h5").is_file():
+            parts.append(f"<h2>Run {name}</h2><p>no probe.h5 (the job failed)</p>")
+            continue
+        write(run_dir, "no")
+        parts.append(
+            f'<h2 id="run-{name}">Run {name}</h2><p><a href="{name}/report.html">'
+            f"{name}/report.html</a> (figures and config)</p>"
+        )
+        with open_run(run_dir) as run:
+            parts.append(table(identity(run), "Run") + table(run.summary, "Summary"))
+    return "".join(parts)
+
+
+def page(title: str, body: str) -> str:
+    t = html.escape(title)
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{t}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{t}</h1>{body}</body></html>\n"
+    )
+
+
+def write(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> Path:
+    """Write report.html into a run or sweep directory (or beside a run's probe.h5)."""
+    from probe.analysis.plot import run_title, sweep_title
+
+    path = Path(path)
+    path = path.parent if path.is_file() else path
+    if is_sweep(path):
+        title, body = sweep_title(open_sweep(path)), sweep_body(path, analyze)
+    else:
+        body = run_body(path, analyze, layer, sample)
+        with open_run(path) as run:
+            title = run_title(run.config, path.name)
+    out = path / "report.html"
+    out.write_text(page(title, body), encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from probe.analysis.plot import PLOT_EXTRA, have_matplotlib
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="a run directory, its probe.h5, or a sweep")
+    parser.add_argument(
+        "--analyze",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="run probe.analyze first where its tables are absent: auto (small data only), yes, no",
+    )
+    parser.add_argument("--layer", help="feature maps of this layer (default: the first conv)")
+    parser.add_argument("--sample", type=int, default=0, help="row of the sample (default 0)")
+    args = parser.parse_args(argv)
+    if not have_matplotlib():
+        print(
+            f"error: {PLOT_EXTRA.replace('probe.plot', 'probe.report')}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        print(write(args.path, args.analyze, args.layer, args.sample))
+    except (ProbeError, KeyError, IndexError, FileNotFoundError) as e:
+        print(f"probe.report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""Token datasets: ids from a .pt file, tokenized text, seeded random ids.
+
+Ids stay int64 from file to model (an embedding indexes with them; a float id is a bug), and every
+padded position is 0 in `attention_mask`, so padding can be kept out of statistics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from probe.checks import check_data_file
+from probe.config import TOKEN_DATASETS
+from probe.errors import ConfigError, DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# what save_pretrained writes for a tokenizer (one of them at least), by tokenizer kind
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+_WHAT = {"tokens": "a .pt file of token ids", "text": "a .txt, .jsonl or .parquet file of text"}
+_CHUNK = 1024  # documents tokenized per call when packing (stop early once enough rows exist)
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where dataset=text rows come from, kept so `probe.build.provenance` can name a row's document:
+    `lines` holds each non-empty document's 0-based line (.txt, .jsonl) or row (.parquet) in the
+    file; packed, `starts` holds each tokenized document's first offset in the joined ids (an EOS
+    separator belongs to the document it ends) and `tokens` their count."""
+
+    path: Path
+    lines: list[int]
+    tokenizer: str
+    seq_len: int
+    starts: list[int] | None = None
+    tokens: int = 0
+
+
+class TokenDataset(Dataset):
+    """Rows of ids held in memory. The whole tensors are attributes so the run can check ids once;
+    items are `{"input_ids", "attention_mask"?}` or `(that dict, target)` for the default collate."""
+
+    def __init__(self, input_ids, attention_mask=None, targets=None, source=None):
+        self.input_ids, self.attention_mask, self.targets = input_ids, attention_mask, targets
+        self.source: TextSource | None = source  # dataset=text: the documents rows come from
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i: int):
+        inputs = {"input_ids": self.input_ids[i]}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask[i]
+        return inputs if self.targets is None else (inputs, self.targets[i])
+
+    def head(self, n: int | None) -> TokenDataset:
+        """The first n rows (copies, so the rest can be freed)."""
+        if n is None or n >= len(self):
+            return self
+        cut = [None if t is None else t[:n].clone() for t in (self.input_ids, self.attention_mask)]
+        targets = None if self.targets is None else self.targets[:n].clone()
+        return TokenDataset(*cut, targets, self.source)  # row i of the head is row i of the whole
+
+
+class RandomTokens(Dataset):
+    """Seeded random ids: row i depends only on (seed, i), like SyntheticImages, so a longer run
+    starts with the rows of a shorter one. No mask, no targets."""
+
+    attention_mask = None
+    targets = None
+    unpadded = True  # every id is a token, the pad id included
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_len = num_samples, seq_len
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"row {i} of {self.num_samples}")
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return {"input_ids": torch.randint(self.vocab_size, (self.seq_len,), generator=g)}
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.stack([self[i]["input_ids"] for i in range(self.num_samples)])
+
+
+def token_dataset(
+    cfg, model_cfg, seed: int, vocab_size: int | None, pad_token_id: int | None
+) -> tuple[Dataset, bool]:
+    """The dataset `cfg.name` names (tokens, text or random_tokens), cut to `cfg.num_samples`, with
+    its ids checked against `vocab_size` (the model's; None skips the check); and whether it has
+    targets. `pad_token_id` pads ragged ids of a .pt file (text uses its tokenizer's)."""
+    n = cfg.num_samples
+    if n is not None and n < 1:
+        raise ConfigError(f"dataset.num_samples={n} must be at least 1 (or null for all)")
+    if cfg.name != "tokens" and cfg.seq_len < 1:
+        raise ConfigError(f"dataset.seq_len={cfg.seq_len} must be at least 1")
+    if cfg.name == "random_tokens":
+        vocab = cfg.vocab_size or vocab_size
+        if vocab is None or vocab < 1:
+            raise ConfigError(
+                f"dataset=random_tokens needs a vocabulary size (dataset.vocab_size={vocab}); "
+                "set dataset.vocab_size=N or use a model that has one"
+            )
+        if vocab_size is not None and vocab > vocab_size:
+            raise ConfigError(
+                f"dataset.vocab_size={vocab} is beyond the model's vocabulary of {vocab_size}; "
+                f"use at most {vocab_size} (or null for the model's)"
+            )
+        return RandomTokens(n or 16, cfg.seq_len, vocab, seed), False
+    if cfg.name not in _WHAT:
+        raise ConfigError(f"unknown token dataset {cfg.name!r}; choose one of {TOKEN_DATASETS}")
+    if cfg.path is None:
+        raise ConfigError(f"dataset={cfg.name} needs dataset.path=FILE ({_WHAT[cfg.name]})")
+    p = _existing_file(cfg.path, _WHAT[cfg.name])
+    ds = _tokens_file(p, pad_token_id) if cfg.name == "tokens" else _text(p, cfg, model_cfg, n)
+    ds = ds.head(n)
+    _check_ids(ds.input_ids, vocab_size, p)
+    return ds, ds.targets is not None
+
+
+def _existing_file(path, what: str) -> Path:
+    return check_data_file(path, what, fix="")
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int | None, p: Path) -> None:
+    """Ids outside the embedding would crash deep in the model (or on a GPU, asynchronously)."""
+    where = f"dataset.path={str(p)!r}"
+    if ids.numel() and int(ids.min()) < 0:
+        sample, pos = (ids < 0).nonzero()[0].tolist()
+        raise DataError(
+            f"{where}: token id {int(ids[sample, pos])} at sample {sample} is negative; "
+            "ids index the model's embedding and must be >= 0 (mark padding in attention_mask)"
+        )
+    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+        sample, pos = (ids >= vocab_size).nonzero()[0].tolist()
+        raise DataError(
+            f"{where}: token id {int(ids[sample, pos])} at sample {sample} is beyond the model's "
+            f"vocabulary of {vocab_size}; tokenize with the model's tokenizer (dataset.tokenizer) "
+            "or check model.name"
+        )
+
+
+# --- dataset=tokens -------------------------------------------------------------------------
+
+
+def _tokens_file(p: Path, pad_token_id: int | None) -> TokenDataset:
+    where = f"dataset.path={str(p)!r}"
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DataError(
+            f"{where} is not a readable .pt file ({_first_line(e)}); save the ids with "
+            "torch.save(ids, path) or torch.save({'input_ids': ids, ...}, path)"
+        ) from None
+    if isinstance(obj, torch.Tensor):
+        obj = {"input_ids": obj}
+    if not isinstance(obj, dict) or "input_ids" not in obj:
+        keys = f" with keys {list(obj)}" if isinstance(obj, dict) else ""
+        raise DataError(
+            f"{where} holds a {type(obj).__name__}{keys}; expected a (N, T) tensor of token ids or "
+            "a dict {'input_ids': ..., 'attention_mask': ... (optional), 'labels': ... (optional)}"
+        )
+    extra = sorted(set(obj) - {"input_ids", "attention_mask", "labels", "targets"})
+    if extra:
+        raise DataError(f"{where} holds keys dataset=tokens does not use: {extra}; remove them")
+    if "labels" in obj and "targets" in obj:
+        raise DataError(f"{where} holds both 'labels' and 'targets'; keep one of them")
+    ids, mask = obj["input_ids"], obj.get("attention_mask")
+    if isinstance(ids, list | tuple):
+        ids, mask = _padded(ids, mask, pad_token_id, where)
+    ids = _integers(ids, where, "input_ids")
+    if ids.ndim != 2 or 0 in ids.shape:
+        hint = "; use ids.unsqueeze(0) for one sequence" if ids.ndim == 1 else ""
+        raise DataError(
+            f"{where}: input_ids has shape {tuple(ids.shape)}; expected (N, T), N samples of "
+            f"T tokens, both at least 1{hint}"
+        )
+    if mask is not None:
+        mask = _mask(mask, where)
+        if mask.shape != ids.shape:
+            raise DataError(
+                f"{where}: attention_mask has shape {tuple(mask.shape)} but input_ids "
+                f"{tuple(ids.shape)}; they must be equal (1 = a real token, 0 = padding)"
+            )
+    key = "labels" if "labels" in obj else "targets"
+    targets = obj.get(key)
+    if targets is not None:
+        if not isinstance(targets, torch.Tensor):
+            raise DataError(f"{where}: {key!r} is a {type(targets).__name__}, not a tensor")
+        n, t = ids.shape
+        if targets.ndim not in (1, 2) or targets.shape not in ((n,), (n, t)):
+            raise DataError(
+                f"{where}: {n} samples of {t} tokens but {key} of shape "
+                f"{tuple(targets.shape)}; expected ({n},) or ({n}, {t})"
+            )
+    return TokenDataset(ids, mask, targets)
+
+
+def _integers(t, where: str, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        try:
+            t = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError):
+            raise DataError(f"{where}: {what} is a {type(t).__name__}, not a tensor") from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise DataError(
+            f"{where}: token ids must be integers, but {what} is {t.dtype}; "
+            "save them as ids.long() (ids are never cast)"
+        )
+    return t.long()
+
+
+def _mask(m, where: str) -> torch.Tensor:
+    m = torch.as_tensor(m)
+    if m.numel() and not bool(((m == 0) | (m == 1)).all()):
+        raise DataError(f"{where}: attention_mask holds values other than 0 and 1 (1: a token)")
+    return m.long()
+
+
+def _padded(rows, mask, pad_token_id: int | None, where: str):
+    """Right-pad a list of 1-D id tensors to the longest; a mask is built where padding is added
+    (a list of masks, row by row, is padded with 0 the same way)."""
+    if not rows:
+        raise DataError(f"{where}: input_ids is an empty list; it holds no samples")
+    rows = [_integers(r, where, f"input_ids[{i}]") for i, r in enumerate(rows)]
+    masks = [_mask(m, where) for m in mask] if isinstance(mask, list | tuple) else None
+    for i, r in enumerate(rows):
+        if r.ndim != 1 or len(r) == 0 or (masks and (len(masks) <= i or masks[i].shape != r.shape)):
+            raise DataError(
+                f"{where}: input_ids[{i}] has shape {tuple(r.shape)}; a list of input_ids holds "
+                "non-empty 1-D tensors (and a list of masks, if any, one of the same length each)"
+            )
+    width = max(len(r) for r in rows)
+    if mask is None and all(len(r) == width for r in rows):
+        return torch.stack(rows), None
+    ids, built = _right_pad(rows, pad_token_id or 0, width)
+    if masks is not None:
+        return ids, _right_pad(masks, 0, width)[0]
+    return ids, built if mask is None else mask
+
+
+def _right_pad(rows, pad: int, width: int):
+    """Rows of different lengths as one (N, width) int64 tensor, and the mask of the real tokens."""
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+# --- dataset=text ---------------------------------------------------------------------------
+
+
+def _text(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDataset:
+    """Unpacked: one row per document (the tokenizer's own special tokens, cut to seq_len), padded to
+    the longest row of the whole file, so a row does not change with num_samples. Packed: documents
+    joined by EOS into rows of exactly seq_len. Text rows always carry an attention_mask."""
+    if p.suffix.lower() not in TEXT_SUFFIXES:
+        raise DataError(
+            f"dataset.path={str(p)!r} has the unsupported suffix {p.suffix!r}; dataset=text reads "
+            f"{', '.join(TEXT_SUFFIXES)}"
+        )
+    docs, lines = _documents(p, cfg.text_field)
+    tok = _tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
+    source = TextSource(p, lines, str(cfg.tokenizer or model_cfg.name), cfg.seq_len)
+    pad = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
+    T = cfg.seq_len
+    if not cfg.pack:
+        enc = tok(docs, add_special_tokens=True, truncation=True, max_length=T)["input_ids"]
+        rows = [r[:T] for r in enc]
+        if not any(rows):
+            raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
+        return TokenDataset(*_right_pad(rows, pad, max(len(r) for r in rows)), None, source)
+    flat, need, starts = [], None if num_samples is None else num_samples * T, []
+    for start in range(0, len(docs), _CHUNK):
+        chunk = docs[start : start + _CHUNK]
+        for doc in tok(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            if flat and tok.eos_token_id is not None:
+                flat.append(tok.eos_token_id)
+            starts.append(len(flat))
+            flat.extend(doc)
+        if need is not None and len(flat) >= need:
+            break
+    if not flat:
+        raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
+    rows = [flat[i : i + T] for i in range(0, len(flat), T)]
+    packed = TextSource(p, lines, source.tokenizer, T, starts, len(flat))
+    return TokenDataset(*_right_pad(rows, pad, T), None, packed)
+
+
+def _documents(p: Path, field: str) -> tuple[list[str], list[int]]:
+    """Non-empty documents: .txt lines, a field of .jsonl records, a column of .parquet; and the
+    0-based line (or row) of each."""
+    where, suffix = f"dataset.path={str(p)!r}", p.suffix.lower()
+    way_out = f"name the field holding the text with dataset.text_field=... (now {field!r})"
+    if suffix == ".parquet":
+        values = _parquet_column(p, field, where, way_out)
+    else:
+        try:
+            lines = p.read_text(encoding="utf-8").split("\n")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        values = [
+            line.rstrip("\r") if suffix == ".txt" else _jsonl_text(n, line, field, where, way_out)
+            for n, line in enumerate(lines, 1)
+        ]
+    kept = [n for n, v in enumerate(values) if v is not None and v.strip()]
+    docs = [values[n] for n in kept]
+    if not docs:
+        raise DataError(
+            f"{where} holds no documents; give one document per non-empty line (.txt), one JSON "
+            "object per line (.jsonl) or a text column (.parquet)"
+        )
+    return docs, kept
+
+
+def _jsonl_text(n: int, line: str, field: str, where: str, way_out: str):
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{where}: line {n} is not JSON ({e.msg}); a .jsonl file holds one JSON object per line"
+        ) from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: line {n} is a JSON {type(record).__name__}, not an object")
+    if field not in record:
+        raise DataError(
+            f"{where}: line {n} has no field {field!r} (keys: {list(record)}); {way_out}"
+        )
+    return _text_value(record[field], f"{where}: line {n}", field)
+
+
+def _text_value(value, where: str, field: str):
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, not text")
+    return value
+
+
+def _parquet_column(p: Path, field: str, where: str, way_out: str) -> list:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("reading .parquet needs pyarrow; pip install pyarrow") from None
+    try:
+        names = pq.read_schema(p).names
+        values = (
+            pq.read_table(p, columns=[field]).column(field).to_pylist() if field in names else 0
+        )
+    except Exception as e:
+        raise DataError(f"{where} is not a readable parquet file ({_first_line(e)})") from None
+    if values == 0:
+        raise DataError(f"{where} has no column {field!r} (columns: {names}); {way_out}")
+    return [_text_value(v, f"{where}: row {i}", field) for i, v in enumerate(values)]
+
+
+def _tokenizer(name: str, named: bool):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("dataset=text needs transformers; pip install -e '.[hf]'") from None
+    source = f"dataset.tokenizer={name!r}" if named else f"model.name={name!r} (as tokenizer)"
+    folder = Path(str(name)).expanduser()
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from a model's config.json alone
+        raise ConfigError(
+            f"{source} is a folder without tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:3])}, ...); set dataset.tokenizer to a local directory saved with tokenizer.save_pretrained(DIR)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(name))
+    except Exception as e:
+        raise ConfigError(
+            f"{source} cannot be loaded ({_first_line(e)}); set dataset.tokenizer to a local "
+            "directory saved with tokenizer.save_pretrained(DIR)"
+        ) from None

@@ -1,0 +1,416 @@
+"""Register every probe hook in one context manager and collect what one batch produces.
+
+Forward values are copied inside the hook (a later in-place op cannot change them). Gradients are
+taken with respect to the autograd edge each tensor had when the hook saw it, so an in-place op
+after the module (resnet's ReLU(inplace=True) after bn1, `out += identity` after bn2) does not move
+the gradient onto the wrong tensor, and the user's model is never modified.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from probe.build.layout import TokenBatch, reduced, token_rows, unit_axis
+from probe.build.select import Selection
+from probe.errors import ModelError
+from probe.hooks.buffers import AlignedPool, aligned_empty
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) pairs of a nested output: '' for a tensor, '.0', '.logits', '.0.aux' below it."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from flatten(v, f"{prefix}.{k}")
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        for k in value._fields:
+            yield from flatten(getattr(value, k), f"{prefix}.{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from flatten(v, f"{prefix}.{i}")
+    elif hasattr(value, "__dataclass_fields__"):
+        for k in value.__dataclass_fields__:
+            yield from flatten(getattr(value, k), f"{prefix}.{k}")
+
+
+def dataset_name(site: str, path: str, call: int) -> str:
+    """Stable name of one captured tensor: `output`, `output.1` (tuple item), `output@1` (2nd call)."""
+    return f"{site}{path}{'' if call == 0 else f'@{call}'}"
+
+
+def replace_tensors(value: Any, fn, prefix: str = "") -> Any:
+    """`value` with every tensor t at path p replaced by fn(p, t), the structure rebuilt around it."""
+    if isinstance(value, torch.Tensor):
+        return fn(prefix, value)
+    if isinstance(value, dict):
+        return type(value)((k, replace_tensors(v, fn, f"{prefix}.{k}")) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(
+            *(replace_tensors(getattr(value, k), fn, f"{prefix}.{k}") for k in value._fields)
+        )
+    if isinstance(value, list | tuple):
+        return type(value)(replace_tensors(v, fn, f"{prefix}.{i}") for i, v in enumerate(value))
+    return value
+
+
+@dataclass
+class PendingGrad:
+    key: tuple[str, str]
+    edge: GradientEdge
+    shape: torch.Size
+    selection: Selection
+
+
+@dataclass
+class BatchCapture:
+    """What one batch produced: per-sample tensors by (layer, dataset) and gradient edges to resolve."""
+
+    size: int
+    start: int = 0
+    values: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    pending: list[PendingGrad] = field(default_factory=list)
+    observe: Callable[[tuple[str, str], torch.Tensor], Any] | None = None
+    keep_values: bool = True  # False: only statistics are wanted (store.mode=stats)
+    observed: dict[tuple[str, str], Any] = field(default_factory=dict)  # key -> its statistics
+    pool: AlignedPool | None = None  # where CPU copies come from
+    pooled: list[torch.Tensor] = field(default_factory=list)  # to give back once written
+    layouts: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # across batches
+    axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis of each dataset
+    tokens: TokenBatch | None = None  # a token batch's mask (token reductions and rows)
+    recording: bool = True  # False: the edits act, nothing is captured (a grid's cell passes)
+    repeats: int = 1  # the batch stacked so many times in one forward (a grid's cells)
+    observe_device: bool = False  # `observe` also takes GPU values (the torch backend)
+
+    def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
+        """Capture `t` at `key`. `observe` (the statistics) sees the value now, before any later
+        in-place op (a CPU one while it is in cache, a GPU one where it lives, when the backend
+        reduces there); when values are not kept it needs no copy, and `values` holds an empty
+        tensor that only tells the writer the layout."""
+        observing = self.observe is not None and (t.is_cpu or self.observe_device)
+        copy = self.keep_values or not observing
+        value, axis = keep(t, sel, self.size, key, copy, self.pool, self.pooled, self.tokens)
+        self.axes[key] = axis
+        if observing:
+            self.observed[key] = self.observe(key, value, axis)
+        if observing and not self.keep_values:
+            value = self.layout(key, value)
+        self.values[key] = value
+
+    def layout(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
+        """An empty tensor shaped like a row of `value`: the layout, not the activation, which
+        the writer reads for a dataset's first batch only (its statistics merge whatever the
+        later rows' shape), so the first batch's serves them all (fewer torch calls a hook)."""
+        held = self.layouts.get(key)
+        if held is None:
+            held = self.layouts[key] = value.new_empty((0, *value.shape[1:]))
+        return held
+
+
+@dataclass
+class Target:
+    """Everything hooked on one module: its capture selection (if any) and its edits by site."""
+
+    name: str
+    module: torch.nn.Module
+    selection: Selection | None
+    edits: dict[str, list] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.captured = frozenset(self.selection.sites if self.selection is not None else ())
+
+    def captures(self, site: str) -> bool:
+        return site in self.captured
+
+    def wants(self, *sites: str) -> bool:
+        return any(s in self.captured or s in self.edits for s in sites)
+
+
+class Capture:
+    """Context manager: all hooks on entry (all or none), every hook removed on any exit.
+
+    Hooks act only between `begin()` and `end()`, so a clean forward of the same model (no edits,
+    no captures) can run in between. Order at one site: edits in config order, then capture.
+    """
+
+    def __init__(
+        self,
+        selections: list[Selection],
+        edits: list | None = None,
+        index_offset: int = 0,
+        observe: Callable[[tuple[str, str], torch.Tensor, int], Any] | None = None,
+        keep_values: bool = True,
+        observe_device: bool = False,
+    ):
+        self.selections = selections
+        self.observe = observe  # called with each capture (and its unit axis) as it is taken
+        self.observe_device = observe_device  # GPU captures too, else only CPU ones
+        self.keep_values = keep_values
+        self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
+        self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
+        targets: dict[str, Target] = {s.name: Target(s.name, s.module, s) for s in selections}
+        for e in edits or []:
+            if e.module_name not in targets:
+                targets[e.module_name] = Target(e.module_name, e.module, None)
+            targets[e.module_name].edits.setdefault(e.site, []).append(e)
+        self.targets = list(targets.values())
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.batch: BatchCapture | None = None
+        self.in_calls: Counter[str] = Counter()
+        self.out_calls: Counter[str] = Counter()
+        self.layouts: dict[tuple[str, str], torch.Tensor] = {}
+        self.axes: dict[tuple[str, str], int] = {}
+
+    def __enter__(self) -> Capture:
+        try:
+            for t in self.targets:
+                if t.wants("input", "grad_input"):
+                    self.handles.append(t.module.register_forward_pre_hook(self._pre_hook(t)))
+                if t.wants("output", "grad_output"):
+                    self.handles.append(t.module.register_forward_hook(self._post_hook(t)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()
+        self.batch = None
+
+    def begin(
+        self,
+        size: int,
+        start: int = 0,
+        tokens: TokenBatch | None = None,
+        recording: bool = True,
+        repeats: int = 1,
+    ) -> BatchCapture:
+        self.batch = BatchCapture(
+            size,
+            self.index_offset + start,
+            observe=self.observe,
+            keep_values=self.keep_values,
+            pool=self.pool,
+            layouts=self.layouts,
+            axes=self.axes,
+            tokens=tokens,
+            recording=recording,
+            repeats=repeats,
+            observe_device=self.observe_device,
+        )
+        self.in_calls.clear()
+        self.out_calls.clear()
+        return self.batch
+
+    def end(self) -> None:
+        self.batch = None
+
+    def _pre_hook(self, t: Target):
+        def hook(module, args):
+            if self.batch is None:
+                return None
+            call = self.in_calls[t.name]
+            self.in_calls[t.name] += 1
+            if not args:
+                raise ModelError(
+                    f"layer {t.name!r} was called with no positional input, so it has no "
+                    "'input'/'grad_input' to capture or edit; use the output site or exclude it"
+                )
+            new = [
+                self._site(
+                    t,
+                    a,
+                    "" if len(args) == 1 else f".{i}",
+                    call,
+                    "input",
+                    "grad_input",
+                    own_use=True,
+                )
+                if isinstance(a, torch.Tensor)
+                else a
+                for i, a in enumerate(args)
+            ]
+            return tuple(new) if any(n is not a for n, a in zip(new, args, strict=True)) else None
+
+        return hook
+
+    def _post_hook(self, t: Target):
+        def hook(module, args, output):
+            if self.batch is None:
+                return None
+            call = self.out_calls[t.name]
+            self.out_calls[t.name] += 1
+            if isinstance(output, torch.Tensor):  # most modules: no structure to walk
+                new = self._site(t, output, "", call, "output", "grad_output")
+                return None if new is output else new
+            new = replace_tensors(
+                output, lambda path, x: self._site(t, x, path, call, "output", "grad_output")
+            )
+            changed = any(
+                a is not b for (_, a), (_, b) in zip(flatten(new), flatten(output), strict=True)
+            )
+            return new if changed else None
+
+        return hook
+
+    def _site(
+        self,
+        t: Target,
+        x: torch.Tensor,
+        path: str,
+        call: int,
+        site: str,
+        grad_site: str,
+        own_use: bool = False,
+    ) -> torch.Tensor:
+        """Edit then capture one tensor at one site; returns the tensor the model goes on with."""
+        batch = self.batch
+        key = dataset_name(site, path, call)
+        sel = t.selection
+        edited = x
+        for e in t.edits.get(site, []):
+            if batch.repeats == 1:
+                edited = e.apply(edited, batch.start, key, batch.tokens)
+            else:  # the batch repeated (a grid's stacked cells): each repeat edited alike
+                parts = edited.chunk(batch.repeats)
+                edited = torch.cat([e.apply(c, batch.start, key, batch.tokens) for c in parts])
+        captured = site in t.captured and batch.recording
+        if captured and edited is not x and sel.unedited:
+            batch.take((t.name, "unedited_" + key), x, sel)
+        if captured:
+            batch.take((t.name, key), edited, sel)
+        if not edited.requires_grad or not t.wants(grad_site):
+            return edited
+        if own_use:  # grad_input is this module's own contribution, not every use of the tensor
+            edited = edited.clone()
+        gkey = (t.name, dataset_name(grad_site, path, call))
+        if t.captures(grad_site):
+            check_batch_axis(edited, batch.size, gkey)
+            batch.pending.append(PendingGrad(gkey, get_gradient_edge(edited), edited.shape, sel))
+        grad_edits = t.edits.get(grad_site, [])
+        if grad_edits:
+            edited.register_hook(self._grad_hook(t, grad_edits, grad_site, gkey, batch))
+        return edited
+
+    @staticmethod
+    def _grad_hook(
+        t: Target, edits: list, grad_site: str, gkey: tuple[str, str], batch: BatchCapture
+    ):
+        """Applies gradient edits as the gradient flows back; a probe on the site keeps the result."""
+
+        def hook(grad):
+            for e in edits:
+                grad = e.apply(grad, batch.start, gkey[1])
+            if t.captures(grad_site):
+                batch.take(gkey, grad, t.selection)
+            return grad
+
+        return hook
+
+
+def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
+    shape = t.shape
+    if not shape or shape[0] != size:
+        raise ModelError(
+            f"layer {key[0]!r} {key[1]} has shape {tuple(t.shape)}, whose first axis is not the batch "
+            f"of {size}; exclude this layer from the probe (exclude: [{key[0]!r}])"
+        )
+
+
+def keep(
+    t: torch.Tensor,
+    sel: Selection,
+    size: int,
+    key: tuple[str, str],
+    copy: bool = True,
+    pool: AlignedPool | None = None,
+    lent: list[torch.Tensor] | None = None,
+    tokens: TokenBatch | None = None,
+) -> tuple[torch.Tensor, int]:
+    """A private copy of `t` (with copy=False: possibly `t` itself) after the probe's reduction
+    or token rows, in its storage dtype, on its device (probe.hooks.device.to_host moves GPU copies to
+    the host without stalling the GPU), and the axis of its units. A CPU copy is page-aligned,
+    taken from `pool` and listed in `lent` when they are given."""
+    check_batch_axis(t, size, key)
+    ndim = t.ndim
+    axis = unit_axis(sel.unit_axis, sel.class_axis, ndim, f"probe {sel.probe!r} layer {key[0]!r}")
+    kind = t.dtype
+    dtype = DTYPES[sel.dtype] if kind.is_floating_point else kind
+    by_token = sel.rows == "tokens" and ndim >= 2
+    shaped = by_token or (sel.reduce != "none" and ndim >= 3)
+    if not copy and not shaped and kind == dtype:  # (few tensor calls: in a hook each costs)
+        return (t if not t.requires_grad else t.detach()), axis
+    x = t.detach()
+    fresh = False  # x is a new tensor already (no copy needed)
+    if by_token:
+        x, axis = token_rows(x, axis, tokens, f"probe {sel.probe!r} layer {key[0]!r} {key[1]}")
+        fresh = tokens.flat is not None
+    elif shaped:
+        where = f"probe {sel.probe!r} layer {key[0]!r} {key[1]}"
+        x, axis = reduced(x, sel.reduce, axis, tokens, where)
+        fresh = True
+        dtype = DTYPES[sel.dtype] if x.is_floating_point() else x.dtype  # means are float
+    if copy and not fresh and x.device.type == "cpu":  # aligned, so it can be written O_DIRECT
+        if pool is None:
+            return aligned_empty(x.shape, dtype).copy_(x), axis
+        buffer = pool.take(x.shape, dtype)
+        if lent is not None:  # given back to `pool` once the batch is written
+            lent.append(buffer)
+        return buffer.copy_(x), axis
+    return x.to(dtype=dtype, copy=copy and not fresh), axis
+
+
+def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Selection]) -> dict:
+    """Fill batch.values with grad_output/grad_input per sample; return per-batch parameter grads."""
+    params = [
+        (sel, pname, p)
+        for sel in selections
+        if "param_grad" in sel.sites
+        for pname, p in sel.module.named_parameters()
+        if p.requires_grad
+    ]
+    edges: list[GradientEdge] = []
+    index: dict[tuple[int, int], int] = {}
+    slots = []
+    for pg in batch.pending:
+        ident = (id(pg.edge.node), pg.edge.output_nr)
+        if ident not in index:
+            index[ident] = len(edges)
+            edges.append(pg.edge)
+        slots.append(index[ident])
+    inputs = edges + [p for _, _, p in params]
+    if not inputs:
+        return {}
+    if loss.requires_grad:
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    else:  # every path to the objective was cut (e.g. a zeroed layer): all gradients are zero
+        grads = (None,) * len(inputs)
+    for pg, slot in zip(batch.pending, slots, strict=True):
+        g = grads[slot]
+        if g is None:
+            g = torch.zeros(pg.shape)
+        key = pg.key
+        if key in batch.values:  # an edit hook stored the edited gradient; this is the one before
+            if not pg.selection.unedited:
+                continue
+            key = (key[0], "unedited_" + key[1])
+        batch.take(key, g, pg.selection)
+    param_grads = {}
+    for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
+        g = torch.zeros_like(p) if g is None else g.detach()
+        row = g.to(DTYPES[sel.dtype], copy=True)[None]  # one row per batch, on the model's device
+        param_grads[(sel.name, f"param_grad.{pname}")] = row
+    batch.pending.clear()
+    return param_grads

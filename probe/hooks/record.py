@@ -1,0 +1,36 @@
+"""What one batch hands the writer: its captures, per-sample and per-batch, and what goes with them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Record:
+    """One batch: per-sample tensors (axis 0 = samples) and per-batch tensors (one row per batch)."""
+
+    start: int
+    size: int
+    batch_index: int
+    values: dict[tuple[str, str], torch.Tensor]
+    per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    targets: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
+    ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
+    # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
+    counted: dict[tuple[str, str], Any] = field(default_factory=dict)  # RunningStats or packed
+    # gives the values' buffers back for reuse once written; they may not be read after
+    release: Callable[[], None] | None = None
+    axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis by dataset
+    # a token batch's /tokens/{sample,position,id} rows (the rows of `token_layers` datasets)
+    tokens: dict[str, np.ndarray] | None = None
+    batch_rows: dict[str, np.ndarray] = field(default_factory=dict)  # one row for this batch
+
+    @property
+    def token_count(self) -> int:
+        return 0 if self.tokens is None else len(self.tokens["tokens/sample"])

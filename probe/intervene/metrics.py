@@ -1,0 +1,120 @@
+"""How an edit moves a model's answer, per sample, read at one token position: the answer tokens'
+logits and probabilities, and the distance of the whole next-token distribution.
+
+Each metric has a value on the run's own input unedited (the target), on the source input (where
+there is one) and edited; `normalized = (edited - target) / (source - target)` of the means over
+samples says how much of the way from target to source the edit moved the answer (1: all of it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probe.build.layout import TokenBatch
+from probe.errors import ConfigError
+
+METRICS = ("logit_diff", "answer_logprob", "answer_prob", "kl", "output_change")
+NEEDS = {
+    "logit_diff": ("answer", "wrong"),
+    "answer_logprob": ("answer",),
+    "answer_prob": ("answer",),
+}
+COLUMNS = ["metric", "n", "target", "source", "edited", "normalized"]
+
+
+def check_metrics(names, has: set[str]) -> list[str]:
+    """The asked metrics, each known and with the answer tokens it reads in the data."""
+    names = list(names or [])
+    for name in names:
+        if name not in METRICS:
+            raise ConfigError(
+                f"intervene.metrics: {name!r} is unknown; choose from {', '.join(METRICS)}"
+            )
+        missing = [k for k in NEEDS.get(name, ()) if k not in has]
+        if missing:
+            raise ConfigError(
+                f"intervene.metrics: {name} reads the {' and '.join(missing)} tokens, which the "
+                "dataset does not give; use dataset=pairs with answer and wrong, or the metrics "
+                "kl and output_change"
+            )
+    return names
+
+
+def at_position(logits: torch.Tensor, tokens: TokenBatch | None, position: int | None):
+    """(N, V) float64 logits at `position` (negative: from each sample's last real token; None:
+    the last real token) of (N, T, V) logits; (N, V) logits as they are."""
+    if logits.ndim == 2:
+        return logits.double()
+    n, t = logits.shape[:2]
+    last = tokens.last.to(logits.device) if tokens is not None else torch.full((n,), t - 1)
+    if position is None:
+        index = last
+    elif position < 0:
+        index = last + 1 + position
+    else:
+        index = torch.full_like(last, position)
+    if bool(((index < 0) | (index >= t)).any()):
+        raise ConfigError(
+            f"intervene.position={position} is outside the {t} tokens of a sample; give a "
+            f"position in [-{t}, {t}) or leave it unset for the last real token"
+        )
+    return logits[torch.arange(n, device=logits.device), index.to(logits.device)].double()
+
+
+def _picked(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits[i, ids[i, k]] with -1 ids (padding) as NaN: (N, K)."""
+    ids = ids.to(logits.device).reshape(len(logits), -1)
+    got = logits.gather(1, ids.clamp(min=0))
+    return got.masked_fill(ids < 0, math.nan)
+
+
+def value(name: str, logits, reference, side: dict) -> torch.Tensor:
+    """Metric `name` per sample of (N, V) logits; `reference` the target's, for kl and
+    output_change. answer_prob is the total probability of the answer tokens, answer_logprob
+    its log, logit_diff the mean answer logit minus the mean wrong logit."""
+    if name == "logit_diff":
+        return _picked(logits, side["answer"]).nanmean(1) - _picked(logits, side["wrong"]).nanmean(
+            1
+        )
+    if name in ("answer_logprob", "answer_prob"):
+        logp = _picked(logits.log_softmax(1), side["answer"]).nan_to_num(nan=-math.inf)
+        total = logp.logsumexp(1)
+        return total if name == "answer_logprob" else total.exp()
+    if name == "kl":
+        p, q = reference.log_softmax(1), logits.log_softmax(1)
+        return (p.exp() * (p - q)).sum(1)
+    return (logits - reference).abs().mean(1)
+
+
+def per_sample(names, target, source, edited, side: dict) -> dict[str, torch.Tensor]:
+    """{metric: (N, 3) float64 [target, source, edited]} (NaN source without one), on the CPU."""
+    out = {}
+    for name in names:
+        cols = [value(name, target, target, side)]
+        cols.append(value(name, source, target, side) if source is not None else cols[0] * math.nan)
+        cols.append(value(name, edited, target, side))
+        out[name] = torch.stack(cols, 1).cpu()
+    return out
+
+
+def summary(rows: dict[str, np.ndarray]) -> pd.DataFrame:
+    """effects.csv of the metrics: per metric the means over samples and `normalized`."""
+    table = []
+    for name, a in rows.items():
+        target, source, edited = (float(np.mean(a[:, j])) for j in range(3))
+        span = source - target
+        table.append(
+            {
+                "metric": name,
+                "n": len(a),
+                "target": target,
+                "source": source,
+                "edited": edited,
+                "normalized": (edited - target) / span if span else math.nan,
+            }
+        )
+    return pd.DataFrame(table, columns=COLUMNS)

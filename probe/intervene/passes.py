@@ -1,0 +1,315 @@
+"""The forward passes a run with edits makes before its edited one, batch by batch: the run's own
+input unedited (the target: effects, metrics, `source: clean` patches), and for `source: pair`
+patches the other half of a pairs batch (the source). The sites a patch reads are recorded in
+those passes, on the model's device.
+
+With `dataset=pairs` the run's own input is the corrupt half when denoising (clean values are
+patched in) and the clean half when noising.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils.data import Subset
+
+from probe.build.data import Batch
+from probe.build.layout import TokenBatch
+from probe.build.select import Selection
+from probe.errors import ConfigError
+from probe.hooks import device as devices
+from probe.hooks.capture import Capture
+from probe.hooks.forward import answer, call, first_output, output_rows, to_device
+from probe.intervene.effects import BATCH_ROWS, Effects
+from probe.intervene.grid import Grid, grid_spec, heatmap, patching_table
+from probe.intervene.metrics import at_position, check_metrics, per_sample, summary, value
+from probe.intervene.patching import SOURCES, Patch
+from probe.store.fileformat import read_progress
+from probe.store.runfile import open_probe_file
+
+log = logging.getLogger("probe")
+
+
+def split_pair(batch: Batch, direction: str) -> tuple[Batch, dict | None]:
+    """(the batch with the run's own input, the source half's inputs) of a pairs batch; other
+    batches as they are, with no source."""
+    if "corrupt_ids" not in batch.side:
+        return batch, None
+    clean = batch.inputs
+    corrupt = {**clean, "input_ids": batch.side["corrupt_ids"]}
+    own, other = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
+    return replace(batch, inputs=own), other
+
+
+def direction_of(edits, is_pairs: bool, grid=None) -> str:
+    """The direction of the run's patches and grid (they must agree); noise (own input: clean)
+    when there are none."""
+    found = {e.describe.get("direction") for e in edits if _source(e) is not None}
+    if grid is not None:
+        found.add(grid.direction)
+    if len(found) > 1:
+        raise ConfigError(
+            "intervene: the patches disagree on direction (denoise and noise); the run feeds one "
+            "half of each pair, so give them one direction"
+        )
+    from_pair = any(_source(e) == "pair" for e in edits) or (grid and grid.source == "pair")
+    if from_pair and not is_pairs:
+        raise ConfigError(
+            "intervene: op=patch with source=pair needs dataset=pairs (clean and corrupt halves); "
+            "use source=clean or an earlier run's directory"
+        )
+    return found.pop() if found else "noise"
+
+
+def _source(edit) -> str | None:
+    return edit.fn.source if isinstance(edit.fn, Patch) else None
+
+
+@dataclass
+class Interventions:
+    """Per batch: the passes around the edited forward and what they measure."""
+
+    effects: Effects | None
+    metrics: list[str]
+    position: int | None
+    direction: str
+    recorders: dict[str, tuple[Capture, list[Patch]]]  # by source: pair, clean
+    grid: Grid | None = None
+    labels: list[int] | None = None  # the first sample's ids (the heatmap's positions)
+    tokenizer: str | None = None  # a local tokenizer to show them as tokens
+    held: list = field(default_factory=list)  # (capture, its lent host buffers) of this batch
+    recorded: dict = field(default_factory=dict)  # this batch's values of the sites, by source
+    batch_rows: dict = field(default_factory=dict)  # this batch's one-row datasets (effects)
+
+    @classmethod
+    def of(cls, model, edits, options, dataset, is_pairs: bool, tokenizer=None):
+        spec = grid_spec(options)
+        if not edits and spec is None:
+            return None
+        while isinstance(dataset, Subset):  # (a torchrun shard, a resumed run)
+            dataset = dataset.dataset
+        metrics = check_metrics((options or {}).get("metrics"), side_keys(dataset))
+        ids = getattr(dataset, "input_ids", None)
+        length = ids.shape[1] if ids is not None else None
+        grid = Grid(model, spec, length) if spec is not None else None
+        if grid is not None and not metrics:
+            raise ConfigError("intervene=patch_grid needs intervene.metrics, e.g. [logit_diff]")
+        sites: dict[str, dict] = {}
+        patches: dict[str, list] = {}
+        for e in edits:
+            if _source(e) in SOURCES:
+                sites.setdefault(_source(e), {}).setdefault(e.module_name, (e.module, set()))
+                sites[_source(e)][e.module_name][1].add(e.site)
+                patches.setdefault(_source(e), []).append(e.fn)
+        if grid is not None and grid.source in SOURCES:
+            for name, module in grid.modules:
+                sites.setdefault(grid.source, {}).setdefault(name, (module, set()))[1].add(
+                    grid.site
+                )
+        recorders = {
+            kind: (Capture([Selection(n, m, tuple(sorted(s)), "none", "float32", "patch")
+                            for n, (m, s) in found.items()]), patches.get(kind, []))
+            for kind, found in sites.items()
+        }  # fmt: skip
+        direction = direction_of(edits, is_pairs, grid)
+        effects = None if metrics or grid else Effects()
+        found = cls(effects, metrics, position_of(options), direction, recorders, grid)
+        found.tokenizer = tokenizer
+        return found
+
+    def __enter__(self) -> Interventions:
+        try:  # all hooks or none
+            for capture, _ in self.recorders.values():
+                capture.__enter__()
+            if self.grid is not None:
+                self.grid.__enter__()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.grid is not None:
+            self.grid.__exit__(*exc)
+        for capture, _ in self.recorders.values():
+            capture.__exit__(*exc)
+
+    def before(self, model, batch: Batch, inputs, source, tokens, device, precision) -> dict:
+        """The target (own input, unedited; a grid's target is the run's own forward) and the
+        source passes, recording the sites patches and the grid read."""
+        run = (model, batch, tokens, device, precision)
+        out = {}
+        if self.grid is None or "clean" in self.recorders:
+            out["clean"] = self._pass(*run, "clean", inputs)
+        wanted = "pair" in self.recorders or (self.metrics and self.grid is None)
+        if source is not None and wanted:
+            out["pair"] = self._pass(*run, "pair", to_device(model, source, device, True))
+        if self.grid is not None:
+            self.grid.values = self.recorded.get(self.grid.source, {})
+        return out
+
+    def _pass(self, model, batch: Batch, tokens, device, precision, kind: str, inputs):
+        capture, patches = self.recorders.get(kind, (None, []))
+        captured = capture.begin(batch.size, batch.start, tokens) if capture else None
+        try:
+            with torch.inference_mode(), devices.autocast(device, precision):
+                output = call(model, inputs)
+        finally:
+            if capture:
+                capture.end()
+        if captured is not None:
+            self.held.append((capture, captured.pooled))
+            self.recorded[kind] = captured.values
+            for p in patches:
+                p.recorded.values = captured.values
+        return output
+
+    def after(self, passes, output, batch: Batch, inputs, tokens, model_output: str, run):
+        """Per-sample rows for the file, from the passes and the edited `output`: single edits'
+        target outputs (/model/output_clean) and metrics (/effects/<metric>: target, source,
+        edited), or each grid cell's metrics (/patching/<metric>: a column per cell)."""
+        if self.grid is not None:
+            if batch.start == 0 and isinstance(batch.inputs, dict):
+                self.labels = batch.inputs["input_ids"][0].tolist()
+            return self._cells(passes, output, batch, inputs, tokens, *run)
+        target = passes["clean"]
+        rows = output_rows(target, model_output, batch.size, tokens, "model/output_clean")
+        if self.effects is not None:
+            this = Effects()
+            this.update(answer(target, tokens), answer(output, tokens), batch.targets)
+            self.effects = Effects.from_rows(np.stack([self.effects.vector(), this.vector()]))
+            self.batch_rows = {BATCH_ROWS: this.vector()[None]}
+        if self.metrics:
+            read = [at(x, tokens, self.position) for x in (target, passes.get("pair"), output)]
+            values = per_sample(self.metrics, *read, batch.side)
+            rows.update({f"effects/{k}": v for k, v in values.items()})
+        return rows
+
+    def _cells(self, passes, output, batch, inputs, tokens, model, device, precision, capture):
+        """Each cell's metrics per sample, read from the logits at the metrics' position (only
+        the last position's are computed where that is all they read: HF's logits_to_keep)."""
+        target = at(output, tokens, self.position)
+        source = at(passes.get(self.grid.source), tokens, self.position)
+        last_only = self._last_only(model, inputs, tokens)
+        cell_inputs = {**inputs, "logits_to_keep": 1} if last_only else inputs
+
+        def read(out, k: int) -> list:
+            chunks = first_output(out).chunk(k)
+            if last_only:
+                return [c[:, -1].double() for c in chunks]
+            return [at_position(c, tokens, self.position) for c in chunks]
+
+        with devices.autocast(device, precision):
+            edited = self.grid.run_cells(
+                model, capture, cell_inputs, tokens, batch.size, batch.start, read
+            )
+        rows = {}
+        for name in self.metrics:
+            base = per_sample([name], target, source, target, batch.side)[name]
+            rows[f"patching/{name}_target"], rows[f"patching/{name}_source"] = (
+                base[:, 0],
+                base[:, 1],
+            )
+            cells = [value(name, e, target, batch.side) for e in edited]
+            rows[f"patching/{name}"] = torch.stack(cells, 1).cpu()
+        return rows
+
+    def _last_only(self, model, inputs, tokens) -> bool:
+        """Whether the metrics read only the last position of every sample, and the model can
+        compute only that position's logits."""
+        if not isinstance(inputs, dict) or tokens is None or tokens.mask is not None:
+            return False
+        if self.position not in (None, -1):
+            return False
+        try:
+            return "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def attrs(self) -> dict:
+        """File attributes that say what /patching's columns are."""
+        if self.grid is None:
+            return {}
+        return {"patching_cells": self.grid.describe(), "patching_site": self.grid.site}
+
+    def report(self, h5_path, run_dir) -> None:
+        """effects.csv, or for a grid patching.csv and its heatmap, from every sample the file
+        holds (a resumed run's too)."""
+        if self.grid is not None:
+            table = patching_table(h5_path, self.grid, self.metrics)
+            table.to_csv(run_dir / "patching.csv", index=False)
+            labels = token_labels(self.labels, self.tokenizer) if self.labels else None
+            heatmap(table, run_dir / "patching.png", self.grid, labels)
+            return
+        table = effects_table(self, h5_path)
+        table.to_csv(run_dir / "effects.csv", index=False)
+        log.info("effects: %s (effects.csv)", one_line(table))
+
+    def release(self) -> None:
+        """Give the recorded values' host buffers back once the edited pass is done."""
+        for _, patches in self.recorders.values():
+            for p in patches:
+                p.recorded.values = {}
+        self.recorded.clear()
+        while self.held:
+            capture, pooled = self.held.pop()
+            capture.pool.give(pooled)
+
+
+def position_of(options) -> int | None:
+    position = (options or {}).get("position")
+    if position is not None and (isinstance(position, bool) or not isinstance(position, int)):
+        raise ConfigError(f"intervene.position={position!r} must be a token position (an int)")
+    return position
+
+
+def at(output, tokens: TokenBatch | None, position: int | None):
+    return None if output is None else at_position(first_output(output), tokens, position)
+
+
+def side_keys(dataset) -> set[str]:
+    """Which answer tokens a dataset gives (a pairs dataset's answer and wrong)."""
+    return {k for k in ("answer", "wrong") if getattr(dataset, k, None) is not None}
+
+
+def effects_table(interventions: Interventions, h5_path) -> pd.DataFrame:
+    """effects.csv: the metrics over every sample the file holds (so a resumed run counts the
+    samples before its resumption), else the summary of the output's change."""
+    with open_probe_file(h5_path) as f:
+        progress = read_progress(f)
+        if not interventions.metrics:
+            if BATCH_ROWS in f:  # every batch's, those before a resumption included
+                return Effects.from_rows(f[BATCH_ROWS][: progress.batches]).table()
+            return interventions.effects.table()
+        valid = progress.samples
+        rows = {m: f[f"effects/{m}"][:valid] for m in interventions.metrics if f"effects/{m}" in f}
+    return summary(rows)
+
+
+def one_line(table: pd.DataFrame) -> str:
+    """The effects table in one line: each column's value, or per metric its normalized value."""
+    if "metric" in table:
+        return "; ".join(
+            f"{r.metric} {r.target:.4g} -> {r.edited:.4g} (normalized {r.normalized:.3g})"
+            for r in table.itertuples()
+        )
+    row = table.iloc[0]
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+
+
+def token_labels(ids: list[int], tokenizer: str | None) -> list[str]:
+    """The tokens of `ids` by a tokenizer in a local folder, else the ids themselves."""
+    if tokenizer and Path(tokenizer).is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(tokenizer).convert_ids_to_tokens(ids)
+        except Exception:  # noqa: BLE001 - the ids serve as well
+            pass
+    return [str(i) for i in ids]

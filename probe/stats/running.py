@@ -1,0 +1,369 @@
+"""Streaming per-dataset statistics with exact merges in float64 (Chan et al. for mean and variance).
+
+Each batch is reduced by a backend (`probe.stats.backend`: the torch reference `probe.stats.torch_backend`, on
+the tensor's own device, or the compiled numba accelerator `probe.stats.numba_backend`) into the fields
+below, accumulated in float64; batches, files and processes merge with the same `merge`. This
+module needs numpy alone. Mean, std, min, max, abs_mean and rms are over the finite values; NaN
+and Inf are counted apart. std is the population standard deviation (ddof=0).
+
+A batch is viewed as (rows, units, rest): units lie along the dataset's unit axis (channels of a
+conv output, features of a linear one). Each unit's moments are taken about its own values and
+the units merged with Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
+
+Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
+sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
+sparse), so histograms merge exactly by adding counts. A quantile is the
+midpoint of the bucket holding the value of rank floor(q*(n-1)) (numpy's method="lower"), clipped to
+[min, max]; its error is at most QUANTILE_REL_ERROR = 2**-8 (0.39%) of that value's magnitude
+(at most 2**-133 in absolute terms for |values| below 2**-126, where float32 turns subnormal).
+
+Per-unit statistics: finite count, sum, min, max, count above zero, and for bounded activations
+the count of values within 1% of the range from a bound. A unit is *dead* when no value of it was
+ever above zero; it is *saturated* when every value of it was within 1% of the range from a bound
+of the module's output range (`SATURATING`, output sites only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+QUANTILE_REL_ERROR = 2.0**-8
+QUANTILES = {"p01": 0.01, "p50": 0.5, "p99": 0.99}
+# Output range of bounded activations (defaults of their torch constructors).
+SATURATING = {
+    "Sigmoid": (0.0, 1.0),
+    "Hardsigmoid": (0.0, 1.0),
+    "Tanh": (-1.0, 1.0),
+    "Hardtanh": (-1.0, 1.0),
+    "ReLU6": (0.0, 6.0),
+}
+SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
+SCALARS = (
+    "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
+)  # fmt: skip
+INTEGER_SCALARS = {"rows", "n", "zeros", "nan_count", "inf_count"}
+UNIT_FIELDS = ("count", "sum", "min", "max", "positive", "saturated")  # rows of a saved `units`
+
+
+class LogHistogram:
+    """Counts per float32 bucket of constant relative width (2**-7); merges by adding counts."""
+
+    BINS = 1 << 16
+
+    def __init__(self, counts: np.ndarray | None = None):
+        counts = counts if counts is not None else np.zeros(self.BINS, dtype=np.int64)
+        self._rows = counts[None]  # its own counts, then lanes that other threads count into
+
+    @property
+    def counts(self) -> np.ndarray:
+        rows = self._rows
+        for lane in rows[1:]:
+            np.add(rows[0], lane, out=rows[0])
+            lane[:] = 0
+        return rows[0]
+
+    def lanes(self, n: int) -> np.ndarray:
+        """(n, BINS) counts, one row per thread: this histogram's own, then helpers' lanes (kept
+        across batches, so a parallel batch allocates and adds nothing)."""
+        if len(self._rows) < n:
+            rows = np.zeros((n, self.BINS), dtype=self._rows.dtype)
+            rows[: len(self._rows)] = self._rows
+            self._rows = rows
+        return self._rows[:n]
+
+    def add_to(self, counts: np.ndarray) -> None:
+        np.add(counts, self.counts, out=counts)
+
+    def merge(self, other: LogHistogram | BucketSpans) -> None:
+        other.add_to(self.counts)
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket midpoints, counts) of the non-empty buckets in increasing value order."""
+        index, counts = occupied(self.counts, True)
+        return bucket_midpoints(index), counts
+
+    def quantiles(self, qs, lo: float, hi: float) -> list[float]:
+        """Value of rank floor(q*(n-1)) for each q, within QUANTILE_REL_ERROR of the true one."""
+        mids, counts = self.ordered()
+        n = int(counts.sum())
+        if n == 0:
+            return [math.nan for _ in qs]
+        cum = np.cumsum(counts)
+        ranks = np.floor(np.asarray(qs, dtype=np.float64) * (n - 1)).astype(np.int64)
+        picked = mids[np.searchsorted(cum, ranks, side="right")]
+        return [float(v) for v in np.clip(picked, lo, hi)]
+
+    def sparse(self) -> tuple[np.ndarray, np.ndarray]:
+        index, counts = occupied(self.counts, False)
+        return index.astype(np.int32), counts
+
+    @classmethod
+    def from_sparse(cls, index: np.ndarray, count: np.ndarray) -> LogHistogram:
+        h = cls()
+        h.counts[np.asarray(index, dtype=np.int64)] = np.asarray(count, dtype=np.int64)
+        return h
+
+
+class BucketSpans:
+    """One batch's histogram as copies of the bucket ranges its finite values can fall in (one
+    per sign, from its min and max): up to the bucket of the largest magnitude instead of all
+    65536 (a batch in [-5, 5] copies 33K buckets, one in [1, 2] 129)."""
+
+    def __init__(self, heads: np.ndarray, counts: np.ndarray):
+        self.heads = heads  # (first bucket, length) per range
+        self.spans = counts  # int64 counts of the ranges, one after another
+
+    def add_to(self, counts: np.ndarray) -> None:
+        offset = 0
+        for start, length in self.heads.tolist():
+            counts[start : start + length] += self.spans[offset : offset + length]
+            offset += length
+
+
+def bucket_midpoints(index: np.ndarray) -> np.ndarray:
+    """The midpoint of each bucket; the bucket of +-0 (and |x| < 2**-133) is represented by 0."""
+    index = np.asarray(index, dtype=np.int64)
+    negative = index >= (1 << 15)
+    magnitude = np.where(negative, index - (1 << 15), index)
+    lo = (magnitude.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    hi = ((magnitude + 1).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    mid = np.where(magnitude == 0, 0.0, (lo + hi) / 2)
+    return np.where(negative, -mid, mid)
+
+
+@dataclass
+class UnitStats:
+    """Per-unit (axis 1) counts, sums and extremes; merges exactly by adding and comparing."""
+
+    count: np.ndarray
+    sum: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    positive: np.ndarray
+    saturated: np.ndarray | None = None
+
+    @classmethod
+    def empty(cls, width: int) -> UnitStats:
+        """What merges into anything unchanged."""
+        zeros = np.zeros(width, np.int64)
+        return cls(
+            zeros, np.zeros(width), np.full(width, np.inf), np.full(width, -np.inf), zeros.copy()
+        )
+
+    def merge(self, b: UnitStats) -> None:
+        if b.count.shape != self.count.shape:
+            raise ValueError(f"unit counts differ: {self.count.shape} vs {b.count.shape}")
+        self.count += b.count
+        self.sum += b.sum
+        self.positive += b.positive
+        np.minimum(self.min, b.min, out=self.min)
+        np.maximum(self.max, b.max, out=self.max)
+        if self.saturated is not None and b.saturated is not None:
+            self.saturated += b.saturated
+
+    def packed(self) -> np.ndarray:
+        """(UNIT_FIELDS, units) float64, the saturated row only where it is tracked."""
+        rows = [self.count, self.sum, self.min, self.max, self.positive]
+        return np.stack(rows + ([] if self.saturated is None else [self.saturated])).astype(float)
+
+    @classmethod
+    def unpacked(cls, a: np.ndarray) -> UnitStats:
+        a = np.asarray(a, dtype=np.float64)
+        ints = [a[i].astype(np.int64) for i in (0, 4, 5) if i < len(a)]
+        return cls(ints[0], a[1].copy(), a[2].copy(), a[3].copy(), *ints[1:])
+
+    def dead(self) -> np.ndarray:
+        """Units never above zero (among their finite values), and that saw at least one value."""
+        return (self.positive == 0) & (self.count > 0)
+
+    def saturated_units(self) -> np.ndarray | None:
+        if self.saturated is None:
+            return None
+        return (self.saturated == self.count) & (self.count > 0)
+
+
+@dataclass
+class RunningStats:
+    rows: int = 0
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    abs_sum: float = 0.0
+    zeros: int = 0
+    nan_count: int = 0
+    inf_count: int = 0
+    l2_sum: float = 0.0  # sum over rows of each row's L2 norm (finite values)
+    bounds: tuple[float, float] | None = None  # output range of a saturating activation
+    hist: LogHistogram | None = field(default_factory=LogHistogram)
+    units: UnitStats | None = None
+    unit_axis: int = 1  # the axis of a batch (axis 0: rows) along which the units lie
+
+    def merge(self, b) -> None:
+        """Chan et al.: exact for count, mean and M2 in float64; the rest add or compare. `b` is
+        another RunningStats, or a backend's packed batch result, which folds itself in."""
+        fold = getattr(b, "fold_into", None)
+        if fold is not None:
+            fold(self)
+            return
+        self.add(
+            b.rows, b.n, b.mean, b.m2, b.min, b.max, b.abs_sum, b.zeros, b.nan_count, b.inf_count,
+            b.l2_sum,
+        )  # fmt: skip
+        if b.hist is not None:
+            self.hist.merge(b.hist)
+        if b.units is not None:
+            if self.units is None:
+                self.units = b.units
+            else:
+                self.units.merge(b.units)
+
+    def add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
+        total = self.n + n
+        if n:
+            d = mean - self.mean
+            self.mean += d * n / total
+            self.m2 += m2 + d * d * self.n * n / total
+            self.min, self.max = min(self.min, lo), max(self.max, hi)
+        self.n = total
+        self.rows += rows
+        self.abs_sum += abs_sum
+        self.zeros += zeros
+        self.nan_count += nans
+        self.inf_count += infs
+        self.l2_sum += l2_sum
+
+    def as_row(self) -> dict:
+        n = self.n
+        total = n + self.nan_count + self.inf_count
+        quantiles = self.hist.quantiles(list(QUANTILES.values()), self.min, self.max)
+        row = {
+            "rows": self.rows,
+            "n": n,
+            "mean": self.mean if n else math.nan,
+            "std": math.sqrt(max(self.m2, 0.0) / n) if n else math.nan,
+            "min": self.min if n else math.nan,
+            "max": self.max if n else math.nan,
+            "abs_mean": self.abs_sum / n if n else math.nan,
+            "rms": math.sqrt((self.m2 + n * self.mean**2) / n) if n else math.nan,
+            "frac_zero": self.zeros / total if total else math.nan,
+            "nan_count": self.nan_count,
+            "inf_count": self.inf_count,
+            "l2_mean": self.l2_sum / self.rows if self.rows else math.nan,
+            **dict(zip(QUANTILES, quantiles, strict=True)),
+            "units": 0,
+            "dead_frac": math.nan,
+            "saturated_frac": math.nan,
+        }
+        if self.units is not None and len(self.units.count):
+            row["units"] = len(self.units.count)
+            row["dead_frac"] = float(self.units.dead().mean())
+            saturated = self.units.saturated_units()
+            if saturated is not None:
+                row["saturated_frac"] = float(saturated.mean())
+        return row
+
+    def state(self) -> dict:
+        """The `state` attribute: the SCALARS as one float64 vector (one HDF5 attribute is much
+        cheaper to write than eleven; counts stay exact below 2**53)."""
+        return {"state": np.array([getattr(self, k) for k in SCALARS], dtype=np.float64)}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """`hist` (2, k): index and count of the non-empty buckets; `units` (UNIT_FIELDS, units)."""
+        out = {"hist": occupied(self.hist.counts, False)}
+        if self.units is not None:
+            out["units"] = self.units.packed()
+        return out
+
+    @classmethod
+    def from_saved(cls, attrs, arrays) -> RunningStats:
+        """Rebuild from `state()` attributes and `arrays()` (e.g. a /stats group of probe.h5);
+        files written before the packed layout keep one attribute per scalar and unit_* arrays."""
+        if "state" not in attrs:
+            return cls._from_unpacked(attrs, arrays)
+        values = dict(zip(SCALARS, np.asarray(attrs["state"], dtype=np.float64), strict=True))
+        s = cls(**{k: int(v) if k in INTEGER_SCALARS else float(v) for k, v in values.items()})
+        s.unit_axis = int(attrs.get("unit_axis", 1))
+        if "hist" in arrays:
+            index, count = np.asarray(arrays["hist"][()])
+            s.hist = LogHistogram.from_sparse(index, count)
+        if "units" in arrays:
+            s.units = UnitStats.unpacked(arrays["units"][()])
+        return s
+
+    @classmethod
+    def _from_unpacked(cls, attrs, arrays) -> RunningStats:
+        s = cls(**{k: np.asarray(attrs[k]).item() for k in SCALARS})
+        if "hist_index" in arrays:
+            s.hist = LogHistogram.from_sparse(arrays["hist_index"][()], arrays["hist_count"][()])
+        if "unit_count" in arrays:
+            fields = [f for f in UNIT_FIELDS if f"unit_{f}" in arrays]
+            s.units = UnitStats.unpacked(np.stack([arrays[f"unit_{f}"][()] for f in fields]))
+        return s
+
+
+def counts_agree(s: RunningStats, dtype: str) -> bool:
+    """Whether saved statistics are all of one moment: per-unit counts add up to the count of
+    finite values, and so do the histogram's (at most, for float64 values beyond float32's range,
+    whose buckets are cleared). A kill while /stats is rewritten can leave parts of two flushes."""
+    total = int(s.hist.counts.sum())
+    if total > s.n or (total < s.n and dtype != "float64"):
+        return False
+    return s.units is None or int(s.units.count.sum()) == s.n
+
+
+def as_array(x) -> np.ndarray:
+    """A C-contiguous numpy view of a CPU tensor or array, as float32 unless it is float32 or
+    float64 (half precision, bfloat16 and integers are widened; none of them loses a value).
+    Few steps for the common case, a float32 tensor outside autograd: in a hook each costs."""
+    if hasattr(x, "detach"):  # a torch tensor (duck-typed: this module does not import torch)
+        kind = x.dtype
+        if not kind.is_floating_point or kind.itemsize < 4:  # torch widens 20x faster than numpy
+            x = x.detach().float()
+        try:
+            x = x.numpy()
+        except RuntimeError:  # a tensor that needs grad
+            x = x.detach().numpy()
+    a = x if type(x) is np.ndarray else np.asarray(x)
+    kind = a.dtype
+    if kind.char not in "fd":  # float32 and float64 are kept
+        a = a.astype(np.float32)
+    elif not kind.isnative:  # (a file written on a machine of the other byte order)
+        a = a.astype(kind.newbyteorder("="))
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def bounds_for(module_type: str, site: str) -> tuple[float, float] | None:
+    """The output range whose saturation a dataset tracks: output sites of bounded activations."""
+    return SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
+
+
+def stats_for(module_type: str, site: str, unit_axis: int = 1) -> RunningStats:
+    """Empty statistics for one dataset; output sites of bounded activations track saturation."""
+    return RunningStats(bounds=bounds_for(module_type, site), unit_axis=unit_axis)
+
+
+def occupied_buckets(stats) -> int:
+    """How many histogram buckets a batch's (or a run's) statistics fill: /stats stores each.
+    A backend's packed batch result counts its own (`buckets`)."""
+    if hasattr(stats, "buckets"):
+        return stats.buckets
+    hist = stats.hist
+    if hist is None:
+        return 0
+    return int(np.count_nonzero(hist.spans if isinstance(hist, BucketSpans) else hist.counts))
+
+
+def occupied(counts: np.ndarray, by_value: bool) -> np.ndarray:
+    """(2, k) int64: the index and count of each non-empty bucket, in index order or, with
+    `by_value`, in increasing value order (the negative buckets from the largest magnitude down,
+    then the positive ones up)."""
+    index = np.flatnonzero(counts)
+    if by_value:
+        negative = index >= LogHistogram.BINS // 2
+        index = np.concatenate([index[negative][::-1], index[~negative]])
+    return np.stack([index, counts[index]]).astype(np.int64, copy=False)

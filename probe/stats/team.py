@@ -1,0 +1,92 @@
+"""Split a batch's statistics pass across torch's own OpenMP threads.
+
+A forward hook runs on the thread that called the model, between two of torch's parallel
+operations; torch's OpenMP workers wait meanwhile, spinning on their cores for a few ms before they
+sleep. Threads of our own would compete with them for those cores (on 2 cores a helper thread
+measured no faster than none). Here the pass is handed to torch's team through its OpenMP
+runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtimes), so the split
+runs on exactly the workers that were idle. Compiled code calls it at the address found here
+(`kernels.team_batch`, one call from Python per batch) with a numba `cfunc` (no GIL, no Python
+objects) that reads the arrays' addresses from a table of int64s (`probe.stats.kernels`: every
+compiled function lives there, since numba's disk cache is checked against the contents of the file
+a function is defined in, not of the files its callees are).
+
+Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
+and not in a process forked after the team was used; `entry()` then gives the team's width
+(torch.set_num_threads), else 0 and the caller splits the pass some other way. Assumes Linux
+(RTLD_NOLOAD, /proc/self/maps) and a GOMP-compatible runtime; elsewhere it finds none.
+PROBE_OMP_TEAM=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+
+ENABLED = os.environ.get("PROBE_OMP_TEAM", "1") != "0"
+
+
+def _runtime() -> ctypes.CDLL | None:
+    """torch's OpenMP runtime if this process has loaded it (never loads one itself), looked
+    for once torch is imported. None in a process forked from one that looked: the child has
+    the parent's runtime state but not its threads."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    pid = os.getpid()
+    if pid not in _found:
+        _found[pid] = None if _found else _find(torch)
+    return _found[pid]
+
+
+_found: dict[int, ctypes.CDLL | None] = {}  # by the process that looked
+
+
+def _find(torch) -> ctypes.CDLL | None:
+    """The OpenMP runtime in torch's own lib directory (libgomp in pip wheels, perhaps renamed
+    with a hash), else the one runtime the process has loaded; None when torch's ATen backend
+    is not OpenMP or the choice is not clear."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    own = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "lib*omp*.so*"))
+    for path in own or _loaded_runtimes():
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        except (OSError, AttributeError):  # not loaded (or no RTLD_NOLOAD: not Linux)
+            continue
+        if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
+            lib.omp_get_max_threads.restype = ctypes.c_int
+            _address[os.getpid()] = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
+            return lib
+    return None
+
+
+def _loaded_runtimes() -> list[str]:
+    """Paths of OpenMP runtimes mapped into this process, when there is exactly one."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {
+                line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line
+            }
+    except OSError:
+        return []
+    names = ("libgomp", "libiomp5", "libomp")
+    found = sorted(p for p in paths if os.path.basename(p).startswith(names))
+    return found if len(found) == 1 else []
+
+
+def entry() -> tuple[int, int]:
+    """(threads a pass can be split across on torch's team from here, the address of the
+    runtime's GOMP_parallel, which `kernels.team_batch` calls) in one look, as a hook needs both:
+    (0, 0) where the team cannot be used (another thread would get a team of new threads,
+    competing with the forward; so would a process forked from one that used the team)."""
+    if not ENABLED or threading.current_thread() is not threading.main_thread():
+        return 0, 0
+    lib = _runtime()
+    return (lib.omp_get_max_threads(), _address[os.getpid()]) if lib is not None else (0, 0)
+
+
+_address: dict[int, int] = {}  # GOMP_parallel's address, by process

@@ -1,0 +1,198 @@
+"""How one batch's arrays land in probe.h5: where each capture's rows go, the datasets made on
+first sight (tagged, with named dimensions, /stats slots and coverage), and the appends.
+
+`ProbeWriter` (probe.store.writer) inherits this; it owns the file's lifecycle, the queue and flushes.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import torch
+
+from probe.errors import WriteError
+from probe.hooks.record import Record
+from probe.stats.running import stats_for
+from probe.store import chunks, direct, stats_file
+from probe.store.chunks import (
+    ChunkedTarget,
+    chunk_rows,
+    direct_plist,
+    make_dataset,
+    name_axes,
+    row_bytes,
+)
+from probe.store.fileformat import encode, layer_path
+from probe.store.stats_file import DatasetInfo, tags
+
+ROW_DIMS = ("sample", "token", "batch")
+
+
+class Appends:
+    """The per-batch writing half of ProbeWriter (see there for the attributes it uses)."""
+
+    def _stats_groups(self) -> None:
+        """The /stats group of every dataset (a resumed file may lack some)."""
+        paths = {key: f"stats/{encode(key[0])}/{encode(key[1])}" for key in self.datasets}
+        missing = [key for key, p in paths.items() if p not in self.known]
+        if missing and self.out.live:
+            self._creating()
+        for order, (key, info) in enumerate(self.datasets.items()):
+            if key in missing:
+                stats_file.create(self.file, info, order)
+                self.known.add(paths[key])
+
+    def _placements(self, r: Record, end: int) -> list[tuple]:
+        """(key, tensor, lo, hi, per_batch, unit axis) of each capture of `r`: where its rows go."""
+        tokens = (self.num_tokens, self.num_tokens + r.token_count)
+        out = []
+        for key, t in r.values.items():
+            lo, hi = tokens if key[0] in self.token_layers else (r.start, end)
+            out.append((key, t, lo, hi, False, r.axes.get(key, 1)))
+        for key, t in r.per_batch.items():
+            out.append((key, t, r.batch_index, r.batch_index + 1, True, 1))
+        return out
+
+    def _append_batch(self, r: Record, end: int) -> None:
+        for key, t, lo, hi, per_batch, axis in self._placements(r, end):
+            self._append(key, t, lo, hi, per_batch, r.counted.get(key), axis)
+        tokens = (self.num_tokens, self.num_tokens + r.token_count)
+        if self.mode == "full" and self.token_layers and r.tokens is not None:
+            for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
+                offset = self.index_offset if name == "tokens/sample" else 0
+                self._append_plain(name, a + offset if offset else a, *tokens)
+        for name, t in r.extra.items():
+            if self.mode == "stats":  # written with the statistics, at the flush
+                self.held.append((name, t.numpy(), r.start, end))
+                self.held_bytes += self.held[-1][1].nbytes
+            else:
+                self._append_plain(name, t.numpy(), r.start, end)
+        for name, a in r.batch_rows.items():
+            new = name not in self.known
+            self._append_plain(name, a, r.batch_index, r.batch_index + 1)
+            if new:  # (which rows are valid: batches)
+                self.targets[name].ds.attrs["per_batch"] = True
+        if self.mode == "full":
+            self._append_plain(
+                "samples/index",
+                np.arange(r.start, end, dtype=np.int64) + self.index_offset,
+                r.start,
+                end,
+            )
+            if r.targets is not None:
+                self._append_plain("samples/target", r.targets.cpu().numpy(), r.start, end)
+            if self.provenance is not None and self.provenance.per_sample:
+                index = np.arange(r.start, end, dtype=np.int64) + self.index_offset
+                for name, values in self.provenance.samples(index).items():
+                    self._append_plain(f"samples/{name}", values, r.start, end)
+
+    def _write_direct(self) -> None:
+        """The batch's whole chunks in as few O_DIRECT writes as their places in the file allow;
+        those O_DIRECT cannot take go through HDF5."""
+        pending = self.direct_writes
+        if not pending:
+            return
+        done = direct.write_chunks(self.direct_fd, [(t.ds, a, lo, t.rows) for t, a, lo in pending])
+        for (target, a, lo), written in zip(pending, done, strict=True):
+            if not written:
+                target.write_direct_chunks(a, lo)
+
+    def _write_held(self) -> None:
+        for name, a, lo, hi in self.held:
+            self._append_plain(name, a, lo, hi)
+        self.held.clear()
+        self.held_bytes = 0
+
+    def _append(
+        self,
+        key: tuple[str, str],
+        t: torch.Tensor,
+        lo: int,
+        hi: int,
+        per_batch: bool,
+        counted=None,
+        unit_axis: int = 1,
+    ) -> None:
+        info = self.datasets.get(key)
+        if info is None:
+            module_type = self.module_types.get(key[0], "")
+            info = DatasetInfo(
+                key[0],
+                key[1],
+                module_type,
+                tuple(t.shape[1:]),
+                str(t.dtype).removeprefix("torch."),
+                stats_for(module_type, key[1], unit_axis),
+                per_batch,
+                "tokens" if key[0] in self.token_layers and not per_batch else "samples",
+            )
+            self.datasets[key] = info
+        info.stats.merge(counted if counted is not None else self.observe(key, t, unit_axis))
+        if "stats/" + encode(key[0]) + "/" + encode(key[1]) not in self.known:
+            stats_file.create(self.file, info, len(self.datasets) - 1)
+            self.known.add("stats/" + encode(key[0]) + "/" + encode(key[1]))
+        gap = self.coverage.add(self.file, key, lo, hi)
+        if self.mode != "full":
+            return
+        name = layer_path(*key)
+        if name not in self.known:
+            self._create_capture(name, info, t.numpy(), len(self.datasets) - 1)
+        if gap is not None:
+            self.targets[name].fill(*gap)
+        self._append_plain(name, t.numpy(), lo, hi)
+
+    def _create_capture(self, name: str, info: DatasetInfo, a: np.ndarray, order: int) -> None:
+        """A layer's dataset, tagged with what it is and with named dimensions."""
+        g = self.file.require_group(name.rsplit("/", 1)[0])
+        if "order" not in g.attrs:  # lets a file cut short say what each layer is, in order
+            g.attrs["name"] = info.layer
+            g.attrs["module_type"] = info.module_type
+            g.attrs["order"] = order
+        ds = self._create(name, a)
+        for k, v in tags(info, order).items():
+            ds.attrs[k] = v
+        name_axes(self.file, ds, info.stats.unit_axis, info.rows, info.per_batch, self.total_rows)
+        self.known.update(d for d in ROW_DIMS if d in self.file)
+        self.targets[name] = ChunkedTarget(ds)
+
+    def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
+        target = self.targets.get(name)
+        if target is None:
+            ds = self.file.get(name)
+            if ds is None:
+                if lo != 0:
+                    raise WriteError(f"dataset {name!r} appeared first at row {lo}")
+                ds = self._create(name, a)
+            target = self.targets[name] = ChunkedTarget(ds)
+        target.append(a, lo, hi, self.direct_writes)
+
+    def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
+        size = row_bytes(a)
+        compressed = self.compression is not None
+        spans = not compressed or chunks.COMPRESSED_CHUNKS_SPAN
+        rows = chunk_rows(len(a), size, self.chunk_bytes, self.total_rows, spans)
+        plist = direct_plist(rows * size, compressed, self.direct_fd, a.dtype)
+        self.known.add(name)
+        return make_dataset(
+            self.file, name, a, rows, self.compression, self.compression_opts, plist
+        )
+
+    def _close_coverage(self) -> None:
+        """Rows a site missed at the end of the run (it did not run for the last batches)."""
+        missing = []
+        for key, info in self.datasets.items():
+            total = self.num_batches if info.per_batch else self.num_samples
+            total = self.num_tokens if info.rows == "tokens" else total
+            if self.coverage.gap_before(key, total) is not None:
+                missing.append((key, total))
+        if not missing:
+            return
+        if any(self.coverage.needs_dataset(self.file, k, n) for k, n in missing):
+            self._creating()
+        for key, total in missing:
+            gap = self.coverage.add(self.file, key, total, total)
+            name = layer_path(*key)
+            if self.mode == "full" and gap is not None:
+                if name not in self.targets:
+                    self.targets[name] = ChunkedTarget(self.file[name])
+                self.targets[name].fill(*gap)

@@ -1,0 +1,170 @@
+"""Refuse a batch the disk cannot hold before HDF5 starts writing it.
+
+A write that fails half-way leaves HDF5 holding half a batch it must never flush (probe.store.livefile
+then closes the file without writing: it keeps its last flush, and the run's statistics are
+recomputed on resume). So the writer checks, before each batch, that the free space (and the
+process's file size limit, RLIMIT_FSIZE) covers every chunk the batch can allocate, a margin for
+metadata and what closing the file writes, and stops cleanly otherwise; at the end it checks that
+closing fits again (another process may have taken the space since).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from probe.errors import WriteError
+from probe.store.fileformat import layer_path
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
+
+METADATA_MARGIN = 1 << 20
+CLOSING_MARGIN = 64 << 10  # metadata closing rewrites: histogram chunk indexes, /progress
+SUMMARY_ROW_BYTES = 1 << 10  # summary.csv and units.csv: generous bytes per (layer, site)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes the file at `path` can still grow by: free disk space, capped by RLIMIT_FSIZE."""
+    st = os.statvfs(path.parent)
+    free = st.f_bavail * st.f_frsize
+    if resource is not None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY:
+            free = min(free, soft - path.stat().st_size)
+    return free
+
+
+def chunk_bytes_needed(existing_rows: int, new_rows: int, row_bytes: int, chunk_rows: int) -> int:
+    """Bytes of the chunks of `chunk_rows` rows that appending `new_rows` allocates."""
+    chunks = math.ceil((existing_rows + new_rows) / chunk_rows) - math.ceil(
+        existing_rows / chunk_rows
+    )
+    return chunks * chunk_rows * row_bytes
+
+
+def bytes_needed(writer, record) -> int:
+    """What writing `record` can add to the file: the chunks it allocates plus a metadata margin."""
+    from probe.store.chunks import chunk_rows
+
+    need = METADATA_MARGIN
+    tokens = writer.token_layers  # their rows are tokens, after the writer's num_tokens
+    arrays = [(name, t, record.start) for name, t in record.extra.items()]
+    if writer.mode == "full":
+        arrays += [
+            (layer_path(*k), t, writer.num_tokens if k[0] in tokens else record.start)
+            for k, t in record.values.items()
+        ]
+        arrays += [(layer_path(*k), t, record.batch_index) for k, t in record.per_batch.items()]
+        arrays.append(("samples/index", np.zeros(record.size, np.int64), record.start))
+        if record.targets is not None:
+            arrays.append(("samples/target", record.targets, record.start))
+        if tokens and record.tokens is not None:
+            arrays += [(name, a, writer.num_tokens) for name, a in record.tokens.items()]
+    for name, a, lo in arrays:
+        row_bytes = int(a[0].nbytes) if len(a) else 1
+        rows = chunking(writer, name) or chunk_rows(  # as the writer will make it
+            len(a), row_bytes, writer.chunk_bytes, writer.total_rows, writer.compression is None
+        )
+        need += chunk_bytes_needed(lo, len(a), row_bytes, rows)
+    return need
+
+
+def chunking(writer, name: str) -> int | None:
+    """Rows per chunk of an existing dataset, which keeps the chunking it was created with; read
+    from the writer's open targets (asking HDF5 for each dataset every batch held the GIL for
+    milliseconds), else from the file once per name (a resumed run's datasets; a stats-only run
+    appends its model outputs only at a flush, until which they are in neither)."""
+    target = writer.targets.get(name)
+    if target is not None and target.rows:
+        return target.rows
+    if name not in writer.file_chunking:
+        ds = writer.file.get(name)
+        writer.file_chunking[name] = ds.chunks[0] if ds is not None and ds.chunks else None
+    return writer.file_chunking[name]
+
+
+def closing_bytes(writer) -> int:
+    """What closing the file can still add: each /stats group's histogram growing to the buckets
+    its statistics occupy (both slots), every unit's row of summary tables."""
+    from probe.stats.running import occupied_buckets
+    from probe.store.stats_file import BUCKET_TYPE, HIST_CHUNK
+
+    need = 0
+    for key, info in writer.datasets.items():
+        buckets = -(-occupied_buckets(info.stats) // HIST_CHUNK) * HIST_CHUNK
+        have = writer.hist_capacity.get(key, 0)
+        need += 2 * max(0, buckets - have) * BUCKET_TYPE.itemsize
+        units = 0 if info.stats.units is None else len(info.stats.units.count)
+        need += SUMMARY_ROW_BYTES + units * 64
+    return need
+
+
+def check_space(writer, record) -> None:
+    """WriteError naming the numbers when the next batch would not fit, with what closing the
+    file then needs (its statistics, the summary tables)."""
+    from probe.stats.running import occupied_buckets
+    from probe.store.stats_file import BUCKET_TYPE
+
+    need = bytes_needed(writer, record) + closing_need(writer)
+    for counted in record.counted.values():  # buckets this batch may add
+        need += 2 * occupied_buckets(counted) * BUCKET_TYPE.itemsize
+    free = free_bytes(writer.path)
+    if free < need:
+        # closing publishes the batches taken since the last flush when it fits, else not
+        kept = writer.num_samples if free >= closing_need(writer) else writer.progress.samples
+        raise WriteError(
+            f"the disk holding {str(writer.path)!r} is full: {free / 2**20:.1f} MiB can still be "
+            f"written but the next batch needs about {need / 2**20:.1f} MiB. The file holds the "
+            f"{kept} samples before it; {RESUME}"
+        )
+
+
+RESUME = (
+    "free some space and continue with resume=true and the same hydra.run.dir (or start again "
+    "elsewhere with hydra.run.dir=PATH)"
+)
+
+
+def closing_need(writer) -> int:
+    """Bytes closing the file can add: statistics, the extras a stats-only run holds until its
+    flush, metadata."""
+    from probe.store.chunks import chunk_rows
+
+    need = closing_bytes(writer) + CLOSING_MARGIN
+    for name, a, lo, _ in writer.held:
+        row_bytes = int(a[0].nbytes) if len(a) else 1
+        rows = chunking(writer, name) or chunk_rows(
+            len(a), row_bytes, writer.chunk_bytes, writer.total_rows, writer.compression is None
+        )
+        need += chunk_bytes_needed(lo, len(a), row_bytes, rows)
+    return need
+
+
+def check_closing(writer) -> WriteError | None:
+    """A WriteError when closing would not fit (the space the guard kept was taken meanwhile):
+    the file is then closed as its last flush left it, statistics of a full run recomputed by
+    resume=true."""
+    need, free = closing_need(writer), free_bytes(writer.path)
+    if free >= need:
+        return None
+    return WriteError(
+        f"the disk holding {str(writer.path)!r} is full: {free / 2**20:.2f} MiB can still be "
+        f"written but closing the file needs about {need / 2**20:.2f} MiB. The file holds the "
+        f"{writer.progress.samples} samples flushed before; {RESUME}"
+    )
+
+
+def failure(e: BaseException) -> str:
+    """A failed write's cause in one line: the OS error HDF5 names inside its long message."""
+    text = str(e)
+    found = re.search(r"errno = (\d+), error message = '([^']*)'", text)
+    if found:
+        return f"{found.group(2)} (errno {found.group(1)})"
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,255 @@
+"""Continue an interrupted run: check its config, cut the file back to the last complete batch,
+and restore the streaming statistics so the finished file equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from probe.errors import ConfigError, DataError
+from probe.stats import backend
+from probe.stats.running import stats_for
+from probe.store import stats_file
+from probe.store.coverage import seen_ranges
+from probe.store.fileformat import (
+    FORMAT_VERSION,
+    Progress,
+    captured,
+    encode,
+    is_scale,
+    layer_path,
+    read_progress,
+    write_progress,
+)
+from probe.store.runfile import open_probe_file
+from probe.store.stats_file import DatasetInfo
+
+# The parts of the resolved config that decide the values in the file.
+COMPARED = (
+    "model",
+    "dataset",
+    "probes",
+    "objective",
+    "store",
+    "seed",
+    "train_mode",
+    "precision",
+    "intervene",
+)
+IGNORED = {"store": ("queue_batches", "flush_seconds")}  # change speed, not values
+
+
+def _values_part(config: dict) -> dict:
+    part = {k: config.get(k) for k in COMPARED}
+    for section, keys in IGNORED.items():
+        if isinstance(part.get(section), dict):
+            part[section] = {k: v for k, v in part[section].items() if k not in keys}
+    return part
+
+
+def _differences(old, new, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _differences(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} in the file, {new!r} now"]
+
+
+def check_resumable(path: Path, cfg: DictConfig) -> bool:
+    """True when `path` holds a run of the same config to continue; False when there is no file.
+
+    A file of another config, or one that cannot be read, is an error: resuming it would mix runs.
+    """
+    if not path.exists():
+        return False
+    with open_probe_file(path) as f:
+        stored = f.attrs.get("config")
+    if stored is None:
+        raise DataError(f"{str(path)!r} has no config attribute, so it cannot be resumed")
+    old = _values_part(OmegaConf.to_container(OmegaConf.create(str(stored))))
+    new = _values_part(OmegaConf.to_container(cfg, resolve=True))
+    diff = _differences(old, new)
+    if diff:
+        shown = "; ".join(diff[:5]) + ("; ..." if len(diff) > 5 else "")
+        raise ConfigError(
+            f"resume=true but the config differs from the one {str(path)!r} was written with "
+            f"({shown}); resume with the same settings, or choose a new hydra.run.dir"
+        )
+    return True
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def check_identity(path: Path, identity: dict[str, str]) -> None:
+    """Refuse to resume when the checkpoint's or the dataset's contents differ from those the
+    file was written with (same paths, other weights or data): the rows would mix two runs."""
+    with open_probe_file(path) as f:
+        stored = {k: str(f.attrs[k]) for k in identity if k in f.attrs}
+    for key, value in identity.items():
+        old = stored.get(key)
+        if old is None or old == value:
+            continue
+        what = "model.checkpoint" if key == "checkpoint_sha256" else "the dataset"
+        if key == "dataset_identity":
+            old, value = (json.loads(v).get("hash", v) for v in (old, value))
+            if old == value:
+                continue
+        raise ConfigError(
+            f"resume=true but the contents of {what} changed since {str(path)!r} was written "
+            f"({key}: {old[:16]}... in the file, {value[:16]}... now); resume with the same "
+            "files, or start a new run (overwrite=true or a new hydra.run.dir)"
+        )
+
+
+def _described(f: h5py.File) -> list[DatasetInfo]:
+    """A DatasetInfo (layout, empty statistics) of every tagged dataset, in creation order."""
+    found = {}
+    for top in ("stats", "layers"):
+        for layer_link, group in captured(f.get(top, {})):
+            for site, obj in captured(group):
+                a = obj.attrs
+                if "order" not in a:
+                    continue
+                layer = str(a.get("name", group.attrs.get("name", layer_link)))
+                module_type = str(a["module_type"])
+                info = DatasetInfo(
+                    layer,
+                    site,
+                    module_type,
+                    (),
+                    "",
+                    stats_for(module_type, site, int(a.get("unit_axis", 1))),
+                    bool(a["per_batch"]),
+                    str(a.get("row_unit", "samples")),
+                )
+                found[(layer, site)] = (int(a["order"]), info)
+    return [info for _, info in sorted(found.values(), key=lambda t: t[0])]
+
+
+def restore(writer, batch_rows: int) -> None:
+    """Bring a ProbeWriter opened on an existing file back to the state of its last flushed batch."""
+    f = writer.file
+    progress = read_progress(f)
+    finished = progress.complete  # only summarised again: not a resumption
+    writer.num_samples, writer.num_batches = progress.samples, progress.batches
+    writer.num_tokens = progress.tokens
+    for info in _described(f):
+        writer.datasets[(info.layer, info.site)] = info
+    saved = stats_file.read(f)
+    for name in _stored_arrays(f):
+        ds = f[name]
+        rows = writer.num_samples
+        if ds.attrs.get("per_batch", name.split("/")[-1].startswith("param_grad")):
+            rows = writer.num_batches
+        elif name.startswith("tokens/") or ds.attrs.get("row_unit") == "tokens":
+            rows = writer.num_tokens
+        if ds.shape[0] < rows and not name.startswith("layers/"):
+            raise DataError(
+                f"{str(writer.path)!r}: {name} has {ds.shape[0]} rows but the file says {rows} were "
+                "written; the file is damaged, start a new run without resume=true"
+            )
+        ds.resize(min(rows, ds.shape[0]), axis=0)
+        writer.known.add(name)
+    for key, info in writer.datasets.items():
+        rows = writer.num_batches if info.per_batch else writer.num_samples
+        rows = writer.num_tokens if info.rows == "tokens" else rows
+        ds = f.get(layer_path(*key))
+        writer.coverage.restore(f, key, min(rows, len(ds)) if ds is not None else rows)
+        hist = f.get(f"stats/{encode(key[0])}/{encode(key[1])}/hist")
+        writer.hist_capacity[key] = hist.shape[-1] if hist is not None else 0
+    if "scalars" not in _first_stats_group(f):
+        if "stats" in f:
+            del f["stats"]  # a version 1 file: its statistics are rewritten in the new layout
+    else:
+        groups = (f"stats/{encode(a)}/{encode(b)}" for a, b in writer.datasets)
+        writer.known.update(g for g in groups if g in f)
+    writer.known.update(d for d in ("sample", "token", "batch") if d in f)
+    writer.progress = Progress(
+        writer.num_samples, writer.num_batches, writer.num_tokens, False, progress.stats_slot
+    )
+    f.attrs["complete"] = False
+    f.attrs["format_version"] = FORMAT_VERSION
+    if not finished:
+        f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
+    write_progress(f, writer.progress)
+    f.flush()
+    # readable from here on: a kill while statistics are recomputed below (reads only, seconds
+    # for a long run) leaves a file in SWMR mode, which readers open
+    writer.out.go_live()
+    for key, info in writer.datasets.items():
+        rows = writer.num_batches if info.per_batch else writer.num_samples
+        rows = writer.num_tokens if info.rows == "tokens" else rows
+        _restore_stats(writer, key, info, rows, saved.get(key), batch_rows)
+
+
+def _first_stats_group(f: h5py.File) -> h5py.Group | dict:
+    for _, group in captured(f.get("stats", {})):
+        for _, g in captured(group):
+            return g
+    return {"scalars": None}
+
+
+def _stored_arrays(f: h5py.File) -> list[str]:
+    names: list[str] = []
+    for top in ("layers", "samples", "model", "tokens", "effects", "patching"):
+        if top in f:
+            f[top].visititems(
+                lambda n, o, top=top: (
+                    names.append(f"{top}/{n}")
+                    if isinstance(o, h5py.Dataset) and not is_scale(o) or n == "index"
+                    else None
+                )
+            )
+    return names
+
+
+def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> None:
+    """From /stats when they cover exactly the kept rows, else recomputed batch by batch from them."""
+    slots = "progress" in writer.file  # whole by construction: published with the counts
+    if stored is not None and (slots or stored.stats.rows == rows - _unseen(writer, key)):
+        info.stats, info.shape, info.dtype = stored.stats, stored.shape, stored.dtype
+        return
+    ds = writer.file.get(layer_path(*key))
+    if ds is None:
+        raise DataError(
+            f"{str(writer.path)!r} holds no statistics for the {rows} rows of {key[0]} {key[1]} "
+            "that agree with each other, and no stored rows to recompute them from (a "
+            "store.mode=stats run killed while it rewrote them); start a new run without "
+            "resume=true"
+        )
+    info.stats = stats_for(info.module_type, key[1], info.stats.unit_axis)
+    seen = seen_ranges(writer.file, key[0], key[1], min(rows, len(ds)))
+    for lo, hi in _batch_rows(writer, info, rows, batch_rows):
+        for a, b in seen:
+            if max(lo, a) < min(hi, b):
+                backend.fold(info.stats, ds[max(lo, a) : min(hi, b)])
+    info.shape, info.dtype = tuple(ds.shape[1:]), str(ds.dtype)
+
+
+def _unseen(writer, key) -> int:
+    return sum(b - a for a, b in writer.coverage.gaps.get(key, []))
+
+
+def _batch_rows(writer, info, rows: int, batch_rows: int) -> list[tuple[int, int]]:
+    """The [lo, hi) rows of each batch: the statistics merge batch by batch, as the run did."""
+    if info.per_batch:
+        return [(b, b + 1) for b in range(rows)]
+    if info.rows != "tokens":
+        return [(lo, min(lo + batch_rows, rows)) for lo in range(0, rows, batch_rows)]
+    samples = writer.file["tokens/sample"][:rows] - writer.index_offset
+    edges = np.searchsorted(samples, np.arange(0, writer.num_samples + batch_rows, batch_rows))
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]

@@ -1,0 +1,144 @@
+"""Open a probe.h5 for reading with a clear error for a missing, truncated or foreign file.
+
+Reading tools open files through `open_probe_file`, which also opens a file a run is writing
+(SWMR) or whose writer was killed. A file is *complete*, *in progress* (a live run holds its
+directory: its rows grow) or *partial* (stopped early); the valid rows of the last two are those
+`/progress` counts (probe.store.fileformat).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+
+from probe.errors import ConfigError, DataError
+from probe.store import runlock, swmr
+from probe.store.fileformat import read_progress
+
+
+class NothingFlushed(DataError):
+    """A file whose writer has not flushed a batch yet (or died before it did)."""
+
+    def __init__(self, message: str, in_progress: bool):
+        super().__init__(message)
+        self.in_progress = in_progress
+
+
+def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
+    """The open file, or DataError naming the path, what is wrong and what to do; `ours_only`
+    also refuses an HDF5 file without probe's format_version."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{str(p)!r} does not exist; give the probe.h5 of a run directory")
+    if p.is_dir():
+        raise DataError(f"{str(p)!r} is a directory; give the probe.h5 inside it")
+    try:
+        f = swmr.open_read(p) if mode == "r" else h5py.File(p, mode)
+    except OSError as e:
+        if "open for write" in str(e) or "open for SWMR" in str(e):
+            raise _unflushed(p) from None  # its writer has not entered SWMR mode yet
+        detail = str(e).split("(", 1)[-1].rstrip(")")
+        hint = (
+            "it was cut short (copy incomplete or disk full while closing)"
+            if "truncated" in detail
+            else "it is not an HDF5 file or its header is damaged"
+        )
+        raise DataError(
+            f"{str(p)!r} cannot be opened: {hint} ({detail}); re-run the probe into a new "
+            "hydra.run.dir, or copy the file again"
+        ) from None
+    if ours_only and "format_version" not in f.attrs:
+        f.close()
+        raise DataError(
+            f"{str(p)!r} is an HDF5 file but not one written by probe (no format_version "
+            "attribute); give the probe.h5 of a run directory"
+        )
+    return f
+
+
+def _unflushed(p: Path) -> NothingFlushed:
+    who = runlock.holder(p.parent)
+    if who:
+        return NothingFlushed(
+            f"{str(p)!r} is in progress ({who}) and no batch is flushed yet; open it again in a "
+            "moment",
+            True,
+        )
+    return NothingFlushed(
+        f"{str(p)!r} was left open by a run that stopped before its first batch was flushed, so "
+        "it holds no batch; run again (overwrite=true replaces it), or continue it with "
+        "resume=true",
+        False,
+    )
+
+
+def is_partial(f: h5py.File) -> bool:
+    """True unless the run that wrote `f` finished cleanly."""
+    return not read_progress(f).complete
+
+
+def state(f: h5py.File) -> str:
+    """complete, in progress (a live run holds its directory) or partial."""
+    if read_progress(f).complete:
+        return "complete"
+    return "in progress" if runlock.holder(Path(f.filename).parent) else "partial"
+
+
+def missing_sources(f: h5py.File) -> list[str]:
+    """Shard files that a virtual dataset of `f` reads and that are absent or not complete."""
+    base = Path(f.filename).parent
+    files: set[str] = set()
+
+    def collect(_, obj):
+        if isinstance(obj, h5py.Dataset) and obj.is_virtual:
+            files.update(vs.file_name for vs in obj.virtual_sources())
+
+    f.visititems(collect)
+    bad = []
+    for name in sorted(files):
+        p = base / name
+        if not p.is_file():
+            bad.append(f"{name} (missing)")
+            continue
+        try:
+            with h5py.File(p, "r") as shard:
+                if not shard.attrs.get("complete", False):
+                    bad.append(f"{name} (not complete)")
+        except OSError:
+            bad.append(f"{name} (unreadable)")
+    return bad
+
+
+def file_state(path: Path) -> str:
+    """`partial, 40 of 64 samples`, `complete, 64 samples`, or why it cannot be read."""
+    import yaml
+
+    try:
+        with open_probe_file(path) as f:
+            progress = read_progress(f)
+            if progress.complete:
+                return f"complete, {progress.samples} samples"
+            total = (yaml.safe_load(str(f.attrs.get("config", ""))) or {}).get("dataset", {})
+    except Exception as e:  # a run killed before its first flush, a foreign or damaged file
+        killed_early = getattr(e, "in_progress", None) is False
+        return "partial, no batch flushed" if killed_early else "unreadable"
+    total = total.get("num_samples") if isinstance(total, dict) else None
+    n = progress.samples
+    return f"partial, {n} of {total} samples" if total else f"partial, {n} samples"
+
+
+def check_existing(path: Path, resume: bool, overwrite: bool) -> None:
+    """A ConfigError unless `path` (the run's probe.h5) is absent, resumed or to be replaced."""
+    if resume and overwrite:
+        raise ConfigError(
+            "resume=true and overwrite=true ask for opposite things; give resume=true to "
+            "continue the file in the run directory or overwrite=true to replace it"
+        )
+    if resume or overwrite or not Path(path).exists():
+        return
+    raise ConfigError(
+        f"the run directory {str(Path(path).parent)!r} already holds {Path(path).name} "
+        f"({file_state(path)}); continue it with resume=true or replace it with overwrite=true, "
+        "or choose a new hydra.run.dir"
+    )

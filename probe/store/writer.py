@@ -1,0 +1,371 @@
+"""The HDF5 writer: one background thread fed by a bounded queue, chunked resizable datasets.
+
+The main thread hands over one record per batch; the queue bound caps memory at `queue_batches`
+batches of captures, which the thread writes while the next forward pass runs. A record carries
+its batch's statistics (taken in the hooks), folded in as the batch is written, so they never
+count rows the file does not hold; a stats-only run on the CPU has nothing else to write and
+folds them on the calling thread. The file is flushed after every batch (a stats-only file,
+whose flush writes a /stats slot, every STATS_FLUSH_SECONDS); `/progress` says how many rows are
+valid (probe.store.fileformat), and its `complete` is the very last write of a clean run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from probe.errors import WriteError
+from probe.hooks.record import Record
+from probe.stats import backend
+from probe.stats.running import bounds_for
+from probe.store import direct, stats_file
+from probe.store.appends import Appends
+from probe.store.chunks import ChunkedTarget, chunk_rows
+from probe.store.coverage import Coverage
+from probe.store.diskspace import RESUME, check_closing, check_space, failure
+from probe.store.fileformat import FORMAT_VERSION, Progress, write_progress
+from probe.store.livefile import LiveFile
+from probe.store.resume import restore
+from probe.store.stats_file import DatasetInfo
+
+__all__ = ["FORMAT_VERSION", "DatasetInfo", "ProbeWriter", "Record", "chunk_rows"]
+log = logging.getLogger("probe")
+COMPRESSIONS = ("none", "lzf", "gzip")
+# A stats-only run writes nothing between flushes but its statistics (about 1 ms per dataset).
+STATS_FLUSH_SECONDS = 10.0
+HELD_BYTES = 64 << 20  # ... or sooner when the extras it holds until then reach this size
+
+
+class ProbeWriter(Appends):
+    """Owns probe.h5 for one run. `put` a Record per batch, then `close(complete=...)`."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        mode: str = "full",
+        compression: str = "none",
+        compression_level: int | None = None,
+        chunk_bytes: int = 1 << 20,
+        queue_batches: int = 2,
+        module_types: dict[str, str] | None = None,
+        attrs: dict | None = None,
+        resume: bool = False,
+        batch_rows: int = 1,
+        flush_seconds: float | None = None,
+        index_offset: int = 0,
+        token_layers: frozenset[str] = frozenset(),
+        stats_backend: str | None = None,
+        direct_io: bool = True,
+        total_rows: int | None = None,
+        provenance=None,
+    ):
+        if compression not in COMPRESSIONS:
+            raise WriteError(
+                f"store.compression={compression!r} is unknown; choose from {', '.join(COMPRESSIONS)}"
+            )
+        if mode not in ("full", "stats"):
+            raise WriteError(f"store.mode={mode!r} is unknown; choose full or stats")
+        if queue_batches < 1:
+            raise WriteError(f"store.queue_batches={queue_batches} must be at least 1")
+        self.path, self.mode = Path(path), mode
+        if (
+            compression == "gzip"
+            and compression_level is not None
+            and not 0 <= compression_level <= 9
+        ):
+            raise WriteError(
+                f"store.compression_level={compression_level} is out of range for gzip; give 0-9 "
+                "(1 is fastest, 9 smallest)"
+            )
+        self.compression = None if compression == "none" else compression
+        self.compression_opts = compression_level if compression == "gzip" else None
+        self.chunk_bytes = chunk_bytes
+        if flush_seconds is None:
+            flush_seconds = STATS_FLUSH_SECONDS if mode == "stats" else 0.0
+        self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
+        self.index_offset = index_offset  # a shard's first sample in the whole dataset
+        self.module_types = module_types or {}
+        self.token_layers = token_layers  # layers stored one row per token
+        self.bounds: dict[tuple[str, str], tuple[float, float] | None] = {}  # by dataset
+        # what reduces captures to statistics in the hooks (`probe.stats.backend`)
+        if stats_backend is None:
+            stats_backend = backend.resolve(os.environ.get(backend.ENV, "auto"))
+        self.hook_stats = backend.observer(stats_backend)
+        self.datasets: dict[tuple[str, str], DatasetInfo] = {}
+        self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
+        self.file_chunking: dict[str, int | None] = {}  # rows per chunk in the file, by path
+        # per-sample extras (the model's output) a stats-only run writes at its next flush
+        self.held: list[tuple[str, np.ndarray, int, int]] = []
+        self.held_bytes = 0
+        self.unflushable = False
+        self.error: BaseException | None = None
+        self.num_samples = 0
+        self.num_batches = 0
+        self.num_tokens = 0  # rows of the token-row datasets
+        self.progress = Progress()  # what the file says is valid (published at each flush)
+        self.coverage = Coverage()
+        self.known: set[str] = set()  # HDF5 paths of the datasets the file holds
+        self.hist_capacity: dict[tuple[str, str], int] = {}  # /stats histogram buckets per slot
+        self.total_rows = total_rows  # rows the run will write, for right-sized chunks
+        self.provenance = provenance  # the dataset's identity and per-sample names
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.out = LiveFile(self.path, resume)
+        except OSError as e:
+            raise WriteError(
+                f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
+                "hydra.run.dir=PATH"
+            ) from None
+        if resume:  # append mode: continue after the last flushed batch
+            try:
+                restore(self, batch_rows)
+                # readable at once: a resume killed before its first batch leaves its file in
+                # SWMR mode, which readers open, not plainly open for write, which they cannot
+                self.file.flush()
+                self.out.go_live()
+            except BaseException:
+                self.out.close(None)
+                raise
+        else:
+            f = self.file
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["complete"] = False
+            f.attrs["num_samples"] = 0
+            f.attrs["num_batches"] = 0
+            f.attrs["num_tokens"] = 0
+            f.attrs["store_mode"] = mode
+            for k, v in (attrs or {}).items():
+                f.attrs[k] = v
+            if mode == "full":
+                f.create_group("layers")  # present even when nothing is selected
+            if provenance is not None:
+                for name, values in provenance.lists.items():
+                    f.create_dataset(f"dataset/{name}", data=values, dtype=h5py.string_dtype())
+            write_progress(f, self.progress)
+        self.file.flush()
+        # written chunks bypass the page cache where they can (probe.store.direct)
+        self.direct_fd = direct.open_direct(self.path) if mode == "full" and direct_io else None
+        self.direct_writes: list | None = None  # a batch's whole chunks, written together
+        self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
+        self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
+        self.inline: bool | None = None  # decided by the first record (see put)
+
+    # -- main thread -------------------------------------------------------------------------
+    def put(self, record: Record) -> None:
+        """Take the statistics of a CPU batch's captures the hooks did not `observe`, then queue it;
+        blocks while the queue is full, raises promptly if the writer failed.
+
+        Statistics run on this thread (mostly in the hooks, as each capture is taken), while the
+        forward's cores are idle; on the writer thread they would compete with the next forward
+        pass. The writer folds them in when it writes the batch."""
+        counted = record.counted
+        if record.ready is None:
+            for key, t in [*record.values.items(), *record.per_batch.items()]:
+                if key not in counted:
+                    counted[key] = self.observe(key, t, record.axes.get(key, 1))
+        if self.inline is None:
+            # A stats-only batch of CPU tensors leaves nothing to write but its statistics:
+            # folding them here costs less than handing them to a thread that would take the
+            # GIL from the next forward pass. Records with GPU copies still go to the thread.
+            self.inline = self.mode == "stats" and record.ready is None
+            if not self.inline:
+                self.thread.start()
+        if self.inline:
+            self._raise_if_failed()
+            try:
+                self._take(record)
+            except Exception as e:  # noqa: BLE001 - reported as the writer thread's would be
+                self.error = e
+            except BaseException:  # a second Ctrl-C part-way through folding the batch in
+                self.unflushable = True  # the statistics in memory no longer match a row count
+                raise
+            self._raise_if_failed()
+            return
+        while True:
+            self._raise_if_failed()
+            try:
+                self.queue.put(record, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def close(self, complete: bool) -> None:
+        """Drain the queue, write statistics and counts, mark completion last, close."""
+        if self.thread.is_alive():
+            while True:
+                try:
+                    self.queue.put(None, timeout=0.2)
+                    break
+                except queue.Full:
+                    if not self.thread.is_alive():
+                        break
+            self.thread.join()
+        io_failed = isinstance(self.error, OSError | RuntimeError) and not isinstance(
+            self.error, WriteError
+        )
+        final = None
+        short = check_closing(self) if self.file.id.valid and not io_failed else None
+        self.error = self.error or short
+        try:
+            # after a failed write HDF5 cannot flush
+            if self.file.id.valid and not io_failed and not self.unflushable and short is None:
+                self._close_coverage()
+                self._flush(final=True, complete=complete and self.error is None)
+                final = {
+                    "num_samples": self.num_samples,
+                    "num_batches": self.num_batches,
+                    "num_tokens": self.num_tokens,
+                    "complete": self.progress.complete,
+                }
+        except (OSError, RuntimeError) as e:
+            self.error = self.error or e
+            final = None
+        finally:
+            if self.direct_fd is not None:
+                os.close(self.direct_fd)
+                self.direct_fd = None
+            try:
+                self.out.close(final, abandon=final is None and self.error is not None)
+            except (OSError, RuntimeError) as e:
+                self.error = self.error or e
+        self.coverage.warn(self.datasets, self.num_samples, self.num_batches, self.num_tokens)
+        if complete:
+            self._raise_if_failed()
+
+    @property
+    def file(self) -> h5py.File:
+        return self.out.file
+
+    def _raise_if_failed(self) -> None:
+        if isinstance(self.error, WriteError):
+            raise self.error
+        if self.error is not None:
+            e = self.error
+            hint = (
+                " (is the disk full?)"
+                if "space" in str(e).lower() or isinstance(e, OSError)
+                else ""
+            )
+            error = WriteError(
+                f"writing {str(self.path)!r} failed{hint}: {failure(e)}. The file holds the "
+                f"{self.progress.samples} samples flushed before (nothing more is written to it); "
+                f"{RESUME}"
+            )
+            error.hdf5_unclosed = self.file.id.valid  # HDF5 retries the flush at exit and crashes
+            raise error from None
+        if self.inline is False and not self.thread.is_alive() and self.queue.qsize():
+            raise WriteError(f"the writer of {str(self.path)!r} stopped unexpectedly")
+
+    # -- writer thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            record = self.queue.get()
+            if record is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                self._take(record)
+            except BaseException as e:  # noqa: BLE001 - reported to the main thread by put/close
+                self.error = e
+
+    def _take(self, record: Record) -> None:
+        """Write one record, then give its buffers back for the next batches."""
+        check_space(self, record)
+        self._write(record)
+        if record.release is not None:
+            record.release()
+
+    def _write(self, r: Record) -> None:
+        if r.ready is not None:
+            r.ready.synchronize()
+        end = r.start + r.size
+        if self.out.live and self._needs_objects(r):
+            self._creating()
+        self.direct_writes = [] if self.direct_fd is not None else None
+        try:
+            self._append_batch(r, end)
+            self._write_direct()
+        finally:
+            self.direct_writes = None
+        self.num_samples, self.num_batches = end, r.batch_index + 1
+        self.num_tokens += r.token_count
+        if time.monotonic() - self.last_flush < self.flush_seconds and self.held_bytes < HELD_BYTES:
+            return  # the row count on disk moves only with a flush, so it never overstates
+        self._flush()
+        log.debug("flushed batch %d (%d samples)", r.batch_index, end)
+
+    def _flush(self, final: bool = False, complete: bool = False) -> None:
+        """Publish what is written: held extras and (stats-only, or at the end) the statistics
+        into the slot not in use, then the counts that point at them. A full run's statistics
+        are written at its end only (a resumed one recomputes them from the rows)."""
+        if self.held and self.out.live and any(n not in self.known for n, *_ in self.held):
+            self._creating()
+        self._write_held()
+        for dim, n in (("token", self.num_tokens), ("batch", self.num_batches)):
+            if dim in self.known:  # pure dimensions: their length is the rows written
+                self.file[dim].resize((n,))
+        self.out.go_live()
+        slot = -1
+        if self.mode == "stats" or final:
+            previous = self.progress.stats_slot
+            slot = 1 - previous if previous >= 0 else 0
+            self._stats_groups()
+            self.file.flush()  # the data before the statistics that count it
+            capacity = stats_file.write_slot(self.file, self.datasets.values(), slot)
+            self.hist_capacity.update(capacity)
+        self.progress = Progress(
+            self.num_samples, self.num_batches, self.num_tokens, complete, slot
+        )
+        self.out.publish(self.progress)
+        self.last_flush = time.monotonic()
+
+    def _needs_objects(self, r: Record) -> bool:
+        """Whether `r` brings a dataset the file does not hold yet (created outside SWMR mode)."""
+        keys = [*r.values, *r.per_batch]
+        if any(key not in self.datasets for key in keys):
+            return True
+        gaps = any(
+            self.coverage.needs_dataset(self.file, key, lo)
+            for key, _, lo, *_ in self._placements(r, r.start + r.size)
+        )
+        if any(n not in self.known for n in r.batch_rows):
+            return True
+        if gaps or self.mode != "full":
+            return gaps
+        names = [*r.extra, *(r.tokens or {})] + (
+            ["samples/target"] if r.targets is not None else []
+        )
+        return any(n not in self.known for n in names)
+
+    def _creating(self) -> None:
+        """Leave SWMR mode to create objects; dataset handles of the closed file are dropped."""
+        if self.out.creating():
+            self.targets.clear()
+            self.file_chunking.clear()
+
+    def observe(self, key: tuple[str, str], t: torch.Tensor, unit_axis: int = 1):
+        """Statistics of one capture of the current batch (main thread): a CPU one's now, a GPU
+        one's queued on its device (torch backend). The writer folds them in when it writes the
+        batch, so /stats never count rows the file does not hold."""
+        bounds = self.bounds.get(key, False)
+        if bounds is False:
+            bounds = self.bounds[key] = bounds_for(self.module_types.get(key[0], ""), key[1])
+        return self.hook_stats(t, bounds, unit_axis)
+
+    @property
+    def observes_device(self) -> bool:
+        """Whether `observe` takes GPU captures where they are (else they reach it on the host)."""
+        return getattr(self.hook_stats, "on_device", False)
+
+    def begin_batch(self) -> None:
+        """Before each forward, on its thread: what `observe` can look up once per batch."""
+        self.hook_stats.begin()

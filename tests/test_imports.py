@@ -1,0 +1,120 @@
+"""The package's imports run one way: from launch down to build, never up, never in a circle.
+
+Every `import` of every module counts, those inside functions too (a lazy import is still a
+dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, errors,
+checks, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
+modules) may import anything, and nothing imports them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import probe
+
+STAGES = ["build", "hooks", "stats", "store", "intervene", "analysis", "launch"]
+CORE = {"probe.config", "probe.errors", "probe.checks", "probe.callable"}
+PACKAGE = Path(probe.__file__).parent
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    found = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        if "conf" in parts:
+            continue
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("probe"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("probe"):
+            for a in node.names:
+                name = f"{node.module}.{a.name}"
+                found.add(name if name in known else node.module)
+    return {name for name in found if name in known}
+
+
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    known = modules(package)
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def stage(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in STAGES else None
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for name, deps in sorted(edges.items()):
+        for dep in sorted(deps):
+            if name in CORE and dep not in CORE:
+                bad.append(f"core {name} imports {dep}")
+            elif stage(name) and stage(dep):
+                if STAGES.index(stage(dep)) > STAGES.index(stage(name)):
+                    bad.append(f"{name} imports {dep}, a later stage")
+            elif stage(name) and dep not in CORE and dep != "probe":
+                bad.append(f"{name} imports the entry point {dep}")
+    return bad
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(edges[node]):
+            if state.get(dep) == "open":
+                found.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_upward_import():
+    assert upward(graph()) == []
+
+
+def test_no_cycle():
+    assert cycles(graph()) == []
+
+
+def test_every_module_has_a_place():
+    """A module is a stage's, core, or an entry point at the top; no stray flat module."""
+    entry = {"probe", "probe.__main__", "probe.summarize", "probe.analyze", "probe.report"}
+    entry |= {"probe.plot", "probe.sites", *(f"probe.{s}" for s in STAGES)}
+    assert [m for m in modules() if stage(m) is None and m not in CORE | entry] == []
+
+
+def test_the_walk_finds_a_cycle_and_an_upward_import(tmp_path):
+    """The checks themselves: a lazy import up from build and one back down make both."""
+    pkg = tmp_path / "probe"
+    for sub in ("build", "launch"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "build" / "a.py").write_text("def f():\n    from probe.launch import b\n")
+    (pkg / "launch" / "b.py").write_text("from probe.build.a import f\n")
+    edges = graph(pkg)
+    assert upward(edges) == ["probe.build.a imports probe.launch.b, a later stage"]
+    assert cycles(edges) == [["probe.build.a", "probe.launch.b", "probe.build.a"]]
