@@ -1,11 +1,12 @@
-"""Attributes and datasets made by probe.h5fresh read back as h5py's own would."""
+"""Attributes and datasets made by probe.store.h5fresh read back as h5py's own would."""
 
 from __future__ import annotations
 
 import h5py
 import numpy as np
 from h5py import h5t
-from probe.h5fresh import add_attrs, add_dataset
+
+from probe.store.h5fresh import add_attrs, add_dataset
 
 VALUES = {
     "order": 3,

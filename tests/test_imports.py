@@ -49,6 +49,24 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
     return {name for name in found if name in known}
 
 
+def unresolved(package: Path = PACKAGE) -> list[str]:
+    """`probe.X` imports that name no module of the package (a module moved, its importer not)."""
+    known = modules(package)
+    bad = []
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("probe"):
+                if node.module not in known and node.module != "probe.conf":
+                    bad.append(f"{name} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                bad += [
+                    f"{name} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith("probe.") and a.name not in known
+                ]
+    return sorted(bad)
+
+
 def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     known = modules(package)
     return {name: imports(path, known) - {name} for name, path in known.items()}
@@ -95,6 +113,10 @@ def test_no_upward_import():
     assert upward(graph()) == []
 
 
+def test_every_import_names_a_module_of_the_package():
+    assert unresolved() == []
+
+
 def test_no_cycle():
     assert cycles(graph()) == []
 
@@ -115,6 +137,8 @@ def test_the_walk_finds_a_cycle_and_an_upward_import(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "build" / "a.py").write_text("def f():\n    from probe.launch import b\n")
     (pkg / "launch" / "b.py").write_text("from probe.build.a import f\n")
+    (pkg / "launch" / "c.py").write_text("from probe.gone import x\n")
+    assert unresolved(pkg) == ["probe.launch.c imports probe.gone"]
     edges = graph(pkg)
     assert upward(edges) == ["probe.build.a imports probe.launch.b, a later stage"]
     assert cycles(edges) == [["probe.build.a", "probe.launch.b", "probe.build.a"]]

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from probe.h5fresh import add_attrs, add_dataset
 from probe.stats.running import (
     INTEGER_SCALARS,
     SCALARS,
@@ -28,6 +27,7 @@ from probe.stats.running import (
     occupied,
 )
 from probe.store.fileformat import captured, encode, read_progress
+from probe.store.h5fresh import add_attrs, add_dataset
 
 SCALAR_TYPE = np.dtype(
     [(k, "<i8" if k in INTEGER_SCALARS else "<f8") for k in SCALARS] + [("buckets", "<i8")]
