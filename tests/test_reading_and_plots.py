@@ -1,4 +1,5 @@
-"""The reading API, the README's analysis example, and figures whose plotted values equal the table's."""
+"""The reading API, the analysis example of docs/statistics.md, and figures whose plotted values
+equal the table's."""
 
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ def grad_run(tmp_path_factory):
     return result
 
 
-def test_readme_analysis_example_runs_on_a_real_run(grad_run):
-    readme = (ROOT / "README.md").read_text()
+def test_docs_analysis_example_runs_on_a_real_run(grad_run):
+    page = (ROOT / "docs" / "statistics.md").read_text()
     block = next(
-        b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "Analysis example" in b
+        b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "Analysis example" in b
     )
     code = block.replace("outputs/2026-11-21/10-00-00", str(grad_run.run_dir))
-    exec(compile(code, "README.md", "exec"), {})  # its asserts compare h5py with the API
+    exec(compile(code, "docs/statistics.md", "exec"), {})  # its asserts compare h5py with the API
 
 
 def test_lazy_arrays_read_the_valid_rows_only(grad_run):

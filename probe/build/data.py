@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
+from probe.build.tokens import token_dataset
 from probe.checks import check_data_file, check_dataset, check_root
 from probe.config import TOKEN_DATASETS, TOKEN_REDUCTIONS
 from probe.errors import DataError
-from probe.build.tokens import token_dataset
 
 # what a pairs batch carries besides the model's inputs: the other half and the answer tokens
 SIDE_KEYS = ("corrupt_ids", "answer", "wrong")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from probe.build import tokens as tk# its file, id and tokenizer helpers, private or not
+from probe.build import tokens as tk  # its file, id and tokenizer helpers, private or not
 from probe.errors import ConfigError, DataError
 
 _WHAT = "a .jsonl file of clean/corrupt pairs or a .pt dict {clean_ids, corrupt_ids, ...}"

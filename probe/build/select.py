@@ -10,10 +10,10 @@ from typing import Any
 
 from torch import nn
 
+from probe.build.layout import class_axis
 from probe.checks import check_match, check_probe_spec
 from probe.config import SITES
 from probe.errors import ConfigError, SelectionError
-from probe.build.layout import class_axis
 
 BLOCKS = "@blocks"  # in a layer pattern: each block of the model's stacks (`block_names`)
 # Classes of optional libraries that shipped probes name (accepted when not imported).
