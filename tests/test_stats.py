@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from probe.stats import backend
-from probe.stats.running import (
-    QUANTILE_REL_ERROR,
-    LogHistogram,
-    RunningStats,
-    batch_stats,
-    counts_agree,
-)
+from probe.stats.backend import batch_stats, fold
+from probe.stats.running import QUANTILE_REL_ERROR, LogHistogram, RunningStats, counts_agree
 from probe.store.fileformat import read_progress
 from tests.analysis_models import DEAD, SATURATED
 from tests.helpers import run_probe
@@ -39,7 +36,7 @@ def numba_only(stats_backend):
 def _stream(a: np.ndarray, bounds=None) -> RunningStats:
     s = RunningStats(bounds=bounds)
     for lo, hi in zip(CUTS, CUTS[1:] + [len(a)], strict=True):
-        s.update(torch.from_numpy(a[lo:hi]))
+        fold(s, torch.from_numpy(a[lo:hi]))
     return s
 
 
@@ -157,7 +154,7 @@ def test_quantiles_within_the_documented_bound(dist):
     }[dist].astype(np.float32)
     s = RunningStats()
     for chunk in np.array_split(values, 7):
-        s.update(torch.from_numpy(chunk))
+        fold(s, torch.from_numpy(chunk))
     row = s.as_row()
     exact = values.astype(np.float64)
     for key, q in (("p01", 0.01), ("p50", 0.5), ("p99", 0.99)):
@@ -168,11 +165,11 @@ def test_quantiles_within_the_documented_bound(dist):
 def test_merge_of_two_streams_equals_one_stream():
     a = _arrays()["holes"]
     whole = RunningStats()  # the same two batches folded into one running state
-    whole.update(torch.from_numpy(a[:20]))
-    whole.update(torch.from_numpy(a[20:]))
+    fold(whole, torch.from_numpy(a[:20]))
+    fold(whole, torch.from_numpy(a[20:]))
     left, right = RunningStats(), RunningStats()
-    left.update(torch.from_numpy(a[:20]))
-    right.update(torch.from_numpy(a[20:]))
+    fold(left, torch.from_numpy(a[:20]))
+    fold(right, torch.from_numpy(a[20:]))
     left.merge(right)
     for key, value in whole.as_row().items():
         np.testing.assert_allclose(left.as_row()[key], value, rtol=1e-12, err_msg=key)
@@ -229,8 +226,8 @@ def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch, num
     for n in (1, 3):
         monkeypatch.setattr(stats_module, "threads", Threads(n))
         s = RunningStats()
-        s.update(a)
-        s.update(a[:1])
+        fold(s, a)
+        fold(s, a[:1])
         results[n] = s
     one, three = results[1], results[3]
     np.testing.assert_array_equal(one.hist.counts, three.hist.counts)
@@ -245,7 +242,7 @@ def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch, num
 def test_a_unit_that_starts_with_nan_keeps_its_variance():
     a = np.concatenate([[np.nan], 1e6 + 0.001 * np.arange(1000)]).reshape(1, 1, -1)
     s = RunningStats()
-    s.update(a)
+    fold(s, a)
     row = s.as_row()
     finite = a[np.isfinite(a)]
     np.testing.assert_allclose(row["std"], finite.std(), rtol=1e-9)
@@ -259,7 +256,7 @@ def test_a_unit_whose_first_row_is_nan_keeps_its_variance(shape):
     a = 1e4 + rng.uniform(-0.01, 0.01, shape)
     a[0] = np.nan
     s = RunningStats()
-    s.update(a)  # one batch, whose row 0 gives no unit a value
+    fold(s, a)  # one batch, whose row 0 gives no unit a value
     finite = a[np.isfinite(a)]
     np.testing.assert_allclose(s.as_row()["std"], finite.std(), rtol=1e-9)
 
@@ -271,7 +268,7 @@ def test_row_norms_beside_a_huge_first_row(size):
     a = np.random.default_rng(5).uniform(0.5, 1.5, (4, 2, size)).astype(np.float32)
     a[0] = 1e8
     s = RunningStats()
-    s.update(torch.from_numpy(a))  # one batch (split in two by rows at most): row 1 with row 0
+    fold(s, torch.from_numpy(a))  # one batch (split in two by rows at most): row 1 with row 0
     norms = np.linalg.norm(a.astype(np.float64).reshape(4, -1), axis=1)
     # the small rows' norms are 1e-8 of the total: an error of one in them shows at 1e-12
     np.testing.assert_allclose(s.as_row()["l2_mean"], norms.mean(), rtol=1e-12)
@@ -279,7 +276,7 @@ def test_row_norms_beside_a_huge_first_row(size):
 
 def test_float64_beyond_float32_range_keeps_quantiles_finite():
     s = RunningStats()
-    s.update(np.array([[1e39, 1e39, 1e39], [2.0, 3.0, 1e39]]))
+    fold(s, np.array([[1e39, 1e39, 1e39], [2.0, 3.0, 1e39]]))
     row = s.as_row()
     assert (row["nan_count"], row["inf_count"], row["max"]) == (0, 0, 1e39)
     assert np.isfinite([row["p01"], row["p50"], row["p99"]]).all()
@@ -300,7 +297,7 @@ def test_statistics_saved_one_attribute_per_scalar_still_read():
 
 
 def test_bucket_ranges_hold_every_float32_between_the_extremes(numba_only):
-    from probe.stats.kernels import bucket_ranges
+    from probe.stats.kernels.histogram import bucket_ranges
 
     rng = np.random.default_rng(7)
     for trial in range(400):
@@ -319,6 +316,48 @@ def test_bucket_ranges_hold_every_float32_between_the_extremes(numba_only):
     assert bucket_ranges(-4.0, 2.0, 1.0) == [(0x3F80, 0x4001), (0xBF80, 0xC081)]
 
 
+def test_every_kernel_is_cached_against_every_module_of_the_kernels(numba_only):
+    """A caller's cached code holds its callees' compiled in, so each kernel's numba cache is
+    checked against the whole package (`kernels.locator`), not its own file only; and the
+    warm-up's stamp lists the index files of the kernels of every module."""
+    import importlib
+
+    from probe.stats import kernel_cache
+    from probe.stats.kernels import locator
+
+    cached = {}
+    for path in kernel_cache.kernel_files():
+        module = importlib.import_module(f"probe.stats.kernels.{path.stem}")
+        for name, value in vars(module).items():
+            func = getattr(value, "py_func", None) or getattr(
+                value, "_pyfunc", None
+            )  # or a cfunc's
+            if hasattr(value, "_cache") and getattr(func, "__module__", "") == module.__name__:
+                cached[f"{path.stem}.{name}"] = value._cache
+    assert {k.split(".")[0] for k in cached} >= {"segments", "columns", "rows", "packing", "gomp"}
+    for name, cache in cached.items():
+        assert hasattr(cache, "_impl"), f"{name} is compiled without cache=True"
+        assert isinstance(cache._impl.locator, locator._WholePackage), name
+        assert cache._cache_file._source_stamp == locator.package_stamp(), name
+    listed = {os.path.basename(p).split("-")[0] for p in kernel_cache._index_files()}
+    assert listed == set(cached)
+
+
+def test_the_warm_up_stamp_changes_with_any_kernels_module(tmp_path, monkeypatch):
+    from probe.stats import kernel_cache
+
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for path in kernel_cache.kernel_files():
+        (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(kernel_cache, "KERNELS", copy)
+    keys = {kernel_cache._key()}
+    for path in sorted(copy.glob("*.py")):
+        path.write_text(path.read_text() + "\n")
+        keys.add(kernel_cache._key())
+    assert len(keys) == 1 + len(kernel_cache.kernel_files())
+
+
 def test_a_batch_histogram_equals_counting_into_a_running_one():
     """Counted into the scratch and copied out as ranges, or counted into a running histogram:
     the same counts, and the scratch is left empty for the next batch."""
@@ -326,7 +365,7 @@ def test_a_batch_histogram_equals_counting_into_a_running_one():
     a = rng.standard_normal((5, 4, 300)).astype(np.float32) * 3
     a[1, 2, 7], a[3, 0, 0] = np.nan, -np.inf
     running = RunningStats()
-    running.update(a)
+    fold(running, a)
     for _ in range(2):
         counted = LogHistogram()
         counted.merge(batch_stats(a).hist)
@@ -353,9 +392,9 @@ def test_saved_statistics_mixing_two_flushes_are_told_apart():
     do not add up, and are not used."""
     a = _arrays()["holes"]
     early, late = RunningStats(), RunningStats()
-    early.update(a[:20])
-    late.update(a[:20])
-    late.update(a[20:])
+    fold(early, a[:20])
+    fold(late, a[:20])
+    fold(late, a[20:])
     assert counts_agree(early, "float32") and counts_agree(late, "float32")
     mixed = RunningStats.from_saved(early.state(), late.arrays())
     assert not counts_agree(mixed, "float32")
@@ -367,7 +406,7 @@ def test_negative_zero_is_the_minimum_below_positive_zero(dtype):
     normal = _arrays()["normal"]
     a = np.where(normal < 0, -0.0, normal).astype(dtype)
     s = RunningStats()
-    s.update(a)
+    fold(s, a)
     assert s.min == 0 and np.signbit(s.min)
     assert np.signbit(s.units.min).all() and (s.units.min == 0).all()
     assert s.as_row()["frac_zero"] == (a == 0).mean()

@@ -4,10 +4,12 @@ numba compiles a kernel at its first call and keeps the machine code in its cach
 `probe.stats.kernels` takes EXPECTED on a small machine. A run must not stall on that unannounced and
 `import probe` must compile nothing, so before importing numba a run looks for a stamp written
 after a complete warm-up of the kernels. The stamp's name covers what numba's cache depends on
-(the kernels' file, numba's and Python's versions, the machine, NUMBA_CACHE_DIR) and it lists
-the cache's index files, which must still exist. Without it `compile_in_background` starts one
-idle-priority `python -m probe.stats.kernel_cache` that warms the kernels and writes the stamp,
-outliving the run; a lock file keeps that to one process at a time.
+(every module of the kernels package, against all of which each kernel's cache is checked:
+`probe.stats.kernels.locator`; numba's and Python's versions, the machine, NUMBA_CACHE_DIR)
+and it lists the cache's index files, which must still exist. Without it
+`compile_in_background` starts one idle-priority `python -m probe.stats.kernel_cache` that warms
+the kernels and writes the stamp, outliving the run; a lock file keeps that to one process at a
+time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 EXPECTED = "15-60 s"
 LOCK_STALE_SECONDS = 900.0  # a lock older than this belongs to a compile that died
-KERNELS = Path(__file__).with_name("kernels.py")
+KERNELS = Path(__file__).with_name("kernels")  # the package; read here, never imported
 
 
 def cache_dir() -> Path:
@@ -37,16 +39,22 @@ def cache_dir() -> Path:
     return Path(base) / "probe"
 
 
+def kernel_files() -> list[Path]:
+    """Every module of the kernels package, in a fixed order."""
+    return sorted(KERNELS.glob("*.py"))
+
+
 def _key() -> str:
-    stat = KERNELS.stat()
     try:
         numba_version = importlib.metadata.version("numba")
     except importlib.metadata.PackageNotFoundError:
         numba_version = "absent"
-    parts = [
-        hashlib.sha256(KERNELS.read_bytes()).hexdigest(),
-        str(stat.st_mtime_ns),
-        str(stat.st_size),
+    parts = []
+    for path in kernel_files():  # each one's name, hash, mtime and size
+        stat = path.stat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        parts += [path.name, digest, str(stat.st_mtime_ns), str(stat.st_size)]
+    parts += [
         numba_version,
         sys.version,
         platform.machine(),
@@ -151,15 +159,20 @@ def _exercise() -> None:
 
 
 def _index_files() -> list[str]:
-    """The cache index files of every compiled function in `probe.stats.kernels`."""
-    from probe.stats import kernels
+    """The cache index files of every compiled function in every module of `probe.stats.kernels`
+    (a function a module imports from another is listed once)."""
+    import importlib
 
-    found = []
-    for value in vars(kernels).values():
-        cache = getattr(value, "_cache", None)
-        path = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
-        if path and os.path.exists(path):
-            found.append(str(path))
+    found = set()
+    for path in kernel_files():
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"probe.stats.kernels.{path.stem}")
+        for value in vars(module).values():
+            cache = getattr(value, "_cache", None)
+            index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+            if index and os.path.exists(index):
+                found.add(str(index))
     return sorted(found)
 
 

@@ -13,7 +13,9 @@ import threading
 import numpy as np
 
 from probe.stats import team
-from probe.stats.kernels import PACKED_HEAD, WORK, finish, fold_packed, reduce_rows, team_batch
+from probe.stats.kernels.gomp import WORK, team_batch
+from probe.stats.kernels.packing import PACKED_HEAD, finish, fold_packed
+from probe.stats.kernels.rows import reduce_rows
 from probe.stats.parallel import threads
 from probe.stats.running import (
     SATURATION_TOL,
@@ -89,7 +91,7 @@ def batch_stats(
 
 
 def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
-    """RunningStats of a batch from the array `kernels.finish` packed it into."""
+    """RunningStats of a batch from the array `packing.finish` packed it into."""
     width, k, o = _layout(packed)
     s = RunningStats(rows, *_scalars(packed), hist=None)
     if spans:
@@ -108,7 +110,7 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
 
 
 def _layout(packed: np.ndarray) -> tuple[int, int, int]:
-    """(units' width, histogram spans k, where the span heads start) of a `kernels.finish` result:
+    """(units' width, histogram spans k, where the span heads start) of a `packing.finish` result:
     the 11 scalars from 2, then 5 arrays of `width`, then 2k heads, then the spans' counts."""
     width = int(packed[0])
     return width, int(packed[1]), PACKED_HEAD + 5 * width
@@ -218,7 +220,7 @@ def _split(y: np.ndarray) -> tuple[int, int]:
 
 
 def _by_threads(y: np.ndarray, lanes: np.ndarray, parts: int, spans: bool) -> tuple:
-    """`kernels.finish` of y reduced in `parts` parts of rows on `threads`."""
+    """`packing.finish` of y reduced in `parts` parts of rows on `threads`."""
     with np.errstate(over="ignore"):  # float64 beyond float32's range: an Inf bucket, cleared
         bits = (y if y.dtype == np.float32 else y.astype(np.float32)).view(np.uint32)
     keys = y.view(np.int32 if y.dtype == np.float32 else np.int64)

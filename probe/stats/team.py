@@ -6,10 +6,10 @@ sleep. Threads of our own would compete with them for those cores (on 2 cores a 
 measured no faster than none). Here the pass is handed to torch's team through its OpenMP
 runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtimes), so the split
 runs on exactly the workers that were idle. Compiled code calls it at the address found here
-(`kernels.team_batch`, one call from Python per batch) with a numba `cfunc` (no GIL, no Python
-objects) that reads the arrays' addresses from a table of int64s (`probe.stats.kernels`: every
-compiled function lives there, since numba's disk cache is checked against the contents of the file
-a function is defined in, not of the files its callees are).
+(`kernels.gomp.team_batch`, one call from Python per batch) with a numba `cfunc` (no GIL, no Python
+objects) that reads the arrays' addresses from a table of int64s (in `probe.stats.kernels`, whose
+disk cache is checked against all of its modules: numba checks a function's cache against the file
+it is defined in, not the files of its callees, which a caller's code holds compiled in).
 
 Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
 and not in a process forked after the team was used; `entry()` then gives the team's width
@@ -80,8 +80,8 @@ def _loaded_runtimes() -> list[str]:
 
 def entry() -> tuple[int, int]:
     """(threads a pass can be split across on torch's team from here, the address of the
-    runtime's GOMP_parallel, which `kernels.team_batch` calls) in one look, as a hook needs both:
-    (0, 0) where the team cannot be used (another thread would get a team of new threads,
+    runtime's GOMP_parallel, which `kernels.gomp.team_batch` calls) in one look, as a hook needs
+    both: (0, 0) where the team cannot be used (another thread would get a team of new threads,
     competing with the forward; so would a process forked from one that used the team)."""
     if not ENABLED or threading.current_thread() is not threading.main_thread():
         return 0, 0

@@ -299,7 +299,7 @@ def _buffer(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def _key(values: torch.Tensor, ints: torch.dtype, bits: int) -> torch.Tensor:
-    """Integers that sort as the floats do, -0.0 below +0.0 (`kernels.order_key`); the map is
+    """Integers that sort as the floats do, -0.0 below +0.0 (`kernels.keys.order_key`); the map is
     its own inverse."""
     k = values.view(ints)
     return k ^ ((k >> (bits - 1)) & ((1 << (bits - 1)) - 1))
