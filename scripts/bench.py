@@ -15,22 +15,20 @@ and its ratio is to that one.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
-import resource
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import bench_common as bc  # first: it puts the repository root on sys.path
+import torch
+from torch.nn import functional as F
 
-from scripts import bench_cases as bc  # noqa: E402
+from tests import oracles
 
 
 @dataclass
@@ -46,91 +44,85 @@ class Case:
 def catalogue(args) -> list[Case]:
     g = args.grad_probes
     return [
-        Case("plain_forward", "model(x) under inference_mode, no hooks", bc.plain_forward),
+        Case("plain_forward", "model(x) under inference_mode, no hooks", plain_forward),
         Case(
             "plain_forward_backward",
             "summed cross-entropy, loss.backward(), no hooks",
-            bc.plain_forward_backward,
+            plain_forward_backward,
             floor="plain_forward_backward",
         ),
         Case(
             "probe_stats",
             "pipeline, store=stats (statistics only; stats.backend=auto: numba on a CPU, torch on a GPU)",
-            lambda s: bc.probe_case(s, "store=stats"),
+            lambda s: oracles.probe_case(s, "store=stats"),
         ),
         Case(
             "probe_stats_torch",
             "pipeline, store=stats, stats.backend=torch (the portable reference)",
-            lambda s: bc.probe_case(s, "store=stats", "stats.backend=torch"),
+            lambda s: oracles.probe_case(s, "store=stats", "stats.backend=torch"),
         ),
         *gpu_cases(args),
-        Case(
-            "probe_full",
-            "pipeline, full capture, uncompressed (the default)",
-            lambda s: bc.probe_case(s, "store.compression=none"),
-            check=(("output",), None, False),
-        ),
-        Case(
-            "probe_full_torch",
-            "pipeline, full capture, stats.backend=torch",
-            lambda s: bc.probe_case(s, "store.compression=none", "stats.backend=torch"),
-            check=(("output",), None, False),
-        ),
-        Case(
-            "probe_full_lzf",
-            "pipeline, full capture, lzf",
-            lambda s: bc.probe_case(s, "store.compression=lzf"),
-            check=(("output",), None, False),
-        ),
-        Case(
-            "probe_full_lzf_spanning",
-            "pipeline, lzf, chunks spanning batches (the earlier layout: rewritten at each flush, "
-            "not kill-safe)",
-            lambda s: bc.spanning(bc.probe_case(s, "store.compression=lzf")),
-            check=(("output",), None, False),
-        ),
-        Case(
-            "probe_full_gzip1",
-            "pipeline, full capture, gzip level 1",
-            lambda s: bc.probe_case(s, "store.compression=gzip", "store.compression_level=1"),
-            check=(("output",), None, False),
-        ),
-        Case(
-            "probe_full_f16",
-            "pipeline, full capture, float16 storage",
-            lambda s: bc.probe_case(s, dtype="float16"),
-            check=(("output",), "float16", False),
-        ),
+        *(full_capture(*row) for row in FULL_CAPTURE),
         Case(
             "probe_grads",
             f"pipeline, probes={g} (output + grad_output)",
-            lambda s: bc.probe_case(s, f"probes={g}"),
+            lambda s: oracles.probe_case(s, f"probes={g}"),
             floor="plain_forward_backward",
             check=(("output", "grad_output"), None, True),
         ),
         Case(
             "naive_clone_torch_save",
             "forward hooks clone into lists, torch.save at the end",
-            bc.naive_clone_torch_save,
+            oracles.naive_clone_torch_save,
         ),
         Case(
             "hooks_h5py_sync",
             "forward hooks write h5py inside the hook",
-            bc.hooks_h5py_sync,
+            oracles.hooks_h5py_sync,
         ),
         Case(
             "fx_extractor_h5py",
             "torchvision create_feature_extractor + h5py",
-            bc.fx_extractor_h5py,
+            oracles.fx_extractor_h5py,
         ),
-        Case(
-            "torchlens_h5py",
-            "torchlens.extract + h5py",
-            bc.torchlens_h5py,
-            peer="torchlens",
-        ),
-        Case("nnsight_h5py", "nnsight trace + .save() + h5py", bc.nnsight_h5py, peer="nnsight"),
+        Case("torchlens_h5py", "torchlens.extract + h5py", torchlens_h5py, peer="torchlens"),
+        Case("nnsight_h5py", "nnsight trace + .save() + h5py", nnsight_h5py, peer="nnsight"),
     ]
+
+
+# the pipeline's full-capture cases, each file checked against the plain hooks' outputs:
+# (name, what, overrides, storage dtype, chunks spanning batches)
+FULL_CAPTURE = [
+    ("probe_full", "pipeline, full capture, uncompressed (the default)", "store.compression=none"),
+    (
+        "probe_full_torch",
+        "pipeline, full capture, stats.backend=torch",
+        "store.compression=none stats.backend=torch",
+    ),
+    ("probe_full_lzf", "pipeline, full capture, lzf", "store.compression=lzf"),
+    (
+        "probe_full_lzf_spanning",
+        "pipeline, lzf, chunks spanning batches (the earlier layout: rewritten at each flush, "
+        "not kill-safe)",
+        "store.compression=lzf",
+        None,
+        True,
+    ),
+    (
+        "probe_full_gzip1",
+        "pipeline, full capture, gzip level 1",
+        "store.compression=gzip store.compression_level=1",
+    ),
+    ("probe_full_f16", "pipeline, full capture, float16 storage", "", "float16"),
+]
+
+
+def full_capture(name: str, what: str, overrides: str, dtype=None, span=False) -> Case:
+    def build(setup):
+        case = oracles.probe_case(setup, *overrides.split(), dtype=dtype)
+        return spanning(case) if span else case
+
+    return Case(name, what, build, check=(("output",), dtype, False))
 
 
 def gpu_cases(args) -> list[Case]:
@@ -142,7 +134,7 @@ def gpu_cases(args) -> list[Case]:
         Case(
             "probe_stats_host",
             "pipeline, store=stats, stats.backend=numba: every capture copied to the host",
-            lambda s: bc.probe_case(s, "store=stats", "stats.backend=numba"),
+            lambda s: oracles.probe_case(s, "store=stats", "stats.backend=numba"),
         )
     ]
 
@@ -165,7 +157,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default="", help="comma-separated subset (default: all)")
     p.add_argument("--no-rss", action="store_true", help="skip the per-case RSS subprocesses")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="writes OUT.csv, OUT.md")
+    p.add_argument("--out", default=str(bc.ROOT / "docs" / "bench"), help="writes OUT.csv, OUT.md")
     p.add_argument("--tmp", default=None, help="where cases write their files")
     p.add_argument("--one", help=argparse.SUPPRESS)  # subprocess: run one case once, print RSS
     p.add_argument("--isolated", help=argparse.SUPPRESS)  # subprocess: time a peer vs forward
@@ -183,72 +175,85 @@ def overrides(args) -> list[str]:
     ]
 
 
-def timed(fn, out: Path) -> tuple[float, float, int]:
-    """Seconds for one run of `fn` into a fresh `out`; seconds until what it wrote is on disk
-    (every file fsync'ed: a buffered write that left its bytes in the page cache has not
-    written them yet, and their writeback would land in a later case's timing); the bytes."""
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    sync()
-    t0 = time.perf_counter()
-    fn(out)
-    sync()
-    seconds = time.perf_counter() - t0
-    files = [f for f in out.rglob("*") if f.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
+# -- the bench's own cases: plain PyTorch floors and peers ------------------------------------
+def plain_forward(setup) -> Callable:
+    def case(out: Path) -> None:
+        with torch.inference_mode():
+            for b in setup.base.batches:
+                setup.model(b.inputs.to(setup.base.device))
+
+    return case
+
+
+def plain_forward_backward(setup) -> Callable:
+    def case(out: Path) -> None:
+        model, dev = setup.model, setup.base.device
+        for b in setup.base.batches:
+            loss = F.cross_entropy(model(b.inputs.to(dev)), b.targets.to(dev), reduction="sum")
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+    return case
+
+
+def spanning(case: Callable) -> Callable:
+    """`case` with compressed chunks spanning several batches, as before they were kill-safe."""
+    from probe.store import chunks
+
+    def spanned(out: Path):
+        chunks.COMPRESSED_CHUNKS_SPAN = True
         try:
-            os.fsync(fd)
+            return case(out)
         finally:
-            os.close(fd)
-    durable = time.perf_counter() - t0
-    return seconds, durable, sum(f.stat().st_size for f in files)
+            chunks.COMPRESSED_CHUNKS_SPAN = False
+
+    return spanned
 
 
-def sync() -> None:
-    """Wait for queued GPU work, so a timing covers it."""
-    import torch
+def torchlens_h5py(setup) -> Callable:
+    import torchlens
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    layers = {n: n for n in setup.names}
 
+    def extract(x):
+        with torch.no_grad():
+            return torchlens.extract(setup.model, x, layers)
 
-def interleave(cases: dict, reps: int, tmp: Path) -> tuple[dict, dict, dict]:
-    """A warm-up pass, then `reps` rounds of every case in turn; per-case times, times until
-    on disk, and bytes."""
-    times = {n: [] for n in cases}
-    durable = {n: [] for n in cases}
-    written = {}
-    for n, fn in cases.items():
-        *_, written[n] = timed(fn, tmp / n)
-    for _ in range(reps):
-        for n, fn in cases.items():
-            seconds, on_disk, _ = timed(fn, tmp / f"{n}.rep")
-            times[n].append(seconds)
-            durable[n].append(on_disk)
-    return times, durable, written
+    return oracles.extracted_to_h5(setup, extract, "torchlens.h5")
 
 
-def peak_rss_mb() -> float:
-    """This process's own peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the
-    parent at fork, so a child of a big parent would report the parent's peak."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def nnsight_h5py(setup) -> Callable:
+    from nnsight import NNsight
+
+    wrapped = NNsight(setup.model)
+    envoys = []
+    for n in setup.names:
+        e = wrapped
+        for part in n.split("."):
+            e = e[int(part)] if part.isdigit() else getattr(e, part)
+        envoys.append((n, e))
+
+    def extract(x):
+        saved = {}
+        with torch.no_grad(), wrapped.trace(x):
+            for n, e in envoys:
+                saved[n] = e.output.save()
+        return saved
+
+    return oracles.extracted_to_h5(setup, extract, "nnsight.h5")
 
 
-def subprocess_json(args, flag: str, name: str) -> dict:
-    argv = [a for a in sys.argv[1:] if not a.startswith("--cases")]
-    cmd = [sys.executable, __file__, *argv, flag, name]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(lines[-1])
+def interleave(cases: dict, reps: int, tmp: Path) -> dict:
+    """A warm-up pass (its files stay in tmp/warm-NAME for the value check), then `reps` rounds
+    of every case in turn; {name: [bench_common.timed(), ...]}."""
+    bc.warm_up(cases, tmp, keep=cases)
+    return bc.rounds(cases, reps, tmp)
+
+
+def subprocess_json(flag: str, name: str) -> dict:
+    """This script in a fresh process with this run's arguments (its --cases hold `name`) and
+    `flag name`; the JSON line it printed, or {"error": ...}."""
+    return bc.child_json([__file__, *sys.argv[1:], flag, name])
 
 
 def main(argv=None) -> None:
@@ -260,16 +265,15 @@ def main(argv=None) -> None:
     by_name = {c.name: c for c in cases}
     tmp = Path(tempfile.mkdtemp(prefix="probe-bench-", dir=args.tmp))
     try:
-        setup = bc.make_setup(overrides(args))
+        setup = oracles.make_setup(overrides(args))
         if args.one:
             by_name[args.one].build(setup)(tmp)
-            print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
+            print(json.dumps({"peak_rss_mb": bc.peak_rss_mb()}))
             return
         if args.isolated:
-            fns = {"plain_forward": bc.plain_forward(setup)}
+            fns = {"plain_forward": plain_forward(setup)}
             fns[args.isolated] = by_name[args.isolated].build(setup)
-            times, durable, written = interleave(fns, args.reps, tmp)
-            print(json.dumps({"times": times, "durable": durable, "written": written}))
+            print(json.dumps(interleave(fns, args.reps, tmp)))
             return
         report(args, setup, cases, tmp)
     finally:
@@ -282,25 +286,26 @@ def report(args, setup, cases: list[Case], tmp: Path) -> None:
     notes = []
     local = {c.name: c.build(setup) for c in cases if c.peer is None}
     print(f"timing {len(local)} cases x {args.reps} interleaved repetitions ...", flush=True)
-    times, durable, written = interleave(local, args.reps, tmp)
-    medians = {n: statistics.median(v) for n, v in times.items()}
-    on_disk = {n: statistics.median(v) for n, v in durable.items()}
+    times = interleave(local, args.reps, tmp)
+    medians = {n: bc.median(ts) for n, ts in times.items()}
+    on_disk = {n: bc.median(ts, "durable") for n, ts in times.items()}
+    written = {n: ts[0]["bytes"] for n, ts in times.items()}
     floors = dict(medians)
     for c in cases:
         if c.peer is None:
             continue
-        if not bc.installed(c.peer):
+        if importlib.util.find_spec(c.peer) is None:
             notes.append(f"{c.name}: skipped, {c.peer} is not installed (pip install {c.peer})")
             continue
         print(f"timing {c.name} in its own process ...", flush=True)
-        got = subprocess_json(args, "--isolated", c.name)
+        got = subprocess_json("--isolated", c.name)
         if "error" in got:
             notes.append(f"{c.name}: failed: {got['error']}")
             continue
-        medians[c.name] = statistics.median(got["times"][c.name])
-        on_disk[c.name] = statistics.median(got["durable"][c.name])
-        floors[c.name] = statistics.median(got["times"]["plain_forward"])
-        written[c.name] = got["written"][c.name]
+        medians[c.name] = bc.median(got[c.name])
+        on_disk[c.name] = bc.median(got[c.name], "durable")
+        floors[c.name] = bc.median(got["plain_forward"])
+        written[c.name] = got[c.name][0]["bytes"]
         notes.append(
             f"{c.name}: ratio to the plain forward timed in its own process "
             f"({floors[c.name]:.3f} s there)"
@@ -310,7 +315,7 @@ def report(args, setup, cases: list[Case], tmp: Path) -> None:
     for c in cases:
         if c.name not in medians:
             continue
-        rss = None if args.no_rss else subprocess_json(args, "--one", c.name).get("peak_rss_mb")
+        rss = None if args.no_rss else subprocess_json("--one", c.name).get("peak_rss_mb")
         fwd = floors[c.name] if c.peer else medians["plain_forward"]
         floor = medians.get(c.floor, fwd)
         mb = written.get(c.name, 0) / 1e6
@@ -343,7 +348,10 @@ def report(args, setup, cases: list[Case], tmp: Path) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(out.with_suffix(".csv"), index=False)
-    out.with_suffix(".md").write_text(markdown(header, table, notes))
+    rows = table.itertuples(index=False)
+    out.with_suffix(".md").write_text(
+        bc.markdown([f"_{header}_"], list(table.columns), rows, notes)
+    )
     print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.md')}")
 
 
@@ -351,23 +359,15 @@ def check_values(setup, cases: list[Case], tmp: Path) -> dict[str, str]:
     """For each probe case, whether its warm-up file equals the plain hooks' reference values."""
     refs, equal = {}, {}
     for c in cases:
-        if c.check is None or not (tmp / c.name / "probe.h5").exists():
+        h5 = tmp / f"warm-{c.name}" / "probe.h5"
+        if c.check is None or not h5.exists():
             continue
         sites, dtype, grads = c.check
         if grads not in refs:
-            refs[grads] = bc.reference_values(setup, grads=grads)
-        ok, why = bc.stored_values_match(tmp / c.name / "probe.h5", refs[grads], sites, dtype)
+            refs[grads] = oracles.reference_values(setup, grads=grads)
+        ok, why = oracles.stored_values_match(h5, refs[grads], sites, dtype)
         equal[c.name] = "yes" if ok else f"NO: {why}"
     return equal
-
-
-def markdown(header: str, table, notes: list[str]) -> str:
-    cols = list(table.columns)
-    lines = [f"_{header}_", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in table.itertuples(index=False):
-        lines.append("| " + " | ".join("" if v is None else str(v) for v in row) + " |")
-    lines += [""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

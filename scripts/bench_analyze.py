@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench_common import ROOT  # the repository root, put on sys.path there
 
 HWM = """
 print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0])

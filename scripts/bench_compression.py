@@ -20,12 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench_common  # noqa: F401 - first: it puts the repository root on sys.path
+import h5py
+import torch
 
-import h5py  # noqa: E402
-import torch  # noqa: E402
-
-from scripts.bench_cases import hooked, make_setup  # noqa: E402
+from tests.oracles import hooked, make_setup
 
 
 def filters() -> dict[str, dict]:

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.3
 
 

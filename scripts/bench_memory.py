@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 import h5py
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_common import ROOT  # the repository root, put on sys.path there
 
 
 def run_probe(run_dir: Path, *overrides: str) -> tuple[float, float]:

@@ -14,15 +14,12 @@ it imports. Values are checked once against the hand loop.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import datetime
-import gc
 import io
 import json
 import os
 import pstats
-import resource
 import shutil
 import statistics
 import sys
@@ -31,11 +28,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import bench_common as bc  # first: it puts the repository root on sys.path
+from bench_common import HEADS, LAYERS, VOCAB, WIDTH
 
-# the model's shape (the FIELD-NOTES' patching figures were measured on it)
-LAYERS, WIDTH, HEADS, VOCAB = 6, 256, 4, 5000
 CORRUPTED = 3  # positions at which corrupt differs from clean
 TARGET = 1.1  # the issue's target: the pipeline within 1.1x of the hand loop
 RTOL, ATOL = 1e-4, 1e-6  # the value check (atol only for logit differences near 0)
@@ -50,15 +45,10 @@ WHAT = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p = bc.token_parser(__doc__, rounds=3)
     p.add_argument("--pairs", type=int, default=64, help="clean/corrupt pairs, one batch (64)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per pair half (default 32)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile one pipeline run regardless")
-    p.add_argument("--tmp", default=None, help="where the variants write (default: the system's)")
-    p.add_argument("--out", default=None, help="also write the results as markdown to OUT")
     return p.parse_args(argv)
 
 
@@ -68,22 +58,9 @@ def write_assets(root: Path, args) -> tuple[Path, Path, dict]:
     ids differing at CORRUPTED positions (the same ones in every pair, never the last), one
     answer and one wrong id per pair."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
-        n_layer=LAYERS,
-        n_embd=WIDTH,
-        n_head=HEADS,
-        vocab_size=VOCAB,
-        n_positions=max(32, args.seq_len),
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(args.seed)
-        model = GPT2LMHeadModel(config)
     model_dir = root / "model"
-    model.save_pretrained(model_dir)
+    bc.save_gpt2(model_dir, max(32, args.seq_len), args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
     n, t = args.pairs, args.seq_len
     clean = torch.randint(0, VOCAB, (n, t), generator=g)
@@ -218,25 +195,6 @@ def transformer_lens_variant(pairs: dict, seq_len: int, seed: int) -> tuple[Call
     return fn, "transformer_lens: resid_pre (block inputs), a scalar metric per cell (its API)"
 
 
-# -- timing ------------------------------------------------------------------------------------
-def timed(fn: Callable, out: Path) -> dict:
-    """Wall and process CPU seconds of one run into a fresh `out`."""
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    gc.collect()
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn(out)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    shutil.rmtree(out, ignore_errors=True)
-    return {"wall": wall, "cpu": cpu}
-
-
-def max_rss_mb() -> float:
-    """The process's peak RSS so far (ru_maxrss: a maximum over the whole process, so it only
-    grows; a variant's figure includes everything that ran before it)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 # -- the value checks --------------------------------------------------------------------------
 def check_values(run_dir: Path, hand: dict, hand_keep1: dict, seq_len: int) -> list[str]:
     """Every cell of the pipeline's /patching/logit_diff equals the hand loop's, and the last
@@ -287,19 +245,22 @@ def check_values(run_dir: Path, hand: dict, hand_keep1: dict, seq_len: int) -> l
 
 # -- the profile -------------------------------------------------------------------------------
 PARTS = [  # (label, file suffix, function name): where a pipeline run spends its time
-    ("model forwards (GPT2LMHeadModel)", "transformers/models/gpt2/modeling_gpt2.py", "forward"),
-    ("grid hook: Grid._patched", "probe/intervene/grid.py", "_patched"),
-    ("  Region.mask", "probe/intervene/patching.py", "mask"),
-    ("metrics.value (per cell)", "probe/intervene/metrics.py", "value"),
-    ("Interventions._cells", "probe/intervene/passes.py", "_cells"),
-    ("Grid.run_cells", "probe/intervene/grid.py", "run_cells"),
-    ("capture.begin/end", "probe/hooks/capture.py", "begin"),
-    ("writer.put", "probe/store/writer.py", "put"),
-    ("writer.close", "probe/store/writer.py", "close"),
-    ("ProbeWriter()", "probe/store/writer.py", "__init__"),
-    ("report: patching_table", "probe/intervene/grid.py", "patching_table"),
-    ("report: heatmap", "probe/intervene/grid.py", "heatmap"),
-    ("summary_frame", "probe/analysis/summarize.py", "summary_frame"),
+    tuple(part.split(" @ "))
+    for part in (
+        "model forwards (GPT2LMHeadModel) @ transformers/models/gpt2/modeling_gpt2.py @ forward",
+        "grid hook: Grid._patched @ probe/intervene/grid.py @ _patched",
+        "  Region.mask @ probe/intervene/patching.py @ mask",
+        "metrics.value (per cell) @ probe/intervene/metrics.py @ value",
+        "Interventions._cells @ probe/intervene/passes.py @ _cells",
+        "Grid.run_cells @ probe/intervene/grid.py @ run_cells",
+        "capture.begin/end @ probe/hooks/capture.py @ begin",
+        "writer.put @ probe/store/writer.py @ put",
+        "writer.close @ probe/store/writer.py @ close",
+        "ProbeWriter() @ probe/store/writer.py @ __init__",
+        "report: patching_table @ probe/intervene/grid.py @ patching_table",
+        "report: heatmap @ probe/intervene/grid.py @ heatmap",
+        "summary_frame @ probe/analysis/summarize.py @ summary_frame",
+    )
 ]
 
 
@@ -350,15 +311,13 @@ def profile_probe(fn: Callable, out: Path, hand_s: float) -> list[str]:
 def table_rows(got: dict, rss: dict, threads: int, work: int) -> list[dict]:
     rows = []
     for name, runs in got.items():
-        walls = [r["wall"] for r in runs]
-        ratios = [r["wall"] / f["wall"] for r, f in zip(runs, got[FLOOR], strict=True)]
         util = [r["cpu"] / (threads * r["wall"]) for r in runs]
-        med = statistics.median(walls)
+        med = bc.median(runs)
         rows.append(
             {
                 "variant": name,
                 "median_s": f"{med:.2f}",
-                "x_hand_loop": f"{statistics.median(ratios):.3f}",
+                "x_hand_loop": f"{statistics.median(bc.ratios(runs, got[FLOOR])):.3f}",
                 "cells_x_pairs_per_s": f"{work / med:.0f}",
                 "cpu_util": f"{statistics.median(util):.2f}",
                 "max_rss_mb": f"{rss[name]:.0f}",
@@ -374,14 +333,6 @@ def render(rows: list[dict]) -> str:
     lines = ["  ".join(c.ljust(width[c]) for c in cols)]
     lines += ["  ".join(r[c].ljust(width[c]) for c in cols) for r in rows]
     return "\n".join(ln.rstrip() for ln in lines)
-
-
-def markdown(header: list[str], rows: list[dict], notes: list[str]) -> str:
-    cols = list(rows[0])
-    out = [*header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
-    out += [""] + [f"- {n}" for n in notes]
-    return "\n".join(out) + "\n"
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -416,35 +367,25 @@ def main(argv=None) -> None:
         cells = LAYERS * args.seq_len
         work = cells * args.pairs
 
-        rss = {"setup": max_rss_mb()}
+        rss = {"setup": bc.peak_rss_mb()}
         print(f"max RSS after setup (process maximum): {rss['setup']:.0f} MB", flush=True)
-        warm = {}
-        for name, fn in variants.items():  # one warm-up each; its outputs serve the checks
-            out = tmp / f"warm-{name}"
-            out.mkdir(parents=True)
-            warm[name] = fn(out)
-            rss[name] = max_rss_mb()
+
+        def after(name: str) -> None:
+            rss[name] = bc.peak_rss_mb()
             print(f"warm-up {name:<18} max RSS after it (process maximum): {rss[name]:.0f} MB")
+
+        # one warm-up each; its outputs serve the checks
+        warm = bc.warm_up(variants, tmp, keep={"probe"}, after=after)
         checks = check_values(
             tmp / "warm-probe", warm["hand_loop"], warm["hand_loop_keep1"], args.seq_len
         )
-        for name in variants:
-            shutil.rmtree(tmp / f"warm-{name}", ignore_errors=True)
+        shutil.rmtree(tmp / "warm-probe", ignore_errors=True)
 
         print(
             f"timing {len(variants)} variants x {args.rounds} interleaved rounds, {threads} threads"
         )
-        got = {name: [] for name in variants}
-        for r in range(args.rounds):
-            for name, fn in variants.items():
-                t = timed(fn, tmp / name)
-                got[name].append(t)
-                print(
-                    f"  round {r + 1}/{args.rounds} {name:<18} {t['wall']:7.2f} s  "
-                    f"cpu/(threads x wall) {t['cpu'] / (threads * t['wall']):.2f}",
-                    flush=True,
-                )
-        rss["end"] = max_rss_mb()
+        got = bc.rounds(variants, args.rounds, tmp, threads)
+        rss["end"] = bc.peak_rss_mb()
         print(f"max RSS at the end (process maximum): {rss['end']:.0f} MB")
         rows = table_rows(got, rss, threads, work)
         ratio = float(next(r["x_hand_loop"] for r in rows if r["variant"] == "probe"))
@@ -453,8 +394,7 @@ def main(argv=None) -> None:
             f"{'met' if ratio <= TARGET else 'NOT met'}"
         ]
         if "transformer_lens" in got:
-            p_s = statistics.median(t["wall"] for t in got["probe"])
-            tl_s = statistics.median(t["wall"] for t in got["transformer_lens"])
+            p_s, tl_s = bc.median(got["probe"]), bc.median(got["transformer_lens"])
             verdict.append(
                 f"target: probe faster than TransformerLens: {p_s:.2f} s vs {tl_s:.2f} s: "
                 f"{'met' if p_s < tl_s else 'NOT met'}"
@@ -464,10 +404,7 @@ def main(argv=None) -> None:
                 "target: probe faster than TransformerLens: not measured (not installed)"
             )
         for name in ("probe", "probe_stack2"):  # against the like-for-like floor
-            per = [
-                p["wall"] / h["wall"]
-                for p, h in zip(got[name], got["hand_loop_keep1"], strict=True)
-            ]
+            per = bc.ratios(got[name], got["hand_loop_keep1"])
             notes.append(
                 f"{name} / hand_loop_keep1 (both logits_to_keep=1) per round: "
                 f"{', '.join(f'{x:.3f}' for x in per)} (median {statistics.median(per):.3f})"
@@ -494,11 +431,11 @@ def main(argv=None) -> None:
             print(line)
         prof = []
         if args.profile or ratio > TARGET:
-            hand_s = statistics.median(t["wall"] for t in got[FLOOR])
+            hand_s = bc.median(got[FLOOR])
             prof = profile_probe(variants["probe"], tmp / "profile", hand_s)
         if args.out:
             cmd = "python " + " ".join(
-                [str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute()
+                [str(Path(sys.argv[0]).relative_to(bc.ROOT)) if Path(sys.argv[0]).is_absolute()
                  else sys.argv[0], *sys.argv[1:]]
             )  # fmt: skip
             head = [
@@ -512,13 +449,13 @@ def main(argv=None) -> None:
             extra = [
                 "x_hand_loop: median of per-round ratios to the hand loop of the same round",
                 "cpu_util: process CPU time / (threads x wall); near 1 means the cores were ours",
-                "max_rss_mb: ru_maxrss after the variant's warm-up, the process maximum so far "
+                "max_rss_mb: peak RSS (VmHWM) after the variant's warm-up, the process maximum so far "
                 f"(after setup {rss['setup']:.0f} MB, at the end {rss['end']:.0f} MB)",
                 *checks,
                 *verdict,
                 *notes,
             ]
-            text = markdown(head, rows, extra)
+            text = bc.markdown(head, list(rows[0]), [r.values() for r in rows], extra)
             if prof:
                 text += "\n```\n" + "\n".join(prof) + "\n```\n"
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

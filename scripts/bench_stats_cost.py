@@ -15,15 +15,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench_common  # noqa: F401 - first: it puts the repository root on sys.path
+import torch
+from hydra import compose, initialize_config_dir
 
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from probe.build.data import build_batches  # noqa: E402
-from probe.build.models import build_model  # noqa: E402
-from probe.config import config_dir  # noqa: E402
-from probe.launch.run import run  # noqa: E402
+from probe.build.data import build_batches
+from probe.build.models import build_model
+from probe.config import config_dir
+from probe.launch.run import run
 
 
 def plain(cfg) -> tuple[float, float]:

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_common import ROOT  # the repository root, put on sys.path there
+
 SHAPES = "64x56x56,128x28x28,256x14x14"  # per-sample shapes of the datasets
 
 # The child's own peak RSS (VmHWM): ru_maxrss of children carries over the forking parent's.

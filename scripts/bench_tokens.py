@@ -19,26 +19,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib.util
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import bench_common as bc  # first: it puts the repository root on sys.path
+from bench_common import HEADS, LAYERS, VOCAB, WIDTH
 
-# the model's shape (the FIELD-NOTES' peers were measured on it)
-LAYERS, WIDTH, HEADS, VOCAB, POSITIONS = 6, 256, 4, 5000, 128
+POSITIONS = 128
 FULL_FLOOR = 1.3  # the issue's floor for full capture
 PEER_FULL, PEER_STATS = 1.05, 1.03  # the peers' figures to beat (FIELD-NOTES, 2026-11-24)
 QUIET = 0.9  # a round is quiet when every variant's CPU time >= QUIET x threads x wall
@@ -46,16 +41,11 @@ PEERS = {"nnsight_h5py": "nnsight", "torchlens_h5py": "torchlens"}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p = bc.token_parser(__doc__, rounds=5)
     p.add_argument("--samples", type=int, default=512, help="sequences (default 512)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-rss", action="store_true", help="skip the per-variant RSS subprocesses")
-    p.add_argument("--tmp", default=None, help="where the variants write (default: the system's)")
-    p.add_argument("--out", default=None, help="also write the table as markdown to OUT")
     p.add_argument("--assets", help=argparse.SUPPRESS)  # subprocess: the parent's model and ids
     p.add_argument("--one", help=argparse.SUPPRESS)  # subprocess: one run of a variant, peak RSS
     p.add_argument("--isolated", help=argparse.SUPPRESS)  # subprocess: a peer vs the forward
@@ -66,21 +56,10 @@ def parse_args(argv=None):
 def write_assets(assets: Path, args) -> tuple[Path, Path]:
     """A seeded random GPT-2 written with save_pretrained, and a tokens .pt of seeded ids."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     model_dir, ids_path = assets / "model", assets / "tokens.pt"
     if not (model_dir / "config.json").exists():
-        config = GPT2Config(
-            n_layer=LAYERS,
-            n_embd=WIDTH,
-            n_head=HEADS,
-            vocab_size=VOCAB,
-            n_positions=POSITIONS,
-            bos_token_id=VOCAB - 1,
-            eos_token_id=VOCAB - 1,
-        )
-        torch.manual_seed(args.seed)
-        GPT2LMHeadModel(config).save_pretrained(model_dir)
+        bc.save_gpt2(model_dir, POSITIONS, args.seed)
     if not ids_path.exists():
         g = torch.Generator().manual_seed(args.seed)
         ids = torch.randint(0, VOCAB, (args.samples, args.seq_len), generator=g)
@@ -89,10 +68,10 @@ def write_assets(assets: Path, args) -> tuple[Path, Path]:
 
 
 def make_setup(args, assets: Path):
-    from scripts import bench_cases as bc
+    from tests import oracles
 
     model_dir, ids_path = write_assets(assets, args)
-    return bc.make_setup(
+    return oracles.make_setup(
         [
             "model=hf",
             f"model.name={model_dir}",
@@ -166,9 +145,9 @@ def hidden_states_h5py(setup) -> Callable:
 
 
 def probe_variant(setup, *overrides: str) -> Callable:
-    from scripts import bench_cases as bc
+    from tests import oracles
 
-    return bc.probe_case(setup, *overrides)
+    return oracles.probe_case(setup, *overrides)
 
 
 def block_names() -> list[str]:
@@ -241,68 +220,6 @@ PEER_WHAT = {
 }
 
 
-# -- timing ------------------------------------------------------------------------------------
-def timed(fn: Callable, out: Path) -> dict:
-    """Wall and process CPU seconds of one run into a fresh `out`, the seconds until what it wrote
-    is on disk (every file fsync'ed: a buffered write leaves its bytes in the page cache, an
-    O_DIRECT one does not, and the writeback must not land in the next variant's timing), and
-    the bytes it wrote. The caller deletes the files (a full run writes 400 MB)."""
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    gc.collect()
-    u0 = resource.getrusage(resource.RUSAGE_SELF)
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn(out)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    u1 = resource.getrusage(resource.RUSAGE_SELF)
-    files = [f for f in out.rglob("*") if f.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    durable = time.perf_counter() - t0
-    size = sum(f.stat().st_size for f in files)
-    return {
-        "wall": wall,
-        "cpu": cpu,
-        "sys": u1.ru_stime - u0.ru_stime,  # kernel time: page faults, copies into the page cache
-        "faults": u1.ru_minflt - u0.ru_minflt,
-        "durable": durable,
-        "bytes": size,
-    }
-
-
-def rounds(variants: dict[str, Callable], n: int, tmp: Path, threads: int, verbose=True) -> dict:
-    """`n` rounds of every variant in turn (A B C ... A B C ...); {name: [timed(), ...]}."""
-    got = {name: [] for name in variants}
-    for r in range(n):
-        for name, fn in variants.items():
-            t = timed(fn, tmp / name)
-            shutil.rmtree(tmp / name, ignore_errors=True)
-            got[name].append(t)
-            if verbose:
-                util = t["cpu"] / (threads * t["wall"])
-                print(
-                    f"  round {r + 1}/{n} {name:<20} {t['wall']:7.2f} s  cpu/(threads x wall) "
-                    f"{util:.2f}",
-                    flush=True,
-                )
-    return got
-
-
-def warm_up(variants: dict[str, Callable], tmp: Path, keep: str) -> None:
-    """One untimed run of each; `keep`'s output stays in tmp/warm-KEEP for the value check."""
-    for name, fn in variants.items():
-        fn_out = tmp / f"warm-{name}"
-        shutil.rmtree(fn_out, ignore_errors=True)
-        fn_out.mkdir(parents=True)
-        fn(fn_out)
-        if name != keep:
-            shutil.rmtree(fn_out, ignore_errors=True)
-
-
 # -- the value check ---------------------------------------------------------------------------
 def check_values(setup, h5_path: Path) -> str:
     """The pipeline's /layers/transformer.h.{i}/output equals hidden_states[i+1] flattened for
@@ -367,26 +284,6 @@ def check_values(setup, h5_path: Path) -> str:
 
 
 # -- subprocesses: peak RSS of one run, and the peers ------------------------------------------
-def status_mb(field: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux >= 4.0), so a peak taken later is the
-    peak of what ran in between."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def child(args, flag: str, name: str, assets: Path) -> dict:
     keep = ("--threads", "--samples", "--seq-len", "--batch", "--seed", "--rounds")
     argv = []
@@ -396,12 +293,7 @@ def child(args, flag: str, name: str, assets: Path) -> dict:
             argv += [k, str(v)]
     if args.tmp:
         argv += ["--tmp", args.tmp]
-    cmd = [sys.executable, __file__, *argv, "--assets", str(assets), flag, name]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(lines[-1])
+    return bc.child_json([__file__, *argv, "--assets", str(assets), flag, name])
 
 
 def run_child(args, setup, tmp: Path, threads: int) -> None:
@@ -410,15 +302,15 @@ def run_child(args, setup, tmp: Path, threads: int) -> None:
         if args.one in PEER_BUILD:
             variants[args.one] = PEER_BUILD[args.one](setup)
         fn = variants[args.one]
-        base = status_mb("VmRSS")
-        fresh = reset_peak()
-        timed(fn, tmp / args.one)
-        peak = status_mb("VmHWM")
+        base = bc.status_mb("VmRSS")
+        fresh = bc.reset_peak()
+        bc.timed(fn, tmp / args.one)
+        peak = bc.status_mb("VmHWM")
         print(json.dumps({"rss_increase_mb": peak - base, "reset": fresh}))
         return
     fns = {"plain": plain(setup), args.isolated: PEER_BUILD[args.isolated](setup)}
-    warm_up(fns, tmp, keep="")
-    print(json.dumps(rounds(fns, args.rounds, tmp, threads, verbose=False)))
+    bc.warm_up(fns, tmp)
+    print(json.dumps(bc.rounds(fns, args.rounds, tmp)))
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -434,41 +326,40 @@ def quiet_rounds(times: dict[str, list[dict]], threads: int) -> list[bool]:
 def summarise(times: list[dict], floor: list[dict], quiet: list[bool], tokens, threads) -> dict:
     """Medians of one variant's rounds; ratios are taken per round (against the plain forward of
     the same round), then their median: over all rounds, over the quiet ones, and of CPU time."""
-    walls = [t["wall"] for t in times]
-    ratios = [t["wall"] / p["wall"] for t, p in zip(times, floor, strict=True)]
+    ratios = bc.ratios(times, floor)
     calm = [x for x, q in zip(ratios, quiet, strict=True) if q]
     return {
-        "median_s": statistics.median(walls),
+        "median_s": bc.median(times),
         "x_plain": statistics.median(ratios),
         "x_quiet": statistics.median(calm) if calm else None,
-        "x_cpu": statistics.median(t["cpu"] / p["cpu"] for t, p in zip(times, floor, strict=True)),
-        "x_durable": statistics.median(
-            t["durable"] / p["durable"] for t, p in zip(times, floor, strict=True)
-        ),
-        "sys_s": statistics.median(t["sys"] for t in times),
-        "faults_k": statistics.median(t["faults"] for t in times) / 1e3,
-        "tokens_per_s": tokens / statistics.median(walls),
+        "x_cpu": statistics.median(bc.ratios(times, floor, "cpu")),
+        "x_durable": statistics.median(bc.ratios(times, floor, "durable")),
+        "sys_s": bc.median(times, "sys"),
+        "faults_k": bc.median(times, "faults") / 1e3,
+        "tokens_per_s": tokens / bc.median(times),
         "cpu_util": statistics.median(t["cpu"] / (threads * t["wall"]) for t in times),
         "mb_written": times[0]["bytes"] / 1e6,
     }
 
 
+COLUMNS = [
+    "variant",
+    "median_s",
+    "x_plain",
+    "x_quiet",
+    "x_cpu",
+    "x_durable",
+    "sys_s",
+    "faults_k",
+    "tokens_per_s",
+    "cpu_util",
+    "rss_mb",
+    "mb_written",
+]
+
+
 def table_lines(rows: list[dict]) -> list[str]:
-    cols = [
-        "variant",
-        "median_s",
-        "x_plain",
-        "x_quiet",
-        "x_cpu",
-        "x_durable",
-        "sys_s",
-        "faults_k",
-        "tokens_per_s",
-        "cpu_util",
-        "rss_mb",
-        "mb_written",
-    ]
-    cells = [cols]
+    cells = []
     for r in rows:
         rss, calm = r.get("rss_mb"), r["x_quiet"]
         cells.append(
@@ -487,11 +378,7 @@ def table_lines(rows: list[dict]) -> list[str]:
                 f"{r['mb_written']:.0f}",
             ]
         )
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    return [
-        "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
-        for row in cells[:1] + [["-" * w for w in widths]] + cells[1:]
-    ]
+    return bc.table_lines(COLUMNS, cells)
 
 
 def target_lines(by_name: dict) -> list[str]:
@@ -545,12 +432,12 @@ def report(args, setup, tmp: Path, assets: Path, threads: int) -> None:
     fns = {n: fn for n, (_, fn) in variants.items()}
     notes = []
     print(f"warm-up: one run of each of {len(fns)} variants ...", flush=True)
-    warm_up(fns, tmp, keep="probe_full")
+    bc.warm_up(fns, tmp, keep={"probe_full"})
     equal = check_values(setup, tmp / "warm-probe_full" / "probe.h5")
     shutil.rmtree(tmp / "warm-probe_full", ignore_errors=True)
     print(equal, flush=True)
     print(f"timing {len(fns)} variants x {args.rounds} interleaved rounds ...", flush=True)
-    times = rounds(fns, args.rounds, tmp, threads)
+    times = bc.rounds(fns, args.rounds, tmp, threads)
     quiet = quiet_rounds(times, threads)
     rows = []
     for n, (what, _) in variants.items():
@@ -578,7 +465,7 @@ def report(args, setup, tmp: Path, assets: Path, threads: int) -> None:
                 **summarise(got[n], got["plain"], calm, tokens, threads),
             }
         )
-        plain_s = statistics.median(t["wall"] for t in got["plain"])
+        plain_s = bc.median(got["plain"])
         notes.append(f"{n}: ratio to the plain forward timed in its own process ({plain_s:.2f} s)")
     if not args.no_rss:
         print("peak RSS: one run of each variant in a fresh process ...", flush=True)

@@ -30,14 +30,15 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from bench_common import ROOT  # the repository root, put on sys.path there
 
 from probe.stats import backend
-from probe.stats.running import SCALARS, occupied, stats_for
+from probe.stats.running import stats_for
 from probe.store import stats_file
 from probe.store.fileformat import decode, is_scale, layer_path, read_progress
 from probe.store.runfile import NothingFlushed, open_probe_file
+from tests.helpers import file_arrays  # as the tests compare files
 
-ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     *("print_summary=false", "progress=false", "hydra.verbose=probe", "model=custom"),
     *("model._target_=tests.models_for_tests.TinyNet", "model.input_shape=[3,8,8]"),
@@ -135,26 +136,6 @@ def run(args: list[str], run_dir: Path, plan=None, limit: float = 600):
     while not ended and (item := lines.get(timeout=60))[1] is not None:
         out.append(item[1])
     return proc.returncode, "".join(out), first, flushes, time.monotonic(), killed
-
-
-def file_arrays(f: h5py.File) -> dict:
-    """Every captured or per-sample dataset of an open run file by its path, and its statistics
-    decoded from /stats under stats/<layer>/<site>/... (as the tests compare files)."""
-    arrays = {}
-
-    def take(name, obj):
-        plain = name == "sample" or not is_scale(obj)
-        if isinstance(obj, h5py.Dataset) and plain and name != "progress" and name[:6] != "stats/":
-            arrays[name] = obj[()]
-
-    f.visititems(take)
-    for (layer, site), info in stats_file.read(f).items():
-        s, at = info.stats, f"stats/{layer}/{site}"
-        arrays[f"{at}/scalars"] = np.array([getattr(s, k) for k in SCALARS], dtype=np.float64)
-        arrays[f"{at}/hist"] = occupied(s.hist.counts, False)
-        if s.units is not None:
-            arrays[f"{at}/units"] = s.units.packed()
-    return arrays
 
 
 def differing_rows(got: np.ndarray, want: np.ndarray) -> str:

@@ -20,6 +20,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import probe
 
+if set(sys.argv[1:]) & {"-h", "--help"}:
+    print(__doc__)
+    sys.exit(0)
 matplotlib.use("Agg")
 logging.basicConfig(level=logging.WARNING)  # probe logs through the "probe" logger
 torch.manual_seed(0)

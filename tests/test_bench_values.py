@@ -1,4 +1,5 @@
-"""The benchmark's equality check, the block-wise batch statistics and the batch-aligned chunks.
+"""The oracles the benchmark checks with (tests/oracles.py), the block-wise batch statistics and
+the batch-aligned chunks.
 
 Values only: nothing here is timed.
 """
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from probe.stats.backend import batch_stats
-from scripts import bench_cases as bc
+from tests import oracles
 
 BLOCK = 1 << 14  # sizes around a block boundary of the float64 accumulation
 
@@ -28,61 +29,44 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def setup():
-    return bc.make_setup(TINY)
+    return oracles.make_setup(TINY)
 
 
 def test_bench_check_accepts_pipeline_files_and_rejects_a_changed_value(setup, tmp_path):
-    reference = bc.reference_values(setup)
+    reference = oracles.reference_values(setup)
     assert len(reference) == 20 and all(len(v) == 5 for v in reference.values())
-    h5 = bc.probe_case(setup)(tmp_path / "full")
-    assert bc.stored_values_match(h5, reference) == (True, "equal")
+    h5 = oracles.probe_case(setup)(tmp_path / "full")
+    assert oracles.stored_values_match(h5, reference) == (True, "equal")
 
     changed = tmp_path / "changed.h5"
     shutil.copy(h5, changed)
     with h5py.File(changed, "r+") as f:
         f["layers/layer2.0.conv1/output"][4, 0, 0, 0] += 1e-3
-    ok, why = bc.stored_values_match(changed, reference)
+    ok, why = oracles.stored_values_match(changed, reference)
     assert not ok and "layer2.0.conv1" in why
 
 
 def test_bench_check_float16_and_gradients_equal_plain_hooks(setup, tmp_path):
-    reference = bc.reference_values(setup)
-    h5 = bc.probe_case(setup, dtype="float16")(tmp_path / "f16")
-    assert bc.stored_values_match(h5, reference, dtype="float16") == (True, "equal")
+    reference = oracles.reference_values(setup)
+    h5 = oracles.probe_case(setup, dtype="float16")(tmp_path / "f16")
+    assert oracles.stored_values_match(h5, reference, dtype="float16") == (True, "equal")
     # float16 storage is not the float32 reference: the check must notice
-    assert not bc.stored_values_match(h5, reference)[0]
+    assert not oracles.stored_values_match(h5, reference)[0]
 
-    grads = bc.reference_values(setup, grads=True)
+    grads = oracles.reference_values(setup, grads=True)
     assert sum(site == "grad_output" for _, site in grads) == 20
-    h5 = bc.probe_case(setup, "probes=grads_all_convs")(tmp_path / "grads")
-    assert bc.stored_values_match(h5, grads, sites=("output", "grad_output")) == (True, "equal")
+    h5 = oracles.probe_case(setup, "probes=grads_all_convs")(tmp_path / "grads")
+    sites = ("output", "grad_output")
+    assert oracles.stored_values_match(h5, grads, sites=sites) == (True, "equal")
 
 
 def test_bench_baselines_store_the_reference_values(setup, tmp_path):
-    reference = bc.reference_values(setup)
-    for build in (bc.hooks_h5py_sync, bc.fx_extractor_h5py):
-        assert bc.stored_values_match(build(setup)(tmp_path), reference) == (True, "equal")
-    saved = torch.load(bc.naive_clone_torch_save(setup)(tmp_path), weights_only=True)
+    reference = oracles.reference_values(setup)
+    for build in (oracles.hooks_h5py_sync, oracles.fx_extractor_h5py):
+        assert oracles.stored_values_match(build(setup)(tmp_path), reference) == (True, "equal")
+    saved = torch.load(oracles.naive_clone_torch_save(setup)(tmp_path), weights_only=True)
     for (layer, _), want in reference.items():
         np.testing.assert_array_equal(saved[layer].numpy(), want)
-
-
-def _numpy_stats(a: np.ndarray) -> dict:
-    a = a.astype(np.float64).reshape(len(a), -1)
-    finite = np.isfinite(a)
-    f = a[finite]
-    return {
-        "n": f.size,
-        "mean": f.mean(),
-        "m2": ((f - f.mean()) ** 2).sum(),
-        "min": f.min(),
-        "max": f.max(),
-        "abs_sum": np.abs(f).sum(),
-        "zeros": int((f == 0).sum()),
-        "l2_sum": np.sqrt((np.where(finite, a, 0) ** 2).sum(axis=1)).sum(),
-        "nan_count": int(np.isnan(a).sum()),
-        "inf_count": int(np.isinf(a).sum()),
-    }
 
 
 @pytest.mark.parametrize(
@@ -99,7 +83,7 @@ def _numpy_stats(a: np.ndarray) -> dict:
 )
 def test_batch_stats_equal_numpy_float64(make):
     x = make(torch.Generator().manual_seed(0))
-    got, want = batch_stats(x), _numpy_stats(x.numpy())
+    got, want = batch_stats(x), oracles.numpy_stats(x.numpy())
     for key, value in want.items():
         assert getattr(got, key) == pytest.approx(value, rel=2e-7, abs=1e-9), (
             key

@@ -1,13 +1,18 @@
-"""The benchmark's cases: the pipeline, plain PyTorch floors, hand-written baselines and peers.
+"""Values computed without the pipeline, that the pipeline's files are compared with.
 
-Every case runs once over the same materialised batches with the same model and writes into its own
-directory. `reference_values` records what plain forward hooks see (and, for gradient sites, what
-tensor hooks on those outputs receive); `stored_values_match` compares a file with it.
+`make_setup` holds one model and one list of materialised batches; `probe_case` runs the pipeline
+over them and the oracles below read the same model and batches: `reference_values` is what plain
+forward hooks see (and, for gradient sites, what tensor hooks on those outputs receive),
+`stored_values_match` compares a file with it, `numpy_stats` is a batch's statistics in float64
+numpy, and the hand-written captures (hooks writing h5py, clones saved with torch.save,
+torchvision's feature extractor) store the same values by other means.
+
+tests/test_bench_values.py checks them, and the benchmarks (scripts/bench*.py) use them: the values
+a benchmark reports as equal are the ones the tests check.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +20,14 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
 from probe.build.select import select_modules
-from probe.config import GRAD_SITES, config_dir
+from probe.config import GRAD_SITES
 from probe.hooks.objective import build_objective
 from probe.launch.run import Plan, plan, run
+from tests.helpers import make_cfg
 
 
 class Materialised:
@@ -42,14 +47,9 @@ class Materialised:
         return iter(self.items)
 
 
-def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
-        return compose("config", overrides=["print_summary=false", "progress=false", *overrides])
-
-
 @dataclass
 class Setup:
-    """One model and one list of batches shared by every case."""
+    """One model and one list of batches shared by the pipeline and the oracles."""
 
     cfg: DictConfig
     base: Plan
@@ -70,7 +70,7 @@ class Setup:
         """The pipeline's config with overrides, re-using this setup's model and batches."""
         replaced = {o.split("=")[0] for o in overrides}
         kept = [o for o in self.overrides if o.split("=")[0] not in replaced]
-        cfg = compose_cfg(*kept, *overrides)
+        cfg = make_cfg(*kept, *overrides)
         if dtype is not None:
             for spec in cfg.probes.values():
                 spec.dtype = dtype
@@ -83,15 +83,16 @@ class Setup:
 
 
 def make_setup(overrides: list[str]) -> Setup:
-    cfg = compose_cfg(*overrides)
+    cfg = make_cfg(*overrides)
     base = plan(cfg)
     base.model.to(base.device).eval()
     base.batches = Materialised(base.batches)
     return Setup(cfg, base, tuple(overrides))
 
 
-# -- the pipeline ------------------------------------------------------------------------------
 def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Callable:
+    """The pipeline over the setup's model and batches: `case(out_dir) -> probe.h5`; the config
+    is composed here, so a timed call runs the pipeline alone."""
     cfg, prepared = setup.variant(*overrides, dtype=dtype)
 
     def case(out: Path) -> Path:
@@ -100,42 +101,6 @@ def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Calla
     return case
 
 
-def spanning(case: Callable) -> Callable:
-    """`case` with compressed chunks spanning several batches, as before they were kill-safe."""
-    from probe.store import chunks
-
-    def spanned(out: Path):
-        chunks.COMPRESSED_CHUNKS_SPAN = True
-        try:
-            return case(out)
-        finally:
-            chunks.COMPRESSED_CHUNKS_SPAN = False
-
-    return spanned
-
-
-# -- plain PyTorch floors ----------------------------------------------------------------------
-def plain_forward(setup: Setup) -> Callable:
-    def case(out: Path) -> None:
-        with torch.inference_mode():
-            for b in setup.base.batches:
-                setup.model(b.inputs.to(setup.base.device))
-
-    return case
-
-
-def plain_forward_backward(setup: Setup) -> Callable:
-    def case(out: Path) -> None:
-        model, dev = setup.model, setup.base.device
-        for b in setup.base.batches:
-            loss = F.cross_entropy(model(b.inputs.to(dev)), b.targets.to(dev), reduction="sum")
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-
-    return case
-
-
-# -- hand-written baselines --------------------------------------------------------------------
 class hooked:
     """Forward hooks calling `fn(name, output)` on the setup's modules, removed on exit."""
 
@@ -151,121 +116,6 @@ class hooked:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
-
-
-def naive_clone_torch_save(setup: Setup) -> Callable:
-    """Forward hooks clone into lists; one torch.save at the end (everything stays in RAM)."""
-
-    def case(out: Path) -> Path:
-        kept: dict[str, list[torch.Tensor]] = {n: [] for n in setup.names}
-        with hooked(setup, lambda n, o: kept[n].append(o.detach().clone())), torch.inference_mode():
-            for b in setup.base.batches:
-                setup.model(b.inputs)
-        path = out / "naive.pt"
-        torch.save({n: torch.cat(v) for n, v in kept.items()}, path)
-        return path
-
-    return case
-
-
-class H5Sink:
-    """Synchronous writes into preallocated, contiguous HDF5 datasets (the simplest fast layout)."""
-
-    def __init__(self, path: Path, total: int):
-        self.file, self.total = h5py.File(path, "w"), total
-
-    def write(self, name: str, start: int, t: torch.Tensor) -> None:
-        a = t.detach().cpu().numpy()
-        key = f"layers/{name}/output"
-        ds = self.file.get(key) or self.file.create_dataset(
-            key, shape=(self.total, *a.shape[1:]), dtype=a.dtype
-        )
-        ds[start : start + len(a)] = a
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def hooks_h5py_sync(setup: Setup) -> Callable:
-    """Forward hooks writing each output to h5py inside the hook, on the forward's thread."""
-
-    def case(out: Path) -> Path:
-        path = out / "hooks.h5"
-        sink, start = H5Sink(path, setup.base.batches.num_samples), [0]
-        with hooked(setup, lambda n, o: sink.write(n, start[0], o)), torch.inference_mode():
-            for b in setup.base.batches:
-                start[0] = b.start
-                setup.model(b.inputs)
-        sink.close()
-        return path
-
-    return case
-
-
-def extracted_to_h5(setup: Setup, extract: Callable, filename: str) -> Callable:
-    """A peer's per-batch `extract(inputs) -> {name: tensor}`, written synchronously to h5py."""
-
-    def case(out: Path) -> Path:
-        path = out / filename
-        sink = H5Sink(path, setup.base.batches.num_samples)
-        for b in setup.base.batches:
-            for n, t in extract(b.inputs).items():
-                sink.write(n, b.start, t)
-        sink.close()
-        return path
-
-    return case
-
-
-def fx_extractor_h5py(setup: Setup) -> Callable:
-    """torchvision's create_feature_extractor (FX graph, built once; nodes after the last requested
-    one are pruned, so it skips the model's head) + synchronous h5py."""
-    from torchvision.models.feature_extraction import create_feature_extractor
-
-    fx = create_feature_extractor(setup.model, return_nodes={n: n for n in setup.names})
-
-    def extract(x):
-        with torch.inference_mode():
-            return fx(x)
-
-    return extracted_to_h5(setup, extract, "fx.h5")
-
-
-def torchlens_h5py(setup: Setup) -> Callable:
-    import torchlens
-
-    layers = {n: n for n in setup.names}
-
-    def extract(x):
-        with torch.no_grad():
-            return torchlens.extract(setup.model, x, layers)
-
-    return extracted_to_h5(setup, extract, "torchlens.h5")
-
-
-def nnsight_h5py(setup: Setup) -> Callable:
-    from nnsight import NNsight
-
-    wrapped = NNsight(setup.model)
-    envoys = []
-    for n in setup.names:
-        e = wrapped
-        for part in n.split("."):
-            e = e[int(part)] if part.isdigit() else getattr(e, part)
-        envoys.append((n, e))
-
-    def extract(x):
-        saved = {}
-        with torch.no_grad(), wrapped.trace(x):
-            for n, e in envoys:
-                saved[n] = e.output.save()
-        return saved
-
-    return extracted_to_h5(setup, extract, "nnsight.h5")
-
-
-def installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 # -- reference values and the equality check --------------------------------------------------
@@ -321,3 +171,101 @@ def stored_values_match(
                 worst = float(np.abs(got.astype(np.float64) - want).max())
                 return False, f"{name}: max |diff| {worst:.3g}"
     return True, "equal"
+
+
+def numpy_stats(a: np.ndarray) -> dict:
+    """A batch's statistics (rows are samples) in float64 numpy, named as BatchStats' fields."""
+    a = a.astype(np.float64).reshape(len(a), -1)
+    finite = np.isfinite(a)
+    f = a[finite]
+    return {
+        "n": f.size,
+        "mean": f.mean(),
+        "m2": ((f - f.mean()) ** 2).sum(),
+        "min": f.min(),
+        "max": f.max(),
+        "abs_sum": np.abs(f).sum(),
+        "zeros": int((f == 0).sum()),
+        "l2_sum": np.sqrt((np.where(finite, a, 0) ** 2).sum(axis=1)).sum(),
+        "nan_count": int(np.isnan(a).sum()),
+        "inf_count": int(np.isinf(a).sum()),
+    }
+
+
+# -- hand-written captures: the same values by other means (the benchmark's baselines) ---------
+def naive_clone_torch_save(setup: Setup) -> Callable:
+    """Forward hooks clone into lists; one torch.save at the end (everything stays in RAM)."""
+
+    def case(out: Path) -> Path:
+        kept: dict[str, list[torch.Tensor]] = {n: [] for n in setup.names}
+        with hooked(setup, lambda n, o: kept[n].append(o.detach().clone())), torch.inference_mode():
+            for b in setup.base.batches:
+                setup.model(b.inputs)
+        path = out / "naive.pt"
+        torch.save({n: torch.cat(v) for n, v in kept.items()}, path)
+        return path
+
+    return case
+
+
+class H5Sink:
+    """Synchronous writes into preallocated, contiguous HDF5 datasets (the simplest fast layout)."""
+
+    def __init__(self, path: Path, total: int):
+        self.file, self.total = h5py.File(path, "w"), total
+
+    def write(self, name: str, start: int, t: torch.Tensor) -> None:
+        a = t.detach().cpu().numpy()
+        key = f"layers/{name}/output"
+        ds = self.file.get(key) or self.file.create_dataset(
+            key, shape=(self.total, *a.shape[1:]), dtype=a.dtype
+        )
+        ds[start : start + len(a)] = a
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def hooks_h5py_sync(setup: Setup) -> Callable:
+    """Forward hooks writing each output to h5py inside the hook, on the forward's thread."""
+
+    def case(out: Path) -> Path:
+        path = out / "hooks.h5"
+        sink, start = H5Sink(path, setup.base.batches.num_samples), [0]
+        with hooked(setup, lambda n, o: sink.write(n, start[0], o)), torch.inference_mode():
+            for b in setup.base.batches:
+                start[0] = b.start
+                setup.model(b.inputs)
+        sink.close()
+        return path
+
+    return case
+
+
+def extracted_to_h5(setup: Setup, extract: Callable, filename: str) -> Callable:
+    """A per-batch `extract(inputs) -> {name: tensor}`, written synchronously to h5py."""
+
+    def case(out: Path) -> Path:
+        path = out / filename
+        sink = H5Sink(path, setup.base.batches.num_samples)
+        for b in setup.base.batches:
+            for n, t in extract(b.inputs).items():
+                sink.write(n, b.start, t)
+        sink.close()
+        return path
+
+    return case
+
+
+def fx_extractor_h5py(setup: Setup) -> Callable:
+    """torchvision's create_feature_extractor (FX graph, built once; nodes after the last requested
+    one are pruned, so it skips the model's head) + synchronous h5py."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    fx = create_feature_extractor(setup.model, return_nodes={n: n for n in setup.names})
+
+    def extract(x):
+        with torch.inference_mode():
+            return fx(x)
+
+    return extracted_to_h5(setup, extract, "fx.h5")
