@@ -65,13 +65,12 @@ def check_config(cfg: DictConfig) -> None:
     check_seed("seed", cfg.seed)
     _model(cfg.model)
     _dataset(cfg.dataset)
-    _device(cfg)
+    check_run_options(cfg)
     for name, spec in cfg.probes.items():
         check_probe_spec(name, spec)
         check_match(f"probe {name!r}", spec.match)
     edits = _edits(cfg.get("intervene"))
     _objective(cfg, edits)
-    _store(cfg.store)
 
 
 def typed_probes(cfg: DictConfig) -> None:
@@ -227,8 +226,11 @@ def _dataset(d) -> None:
         )
 
 
-def _device(cfg) -> None:
-    """probe.launch.run's resolve_device, probe.hooks.device's, probe.hooks.forward's and probe.stats.backend's checks."""
+def check_run_options(cfg) -> None:
+    """The options of how a run runs: device, precision, /model/output, the statistics backend
+    and store.* (the run checks them here too when its config did not come through
+    check_config: the Python API's)."""
+    _store(cfg.store)
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
@@ -357,11 +359,11 @@ def _objective(cfg, edits: dict) -> None:
 
 
 def _store(s) -> None:
-    """probe.store.writer's checks (a WriteError there, where a ProbeWriter is made directly)."""
+    """store.*: the writer takes these values as they are."""
     _choice("store.compression", s.compression, COMPRESSIONS)
     if s.mode not in ("full", "stats"):
         raise ConfigError(f"store.mode={s.mode!r} is unknown; choose full or stats")
-    at_least("store.queue_batches", s.queue_batches)  # probe.store.writer's message
+    at_least("store.queue_batches", s.queue_batches)
     at_least("store.chunk_bytes", s.chunk_bytes, note=" (bytes per HDF5 chunk; default 1048576)")
     at_least("store.flush_seconds", s.flush_seconds, 0, " (0 flushes after every batch)")
     name = str(s.filename)

@@ -40,7 +40,7 @@ from probe.analysis.linear_probe import run_table
 from probe.analysis.reading import open_run
 from probe.analysis.summarize import is_sweep, read_overrides, sweep_runs, write_table
 from probe.errors import ConfigError, DataError, ProbeError
-from probe.store.fileformat import layer_path
+from probe.store.fileformat import is_per_batch, layer_path
 
 log = logging.getLogger("probe")
 
@@ -127,7 +127,7 @@ class RunFeatures:
                 ds = array.ds
                 if ds.attrs.get("CLASS") == b"DIMENSION_SCALE":  # names an axis, holds no rows
                     continue
-                if site.startswith("param_grad") or ds.attrs.get("per_batch", False):
+                if is_per_batch(ds.attrs, site):
                     log.info("%s %s: one row per batch, not per sample: skipped", layer, site)
                 elif ds.attrs.get("row_unit") == "tokens":
                     log.info(

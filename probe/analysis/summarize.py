@@ -31,7 +31,7 @@ from probe.stats import backend, parallel
 from probe.stats.running import stats_for
 from probe.store import stats_file
 from probe.store.coverage import seen_ranges
-from probe.store.fileformat import captured, layer_path, read_progress
+from probe.store.fileformat import captured, is_per_batch, layer_path, read_progress
 from probe.store.runfile import NothingFlushed, missing_sources, open_probe_file, state
 from probe.store.stats_file import DatasetInfo
 
@@ -110,7 +110,7 @@ def _summarize_open(path: Path, f: h5py.File, from_stats: bool) -> FileSummary:
         stats = stats_for(module_type, site, int(ds.attrs.get("unit_axis", 1)))
         for slab in _seen_slabs(f, ds, layer, site, valid):
             backend.fold(stats, slab)
-        per_batch = bool(ds.attrs.get("per_batch", site.startswith("param_grad")))
+        per_batch = is_per_batch(ds.attrs, site)
         rows = str(ds.attrs.get("row_unit", "samples"))
         out.datasets.append(
             DatasetInfo(

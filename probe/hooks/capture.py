@@ -116,7 +116,7 @@ class BatchCapture:
 
 
 @dataclass
-class Target:
+class HookedModule:
     """Everything hooked on one module: its capture selection (if any) and its edits by site."""
 
     name: str
@@ -156,12 +156,14 @@ class Capture:
         self.keep_values = keep_values
         self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
-        targets: dict[str, Target] = {s.name: Target(s.name, s.module, s) for s in selections}
+        hooked: dict[str, HookedModule] = {
+            s.name: HookedModule(s.name, s.module, s) for s in selections
+        }
         for e in edits or []:
-            if e.module_name not in targets:
-                targets[e.module_name] = Target(e.module_name, e.module, None)
-            targets[e.module_name].edits.setdefault(e.site, []).append(e)
-        self.targets = list(targets.values())
+            if e.module_name not in hooked:
+                hooked[e.module_name] = HookedModule(e.module_name, e.module, None)
+            hooked[e.module_name].edits.setdefault(e.site, []).append(e)
+        self.hooked = list(hooked.values())
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.batch: BatchCapture | None = None
         self.in_calls: Counter[str] = Counter()
@@ -171,7 +173,7 @@ class Capture:
 
     def __enter__(self) -> Capture:
         try:
-            for t in self.targets:
+            for t in self.hooked:
                 if t.wants("input", "grad_input"):
                     self.handles.append(t.module.register_forward_pre_hook(self._pre_hook(t)))
                 if t.wants("output", "grad_output"):
@@ -217,7 +219,7 @@ class Capture:
     def end(self) -> None:
         self.batch = None
 
-    def _pre_hook(self, t: Target):
+    def _pre_hook(self, t: HookedModule):
         def hook(module, args):
             if self.batch is None:
                 return None
@@ -246,7 +248,7 @@ class Capture:
 
         return hook
 
-    def _post_hook(self, t: Target):
+    def _post_hook(self, t: HookedModule):
         def hook(module, args, output):
             if self.batch is None:
                 return None
@@ -267,7 +269,7 @@ class Capture:
 
     def _site(
         self,
-        t: Target,
+        t: HookedModule,
         x: torch.Tensor,
         path: str,
         call: int,
@@ -306,7 +308,7 @@ class Capture:
 
     @staticmethod
     def _grad_hook(
-        t: Target, edits: list, grad_site: str, gkey: tuple[str, str], batch: BatchCapture
+        t: HookedModule, edits: list, grad_site: str, gkey: tuple[str, str], batch: BatchCapture
     ):
         """Applies gradient edits as the gradient flows back; a probe on the site keeps the result."""
 

@@ -11,16 +11,7 @@ import contextlib
 
 import torch
 
-from probe.errors import ConfigError
-
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ConfigError(
-            f"precision={precision!r} is unknown; choose from {', '.join(PRECISIONS)}"
-        )
 
 
 def autocast(device: torch.device, precision: str):

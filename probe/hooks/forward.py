@@ -11,7 +11,7 @@ from torch import nn
 
 from probe.build.layout import TokenBatch
 from probe.build.models import model_input
-from probe.errors import ConfigError, ModelError, ProbeError
+from probe.errors import ModelError, ProbeError
 from probe.hooks.capture import flatten
 
 MODEL_OUTPUTS = ("auto", "full", "last", "none")
@@ -70,13 +70,6 @@ def _hint(inputs) -> str:
         f"check that the dataset's input shape {tuple(inputs.shape[1:])} fits the model "
         "(dataset.image_size, dataset.channels)"
     )
-
-
-def check_model_output(mode: str) -> None:
-    if mode not in MODEL_OUTPUTS:
-        raise ConfigError(
-            f"store.model_output={mode!r} is unknown; choose from {', '.join(MODEL_OUTPUTS)}"
-        )
 
 
 def output_rows(

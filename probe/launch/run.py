@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import json
 import logging
@@ -23,27 +22,18 @@ from probe.build.data import build_batches, check_token_data
 from probe.build.models import build_model
 from probe.build.provenance import describe as describe_dataset
 from probe.build.select import select_modules
+from probe.checks import check_config, check_run_options
 from probe.config import GRAD_SITES
 from probe.errors import ConfigError
-from probe.hooks import device as devices
 from probe.hooks import nonfinite
-from probe.hooks.capture import Capture, resolve_grads
-from probe.hooks.forward import (
-    call,
-    check_model_output,
-    output_rows,
-    to_device,
-    token_batch,
-)
-from probe.hooks.objective import batch_loss, build_objective
-from probe.hooks.record import Record
+from probe.hooks.capture import Capture
+from probe.hooks.objective import build_objective
 from probe.intervene.edits import GRAD_EDIT_SITES, build_edits, first_pass_means
-from probe.intervene.passes import Interventions, split_pair
-from probe.launch import distributed
-from probe.launch import plan as size_plan
+from probe.intervene.passes import Interventions
+from probe.launch import distributed, size_plan
+from probe.launch.batch import BatchStep, run_batch
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.stats import backend
-from probe.stats.backend import DeviceStats
 from probe.store import runfile, runlock, swmr
 from probe.store.resume import check_identity, check_resumable, file_sha256
 from probe.store.writer import ProbeWriter
@@ -82,7 +72,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 @dataclass
-class Plan:
+class Prepared:
     """What a run needs before its loop: built once, so a benchmark can repeat the loop alone."""
 
     model: torch.nn.Module
@@ -97,11 +87,9 @@ class Plan:
     )
 
 
-def plan(cfg: DictConfig) -> Plan:
+def build_run(cfg: DictConfig) -> Prepared:
     """Build the model and the batches the config names, then `prepare` the run (the Python
     API, `probe.launch.api`, prepares a caller's model and batches the same way)."""
-    from probe.checks import check_config
-
     check_config(cfg)  # what the config alone decides, before any work; types added probes
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
@@ -109,14 +97,13 @@ def plan(cfg: DictConfig) -> Plan:
     return prepare(cfg, model, every)
 
 
-def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Plan:
+def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
     """This process's batches, the device, the selected sites, the edits and the objective of a
     run of `model` over `every` (batches as `probe.build.data.OrderedBatches` gives them)."""
     shard, batches = distributed.shard(every)
     device = shard.device(resolve_device(cfg.device))
     log.info("device %s (device=%s)", device, cfg.device)
-    devices.check_precision(cfg.precision)
-    check_model_output(cfg.store.model_output)
+    check_run_options(cfg)  # checked once more: the Python API's config skips check_config
     stats_backend = backend.resolve(cfg.stats.backend, device.type)
     backend.use(stats_backend)
     selections = select_modules(model, cfg.probes)
@@ -146,118 +133,139 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Plan:
             "and no layers, and summary.csv no rows",
             cfg.store.filename,
         )
-    return Plan(model, batches, selections, objective, device, edits, shard, stats_backend)
+    return Prepared(model, batches, selections, objective, device, edits, shard, stats_backend)
 
 
-def run(cfg: DictConfig, run_dir: Path | None = None, prepared: Plan | None = None) -> RunResult:
+def run(
+    cfg: DictConfig, run_dir: Path | None = None, prepared: Prepared | None = None
+) -> RunResult:
     """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's).
-    `prepared` reuses a Plan built by `plan(cfg)` (the benchmark times the loop alone). The run
+    `prepared` reuses what `build_run(cfg)` built (the benchmark times the loop alone). The run
     holds the directory's lock (probe.store.runlock) throughout: one run per directory."""
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
     with runlock.hold(run_dir), file_size_errors():
         return _run(cfg, run_dir, prepared)
 
 
-def _run(cfg: DictConfig, run_dir: Path, prepared: Plan | None) -> RunResult:
-    p = prepared or plan(cfg)
-    model, batches, selections, objective = p.model, p.batches, p.selections, p.objective
-    device, edits = p.device, p.edits
-    shard = p.shard or distributed.shard(batches)[0]
-    stats_backend = p.stats_backend or backend.resolve(cfg.stats.backend, device.type)
-    model.to(device)
-    buffers = {k: v.clone() for k, v in model.state_dict().items()} if cfg.train_mode else None
-    model.train(cfg.train_mode)
+def _run(cfg: DictConfig, run_dir: Path, prepared: Prepared | None) -> RunResult:
+    p = prepared or build_run(cfg)
+    shard = p.shard or distributed.shard(p.batches)[0]
+    stats_backend = p.stats_backend or backend.resolve(cfg.stats.backend, p.device.type)
+    p.model.to(p.device)
+    buffers = {k: v.clone() for k, v in p.model.state_dict().items()} if cfg.train_mode else None
+    p.model.train(cfg.train_mode)
     tokenizer = cfg.dataset.tokenizer or cfg.model.name
     interventions = Interventions.of(
-        model, edits, cfg.intervene, batches.dataset, cfg.dataset.name == "pairs", tokenizer
+        p.model, p.edits, cfg.intervene, p.batches.dataset, cfg.dataset.name == "pairs", tokenizer
     )
     h5_path = run_dir / cfg.store.filename
-    runfile.check_existing(shard.path(h5_path), bool(cfg.resume), bool(cfg.get("overwrite")))
-    if cfg.resume and shard.path(h5_path).is_file():  # this run holds the directory's lock:
-        swmr.mark_closed(shard.path(h5_path))  # "open for write" flags are a killed run's
-    resuming = bool(cfg.resume) and check_resumable(shard.path(h5_path), cfg)
+    writer = _open_writer(cfg, p, shard, run_dir, h5_path, stats_backend, interventions)
+    complete, stop = False, StopFlag()
+    try:
+        complete = _loop(cfg, p, shard, writer, interventions, stop)
+    finally:
+        if buffers is not None:
+            p.model.load_state_dict(buffers)
+        writer.close(complete=complete)
+    if stop.requested is not None:
+        raise Interrupted(stop.requested, writer.num_samples, h5_path)
+    return _finish(cfg, run_dir, h5_path, shard, writer, interventions)
+
+
+def _open_writer(
+    cfg, p: Prepared, shard, run_dir: Path, h5_path: Path, stats_backend, interventions
+):
+    """The run's writer on a new file, or on the file it resumes once that file is checked to
+    be this run's (config, dataset, checkpoint)."""
+    path = shard.path(h5_path)
+    runfile.check_existing(path, bool(cfg.resume), bool(cfg.get("overwrite")))
+    if cfg.resume and path.is_file():  # this run holds the directory's lock:
+        swmr.mark_closed(path)  # "open for write" flags are a killed run's
+    resuming = bool(cfg.resume) and check_resumable(path, cfg)
     provenance = describe_dataset(
-        cfg.dataset, batches if shard.world == 1 else batches.dataset.dataset
+        cfg.dataset, p.batches if shard.world == 1 else p.batches.dataset.dataset
     )
     identity = {"dataset_identity": json.dumps(provenance.identity, sort_keys=True)}
     if cfg.model.checkpoint:
         identity["checkpoint_sha256"] = file_sha256(cfg.model.checkpoint)
     if resuming:
-        check_identity(shard.path(h5_path), identity)
-    first_pass_means(model, batches, edits, device)
+        check_identity(path, identity)
+    first_pass_means(p.model, p.batches, p.edits, p.device)
+    store, selections = cfg.store, p.selections
     writer = ProbeWriter(
-        shard.path(h5_path),
-        mode=cfg.store.mode,
-        compression=cfg.store.compression,
-        compression_level=cfg.store.compression_level,
-        chunk_bytes=cfg.store.chunk_bytes,
-        queue_batches=cfg.store.queue_batches,
+        path,
+        mode=store.mode,
+        compression=store.compression,
+        compression_level=store.compression_level,
+        chunk_bytes=store.chunk_bytes,
+        queue_batches=store.queue_batches,
         module_types={s.name: s.module_type for s in selections},
         token_layers=frozenset(s.name for s in selections if s.rows == "tokens"),
         attrs={
             **file_attrs(cfg, run_dir),
             **shard.attrs(),
-            "edits": json.dumps([e.describe for e in edits]),
+            "edits": json.dumps([e.describe for e in p.edits]),
             "stats_backend": stats_backend,
             **identity,
             **(interventions.attrs() if interventions is not None else {}),
         },
         resume=resuming,
         batch_rows=cfg.dataset.batch_size,
-        flush_seconds=cfg.store.flush_seconds,
+        flush_seconds=store.flush_seconds,
         index_offset=shard.samples.start,
         stats_backend=stats_backend,
-        direct_io=cfg.store.direct_io,
+        direct_io=store.direct_io,
         total_rows=len(shard.samples),
         provenance=provenance,
     )
     if resuming:
-        batches.skip(writer.num_batches)
+        p.batches.skip(writer.num_batches)
         log.info("resuming %s after %d samples", h5_path, writer.num_samples)
-    complete = False
-    stop = StopFlag()
-    try:
-        on_device = writer.observes_device
-        observe = writer.observe if device.type == "cpu" or on_device else None
-        keep_values = cfg.store.mode == "full"
-        capture = Capture(selections, edits, shard.samples.start, observe, keep_values, on_device)
-        precision, fail_on_nonfinite = cfg.precision, cfg.fail_on_nonfinite  # read once
-        model_output = cfg.store.model_output
-        with capture, stop, interventions or contextlib.nullcontext():
-            bar = tqdm(batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
-            first = index = writer.num_batches  # (a resumed run starts after its last batch)
-            for index, batch in enumerate(bar, start=first):
-                if observe is not None:
-                    writer.begin_batch()
-                record = run_batch(
-                    model,
-                    capture,
-                    selections,
-                    batch,
-                    index,
-                    device,
-                    objective,
-                    interventions,
-                    precision,
-                    model_output,
-                )
-                if index == 0:
-                    size_plan.announce(record, batches, selections, cfg.store, shard)
-                writer.put(record)
-                if fail_on_nonfinite:
-                    nonfinite.check_batch(record)
-                if stop.requested is not None:
-                    break
-        # a signal during the last batch stops nothing: the run is whole, so it says so
-        complete = stop.requested is None or index + 1 - first >= remaining_batches(batches)
-        if complete:
-            stop.requested = None
-    finally:
-        if buffers is not None:
-            model.load_state_dict(buffers)
-        writer.close(complete=complete)
-    if stop.requested is not None:
-        raise Interrupted(stop.requested, writer.num_samples, h5_path)
+    return writer
+
+
+def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: StopFlag) -> bool:
+    """Every batch through the hooks into the writer; whether the run is whole (a signal stops
+    it after the batch in flight)."""
+    on_device = writer.observes_device
+    observe = writer.observe if p.device.type == "cpu" or on_device else None
+    keep_values = cfg.store.mode == "full"
+    capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device)
+    step = BatchStep(
+        p.model,
+        capture,
+        p.selections,
+        p.device,
+        p.objective,
+        interventions,
+        cfg.precision,
+        cfg.store.model_output,
+    )
+    fail_on_nonfinite = cfg.fail_on_nonfinite  # read once
+    with capture, stop, interventions or contextlib.nullcontext():
+        bar = tqdm(p.batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
+        first = index = writer.num_batches  # (a resumed run starts after its last batch)
+        for index, batch in enumerate(bar, start=first):
+            if observe is not None:
+                writer.begin_batch()
+            record = run_batch(step, batch, index)
+            if index == 0:
+                size_plan.announce(record, p.batches, p.selections, cfg.store, shard)
+            writer.put(record)
+            if fail_on_nonfinite:
+                nonfinite.check_batch(record)
+            if stop.requested is not None:
+                break
+    # a signal during the last batch stops nothing: the run is whole, so it says so
+    complete = stop.requested is None or index + 1 - first >= remaining_batches(p.batches)
+    if complete:
+        stop.requested = None
+    return complete
+
+
+def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
+    """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file),
+    the edits' effects, the log's summary."""
     nonfinite.report(writer.datasets.values())
     datasets = distributed.finish(shard, h5_path, writer.datasets)
     if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files
@@ -272,74 +280,6 @@ def _run(cfg: DictConfig, run_dir: Path, prepared: Plan | None) -> RunResult:
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
     log.info("wrote %s (%d samples)", h5_path, num_samples)
     return RunResult(run_dir, h5_path, summary, num_samples)
-
-
-def run_batch(
-    model,
-    capture: Capture,
-    selections,
-    batch,
-    index,
-    device,
-    objective,
-    interventions: Interventions | None = None,
-    precision: str = "fp32",
-    model_output: str = "auto",
-) -> Record:
-    """Forward (and backward when a gradient site is asked for) one batch; return its captures.
-
-    With edits, the same batch first runs clean (hooks idle) so the edit's effect on the output
-    can be measured in the same run.
-    """
-    batch, source = split_pair(batch, interventions.direction if interventions else "noise")
-    size = batch.size
-    inputs = to_device(model, batch.inputs, device, non_blocking=True)
-    targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
-    host_tokens = token_batch(batch.inputs)
-    tokens = host_tokens.to(device) if host_tokens is not None else None
-    passes = None
-    if interventions is not None:
-        passes = interventions.before(model, batch, inputs, source, tokens, device, precision)
-    captured = capture.begin(size, batch.start, tokens)
-    per_batch = {}
-    try:
-        if objective is None:
-            with torch.inference_mode(), devices.autocast(device, precision):
-                output = call(model, inputs)
-        else:
-            with torch.enable_grad():
-                if not isinstance(inputs, dict):  # (token ids are integers: no gradient)
-                    inputs = inputs.detach().requires_grad_(True)
-                with devices.autocast(device, precision):
-                    output = call(model, inputs)
-                    loss = batch_loss(objective, output, targets, inputs, tokens)
-                per_batch = resolve_grads(captured, loss, selections)
-    finally:
-        capture.end()
-    extra = output_rows(output, model_output, size, tokens)
-    if passes is not None:
-        run = (model, device, precision, capture)
-        extra.update(interventions.after(passes, output, batch, inputs, tokens, model_output, run))
-        batch_rows, interventions.batch_rows = interventions.batch_rows, {}
-        interventions.release()
-    observed = captured.observed
-    if capture.observe_device:  # parameter gradients' statistics too, where they lie
-        for key, t in per_batch.items():
-            if not t.is_cpu:
-                observed[key] = capture.observe(key, t, 1)
-    on_device = {k: v.packed for k, v in observed.items() if isinstance(v, DeviceStats)}
-    (values, per_batch, host_stats), ready = devices.to_host(captured.values, per_batch, on_device)
-    for key, packed in host_stats.items():  # readable once `ready` has fired
-        observed[key].packed = packed
-    record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
-    record.batch_rows = batch_rows if passes is not None else {}
-    record.counted = observed
-    record.axes = captured.axes
-    if host_tokens is not None and any(s.rows == "tokens" for s in selections):
-        record.tokens = host_tokens.rows(batch.inputs["input_ids"], batch.start)
-    if captured.pooled:
-        record.release = functools.partial(capture.pool.give, captured.pooled)
-    return record
 
 
 def remaining_batches(batches) -> int | float:

@@ -13,14 +13,14 @@ import torch
 from probe.errors import WriteError
 from probe.hooks.record import Record
 from probe.stats.running import stats_for
-from probe.store import chunks, direct, stats_file
+from probe.store import direct, stats_file
 from probe.store.chunks import (
-    ChunkedTarget,
-    chunk_rows,
+    ChunkedDataset,
     direct_plist,
     make_dataset,
     name_axes,
     row_bytes,
+    row_kind,
 )
 from probe.store.fileformat import encode, layer_path
 from probe.store.stats_file import DatasetInfo, tags
@@ -60,7 +60,7 @@ class Appends:
         if self.mode == "full" and self.token_layers and r.tokens is not None:
             for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
                 offset = self.index_offset if name == "tokens/sample" else 0
-                self._append_plain(name, a + offset if offset else a, *tokens)
+                self._append_plain(name, a + offset if offset else a, *tokens, kind="token")
         for name, t in r.extra.items():
             if self.mode == "stats":  # written with the statistics, at the flush
                 self.held.append((name, t.numpy(), r.start, end))
@@ -69,9 +69,9 @@ class Appends:
                 self._append_plain(name, t.numpy(), r.start, end)
         for name, a in r.batch_rows.items():
             new = name not in self.known
-            self._append_plain(name, a, r.batch_index, r.batch_index + 1)
+            self._append_plain(name, a, r.batch_index, r.batch_index + 1, kind="batch")
             if new:  # (which rows are valid: batches)
-                self.targets[name].ds.attrs["per_batch"] = True
+                self.chunked[name].ds.attrs["per_batch"] = True
         if self.mode == "full":
             self._append_plain(
                 "samples/index",
@@ -138,8 +138,8 @@ class Appends:
         if name not in self.known:
             self._create_capture(name, info, t.numpy(), len(self.datasets) - 1)
         if gap is not None:
-            self.targets[name].fill(*gap)
-        self._append_plain(name, t.numpy(), lo, hi)
+            self.chunked[name].fill(*gap)
+        self._append_plain(name, t.numpy(), lo, hi)  # created above, by its kind
 
     def _create_capture(self, name: str, info: DatasetInfo, a: np.ndarray, order: int) -> None:
         """A layer's dataset, tagged with what it is and with named dimensions."""
@@ -148,30 +148,32 @@ class Appends:
             g.attrs["name"] = info.layer
             g.attrs["module_type"] = info.module_type
             g.attrs["order"] = order
-        ds = self._create(name, a)
+        ds = self._create(name, a, row_kind(info.per_batch, info.rows))
         for k, v in tags(info, order).items():
             ds.attrs[k] = v
-        name_axes(self.file, ds, info.stats.unit_axis, info.rows, info.per_batch, self.total_rows)
+        name_axes(
+            self.file, ds, info.stats.unit_axis, info.rows, info.per_batch, self.chunking.samples
+        )
         self.known.update(d for d in ROW_DIMS if d in self.file)
-        self.targets[name] = ChunkedTarget(ds)
+        self.chunked[name] = ChunkedDataset(ds)
 
-    def _append_plain(self, name: str, a: np.ndarray, lo: int, hi: int) -> None:
-        target = self.targets.get(name)
+    def _append_plain(
+        self, name: str, a: np.ndarray, lo: int, hi: int, kind: str = "sample"
+    ) -> None:
+        target = self.chunked.get(name)
         if target is None:
             ds = self.file.get(name)
             if ds is None:
                 if lo != 0:
                     raise WriteError(f"dataset {name!r} appeared first at row {lo}")
-                ds = self._create(name, a)
-            target = self.targets[name] = ChunkedTarget(ds)
+                ds = self._create(name, a, kind)
+            target = self.chunked[name] = ChunkedDataset(ds)
         target.append(a, lo, hi, self.direct_writes)
 
-    def _create(self, name: str, a: np.ndarray) -> h5py.Dataset:
+    def _create(self, name: str, a: np.ndarray, kind: str) -> h5py.Dataset:
         size = row_bytes(a)
-        compressed = self.compression is not None
-        spans = not compressed or chunks.COMPRESSED_CHUNKS_SPAN
-        rows = chunk_rows(len(a), size, self.chunk_bytes, self.total_rows, spans)
-        plist = direct_plist(rows * size, compressed, self.direct_fd, a.dtype)
+        rows = self.chunking.rows(kind, len(a), size)
+        plist = direct_plist(rows * size, self.chunking.compressed, self.direct_fd, a.dtype)
         self.known.add(name)
         return make_dataset(
             self.file, name, a, rows, self.compression, self.compression_opts, plist
@@ -193,6 +195,6 @@ class Appends:
             gap = self.coverage.add(self.file, key, total, total)
             name = layer_path(*key)
             if self.mode == "full" and gap is not None:
-                if name not in self.targets:
-                    self.targets[name] = ChunkedTarget(self.file[name])
-                self.targets[name].fill(*gap)
+                if name not in self.chunked:
+                    self.chunked[name] = ChunkedDataset(self.file[name])
+                self.chunked[name].fill(*gap)

@@ -9,6 +9,9 @@ undecodable, flushed rows included, so compressed chunks never span batches.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import h5py
 import numpy as np
 
@@ -40,6 +43,45 @@ def chunk_rows(
         return batch * batches
     fits = max(1, chunk_bytes // row_bytes)
     return max(d for d in range(1, min(batch, fits) + 1) if batch % d == 0)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """The chunk layout of one file's datasets, in one place: the writer creates datasets by it,
+    the disk-space guard and the size plan count the bytes it allocates. A dataset's rows are
+    samples, batches (parameter gradients, per-batch rows) or tokens (`rows: tokens` layers,
+    /tokens/*), whose count is unknown until they come, so their chunks hold one batch's."""
+
+    chunk_bytes: int
+    compressed: bool = False
+    samples: int | None = None  # rows of the file's per-sample datasets
+    batch_size: int | None = None
+
+    def rows(self, kind: str, per_write: int, row_bytes: int) -> int:
+        """Rows per chunk of a dataset of `kind` written `per_write` rows at a time."""
+        spans = not self.compressed or COMPRESSED_CHUNKS_SPAN
+        total = None
+        if kind == "sample":
+            total = self.samples
+        elif kind == "batch" and self.samples and self.batch_size:
+            total = -(-self.samples // self.batch_size)
+        elif kind == "token":
+            spans = False
+        return chunk_rows(per_write, row_bytes, self.chunk_bytes, total, spans)
+
+
+def row_kind(per_batch: bool, rows: str = "samples") -> str:
+    """What one row of a captured dataset is: a batch's, a token's or a sample's."""
+    return "batch" if per_batch else "token" if rows == "tokens" else "sample"
+
+
+def allocated_bytes(existing_rows: int, new_rows: int, row_bytes: int, rows_per_chunk: int) -> int:
+    """Bytes of the chunks of `rows_per_chunk` rows that appending `new_rows` allocates (HDF5
+    allocates a chunk whole)."""
+    chunks = math.ceil((existing_rows + new_rows) / rows_per_chunk) - math.ceil(
+        existing_rows / rows_per_chunk
+    )
+    return chunks * rows_per_chunk * row_bytes
 
 
 def row_bytes(a: np.ndarray) -> int:
@@ -122,7 +164,7 @@ def name_axes(
         ds.dims[i].label = name
 
 
-class ChunkedTarget:
+class ChunkedDataset:
     """One dataset being appended to, with what its writes depend on read once: asking HDF5 for
     a dataset's properties holds the GIL, which the forward pass is waiting for."""
 

@@ -10,7 +10,6 @@ closing fits again (another process may have taken the space since).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from probe.errors import WriteError
+from probe.store.chunks import allocated_bytes
 from probe.store.fileformat import layer_path
 
 try:
@@ -41,47 +41,39 @@ def free_bytes(path: Path) -> int:
     return free
 
 
-def chunk_bytes_needed(existing_rows: int, new_rows: int, row_bytes: int, chunk_rows: int) -> int:
-    """Bytes of the chunks of `chunk_rows` rows that appending `new_rows` allocates."""
-    chunks = math.ceil((existing_rows + new_rows) / chunk_rows) - math.ceil(
-        existing_rows / chunk_rows
-    )
-    return chunks * chunk_rows * row_bytes
-
-
 def bytes_needed(writer, record) -> int:
     """What writing `record` can add to the file: the chunks it allocates plus a metadata margin."""
-    from probe.store.chunks import chunk_rows
-
     need = METADATA_MARGIN
     tokens = writer.token_layers  # their rows are tokens, after the writer's num_tokens
-    arrays = [(name, t, record.start) for name, t in record.extra.items()]
+    arrays = [(name, t, record.start, "sample") for name, t in record.extra.items()]
     if writer.mode == "full":
-        arrays += [
-            (layer_path(*k), t, writer.num_tokens if k[0] in tokens else record.start)
-            for k, t in record.values.items()
-        ]
-        arrays += [(layer_path(*k), t, record.batch_index) for k, t in record.per_batch.items()]
-        arrays.append(("samples/index", np.zeros(record.size, np.int64), record.start))
+        for (layer, site), t in record.values.items():
+            at, kind = (writer.num_tokens, "token") if layer in tokens else (record.start, "sample")
+            arrays.append((layer_path(layer, site), t, at, kind))
+        for k, t in record.per_batch.items():
+            arrays.append((layer_path(*k), t, record.batch_index, "batch"))
+        arrays.append(("samples/index", np.zeros(record.size, np.int64), record.start, "sample"))
         if record.targets is not None:
-            arrays.append(("samples/target", record.targets, record.start))
+            arrays.append(("samples/target", record.targets, record.start, "sample"))
         if tokens and record.tokens is not None:
-            arrays += [(name, a, writer.num_tokens) for name, a in record.tokens.items()]
-    for name, a, lo in arrays:
-        row_bytes = int(a[0].nbytes) if len(a) else 1
-        rows = chunking(writer, name) or chunk_rows(  # as the writer will make it
-            len(a), row_bytes, writer.chunk_bytes, writer.total_rows, writer.compression is None
-        )
-        need += chunk_bytes_needed(lo, len(a), row_bytes, rows)
-    return need
+            arrays += [(name, a, writer.num_tokens, "token") for name, a in record.tokens.items()]
+    return need + sum(_allocates(writer, *entry) for entry in arrays)
+
+
+def _allocates(writer, name: str, a, lo: int, kind: str) -> int:
+    """Bytes appending `a` at row `lo` of dataset `name` allocates, chunked as the writer makes
+    (or made) it."""
+    row_bytes = int(a[0].nbytes) if len(a) else 1
+    rows = chunking(writer, name) or writer.chunking.rows(kind, len(a), row_bytes)
+    return allocated_bytes(lo, len(a), row_bytes, rows)
 
 
 def chunking(writer, name: str) -> int | None:
     """Rows per chunk of an existing dataset, which keeps the chunking it was created with; read
-    from the writer's open targets (asking HDF5 for each dataset every batch held the GIL for
+    from the writer's open datasets (asking HDF5 for each dataset every batch held the GIL for
     milliseconds), else from the file once per name (a resumed run's datasets; a stats-only run
     appends its model outputs only at a flush, until which they are in neither)."""
-    target = writer.targets.get(name)
+    target = writer.chunked.get(name)
     if target is not None and target.rows:
         return target.rows
     if name not in writer.file_chunking:
@@ -135,16 +127,8 @@ RESUME = (
 def closing_need(writer) -> int:
     """Bytes closing the file can add: statistics, the extras a stats-only run holds until its
     flush, metadata."""
-    from probe.store.chunks import chunk_rows
-
-    need = closing_bytes(writer) + CLOSING_MARGIN
-    for name, a, lo, _ in writer.held:
-        row_bytes = int(a[0].nbytes) if len(a) else 1
-        rows = chunking(writer, name) or chunk_rows(
-            len(a), row_bytes, writer.chunk_bytes, writer.total_rows, writer.compression is None
-        )
-        need += chunk_bytes_needed(lo, len(a), row_bytes, rows)
-    return need
+    held = sum(_allocates(writer, name, a, lo, "sample") for name, a, lo, _ in writer.held)
+    return closing_bytes(writer) + CLOSING_MARGIN + held
 
 
 def check_closing(writer) -> WriteError | None:

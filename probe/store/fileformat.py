@@ -49,6 +49,22 @@ def layer_path(layer: str, site: str, top: str = "layers") -> str:
     return f"{top}/{encode(layer)}/{encode(site)}"
 
 
+def is_per_batch(attrs, site: str) -> bool:
+    """Whether a dataset (by its attributes) holds one row per batch: its `per_batch` attribute,
+    or in files written before it existed, a parameter gradient's site name."""
+    return bool(attrs.get("per_batch", site.startswith("param_grad")))
+
+
+def row_unit(attrs, name: str = "") -> str:
+    """What a dataset's rows are: `batches`, `tokens` (rows: tokens layers, /tokens/*) or
+    `samples`."""
+    if is_per_batch(attrs, name.rsplit("/", 1)[-1]):
+        return "batches"
+    if name.startswith("tokens/") or attrs.get("row_unit") == "tokens":
+        return "tokens"
+    return "samples"
+
+
 @dataclass
 class Progress:
     """Rows valid so far: samples, batches (parameter gradients), tokens (rows: tokens)."""
@@ -61,12 +77,8 @@ class Progress:
 
     def valid_rows(self, ds: h5py.Dataset, site: str) -> int:
         """Rows of `ds` a reader may use: per-batch datasets count batches, token rows tokens."""
-        if ds.attrs.get("per_batch", site.startswith("param_grad")):
-            rows = self.batches
-        elif ds.attrs.get("row_unit") == "tokens":
-            rows = self.tokens
-        else:
-            rows = self.samples
+        unit = row_unit(ds.attrs, site)
+        rows = {"batches": self.batches, "tokens": self.tokens, "samples": self.samples}[unit]
         return min(len(ds), int(rows))
 
 

@@ -25,10 +25,10 @@ from probe.store.fileformat import (
     is_scale,
     layer_path,
     read_progress,
+    row_unit,
     write_progress,
 )
 from probe.store.runfile import open_probe_file
-from probe.store.stats_file import DatasetInfo
 
 # The parts of the resolved config that decide the values in the file.
 COMPARED = (
@@ -115,31 +115,6 @@ def check_identity(path: Path, identity: dict[str, str]) -> None:
         )
 
 
-def _described(f: h5py.File) -> list[DatasetInfo]:
-    """A DatasetInfo (layout, empty statistics) of every tagged dataset, in creation order."""
-    found = {}
-    for top in ("stats", "layers"):
-        for layer_link, group in captured(f.get(top, {})):
-            for site, obj in captured(group):
-                a = obj.attrs
-                if "order" not in a:
-                    continue
-                layer = str(a.get("name", group.attrs.get("name", layer_link)))
-                module_type = str(a["module_type"])
-                info = DatasetInfo(
-                    layer,
-                    site,
-                    module_type,
-                    (),
-                    "",
-                    stats_for(module_type, site, int(a.get("unit_axis", 1))),
-                    bool(a["per_batch"]),
-                    str(a.get("row_unit", "samples")),
-                )
-                found[(layer, site)] = (int(a["order"]), info)
-    return [info for _, info in sorted(found.values(), key=lambda t: t[0])]
-
-
 def restore(writer, batch_rows: int) -> None:
     """Bring a ProbeWriter opened on an existing file back to the state of its last flushed batch."""
     f = writer.file
@@ -147,16 +122,15 @@ def restore(writer, batch_rows: int) -> None:
     finished = progress.complete  # only summarised again: not a resumption
     writer.num_samples, writer.num_batches = progress.samples, progress.batches
     writer.num_tokens = progress.tokens
-    for info in _described(f):
+    for info in stats_file.described(f):
         writer.datasets[(info.layer, info.site)] = info
     saved = stats_file.read(f)
     for name in _stored_arrays(f):
         ds = f[name]
-        rows = writer.num_samples
-        if ds.attrs.get("per_batch", name.split("/")[-1].startswith("param_grad")):
-            rows = writer.num_batches
-        elif name.startswith("tokens/") or ds.attrs.get("row_unit") == "tokens":
-            rows = writer.num_tokens
+        unit = row_unit(ds.attrs, name)
+        rows = {"batches": writer.num_batches, "tokens": writer.num_tokens}.get(
+            unit, writer.num_samples
+        )
         if ds.shape[0] < rows and not name.startswith("layers/"):
             raise DataError(
                 f"{str(writer.path)!r}: {name} has {ds.shape[0]} rows but the file says {rows} were "

@@ -25,8 +25,9 @@ from probe.stats.running import (
     UnitStats,
     counts_agree,
     occupied,
+    stats_for,
 )
-from probe.store.fileformat import captured, encode, read_progress
+from probe.store.fileformat import captured, encode, is_per_batch, read_progress
 from probe.store.h5fresh import add_attrs, add_dataset
 
 SCALAR_TYPE = np.dtype(
@@ -161,8 +162,34 @@ def read(f: h5py.File, warn=None) -> dict[tuple[str, str], DatasetInfo]:
                 tuple(int(x) for x in a.get("shape", ())),
                 str(a.get("dtype", "")),
                 stats,
-                bool(a.get("per_batch", site.startswith("param_grad"))),
+                is_per_batch(a, site),
                 str(a.get("row_unit", "samples")),
             )
             found.append((int(a.get("order", 1 << 30)), len(found), info))
     return {(i.layer, i.site): i for _, _, i in sorted(found, key=lambda t: t[:2])}
+
+
+def described(f: h5py.File) -> list[DatasetInfo]:
+    """A DatasetInfo (layout, empty statistics) of every dataset tagged by `tags`, in creation
+    order: what a resumed writer continues."""
+    found = {}
+    for top in ("stats", "layers"):
+        for layer_link, group in captured(f.get(top, {})):
+            for site, obj in captured(group):
+                a = obj.attrs
+                if "order" not in a:
+                    continue
+                layer = str(a.get("name", group.attrs.get("name", layer_link)))
+                module_type = str(a["module_type"])
+                info = DatasetInfo(
+                    layer,
+                    site,
+                    module_type,
+                    (),
+                    "",
+                    stats_for(module_type, site, int(a.get("unit_axis", 1))),
+                    is_per_batch(a, site),
+                    str(a.get("row_unit", "samples")),
+                )
+                found[(layer, site)] = (int(a["order"]), info)
+    return [info for _, info in sorted(found.values(), key=lambda t: t[0])]

@@ -27,7 +27,7 @@ from probe.stats import backend
 from probe.stats.running import bounds_for
 from probe.store import direct, stats_file
 from probe.store.appends import Appends
-from probe.store.chunks import ChunkedTarget, chunk_rows
+from probe.store.chunks import ChunkedDataset, Chunking, chunk_rows
 from probe.store.coverage import Coverage
 from probe.store.diskspace import RESUME, check_closing, check_space, failure
 from probe.store.fileformat import FORMAT_VERSION, Progress, write_progress
@@ -37,7 +37,6 @@ from probe.store.stats_file import DatasetInfo
 
 __all__ = ["FORMAT_VERSION", "DatasetInfo", "ProbeWriter", "Record", "chunk_rows"]
 log = logging.getLogger("probe")
-COMPRESSIONS = ("none", "lzf", "gzip")
 # A stats-only run writes nothing between flushes but its statistics (about 1 ms per dataset).
 STATS_FLUSH_SECONDS = 10.0
 HELD_BYTES = 64 << 20  # ... or sooner when the extras it holds until then reach this size
@@ -67,40 +66,36 @@ class ProbeWriter(Appends):
         total_rows: int | None = None,
         provenance=None,
     ):
-        if compression not in COMPRESSIONS:
-            raise WriteError(
-                f"store.compression={compression!r} is unknown; choose from {', '.join(COMPRESSIONS)}"
-            )
-        if mode not in ("full", "stats"):
-            raise WriteError(f"store.mode={mode!r} is unknown; choose full or stats")
-        if queue_batches < 1:
-            raise WriteError(f"store.queue_batches={queue_batches} must be at least 1")
+        # store.* values are checked with the config (probe.checks), before a writer is made
         self.path, self.mode = Path(path), mode
-        if (
-            compression == "gzip"
-            and compression_level is not None
-            and not 0 <= compression_level <= 9
-        ):
-            raise WriteError(
-                f"store.compression_level={compression_level} is out of range for gzip; give 0-9 "
-                "(1 is fastest, 9 smallest)"
-            )
         self.compression = None if compression == "none" else compression
         self.compression_opts = compression_level if compression == "gzip" else None
-        self.chunk_bytes = chunk_bytes
+        self.chunking = Chunking(chunk_bytes, self.compression is not None, total_rows, batch_rows)
         if flush_seconds is None:
             flush_seconds = STATS_FLUSH_SECONDS if mode == "stats" else 0.0
         self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
         self.index_offset = index_offset  # a shard's first sample in the whole dataset
         self.module_types = module_types or {}
         self.token_layers = token_layers  # layers stored one row per token
-        self.bounds: dict[tuple[str, str], tuple[float, float] | None] = {}  # by dataset
+        self.provenance = provenance  # the dataset's identity and per-sample names
         # what reduces captures to statistics in the hooks (`probe.stats.backend`)
         if stats_backend is None:
             stats_backend = backend.resolve(os.environ.get(backend.ENV, "auto"))
         self.hook_stats = backend.observer(stats_backend)
+        self._start_counts()
+        self._open(resume, batch_rows, attrs)
+        # written chunks bypass the page cache where they can (probe.store.direct)
+        self.direct_fd = direct.open_direct(self.path) if mode == "full" and direct_io else None
+        self.direct_writes: list | None = None  # a batch's whole chunks, written together
+        self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
+        self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
+        self.inline: bool | None = None  # decided by the first record (see put)
+
+    def _start_counts(self) -> None:
+        """What the writer tracks while it writes: datasets, rows, flushes and their bytes."""
+        self.bounds: dict[tuple[str, str], tuple[float, float] | None] = {}  # by dataset
         self.datasets: dict[tuple[str, str], DatasetInfo] = {}
-        self.targets: dict[str, ChunkedTarget] = {}  # by HDF5 path, as appended to
+        self.chunked: dict[str, ChunkedDataset] = {}  # by HDF5 path, as appended to
         self.file_chunking: dict[str, int | None] = {}  # rows per chunk in the file, by path
         # per-sample extras (the model's output) a stats-only run writes at its next flush
         self.held: list[tuple[str, np.ndarray, int, int]] = []
@@ -114,8 +109,10 @@ class ProbeWriter(Appends):
         self.coverage = Coverage()
         self.known: set[str] = set()  # HDF5 paths of the datasets the file holds
         self.hist_capacity: dict[tuple[str, str], int] = {}  # /stats histogram buckets per slot
-        self.total_rows = total_rows  # rows the run will write, for right-sized chunks
-        self.provenance = provenance  # the dataset's identity and per-sample names
+
+    def _open(self, resume: bool, batch_rows: int, attrs: dict | None) -> None:
+        """Open the file live: a new one with its attributes, or a resumed one continued after
+        its last flushed batch."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.out = LiveFile(self.path, resume)
@@ -124,39 +121,35 @@ class ProbeWriter(Appends):
                 f"cannot create {str(self.path)!r} ({e}); choose a writable run directory with "
                 "hydra.run.dir=PATH"
             ) from None
-        if resume:  # append mode: continue after the last flushed batch
-            try:
-                restore(self, batch_rows)
-                # readable at once: a resume killed before its first batch leaves its file in
-                # SWMR mode, which readers open, not plainly open for write, which they cannot
-                self.file.flush()
-                self.out.go_live()
-            except BaseException:
-                self.out.close(None)
-                raise
-        else:
-            f = self.file
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["complete"] = False
-            f.attrs["num_samples"] = 0
-            f.attrs["num_batches"] = 0
-            f.attrs["num_tokens"] = 0
-            f.attrs["store_mode"] = mode
-            for k, v in (attrs or {}).items():
-                f.attrs[k] = v
-            if mode == "full":
-                f.create_group("layers")  # present even when nothing is selected
-            if provenance is not None:
-                for name, values in provenance.lists.items():
-                    f.create_dataset(f"dataset/{name}", data=values, dtype=h5py.string_dtype())
-            write_progress(f, self.progress)
-        self.file.flush()
-        # written chunks bypass the page cache where they can (probe.store.direct)
-        self.direct_fd = direct.open_direct(self.path) if mode == "full" and direct_io else None
-        self.direct_writes: list | None = None  # a batch's whole chunks, written together
-        self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
-        self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
-        self.inline: bool | None = None  # decided by the first record (see put)
+        if not resume:
+            self._start_file(attrs or {})
+            self.file.flush()
+            return
+        try:
+            restore(self, batch_rows)
+            # readable at once: a resume killed before its first batch leaves its file in SWMR
+            # mode, which readers open, not plainly open for write, which they cannot
+            self.file.flush()
+            self.out.go_live()
+        except BaseException:
+            self.out.close(None)
+            raise
+
+    def _start_file(self, attrs: dict) -> None:
+        f = self.file
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["complete"] = False
+        for count in ("num_samples", "num_batches", "num_tokens"):
+            f.attrs[count] = 0
+        f.attrs["store_mode"] = self.mode
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        if self.mode == "full":
+            f.create_group("layers")  # present even when nothing is selected
+        if self.provenance is not None:
+            for name, values in self.provenance.lists.items():
+                f.create_dataset(f"dataset/{name}", data=values, dtype=h5py.string_dtype())
+        write_progress(f, self.progress)
 
     # -- main thread -------------------------------------------------------------------------
     def put(self, record: Record) -> None:
@@ -349,7 +342,7 @@ class ProbeWriter(Appends):
     def _creating(self) -> None:
         """Leave SWMR mode to create objects; dataset handles of the closed file are dropped."""
         if self.out.creating():
-            self.targets.clear()
+            self.chunked.clear()
             self.file_chunking.clear()
 
     def observe(self, key: tuple[str, str], t: torch.Tensor, unit_axis: int = 1):

@@ -21,7 +21,7 @@ from probe.build.data import OrderedBatches
 from probe.hooks.record import Record
 from probe.stats.backend import DeviceStats
 from probe.stats.running import occupied_buckets
-from probe.store.chunks import chunk_rows
+from probe.store.chunks import Chunking, allocated_bytes
 from probe.store.stats_file import BUCKET_TYPE, HIST_CHUNK, UNIT_TYPE
 
 log = logging.getLogger("probe")
@@ -39,7 +39,7 @@ DATASET_OVERHEAD = 4600  # one chunked dataset's object header and chunk index
 
 
 @dataclass
-class Plan:
+class SizePlan:
     per_sample: dict[str, int]  # probe name -> bytes per sample
     per_batch: int  # bytes per batch (parameter gradients)
     projected: int  # bytes of all files of the run
@@ -49,7 +49,7 @@ class Plan:
         return sum(self.per_sample.values())
 
 
-def announce(record: Record, batches: OrderedBatches, selections, store, shard) -> Plan | None:
+def announce(record: Record, batches: OrderedBatches, selections, store, shard) -> SizePlan | None:
     """On rank 0, log the plan measured from the run's first batch, before it is written."""
     if shard.rank != 0:
         return None
@@ -83,7 +83,7 @@ def row_bytes(t) -> int:
     return t.element_size() * math.prod(t.shape[1:])
 
 
-def estimate(record: Record, selections, store, blocks: list[int], batch_size: int) -> Plan:
+def estimate(record: Record, selections, store, blocks: list[int], batch_size: int) -> SizePlan:
     """Sizes from one record; `blocks` are the sample counts of the files (one per rank)."""
     probe_of = {s.name: s.probe for s in selections}
     by_token = {s.name for s in selections if s.rows == "tokens"}
@@ -122,16 +122,13 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
     projected = fixed(sum(blocks)) if len(blocks) > 1 else 0  # a torchrun job's stitched file
     for n in blocks:
         projected += fixed(n)
+        layout = Chunking(store.chunk_bytes, store.compression != "none", n, batch_size)
         for row, kind in rows:
             count = {"batch": math.ceil(n / batch_size), "sample": n, "token": n * tokens}[kind]
             per_write = {"batch": 1, "sample": min(batch_size, n), "token": record.token_count}
-            total = {"batch": None, "sample": n, "token": None}[kind]
-            spans = (
-                store.compression == "none"
-            )  # compressed chunks hold one batch (probe.store.chunks)
-            chunk = chunk_rows(per_write[kind], row, store.chunk_bytes, total, spans)
-            projected += math.ceil(count / chunk) * chunk * row
-    return Plan(dict(per_sample), per_batch, projected)
+            chunk = layout.rows(kind, per_write[kind], row)
+            projected += allocated_bytes(0, math.ceil(count), row, chunk)
+    return SizePlan(dict(per_sample), per_batch, projected)
 
 
 def stats_bytes(t, first, growth: float, rows: int, slots: int = 2) -> int:
@@ -148,7 +145,7 @@ def stats_bytes(t, first, growth: float, rows: int, slots: int = 2) -> int:
     return STATS_OVERHEAD + hist + 2 * UNIT_TYPE.itemsize * units  # units: both slots, at once
 
 
-def log_plan(plan: Plan, num_samples: int | None, world: int, store) -> None:
+def log_plan(plan: SizePlan, num_samples: int | None, world: int, store) -> None:
     for probe, size in plan.per_sample.items():
         log.info("plan: probe %-12s %s per sample", probe, human(size))
     if plan.per_batch:

@@ -1,0 +1,92 @@
+"""One batch of a run: its inputs to the device, the edits' passes before it, the forward (and
+backward) through the hooks, and the Record the writer takes."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from probe.hooks import device as devices
+from probe.hooks.capture import Capture, resolve_grads
+from probe.hooks.forward import call, output_rows, to_device, token_batch
+from probe.hooks.objective import batch_loss
+from probe.hooks.record import Record
+from probe.intervene.passes import Interventions, split_pair
+from probe.stats.backend import DeviceStats
+
+
+@dataclass
+class BatchStep:
+    """What every batch of a run goes through: the model on its device, the hooks, the
+    objective, the edits' passes and how the forward runs."""
+
+    model: torch.nn.Module
+    capture: Capture
+    selections: list
+    device: torch.device
+    objective: object = None
+    interventions: Interventions | None = None
+    precision: str = "fp32"
+    model_output: str = "auto"
+
+
+def run_batch(step: BatchStep, batch, index: int) -> Record:
+    """Forward (and backward when a gradient site is asked for) one batch; return its captures.
+
+    With edits, the same batch first runs clean (hooks idle) so the edit's effect on the output
+    can be measured in the same run.
+    """
+    model, capture, selections, device = step.model, step.capture, step.selections, step.device
+    objective, interventions, precision = step.objective, step.interventions, step.precision
+    model_output = step.model_output
+    batch, source = split_pair(batch, interventions.direction if interventions else "noise")
+    size = batch.size
+    inputs = to_device(model, batch.inputs, device, non_blocking=True)
+    targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
+    host_tokens = token_batch(batch.inputs)
+    tokens = host_tokens.to(device) if host_tokens is not None else None
+    passes = None
+    if interventions is not None:
+        passes = interventions.before(model, batch, inputs, source, tokens, device, precision)
+    captured = capture.begin(size, batch.start, tokens)
+    per_batch = {}
+    try:
+        if objective is None:
+            with torch.inference_mode(), devices.autocast(device, precision):
+                output = call(model, inputs)
+        else:
+            with torch.enable_grad():
+                if not isinstance(inputs, dict):  # (token ids are integers: no gradient)
+                    inputs = inputs.detach().requires_grad_(True)
+                with devices.autocast(device, precision):
+                    output = call(model, inputs)
+                    loss = batch_loss(objective, output, targets, inputs, tokens)
+                per_batch = resolve_grads(captured, loss, selections)
+    finally:
+        capture.end()
+    extra = output_rows(output, model_output, size, tokens)
+    if passes is not None:
+        run = (model, device, precision, capture)
+        extra.update(interventions.after(passes, output, batch, inputs, tokens, model_output, run))
+        batch_rows, interventions.batch_rows = interventions.batch_rows, {}
+        interventions.release()
+    observed = captured.observed
+    if capture.observe_device:  # parameter gradients' statistics too, where they lie
+        for key, t in per_batch.items():
+            if not t.is_cpu:
+                observed[key] = capture.observe(key, t, 1)
+    on_device = {k: v.packed for k, v in observed.items() if isinstance(v, DeviceStats)}
+    (values, per_batch, host_stats), ready = devices.to_host(captured.values, per_batch, on_device)
+    for key, packed in host_stats.items():  # readable once `ready` has fired
+        observed[key].packed = packed
+    record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
+    record.batch_rows = batch_rows if passes is not None else {}
+    record.counted = observed
+    record.axes = captured.axes
+    if host_tokens is not None and any(s.rows == "tokens" for s in selections):
+        record.tokens = host_tokens.rows(batch.inputs["input_ids"], batch.start)
+    if captured.pooled:
+        record.release = functools.partial(capture.pool.give, captured.pooled)
+    return record
