@@ -9,7 +9,7 @@ the gradient onto the wrong tensor, and the user's model is never modified.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,46 +20,9 @@ from probe.build.layout import TokenBatch, reduced, token_rows, unit_axis
 from probe.build.select import Selection
 from probe.errors import ModelError
 from probe.hooks.buffers import AlignedPool, aligned_empty
+from probe.hooks.names import dataset_name, flatten, replace_tensors
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-
-def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) pairs of a nested output: '' for a tensor, '.0', '.logits', '.0.aux' below it."""
-    if isinstance(value, torch.Tensor):
-        yield prefix, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from flatten(v, f"{prefix}.{k}")
-    elif isinstance(value, tuple) and hasattr(value, "_fields"):
-        for k in value._fields:
-            yield from flatten(getattr(value, k), f"{prefix}.{k}")
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            yield from flatten(v, f"{prefix}.{i}")
-    elif hasattr(value, "__dataclass_fields__"):
-        for k in value.__dataclass_fields__:
-            yield from flatten(getattr(value, k), f"{prefix}.{k}")
-
-
-def dataset_name(site: str, path: str, call: int) -> str:
-    """Stable name of one captured tensor: `output`, `output.1` (tuple item), `output@1` (2nd call)."""
-    return f"{site}{path}{'' if call == 0 else f'@{call}'}"
-
-
-def replace_tensors(value: Any, fn, prefix: str = "") -> Any:
-    """`value` with every tensor t at path p replaced by fn(p, t), the structure rebuilt around it."""
-    if isinstance(value, torch.Tensor):
-        return fn(prefix, value)
-    if isinstance(value, dict):
-        return type(value)((k, replace_tensors(v, fn, f"{prefix}.{k}")) for k, v in value.items())
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(
-            *(replace_tensors(getattr(value, k), fn, f"{prefix}.{k}") for k in value._fields)
-        )
-    if isinstance(value, list | tuple):
-        return type(value)(replace_tensors(v, fn, f"{prefix}.{i}") for i, v in enumerate(value))
-    return value
 
 
 @dataclass

@@ -12,7 +12,7 @@ from torch import nn
 from probe.build.layout import TokenBatch
 from probe.build.models import model_input
 from probe.errors import ModelError, ProbeError
-from probe.hooks.capture import flatten
+from probe.hooks.names import flatten
 
 MODEL_OUTPUTS = ("auto", "full", "last", "none")
 

@@ -24,8 +24,8 @@ from probe.build.models import model_input
 from probe.build.select import select_modules
 from probe.config import ProbeSpec, config_dir, typed
 from probe.errors import ConfigError, ModelError, ProbeError, SelectionError
-from probe.hooks.capture import dataset_name, flatten
 from probe.hooks.forward import call, to_device
+from probe.hooks.names import dataset_name, flatten
 
 
 def probe_specs(probes) -> dict[str, Any]:
