@@ -344,13 +344,13 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    from probe.launch.run import plan, run
+    from probe.launch.run import build_run, run
 
     tmp = Path(tempfile.mkdtemp(prefix="probe-bench-patching-", dir=args.tmp))
     try:
         model_dir, pairs_path, pairs = write_assets(tmp, args)
         cfgs = {k: probe_cfg(model_dir, pairs_path, args.pairs, k) for k in (1, 2)}
-        prepared = plan(cfgs[1])  # model and batches once; stack only changes the loop
+        prepared = build_run(cfgs[1])  # model and batches once; stack only changes the loop
         model = prepared.model.eval()  # the hand loops run on the pipeline's own model object
         variants: dict[str, Callable] = {
             "hand_loop": lambda out: hand_loop(model, pairs),

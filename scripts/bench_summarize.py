@@ -77,7 +77,7 @@ def write_file(path: Path, gigabytes: float, shapes: list[tuple[int, ...]]) -> i
     import h5py
     import numpy as np
 
-    from probe.store.writer import FORMAT_VERSION
+    from probe.store.fileformat import FORMAT_VERSION
 
     per_sample = sum(int(np.prod(s)) * 4 for s in shapes)
     rows = max(1, int(gigabytes * 2**30 / per_sample))

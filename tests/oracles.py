@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from probe.build.select import select_modules
 from probe.config import GRAD_SITES
 from probe.hooks.objective import build_objective
-from probe.launch.run import Plan, plan, run
+from probe.launch.run import Prepared, build_run, run
 from tests.helpers import make_cfg
 
 
@@ -52,7 +52,7 @@ class Setup:
     """One model and one list of batches shared by the pipeline and the oracles."""
 
     cfg: DictConfig
-    base: Plan
+    base: Prepared
     overrides: tuple[str, ...] = ()
 
     @property
@@ -66,7 +66,7 @@ class Setup:
     def modules(self) -> list[tuple[str, torch.nn.Module]]:
         return [(s.name, s.module) for s in self.base.selections]
 
-    def variant(self, *overrides: str, dtype: str | None = None) -> tuple[DictConfig, Plan]:
+    def variant(self, *overrides: str, dtype: str | None = None) -> tuple[DictConfig, Prepared]:
         """The pipeline's config with overrides, re-using this setup's model and batches."""
         replaced = {o.split("=")[0] for o in overrides}
         kept = [o for o in self.overrides if o.split("=")[0] not in replaced]
@@ -79,12 +79,12 @@ class Setup:
         objective = (
             build_objective(cfg.objective, True, cfg.model.num_classes) if needs_grad else None
         )
-        return cfg, Plan(self.model, self.base.batches, sels, objective, self.base.device)
+        return cfg, Prepared(self.model, self.base.batches, sels, objective, self.base.device)
 
 
 def make_setup(overrides: list[str]) -> Setup:
     cfg = make_cfg(*overrides)
-    base = plan(cfg)
+    base = build_run(cfg)
     base.model.to(base.device).eval()
     base.batches = Materialised(base.batches)
     return Setup(cfg, base, tuple(overrides))

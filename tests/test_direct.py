@@ -16,7 +16,8 @@ from probe.hooks import buffers as host_buffers
 from probe.hooks.capture import keep
 from probe.hooks.record import Record
 from probe.store import direct
-from probe.store.writer import ProbeWriter, chunk_rows
+from probe.store.chunks import chunk_rows
+from probe.store.writer import ProbeWriter
 from tests.helpers import assert_same_arrays, make_cfg, run_probe
 from tests.test_forward_values import _model_and_inputs
 

@@ -27,7 +27,7 @@ from probe.stats import backend
 from probe.stats.running import bounds_for
 from probe.store import direct, stats_file
 from probe.store.appends import Appends
-from probe.store.chunks import ChunkedDataset, Chunking, chunk_rows
+from probe.store.chunks import ChunkedDataset, Chunking
 from probe.store.coverage import Coverage
 from probe.store.diskspace import RESUME, check_closing, check_space, failure
 from probe.store.fileformat import FORMAT_VERSION, Progress, write_progress
@@ -35,7 +35,6 @@ from probe.store.livefile import LiveFile
 from probe.store.resume import restore
 from probe.store.stats_file import DatasetInfo
 
-__all__ = ["FORMAT_VERSION", "DatasetInfo", "ProbeWriter", "Record", "chunk_rows"]
 log = logging.getLogger("probe")
 # A stats-only run writes nothing between flushes but its statistics (about 1 ms per dataset).
 STATS_FLUSH_SECONDS = 10.0
