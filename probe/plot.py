@@ -1,6 +1,8 @@
 """`python -m probe.plot`: a run's or a sweep's figures (probe.analysis.plot)."""
 
+import sys
+
 from probe.analysis.plot import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

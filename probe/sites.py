@@ -4,10 +4,12 @@ Made callable, so that `probe.sites(model)` still calls the function once this m
 imported (an import binds the package's `sites` attribute to the module).
 """
 
+import sys
+
 from probe.callable import make_callable
 from probe.hooks.sites import main
 
 make_callable(__name__, "probe.hooks.sites", "sites")
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -49,6 +49,23 @@ def lm(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory):
+    """A tiny GPT-2 (vocabulary 40, pad id 0) saved with save_pretrained, and a tokenizer
+    saved beside it: (model folder, tokenizer folder)."""
+    root = tmp_path_factory.mktemp("tiny_gpt2")
+    return make_tiny("gpt2", root / "gpt2", vocab_size=40), make_tokenizer(root / "tok")
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    """A seeded resnet18 with 10 classes, in eval mode (tests read it, never change it)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10).eval()
+
+
+@pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
     """A tiny tokenizer saved with save_pretrained (see token_fixtures.make_tokenizer)."""
     return make_tokenizer(tmp_path_factory.mktemp("tok"))

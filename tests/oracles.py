@@ -7,7 +7,7 @@ forward hooks see (and, for gradient sites, what tensor hooks on those outputs r
 numpy, and the hand-written captures (hooks writing h5py, clones saved with torch.save,
 torchvision's feature extractor) store the same values by other means.
 
-tests/test_bench_values.py checks them, and the benchmarks (scripts/bench*.py) use them: the values
+tests/stats/test_bench_values.py checks them, and the benchmarks (scripts/bench*.py) use them: the values
 a benchmark reports as equal are the ones the tests check.
 """
 

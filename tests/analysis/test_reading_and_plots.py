@@ -3,9 +3,8 @@ equal the table's."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
+import runpy
 import sys
 
 import numpy as np
@@ -107,25 +106,27 @@ def test_histograms_and_feature_maps_hold_the_data(grad_run):
             np.testing.assert_array_equal(np.asarray(image), sample[c])
 
 
-def test_plot_scripts_write_their_pictures(grad_run):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run_dir = grad_run.run_dir
-    for args in (
-        ["scripts/plot_summary.py", str(run_dir)],
-        ["scripts/plot_features.py", str(run_dir), "--layer", "layer1.0.conv1", "--sample", "2"],
-    ):
-        out = subprocess.run(
-            [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert out.returncode == 0, out.stderr
+def _script(monkeypatch, *argv: str) -> int:
+    """A script of scripts/ run as `python scripts/NAME.py ARGS` would run it, in this process
+    (torch and matplotlib are imported once, not per script)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / argv[0]), *argv[1:]])
+    try:
+        runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_plot_scripts_write_their_pictures(grad_run, monkeypatch, capsys):
+    """The wrappers in scripts/ of `python -m probe.plot` (whose figures test_plots_report reads
+    back) write the pictures, and a layer that is not there is a message, not a traceback."""
+    run_dir = str(grad_run.run_dir)
+    assert _script(monkeypatch, "scripts/plot_summary.py", run_dir) == 0
+    args = ["--layer", "layer1.0.conv1", "--sample", "2"]
+    assert _script(monkeypatch, "scripts/plot_features.py", run_dir, *args) == 0
     for name in ("depth.png", "histograms.png", "features_layer1.0.conv1_output_2.png"):
-        assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    out = subprocess.run(
-        [sys.executable, "scripts/plot_features.py", str(run_dir), "--layer", "nope"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 2 and "nope" in out.stderr and "Traceback" not in out.stderr
+        assert (grad_run.run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert _script(monkeypatch, "scripts/plot_features.py", run_dir, "--layer", "nope") == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "Traceback" not in err

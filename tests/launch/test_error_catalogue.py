@@ -5,7 +5,7 @@ to an uninterrupted run's.
 Most entries call the real console entry point (`probe.__main__.main`, Hydra composition included)
 in this process, so the model objects can be inspected afterwards and the suite stays fast; the
 disk-full entry needs its own process for its file size limit. Entries already covered by
-tests/test_cli.py (unknown names, a glob matching nothing, a missing dataset.path, batch_size=0, a
+tests/launch/test_cli.py (unknown names, a glob matching nothing, a missing dataset.path, batch_size=0, a
 checkpoint of another architecture, an unwritable run directory) are not repeated here.
 """
 

@@ -1,4 +1,4 @@
-"""The error catalogue continued (docs/errors.md; tests/test_error_catalogue.py holds its first
+"""The error catalogue continued (docs/errors.md; tests/launch/test_error_catalogue.py holds its first
 entries and the `cli_here` fixture, which runs the real console entry point in this process and
 checks that nothing printed a traceback and no hook is left on a model): token models and token
 data, and the config values, objectives, probes and stores that a user can get wrong.
@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from tests import test_error_catalogue as catalogue
-from tests.test_error_catalogue import TINYNET, assert_words
-from tests.token_fixtures import make_tiny, make_tokenizer
+from tests.launch.test_error_catalogue import TINYNET, assert_words
 
 GRADS = "probes.everything.capture=[output,grad_output]"
 cli_here = catalogue.cli_here  # the fixture, shared
@@ -253,19 +252,24 @@ def test_a_model_that_cannot_be_built(cli_here, tmp_path, args, words):
 
 
 # -- token models and token data -----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    """A tiny GPT-2 (vocabulary 40, 512 positions, pad id 0) and a tokenizer, saved locally."""
-    root = tmp_path_factory.mktemp("lm")
-    return make_tiny("gpt2", root / "gpt2", vocab_size=40), make_tokenizer(root / "tok")
+def lm_args(tiny_gpt2, *args: str) -> list[str]:
+    return [
+        "model=hf",
+        f"model.name={tiny_gpt2[0]}",
+        "model.task=causal_lm",
+        "probes=residual",
+        *args,
+    ]
 
 
-def lm_args(lm, *args: str) -> list[str]:
-    return ["model=hf", f"model.name={lm[0]}", "model.task=causal_lm", "probes=residual", *args]
-
-
-def text_args(lm, path, *args: str) -> list[str]:
-    return lm_args(lm, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={lm[1]}", *args)
+def text_args(tiny_gpt2, path, *args: str) -> list[str]:
+    return lm_args(
+        tiny_gpt2,
+        "dataset=text",
+        f"dataset.path={path}",
+        f"dataset.tokenizer={tiny_gpt2[1]}",
+        *args,
+    )
 
 
 LM_GRADS = [*RANDOM, "probes.residual.capture=[output,grad_output]"]
@@ -283,8 +287,8 @@ LM_GRADS = [*RANDOM, "probes.residual.capture=[output,grad_output]"]
     ],
     ids=["seq_len", "task", "vocab_size", "config-key", "no-targets"],
 )  # fmt: skip
-def test_a_token_config_that_cannot_run(cli_here, tmp_path, lm, args, words):
-    refused(cli_here, tmp_path, *lm_args(lm, *args), words=words)
+def test_a_token_config_that_cannot_run(cli_here, tmp_path, tiny_gpt2, args, words):
+    refused(cli_here, tmp_path, *lm_args(tiny_gpt2, *args), words=words)
 
 
 @pytest.mark.parametrize(
@@ -297,22 +301,22 @@ def test_a_token_config_that_cannot_run(cli_here, tmp_path, lm, args, words):
     ],
     ids=["index", "position"],
 )  # fmt: skip
-def test_a_logit_the_output_does_not_have(cli_here, tmp_path, lm, args, words):
-    code, text = cli_here(*lm_args(lm, *LM_GRADS, *args))
+def test_a_logit_the_output_does_not_have(cli_here, tmp_path, tiny_gpt2, args, words):
+    code, text = cli_here(*lm_args(tiny_gpt2, *LM_GRADS, *args))
     assert code == 2
     assert_words(text, *words)
     stopped_in_the_first_batch(tmp_path)
 
 
-def test_rows_longer_than_the_model_takes(cli_here, tmp_path, lm):
-    code, text = cli_here(*lm_args(lm, "dataset=random_tokens", "dataset.seq_len=600"))
+def test_rows_longer_than_the_model_takes(cli_here, tmp_path, tiny_gpt2):
+    code, text = cli_here(*lm_args(tiny_gpt2, "dataset=random_tokens", "dataset.seq_len=600"))
     assert code == 2
     assert_words(text, "forward raised IndexError", "input_ids (8, 600)", "dataset.seq_len")
     stopped_in_the_first_batch(tmp_path)
 
 
-def test_a_token_unit_axis_beyond_the_layout(cli_here, tmp_path, lm):
-    code, text = cli_here(*lm_args(lm, *RANDOM, "probes.residual.unit_axis=7"))
+def test_a_token_unit_axis_beyond_the_layout(cli_here, tmp_path, tiny_gpt2):
+    code, text = cli_here(*lm_args(tiny_gpt2, *RANDOM, "probes.residual.unit_axis=7"))
     assert code == 2
     assert_words(text, "layer 'transformer.h.0'", "unit_axis=7 does not fit its 3-D layout")
     stopped_in_the_first_batch(tmp_path)
@@ -331,45 +335,47 @@ def test_a_token_unit_axis_beyond_the_layout(cli_here, tmp_path, lm):
     ],
     ids=["empty", "blank-lines", "csv", "not-utf8", "not-json", "json-list", "not-text"],
 )
-def test_a_text_file_that_gives_no_documents(cli_here, tmp_path, lm, content, suffix, words):
+def test_a_text_file_that_gives_no_documents(cli_here, tmp_path, tiny_gpt2, content, suffix, words):
     path = tmp_path / f"docs{suffix}"
     path.write_bytes(content)
-    refused(cli_here, tmp_path, *text_args(lm, path), words=[str(path), *words])
+    refused(cli_here, tmp_path, *text_args(tiny_gpt2, path), words=[str(path), *words])
 
 
-def test_a_parquet_file_without_the_text_column(cli_here, tmp_path, lm):
+def test_a_parquet_file_without_the_text_column(cli_here, tmp_path, tiny_gpt2):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow
 
     path = tmp_path / "docs.parquet"
     pq.write_table(pyarrow.table({"body": ["the cat sat"]}), path)
-    refused(cli_here, tmp_path, *text_args(lm, path),
+    refused(cli_here, tmp_path, *text_args(tiny_gpt2, path),
             words=["has no column 'text'", "['body']", "dataset.text_field"])  # fmt: skip
 
 
-def test_a_tokenizer_folder_that_does_not_exist(cli_here, tmp_path, lm):
+def test_a_tokenizer_folder_that_does_not_exist(cli_here, tmp_path, tiny_gpt2):
     path = tmp_path / "docs.txt"
     path.write_text("the cat sat\n")
     missing = tmp_path / "no_tokenizer"
     refused(
         cli_here,
         tmp_path,
-        *lm_args(lm, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={missing}"),
+        *lm_args(tiny_gpt2, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={missing}"),
         words=[f"dataset.tokenizer='{missing}' is not a directory", "save_pretrained"],
     )
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["model-folder", "empty-tokenizer-folder"])
-def test_a_folder_without_tokenizer_files(cli_here, tmp_path, lm, given):
+def test_a_folder_without_tokenizer_files(cli_here, tmp_path, tiny_gpt2, given):
     """dataset=text tokenizes with model.name unless dataset.tokenizer is given; transformers
     would build an empty tokenizer from a model folder's config.json alone."""
     path = tmp_path / "docs.txt"
     path.write_text("the cat sat\n")
     empty = tmp_path / "tokenizer"
     empty.mkdir()
-    source = f"dataset.tokenizer='{empty}'" if given else f"model.name='{lm[0]}' (as tokenizer)"
+    source = (
+        f"dataset.tokenizer='{empty}'" if given else f"model.name='{tiny_gpt2[0]}' (as tokenizer)"
+    )
     named = [f"dataset.tokenizer={empty}"] if given else []
-    refused(cli_here, tmp_path, *lm_args(lm, "dataset=text", f"dataset.path={path}", *named),
+    refused(cli_here, tmp_path, *lm_args(tiny_gpt2, "dataset=text", f"dataset.path={path}", *named),
             words=[f"{source} is a folder without tokenizer files", "save_pretrained"])  # fmt: skip
 
 
@@ -387,8 +393,8 @@ def test_a_folder_without_tokenizer_files(cli_here, tmp_path, lm, given):
     ],
     ids=["float", "1-D", "negative", "mask-shape", "no-input_ids"],
 )
-def test_a_token_file_of_the_wrong_structure(cli_here, tmp_path, lm, ids, words):
+def test_a_token_file_of_the_wrong_structure(cli_here, tmp_path, tiny_gpt2, ids, words):
     path = tmp_path / "ids.pt"
     torch.save(ids, path)
-    refused(cli_here, tmp_path, *lm_args(lm, "dataset=tokens", f"dataset.path={path}"),
+    refused(cli_here, tmp_path, *lm_args(tiny_gpt2, "dataset=tokens", f"dataset.path={path}"),
             words=[str(path), *words])  # fmt: skip

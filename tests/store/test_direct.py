@@ -19,7 +19,7 @@ from probe.store import direct
 from probe.store.chunks import chunk_rows
 from probe.store.writer import ProbeWriter
 from tests.helpers import assert_same_arrays, make_cfg, run_probe
-from tests.test_forward_values import _model_and_inputs
+from tests.hooks.test_forward_values import _model_and_inputs
 
 RESNET = [
     "model=resnet18",

@@ -275,7 +275,7 @@ def test_stop_and_resume_of_token_rows_gives_the_uninterrupted_file(tmp_path, sa
 def test_torchrun_stitches_token_rows_into_the_single_process_file(tmp_path, saved):
     """2 processes of torchrun over padded token batches: the stitched file's token rows,
     /tokens (dataset-wide sample numbers) and table equal a single process's."""
-    from tests.test_distributed import ONE_THREAD, torchrun
+    from tests.launch.test_distributed import ONE_THREAD, torchrun
 
     args = [
         "model=custom", "model._target_=tests.models_for_tests.TinyLM", "+model.kwargs.vocab=100",

@@ -30,9 +30,9 @@ from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
 from probe.store.writer import ProbeWriter
 from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
-from tests.test_interrupts import SLOW as INTERRUPTED_SLOW
+from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
-DATA = Path(__file__).parent / "data" / "format1"
+DATA = Path(__file__).parent.parent / "data" / "format1"
 SLOW = [*INTERRUPTED_SLOW[:-2], "dataset.num_samples=36", "dataset.batch_size=3"]
 
 
@@ -190,7 +190,7 @@ class Branchy(nn.Module):
 
 BRANCHY = [
     "model=custom",
-    "model._target_=tests.test_live_files.Branchy",
+    "model._target_=tests.store.test_live_files.Branchy",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "probes=everything",

@@ -39,12 +39,6 @@ class Split(nn.Module):
         return x[:, :3], x[:, 3:]
 
 
-@pytest.fixture(scope="module")
-def resnet():
-    torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10).eval()
-
-
 def test_rows_are_named_modules_with_their_parameters(resnet):
     table = probe.sites(resnet)
     modules = list(resnet.named_modules())

@@ -129,7 +129,7 @@ def _run_two_heads(tmp_path, x: torch.Tensor, *overrides: str):
     _, f = run_probe(
         tmp_path,
         "model=custom",
-        "model._target_=tests.test_forward_values.TwoHeads",
+        "model._target_=tests.hooks.test_forward_values.TwoHeads",
         "dataset=tensors",
         f"dataset.path={tmp_path / 'x.pt'}",
         "dataset.batch_size=2",
@@ -227,7 +227,7 @@ def test_run_that_raises_leaves_no_hooks_and_marks_file_incomplete(tmp_path, mon
         run_mod.run(
             make_cfg(
                 "model=custom",
-                "model._target_=tests.test_forward_values.Boom",
+                "model._target_=tests.hooks.test_forward_values.Boom",
                 "dataset.image_size=8",
             ),
             run_dir=tmp_path,

@@ -6,18 +6,11 @@ import copy
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 import probe
 from probe.errors import ConfigError, ProbeError
 from tests.models_for_tests import TinyLM, assert_no_hooks
-
-
-@pytest.fixture
-def resnet():
-    torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10).eval()
 
 
 def cloned(model, names, x):

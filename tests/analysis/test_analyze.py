@@ -160,7 +160,7 @@ def planted_cli(tmp_path, *overrides: str, n: int = 64) -> subprocess.CompletedP
     x, y = planted_data(n)
     torch.save({"inputs": x, "targets": y}, tmp_path / "data.pt")
     return cli(
-        "model=custom", "model._target_=tests.test_analyze.Planted",
+        "model=custom", "model._target_=tests.analysis.test_analyze.Planted",
         f"model.input_shape=[{CHANNELS},{SIDE},{SIDE}]", "dataset=tensors",
         f"dataset.path={tmp_path / 'data.pt'}", "probes=all_convs", *overrides, cwd=tmp_path,
     )  # fmt: skip

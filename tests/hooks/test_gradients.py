@@ -109,11 +109,11 @@ def test_grad_input_of_a_two_input_module_is_with_respect_to_each_input(tmp_path
     _, f = run_probe(
         tmp_path,
         "model=custom",
-        "model._target_=tests.test_gradients.TwoInputModel",
+        "model._target_=tests.hooks.test_gradients.TwoInputModel",
         "dataset=tensors",
         f"dataset.path={tmp_path / 'xy.pt'}",
         "objective=custom",
-        "objective._target_=tests.test_gradients.squared_error_mean",
+        "objective._target_=tests.hooks.test_gradients.squared_error_mean",
         "probes=all_convs",
         "probes.convs.types=[]",
         "probes.convs.layers=[combine]",
@@ -153,12 +153,12 @@ def test_single_linear_worked_example(tmp_path):
     _, f = run_probe(
         tmp_path,
         "model=custom",
-        "model._target_=tests.test_gradients.LinearWeightTwo",
+        "model._target_=tests.hooks.test_gradients.LinearWeightTwo",
         "dataset=tensors",
         f"dataset.path={tmp_path / 'xy.pt'}",
         "dataset.batch_size=2",
         "objective=custom",
-        "objective._target_=tests.test_gradients.half_squared_error",
+        "objective._target_=tests.hooks.test_gradients.half_squared_error",
         "probes=all_linear",
         "probes.linear.capture=[output,grad_output,grad_input,param_grad]",
     )

@@ -20,7 +20,7 @@ CONF = Path(config_dir())
 MODELS = sorted(
     p.stem for p in (CONF / "model").glob("*.yaml") if p.stem not in ("custom", "torchvision")
 )
-NAMED_BY_USER = ("hf", "timm")  # name: ??? (tests/test_hub_models.py builds them)
+NAMED_BY_USER = ("hf", "timm")  # name: ??? (tests/build/test_hub_models.py builds them)
 TOKEN_MODELS = {"gpt2": 12, "bert-base-uncased": 12, "smollm2-135m": 30}  # their blocks
 IMAGE_MODELS = [m for m in MODELS if m not in TOKEN_MODELS and m not in NAMED_BY_USER]
 PROBES = sorted(p.stem for p in (CONF / "probes").glob("*.yaml"))

@@ -95,7 +95,7 @@ def test_gradient_edit_worked_example(tmp_path):
     _, f = run_probe(
         tmp_path,
         "model=custom",
-        "model._target_=tests.test_interventions.MultiplyModel",
+        "model._target_=tests.intervene.test_interventions.MultiplyModel",
         "dataset=tensors",
         f"dataset.path={tmp_path / 'ab.pt'}",
         "objective=output_sum",

@@ -6,22 +6,13 @@ from __future__ import annotations
 import json
 
 import h5py
-import pytest
 import torch
 
 from tests.helpers import ROOT, cli
-from tests.token_fixtures import make_tiny, make_tokenizer
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    """A tiny GPT-2 (vocabulary 40, pad id 0) saved with save_pretrained, and its tokenizer."""
-    root = tmp_path_factory.mktemp("lm")
-    return make_tiny("gpt2", root / "gpt2", vocab_size=40), make_tokenizer(root / "tok")
-
-
-def run_lm(lm, tmp_path, *args):
-    model, _ = lm
+def run_lm(tiny_gpt2, tmp_path, *args):
+    model, _ = tiny_gpt2
     return cli(
         "model=hf", f"model.name={model}", "model.task=causal_lm",
         f"hydra.run.dir={tmp_path / 'run'}", *args,
@@ -36,26 +27,26 @@ def assert_message(out, *words):
         assert word in message, message
 
 
-def test_ids_beyond_the_vocabulary(lm, tmp_path):
+def test_ids_beyond_the_vocabulary(tiny_gpt2, tmp_path):
     path = tmp_path / "ids.pt"
     torch.save(torch.tensor([[1, 2, 3], [4, 70, 5]]), path)
-    out = run_lm(lm, tmp_path, "dataset=tokens", f"dataset.path={path}", "probes=residual")
+    out = run_lm(tiny_gpt2, tmp_path, "dataset=tokens", f"dataset.path={path}", "probes=residual")
     assert_message(out, "70", "sample 1", "vocabulary of 40")
 
 
-def test_a_text_file_without_the_named_field(lm, tmp_path):
+def test_a_text_file_without_the_named_field(tiny_gpt2, tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "the cat sat"}) + "\n" + json.dumps({"body": "a dog"}))
-    out = run_lm(lm, tmp_path, "dataset=text", f"dataset.path={path}", "probes=residual")
+    out = run_lm(tiny_gpt2, tmp_path, "dataset=text", f"dataset.path={path}", "probes=residual")
     assert_message(out, "line 2", "text", "body", "dataset.text_field")
 
 
-def test_token_rows_without_a_mask_where_padding_exists(lm, tmp_path):
+def test_token_rows_without_a_mask_where_padding_exists(tiny_gpt2, tmp_path):
     """Ids holding the model's pad token (0) and no attention_mask: rows: tokens cannot tell
     padding from tokens; the file is never created."""
     path = tmp_path / "ids.pt"
     torch.save({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]])}, path)
-    out = run_lm(lm, tmp_path, "dataset=tokens", f"dataset.path={path}", "probes=residual")
+    out = run_lm(tiny_gpt2, tmp_path, "dataset=tokens", f"dataset.path={path}", "probes=residual")
     assert_message(out, "rows: tokens", "pad token 0", "attention_mask")
     assert not (tmp_path / "run" / "probe.h5").exists()
 
@@ -65,13 +56,13 @@ def test_a_model_name_that_is_neither_a_folder_nor_reachable(tmp_path):
     assert_message(out, "no-such-org/no-such-model", "model.name=DIR")
 
 
-def test_a_missing_extra_names_it(lm, tmp_path):
+def test_a_missing_extra_names_it(tiny_gpt2, tmp_path):
     """With transformers absent (a package of that name that fails to import, first on the
     path), model.library=hf says which extra installs it."""
     shadow = tmp_path / "shadow" / "transformers"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('transformers is not installed')\n")
-    model, _ = lm
+    model, _ = tiny_gpt2
     out = cli(
         "model=hf", f"model.name={model}", f"hydra.run.dir={tmp_path / 'run'}",
         env={"PYTHONPATH": f"{tmp_path / 'shadow'}:{ROOT}"},
@@ -79,15 +70,15 @@ def test_a_missing_extra_names_it(lm, tmp_path):
     assert_message(out, "transformers", "pip install -e '.[hf]'")
 
 
-def test_a_text_run_tokenizes_with_the_named_tokenizer(lm, tmp_path):
+def test_a_text_run_tokenizes_with_the_named_tokenizer(tiny_gpt2, tmp_path):
     """dataset=text with dataset.tokenizer=DIR: /tokens/id holds the tokenizer's own ids."""
     from transformers import AutoTokenizer
 
-    model, tokenizer = lm
+    model, tokenizer = tiny_gpt2
     path = tmp_path / "docs.txt"
     path.write_text("the cat sat on the mat\n\na big red dog ran\n")
     out = run_lm(
-        lm, tmp_path, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={tokenizer}",
+        tiny_gpt2, tmp_path, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={tokenizer}",
         "probes=residual",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -98,7 +89,7 @@ def test_a_text_run_tokenizes_with_the_named_tokenizer(lm, tmp_path):
         assert f["layers/transformer.h.0/output"].shape == (len(want), 32)
 
 
-def test_a_sweep_of_token_runs_summarizes_into_one_table(lm, tmp_path):
+def test_a_sweep_of_token_runs_summarizes_into_one_table(tiny_gpt2, tmp_path):
     """-m over rows: samples,tokens: probe.analysis.summarize gives one table whose rows count samples in
     one run and tokens in the other, each equal to its run's summary.csv."""
     import subprocess
@@ -106,7 +97,7 @@ def test_a_sweep_of_token_runs_summarizes_into_one_table(lm, tmp_path):
 
     import pandas as pd
 
-    model, _ = lm
+    model, _ = tiny_gpt2
     ids = tmp_path / "ids.pt"
     torch.save({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
                 "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}, ids)  # fmt: skip
@@ -130,10 +121,10 @@ def test_a_sweep_of_token_runs_summarizes_into_one_table(lm, tmp_path):
         pd.testing.assert_frame_equal(mine, own, check_exact=False, rtol=1e-12)
 
 
-def test_lm_loss_on_a_model_without_vocabulary_logits(lm, tmp_path):
+def test_lm_loss_on_a_model_without_vocabulary_logits(tiny_gpt2, tmp_path):
     """A base model returns hidden states (width 32) for ids up to 39: not logits to predict
     them with."""
-    model, _ = lm
+    model, _ = tiny_gpt2
     path = tmp_path / "ids.pt"
     torch.save(torch.tensor([[1, 2, 39], [4, 5, 6]]), path)
     out = cli(
