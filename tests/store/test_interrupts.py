@@ -19,6 +19,7 @@ import pytest
 from probe.errors import ConfigError
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
+from probe.stats import backend
 from probe.stats.running import stats_for
 from probe.store import stats_file
 from probe.store.fileformat import read_progress
@@ -136,7 +137,7 @@ def test_sigkill_of_a_stats_only_run_keeps_the_statistics_of_its_flushed_rows(tm
             want = stats_for(info.module_type, site)
             rows = ref_arrays[f"layers/{layer}/{site}"][:n]
             for lo in range(0, n, 3):
-                want.update(rows[lo : lo + 3])
+                backend.fold(want, rows[lo : lo + 3])
             assert info.stats.rows == n, (layer, site)
             assert info.stats.as_row() == pytest.approx(want.as_row(), rel=1e-12, nan_ok=True)
     result = run(make_cfg(*SLOW, DELAY, "resume=true", *stats_only), run_dir=tmp_path)
