@@ -17,7 +17,7 @@ import h5py
 import pytest
 import torch
 
-from tests import test_error_catalogue as catalogue
+from tests.launch import test_error_catalogue as catalogue
 from tests.launch.test_error_catalogue import TINYNET, assert_words
 
 GRADS = "probes.everything.capture=[output,grad_output]"
