@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import probe
 from probe.build.data import build_batches
 from probe.build.models import build_model
-from tests.helpers import cli, make_cfg, run_probe
+from tests.helpers import ROOT, cli, make_cfg, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]
 
@@ -340,3 +346,46 @@ def test_sweep_over_interventions_reports_each_effect(tmp_path):
         want = pd.read_csv(tmp_path / job / "effects.csv").iloc[0]
         assert row.mean_abs_change == want.mean_abs_change and str(row.run) == job
     assert "effects: samples 5, mean_abs_change" in (tmp_path / "1" / "probe.log").read_text()
+
+
+def test_summarize_gathers_every_jobs_effects_at_the_sweep_root(tmp_path):
+    """A 2-job sweep of edits of TinyNet's relu: `python -m probe.summarize SWEEP` writes
+    SWEEP/effects.csv, equal to each job's effects.csv after its run and override columns (read
+    here from .hydra/overrides.yaml), in job order; each job's one-line effects summary on the
+    console gives the numbers of its effects.csv."""
+    tiny = ["model=custom", "model._target_=tests.models_for_tests.TinyNet",
+            "model.input_shape=[3,8,8]", "model.num_classes=10", "probes=all_linear",
+            "dataset.num_samples=7", "dataset.batch_size=3"]  # fmt: skip
+    edit = ["intervene=edit", "intervene.edit.layers=[relu]", "intervene.edit.op=scale,zero",
+            "intervene.edit.factor=0.5"]  # fmt: skip
+    out = cli("-m", *tiny, *edit, f"hydra.sweep.dir={tmp_path}", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr
+    console = [line for line in (out.stdout + out.stderr).splitlines() if "effects: " in line]
+    assert len(console) == 2, out.stdout + out.stderr
+    frames = []
+    for job, line in zip(("0", "1"), console, strict=True):
+        effects = pd.read_csv(tmp_path / job / "effects.csv")
+        shown = line.split("effects: ", 1)[1].removesuffix(" (effects.csv)").split(", ")
+        row = effects.iloc[0]
+        assert [s.split(" ")[0] for s in shown] == list(effects.columns)
+        for text, (key, value) in zip(shown, row.items(), strict=True):
+            want = str(int(value)) if key == "samples" else f"{value:.4g}"
+            assert text == f"{key} {want}", (job, line)
+        assert row.samples == 7 and row.mean_abs_change > 0
+        overrides = yaml.safe_load((tmp_path / job / ".hydra" / "overrides.yaml").read_text())
+        assert f"intervene.edit.op={('scale', 'zero')[int(job)]}" in overrides
+        for i, (key, value) in enumerate(
+            [("run", job), *(o.lstrip("+~").split("=", 1) for o in overrides)]
+        ):
+            effects.insert(i, key, value)
+        frames.append(effects)
+    assert not (tmp_path / "effects.csv").exists()  # the summarizer writes it
+    done = subprocess.run(
+        [sys.executable, "-m", "probe.summarize", str(tmp_path)], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    want = pd.read_csv(io.StringIO(pd.concat(frames, ignore_index=True).to_csv(index=False)))
+    got = pd.read_csv(tmp_path / "effects.csv")
+    assert got.columns[0] == "run" and "intervene.edit.op" in got.columns
+    pd.testing.assert_frame_equal(got, want, check_exact=True)

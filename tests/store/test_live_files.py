@@ -29,7 +29,7 @@ from probe.store import stats_file
 from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
 from probe.store.writer import ProbeWriter
-from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
+from tests.helpers import QUIET, ROOT, cli, file_arrays, h5_arrays, make_cfg
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent.parent / "data" / "format1"
@@ -227,6 +227,27 @@ def test_a_module_that_skips_batches_is_marked_not_zero_and_names_round_trip(tmp
         table.loc[("rare", "output"), "mean"], rel=1e-6
     )
     np.testing.assert_array_equal(conv.shape, (24, 4, 8, 8))
+    # the summary tables name the layers as the model does, '/' and '%2F' included
+    written = pd.read_csv(tmp_path / "summary.csv")
+    (tmp_path / "summary.csv").unlink()
+    done = subprocess.run(
+        [sys.executable, "-m", "probe.summarize", str(tmp_path)], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summarized = pd.read_csv(tmp_path / "summary.csv")
+    names = {"conv", "rare", "parts.a/b", "parts.c%2Fd", "fc"}
+    for found in (again.reset_index(), written, summarized):
+        assert set(found.layer) == names
+        rows = found.set_index(["layer", "site"])
+        for layer in ("parts.a/b", "parts.c%2Fd"):
+            for site in ("input", "output"):
+                want = table.loc[(layer, site)]
+                assert rows.loc[(layer, site), "rows"] == want["rows"] == 24
+                assert rows.loc[(layer, site), "mean"] == pytest.approx(want["mean"], rel=1e-6)
+    relu_mean = relu.astype(np.float64).mean()  # the values under each name are its own
+    assert table.loc[("parts.a/b", "output"), "mean"] == pytest.approx(relu_mean, rel=1e-6)
+    assert table.loc[("parts.c%2Fd", "input"), "mean"] == pytest.approx(relu_mean, rel=1e-6)
 
 
 def test_names_encode_reversibly():
@@ -285,6 +306,119 @@ def test_the_file_records_the_dataset_and_refuses_a_changed_checkpoint(tmp_path)
     torch.save(TinyNet().state_dict(), ckpt)  # same path, other weights
     with pytest.raises(ConfigError, match="contents of model.checkpoint changed"):
         run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
+
+
+def save_samples(path: Path, g: torch.Generator) -> None:
+    """12 random 3x8x8 inputs and their targets, as dataset=tensors reads them."""
+    torch.save(
+        {"inputs": torch.randn(12, 3, 8, 8, generator=g), "targets": torch.arange(12) % 10}, path
+    )
+
+
+def test_resume_refuses_a_dataset_file_whose_contents_changed(tmp_path):
+    """A dataset=tensors run stopped after 3 of 4 batches; the .pt file is saved again at the
+    same path with other values: resume=true exits 2 naming the dataset's contents (and the hash
+    stored in the file), and the file's arrays and counts are as they were."""
+    from probe.build.provenance import file_identity
+    from tests.models_for_tests import SignalsItself
+
+    data = tmp_path / "data.pt"
+    g = torch.Generator().manual_seed(0)
+    save_samples(data, g)
+    args = [*SLOW[:-2], "model._target_=tests.models_for_tests.SignalsItself", "dataset=tensors",
+            f"dataset.path={data}", "dataset.batch_size=3"]  # fmt: skip
+    SignalsItself.at_call = 2
+    try:
+        with pytest.raises(Interrupted):
+            run(make_cfg(*args), run_dir=tmp_path / "run")
+    finally:
+        SignalsItself.at_call = None
+    h5 = tmp_path / "run" / "probe.h5"
+    before = h5_arrays(h5)
+    with open_probe_file(h5) as f:
+        assert read_progress(f).samples == 9
+        stored = json.loads(f.attrs["dataset_identity"])
+    assert stored["hash"] == file_identity(data)["hash"] and stored["hash_of"] == "content"
+    save_samples(data, g)
+    now = file_identity(data)["hash"]
+    out = cli(*args, "resume=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    message = out.stderr.strip().splitlines()[-1]
+    assert message.startswith("probe: error: resume=true but the contents of the dataset changed")
+    assert f"(dataset_identity: {stored['hash'][:16]}... in the file, {now[:16]}... now)" in message
+    after = h5_arrays(h5)
+    assert after.keys() == before.keys() and len(after) > 6
+    for name, a in before.items():
+        np.testing.assert_array_equal(after[name], a, err_msg=name)
+    with open_probe_file(h5) as f:
+        assert read_progress(f).samples == 9 and not f.attrs["complete"]
+        assert json.loads(f.attrs["dataset_identity"]) == stored
+
+
+def image_folder(root: Path) -> Path:
+    """Three classes of tiny PNGs of different sizes, one in a nested folder (as
+    tests/build/test_provenance.py makes them)."""
+    from PIL import Image
+
+    files = {"zebra": ["b.png", "a.png"], "ant": ["x.png"], "cat": ["one.png", "deep/two.png"]}
+    for k, (cls, names) in enumerate(files.items()):
+        for j, name in enumerate(names):
+            path = root / cls / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8 + k + j, 9), (10 * k, 20 * j, 7)).save(path)
+    return root
+
+
+def test_an_imagefolder_run_writes_each_sample_path_and_the_class_names(tmp_path):
+    """/samples/path holds each row's image path relative to the root, in the order of
+    torchvision's ImageFolder listing, /samples/target its class, /dataset/class_names its
+    classes."""
+    from torchvision.datasets import ImageFolder
+
+    root = image_folder(tmp_path / "images")
+    args = [*SLOW[:-2], "dataset=imagefolder", f"dataset.root={root}", "dataset.resize=8",
+            "dataset.crop=8", "dataset.batch_size=2"]  # fmt: skip
+    run(make_cfg(*args), run_dir=tmp_path / "run")
+    truth = ImageFolder(str(root))
+    want = [Path(os.path.relpath(p, root)).as_posix() for p, _ in truth.samples]
+    assert "cat/deep/two.png" in want and len(want) == 5
+    with h5py.File(tmp_path / "run" / "probe.h5") as f:
+        assert f["samples/path"].asstr()[:].tolist() == want
+        assert f["samples/index"][:].tolist() == list(range(5))
+        assert f["samples/target"][:].tolist() == [t for _, t in truth.samples]
+        assert f["dataset/class_names"].asstr()[:].tolist() == truth.classes
+        assert json.loads(f.attrs["dataset_identity"])["images"] == 5
+    assert truth.classes == ["ant", "cat", "zebra"]
+
+
+def test_a_text_run_writes_each_sample_document_id(tiny_gpt2, tmp_path):
+    """/samples/document holds each row's document id as the .jsonl gives it (its "id", else
+    "<file>:<line>"), and the tokens of that row are that document's."""
+    from transformers import AutoTokenizer
+
+    model, tokenizer = tiny_gpt2
+    docs = [("the cat sat on the mat", "doc-a"), ("a dog ran", None), ("big red hat", 7),
+            ("one two three four five six seven eight nine", "last")]  # fmt: skip
+    lines = [json.dumps({"text": t} | ({} if i is None else {"id": i})) for t, i in docs]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines[:1] + [""] + lines[1:]) + "\n")  # a blank line 2
+    text_of = {}
+    for number, line in enumerate(path.read_text().split("\n"), start=1):
+        if line:
+            record = json.loads(line)
+            text_of[str(record.get("id", f"docs.jsonl:{number}"))] = record["text"]
+    assert list(text_of) == ["doc-a", "docs.jsonl:3", "7", "last"]
+    run(make_cfg("model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=text",
+                 f"dataset.path={path}", f"dataset.tokenizer={tokenizer}", "dataset.seq_len=8",
+                 "dataset.batch_size=3", "probes=residual"), run_dir=tmp_path / "run")  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    with h5py.File(tmp_path / "run" / "probe.h5") as f:
+        names = f["samples/document"].asstr()[:].tolist()
+        token_ids, token_sample = f["tokens/id"][:], f["tokens/sample"][:]
+    assert names == list(text_of)
+    for i, name in enumerate(names):
+        assert token_ids[token_sample == i].tolist() == tok.encode(text_of[name])[:8], name
 
 
 def test_effects_after_a_resume_count_every_batch(tmp_path):
