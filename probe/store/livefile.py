@@ -155,19 +155,5 @@ class LiveFile:
             with contextlib.suppress(OSError, RuntimeError):
                 self.file.close()
         with contextlib.suppress(OSError):
-            if _reaches_its_end(self.path):
+            if swmr.reaches_its_end(self.path):
                 swmr.mark_closed(self.path)
-
-
-def _reaches_its_end(path: Path) -> bool:
-    """Whether the file is as long as its superblock says. A flush cut short by the file size
-    limit can leave it shorter: a plain open then refuses it as truncated, while the SWMR open
-    that its "open for write" flags lead readers to still reads every flushed batch."""
-    with open(path, "rb") as fh:
-        head = fh.read(64)
-    layout = swmr._superblock(head)
-    if layout is None:
-        return True
-    size = layout[0]
-    at = 12 + 2 * size  # base address, extension address, then end-of-file address
-    return int.from_bytes(head[at : at + size], "little") <= os.stat(path).st_size

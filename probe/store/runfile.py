@@ -34,10 +34,12 @@ def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
     if p.is_dir():
         raise DataError(f"{str(p)!r} is a directory; give the probe.h5 inside it")
     try:
-        f = swmr.open_read(p) if mode == "r" else h5py.File(p, mode)
+        f = _open(p, mode)
+    except NothingFlushed:
+        raise
     except OSError as e:
         if "open for write" in str(e) or "open for SWMR" in str(e):
-            raise _unflushed(p) from None  # its writer has not entered SWMR mode yet
+            raise _unflushed(p) from None  # its live writer has not entered SWMR mode yet
         detail = str(e).split("(", 1)[-1].rstrip(")")
         hint = (
             "it was cut short (copy incomplete or disk full while closing)"
@@ -57,18 +59,52 @@ def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
     return f
 
 
-def _unflushed(p: Path) -> NothingFlushed:
-    who = runlock.holder(p.parent)
+def _open(p: Path, mode: str) -> h5py.File:
+    """h5py's handle. A file left plainly open by a killed writer (killed before its first
+    flush, or while it reopened the file to create objects or to write its closing counts) has
+    flags no reader may pass; with no live run in its directory they are cleared first, as
+    resume=true and `python -m probe.store.swmr` clear them, and the file says what it holds."""
+    if mode != "r":
+        return h5py.File(p, mode)
+    try:
+        return swmr.open_read(p)
+    except OSError as e:
+        # a probe run left its lock file there, and no live process holds it
+        ours = any(p.parent.glob(runlock.LOCK_NAME + "*"))
+        dead = "open for SWMR" in str(e) and ours and runlock.holder(p.parent) is None
+        if not dead or not swmr.clear_dead_writer(p):
+            raise
+    f = swmr.open_read(p)
+    try:
+        progress = read_progress(f)
+        empty = not (progress.complete or progress.samples or progress.batches)
+    except (KeyError, OSError, ValueError):  # killed while it created its first objects
+        empty = "format_version" in f.attrs
+    if empty:
+        f.close()
+        raise _unflushed(p, killed=True)
+    return f
+
+
+def _unflushed(p: Path, killed: bool = False) -> NothingFlushed:
+    who = None if killed else runlock.holder(p.parent)
     if who:
         return NothingFlushed(
             f"{str(p)!r} is in progress ({who}) and no batch is flushed yet; open it again in a "
             "moment",
             True,
         )
+    if killed:
+        return NothingFlushed(
+            f"{str(p)!r} was left by a run that stopped before its first batch was flushed, so it "
+            "holds no batch; run again (overwrite=true replaces it), or continue it with "
+            "resume=true",
+            False,
+        )
     return NothingFlushed(
-        f"{str(p)!r} was left open by a run that stopped before its first batch was flushed, so "
-        "it holds no batch; run again (overwrite=true replaces it), or continue it with "
-        "resume=true",
+        f"{str(p)!r} was left open for writing by a process that is gone, and a reader cannot "
+        f"clear that here; `python -m probe.store.swmr {p}` clears it where the file can be "
+        "written, and resume=true continues a run of probe",
         False,
     )
 

@@ -105,6 +105,29 @@ def mark_closed(path: Path | str) -> bool:
     return True
 
 
+def reaches_its_end(path: Path | str) -> bool:
+    """Whether the file is as long as its superblock says. A flush cut short by the file size
+    limit can leave it shorter: a plain open then refuses it as truncated, while the SWMR open
+    that its "open for write" flags lead readers to still reads every flushed batch."""
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    layout = _superblock(head)
+    if layout is None:
+        return True
+    size = layout[0]
+    at = 12 + 2 * size  # base address, extension address, then end-of-file address
+    return int.from_bytes(head[at : at + size], "little") <= os.stat(path).st_size
+
+
+def clear_dead_writer(path: Path | str) -> bool:
+    """Mark closed a file whose writer is dead (the caller checked the run directory's lock) and
+    that holds all it says it holds; False where it cannot (read-only, or cut short)."""
+    try:
+        return reaches_its_end(path) and mark_closed(path)
+    except OSError:
+        return False
+
+
 def open_read(path: Path | str) -> h5py.File:
     """Open for reading: plainly, or in SWMR mode when a writer has the file open or was killed
     with it open (it then shows every batch flushed so far)."""
