@@ -19,7 +19,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from probe.config import (
-    COMPRESSIONS,
     DATASETS,
     DTYPES,
     EDIT_SITES,
@@ -27,14 +26,11 @@ from probe.config import (
     GRAD_SITES,
     HF_TASKS,
     LIBRARIES,
-    MODEL_OUTPUTS,
     OBJECTIVES,
     OPS,
-    PRECISIONS,
     REDUCTIONS,
     ROWS,
     SITES,
-    STATS_BACKENDS,
     TOKEN_REDUCTIONS,
     GridSpec,
     ProbeSpec,
@@ -230,11 +226,9 @@ def check_run_options(cfg) -> None:
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
-    _choice("precision", cfg.precision, PRECISIONS)
-    _choice("store.model_output", cfg.store.model_output, MODEL_OUTPUTS)
-    backend = cfg.stats.backend
-    _choice("stats.backend", backend, STATS_BACKENDS)
-    if backend == "numba" and importlib.util.find_spec("numba") is None:
+    # precision, store.model_output, stats.backend, store.mode and store.compression are Choices
+    # of the schema: Hydra refused any other value when it composed the config
+    if cfg.stats.backend == "numba" and importlib.util.find_spec("numba") is None:
         raise ConfigError(
             "stats.backend=numba needs numba, which is not installed: pip install -e "
             "'.[fast]', or use stats.backend=torch"
@@ -356,9 +350,6 @@ def _objective(cfg, edits: dict) -> None:
 
 def _store(s) -> None:
     """store.*: the writer takes these values as they are."""
-    _choice("store.compression", s.compression, COMPRESSIONS)
-    if s.mode not in ("full", "stats"):
-        raise ConfigError(f"store.mode={s.mode!r} is unknown; choose full or stats")
     at_least("store.queue_batches", s.queue_batches)
     at_least("store.chunk_bytes", s.chunk_bytes, note=" (bytes per HDF5 chunk; default 1048576)")
     at_least("store.flush_seconds", s.flush_seconds, 0, " (0 flushes after every batch)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,26 @@ OBJECTIVES = ("cross_entropy", "logit", "output_sum", "lm_loss", "custom")
 EDIT_SITES = ("input", "output", "grad_output", "grad_input")
 GRAD_EDIT_SITES = ("grad_output", "grad_input")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
-# the lists of modules that import torch, for probe.checks (tests/test_cli_newcomer.py holds
-# them equal to probe.hooks.device's, probe.hooks.forward's, probe.stats.backend's and probe.store.writer's)
-PRECISIONS = ("fp32", "bf16", "fp16")
-MODEL_OUTPUTS = ("auto", "full", "last", "none")
-STATS_BACKENDS = ("auto", "torch", "numba")
-COMPRESSIONS = ("none", "lzf", "gzip")
+
+
+class Choice(str, Enum):
+    """A config value from a fixed set: Hydra rejects any other at compose time, naming the key
+    and the choices. It is its string everywhere else (compared, formatted, hashed, dumped)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+Precision = Choice("Precision", [(n, n) for n in ("fp32", "bf16", "fp16")])
+ModelOutput = Choice("ModelOutput", [(n, n) for n in ("auto", "full", "last", "none")])
+StatsBackend = Choice("StatsBackend", [(n, n) for n in ("auto", "torch", "numba")])
+StoreMode = Choice("StoreMode", [(n, n) for n in ("full", "stats")])
+Compression = Choice("Compression", [(n, n) for n in ("none", "lzf", "gzip")])
+PRECISIONS = tuple(m.value for m in Precision)  # probe.hooks.device maps them to torch dtypes
+STATS_BACKENDS = tuple(m.value for m in StatsBackend)
 # what a `_target_` key's messages give as an example
 TARGET_EXAMPLES = {
     "model._target_": "probe.build.zoo.LeNet",
@@ -168,15 +183,15 @@ class ObjectiveConfig:
 class StoreConfig:
     """How captures are kept: `full` writes tensors, `stats` only streaming statistics."""
 
-    mode: str = "full"
-    compression: str = "none"
+    mode: StoreMode = StoreMode.full
+    compression: Compression = Compression.none
     compression_level: int | None = None
     chunk_bytes: int = 1 << 20
     queue_batches: int = 2
     filename: str = "probe.h5"
     # /model/output: full, last (a token model's last non-padding position), none; auto: last
     # for token inputs (a language model's logits are vocabulary-wide per token), else full
-    model_output: str = "auto"
+    model_output: ModelOutput = ModelOutput.auto
     # 0: flush after every batch; >0: at most every so many seconds; None: 0 in full mode, and
     # STATS_FLUSH_SECONDS in stats mode, whose flush also writes /stats
     flush_seconds: float | None = None
@@ -190,7 +205,7 @@ class StatsConfig:
     """How statistics are computed: `backend` auto, torch (the reference, on the capture's
     device) or numba (a compiled CPU accelerator, the `fast` extra); see probe.stats.backend."""
 
-    backend: str = "auto"
+    backend: StatsBackend = StatsBackend.auto
 
 
 @dataclass
@@ -208,7 +223,7 @@ class Config:
     stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0
     device: str = "cpu"
-    precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast
+    precision: Precision = Precision.fp32  # fp32, or bf16/fp16 under torch.autocast
     train_mode: bool = False
     print_summary: bool = True
     progress: bool = True
@@ -361,7 +376,8 @@ def compose_shipped(overrides: list[str]):
         with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
             return compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise ConfigError("; ".join(lines[:2])) from None  # what failed, and why
 
 
 def unread_keys(cfg) -> list[str]:

@@ -14,8 +14,6 @@ from probe.build.models import model_input
 from probe.errors import ModelError, ProbeError
 from probe.hooks.names import flatten
 
-MODEL_OUTPUTS = ("auto", "full", "last", "none")
-
 
 def to_device(model: nn.Module, inputs, device, non_blocking: bool = False):
     """Inputs on `device`; floating tensors in the model's dtype, token ids left integer."""

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from probe.config import STATS_BACKENDS
 from probe.errors import ConfigError
 from probe.stats import kernel_cache
 
-BACKENDS = ("auto", "torch", "numba")
 ENV = "PROBE_STATS_BACKEND"  # the default of processes without a run config (the summarizer)
 log = logging.getLogger("probe")
 
@@ -34,8 +34,8 @@ def numba_installed() -> bool:
 
 def resolve(name: str, device_type: str = "cpu", announce: bool = True) -> str:
     """torch or numba for `stats.backend=name` on a device of `device_type`."""
-    if name not in BACKENDS:
-        raise ConfigError(f"stats.backend={name!r} is unknown; choose from {', '.join(BACKENDS)}")
+    if name not in STATS_BACKENDS:  # (PROBE_STATS_BACKEND's value; the config's is a Choice)
+        raise ConfigError(f"{ENV}={name!r} is unknown; choose from {', '.join(STATS_BACKENDS)}")
     if name == "torch":
         return "torch"
     if name == "numba":

@@ -66,8 +66,8 @@ class ProbeWriter(Appends):
         provenance=None,
     ):
         # store.* values are checked with the config (probe.checks), before a writer is made
-        self.path, self.mode = Path(path), mode
-        self.compression = None if compression == "none" else compression
+        self.path, self.mode = Path(path), str(mode)
+        self.compression = None if compression == "none" else str(compression)
         self.compression_opts = compression_level if compression == "gzip" else None
         self.chunking = Chunking(chunk_bytes, self.compression is not None, total_rows, batch_rows)
         if flush_seconds is None:

@@ -98,7 +98,7 @@ def test_a_misspelt_key_of_a_new_probe_names_it_and_probespec_keys(tmp_path):
     [
         (["dataset=imagefolder"], "dataset=imagefolder needs dataset.root=DIR"),
         (["objective=logit", GRADS], "objective=logit needs the logit to differentiate"),
-        (["store.mode=everything"], "store.mode='everything' is unknown; choose full or stats"),
+        (["store.filename=../x.h5"], "store.filename='../x.h5' is outside the run directory"),
         (
             ["dataset=tensors", "dataset.path=/nonexistent.pt"],
             "dataset.path='/nonexistent.pt' does not",
@@ -106,7 +106,7 @@ def test_a_misspelt_key_of_a_new_probe_names_it_and_probespec_keys(tmp_path):
         (["device=gpu"], "device='gpu' is not a torch device"),
         (["probes.convs.capture=[outptu]"], "probe 'convs': capture site 'outptu' is unknown"),
     ],
-    ids=["root", "logit", "store", "path", "device", "site"],
+    ids=["root", "logit", "store", "path", "device", "site"],  # store: a check across values
 )
 def test_a_config_error_comes_before_torch_and_leaves_no_run_folder(tmp_path, args, message):
     run_dir = tmp_path / "run"
@@ -117,9 +117,9 @@ def test_a_config_error_comes_before_torch_and_leaves_no_run_folder(tmp_path, ar
 
 
 def test_no_torch_import_and_no_outputs_folder_with_the_default_run_dir(tmp_path):
-    out = cli(*TINY, "precision=fp8", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    out = cli(*TINY, "dataset=imagefolder", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert out.returncode == 2
-    assert "precision='fp8' is unknown; choose from fp32, bf16, fp16" in out.stderr
+    assert "dataset=imagefolder needs dataset.root=DIR" in out.stderr
     assert re.search(r"\|\s+probe\.checks$", out.stderr, re.M)  # profiled; torch is not in it
     assert not re.search(r"\|\s+torch$", out.stderr, re.M)
     assert list(tmp_path.iterdir()) == []  # outputs/<date>/<time> and its empty parents are gone
@@ -128,7 +128,7 @@ def test_no_torch_import_and_no_outputs_folder_with_the_default_run_dir(tmp_path
 def test_an_existing_run_folder_is_kept(tmp_path):
     run_dir = tmp_path / "mine"
     run_dir.mkdir()
-    out = cli(*TINY, "store.mode=everything", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    out = cli(*TINY, "dataset=imagefolder", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert out.returncode == 2 and run_dir.is_dir()
 
 
@@ -161,7 +161,6 @@ SAME = {
     "target": (["model=custom"], "model"),
     "checkpoint": (["model.checkpoint=/nonexistent.pt"], "model"),
     "device": (["device=cuda:x"], "device"),
-    "backend": (["stats.backend=cuda"], "backend"),
     "site": (["probes.convs.capture=[outptu]"], "select"),
     "reduce": (["probes.convs.reduce=mean"], "select"),
     "tokens": (["probes.convs.rows=tokens", "probes.convs.reduce=spatial_mean"], "select"),
@@ -206,16 +205,12 @@ def test_early_checks_say_what_the_deep_checks_say(tmp_path, case):
     assert type(early.value) is type(deep)
 
 
-def test_the_name_lists_of_torch_modules_are_the_configs():
-    """probe.config holds the name lists (checked there); these modules import torch and keep
-    what each name means to them."""
+def test_every_precision_of_the_schema_has_a_torch_dtype():
+    """The schema's Choice names the precisions; probe.hooks.device maps each to torch's dtype."""
     from probe import config
-    from probe.hooks import device, forward
-    from probe.stats import backend
+    from probe.hooks import device
 
     assert tuple(device.PRECISIONS) == config.PRECISIONS
-    assert config.MODEL_OUTPUTS == forward.MODEL_OUTPUTS
-    assert config.STATS_BACKENDS == backend.BACKENDS
 
 
 def test_the_early_device_pattern_is_what_torch_parses():

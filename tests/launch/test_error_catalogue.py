@@ -104,7 +104,7 @@ def assert_prefix_of_clean_run(tmp_path, got: dict, *overrides: str) -> None:
         (["seed=abc"], ["seed", "abc", "Integer"]),
         (["train_mode=maybe"], ["train_mode", "maybe", "not a valid bool"]),
         (["dataset.num_samples=1.5"], ["num_samples", "1.5"]),
-        (["store.mode=everything"], ["store.mode='everything'", "full or stats"]),
+        (["store.mode=everything"], ["store.mode", "Invalid value 'everything'", "full, stats"]),
         (["device=gpu"], ["device='gpu'", "cpu, cuda"]),
     ],
     ids=["seed", "train_mode", "num_samples", "store.mode", "device"],

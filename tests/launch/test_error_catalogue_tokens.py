@@ -60,9 +60,6 @@ def stopped_in_the_first_batch(tmp_path) -> None:
         (["model.num_classes=-1"], ["model.num_classes=-1 must be at least 1"]),
         (["model.num_classes=0"], ["model.num_classes=0 must be at least 1"]),
         (["dataset.num_samples=0"], ["dataset.num_samples=0 must be at least 1", "null"]),
-        (["precision=fp8"], ["precision='fp8' is unknown", "fp32, bf16, fp16"]),
-        (["store.model_output=some"], ["store.model_output='some' is unknown", "auto, full"]),
-        (["store.compression=zstd"], ["store.compression='zstd' is unknown", "lzf, gzip"]),
         (["store.chunk_bytes=0"], ["store.chunk_bytes=0 must be at least 1"]),
         (["store.chunk_bytes=-5"], ["store.chunk_bytes=-5 must be at least 1"]),
         (["store.queue_batches=-1"], ["store.queue_batches=-1 must be at least 1"]),
@@ -73,12 +70,31 @@ def stopped_in_the_first_batch(tmp_path) -> None:
         (["+model.kwargs.depth=3"], ["rejected model.kwargs={'depth': 3}", "depth"]),
         (["model._target_=os.getcwd"], ["'os.getcwd' built a str, not an nn.Module"]),
     ],
-    ids=["seed", "num_workers", "num_classes", "num_classes-0", "num_samples", "precision",
-         "model_output", "compression", "chunk_bytes", "chunk_bytes-negative", "queue_batches",
+    ids=["seed", "num_workers", "num_classes", "num_classes-0", "num_samples", "chunk_bytes", "chunk_bytes-negative", "queue_batches",
          "flush_seconds", "filename-up", "library", "target-import", "kwargs", "target-no-module"],
 )  # fmt: skip
 def test_a_config_value_out_of_range_or_unknown(cli_here, tmp_path, args, words):
     refused(cli_here, tmp_path, *TINYNET, *args, words=words)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["precision=fp8"], ["precision=fp8", "Invalid value 'fp8'", "fp32, bf16, fp16"]),
+        (["store.model_output=some"], ["Invalid value 'some'", "auto, full, last, none"]),
+        (["store.compression=zstd"], ["Invalid value 'zstd'", "none, lzf, gzip"]),
+        (["store.mode=everything"], ["Invalid value 'everything'", "full, stats"]),
+        (["stats.backend=gpu"], ["Invalid value 'gpu'", "auto, torch, numba"]),
+    ],
+    ids=["precision", "model_output", "compression", "mode", "backend"],
+)
+def test_a_value_outside_a_choice_fails_as_hydra_composes(cli_here, tmp_path, args, words):
+    """Choices are enums of the schema: Hydra refuses another value at compose time, naming it,
+    the key and the choices (its exit code 1, its message, no traceback), before any run folder."""
+    got, text = cli_here(*TINYNET, *args)
+    assert got == 1 and "Traceback" not in text, text
+    assert_words(text, *words, args[0].split("=")[0])
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_absolute_store_filename_is_refused(cli_here, tmp_path):
