@@ -339,47 +339,6 @@ def edit_specs(intervene) -> dict:
     }
 
 
-def check_shipped(group: str, name: str) -> None:
-    """A ConfigError listing the choices unless `name` is a file of config group `group`."""
-    from probe.errors import ConfigError
-
-    shipped = sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml"))
-    if name not in shipped:
-        raise ConfigError(
-            f"{group}={name!r} is not a shipped {group} file; choose from {', '.join(shipped)}, "
-            "or give a mapping of its keys"
-        )
-
-
-def shipped_probes(name: str):
-    """The probes of shipped probe file `name`, composed (and typed) as the CLI composes them."""
-    check_shipped("probes", name)
-    return compose_shipped([f"probes={name}"]).probes
-
-
-def compose_shipped(overrides: list[str]):
-    """compose("config", overrides) of the shipped config directory; a name that is not a shipped
-    file is a ConfigError listing the choices."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from probe.errors import ConfigError
-
-    if GlobalHydra.instance().is_initialized():
-        raise ConfigError(
-            "probe.run composes its config with Hydra, which is already initialised in this "
-            "process (inside a @hydra.main app); call probe.launch.run.run(cfg, ...) with that config"
-        )
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
-            return compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise ConfigError("; ".join(lines[:2])) from None  # what failed, and why
-
-
 def unread_keys(cfg) -> list[str]:
     """A message per key of `cfg` that the schema (config.Config) does not have: Hydra's `+key=`
     adds any key, even a misspelt one, which nothing would read. Dict-typed fields (model.kwargs,

@@ -2,7 +2,7 @@
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, errors,
-checks, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
+checks, shipped, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
 modules) may import anything, and nothing imports them.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import probe
 
 STAGES = ["build", "hooks", "stats", "store", "intervene", "analysis", "launch"]
-CORE = {"probe.config", "probe.errors", "probe.checks", "probe.callable"}
+CORE = {"probe.config", "probe.errors", "probe.checks", "probe.callable", "probe.shipped"}
 PACKAGE = Path(probe.__file__).parent
 
 

@@ -35,7 +35,7 @@ def probe_specs(probes) -> dict[str, Any]:
     if probes is None:
         return {}
     if isinstance(probes, str):
-        from probe.config import shipped_probes
+        from probe.shipped import shipped_probes
 
         probes = shipped_probes(probes)
     if not hasattr(probes, "items"):

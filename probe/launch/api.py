@@ -26,11 +26,10 @@ from probe.config import (
     ProbeSpec,
     StatsConfig,
     StoreConfig,
-    check_shipped,
-    compose_shipped,
     typed,
 )
 from probe.errors import ConfigError
+from probe.shipped import check_shipped, compose_shipped
 from probe.store import runfile, runlock
 
 log = logging.getLogger("probe")
