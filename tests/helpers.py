@@ -115,3 +115,17 @@ def cloned_outputs(model, names: list[str], batches, autocast=None) -> dict:
         for h in handles:
             h.remove()
     return {n: torch.cat(v).numpy() for n, v in seen.items()}
+
+
+def image_folder(root: Path, size: int = 4) -> Path:
+    """Three classes of tiny PNGs of different sizes (from `size` pixels wide), one in a nested
+    folder: an ImageFolder root."""
+    from PIL import Image
+
+    files = {"zebra": ["b.png", "a.png"], "ant": ["x.png"], "cat": ["one.png", "deep/two.png"]}
+    for k, (cls, names) in enumerate(files.items()):
+        for j, name in enumerate(names):
+            path = root / cls / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (size + k + j, size + 1), (10 * k, 20 * j, 7)).save(path)
+    return root

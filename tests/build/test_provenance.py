@@ -17,6 +17,7 @@ from probe.build import provenance
 from probe.build.data import build_batches
 from probe.build.provenance import describe
 from probe.config import DatasetConfig, ModelConfig
+from tests.helpers import image_folder
 
 DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one two three four"]
 
@@ -40,17 +41,7 @@ def sha256(path) -> str:
 
 @pytest.fixture
 def image_root(tmp_path):
-    """Three classes of tiny PNGs of different sizes, one in a nested folder."""
-    from PIL import Image
-
-    root = tmp_path / "images"
-    files = {"zebra": ["b.png", "a.png"], "ant": ["x.png"], "cat": ["one.png", "deep/two.png"]}
-    for k, (cls, names) in enumerate(files.items()):
-        for j, name in enumerate(names):
-            path = root / cls / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            Image.new("RGB", (4 + k + j, 5), (10 * k, 20 * j, 7)).save(path)
-    return root
+    return image_folder(tmp_path / "images")
 
 
 def test_imagefolder_paths_and_classes_are_torchvisions(image_root):

@@ -29,7 +29,7 @@ from probe.store import stats_file
 from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
 from probe.store.writer import ProbeWriter
-from tests.helpers import QUIET, ROOT, cli, file_arrays, h5_arrays, make_cfg
+from tests.helpers import QUIET, ROOT, cli, file_arrays, h5_arrays, image_folder, make_cfg
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent.parent / "data" / "format1"
@@ -356,27 +356,13 @@ def test_resume_refuses_a_dataset_file_whose_contents_changed(tmp_path):
         assert json.loads(f.attrs["dataset_identity"]) == stored
 
 
-def image_folder(root: Path) -> Path:
-    """Three classes of tiny PNGs of different sizes, one in a nested folder (as
-    tests/build/test_provenance.py makes them)."""
-    from PIL import Image
-
-    files = {"zebra": ["b.png", "a.png"], "ant": ["x.png"], "cat": ["one.png", "deep/two.png"]}
-    for k, (cls, names) in enumerate(files.items()):
-        for j, name in enumerate(names):
-            path = root / cls / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            Image.new("RGB", (8 + k + j, 9), (10 * k, 20 * j, 7)).save(path)
-    return root
-
-
 def test_an_imagefolder_run_writes_each_sample_path_and_the_class_names(tmp_path):
     """/samples/path holds each row's image path relative to the root, in the order of
     torchvision's ImageFolder listing, /samples/target its class, /dataset/class_names its
     classes."""
     from torchvision.datasets import ImageFolder
 
-    root = image_folder(tmp_path / "images")
+    root = image_folder(tmp_path / "images", size=8)
     args = [*SLOW[:-2], "dataset=imagefolder", f"dataset.root={root}", "dataset.resize=8",
             "dataset.crop=8", "dataset.batch_size=2"]  # fmt: skip
     run(make_cfg(*args), run_dir=tmp_path / "run")
