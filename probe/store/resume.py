@@ -74,7 +74,7 @@ def check_resumable(path: Path, cfg: DictConfig) -> bool:
     if stored is None:
         raise DataError(f"{str(path)!r} has no config attribute, so it cannot be resumed")
     old = _values_part(OmegaConf.to_container(OmegaConf.create(str(stored))))
-    new = _values_part(OmegaConf.to_container(cfg, resolve=True))
+    new = _values_part(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     diff = _differences(old, new)
     if diff:
         shown = "; ".join(diff[:5]) + ("; ..." if len(diff) > 5 else "")

@@ -102,9 +102,10 @@ def _unflushed(p: Path, killed: bool = False) -> NothingFlushed:
             False,
         )
     return NothingFlushed(
-        f"{str(p)!r} was left open for writing by a process that is gone, and a reader cannot "
-        f"clear that here; `python -m probe.store.swmr {p}` clears it where the file can be "
-        "written, and resume=true continues a run of probe",
+        f"{str(p)!r} is held open for writing by another process, or was left so by a run that "
+        "stopped (before its first batch was flushed, or while it closed the file), so no batch "
+        f"can be read from it now; once nothing writes it, `python -m probe.store.swmr {p}` "
+        "clears that mark, and resume=true continues a run of probe",
         False,
     )
 

@@ -55,7 +55,8 @@ def test_another_tools_hdf5_file_is_not_called_partial(tmp_path):
 
 def test_a_file_whose_writer_has_not_flushed_says_so(tmp_path):
     """A writer still in its plain phase (before its first batch): in progress while its lock is
-    held, else a run that stopped before its first flush; never "damaged"."""
+    held; without a lock file (not a run's directory) no batch can be read, and the way to clear
+    the mark is named; never "damaged"."""
     path = tmp_path / "probe.h5"
     writer = subprocess.Popen(  # another process holds it open for writing, not yet in SWMR mode
         [sys.executable, "-c", WRITER, str(path)],
@@ -67,7 +68,7 @@ def test_a_file_whose_writer_has_not_flushed_says_so(tmp_path):
     )
     try:
         assert writer.stdout.readline().strip() == "ready"
-        with pytest.raises(NothingFlushed, match="stopped before its first batch") as e:
+        with pytest.raises(NothingFlushed, match="no batch can be read.*probe.store.swmr") as e:
             open_probe_file(path)
         assert not e.value.in_progress
         assert summarize_file(path).state == "partial"
