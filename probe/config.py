@@ -9,12 +9,13 @@ from __future__ import annotations
 import difflib
 import importlib.util
 from dataclasses import dataclass, field, fields
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from probe.choices import Compression, ModelOutput, Precision, StatsBackend, StoreMode
 
 SITES = ("output", "input", "grad_output", "grad_input", "param_grad")
 GRAD_SITES = ("grad_output", "grad_input", "param_grad")
@@ -32,24 +33,6 @@ GRAD_EDIT_SITES = ("grad_output", "grad_input")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
 
 
-class Choice(str, Enum):
-    """A config value from a fixed set: Hydra rejects any other at compose time, naming the key
-    and the choices. It is its string everywhere else (compared, formatted, hashed, dumped)."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-    def __hash__(self) -> int:
-        return str.__hash__(self)
-
-
-Precision = Choice("Precision", [(n, n) for n in ("fp32", "bf16", "fp16")])
-ModelOutput = Choice("ModelOutput", [(n, n) for n in ("auto", "full", "last", "none")])
-StatsBackend = Choice("StatsBackend", [(n, n) for n in ("auto", "torch", "numba")])
-StoreMode = Choice("StoreMode", [(n, n) for n in ("full", "stats")])
-Compression = Choice("Compression", [(n, n) for n in ("none", "lzf", "gzip")])
-PRECISIONS = tuple(m.value for m in Precision)  # probe.hooks.device maps them to torch dtypes
-STATS_BACKENDS = tuple(m.value for m in StatsBackend)
 # what a `_target_` key's messages give as an example
 TARGET_EXAMPLES = {
     "model._target_": "probe.build.zoo.LeNet",

@@ -1,8 +1,8 @@
 """The package's imports run one way: from launch down to build, never up, never in a circle.
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
-dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, errors,
-checks, shipped, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
+dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, choices,
+errors, checks, shipped, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
 modules) may import anything, and nothing imports them.
 """
 
@@ -14,7 +14,14 @@ from pathlib import Path
 import probe
 
 STAGES = ["build", "hooks", "stats", "store", "intervene", "analysis", "launch"]
-CORE = {"probe.config", "probe.errors", "probe.checks", "probe.callable", "probe.shipped"}
+CORE = {
+    "probe.config",
+    "probe.errors",
+    "probe.checks",
+    "probe.callable",
+    "probe.shipped",
+    "probe.choices",
+}
 PACKAGE = Path(probe.__file__).parent
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from probe.config import STATS_BACKENDS
+from probe.choices import STATS_BACKENDS
 from probe.errors import ConfigError
 from probe.stats import kernel_cache
 

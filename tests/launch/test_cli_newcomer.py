@@ -207,10 +207,10 @@ def test_early_checks_say_what_the_deep_checks_say(tmp_path, case):
 
 def test_every_precision_of_the_schema_has_a_torch_dtype():
     """The schema's Choice names the precisions; probe.hooks.device maps each to torch's dtype."""
-    from probe import config
+    from probe import choices
     from probe.hooks import device
 
-    assert tuple(device.PRECISIONS) == config.PRECISIONS
+    assert tuple(device.PRECISIONS) == choices.PRECISIONS
 
 
 def test_the_early_device_pattern_is_what_torch_parses():
