@@ -1,14 +1,9 @@
 """Linear probes and CKA over a run's captures, streamed; `python -m probe.analyze PATH linear|cka`.
 
-The run's file is read once, dataset by dataset in slabs of whole chunks (`probe.analysis.slabs`): each
-(layer, site) whose rows are samples becomes a features-per-sample matrix (1-D rows as stored,
-else the mean over every axis but the sample and unit axes, or `--features flatten`; wider than
-`--max-features`: count-sketched, see probe.analysis.cka), kept in a float32 scratch file. The probes
-(probe.analysis.linear_probe) and the CKA passes (probe.analysis.cka) then stream windows of that file, so memory
-is bounded by `--memory`, never by the number of samples. Only the `num_samples` valid rows of a
-partial file are used; token-row datasets (rows: tokens) and parameter gradients (a row per
-batch) are skipped: probe a token model with `reduce: token_mean` (or first/last_token) to get
-one row per sample.
+The run's file is read once, in slabs of whole chunks, into a float32 scratch file of features per
+sample; the probes (probe.analysis.linear_probe) and the CKA passes (probe.analysis.cka) then stream
+windows of it, so memory is bounded by `--memory`, never by the number of samples. What is read and
+what is skipped: docs/analyses.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Linear CKA between feature matrices streamed over row windows, never held whole.
 
-With centred features X (n, p) and Y (n, q), CKA = ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F):
-only the cross-products of the features are needed, and they add up over row windows. The
-windows are centred with a fixed shift (the feature means of extraction), and the exact means
-over the rows used are removed at the end, so no precision is lost to large means.
-
-Features wider than a bound are count-sketched (Charikar et al.): every source feature is added
-with a random sign into one of k buckets, O(p) memory and time, all samples used. A sketch keeps
-cross terms unbiased (independent sketches for X and Y: E||S^T X^T Y T||^2 = ||X^T Y||^2), but
-inflates the self terms: E||S^T A S||^2 = (1 + 1/k)||A||^2 + (tr(A)^2 - 2 sum A_jj^2)/k for
-A = X^T X. tr(A) and A_jj are the source features' centred sums of squares, collected exactly
-while the sketch is made, so the self terms are corrected. The alternative (the sample Gram over
-a bounded subset of samples) uses fewer samples and is biased upwards when p exceeds them.
+CKA needs only the features' cross-products, which add up over row windows (shifted by fixed means,
+the exact means removed at the end, so large means lose no precision). Features wider than a bound
+are count-sketched, which keeps every sample; the self terms a sketch inflates are corrected with
+the source features' exact sums of squares (the formulas: docs/analyses.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Linear probes fitted in one streamed pass: ridge regression on one-hot targets.
 
-Why closed-form ridge in numpy rather than logistic regression or scikit-learn: the fit only
-needs X^T X, X^T Y and the feature sums, which add up exactly over row slabs, so one pass over
-the file gives the same weights as an in-memory fit, with no learning rate, epochs or sampling
-order to tune and nothing random but the split. The memory is (features^2 + features*classes)
-float64, independent of the number of samples. scikit-learn's streaming estimators
-(SGDClassifier.partial_fit) are approximate and order-dependent, and its exact ones want the data
-in memory, so it would add a dependency for a worse answer; numpy keeps the analysis process
-free of torch too (a few hundred MB less resident memory).
-
-Features are standardised with the training rows' mean and standard deviation (constant features
-are left at zero); the classifier predicts the class of the largest score and its loss is the
-mean squared error to the one-hot target (the objective it minimises), summed over classes.
+Closed-form ridge needs only X^T X, X^T Y and the feature sums, which add up exactly over row slabs:
+one pass over the file gives an in-memory fit's weights, in memory independent of the sample count,
+with nothing to tune and nothing random but the split. scikit-learn's streaming fits are approximate
+and its exact ones want the data in memory; numpy keeps torch out of the analysis process.
 """
 
 from __future__ import annotations

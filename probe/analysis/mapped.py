@@ -1,15 +1,9 @@
 """A dataset's rows read in place: views of the file's own pages (mmap) instead of copies.
 
-A read through h5py copies every byte from the page cache into a buffer before the statistics
-read it again; an unfiltered dataset whose chunks hold whole rows lies in the file as plain arrays,
-so the summarizer maps them and reduces the page cache's bytes directly (one pass instead of two).
-Anything else (compression or other filters, a stored type that is not numpy's own, a foreign byte
-order, a user block, external or virtual storage, a chunk missing, misaligned or reaching past the
-end of the file, another HDF5 driver) gives None, and the caller reads through h5py.
-
-The mappings are of the descriptor h5py holds, so a file replaced under the same name is not read.
-A file cut shorter while a slab of it is being read (another process truncating it in place)
-ends this process with SIGBUS, where a read would have returned zeros.
+A read through h5py copies every byte out of the page cache before the statistics read it again; an
+unfiltered dataset whose chunks hold whole rows lies in the file as plain arrays, so the summarizer
+maps it and reduces the pages directly (one pass instead of two). Any other dataset gives None and
+is read through h5py. A file truncated while mapped ends the process with SIGBUS: hence opt-in.
 """
 
 from __future__ import annotations

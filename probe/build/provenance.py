@@ -46,24 +46,8 @@ def describe(dataset_cfg, dataset) -> Provenance:
     """The provenance of `dataset`, built from `dataset_cfg` by `probe.build.data.build_batches`: the
     whole dataset `/samples/index` indexes (an OrderedBatches is taken for its dataset; a torchrun
     rank's batches hold a Subset of it, pass the whole). Subsets are followed to the data they cut.
-
-    identity: `dataset` (dataset.name); where known, `num_samples` (rows the run can visit, after
-    dataset.num_samples; a caller's batches, dataset=python, give dataset.num_samples), `hash`
-    (sha256 hex) and `hash_of`, which says what was hashed: "content" (the file's bytes; files also give `path`, resolved, and `bytes`),
-    "size+mtime" (the text f"{bytes}:{mtime_ns}", for a file over HASH_LIMIT; `mtime_ns` given),
-    "paths+sizes" (imagefolder: f"{relative path}\\t{bytes}\\n" per image, sorted by path; also
-    `root`, `images`, `classes`) or "parameters" (generated data: the JSON, keys sorted, of the
-    generator's parameters, which are given too: `seed`, `shape` "CxHxW" and `num_classes`, or
-    `seq_len` and `vocab_size`; num_samples is not among them: sample i depends on seed and i).
-    dataset=text adds `documents` (non-empty documents in the file), `tokenizer`, `seq_len` and
-    `pack` (1: packed).
-
-    per_sample: imagefolder `path` (relative to the root, "/"-separated); text `document`: the
-    record's "id" field (.jsonl) or column (.parquet) if it has one, else "<file name>:<line>"
-    (1-based, .txt and .jsonl) or "<file name>#<row>" (0-based, .parquet); packed rows name the
-    document of their first token as `document` and of their last token as `last_document` (an
-    EOS separator belongs to the document it ends). Other datasets: none, the index is the name.
-    lists: imagefolder `class_names` (class index order)."""
+    The keys of `identity`, `per_sample` and `lists`, per dataset type: docs/configuration.md,
+    "What identifies the data"."""
     from probe.build.data import OrderedBatches
 
     if isinstance(dataset, OrderedBatches):

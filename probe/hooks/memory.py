@@ -31,14 +31,9 @@ class MemoryCapture:
     """Context manager: `with probe.capture(model, probes) as cap: model(x)`, then
     `cap[(layer, site)]`, `cap.get(layer, site="output")`, `cap.keys()`.
 
-    Every forward of `model` inside the block is one batch of a run: its sites are named as a run
-    names them (`output`, `output.0`, `output@1` for a second call within that forward, `input`,
-    `grad_output`, `grad_input`, `param_grad.<name>`) and several forwards are concatenated along
-    axis 0 per key (`cap.parts(key)` keeps them apart; `param_grad` has one row per forward).
-    Values are detached copies taken in the hook, on the device they were captured on unless
-    `to` names another. Gradient sites need `cap.backward(loss)` after each forward run with
-    gradients enabled. Only forwards of `model` itself are captured, not direct calls of its
-    submodules. Every hook is removed on exit, exception or not.
+    Every forward of `model` inside the block is one batch of a run: sites are named as a run names
+    them, and forwards are concatenated along axis 0 per key (`cap.parts(key)` keeps them apart).
+    Gradient sites need `cap.backward(loss)` after each forward. Every hook is removed on exit.
     """
 
     def __init__(self, model: nn.Module, probes, *, to=None, batch_size: int | None = None):

@@ -1,15 +1,9 @@
 """Whether numba's compiled statistics kernels are on disk, and compiling them out of the way.
 
-numba compiles a kernel at its first call and keeps the machine code in its cache; all of
-`probe.stats.kernels` takes EXPECTED on a small machine. A run must not stall on that unannounced and
-`import probe` must compile nothing, so before importing numba a run looks for a stamp written
-after a complete warm-up of the kernels. The stamp's name covers what numba's cache depends on
-(every module of the kernels package, against all of which each kernel's cache is checked:
-`probe.stats.kernels.locator`; numba's and Python's versions, the machine, NUMBA_CACHE_DIR)
-and it lists the cache's index files, which must still exist. Without it
-`compile_in_background` starts one idle-priority `python -m probe.stats.kernel_cache` that warms
-the kernels and writes the stamp, outliving the run; a lock file keeps that to one process at a
-time.
+numba compiles a kernel at its first call (all of `probe.stats.kernels` takes EXPECTED on a small
+machine); a run must not stall on that unannounced, and `import probe` must compile nothing. So a
+run looks for a stamp written after a complete warm-up before importing numba, and without one
+`compile_in_background` starts an idle-priority `python -m probe.stats.kernel_cache` for later runs.
 """
 
 from __future__ import annotations

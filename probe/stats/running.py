@@ -1,26 +1,9 @@
 """Streaming per-dataset statistics with exact merges in float64 (Chan et al. for mean and variance).
 
-Each batch is reduced by a backend (`probe.stats.backend`: the torch reference `probe.stats.torch_backend`, on
-the tensor's own device, or the compiled numba accelerator `probe.stats.numba_backend`) into the fields
-below, accumulated in float64; batches, files and processes merge with the same `merge`. This
-module needs numpy alone. Mean, std, min, max, abs_mean and rms are over the finite values; NaN
-and Inf are counted apart. std is the population standard deviation (ddof=0).
-
-A batch is viewed as (rows, units, rest): units lie along the dataset's unit axis (channels of a
-conv output, features of a linear one). Each unit's moments are taken about its own values and
-the units merged with Chan's formula, so data such as 1000 +- 0.01 keeps its variance.
-
-Quantiles come from `LogHistogram`: fixed log-spaced buckets (the top 16 bits of each float32 value:
-sign, exponent and 7 mantissa bits; 65536 int64 counts, 512 KiB per dataset in memory, stored
-sparse), so histograms merge exactly by adding counts. A quantile is the
-midpoint of the bucket holding the value of rank floor(q*(n-1)) (numpy's method="lower"), clipped to
-[min, max]; its error is at most QUANTILE_REL_ERROR = 2**-8 (0.39%) of that value's magnitude
-(at most 2**-133 in absolute terms for |values| below 2**-126, where float32 turns subnormal).
-
-Per-unit statistics: finite count, sum, min, max, count above zero, and for bounded activations
-the count of values within 1% of the range from a bound. A unit is *dead* when no value of it was
-ever above zero; it is *saturated* when every value of it was within 1% of the range from a bound
-of the module's output range (`SATURATING`, output sites only).
+Batches, files and processes merge with the same `merge`, so the statistics do not depend on how
+the rows were split. Each unit's moments are taken about its own values and the units merged with
+Chan's formula, so data such as 1000 +- 0.01 keeps its variance; quantiles come from `LogHistogram`,
+fixed buckets that merge exactly by adding counts. This module needs numpy alone.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Split a batch's statistics pass across torch's own OpenMP threads.
 
-A forward hook runs on the thread that called the model, between two of torch's parallel
-operations; torch's OpenMP workers wait meanwhile, spinning on their cores for a few ms before they
-sleep. Threads of our own would compete with them for those cores (on 2 cores a helper thread
-measured no faster than none). Here the pass is handed to torch's team through its OpenMP
-runtime's `GOMP_parallel` (libgomp's, also exported by LLVM's and Intel's runtimes), so the split
-runs on exactly the workers that were idle. Compiled code calls it at the address found here
-(`kernels.gomp.team_batch`, one call from Python per batch) with a numba `cfunc` (no GIL, no Python
-objects) that reads the arrays' addresses from a table of int64s (in `probe.stats.kernels`, whose
-disk cache is checked against all of its modules: numba checks a function's cache against the file
-it is defined in, not the files of its callees, which a caller's code holds compiled in).
-
-Only from the main thread, where the forward runs, only when the runtime torch loaded is found,
-and not in a process forked after the team was used; `entry()` then gives the team's width
-(torch.set_num_threads), else 0 and the caller splits the pass some other way. Assumes Linux
-(RTLD_NOLOAD, /proc/self/maps) and a GOMP-compatible runtime; elsewhere it finds none.
-PROBE_OMP_TEAM=0 turns it off.
+A forward hook runs between two of torch's parallel operations, while torch's OpenMP workers spin
+idle on their cores; threads of our own would compete with them for those cores. So compiled code
+(`kernels.gomp.team_batch`) hands the pass to torch's team through its runtime's `GOMP_parallel`.
+`entry()` gives the team's width, else 0 (PROBE_OMP_TEAM=0, or see docs/statistics.md, Threads).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Per-batch statistics in torch, on the tensor's own device: the portable reference for the
-compiled passes of `probe.stats.kernels`, the same quantities as `probe.stats.backend.batch_stats`.
+"""Per-batch statistics in torch, on the tensor's own device: the kernels' portable reference.
 
-`reduce` packs a batch into one float64 vector without synchronising with the host on CUDA (no
-`.item()`, no data-dependent shapes), so a caller can queue it and copy the vector back when it
-likes; `unpack` turns the host copy into a `RunningStats`. Batches are reduced in slabs of rows
-so the float64 temporaries stay small; slabs merge exactly (counts add, extremes compare, moments
-by Chan's formula). Extremes follow the kernels' integer order of float bits: -0.0 below +0.0.
-
-Packed layout (float64): HEAD values [width, saturation tracked (0/1), n, mean, m2, min, max,
-abs_sum, zeros, nan_count, inf_count, l2_sum, 0], then UNIT_ROWS rows of `width` values (count,
-sum, min, max, positive, saturated; none without units), then BINS histogram counts. Counts are
-exact (below 2**53).
+The same quantities as `probe.stats.backend.batch_stats`. `reduce` packs a batch into one float64
+vector (HEAD scalars, UNIT_ROWS rows of per-unit values, BINS histogram counts) without syncing with
+the host on CUDA, so a caller can queue it and copy it back when it likes; `unpack` turns the host
+copy into a `RunningStats`. Rows are reduced in slabs, merged exactly, to keep temporaries small.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Chunk writes that bypass the page cache (O_DIRECT), into space HDF5 allocated for them.
 
-A buffered write copies every byte into the page cache, and on a virtual machine fresh page-cache
-pages are costly to obtain: measured here, 10-100 ms of CPU per 40 MB, taken from the forward pass
-the writer runs beside. With O_DIRECT the disk reads the capture's own memory and the writer thread
-needs about 1.5 ms of CPU per 40 MB, so writing truly overlaps the forward.
-
-HDF5 stays in charge of the layout: a dataset eligible for this path is created with its chunks
-allocated as it grows (`ALLOC_TIME_EARLY`, never filled), the file aligns large allocations to
-ALIGN, and each whole chunk is written at the file offset HDF5 reports for it. O_DIRECT needs the
-memory, the offset and the length aligned: captures are copied into ALIGN-aligned tensors
-(`aligned_empty`), and a chunk qualifies when its byte size is a multiple of ALIGN. Anything else,
-a platform without os.O_DIRECT (macOS, Windows), a file system that refuses it, or
-`store.direct_io=false`, takes HDF5's own write path, which holds the same values.
+On a virtual machine a buffered write's fresh page-cache pages cost far more CPU than O_DIRECT,
+and that CPU is taken from the forward pass the writer runs beside; with O_DIRECT the disk reads
+the capture's own memory. HDF5 stays in charge of the layout: each whole, aligned chunk is written
+at the offset HDF5 reports for it; anything else takes HDF5's own writes, of the same values.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """probe.h5 open for writing, readable by other processes while it is written.
 
-The file is plain while the writer creates its objects (datasets, /stats slots, dimension
-scales, attributes), then switches to HDF5's SWMR mode, in which readers opening it with
-`swmr=True` see every flushed batch and the writer may only append to and write into existing
-datasets. A module first seen after that (data-dependent control flow) makes the writer close the
-file and open it plainly again for a moment; readers should reopen it then. Closing writes the
-final counts as attributes, in a last plain open, so any HDF5 tool reads a finished file.
-
-The run directory's lock (probe.store.runlock) keeps other writers out, so HDF5's own file locks are
-not used: SWMR readers hold one that would refuse the writer's last plain open.
-
-After a write fails (a full disk), HDF5 must write nothing more: flushing the rest of a half-written
-batch (its metadata, the superblock's end of file) breaks the state the last flush left, and a flush
-after a failed write can crash the process. `abandon` closes the file without writing, so it keeps
-every batch flushed before. Datasets opened without a chunk cache of their own (the statistics'
-histograms) write at once, so that a failed write raises where it happens, not later when h5py
-drops the handle (where it can only be printed).
+The writer creates its objects in a plain open, then enters HDF5's SWMR mode so that readers see
+every flushed batch. HDF5's file locks are off: the run lock keeps other writers out, and a SWMR
+reader's lock would refuse the writer's last plain open. After a failed write HDF5 must write
+nothing more (`abandon`); datasets without a chunk cache write at once, so a failed write raises.
 """
 
 from __future__ import annotations

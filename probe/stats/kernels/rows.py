@@ -46,18 +46,12 @@ def first_finite(y):
 
 @numba.njit(nogil=True, cache=True)
 def reduce_rows(y, bits, keys, low_bits, infinite, counts, moments, tallies, units, extremes):
-    """Fold y (rows, units, size) into one partial result, over finite values only.
-
-    moments = (mean, M2, sum of |v|, sum over rows of the row's L2 norm), float64;
-    tallies = (finite, zeros, NaN, Inf) counts and the smallest finite magnitude (the bits of
-    |v|; `low_bits` when none); per unit, `units` (3, units) float64 holds the
-    finite count, sum and count above 0, `extremes` (2, units) int64 the order keys of the min and
-    the max (meaningless when the count is 0). Each unit's sums are taken about one of its values
-    (its first finite one, else 0), and the units merged with Chan's formula at the end,
-    so 1000 +- 0.01 keeps its variance. `bits` are the float32 bit patterns of y (y itself when
-    float32), whose top 16 bits index `counts` for every value including NaN and Inf; `keys` is y
-    viewed as signed integers of its own width, `low_bits` that width's largest value and
-    `infinite` the key of +Inf."""
+    """Fold y (rows, units, size) into one partial result, over finite values only: `moments`
+    (mean, M2, sum of |v|, sum over rows of the row's L2 norm), `tallies` (finite, zeros, NaN, Inf
+    counts, the bits of the smallest finite |v| or `low_bits`), per unit `units` (finite count, sum,
+    count above 0) and `extremes` (order keys of min and max). `counts` is indexed by the top 16
+    bits of `bits` (y's float32 bit patterns); `keys` is y as signed integers of its own width,
+    `infinite` the key of +Inf. Each unit's sums are taken about a value of it (see the module)."""
     rows, width, size = y.shape
     shifts = first_finite(y)
     unit_s = np.zeros(width)
