@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
-pytest.importorskip("matplotlib")
+plt = pytest.importorskip("matplotlib.pyplot")
 
 from probe.analysis.plot import figures, main  # noqa: E402
-from probe.analysis.reading import open_run  # noqa: E402
+from probe.analysis.reading import open_run, open_sweep  # noqa: E402
 from probe.analysis.report import write  # noqa: E402
 from probe.launch.run import run  # noqa: E402
 from tests.helpers import cli, make_cfg  # noqa: E402
@@ -38,10 +41,27 @@ def tiny(tmp_path_factory):
     return path
 
 
+EDIT = [
+    "intervene=edit",
+    "intervene.edit.layers=[conv]",
+    "intervene.edit.op=scale",
+    "intervene.edit.factor=0.5",
+]
+
+
+@pytest.fixture(scope="module")
+def edited(tmp_path_factory):
+    """A run whose conv output is halved: its effects on the answer are in effects.csv."""
+    path = tmp_path_factory.mktemp("edited")
+    run(make_cfg(*TINYNET, *EDIT, "dataset.num_samples=6"), run_dir=path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
-    out = cli("-m", *TINYNET, "dataset.num_samples=4,6", f"hydra.sweep.dir={root}", cwd=root)
+    args = ("-m", *TINYNET, *EDIT, "dataset.num_samples=4,6", f"hydra.sweep.dir={root}")
+    out = cli(*args, cwd=root)
     assert out.returncode == 0, out.stderr
     return root
 
@@ -100,58 +120,139 @@ def test_plot_command_writes_pngs_and_reports_errors(tiny, capsys):
 
 
 class Page(HTMLParser):
-    def __init__(self):
+    """What a page holds: images, links, <pre> texts, and each table's rows of cells under the
+    caption (the <h3>) before it."""
+
+    def __init__(self, text: str):
         super().__init__()
-        self.images, self.cells, self.pre, self.links, self._in = [], [], [], [], None
+        self.images, self.pre, self.links, self.tables = [], [], [], {}
+        self._in, self._caption, self._rows = None, "", None
+        self.feed(text)
+
+    @property
+    def cells(self) -> list[str]:
+        return [c for rows in self.tables.values() for row in rows for c in row]
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         if tag == "img":
             self.images.append(a)
-        if tag == "a":
+        elif tag == "a":
             self.links.append(a.get("href"))
+        elif tag == "h3":
+            self._caption = ""
+        elif tag == "table":
+            self._rows = self.tables.setdefault(self._caption, [])
+        elif tag == "tr" and self._rows is not None:
+            self._rows.append([])
+        elif tag in ("td", "th") and self._rows:
+            self._rows[-1].append("")
         self._in = tag
 
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._rows = None
+        self._in = None
+
     def handle_data(self, data):
-        if self._in == "td":
-            self.cells.append(data.strip())
         if self._in == "pre":
             self.pre.append(data)
+        elif self._in == "h3":
+            self._caption += data.strip()
+        elif self._in in ("td", "th") and self._rows:
+            self._rows[-1][-1] += data.strip()
 
-
-def test_run_report_is_one_self_contained_page(tiny):
-    out = write(tiny, analyze="yes")
-    text = out.read_text()
-    page = Page()
-    page.feed(text)
-    assert len(page.images) >= 6  # 5 figures and the CKA heatmap
-    assert all(i["src"].startswith("data:image/png;base64,") for i in page.images)
-    assert 'src="http' not in text and "<link" not in text and "<script" not in text
-    summary = open_run(tiny).summary
-    assert set(summary["layer"]) <= set(page.cells)
-    assert str(summary["n"].iloc[0]) in page.cells
-    assert "Linear probes" in text and "accuracy" in text
-    assert "tests.models_for_tests.TinyNet" in "".join(page.pre)
-    browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
-    if browser is None:
-        pytest.skip("no headless Chromium installed (apt install chromium)")
-    dom = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--dump-dom", out.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert dom.returncode == 0 and "Summary (summary.csv)" in dom.stdout
+    def frame(self, caption: str) -> pd.DataFrame:
+        """The table under `caption` as strings, its header row as the columns."""
+        head, *rows = self.tables[caption]
+        return pd.DataFrame(rows, columns=head)
 
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 
-def test_sweep_report_gathers_the_runs(sweep):
-    out = write(sweep, analyze="no")
-    page = Page()
-    page.feed(out.read_text())
+def rendered(page: Path, shot: Path) -> tuple[Page, np.ndarray]:
+    """The DOM a headless Chromium builds from `page`, and a screenshot of its top 1000x2400
+    pixels (RGB in [0, 1]) written to `shot`."""
+    browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no headless Chromium installed (apt install chromium)")
+    flags = [browser, "--headless", "--no-sandbox", "--hide-scrollbars", "--window-size=1000,2400"]
+    for extra in ("--dump-dom", f"--screenshot={shot}"):
+        done = subprocess.run(
+            [*flags, extra, page.as_uri()], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        if extra == "--dump-dom":
+            dom = done.stdout
+    return Page(dom), plt.imread(shot)[..., :3]
+
+
+def coloured(pixels: np.ndarray) -> int:
+    """Pixels of a clear colour: the figures' (the page's text and rules are grey)."""
+    return int((pixels.max(axis=-1) - pixels.min(axis=-1) > 0.25).sum())
+
+
+def assert_shown(page: Page, frame: pd.DataFrame, caption: str) -> None:
+    """The table under `caption` shows `frame`: the same columns, text equal, numbers to the
+    precision pandas prints (six decimals, or six significant digits in scientific notation)."""
+    shown = page.frame(caption)
+    assert list(shown.columns) == list(frame.columns), caption
+    assert len(shown) == len(frame), caption
+    for name in frame.columns:
+        want = frame[name]
+        if pd.api.types.is_numeric_dtype(want):
+            got = pd.to_numeric(shown[name].replace("", np.nan))
+            np.testing.assert_allclose(
+                got, want.astype(float), rtol=1e-6, atol=5.1e-7, err_msg=name
+            )
+        else:
+            assert shown[name].tolist() == want.fillna("").astype(str).tolist(), name
+
+
+def test_run_report_is_one_self_contained_page_a_browser_shows(edited, tmp_path):
+    out = write(edited, analyze="yes")
+    text = out.read_text()
+    page = Page(text)
+    assert len(page.images) >= 6  # 5 figures and the CKA heatmap
+    assert all(i["src"].startswith("data:image/png;base64,") for i in page.images)
+    assert 'src="http' not in text and "<link" not in text and "<script" not in text
+    assert "tests.models_for_tests.TinyNet" in "".join(page.pre)
+    shown, pixels = rendered(out, tmp_path / "run.png")
+    with open_run(edited) as run:
+        summary, effects = run.summary, run.effects
+    assert_shown(shown, summary, "Summary (summary.csv)")
+    assert_shown(
+        shown, pd.read_csv(edited / "linear_probes.csv"), "Linear probes (linear_probes.csv)"
+    )
+    assert_shown(shown, pd.read_csv(edited / "effects.csv"), "Effects (effects.csv)")
+    assert len(effects) == 1 and effects["samples"].iloc[0] == 6
+    assert [i["alt"] for i in shown.images] == [i["alt"] for i in page.images]
+    assert "cka" in [i["alt"] for i in shown.images]
+    # the figures are decoded and drawn: the same page without its images shows no colour
+    bare = tmp_path / "bare.html"
+    bare.write_text(re.sub(r"<img [^>]*>", "", text))
+    _, blank = rendered(bare, tmp_path / "bare.png")
+    assert coloured(blank) == 0 and coloured(pixels) > 10_000
+
+
+def test_sweep_report_gathers_the_runs_a_browser_shows(sweep, tmp_path):
+    out = write(sweep, analyze="yes")
+    page = Page(out.read_text())
     assert page.images and page.images[0]["src"].startswith("data:image/png;base64,")
     assert "0/report.html" in page.links and "1/report.html" in page.links
     assert (sweep / "1" / "report.html").is_file()
     assert "dataset.num_samples" in out.read_text()
+    shown, pixels = rendered(out, tmp_path / "sweep.png")
+    gathered = open_sweep(sweep).effects
+    assert sorted(gathered["samples"]) == [4, 6]  # one row per job, each job's own effects.csv
+    for job in ("0", "1"):
+        own = pd.read_csv(sweep / job / "effects.csv").iloc[0]
+        row = gathered[gathered["run"].astype(str) == job].iloc[0]
+        assert row["mean_abs_change"] == pytest.approx(own["mean_abs_change"], rel=1e-12)
+    assert_shown(shown, gathered, "Effects of every run")
+    cka = pd.read_csv(sweep / "cka.csv")  # the same model and seed: runs 0 and 1 share 4 samples
+    same = cka[(cka.layer_a == cka.layer_b) & (cka.site_a == cka.site_b)]
+    assert set(zip(cka.run_a, cka.run_b, strict=True)) == {(0, 1)} and len(same) >= 3
+    assert (same.samples == 4).all() and np.allclose(same.cka, 1.0, atol=1e-9)
+    assert "cka" in [i["alt"] for i in shown.images] and coloured(pixels) > 10_000
