@@ -290,20 +290,23 @@ def import_target(key: str, target: str | None, example: str | None = None):
         ) from None
 
 
-def typed(schema, node, label: str):
-    """`node` merged onto the structured `schema`: a misspelt key or a wrong type becomes a
-    ConfigError naming `label` and the schema's keys (the intervene group holds edits beside its
-    own keys, and a probe added on the command line composes untyped, so they are typed here)."""
+def typed(schema, node, label: str, *updates):
+    """`node` (then `updates`) merged onto the structured `schema`: a misspelt key or a wrong type
+    or value becomes a ConfigError naming `label`, the key and the schema's keys (the intervene
+    group holds edits beside its own keys, and a probe added on the command line composes
+    untyped, so they are typed here)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
     from probe.errors import ConfigError
 
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.merge(OmegaConf.structured(schema), node, *updates)
     except OmegaConfBaseException as e:
         keys = [f.name for f in fields(schema)]
         first = str(e).splitlines()[0]
+        if getattr(e, "full_key", None):
+            first = f"{e.full_key}: {first}"
         if isinstance(e, ConfigKeyError) and e.key is not None:
             close = difflib.get_close_matches(str(e.key), keys, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""

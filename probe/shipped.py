@@ -45,5 +45,7 @@ def compose_shipped(overrides: list[str]):
         with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
             return compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise ConfigError("; ".join(lines[:2])) from None  # what failed, and why
+        text = f"{e}\n{e.__cause__ or ''}"  # Hydra's "Error merging override" holds the reason
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        said = [line for line in lines if not line.startswith(("object_type=", "reference_type="))]
+        raise ConfigError("; ".join(said)) from None  # what failed, why, and the key

@@ -25,8 +25,8 @@ from probe.errors import ProbeError
 CHEAP_BYTES = 64 * 2**20  # analyses run by the report itself only for files this small
 STYLE = (
     "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
-    "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-    "img{max-width:100%}pre{background:#f6f6f6;padding:1em;font-size:12px}"
+    "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}"
+    ".wide{overflow-x:auto}img{max-width:100%}pre{background:#f6f6f6;padding:1em;font-size:12px}"
 )
 
 
@@ -50,7 +50,10 @@ def img(png: bytes, alt: str) -> str:
 def table(frame: pd.DataFrame | None, caption: str) -> str:
     if frame is None or frame.empty:
         return ""
-    return f"<h3>{html.escape(caption)}</h3>" + frame.to_html(index=False, na_rep="", border=0)
+    body = frame.to_html(index=False, na_rep="", border=0)
+    return (
+        f'<h3>{html.escape(caption)}</h3><div class="wide">{body}</div>'  # scrolls, page does not
+    )
 
 
 def analyses(path: Path, mode: str, size: int) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from probe.build.user_batches import UserBatches
 from probe.checks import check_seed
@@ -89,7 +90,7 @@ def run(
             ("progress", progress),
             ("print_summary", print_summary),
         ):
-            cfg[key] = value
+            set_key(cfg, key, value)
         check_seed("seed", seed)  # (before torch turns an oversized one into a traceback)
         training = model.training
         try:
@@ -127,11 +128,20 @@ def config(probes, store, objective, intervene, stats, model) -> DictConfig:
         )
     for group, value in (("store", store), ("objective", objective), ("stats", stats)):
         if isinstance(value, Mapping | DictConfig):
-            cfg[group] = typed(GROUPS[group], OmegaConf.merge(cfg[group], value), group)
+            cfg[group] = typed(GROUPS[group], cfg[group], group, value)
     if isinstance(intervene, Mapping | DictConfig):
         cfg.intervene = OmegaConf.create(dict(intervene))
     cfg.model = OmegaConf.structured(ModelConfig(name=type(model).__name__, library="custom"))
     return cfg
+
+
+def set_key(cfg: DictConfig, key: str, value) -> None:
+    """cfg[key] = value, a value the schema refuses (a precision it does not know, a bool that
+    is not one) a ConfigError naming the keyword."""
+    try:
+        cfg[key] = value
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{key}={value!r}: {str(e).splitlines()[0]}") from None
 
 
 def check_out(out: Path, store, resume: bool, overwrite: bool = False) -> None:

@@ -3,6 +3,8 @@ caller's batches of every kind, no hook left behind, and bad input named."""
 
 from __future__ import annotations
 
+import re
+
 import h5py
 import numpy as np
 import pandas as pd
@@ -121,6 +123,23 @@ def test_bad_input_names_the_bad_value(tmp_path, probes, data, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         probe.run(model, data, probes, out=tmp_path / "run", progress=False)
     assert _no_hooks(model)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "words"),
+    [
+        ({"stats": "bogus"}, "stats.backend=bogus; Invalid value 'bogus', expected one of [auto, "),
+        ({"store": {"compression": "zip"}}, "store: compression: Invalid value 'zip'"),
+        ({"store": {"chunk_bytes": "big"}}, "store: chunk_bytes: Value 'big' of type 'str'"),
+        ({"precision": "float8"}, "precision='float8': Invalid value 'float8', expected one of"),
+        ({"train_mode": "maybe"}, "train_mode='maybe': Value 'maybe' is not a valid bool"),
+    ],
+)
+def test_a_bad_keyword_value_names_the_keyword_and_the_choices(tmp_path, keywords, words):
+    model = build_model(make_cfg(*TINY).model, 0)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        probe.run(model, [torch.randn(2, 3, 32, 32)], "all_convs", out=tmp_path, **keywords)
+    assert _no_hooks(model) and not (tmp_path / "probe.h5").exists()
 
 
 def test_an_out_that_holds_a_run_is_refused(tmp_path):
