@@ -34,13 +34,6 @@ TINYNET = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("run")
-    run(make_cfg(*TINYNET, "dataset.num_samples=6"), run_dir=path)
-    return path
-
-
 EDIT = [
     "intervene=edit",
     "intervene.edit.layers=[conv]",
@@ -50,9 +43,9 @@ EDIT = [
 
 
 @pytest.fixture(scope="module")
-def edited(tmp_path_factory):
+def tiny(tmp_path_factory):
     """A run whose conv output is halved: its effects on the answer are in effects.csv."""
-    path = tmp_path_factory.mktemp("edited")
+    path = tmp_path_factory.mktemp("run")
     run(make_cfg(*TINYNET, *EDIT, "dataset.num_samples=6"), run_dir=path)
     return path
 
@@ -128,10 +121,6 @@ class Page(HTMLParser):
         self.images, self.pre, self.links, self.tables = [], [], [], {}
         self._in, self._caption, self._rows = None, "", None
         self.feed(text)
-
-    @property
-    def cells(self) -> list[str]:
-        return [c for rows in self.tables.values() for row in rows for c in row]
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -210,8 +199,8 @@ def assert_shown(page: Page, frame: pd.DataFrame, caption: str) -> None:
             assert shown[name].tolist() == want.fillna("").astype(str).tolist(), name
 
 
-def test_run_report_is_one_self_contained_page_a_browser_shows(edited, tmp_path):
-    out = write(edited, analyze="yes")
+def test_run_report_is_one_self_contained_page_a_browser_shows(tiny, tmp_path):
+    out = write(tiny, analyze="yes")
     text = out.read_text()
     page = Page(text)
     assert len(page.images) >= 6  # 5 figures and the CKA heatmap
@@ -219,13 +208,13 @@ def test_run_report_is_one_self_contained_page_a_browser_shows(edited, tmp_path)
     assert 'src="http' not in text and "<link" not in text and "<script" not in text
     assert "tests.models_for_tests.TinyNet" in "".join(page.pre)
     shown, pixels = rendered(out, tmp_path / "run.png")
-    with open_run(edited) as run:
-        summary, effects = run.summary, run.effects
+    with open_run(tiny) as r:
+        summary, effects = r.summary, r.effects
     assert_shown(shown, summary, "Summary (summary.csv)")
     assert_shown(
-        shown, pd.read_csv(edited / "linear_probes.csv"), "Linear probes (linear_probes.csv)"
+        shown, pd.read_csv(tiny / "linear_probes.csv"), "Linear probes (linear_probes.csv)"
     )
-    assert_shown(shown, pd.read_csv(edited / "effects.csv"), "Effects (effects.csv)")
+    assert_shown(shown, pd.read_csv(tiny / "effects.csv"), "Effects (effects.csv)")
     assert len(effects) == 1 and effects["samples"].iloc[0] == 6
     assert [i["alt"] for i in shown.images] == [i["alt"] for i in page.images]
     assert "cka" in [i["alt"] for i in shown.images]
