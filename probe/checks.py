@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -24,8 +23,6 @@ from probe.config import (
     EDIT_SITES,
     GRAD_EDIT_SITES,
     GRAD_SITES,
-    HF_TASKS,
-    LIBRARIES,
     OBJECTIVES,
     OPS,
     REDUCTIONS,
@@ -38,15 +35,10 @@ from probe.config import (
     require_target,
     typed,
 )
-from probe.errors import CheckpointError, ConfigError, DataError
+from probe.errors import ConfigError, DataError
+from probe.model_checks import DEVICE, _choice, _value, at_least, check_model
 
-# the device types torch.device parses (the pinned torch's list; `auto` is probe's own)
-DEVICE_TYPES = (
-    "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
-    "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
-)  # fmt: skip
 SEED_LIMIT = 1 << 40
-DEVICE = re.compile(rf"^(?:{'|'.join(DEVICE_TYPES)})(?::(?:0|[1-9][0-9]*))?$")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -55,7 +47,7 @@ def check_config(cfg: DictConfig) -> None:
     composes untyped, and select_modules reads ProbeSpec's defaults."""
     typed_probes(cfg)
     check_seed("seed", cfg.seed)
-    _model(cfg.model)
+    check_model(cfg.model)
     _dataset(cfg.dataset)
     check_run_options(cfg)
     for name, spec in cfg.probes.items():
@@ -92,67 +84,6 @@ def check_seed(key: str, seed) -> None:
             f"{key}={seed} is out of range: the seeds derived from it (per sample, per edit) must "
             f"fit torch's 64-bit generator; give |{key}| < 2**40 ({SEED_LIMIT}), e.g. {key}=0"
         )
-
-
-def at_least(key: str, value, least: int = 1, note: str = "") -> None:
-    """A ConfigError naming `key` where `value` is below `least` (None: unset, accepted)."""
-    if value is not None and value < least:
-        raise ConfigError(f"{key}={value} must be at least {least}{note}")
-
-
-def _choice(key: str, value, known) -> None:
-    if value not in known:
-        raise ConfigError(f"{key}={value!r} is unknown; choose from {', '.join(known)}")
-
-
-def _value(node, key: str):
-    """node.key, None where it is unset or `???`."""
-    if isinstance(node, DictConfig):
-        return None if OmegaConf.is_missing(node, key) else node.get(key)
-    return getattr(node, key, None)
-
-
-# -- model (probe.build.models) -------------------------------------------------------------------------
-def model_library(m) -> str:
-    """Which library builds model config `m`: custom where a `_target_`, model.name=custom or
-    model.library=custom says so (then `_target_` must be given), else model.library."""
-    library = _value(m, "library") or "torchvision"
-    if library not in LIBRARIES:
-        raise ConfigError(f"model.library={library!r} is not one of {', '.join(LIBRARIES)}")
-    target = _value(m, "_target_")
-    if not (target or _value(m, "name") == "custom" or library == "custom"):
-        return library
-    require_target("model._target_", target)
-    return "custom"
-
-
-def check_checkpoint(path) -> Path:
-    """The path of model.checkpoint, which must be a file."""
-    p = Path(path)
-    if p.is_dir():
-        inside = sorted(f.name for f in p.iterdir() if f.suffix in (".pt", ".pth", ".bin"))[:3]
-        raise CheckpointError(
-            f"model.checkpoint={path!r} is a directory; give the checkpoint file itself, e.g. "
-            f"model.checkpoint={p / (inside[0] if inside else 'model.pt')}"
-            + (f" (it holds {', '.join(inside)})" if inside else "")
-        )
-    if not p.is_file():
-        raise CheckpointError(
-            f"model.checkpoint={path!r} does not exist; give the path of a .pt state_dict"
-        )
-    return p
-
-
-def _model(m) -> None:
-    library = model_library(m)
-    if (
-        library == "hf" and m.task not in HF_TASKS
-    ):  # probe.build.hub's, after transformers is imported
-        raise ConfigError(f"model.task={m.task!r} is not one of {', '.join(HF_TASKS)}")
-    at_least("model.num_classes", m.num_classes, note=" (the classes the model outputs)")
-    path = _value(m, "checkpoint")
-    if path:
-        check_checkpoint(path)
 
 
 # -- dataset (probe.build.data) -------------------------------------------------------------------------
@@ -222,7 +153,7 @@ def check_run_options(cfg) -> None:
     """The options of how a run runs: device, precision, /model/output, the statistics backend
     and store.* (the run checks them here too when its config did not come through
     check_config: the Python API's)."""
-    _store(cfg.store)
+    _store(cfg.store, str(cfg.stats.get("during", "run")))
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
@@ -348,9 +279,14 @@ def _objective(cfg, edits: dict) -> None:
         check_objective(cfg.objective, n)
 
 
-def _store(s) -> None:
-    """store.*: the writer takes these values as they are."""
+def _store(s, during: str = "run") -> None:
+    """store.* (and stats.during, which needs stored rows): the writer takes them as they are."""
     at_least("store.queue_batches", s.queue_batches)
+    if s.mode == "stats" and during != "run":
+        raise ConfigError(
+            f"stats.during={during} needs store.mode=full: a statistics-only run keeps no rows to "
+            "compute them from later; use stats.during=run"
+        )
     at_least("store.chunk_bytes", s.chunk_bytes, note=" (bytes per HDF5 chunk; default 1048576)")
     at_least("store.flush_seconds", s.flush_seconds, 0, " (0 flushes after every batch)")
     name = str(s.filename)

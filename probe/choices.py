@@ -21,6 +21,7 @@ class Choice(str, Enum):
 Precision = Choice("Precision", [(n, n) for n in ("fp32", "bf16", "fp16")])
 ModelOutput = Choice("ModelOutput", [(n, n) for n in ("auto", "full", "last", "none")])
 StatsBackend = Choice("StatsBackend", [(n, n) for n in ("auto", "torch", "numba")])
+StatsDuring = Choice("StatsDuring", [(n, n) for n in ("run", "close", "none")])
 StoreMode = Choice("StoreMode", [(n, n) for n in ("full", "stats")])
 Compression = Choice("Compression", [(n, n) for n in ("none", "lzf", "gzip")])
 PRECISIONS = tuple(m.value for m in Precision)  # probe.hooks.device maps them to torch dtypes

@@ -15,7 +15,14 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from probe.choices import Compression, ModelOutput, Precision, StatsBackend, StoreMode
+from probe.choices import (
+    Compression,
+    ModelOutput,
+    Precision,
+    StatsBackend,
+    StatsDuring,
+    StoreMode,
+)
 
 SITES = ("output", "input", "grad_output", "grad_input", "param_grad")
 GRAD_SITES = ("grad_output", "grad_input", "param_grad")
@@ -23,6 +30,8 @@ REDUCTIONS = ("none", "spatial_mean", "token_mean", "first_token", "last_token")
 TOKEN_REDUCTIONS = ("token_mean", "first_token", "last_token")
 ROWS = ("samples", "tokens")
 DTYPES = ("float32", "float16")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: the weights' dtype
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's strategies
 LIBRARIES = ("torchvision", "hf", "timm", "custom")
 HF_TASKS = ("base", "causal_lm", "masked_lm", "sequence_classification", "token_classification")
 TOKEN_DATASETS = ("tokens", "text", "random_tokens")
@@ -59,6 +68,14 @@ class ModelConfig:
     pretrained: bool | None = None  # None: hf loads weights, timm starts from random init
     task: str = "base"  # hf: which Auto class (HF_TASKS)
     config: dict[str, Any] = field(default_factory=dict)  # hf: config fields to set or override
+    # where the weights live (probe.build.placement): None, one of DEVICE_MAPS, a device, or a
+    # mapping module name -> device (cpu and disk offload); max_memory per device ({0: 10GiB,
+    # cpu: 64GiB}), offload_folder for disk; the weights' dtype (WEIGHT_DTYPES)
+    device_map: Any = None
+    max_memory: Any = None
+    offload_folder: str | None = None
+    dtype: str = "float32"
+    low_cpu_mem_usage: bool = False  # hf: load weights without a second copy in memory
 
 
 @dataclass
@@ -189,6 +206,9 @@ class StatsConfig:
     device) or numba (a compiled CPU accelerator, the `fast` extra); see probe.stats.backend."""
 
     backend: StatsBackend = StatsBackend.auto
+    # when a full run computes them: run (in the hooks), close (from the stored rows once the
+    # loop ends) or none (readers compute them from the rows where asked)
+    during: StatsDuring = StatsDuring.run
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, choices,
-errors, checks, shipped, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
+errors, checks, model_checks, shipped, callable) import no stage; the entry points at the top (`__main__`, the `python -m`
 modules) may import anything, and nothing imports them.
 """
 
@@ -21,6 +21,7 @@ CORE = {
     "probe.callable",
     "probe.shipped",
     "probe.choices",
+    "probe.model_checks",
 }
 PACKAGE = Path(probe.__file__).parent
 

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from probe.build.placement import check_map, dispatch, hf_options, weight_dtype
 from probe.config import HF_TASKS, ModelConfig
 from probe.errors import CheckpointError, ConfigError
 
@@ -162,8 +163,8 @@ def _check_keys(config, overrides: dict) -> None:
 
 def build_hf(cfg, seed: int) -> nn.Module:
     """A transformers model for `model.task`: the weights of `model.name` (pretrained unset or
-    true), or a random init seeded by `seed` (pretrained=false); float32 unless model.kwargs sets
-    dtype (precision=bf16 autocasts), use_cache off, in eval mode."""
+    true), or a random init seeded by `seed` (pretrained=false); in `model.dtype` (precision=bf16
+    autocasts besides) and placed by `model.device_map`, use_cache off, in eval mode."""
     transformers = require("transformers", "hf")
     if cfg.task not in HF_TASKS:
         raise ConfigError(f"model.task={cfg.task!r} is not one of {', '.join(HF_TASKS)}")
@@ -193,15 +194,25 @@ def build_hf(cfg, seed: int) -> nn.Module:
             if hasattr(part, "use_cache"):
                 part.use_cache = False
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    dtype = {} if {"dtype", "torch_dtype"} & set(kwargs) else {dtype_key: torch.float32}
+    dtype = {} if {"dtype", "torch_dtype"} & set(kwargs) else {dtype_key: weight_dtype(cfg)}
     auto = getattr(transformers, AUTO_CLASSES[cfg.task])
     torch.manual_seed(seed)  # the random init, and any head that the weights do not hold
     try:
-        if cfg.pretrained is False:
-            model = auto.from_config(config, **dtype, **kwargs)
-        else:
-            model = auto.from_pretrained(name, config=config, **load, **dtype, **kwargs)
+        if cfg.pretrained is False:  # built whole, then placed
+            return dispatch(auto.from_config(config, **dtype, **kwargs), cfg).eval()
+        placing = hf_options(cfg)
+        if isinstance(placing.get("device_map"), dict):  # its names checked on a weightless copy
+            from accelerate import init_empty_weights
+
+            with init_empty_weights():
+                check_map(auto.from_config(config, **dtype), placing["device_map"])
+        model = auto.from_pretrained(name, config=config, **load, **dtype, **placing, **kwargs)
     except ValueError as e:
+        if "offload" in str(e):
+            raise ConfigError(
+                f"model.device_map={cfg.device_map}: {_first_line(e)}; give "
+                "model.offload_folder=DIR or more model.max_memory"
+            ) from None
         if "Unrecognized configuration class" in str(e):
             raise ConfigError(
                 f"model.task={cfg.task} has no {config.model_type!r} model in transformers; "

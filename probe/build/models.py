@@ -12,9 +12,10 @@ import torchvision
 from omegaconf import OmegaConf
 from torch import nn
 
-from probe.checks import check_checkpoint, model_library
+from probe.build.placement import dispatch
 from probe.config import import_target
 from probe.errors import CheckpointError, ConfigError
+from probe.model_checks import check_checkpoint, model_library
 
 log = logging.getLogger("probe")
 
@@ -58,6 +59,8 @@ def build_model(cfg, seed: int) -> nn.Module:
         model = _build_torchvision(cfg, kwargs)
     if cfg.checkpoint:
         load_checkpoint(model, cfg.checkpoint, cfg.get("checkpoint_prefix"))
+    if library != "hf":  # (transformers loads a model in its dtype and place)
+        model = dispatch(model, cfg)
     return model.eval()
 
 

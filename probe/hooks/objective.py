@@ -177,6 +177,8 @@ def batch_loss(
 ) -> torch.Tensor:
     """The scalar that is differentiated: the objective's per-sample losses summed over the batch."""
     out = first_output(output)
+    if targets is not None:  # (a model split over devices answers on its last one)
+        targets = targets.to(out.device, non_blocking=True)
     losses = objective(out, targets, inputs, tokens)
     if losses.ndim == 0 or losses.shape[0] != out.shape[0]:
         raise ConfigError(

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from probe.analysis.tables import summary_frame
+from probe.build import placement
 from probe.build.data import build_batches, check_token_data
 from probe.build.models import build_model
 from probe.build.provenance import describe as describe_dataset
@@ -101,12 +102,19 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
     """This process's batches, the device, the selected sites, the edits and the objective of a
     run of `model` over `every` (batches as `probe.build.data.OrderedBatches` gives them)."""
     shard, batches = distributed.shard(every)
-    device = shard.device(resolve_device(cfg.device))
-    log.info("device %s (device=%s)", device, cfg.device)
+    if placement.is_placed(model):  # accelerate's hooks move each module's inputs in
+        device = placement.input_device(model)
+        log.info("device %s: where model.device_map runs the model's first module", device)
+    else:
+        device = shard.device(resolve_device(cfg.device))
+        log.info("device %s (device=%s)", device, cfg.device)
     check_run_options(cfg)  # checked once more: the Python API's config skips check_config
     stats_backend = backend.resolve(cfg.stats.backend, device.type)
     backend.use(stats_backend)
     selections = select_modules(model, cfg.probes)
+    if placement.is_placed(model):
+        placement.describe(model, selections)
+        placement.check_param_grads(selections)
     check_token_data(every.dataset, selections, model)
     edits = build_edits(model, cfg.intervene, cfg.seed)
     wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites) or any(
@@ -151,7 +159,8 @@ def _run(cfg: DictConfig, run_dir: Path, prepared: Prepared | None) -> RunResult
     p = prepared or build_run(cfg)
     shard = p.shard or distributed.shard(p.batches)[0]
     stats_backend = p.stats_backend or backend.resolve(cfg.stats.backend, p.device.type)
-    p.model.to(p.device)
+    if not placement.is_placed(p.model):  # a placed model stays where its map put it
+        p.model.to(p.device)
     buffers = {k: v.clone() for k, v in p.model.state_dict().items()} if cfg.train_mode else None
     p.model.train(cfg.train_mode)
     tokenizer = cfg.dataset.tokenizer or cfg.model.name
@@ -217,6 +226,7 @@ def _open_writer(
         direct_io=store.direct_io,
         total_rows=len(shard.samples),
         provenance=provenance,
+        stats_during=cfg.stats.during,
     )
     if resuming:
         p.batches.skip(writer.num_batches)
@@ -228,7 +238,8 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
     """Every batch through the hooks into the writer; whether the run is whole (a signal stops
     it after the batch in flight)."""
     on_device = writer.observes_device
-    observe = writer.observe if p.device.type == "cpu" or on_device else None
+    in_hooks = cfg.stats.during == "run" and (p.device.type == "cpu" or on_device)
+    observe = writer.observe if in_hooks else None
     keep_values = cfg.store.mode == "full"
     capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device)
     step = BatchStep(
@@ -266,16 +277,25 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
 def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
     """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file),
     the edits' effects, the log's summary."""
-    nonfinite.report(writer.datasets.values())
+    counted = cfg.stats.during != "none"
+    if counted:
+        nonfinite.report(writer.datasets.values())
     datasets = distributed.finish(shard, h5_path, writer.datasets)
     if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files
         summary = summary_frame(writer.datasets.values())
         return RunResult(run_dir, shard.path(h5_path), summary, writer.num_samples)
-    summary = summary_frame(datasets)
-    summary.to_csv(run_dir / "summary.csv", index=False)
+    summary = summary_frame(datasets) if counted else summary_frame([])
+    if counted:
+        summary.to_csv(run_dir / "summary.csv", index=False)
+    else:
+        log.info(
+            "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "
+            "%s computes them from the rows",
+            run_dir,
+        )
     if interventions is not None:
         interventions.report(h5_path, run_dir)
-    if cfg.print_summary:
+    if cfg.print_summary and counted:
         print_summary(summary)
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
     log.info("wrote %s (%d samples)", h5_path, num_samples)

@@ -33,6 +33,8 @@ class Appends:
 
     def _stats_groups(self) -> None:
         """The /stats group of every dataset (a resumed file may lack some)."""
+        if self.stats_during == "none":
+            return
         paths = {key: f"stats/{encode(key[0])}/{encode(key[1])}" for key in self.datasets}
         missing = [key for key, p in paths.items() if p not in self.known]
         if missing and self.out.live:
@@ -127,8 +129,12 @@ class Appends:
                 "tokens" if key[0] in self.token_layers and not per_batch else "samples",
             )
             self.datasets[key] = info
-        info.stats.merge(counted if counted is not None else self.observe(key, t, unit_axis))
-        if "stats/" + encode(key[0]) + "/" + encode(key[1]) not in self.known:
+        if self.stats_during == "run":  # (else made at close: its layout follows the stats)
+            info.stats.merge(counted if counted is not None else self.observe(key, t, unit_axis))
+        if (
+            self.stats_during == "run"
+            and f"stats/{encode(key[0])}/{encode(key[1])}" not in self.known
+        ):
             stats_file.create(self.file, info, len(self.datasets) - 1)
             self.known.add("stats/" + encode(key[0]) + "/" + encode(key[1]))
         gap = self.coverage.add(self.file, key, lo, hi)

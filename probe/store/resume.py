@@ -164,10 +164,16 @@ def restore(writer, batch_rows: int) -> None:
     # readable from here on: a kill while statistics are recomputed below (reads only, seconds
     # for a long run) leaves a file in SWMR mode, which readers open
     writer.out.go_live()
+    if writer.stats_during != "run":  # computed at close from every row, or not at all
+        return
     for key, info in writer.datasets.items():
-        rows = writer.num_batches if info.per_batch else writer.num_samples
-        rows = writer.num_tokens if info.rows == "tokens" else rows
-        _restore_stats(writer, key, info, rows, saved.get(key), batch_rows)
+        _restore_stats(writer, key, info, valid_rows(writer, info), saved.get(key), batch_rows)
+
+
+def valid_rows(writer, info) -> int:
+    """How many rows of a dataset the writer has written: batches, tokens or samples."""
+    rows = writer.num_batches if info.per_batch else writer.num_samples
+    return writer.num_tokens if info.rows == "tokens" else rows
 
 
 def _first_stats_group(f: h5py.File) -> h5py.Group | dict:
@@ -205,6 +211,13 @@ def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> Non
             "store.mode=stats run killed while it rewrote them); start a new run without "
             "resume=true"
         )
+    recompute(writer, key, info, rows, batch_rows)
+
+
+def recompute(writer, key, info, rows: int, batch_rows: int) -> None:
+    """`info.stats` from the first `rows` stored rows of (layer, site), folded batch by batch as
+    the run would have (stats.during=close, and a resume whose /stats do not cover its rows)."""
+    ds = writer.file[layer_path(*key)]
     info.stats = stats_for(info.module_type, key[1], info.stats.unit_axis)
     seen = seen_ranges(writer.file, key[0], key[1], min(rows, len(ds)))
     for lo, hi in _batch_rows(writer, info, rows, batch_rows):

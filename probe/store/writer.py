@@ -32,7 +32,7 @@ from probe.store.coverage import Coverage
 from probe.store.diskspace import RESUME, check_closing, check_space, failure
 from probe.store.fileformat import FORMAT_VERSION, Progress, write_progress
 from probe.store.livefile import LiveFile
-from probe.store.resume import restore
+from probe.store.resume import recompute, restore, valid_rows
 from probe.store.stats_file import DatasetInfo
 
 log = logging.getLogger("probe")
@@ -64,6 +64,7 @@ class ProbeWriter(Appends):
         direct_io: bool = True,
         total_rows: int | None = None,
         provenance=None,
+        stats_during: str = "run",
     ):
         # store.* values are checked with the config (probe.checks), before a writer is made
         self.path, self.mode = Path(path), str(mode)
@@ -77,6 +78,8 @@ class ProbeWriter(Appends):
         self.module_types = module_types or {}
         self.token_layers = token_layers  # layers stored one row per token
         self.provenance = provenance  # the dataset's identity and per-sample names
+        # statistics: run (folded batch by batch), close (from the rows at close), none
+        self.stats_during, self.batch_rows = str(stats_during), batch_rows
         # what reduces captures to statistics in the hooks (`probe.stats.backend`)
         if stats_backend is None:
             stats_backend = backend.resolve(os.environ.get(backend.ENV, "auto"))
@@ -159,7 +162,7 @@ class ProbeWriter(Appends):
         forward's cores are idle; on the writer thread they would compete with the next forward
         pass. The writer folds them in when it writes the batch."""
         counted = record.counted
-        if record.ready is None:
+        if record.ready is None and self.stats_during == "run":
             for key, t in [*record.values.items(), *record.per_batch.items()]:
                 if key not in counted:
                     counted[key] = self.observe(key, t, record.axes.get(key, 1))
@@ -210,6 +213,9 @@ class ProbeWriter(Appends):
             # after a failed write HDF5 cannot flush
             if self.file.id.valid and not io_failed and not self.unflushable and short is None:
                 self._close_coverage()
+                if self.stats_during == "close":
+                    for key, info in self.datasets.items():
+                        recompute(self, key, info, valid_rows(self, info), self.batch_rows)
                 self._flush(final=True, complete=complete and self.error is None)
                 final = {
                     "num_samples": self.num_samples,
@@ -307,7 +313,7 @@ class ProbeWriter(Appends):
                 self.file[dim].resize((n,))
         self.out.go_live()
         slot = -1
-        if self.mode == "stats" or final:
+        if self.mode == "stats" or (final and self.stats_during != "none"):
             previous = self.progress.stats_slot
             slot = 1 - previous if previous >= 0 else 0
             self._stats_groups()

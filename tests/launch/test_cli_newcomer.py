@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from probe import checks
+from probe import model_checks
 from probe.build.data import SyntheticImages, build_batches
 from probe.build.models import build_model, key_prefix
 from probe.build.select import select_modules
@@ -216,11 +216,11 @@ def test_every_precision_of_the_schema_has_a_torch_dtype():
 def test_the_early_device_pattern_is_what_torch_parses():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that mkldnn is deprecated
-        for name in [*checks.DEVICE_TYPES, "cuda:0", "cpu:1"]:
+        for name in [*model_checks.DEVICE_TYPES, "cuda:0", "cpu:1"]:
             torch.device(name)
-            assert checks.DEVICE.match(name)
+            assert model_checks.DEVICE.match(name)
     for name in ("gpu", "cuda:x", "cuda:-1", "cuda:01", "CUDA"):
-        assert not checks.DEVICE.match(name)
+        assert not model_checks.DEVICE.match(name)
 
 
 def test_every_shipped_config_passes_the_early_checks():
