@@ -6,6 +6,17 @@ import torch
 from tests.token_fixtures import make_tiny, make_tokenizer
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped where torch sees no CUDA device (scripts/device_check.py
+    runs them, `pytest -m cuda`, where one is lent)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
     """numba's kernels compiled once before any test, where numba is installed: every run's

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
+from probe.build.placement import is_placed
 from probe.build.select import select_modules
 from probe.config import GRAD_SITES
 from probe.hooks.objective import build_objective
@@ -85,7 +86,9 @@ class Setup:
 def make_setup(overrides: list[str]) -> Setup:
     cfg = make_cfg(*overrides)
     base = build_run(cfg)
-    base.model.to(base.device).eval()
+    if not is_placed(base.model):  # (a device map's model stays where it was put)
+        base.model.to(base.device)
+    base.model.eval()
     base.batches = Materialised(base.batches)
     return Setup(cfg, base, tuple(overrides))
 

@@ -22,11 +22,30 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def to_host(*groups: dict) -> tuple[list[dict], torch.cuda.Event | None]:
+class Ready:
+    """The CUDA events recorded after a batch's copies, one per GPU that held some (a model
+    split over GPUs copies from each on that GPU's stream): `synchronize` waits for them all."""
+
+    def __init__(self, devices):
+        self.events = []
+        for device in devices:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()
+                event.record()  # on the device's current stream, where its copies were queued
+                self.events.append(event)
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+
+def to_host(*groups: dict) -> tuple[list[dict], Ready | None]:
     """Each dict of tensors with its GPU tensors replaced by pinned host copies issued without
-    waiting, and the event recorded after the last copy (None when nothing was on a GPU: then the
-    dicts come back as they are). The host tensors may only be read after `event.synchronize()`."""
-    if not any(t.is_cuda for g in groups for t in g.values()):
+    waiting, and the events recorded after the last copies (None when nothing was on a GPU: then
+    the dicts come back as they are). The host tensors may only be read after
+    `ready.synchronize()`. Each tensor is copied from its own device, wherever a map put it."""
+    gpus = {t.device for g in groups for t in g.values() if t.is_cuda}
+    if not gpus:
         return list(groups), None
     out = []
     for group in groups:
@@ -42,6 +61,4 @@ def to_host(*groups: dict) -> tuple[list[dict], torch.cuda.Event | None]:
             else:
                 host[key] = t
         out.append(host)
-    event = torch.cuda.Event()
-    event.record()
-    return out, event
+    return out, Ready(sorted(gpus, key=str))

@@ -23,6 +23,9 @@ UNIT_ROWS = 6
 BINS = 1 << 16
 SLAB_HOST = 1 << 19  # values per slab on the CPU: its float64 copies stay in L3 (fastest there)
 SLAB_DEVICE = 1 << 22  # on a GPU: 32 MiB float64 temporaries, few launches
+# from this many values a GPU histogram sorts its keys: index_add_'s atomics contend on the few
+# buckets activations fill (H100, 6.4M ReLU values: 2.4 ms against 0.42 ms; at 1M: 0.09 vs 0.12)
+SORTED_HISTOGRAM = 1 << 21
 EXACT_F32 = 1 << 24  # float32 sums of 0 and +-1 stay exact up to this many values
 _HIGH = 1 if sys.byteorder == "little" else 0  # the 16-bit half of a float32 with its top bits
 _INT = {torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
@@ -71,10 +74,14 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
     width = _width(x.shape, unit_axis)
     tracked = bounds is not None and width > 0
     out = torch.zeros(HEAD + UNIT_ROWS * width + BINS, dtype=torch.float64, device=x.device)
-    out[0], out[1] = width, float(tracked)
+    # fill_ with a Python number launches a kernel; `out[0] = n` copies a host scalar (a sync)
+    out[0:1].fill_(width)
+    out[1:2].fill_(float(tracked))
     units = out[HEAD : HEAD + UNIT_ROWS * width].view(UNIT_ROWS, width)
     if x.numel() == 0:
-        out[5], out[6], units[2], units[3] = torch.inf, -torch.inf, torch.inf, -torch.inf
+        for row, value in ((out[5:6], torch.inf), (out[6:7], -torch.inf), (units[2], torch.inf),
+                           (units[3], -torch.inf)):  # fmt: skip
+            row.fill_(value)
         return out
     near = _thresholds(bounds, x.dtype) if tracked else None
     rows = x.shape[0] if x.dim() else 1
@@ -101,7 +108,7 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
         saturated = acc.saturated if tracked else torch.zeros_like(count)
         torch.stack([count, acc.sums, lows, highs, acc.positive, saturated], out=units)
     for lo, hi in _CLEARED:
-        acc.hist[lo:hi] = 0
+        acc.hist[lo:hi].fill_(0)
     out[HEAD + UNIT_ROWS * width :] = acc.hist
     return out
 
@@ -250,6 +257,10 @@ def _histogram(y: torch.Tensor) -> torch.Tensor:
         top = f.view(torch.uint16).view(-1)[_HIGH::2]
         top = _buffer("top", top.shape, torch.int32, f.device).copy_(top)
         return torch.bincount(top, minlength=BINS)
+    if f.numel() >= SORTED_HISTOGRAM:  # sorted keys and a search: no atomics to contend on
+        keys = torch.sort(f.view(torch.int32).view(-1).bitwise_right_shift(16).bitwise_and_(0xFFFF))
+        edges = torch.arange(BINS + 1, dtype=torch.int32, device=f.device)
+        return torch.searchsorted(keys.values, edges).diff().to(torch.int64)
     top = f.view(torch.int16).view(-1)[_HIGH::2].to(torch.int64).bitwise_and_(0xFFFF)
     one = torch.ones((), dtype=torch.int64, device=f.device).expand(top.numel())
     return torch.zeros(BINS, dtype=torch.int64, device=f.device).index_add_(0, top, one)

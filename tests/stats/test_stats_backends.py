@@ -82,10 +82,10 @@ def _cases() -> dict:
 
 
 CASES = _cases()
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CUDA = pytest.mark.cuda
 # cpu: the host paths; slabs: many slabs per batch, merged; nosync: the path taken off the
-# host (masking, no bincount), run on the CPU
-VARIANTS = ["cpu", "cpu-slabs", "cpu-nosync", pytest.param("cuda", marks=CUDA),
+# host (masking, no bincount), run on the CPU; sorted: with the sorted histogram of big slabs
+VARIANTS = ["cpu", "cpu-slabs", "cpu-nosync", "cpu-nosync-sorted", pytest.param("cuda", marks=CUDA),
             pytest.param("cuda-slabs", marks=CUDA)]  # fmt: skip
 
 
@@ -95,8 +95,10 @@ def device(request, monkeypatch):
     if variant.endswith("slabs"):
         monkeypatch.setattr(torch_stats, "SLAB_HOST", 40)
         monkeypatch.setattr(torch_stats, "SLAB_DEVICE", 40)
-    if variant == "cpu-nosync":
+    if variant.startswith("cpu-nosync"):
         monkeypatch.setattr(torch_stats, "_host", lambda device: False)
+    if variant.endswith("sorted"):  # the sorted histogram of big GPU slabs, for every slab
+        monkeypatch.setattr(torch_stats, "SORTED_HISTOGRAM", 1)
     return variant.split("-")[0]
 
 

@@ -1,0 +1,358 @@
+"""The CUDA path in one call: every CUDA test of the suite, then the GPU cases of the benchmarks,
+one table of ratios, peak device memory and pass/fail.
+
+    python scripts/device_check.py                       # on a machine with a GPU (a few minutes)
+    python scripts/device_check.py --out docs/device_check.md
+    python scripts/device_check.py --device cpu --quick --skip-tests   # the script itself, on a CPU
+
+Groups, each timed in interleaved rounds after one warm-up run per variant (whose files serve the
+value checks and whose peak device memory is reported):
+- `tests`: `pytest -m cuda` (statistics on the device against numpy, the GPU run against the CPU
+  run, models split over the GPU and the CPU against whole ones).
+- `image`: resnet18 every convolution; store full and stats with `stats.backend=auto` (reduced on
+  the GPU) against the host path (numba: every capture reduced on the CPU); ratios to a plain
+  forward; stored values against plain hooks, device statistics against host statistics.
+- `tokens`: the GPT-2-shaped model of bench_tokens.py, its 6 block outputs one row per token, full
+  and stats, against `output_hidden_states` + h5py; the same model with `model.dtype=bfloat16`
+  (values against a bfloat16 forward) and split by a device map (half the blocks kept in CPU
+  memory, moved in per call by accelerate; values against the whole model).
+- `grid`: the patching grid of bench_patching.py (6 blocks x 32 positions, 64 pairs) with
+  `intervene.grid.stack` 1 and 8 against a hand loop of plain hooks; cells are checked equal.
+Exit status 1 when a check or the tests fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import bench_common as bc  # first: it puts the repository root on sys.path
+import bench_patching
+import h5py
+import numpy as np
+import torch
+
+from tests import oracles
+
+COLS = ["group", "case", "median_s", "ratio", "to", "peak_gpu_mib", "check", "result"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small sizes (a dry run of the script)")
+    p.add_argument("--skip-tests", action="store_true", help="leave out pytest -m cuda")
+    p.add_argument("--groups", default="image,tokens,grid", help="which groups (default: all)")
+    p.add_argument("--out", default=None, help="also write the table as markdown to OUT")
+    return p.parse_args(argv)
+
+
+# -- timing: warm-up (peak memory, outputs kept for the checks), then interleaved rounds ----------
+def measure(variants: dict[str, Callable], tmp: Path, rounds: int) -> tuple[dict, dict, dict]:
+    """({name: [timed runs]}, {name: peak device MiB of its warm-up}, {name: warm-up result})."""
+    peaks, results = {}, {}
+    for name, fn in variants.items():
+        out = tmp / f"warm-{name}"
+        out.mkdir(parents=True, exist_ok=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        results[name] = fn(out)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+    return bc.rounds(variants, rounds, tmp), peaks, results
+
+
+def rows_of(group, times, peaks, floor: str, checks: dict[str, tuple[bool, str]]) -> list[list]:
+    rows = []
+    for name, runs in times.items():
+        ratio = statistics.median(bc.ratios(runs, times[floor]))
+        ok, why = checks.get(name, (True, "-"))
+        peak = peaks.get(name)
+        rows.append([group, name, f"{bc.median(runs):.3f}", f"{ratio:.3f}", floor,
+                     "-" if peak is None else f"{peak:.0f}", why, "pass" if ok else "FAIL"])  # fmt: skip
+    return rows
+
+
+def plain(model, batches, device, **kw) -> Callable:
+    def case(out):
+        with torch.inference_mode():
+            for b in batches:
+                x = b.inputs
+                if isinstance(x, dict):
+                    model(**{k: v.to(device, non_blocking=True) for k, v in x.items()}, **kw)
+                else:
+                    model(x.to(device, non_blocking=True))
+
+    return case
+
+
+def hooked_outputs(model, names, batches, device, rows: bool = False) -> dict[str, np.ndarray]:
+    """What plain forward hooks see at `names` (token models: one row per token), on the host."""
+    seen = {n: [] for n in names}
+
+    def keep(n):
+        def hook(m, a, o):
+            o = o[0] if isinstance(o, tuple) else o
+            o = o.reshape(-1, o.shape[-1]) if rows else o
+            seen[n].append(o.detach().float().cpu())
+
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(keep(n)) for n in names]
+    try:
+        plain(model, batches, device)(None)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(v).numpy() for n, v in seen.items()}
+
+
+def stored_equal(h5: Path, want: dict, rtol: float, atol: float) -> tuple[bool, str]:
+    worst = 0.0
+    with h5py.File(h5) as f:
+        for n, ref in want.items():
+            got = f[f"layers/{n}/output"][:]
+            if got.shape != ref.shape:
+                return False, f"{n}: shape {got.shape} != {ref.shape}"
+            if not np.allclose(got, ref, rtol=rtol, atol=atol):
+                return False, f"{n}: max |diff| {np.abs(got - ref).max():.2e}"
+            worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
+    return True, f"values equal (max |diff| {worst:.1e})"
+
+
+def stats_equal(a: Path, b: Path) -> tuple[bool, str]:
+    """The /stats of two runs over the same values: counts and extremes equal, moments to 1e-9."""
+    import probe
+
+    with probe.open_run(a) as left, probe.open_run(b) as right:
+        for key in left.keys:
+            s, t = left.stats(*key), right.stats(*key)
+            if (s.n, s.min, s.max, s.zeros) != (t.n, t.min, t.max, t.zeros):
+                return False, f"{key}: counts or extremes differ"
+            if not np.allclose([s.mean, s.m2], [t.mean, t.m2], rtol=1e-9, atol=0):
+                return False, f"{key}: moments differ beyond 1e-9"
+            if not np.array_equal(s.hist.counts, t.hist.counts):
+                return False, f"{key}: histograms differ"
+    return True, "device stats = host stats"
+
+
+# -- the groups --------------------------------------------------------------------------------
+def image_group(args, tmp: Path) -> list[list]:
+    size, batch, n = (32, 4, 8) if args.quick else (112, 32, 512)
+    setup = oracles.make_setup([
+        "model=resnet18", f"dataset.image_size={size}", f"dataset.num_samples={n}",
+        f"dataset.batch_size={batch}", "probes=all_convs", f"device={args.device}",
+    ])  # fmt: skip
+    host = "stats.backend=numba" if args.device != "cpu" else "stats.backend=torch"
+    variants = {
+        "plain": plain(setup.model, setup.base.batches, args.device),
+        "full": oracles.probe_case(setup, "store=full"),
+        "full_host_stats": oracles.probe_case(setup, "store=full", host),
+        "stats": oracles.probe_case(setup, "store=stats"),
+        "stats_host": oracles.probe_case(setup, "store=stats", host),
+    }
+    times, peaks, out = measure(variants, tmp / "image", args.rounds)
+    want = hooked_outputs(setup.model, setup.names, setup.base.batches, args.device)
+    checks = {
+        "full": stored_equal(out["full"], want, 1e-5, 1e-5),
+        "full_host_stats": stats_equal(out["full"].parent, out["full_host_stats"].parent),
+        "stats_host": stats_equal(out["stats"].parent, out["stats_host"].parent),
+    }
+    return rows_of("image", times, peaks, "plain", checks)
+
+
+def token_setup(args, tmp: Path, *extra: str):
+    n, t = (16, 16) if args.quick else (256, 128)
+    model_dir, ids = tmp / "gpt2", tmp / "ids.pt"
+    if not model_dir.exists():
+        bc.save_gpt2(model_dir, t, 0)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, bc.VOCAB, (n, t), generator=g)
+        torch.save({"input_ids": x, "attention_mask": torch.ones_like(x)}, ids)
+    return oracles.make_setup([
+        "model=hf", f"model.name={model_dir}", "model.task=causal_lm", "dataset=tokens",
+        f"dataset.path={ids}", "dataset.batch_size=32" if not args.quick else "dataset.batch_size=8",
+        "probes=residual", f"device={args.device}", *extra,
+    ])  # fmt: skip
+
+
+def hidden_states(setup, device) -> Callable:
+    import bench_tokens
+
+    def case(out):
+        sink = bench_tokens.RowSink(out / "hidden.h5")
+        try:
+            with torch.inference_mode():
+                for b in setup.base.batches:
+                    x = {k: v.to(device, non_blocking=True) for k, v in b.inputs.items()}
+                    for i, h in enumerate(
+                        setup.model(**x, output_hidden_states=True).hidden_states[1:]
+                    ):
+                        sink.append(f"hidden_states.{i + 1}", h)
+        finally:
+            sink.close()
+
+    return case
+
+
+def token_group(args, tmp: Path) -> list[list]:
+    root = tmp / "tokens"
+    root.mkdir(parents=True, exist_ok=True)
+    setup = token_setup(args, root)
+    names = setup.names
+    variants = {
+        "plain": plain(setup.model, setup.base.batches, args.device),
+        "hidden_states+h5py": hidden_states(setup, args.device),
+        "full": oracles.probe_case(setup, "store=full"),
+        "stats": oracles.probe_case(setup, "store=stats"),
+    }
+    times, peaks, out = measure(variants, root / "runs", args.rounds)
+    want = hooked_outputs(setup.model, names, setup.base.batches, args.device, rows=True)
+    rows = rows_of(
+        "tokens", times, peaks, "plain", {"full": stored_equal(out["full"], want, 1e-5, 1e-5)}
+    )
+    # the same model in bfloat16, and split by a device map (blocks 3-5 kept in CPU memory)
+    half = token_setup(args, root, "model.dtype=bfloat16")
+    gpu, away = (0, "cpu") if args.device == "cuda" else ("cpu", "disk")  # (a CPU: disk)
+    blocks = {f"transformer.h.{i}": (gpu if i < 3 else away) for i in range(bc.LAYERS)}
+    top = {k: gpu for k in ("transformer.wte", "transformer.wpe", "transformer.drop",
+                            "transformer.ln_f", "lm_head")}  # fmt: skip
+    mapping = "{" + ",".join(f"{k}:{v}" for k, v in {**top, **blocks}.items()) + "}"
+    variants = {
+        "plain_bf16": plain(half.model, half.base.batches, args.device),
+        "full_bf16": oracles.probe_case(half, "store=full"),
+    }
+    split = token_setup(
+        args, root, f"model.device_map={mapping}", f"model.offload_folder={root / 'offload'}"
+    )
+    variants["full_whole"] = oracles.probe_case(setup, "store=full")
+    variants["full_split"] = oracles.probe_case(split, "store=full")
+    times, peaks, out = measure(variants, root / "half", args.rounds)
+    want_half = hooked_outputs(half.model, names, half.base.batches, args.device, rows=True)
+    checks = {"full_bf16": stored_equal(out["full_bf16"], want_half, 0, 0)}
+    pick = {k: times[k] for k in ("plain_bf16", "full_bf16")}
+    rows += rows_of("tokens", pick, peaks, "plain_bf16", checks)
+    checks["full_split"] = stored_equal(out["full_split"], want, 1e-5, 1e-5)
+    pick = {k: times[k] for k in ("full_whole", "full_split")}
+    rows += rows_of("tokens", pick, peaks, "full_whole", checks)
+    return rows
+
+
+def grid_group(args, tmp: Path) -> list[list]:
+    from probe.launch.run import build_run, run
+    from tests.helpers import make_cfg
+
+    root = tmp / "grid"
+    root.mkdir(parents=True, exist_ok=True)
+    pairs_n, seq = (8, 8) if args.quick else (64, 32)
+    ns = argparse.Namespace(pairs=pairs_n, seq_len=seq, seed=0)
+    model_dir, pairs_path, pairs = bench_patching.write_assets(root, ns)
+    common = ["model=hf", f"model.name={model_dir}", "model.task=causal_lm", "dataset=pairs",
+              f"dataset.path={pairs_path}", f"dataset.batch_size={pairs_n}", "probes=none",
+              "intervene=patch_grid", "intervene.metrics=[logit_diff]", f"device={args.device}"]  # fmt: skip
+    cfgs = {k: make_cfg(*common, f"intervene.grid.stack={k}") for k in (1, 8)}
+    prepared = build_run(cfgs[1])
+    model = prepared.model.to(args.device).eval()
+    ids = {k: pairs[k].to(args.device) for k in ("clean_ids", "corrupt_ids")}
+
+    def hand(out):  # (the logits come back to the host, where the answer ids are)
+        return bench_patching.hand_loop(_HostLogits(model), {**pairs, **ids})
+
+    variants = {
+        "hand_loop": hand,
+        "stack_1": lambda out: run(cfgs[1], run_dir=out, prepared=prepared).run_dir,
+        "stack_8": lambda out: run(cfgs[8], run_dir=out, prepared=prepared).run_dir,
+    }
+    times, peaks, out = measure(variants, root / "runs", args.rounds)
+    ref = out["hand_loop"]
+    checks = {}
+    for name in ("stack_1", "stack_8"):
+        with h5py.File(out[name] / "probe.h5") as f:
+            got = f["patching/logit_diff"][:]
+            cells = json.loads(f.attrs["patching_cells"])
+        order = [int(c["layer"].rsplit(".", 1)[1]) * seq + c["position"] for c in cells]
+        want = ref["cells"][order].T
+        ok = got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-5)
+        err = float(np.abs(got - want).max()) if got.shape == want.shape else float("nan")
+        checks[name] = (ok, f"cells = hand loop (max |diff| {err:.1e})")
+    rows = rows_of("grid", times, peaks, "hand_loop", checks)
+    work = bc.LAYERS * seq * pairs_n
+    for r in rows:
+        r[1] += f" ({work / float(r[2]):,.0f} cells x pairs/s)"
+    return rows
+
+
+class _HostLogits:
+    """The model with its logits handed back on the host (the hand loop reads them with numpy)."""
+
+    def __init__(self, model):
+        self.model, self.transformer = model, model.transformer
+
+    def __call__(self, **kw):
+        out = self.model(**kw)
+        out.logits = out.logits.cpu()
+        return out
+
+
+def cuda_tests() -> list[list]:
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+        cwd=bc.ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
+    print(done.stdout[-4000:], flush=True)
+    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", tail)) else 0
+    ok = done.returncode == 0 and passed > 0 and "skipped" not in tail
+    return [["tests", "pytest -m cuda", f"{time.perf_counter() - t0:.1f}", "-", "-", "-",
+             tail.strip("= "), "pass" if ok else "FAIL"]]  # fmt: skip
+
+
+GROUPS = {"image": image_group, "tokens": token_group, "grid": grid_group}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("device_check: no CUDA device here; --device cpu runs the script on the CPU")
+        return 2
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    head = f"device check on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    print(head, flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="probe-device-check-"))
+    rows = [] if args.skip_tests else cuda_tests()
+    try:
+        chosen = args.groups.split(",")
+        for group in [GROUPS[g] for g in chosen]:
+            t0 = time.perf_counter()
+            rows += group(args, tmp)
+            print(f"{group.__name__}: {time.perf_counter() - t0:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    lines = bc.table_lines(COLS, rows)
+    notes = [
+        "ratio: median over rounds of the case's seconds over its `to` case's in the same round",
+        "peak_gpu_mib: torch.cuda.max_memory_allocated over the case's warm-up run",
+    ]
+    print("\n".join([head, *lines, *notes]))
+    if args.out:
+        Path(args.out).write_text(
+            "\n".join([f"# {head}", "", *lines, "", *(f"- {n}" for n in notes)]) + "\n"
+        )
+    return 0 if all(r[-1] == "pass" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
