@@ -37,7 +37,11 @@ POSITIONS = 128
 FULL_FLOOR = 1.3  # the issue's floor for full capture
 PEER_FULL, PEER_STATS = 1.05, 1.03  # the peers' figures to beat (FIELD-NOTES, 2026-11-24)
 QUIET = 0.9  # a round is quiet when every variant's CPU time >= QUIET x threads x wall
-PEERS = {"nnsight_h5py": "nnsight", "torchlens_h5py": "torchlens"}
+PEERS = {
+    "nnsight_h5py": "nnsight",
+    "transformer_lens_h5py": "transformer_lens",
+    "torchlens_h5py": "torchlens",
+}
 
 
 def parse_args(argv=None):
@@ -195,6 +199,36 @@ def torchlens_h5py(setup) -> Callable:
     return case
 
 
+def transformer_lens_h5py(setup) -> Callable:
+    """TransformerLens's run_with_cache of the 6 blocks' resid_post on a HookedTransformer of the
+    same shape (its own model class: seeded random weights, not the HF ones), h5py."""
+    import torch
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=LAYERS, d_model=WIDTH, n_heads=HEADS, d_head=WIDTH // HEADS, d_mlp=4 * WIDTH,
+        d_vocab=VOCAB, n_ctx=POSITIONS, act_fn="gelu_new", normalization_type="LN", seed=0,
+        device="cpu",
+    )  # fmt: skip
+    model = HookedTransformer(cfg).eval()
+    wanted = {f"blocks.{i}.hook_resid_post" for i in range(LAYERS)}
+
+    def case(out: Path) -> None:
+        sink = RowSink(out / "transformer_lens.h5")
+        try:
+            for b in setup.base.batches:
+                with torch.inference_mode():
+                    _, cache = model.run_with_cache(
+                        b.inputs["input_ids"], names_filter=lambda n: n in wanted
+                    )
+                for name in sorted(wanted):
+                    sink.append(name, cache[name])
+        finally:
+            sink.close()
+
+    return case
+
+
 def local_variants(setup) -> dict[str, tuple[str, Callable]]:
     return {
         "plain": ("HF forward under inference_mode, no capture", plain(setup)),
@@ -206,6 +240,10 @@ def local_variants(setup) -> dict[str, tuple[str, Callable]]:
             "pipeline, probes=residual (rows: tokens), store=full",
             probe_variant(setup, "store=full"),
         ),
+        "probe_full_rows_only": (
+            "pipeline, store=full, stats.during=none (the rows, no statistics)",
+            probe_variant(setup, "store=full", "stats.during=none"),
+        ),
         "probe_stats": (
             "pipeline, probes=residual, store=stats",
             probe_variant(setup, "store=stats"),
@@ -213,9 +251,14 @@ def local_variants(setup) -> dict[str, tuple[str, Callable]]:
     }
 
 
-PEER_BUILD = {"nnsight_h5py": nnsight_h5py, "torchlens_h5py": torchlens_h5py}
+PEER_BUILD = {
+    "nnsight_h5py": nnsight_h5py,
+    "transformer_lens_h5py": transformer_lens_h5py,
+    "torchlens_h5py": torchlens_h5py,
+}
 PEER_WHAT = {
     "nnsight_h5py": "nnsight trace + .save() of the 6 blocks, h5py",
+    "transformer_lens_h5py": "TransformerLens run_with_cache of resid_post (its own model), h5py",
     "torchlens_h5py": "torchlens.extract of the 6 blocks, h5py",
 }
 
@@ -397,7 +440,27 @@ def target_lines(by_name: dict) -> list[str]:
     mark("probe_full", "issue floor, full capture", FULL_FLOOR)
     mark("probe_full", "peers' figure, full capture", PEER_FULL)
     mark("probe_stats", "peers' figure, stats only", PEER_STATS)
+    peers = [n for n in ("hidden_states+h5py", *PEERS) if n in by_name]
+    if not peers:
+        return out
+    for key, what in (("x_plain", "wall"), ("x_cpu", "CPU")):
+        best = min(peers, key=lambda n: by_name[n][key])
+        floor = by_name[best][key]
+        mark_at("probe_full_rows_only", f"the best peer ({best}), {what}", floor, key, out, by_name)
+        if "probe_stats" in by_name:  # the rows at the peers' cost, plus what statistics take
+            limit = floor + by_name["probe_stats"][key] - 1
+            mark_at(
+                "probe_full", f"the best peer + stats-only's cost, {what}", limit, key, out, by_name
+            )
     return out
+
+
+def mark_at(name: str, label: str, limit: float, key: str, out: list, by_name: dict) -> None:
+    if name in by_name:
+        x = by_name[name][key]
+        out.append(
+            f"{label}: {name} {x:.3f}x <= {limit:.3f}x: {'met' if x <= limit else 'NOT met'}"
+        )
 
 
 def main(argv=None) -> None:
