@@ -18,11 +18,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from probe.config import (
+    BACKWARD_SITES,
     DATASETS,
     DTYPES,
     EDIT_SITES,
     GRAD_EDIT_SITES,
-    GRAD_SITES,
+    IG_METHODS,
+    LOGIT_INDICES,
     OBJECTIVES,
     OPS,
     REDUCTIONS,
@@ -184,6 +186,13 @@ def check_probe_spec(name: str, spec) -> None:
             f"{spec.reduce!r} (the token reductions {', '.join(TOKEN_REDUCTIONS)} give one row "
             "per sample)"
         )
+    grid = getattr(spec, "cam_grid", None)
+    if grid is not None and (len(grid) != 2 or any(int(g) < 1 for g in grid)):
+        raise ConfigError(
+            f"probe {name!r}: cam_grid={list(grid)} is not a grid; give [height, width] of the "
+            "token grid, e.g. cam_grid: [14, 14] for a ViT-B/16 at 224 px"
+        )
+    at_least(f"probes.{name}.cam_skip_tokens", getattr(spec, "cam_skip_tokens", 0), 0)
     axis = spec.unit_axis
     if axis != "auto" and (isinstance(axis, bool) or not isinstance(axis, int) or axis == 0):
         raise ConfigError(
@@ -249,12 +258,20 @@ def check_objective(o, num_outputs: int | None) -> None:
     one's `_target_`."""
     if o.name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {o.name!r}; choose one of {', '.join(OBJECTIVES)}")
-    if o.name == "logit":
+    if o.name in ("logit", "logprob"):
         k = _value(o, "index")
         if k is None:
             raise ConfigError(
-                "objective=logit needs the logit to differentiate: add objective.index=K "
-                "(0 for the first output)"
+                f"objective={o.name} needs the class to explain: add objective.index=K (0 for the "
+                "first output), objective.index=target (each sample's label) or "
+                "objective.index=predicted (the model's argmax)"
+            )
+        if isinstance(k, str) and k in LOGIT_INDICES:
+            return
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ConfigError(
+                f"objective.index={k!r} is neither a class number nor one of "
+                f"{', '.join(LOGIT_INDICES)}"
             )
         if num_outputs is not None and not -num_outputs <= k < num_outputs:
             raise ConfigError(
@@ -269,7 +286,7 @@ def _objective(cfg, edits: dict) -> None:
     """Where the run differentiates: a gradient site of a probe that must select something, or a
     gradient edit. The output width is known for torchvision and timm models."""
     grads = any(
-        s in GRAD_SITES
+        s in BACKWARD_SITES
         for spec in cfg.probes.values()
         if not spec.allow_empty
         for s in spec.capture
@@ -277,6 +294,28 @@ def _objective(cfg, edits: dict) -> None:
     if grads:
         n = cfg.model.num_classes if cfg.model.library in ("torchvision", "timm") else None
         check_objective(cfg.objective, n)
+    if any(s == "ig_output" for spec in cfg.probes.values() for s in spec.capture):
+        check_attribution(cfg.get("attribution"))
+
+
+def check_attribution(a) -> None:
+    """attribution.* of integrated gradients (ig_output)."""
+    if a is None:
+        return
+    if a.steps < 2:
+        raise ConfigError(
+            f"attribution.steps={a.steps} must be at least 2 (points between the baseline and "
+            "the activation; 32 by default, more for a smaller completeness gap)"
+        )
+    _choice("attribution.method", a.method, IG_METHODS)
+    at_least("attribution.internal_batch_size", a.internal_batch_size, note=" (rows per pass)")
+    base = str(a.baseline)
+    if base not in ("zeros", "mean") and not (Path(base) / "probe.h5").is_file():
+        raise ConfigError(
+            f"attribution.baseline={base!r} is neither zeros, mean nor a run directory holding "
+            "probe.h5; give zeros, mean (this run's mean of the layer) or an earlier run's "
+            "directory that captured the layer's output"
+        )
 
 
 def _store(s, during: str = "run") -> None:

@@ -26,3 +26,7 @@ StoreMode = Choice("StoreMode", [(n, n) for n in ("full", "stats")])
 Compression = Choice("Compression", [(n, n) for n in ("none", "lzf", "gzip")])
 PRECISIONS = tuple(m.value for m in Precision)  # probe.hooks.device maps them to torch dtypes
 STATS_BACKENDS = tuple(m.value for m in StatsBackend)
+
+# the attribution sites (probe.attribute), named here so readers need neither Hydra nor torch
+CAM_SITES = ("gradcam", "hirescam", "gradcam_pp", "layercam", "xgradcam")
+ATTRIBUTION_SITES = ("grad_x_output", "grad_x_input", *CAM_SITES, "ig_output")

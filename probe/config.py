@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from probe.choices import (
+    ATTRIBUTION_SITES,
     Compression,
     ModelOutput,
     Precision,
@@ -24,8 +25,11 @@ from probe.choices import (
     StoreMode,
 )
 
-SITES = ("output", "input", "grad_output", "grad_input", "param_grad")
+SITES = ("output", "input", "grad_output", "grad_input", "param_grad", *ATTRIBUTION_SITES)
 GRAD_SITES = ("grad_output", "grad_input", "param_grad")
+BACKWARD_SITES = (*GRAD_SITES, *ATTRIBUTION_SITES)  # the sites that need the objective's backward
+IG_METHODS = ("riemann_trapezoid", "gausslegendre")
+LOGIT_INDICES = ("target", "predicted")  # objective.index besides a class number
 REDUCTIONS = ("none", "spatial_mean", "token_mean", "first_token", "last_token")
 TOKEN_REDUCTIONS = ("token_mean", "first_token", "last_token")
 ROWS = ("samples", "tokens")
@@ -36,7 +40,7 @@ LIBRARIES = ("torchvision", "hf", "timm", "custom")
 HF_TASKS = ("base", "causal_lm", "masked_lm", "sequence_classification", "token_classification")
 TOKEN_DATASETS = ("tokens", "text", "random_tokens")
 DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", *TOKEN_DATASETS, "pairs")
-OBJECTIVES = ("cross_entropy", "logit", "output_sum", "lm_loss", "custom")
+OBJECTIVES = ("cross_entropy", "logit", "logprob", "logit_diff", "output_sum", "lm_loss", "custom")
 EDIT_SITES = ("input", "output", "grad_output", "grad_input")
 GRAD_EDIT_SITES = ("grad_output", "grad_input")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
@@ -119,6 +123,10 @@ class ProbeSpec:
     unit_axis: Any = "auto"  # auto, or the axis of units (per-unit statistics, spatial_mean)
     rows: str = "samples"  # or tokens: one row per non-padding token
     match: str = "all"  # all: every layer pattern must match; any: at least one must
+    # CAM sites on token layouts (N, T, C): the (height, width) grid of the tokens after the
+    # first cam_skip_tokens (a ViT's class token)
+    cam_grid: list[int] | None = None
+    cam_skip_tokens: int = 0
 
 
 @dataclass
@@ -171,12 +179,26 @@ INTERVENE_KEYS = ("metrics", "position", "grid")  # the intervene group's keys t
 
 @dataclass
 class ObjectiveConfig:
-    """What a gradient run differentiates; summed over the batch."""
+    """What a gradient run differentiates: one value per sample, summed over the batch. `index`
+    of logit and logprob: a class number, `target` (the sample's label) or `predicted` (the
+    model's argmax)."""
 
     name: str = "cross_entropy"
-    index: int | None = None
+    index: Any = None
     position: int | None = None  # logit of a token model: None means the last non-padding token
     _target_: str | None = None
+
+
+@dataclass
+class AttributionConfig:
+    """Integrated gradients (`ig_output`): `steps` points between the baseline (zeros, the run's
+    mean of the layer, or an earlier run's directory) and the activation, by `method`, in passes
+    of at most `internal_batch_size` rows (None: the batch's own size)."""
+
+    steps: int = 32
+    baseline: str = "zeros"
+    method: str = "riemann_trapezoid"
+    internal_batch_size: int | None = None
 
 
 @dataclass
@@ -222,6 +244,7 @@ class Config:
     # named edits (EditSpec) and the keys of INTERVENE_KEYS: metrics, position, grid (GridSpec)
     intervene: dict[str, Any] = field(default_factory=dict)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0

@@ -25,7 +25,8 @@ from torch.nn import functional as F
 
 from probe.build.placement import is_placed
 from probe.build.select import select_modules
-from probe.config import GRAD_SITES
+from probe.checks import typed_probes
+from probe.config import BACKWARD_SITES
 from probe.hooks.objective import build_objective
 from probe.launch.run import Prepared, build_run, run
 from tests.helpers import make_cfg
@@ -75,8 +76,9 @@ class Setup:
         if dtype is not None:
             for spec in cfg.probes.values():
                 spec.dtype = dtype
+        typed_probes(cfg)  # (a probe added with +probes.NAME composes untyped)
         sels = select_modules(self.model, cfg.probes)
-        needs_grad = any(s in GRAD_SITES for sel in sels for s in sel.sites)
+        needs_grad = any(s in BACKWARD_SITES for sel in sels for s in sel.sites)
         objective = (
             build_objective(cfg.objective, True, cfg.model.num_classes) if needs_grad else None
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import probe
 
-STAGES = ["build", "hooks", "stats", "store", "intervene", "analysis", "launch"]
+STAGES = ["build", "hooks", "stats", "store", "attribute", "intervene", "analysis", "launch"]
 CORE = {
     "probe.config",
     "probe.errors",

@@ -5,7 +5,9 @@
 A run gets depth.png (output mean in its p01-p99 band, std, dead-unit fraction, gradient norm),
 histograms.png (output sites), gradients.png (grad_output, grad_input, param_grad.* sites),
 features_<layer>_<site>_<sample>.png (a conv layer's maps) and linear.png (Linear layers, unit
-by sample) where the run holds them; a sweep gets depth.png with one line per run.
+by sample), and for attribution sites attribution.png (by depth), cams.png (CAM maps over the
+inputs) and tokens_<layer>_<site>.png (token attributions as coloured text) where the run holds
+them; a sweep gets depth.png with one line per run.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "out
         array = run.array(layer, site)
         name = f"features_{layer.replace('/', '_')}_{site}_{sample}.png"
         figures[name] = features_figure(array[sample], f"{layer} {site}, sample {sample}\n{title}")
+    from probe.analysis.attribution_plots import attribution_figures
+
+    figures.update(attribution_figures(run, run.attribution, title))
     linear = linear_layers(run)[:MAX_LINEAR]
     if linear:
         panels = [(f"{n} output", run.array(n)[:256]) for n in linear]

@@ -28,6 +28,7 @@ from probe.analysis.summarize import (
     sweep_table,
 )
 from probe.analysis.tables import summary_frame, units_frame
+from probe.attribute.table import attribution_table
 from probe.errors import DataError
 from probe.stats.running import RunningStats
 from probe.store.coverage import seen_ranges
@@ -210,6 +211,16 @@ class Run:
         csv = self.path / "effects.csv"
         return pd.read_csv(csv) if csv.is_file() else None
 
+    @property
+    def attribution(self) -> pd.DataFrame | None:
+        """attribution.csv of the run directory, else the table from the run's statistics; None
+        when the run has no attribution site."""
+        csv = self.path / "attribution.csv"
+        if csv.is_file():
+            return pd.read_csv(csv)
+        table = attribution_table(self._datasets)
+        return table if len(table) else None
+
     def stats(self, layer: str, site: str = "output") -> RunningStats:
         """The streaming statistics of one (layer, site): stored ones, else re-read from the data."""
         for d in self._datasets:
@@ -265,6 +276,15 @@ class Sweep:
         if csv.is_file():
             return pd.read_csv(csv, dtype={"run": str})
         return sweep_table(self.path, from_stats=True)[0]
+
+    @cached_property
+    def attribution(self) -> pd.DataFrame | None:
+        """Every run's attribution.csv in one table, with the run and its override columns
+        first; None when no run made one."""
+        csv = self.path / "attribution.csv"
+        if csv.is_file():
+            return pd.read_csv(csv, dtype={"run": str})
+        return gather_tables(self.path, "attribution.csv")
 
     @cached_property
     def effects(self) -> pd.DataFrame | None:

@@ -118,6 +118,7 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
         for name, fig in run_figures(run, layer, sample).items():
             parts.append(img(figure_png(fig), name))
         parts += [note, analysis_section(path), table(run.effects, "Effects (effects.csv)")]
+        parts.append(table(run.attribution, "Attribution (attribution.csv)"))
         config = OmegaConf.to_yaml(run.config, resolve=False)
     parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
     return "".join(parts)
@@ -137,6 +138,7 @@ def sweep_body(path: Path, analyze: str = "auto") -> str:
         parts.append(img(figure_png(fig), name))
     parts += [table(sweep.table, "Sweep table (summary.csv)"), note, analysis_section(path)]
     parts.append(table(sweep.effects, "Effects of every run"))
+    parts.append(table(sweep.attribution, "Attribution of every run"))
     for run_dir in sweep.run_dirs:
         name = html.escape(run_dir.name)
         if not (run_dir / "probe.h5").is_file():

@@ -33,6 +33,8 @@ class Selection:
     unedited: bool = False
     unit_axis: Any = "auto"
     rows: str = "samples"
+    cam_grid: tuple[int, int] | None = None  # CAMs of a token layout: its grid
+    cam_skip_tokens: int = 0
 
     @property
     def module_type(self) -> str:
@@ -79,11 +81,14 @@ def block_names(model: nn.Module) -> list[str]:
     return blocks
 
 
-def _expand(patterns: list[str], model: nn.Module, label: str) -> list[str]:
-    """Layer patterns with `@blocks` replaced by each block's name."""
+def _expand(patterns: list[str], model: nn.Module, label: str, empty: bool = False) -> list[str]:
+    """Layer patterns with `@blocks` replaced by each block's name (none when the model has no
+    stack and the spec allows an empty selection)."""
     if not any(BLOCKS in p for p in patterns):
         return list(patterns)
     blocks = block_names(model)
+    if not blocks and empty:
+        return [p for p in patterns if BLOCKS not in p]
     if not blocks:
         raise SelectionError(
             f"{label}: {BLOCKS} names the blocks of a stack (a ModuleList or Sequential of two "
@@ -117,9 +122,10 @@ def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Modu
             )
     match = getattr(spec, "match", "all")
     check_match(label, match)
-    layers = _expand(list(spec.layers), model, label)
+    layers = _expand(list(spec.layers), model, label, getattr(spec, "allow_empty", False))
     unmatched = [p for p in layers if not any(fnmatchcase(n, p) for n in names)]
-    if unmatched and (match == "all" or len(unmatched) == len(layers)):
+    empty_ok = match == "any" and getattr(spec, "allow_empty", False)  # (alternatives, all absent)
+    if unmatched and (match == "all" or len(unmatched) == len(layers)) and not empty_ok:
         pattern = unmatched[0]
         raise SelectionError(
             f"{label}: layer pattern {pattern!r} matches no module; closest names: "
@@ -164,13 +170,15 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                     "unedited": spec.unedited,
                     "unit_axis": spec.unit_axis,
                     "rows": spec.rows,
+                    "cam_grid": getattr(spec, "cam_grid", None),
+                    "cam_skip_tokens": getattr(spec, "cam_skip_tokens", 0),
                 },
             )
-            layout = ("reduce", "dtype", "unit_axis", "rows")
-            if tuple(entry[k] for k in layout) != tuple(getattr(spec, k) for k in layout):
+            layout = ("reduce", "dtype", "unit_axis", "rows", "cam_grid", "cam_skip_tokens")
+            if tuple(entry[k] for k in layout) != tuple(getattr(spec, k, None) for k in layout):
                 raise ConfigError(
                     f"module {n!r} is selected by probes {entry['probe']!r} and {probe_name!r} with "
-                    "different reduce/dtype/unit_axis/rows; exclude it from one of them"
+                    "different reduce/dtype/unit_axis/rows/cam_grid; exclude it from one of them"
                 )
             entry["sites"] += [s for s in spec.capture if s not in entry["sites"]]
             if "param_grad" in spec.capture:
@@ -187,6 +195,8 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
             e["unedited"],
             e["unit_axis"],
             e["rows"],
+            tuple(e["cam_grid"]) if e["cam_grid"] else None,
+            int(e["cam_skip_tokens"] or 0),
         )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]

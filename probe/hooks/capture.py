@@ -14,23 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import get_gradient_edge
 
 from probe.build.layout import TokenBatch, reduced, token_rows, unit_axis
 from probe.build.select import Selection
+from probe.config import ATTRIBUTION_SITES
 from probe.errors import ModelError
 from probe.hooks.buffers import AlignedPool, aligned_empty
+from probe.hooks.gradients import DTYPES, Attributed, PendingGrad
 from probe.hooks.names import dataset_name, flatten, replace_tensors
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-
-@dataclass
-class PendingGrad:
-    key: tuple[str, str]
-    edge: GradientEdge
-    shape: torch.Size
-    selection: Selection
+# the attribution sites that explain a module's output, and its input
+ATTRIBUTED = {
+    "output": tuple(s for s in ATTRIBUTION_SITES if s != "grad_x_input"),
+    "input": ("grad_x_input",),
+}
 
 
 @dataclass
@@ -52,6 +50,8 @@ class BatchCapture:
     recording: bool = True  # False: the edits act, nothing is captured (a grid's cell passes)
     repeats: int = 1  # the batch stacked so many times in one forward (a grid's cells)
     observe_device: bool = False  # `observe` also takes GPU values (the torch backend)
+    attributed: list[Attributed] = field(default_factory=list)  # for the attribution sites
+    token_keys: set[tuple[str, str]] = field(default_factory=set)  # the datasets of token rows
 
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees the value now, before any later
@@ -62,6 +62,8 @@ class BatchCapture:
         copy = self.keep_values or not observing
         value, axis = keep(t, sel, self.size, key, copy, self.pool, self.pooled, self.tokens)
         self.axes[key] = axis
+        if sel.rows == "tokens" and t.ndim >= 2:  # one row per token (as `keep` made them)
+            self.token_keys.add(key)
         if observing:
             self.observed[key] = self.observe(key, value, axis)
         if observing and not self.keep_values:
@@ -89,12 +91,15 @@ class HookedModule:
 
     def __post_init__(self):
         self.captured = frozenset(self.selection.sites if self.selection is not None else ())
+        self.explains = {
+            site: tuple(s for s in ATTRIBUTED[site] if s in self.captured) for site in ATTRIBUTED
+        }
 
     def captures(self, site: str) -> bool:
         return site in self.captured
 
     def wants(self, *sites: str) -> bool:
-        return any(s in self.captured or s in self.edits for s in sites)
+        return any(s in self.captured or s in self.edits or self.explains.get(s) for s in sites)
 
 
 class Capture:
@@ -256,10 +261,18 @@ class Capture:
             batch.take((t.name, "unedited_" + key), x, sel)
         if captured:
             batch.take((t.name, key), edited, sel)
-        if not edited.requires_grad or not t.wants(grad_site):
+        explains = t.explains.get(site) if batch.recording else None
+        if not edited.requires_grad or not (t.wants(grad_site) or explains):
             return edited
         if own_use:  # grad_input is this module's own contribution, not every use of the tensor
             edited = edited.clone()
+        if explains:
+            check_batch_axis(edited, batch.size, (t.name, key))
+            edge = get_gradient_edge(edited) if explains != ("ig_output",) else None
+            held = edited.detach().clone()  # (a later in-place op would change it)
+            batch.attributed.append(Attributed(t.name, site, key, held, edge, sel, explains))
+        if not t.wants(grad_site):
+            return edited
         gkey = (t.name, dataset_name(grad_site, path, call))
         if t.captures(grad_site):
             check_batch_axis(edited, batch.size, gkey)
@@ -335,47 +348,3 @@ def keep(
             lent.append(buffer)
         return buffer.copy_(x), axis
     return x.to(dtype=dtype, copy=copy and not fresh), axis
-
-
-def resolve_grads(batch: BatchCapture, loss: torch.Tensor, selections: list[Selection]) -> dict:
-    """Fill batch.values with grad_output/grad_input per sample; return per-batch parameter grads."""
-    params = [
-        (sel, pname, p)
-        for sel in selections
-        if "param_grad" in sel.sites
-        for pname, p in sel.module.named_parameters()
-        if p.requires_grad
-    ]
-    edges: list[GradientEdge] = []
-    index: dict[tuple[int, int], int] = {}
-    slots = []
-    for pg in batch.pending:
-        ident = (id(pg.edge.node), pg.edge.output_nr)
-        if ident not in index:
-            index[ident] = len(edges)
-            edges.append(pg.edge)
-        slots.append(index[ident])
-    inputs = edges + [p for _, _, p in params]
-    if not inputs:
-        return {}
-    if loss.requires_grad:
-        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    else:  # every path to the objective was cut (e.g. a zeroed layer): all gradients are zero
-        grads = (None,) * len(inputs)
-    for pg, slot in zip(batch.pending, slots, strict=True):
-        g = grads[slot]
-        if g is None:
-            g = torch.zeros(pg.shape)
-        key = pg.key
-        if key in batch.values:  # an edit hook stored the edited gradient; this is the one before
-            if not pg.selection.unedited:
-                continue
-            key = (key[0], "unedited_" + key[1])
-        batch.take(key, g, pg.selection)
-    param_grads = {}
-    for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
-        g = torch.zeros_like(p) if g is None else g.detach()
-        row = g.to(DTYPES[sel.dtype], copy=True)[None]  # one row per batch, on the model's device
-        param_grads[(sel.name, f"param_grad.{pname}")] = row
-    batch.pending.clear()
-    return param_grads

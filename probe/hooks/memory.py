@@ -16,7 +16,8 @@ from probe.build.layout import TokenBatch
 from probe.build.select import select_modules
 from probe.config import GRAD_SITES
 from probe.errors import ConfigError, ModelError, ProbeError
-from probe.hooks.capture import BatchCapture, Capture, resolve_grads
+from probe.hooks.capture import BatchCapture, Capture
+from probe.hooks.gradients import resolve_grads
 from probe.hooks.names import flatten
 from probe.hooks.sites import probe_specs
 

@@ -8,6 +8,7 @@ language model's loss is over its own input ids, at its real tokens).
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,28 +22,43 @@ from probe.hooks.forward import first_output
 
 NEEDS_TARGETS = {"cross_entropy"}
 IGNORED = -100  # cross_entropy's ignore_index: a sample with this label adds no loss
+PREDICTED = "predicted"  # where objective.index=predicted keeps each sample's argmax in `side`
 
-# (output, targets, inputs, token layout) -> one loss per sample
-Objective = Callable[[torch.Tensor, torch.Tensor | None, object, TokenBatch | None], torch.Tensor]
+# (output, targets, inputs, token layout, side: a pairs batch's answer and wrong ids) -> one
+# value per sample
+Objective = Callable[..., torch.Tensor]
 
 
-def build_objective(cfg, has_targets: bool, num_outputs: int | None) -> Objective:
-    """A function (model output, targets) -> per-sample losses; errors before any work is done."""
+def build_objective(
+    cfg, has_targets: bool, num_outputs: int | None, answers: frozenset = frozenset()
+) -> Objective:
+    """A function (model output, targets, inputs, tokens, side) -> one value per sample; errors
+    before any work is done. `answers`: which of answer and wrong ids the data gives."""
     check_objective(cfg, num_outputs)
     name = cfg.name
-    if name in NEEDS_TARGETS and not has_targets:
+    index = cfg.get("index")
+    if (name in NEEDS_TARGETS or index == "target") and not has_targets:
+        what = f"objective={name}" + (" objective.index=target" if index == "target" else "")
         raise DataError(
-            f"objective={name} needs targets, but this dataset has none; use objective=output_sum, "
-            "objective=logit objective.index=K, or a dataset with targets"
+            f"{what} needs targets, but this dataset has none; use objective.index=predicted or "
+            "a class number K, objective=output_sum, or a dataset with targets"
+        )
+    if name == "logit_diff" and not {"answer", "wrong"} <= answers:
+        raise DataError(
+            "objective=logit_diff reads each sample's answer and wrong tokens, which this dataset "
+            "does not give; use dataset=pairs with answer and wrong, or objective=logit "
+            "objective.index=K"
         )
     if name == "cross_entropy":
-        return lambda out, y, inputs, tokens: _cross_entropy(out, y)
+        return lambda out, y, inputs, tokens, side=None: _cross_entropy(out, y)
     if name == "output_sum":
-        return lambda out, y, inputs, tokens: out.reshape(len(out), -1).sum(dim=1)
+        return lambda out, y, inputs, tokens, side=None: out.reshape(len(out), -1).sum(dim=1)
     if name == "lm_loss":
         return _lm_loss
-    if name == "logit":
-        return _logit(cfg.index, cfg.get("position"))
+    if name in ("logit", "logprob"):
+        return _logit(index, cfg.get("position"), name == "logprob")
+    if name == "logit_diff":
+        return _logit_diff(cfg.get("position"))
     return _custom(cfg.get("_target_"))
 
 
@@ -63,7 +79,7 @@ def _custom(target: str) -> Objective:
     except ValueError:  # no signature to read (a builtin): its first call tells
         pass
 
-    def custom(out, y, inputs, tokens):
+    def custom(out, y, inputs, tokens, side=None):
         try:
             losses = fn(out, y)
         except Exception as e:  # the user's code: named, with its traceback under HYDRA_FULL_ERROR
@@ -86,34 +102,96 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
-def _logit(k: int, position: int | None) -> Objective:
-    """Logit k; of a token model's (N, T, V) output at `position`, by default each sample's last
-    real token."""
+def _logit(k, position: int | None, log_softmax: bool = False) -> Objective:
+    """Logit (or log-probability) `k` per sample: a class number, each sample's label (target)
+    or the model's own argmax (predicted); of a token model's (N, T, V) output at `position`, by
+    default each sample's last real token."""
 
-    def logit(out, y, inputs, tokens):
-        width = out.shape[-1]  # the output width of hf and custom models is known only now
-        if not -width <= k < width:
-            raise ConfigError(
-                f"objective.index={k} is out of range for a model output of {width} logits; "
-                f"give 0 <= index < {width}"
-            )
-        if out.ndim < 3:
-            return out[:, k]
-        if position is not None:
-            if not -out.shape[1] <= position < out.shape[1]:
+    def logit(out, y, inputs, tokens, side=None):
+        scores = at_position(out, tokens, position, "objective.position")
+        if log_softmax:
+            scores = scores.float().log_softmax(-1)
+        width = scores.shape[-1]  # the output width of hf and custom models is known only now
+        if k == "predicted":  # the input's own argmax, kept for passes on other values
+            if side is None or PREDICTED not in side:
+                index = scores.detach().argmax(-1)
+                if side is not None:
+                    side[PREDICTED] = index
+            index = side[PREDICTED] if side is not None else index
+        elif k == "target":
+            index = _labels(y, len(scores), width)
+        else:
+            if not -width <= k < width:
                 raise ConfigError(
-                    f"objective.position={position} is out of range for {out.shape[1]} tokens; "
-                    f"give -{out.shape[1]} <= position < {out.shape[1]}, or leave it unset for "
-                    "the last real token"
+                    f"objective.index={k} is out of range for a model output of {width} logits; "
+                    f"give 0 <= index < {width}"
                 )
-            return out[:, position, k]
-        last = tokens.last if tokens is not None else torch.full((len(out),), out.shape[1] - 1)
-        return out[torch.arange(len(out), device=out.device), last.to(out.device), k]
+            return scores[:, k]
+        return scores.gather(1, index.to(scores.device).view(-1, 1)).squeeze(1)
 
     return logit
 
 
-def _lm_loss(out, y, inputs, tokens) -> torch.Tensor:
+def _labels(y, n: int, width: int) -> torch.Tensor:
+    """Each sample's class label, checked against the output's width."""
+    if y is None or y.ndim != 1 or len(y) != n or y.is_floating_point():
+        shape = None if y is None else tuple(y.shape)
+        raise DataError(
+            f"objective.index=target reads one integer label per sample, but the batch's targets "
+            f"are {shape}; use objective.index=predicted or a class number K"
+        )
+    bad = y[(y < 0) | (y >= width)]
+    if len(bad):
+        raise DataError(
+            f"objective.index=target: label {int(bad[0])} is out of range for a model output of "
+            f"{width} logits; give labels in [0, {width})"
+        )
+    return y.long()
+
+
+def at_position(out: torch.Tensor, tokens: TokenBatch | None, position, key: str):
+    """(N, V) scores of an (N, T, V) output at `position` (negative: from each sample's last real
+    token; None: the last real token); 2-D outputs as they are."""
+    if out.ndim < 3:
+        return out
+    n, t = out.shape[:2]
+    last = tokens.last.to(out.device) if tokens is not None else torch.full((n,), t - 1)
+    if position is None:
+        index = last.to(out.device)
+    elif position < 0:
+        index = last.to(out.device) + 1 + position
+    else:
+        index = torch.full((n,), position, device=out.device)
+    if not -t <= (position or 0) < t:
+        raise ConfigError(
+            f"{key}={position} is out of range for {t} tokens; give -{t} <= position < {t}, or "
+            "leave it unset for the last real token"
+        )
+    return out[torch.arange(n, device=out.device), index.clamp(0, t - 1)]
+
+
+def picked(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """scores[i, ids[i, k]] with -1 ids (padding) as NaN: (N, K)."""
+    ids = ids.to(scores.device).reshape(len(scores), -1)
+    return scores.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, math.nan)
+
+
+def logit_difference(scores: torch.Tensor, side: dict) -> torch.Tensor:
+    """The mean logit of the answer tokens minus the mean of the wrong ones, per sample."""
+    return picked(scores, side["answer"]).nanmean(1) - picked(scores, side["wrong"]).nanmean(1)
+
+
+def _logit_diff(position: int | None) -> Objective:
+    """Answer minus wrong logit (intervene.metrics' logit_diff) at `position`."""
+
+    def diff(out, y, inputs, tokens, side=None):
+        scores = at_position(out, tokens, position, "objective.position")
+        return logit_difference(scores, side)
+
+    return diff
+
+
+def _lm_loss(out, y, inputs, tokens, side=None) -> torch.Tensor:
     """Next-token cross-entropy of each sample, summed over its real positions: token t's logits
     predict token t+1 (the dataset's labels where it has (N, T) ones, else the input ids)."""
     if out.ndim != 3 or not isinstance(inputs, dict):
@@ -172,17 +250,15 @@ def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y, reduction="none")
 
 
-def batch_loss(
-    objective: Objective, output, targets, inputs=None, tokens: TokenBatch | None = None
-) -> torch.Tensor:
-    """The scalar that is differentiated: the objective's per-sample losses summed over the batch."""
+def per_sample(objective: Objective, output, targets, inputs=None, tokens=None, side=None):
+    """The objective's value of each sample (checked to be one per sample)."""
     out = first_output(output)
     if targets is not None:  # (a model split over devices answers on its last one)
         targets = targets.to(out.device, non_blocking=True)
-    losses = objective(out, targets, inputs, tokens)
+    losses = objective(out, targets, inputs, tokens, side)
     if losses.ndim == 0 or losses.shape[0] != out.shape[0]:
         raise ConfigError(
             f"the objective returned shape {tuple(losses.shape)}; it must return one loss per sample "
             f"({out.shape[0]})"
         )
-    return losses.sum()
+    return losses

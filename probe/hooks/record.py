@@ -27,9 +27,10 @@ class Record:
     # gives the values' buffers back for reuse once written; they may not be read after
     release: Callable[[], None] | None = None
     axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis by dataset
-    # a token batch's /tokens/{sample,position,id} rows (the rows of `token_layers` datasets)
+    # a token batch's /tokens/{sample,position,id} rows (the rows of the `token_keys` datasets)
     tokens: dict[str, np.ndarray] | None = None
     batch_rows: dict[str, np.ndarray] = field(default_factory=dict)  # one row for this batch
+    token_keys: set[tuple[str, str]] = field(default_factory=set)  # values of one row per token
 
     @property
     def token_count(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from probe.build.layout import TokenBatch
 from probe.errors import ConfigError
+from probe.hooks.objective import logit_difference, picked
 
 METRICS = ("logit_diff", "answer_logprob", "answer_prob", "kl", "output_change")
 NEEDS = {
@@ -65,23 +66,14 @@ def at_position(logits: torch.Tensor, tokens: TokenBatch | None, position: int |
     return logits[torch.arange(n, device=logits.device), index.to(logits.device)].double()
 
 
-def _picked(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """logits[i, ids[i, k]] with -1 ids (padding) as NaN: (N, K)."""
-    ids = ids.to(logits.device).reshape(len(logits), -1)
-    got = logits.gather(1, ids.clamp(min=0))
-    return got.masked_fill(ids < 0, math.nan)
-
-
 def value(name: str, logits, reference, side: dict) -> torch.Tensor:
     """Metric `name` per sample of (N, V) logits; `reference` the target's, for kl and
     output_change. answer_prob is the total probability of the answer tokens, answer_logprob
     its log, logit_diff the mean answer logit minus the mean wrong logit."""
     if name == "logit_diff":
-        return _picked(logits, side["answer"]).nanmean(1) - _picked(logits, side["wrong"]).nanmean(
-            1
-        )
+        return logit_difference(logits, side)
     if name in ("answer_logprob", "answer_prob"):
-        logp = _picked(logits.log_softmax(1), side["answer"]).nan_to_num(nan=-math.inf)
+        logp = picked(logits.log_softmax(1), side["answer"]).nan_to_num(nan=-math.inf)
         total = logp.logsumexp(1)
         return total if name == "answer_logprob" else total.exp()
     if name == "kl":

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from probe.attribute.integrated import Integrated
+from probe.attribute.maps import take_maps
 from probe.hooks import device as devices
-from probe.hooks.capture import Capture, resolve_grads
+from probe.hooks.capture import Capture
 from probe.hooks.forward import call, output_rows, to_device, token_batch
-from probe.hooks.objective import batch_loss
+from probe.hooks.gradients import resolve_grads
+from probe.hooks.objective import per_sample
 from probe.hooks.record import Record
 from probe.intervene.passes import Interventions, split_pair
 from probe.stats.backend import DeviceStats
@@ -30,6 +33,7 @@ class BatchStep:
     interventions: Interventions | None = None
     precision: str = "fp32"
     model_output: str = "auto"
+    integrated: Integrated | None = None  # integrated gradients' settings and baselines
 
 
 def run_batch(step: BatchStep, batch, index: int) -> Record:
@@ -62,10 +66,14 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
                     inputs = inputs.detach().requires_grad_(True)
                 with devices.autocast(device, precision):
                     output = call(model, inputs)
-                    loss = batch_loss(objective, output, targets, inputs, tokens)
-                per_batch = resolve_grads(captured, loss, selections)
+                    side = dict(batch.side)  # (objective.index=predicted adds its argmax)
+                    scores = per_sample(objective, output, targets, inputs, tokens, side)
+                per_batch = resolve_grads(captured, scores.sum(), selections)
+            take_maps(captured, tokens)
     finally:
         capture.end()
+    if step.integrated is not None and captured.attributed:  # (more forwards, hooks idle)
+        step.integrated.take(captured, step, inputs, targets, tokens, side, scores)
     extra = output_rows(output, model_output, size, tokens)
     if passes is not None:
         run = (model, device, precision, capture)
@@ -85,6 +93,7 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
     record.batch_rows = batch_rows if passes is not None else {}
     record.counted = observed
     record.axes = captured.axes
+    record.token_keys = captured.token_keys
     if host_tokens is not None and any(s.rows == "tokens" for s in selections):
         record.tokens = host_tokens.rows(batch.inputs["input_ids"], batch.start)
     if captured.pooled:

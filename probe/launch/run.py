@@ -18,13 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from probe.analysis.tables import summary_frame
+from probe.attribute.integrated import Integrated, baselines, check_attribution_run
+from probe.attribute.table import attribution_table
 from probe.build import placement
 from probe.build.data import build_batches, check_token_data
 from probe.build.models import build_model
 from probe.build.provenance import describe as describe_dataset
 from probe.build.select import select_modules
 from probe.checks import check_config, check_run_options
-from probe.config import GRAD_SITES
+from probe.config import BACKWARD_SITES
 from probe.errors import ConfigError
 from probe.hooks import nonfinite
 from probe.hooks.capture import Capture
@@ -86,6 +88,7 @@ class Prepared:
     stats_backend: str | None = (
         None  # what reduces captures (`probe.stats.backend`); None: stats.backend
     )
+    integrated: Integrated | None = None  # made by the run (its baselines may need a pass)
 
 
 def build_run(cfg: DictConfig) -> Prepared:
@@ -117,11 +120,17 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
         placement.check_param_grads(selections)
     check_token_data(every.dataset, selections, model)
     edits = build_edits(model, cfg.intervene, cfg.seed)
-    wants_grad = any(s in GRAD_SITES for sel in selections for s in sel.sites) or any(
+    wants_grad = any(s in BACKWARD_SITES for sel in selections for s in sel.sites) or any(
         e.site in GRAD_EDIT_SITES for e in edits
     )
     classes = cfg.model.num_classes if cfg.model.library in ("torchvision", "timm") else None
-    objective = build_objective(cfg.objective, batches.has_targets, classes) if wants_grad else None
+    answers = frozenset(
+        k for k in ("answer", "wrong") if getattr(every.dataset, k, None) is not None
+    )
+    objective = None
+    if wants_grad:
+        objective = build_objective(cfg.objective, batches.has_targets, classes, answers)
+    check_attribution_run(model, selections, edits, bool(cfg.train_mode))
     for sel in selections:
         log.info(
             "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
@@ -167,6 +176,10 @@ def _run(cfg: DictConfig, run_dir: Path, prepared: Prepared | None) -> RunResult
     interventions = Interventions.of(
         p.model, p.edits, cfg.intervene, p.batches.dataset, cfg.dataset.name == "pairs", tokenizer
     )
+    if any("ig_output" in s.sites for s in p.selections):
+        a = cfg.attribution
+        base = baselines(a, p.model, p.batches, p.selections, p.device, cfg.precision)
+        p.integrated = Integrated(a.steps, a.method, a.internal_batch_size, base)
     h5_path = run_dir / cfg.store.filename
     writer = _open_writer(cfg, p, shard, run_dir, h5_path, stats_backend, interventions)
     complete, stop = False, StopFlag()
@@ -251,6 +264,7 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
         interventions,
         cfg.precision,
         cfg.store.model_output,
+        p.integrated,
     )
     fail_on_nonfinite = cfg.fail_on_nonfinite  # read once
     with capture, stop, interventions or contextlib.nullcontext():
@@ -287,6 +301,10 @@ def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> 
     summary = summary_frame(datasets) if counted else summary_frame([])
     if counted:
         summary.to_csv(run_dir / "summary.csv", index=False)
+        attributions = attribution_table(datasets)
+        if len(attributions):
+            attributions.to_csv(run_dir / "attribution.csv", index=False)
+            log.info("wrote %s (%d sites)", run_dir / "attribution.csv", len(attributions))
     else:
         log.info(
             "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "

@@ -45,19 +45,21 @@ class Appends:
                 self.known.add(paths[key])
 
     def _placements(self, r: Record, end: int) -> list[tuple]:
-        """(key, tensor, lo, hi, per_batch, unit axis) of each capture of `r`: where its rows go."""
+        """(key, tensor, lo, hi, per_batch, unit axis, by token) of each capture of `r`: where
+        its rows go."""
         tokens = (self.num_tokens, self.num_tokens + r.token_count)
         out = []
         for key, t in r.values.items():
-            lo, hi = tokens if key[0] in self.token_layers else (r.start, end)
-            out.append((key, t, lo, hi, False, r.axes.get(key, 1)))
+            by_token = key in r.token_keys
+            lo, hi = tokens if by_token else (r.start, end)
+            out.append((key, t, lo, hi, False, r.axes.get(key, 1), by_token))
         for key, t in r.per_batch.items():
-            out.append((key, t, r.batch_index, r.batch_index + 1, True, 1))
+            out.append((key, t, r.batch_index, r.batch_index + 1, True, 1, False))
         return out
 
     def _append_batch(self, r: Record, end: int) -> None:
-        for key, t, lo, hi, per_batch, axis in self._placements(r, end):
-            self._append(key, t, lo, hi, per_batch, r.counted.get(key), axis)
+        for key, t, lo, hi, per_batch, axis, by_token in self._placements(r, end):
+            self._append(key, t, lo, hi, per_batch, r.counted.get(key), axis, by_token)
         tokens = (self.num_tokens, self.num_tokens + r.token_count)
         if self.mode == "full" and self.token_layers and r.tokens is not None:
             for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
@@ -114,6 +116,7 @@ class Appends:
         per_batch: bool,
         counted=None,
         unit_axis: int = 1,
+        by_token: bool = False,
     ) -> None:
         info = self.datasets.get(key)
         if info is None:
@@ -126,7 +129,7 @@ class Appends:
                 str(t.dtype).removeprefix("torch."),
                 stats_for(module_type, key[1], unit_axis),
                 per_batch,
-                "tokens" if key[0] in self.token_layers and not per_batch else "samples",
+                "tokens" if by_token else "samples",
             )
             self.datasets[key] = info
         if self.stats_during == "run":  # (else made at close: its layout follows the stats)

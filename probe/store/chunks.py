@@ -145,10 +145,10 @@ def name_axes(
     """Attach dimension scales to `ds` so that xarray (h5netcdf) sees named dimensions: the root
     row dimension, then one per further axis in the layer's group, named by what the axis is and
     prefixed with the site when another site of the layer has that name with another size."""
-    names = axis_names(ds.shape, unit_axis, rows, per_batch)
+    site = ds.name.rsplit("/", 1)[-1]
+    names = axis_names(ds.shape, unit_axis, rows, per_batch, site)
     ds.dims[0].attach_scale(row_scale(file, names[0], total))
     group = ds.parent
-    site = ds.name.rsplit("/", 1)[-1]
     prefix = "" if site in PLAIN_SITES else f"{site}_"
     for i, name in enumerate(names[1:], start=1):
         size = ds.shape[i]

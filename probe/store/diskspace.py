@@ -47,9 +47,10 @@ def bytes_needed(writer, record) -> int:
     tokens = writer.token_layers  # their rows are tokens, after the writer's num_tokens
     arrays = [(name, t, record.start, "sample") for name, t in record.extra.items()]
     if writer.mode == "full":
-        for (layer, site), t in record.values.items():
-            at, kind = (writer.num_tokens, "token") if layer in tokens else (record.start, "sample")
-            arrays.append((layer_path(layer, site), t, at, kind))
+        for key, t in record.values.items():
+            by_token = key in record.token_keys
+            at, kind = (writer.num_tokens, "token") if by_token else (record.start, "sample")
+            arrays.append((layer_path(*key), t, at, kind))
         for k, t in record.per_batch.items():
             arrays.append((layer_path(*k), t, record.batch_index, "batch"))
         arrays.append(("samples/index", np.zeros(record.size, np.int64), record.start, "sample"))

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from probe.choices import CAM_SITES
+
 FORMAT_VERSION = 2
 LIBVER = ("v110", "v110")  # SWMR needs the 1.10 format; HDF5 1.10 and later read it
 PROGRESS = np.dtype(
@@ -121,11 +123,15 @@ def captured(group: h5py.Group):
             yield decode(link), obj
 
 
-def axis_names(shape: tuple[int, ...], unit_axis: int, rows: str, per_batch: bool) -> list[str]:
+def axis_names(
+    shape: tuple[int, ...], unit_axis: int, rows: str, per_batch: bool, site: str = ""
+) -> list[str]:
     """Names of a dataset's axes: the row axis (sample, token or batch), then what each further
-    axis of the capture is (channel, height, width; token, feature; ...)."""
+    axis of the capture is (channel, height, width; token, feature; a CAM map's height, width)."""
     first = BATCH_DIM if per_batch else TOKEN_DIM if rows == "tokens" else SAMPLE_DIM
     rest = len(shape) - 1
+    if site.split(".")[0].split("@")[0] in CAM_SITES and rest == 2:
+        return [first, "height", "width"]
     if per_batch:
         return [first, *(f"param_{i}" for i in range(1, rest + 1))]
     if rest == 0:

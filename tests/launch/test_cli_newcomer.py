@@ -97,7 +97,7 @@ def test_a_misspelt_key_of_a_new_probe_names_it_and_probespec_keys(tmp_path):
     ("args", "message"),
     [
         (["dataset=imagefolder"], "dataset=imagefolder needs dataset.root=DIR"),
-        (["objective=logit", GRADS], "objective=logit needs the logit to differentiate"),
+        (["objective=logit", GRADS], "objective=logit needs the class to explain"),
         (["store.filename=../x.h5"], "store.filename='../x.h5' is outside the run directory"),
         (
             ["dataset=tensors", "dataset.path=/nonexistent.pt"],
