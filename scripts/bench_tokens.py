@@ -168,8 +168,10 @@ def nnsight_h5py(setup) -> Callable:
         sink = RowSink(out / "nnsight.h5")
         try:
             for b in setup.base.batches:
+                saved = []  # (nnsight runs the trace's body apart: a comprehension's name is lost)
                 with torch.no_grad(), wrapped.trace(**b.inputs):
-                    saved = [wrapped.transformer.h[i].output.save() for i in range(LAYERS)]
+                    for i in range(LAYERS):
+                        saved.append(wrapped.transformer.h[i].output.save())
                 for name, s in zip(block_names(), saved, strict=True):
                     v = getattr(s, "value", s)
                     sink.append(name, v[0] if isinstance(v, tuple) else v)
@@ -200,17 +202,12 @@ def torchlens_h5py(setup) -> Callable:
 
 
 def transformer_lens_h5py(setup) -> Callable:
-    """TransformerLens's run_with_cache of the 6 blocks' resid_post on a HookedTransformer of the
-    same shape (its own model class: seeded random weights, not the HF ones), h5py."""
+    """TransformerLens 4's TransformerBridge over the same saved HF model, run_with_cache of the
+    6 blocks' resid_post, h5py."""
     import torch
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.model_bridge import TransformerBridge
 
-    cfg = HookedTransformerConfig(
-        n_layers=LAYERS, d_model=WIDTH, n_heads=HEADS, d_head=WIDTH // HEADS, d_mlp=4 * WIDTH,
-        d_vocab=VOCAB, n_ctx=POSITIONS, act_fn="gelu_new", normalization_type="LN", seed=0,
-        device="cpu",
-    )  # fmt: skip
-    model = HookedTransformer(cfg).eval()
+    model = TransformerBridge.boot_transformers(setup.cfg.model.name, device="cpu")
     wanted = {f"blocks.{i}.hook_resid_post" for i in range(LAYERS)}
 
     def case(out: Path) -> None:
@@ -258,7 +255,7 @@ PEER_BUILD = {
 }
 PEER_WHAT = {
     "nnsight_h5py": "nnsight trace + .save() of the 6 blocks, h5py",
-    "transformer_lens_h5py": "TransformerLens run_with_cache of resid_post (its own model), h5py",
+    "transformer_lens_h5py": "TransformerLens 4 TransformerBridge run_with_cache of resid_post, h5py",
     "torchlens_h5py": "torchlens.extract of the 6 blocks, h5py",
 }
 
