@@ -15,8 +15,8 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from probe.checks import check_config
-from probe.config import config_dir, unread_keys
+from probe.checks import check_config, unread_keys
+from probe.config import config_dir
 from probe.errors import ProbeError
 from probe.launch.interrupt import Interrupted
 from probe.launch.sweep import JobFailed, in_sweep, job_label

@@ -11,6 +11,7 @@ still repeated here with their messages (tests/test_cli_newcomer.py holds them e
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from pathlib import Path
@@ -31,6 +32,7 @@ from probe.config import (
     ROWS,
     SITES,
     TOKEN_REDUCTIONS,
+    Config,
     GridSpec,
     ProbeSpec,
     edit_specs,
@@ -341,3 +343,32 @@ def _store(s, during: str = "run") -> None:
             f"store.compression_level={level} is out of range for gzip; give 0-9 "
             "(1 is fastest, 9 smallest)"
         )
+
+
+def unread_keys(cfg) -> list[str]:
+    """A message per key of `cfg` that the schema (probe.config.Config) does not have: Hydra's `+key=`
+    adds any key, even a misspelt one, which nothing would read. Dict-typed fields (model.kwargs,
+    model.config, probes and intervene, typed elsewhere) are free-form and not looked into."""
+    return list(_unread(cfg, Config, ""))
+
+
+def _unread(node, schema, prefix: str):
+    import dataclasses
+    import typing
+
+    from omegaconf import DictConfig
+
+    hints = typing.get_type_hints(schema)
+    for key in node:
+        if not prefix and key == "hydra":
+            continue
+        path = f"{prefix}{key}"
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), list(hints), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            yield f"{path} is not a key probe reads{hint}; it has no effect"
+            continue
+        child = node._get_node(key)
+        nested = isinstance(child, DictConfig) and not child._is_missing() and not child._is_none()
+        if nested and dataclasses.is_dataclass(hints[key]):
+            yield from _unread(child, hints[key], f"{path}.")

@@ -80,6 +80,9 @@ class ModelConfig:
     offload_folder: str | None = None
     dtype: str = "float32"
     low_cpu_mem_usage: bool = False  # hf: load weights without a second copy in memory
+    # the transformer anatomy for a family probe.build.anatomy does not know: attn_out and
+    # mlp_out (suffixes below each block), final_norm, unembed (names), heads
+    anatomy: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -172,6 +175,9 @@ class GridSpec:
     direction: str = "denoise"
     match: str = "all"
     stack: int | None = None  # cells per forward; None: 1 on the CPU, 8 on a GPU
+    # exact (patched forwards), atp (attribution patching: linear), atp_star (with the QK fix
+    # for query and key sites); a list runs several on the same batches
+    method: Any = "exact"
 
 
 INTERVENE_KEYS = ("metrics", "position", "grid")  # the intervene group's keys that are no edit
@@ -199,6 +205,22 @@ class AttributionConfig:
     baseline: str = "zeros"
     method: str = "riemann_trapezoid"
     internal_batch_size: int | None = None
+
+
+@dataclass
+class LensConfig:
+    """Reading the residual stream of a language model (probe.attribute.lens, .dla): none,
+    logit (the final norm and unembedding at each of `layers`), tuned (with the translators of
+    `path` first) or dla (direct logit attribution of every component at the answer position)."""
+
+    name: str = "none"
+    layers: list[str] = field(default_factory=lambda: ["@blocks"])
+    path: str | None = None  # tuned: a tuned lens folder (params.pt)
+    position: int | None = None  # the answer's position (negative: from the last real token)
+    tokens: list[int] | None = None  # dla: [answer id, wrong id] without a pairs dataset
+    samples: int = 4  # first samples whose top-k tokens per layer and position are kept
+    topk: int = 5
+    positions: str = "all"  # all real tokens, or last: each sample's answer position alone
 
 
 @dataclass
@@ -245,6 +267,7 @@ class Config:
     intervene: dict[str, Any] = field(default_factory=dict)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    lens: LensConfig = field(default_factory=LensConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0
@@ -366,32 +389,3 @@ def edit_specs(intervene) -> dict:
         for name, node in (intervene or {}).items()
         if name not in INTERVENE_KEYS
     }
-
-
-def unread_keys(cfg) -> list[str]:
-    """A message per key of `cfg` that the schema (config.Config) does not have: Hydra's `+key=`
-    adds any key, even a misspelt one, which nothing would read. Dict-typed fields (model.kwargs,
-    model.config, probes and intervene, typed elsewhere) are free-form and not looked into."""
-    return list(_unread(cfg, Config, ""))
-
-
-def _unread(node, schema, prefix: str):
-    import dataclasses
-    import typing
-
-    from omegaconf import DictConfig
-
-    hints = typing.get_type_hints(schema)
-    for key in node:
-        if not prefix and key == "hydra":
-            continue
-        path = f"{prefix}{key}"
-        if key not in hints:
-            close = difflib.get_close_matches(str(key), list(hints), n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            yield f"{path} is not a key probe reads{hint}; it has no effect"
-            continue
-        child = node._get_node(key)
-        nested = isinstance(child, DictConfig) and not child._is_missing() and not child._is_none()
-        if nested and dataclasses.is_dataclass(hints[key]):
-            yield from _unread(child, hints[key], f"{path}.")

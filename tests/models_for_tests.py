@@ -199,3 +199,32 @@ class SmoothNet(Tracked):
     def forward(self, x):
         h = torch.tanh(self.conv2(torch.tanh(3 * self.conv1(x))))
         return self.fc(h.mean((2, 3)))
+
+
+class LinearBlock(nn.Module):
+    """x + W x + a causal running mean of x: linear in x, and mixing the positions."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        steps = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :, None]
+        return x + self.lin(x) + x.cumsum(1) / steps
+
+
+class LinearLM(Tracked):
+    """Token ids -> embedding -> LinearBlocks -> logits: every logit is linear in every block's
+    output, so attribution patching is exact on it."""
+
+    def __init__(self, vocab: int = 50, width: int = 8, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(LinearBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -99,8 +99,10 @@ def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "out
         name = f"features_{layer.replace('/', '_')}_{site}_{sample}.png"
         figures[name] = features_figure(array[sample], f"{layer} {site}, sample {sample}\n{title}")
     from probe.analysis.attribution_plots import attribution_figures
+    from probe.analysis.lens_plots import lens_figures
 
     figures.update(attribution_figures(run, run.attribution, title))
+    figures.update(lens_figures(run, title))
     linear = linear_layers(run)[:MAX_LINEAR]
     if linear:
         panels = [(f"{n} output", run.array(n)[:256]) for n in linear]

@@ -221,6 +221,18 @@ class Run:
         table = attribution_table(self._datasets)
         return table if len(table) else None
 
+    @property
+    def lens(self) -> pd.DataFrame | None:
+        """lens.csv (the logit lens's metrics per layer), None when the run made none."""
+        csv = self.path / "lens.csv"
+        return pd.read_csv(csv) if csv.is_file() else None
+
+    @property
+    def dla(self) -> pd.DataFrame | None:
+        """dla.csv (direct logit attribution per component), None when the run made none."""
+        csv = self.path / "dla.csv"
+        return pd.read_csv(csv) if csv.is_file() else None
+
     def stats(self, layer: str, site: str = "output") -> RunningStats:
         """The streaming statistics of one (layer, site): stored ones, else re-read from the data."""
         for d in self._datasets:

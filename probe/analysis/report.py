@@ -119,6 +119,8 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
             parts.append(img(figure_png(fig), name))
         parts += [note, analysis_section(path), table(run.effects, "Effects (effects.csv)")]
         parts.append(table(run.attribution, "Attribution (attribution.csv)"))
+        parts.append(table(run.lens, "Logit lens (lens.csv)"))
+        parts.append(table(run.dla, "Direct logit attribution (dla.csv)"))
         config = OmegaConf.to_yaml(run.config, resolve=False)
     parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
     return "".join(parts)

@@ -257,7 +257,7 @@ def summarize_path(path: Path, from_stats: bool = False, units: bool = False) ->
     if is_sweep(path):
         table, summaries = sweep_table(path, from_stats)
         write_table(table, path / "summary")
-        for name in ("patching", "effects", "attribution"):
+        for name in ("patching", "effects", "attribution", "lens", "dla"):
             gathered = gather_tables(path, f"{name}.csv")
             if gathered is not None:
                 write_table(gathered, path / name)

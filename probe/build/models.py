@@ -61,6 +61,8 @@ def build_model(cfg, seed: int) -> nn.Module:
         load_checkpoint(model, cfg.checkpoint, cfg.get("checkpoint_prefix"))
     if library != "hf":  # (transformers loads a model in its dtype and place)
         model = dispatch(model, cfg)
+    if cfg.get("anatomy"):  # what probe.build.anatomy reads for the layer aliases
+        model._probe_anatomy = OmegaConf.to_container(cfg.anatomy, resolve=True)
     return model.eval()
 
 

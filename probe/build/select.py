@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import cached_property
@@ -10,11 +11,13 @@ from typing import Any
 
 from torch import nn
 
+from probe.build.anatomy import ALIASES, resolve
 from probe.build.layout import class_axis
 from probe.checks import check_match, check_probe_spec
 from probe.config import SITES
 from probe.errors import ConfigError, SelectionError
 
+log = logging.getLogger("probe")
 BLOCKS = "@blocks"  # in a layer pattern: each block of the model's stacks (`block_names`)
 # Classes of optional libraries that shipped probes name (accepted when not imported).
 ELSEWHERE = {"Conv1D"}
@@ -83,10 +86,16 @@ def block_names(model: nn.Module) -> list[str]:
 
 def _expand(patterns: list[str], model: nn.Module, label: str, empty: bool = False) -> list[str]:
     """Layer patterns with `@blocks` replaced by each block's name (none when the model has no
-    stack and the spec allows an empty selection)."""
-    if not any(BLOCKS in p for p in patterns):
+    stack and the spec allows an empty selection), and the anatomy's aliases (`@attn_out`,
+    `@mlp_out`, `@heads`, `@final_norm`, `@unembed`: probe.build.anatomy) by their modules."""
+    if not any(p.startswith("@") for p in patterns):
         return list(patterns)
     blocks = block_names(model)
+    named = [p for p in patterns if p in ALIASES]
+    if named:
+        rest = [p for p in patterns if p not in ALIASES]
+        found = [n for p in named for n in resolve(model, blocks, p, label)]
+        return found + (_expand(rest, model, label, empty) if rest else [])
     if not blocks and empty:
         return [p for p in patterns if BLOCKS not in p]
     if not blocks:
@@ -222,3 +231,15 @@ def _closest(pattern: str, names: list[str], n: int = 5) -> list[str]:
     plain = pattern.replace("*", "").replace("?", "")
     close = difflib.get_close_matches(plain, names, n=n, cutoff=0.3)
     return close or names[:n]
+
+
+def warn_nested(label: str, patterns: list[str], names: list[str]) -> None:
+    """One line when patterns select a module and its descendants (`transformer.h.*` selects
+    13 modules per GPT-2 block), before any work."""
+    inner = [n for n in names if any(n.startswith(f"{o}.") for o in names if o != n)]
+    if inner:
+        log.warning(
+            "%s %s select %d modules, %d of them inside another selected one (a block and its "
+            "children); @blocks selects each block once",
+            label, patterns, len(names), len(inner),
+        )  # fmt: skip

@@ -31,6 +31,7 @@ class Record:
     tokens: dict[str, np.ndarray] | None = None
     batch_rows: dict[str, np.ndarray] = field(default_factory=dict)  # one row for this batch
     token_keys: set[tuple[str, str]] = field(default_factory=set)  # values of one row per token
+    once: dict[str, np.ndarray] = field(default_factory=dict)  # written whole if not yet there
 
     @property
     def token_count(self) -> int:

@@ -21,10 +21,13 @@ import pandas as pd
 import torch
 
 from probe.build.layout import TokenBatch, class_axis
-from probe.build.select import match_modules
+from probe.build.select import match_modules, warn_nested
 from probe.config import GridSpec, typed
 from probe.errors import ConfigError
 from probe.hooks.forward import call
+from probe.intervene.atp import methods_of
+from probe.intervene.attention import SITES as ATTENTION_SITES
+from probe.intervene.attention import AttentionSites
 from probe.intervene.patching import DIRECTIONS, SOURCES, Region, read_rows, run_file
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
@@ -56,8 +59,11 @@ class Grid:
                 f"{label}.over={over} must list layer, then position and/or head: [layer], "
                 "[layer,position], [layer,head] or [layer,position,head]"
             )
-        if spec.site not in ("output", "input"):
-            raise ConfigError(f"{label}.site={spec.site!r} must be output or input")
+        if spec.site not in ("output", "input", *ATTENTION_SITES):
+            raise ConfigError(
+                f"{label}.site={spec.site!r} must be output, input, query or key (the last two "
+                "at attention modules: '@attn')"
+            )
         if spec.direction not in DIRECTIONS:
             raise ConfigError(f"{label}.direction={spec.direction!r}: choose denoise or noise")
         self.label, self.site, self.over = label, spec.site, over
@@ -68,13 +74,22 @@ class Grid:
         self.stack = spec.stack or (8 if on_gpu else 1)
         self.file = None if self.source in SOURCES else run_file(self.source, label)
         self.modules = match_modules(model, label, spec)
+        warn_nested(label, list(spec.layers), [n for n, _ in self.modules])
         config = getattr(model, "config", None)
         self.n_heads = getattr(config, "num_attention_heads", None) or getattr(
             config, "n_head", None
         )
+        if spec.site == "key":  # (grouped-query attention shares each key head)
+            self.n_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.attention = AttentionSites(self, model) if spec.site in ATTENTION_SITES else None
+        if self.attention is not None and self.source not in SOURCES:
+            raise ConfigError(
+                f"{label}: site {spec.site} takes its source from the pair or the clean input, "
+                f"not from a run file ({self.source!r})"
+            )
         positions = self._axis(spec.positions, "positions", length, "position")
-        heads = self._axis(spec.heads, "heads", self.n_heads, "head")
-        if "head" in over and self.site != "input":
+        heads = self._axis(spec.heads, "heads", self.n_heads, "head") if "head" in over else []
+        if "head" in over and self.site not in ("input", *ATTENTION_SITES):
             raise ConfigError(
                 f"{label}: a grid over heads patches the input of attention output projections; "
                 "give site: input and their layers (e.g. '@blocks.attn.c_proj')"
@@ -91,6 +106,8 @@ class Grid:
         self.classes = {
             n: class_axis(tuple(c.__name__ for c in type(m).__mro__)) for n, m in self.modules
         }
+        self.types = {n: type(m).__name__ for n, m in self.modules}
+        self.methods = methods_of(spec, label)
         self.active: list[Cell] = []  # the cells of the current forward, one per repeat
         self.values: dict[tuple[str, str], torch.Tensor] = {}  # the source's, this batch
         self.tokens: TokenBatch | None = None
@@ -117,6 +134,9 @@ class Grid:
         return json.dumps([asdict(c) for c in self.cells])
 
     def __enter__(self) -> Grid:
+        if self.attention is not None:
+            self.attention.__enter__()
+            return self
         try:
             for name, module in self.modules:
                 if self.site == "output":
@@ -129,6 +149,8 @@ class Grid:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.attention is not None:
+            self.attention.__exit__(*exc)
         while self.handles:
             self.handles.pop().remove()
 
@@ -163,18 +185,25 @@ class Grid:
         out = x.clone()
         for k, cell in mine:
             rows = slice(k * n, (k + 1) * n)
-            where = Region(
-                f"{self.label} cell {cell}",
-                self.classes[name],
-                None if cell.position is None else [cell.position],
-                None,
-                None if cell.head is None else [cell.head],
-                self.n_heads,
-            )
-            mask = where.mask(x[rows], self.tokens)
+            mask = self.region(cell).mask(x[rows], self.tokens)
             piece = src.to(device=x.device, dtype=x.dtype)
             out[rows] = piece if mask is None else torch.where(mask, piece, x[rows])
         return out
+
+    def region(self, cell: Cell) -> Region:
+        """Where a cell patches its layer's value: its position and head."""
+        return Region(
+            f"{self.label} cell {cell}",
+            self.classes[cell.layer],
+            None if cell.position is None else [cell.position],
+            None,
+            None if cell.head is None else [cell.head],
+            self.n_heads,
+        )
+
+    def source_of(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The source's value of layer `name`'s site on this batch, shaped like `x`."""
+        return self._source(name, self.site if self.site == "input" else "output", x)
 
     def _source(self, name: str, key: str, x: torch.Tensor) -> torch.Tensor:
         if self.file is not None:
@@ -191,6 +220,8 @@ class Grid:
         are the target's, already on the device."""
         self.tokens, self.start = tokens, start
         results = []
+        if self.attention is not None:
+            self.attention.mode = "patch"
         try:
             for i in range(0, len(self.cells), self.stack):
                 group = self.cells[i : i + self.stack]
@@ -204,6 +235,8 @@ class Grid:
                 results += read(output, len(group))
         finally:
             self.active = []
+            if self.attention is not None:
+                self.attention.mode = None
         return results
 
 
@@ -215,28 +248,20 @@ def _repeat(inputs, k: int):
     return torch.cat([inputs] * k)
 
 
-TABLE = [
-    "layer",
-    "site",
-    "position",
-    "head",
-    "metric",
-    "n",
-    "value",
-    "target",
-    "source",
-    "normalized",
-]
+TABLE = ["layer", "site", "position", "head", "metric", "method", "layer_type", "n", "value",
+         "target", "source", "normalized"]  # fmt: skip
+SUFFIX = {"exact": "", "atp": "_atp", "atp_star": "_atp_star"}  # /patching/<metric><suffix>
 
 
 def patching_table(h5_path, grid: Grid, metrics: list[str]) -> pd.DataFrame:
-    """patching.csv: per cell and metric the mean over samples of the patched value, the
-    target's and the source's, and normalized = (value - target) / (source - target)."""
+    """patching.csv: per cell, metric and method the mean over samples of the patched value
+    (exact) or its approximation (atp, atp_star), the target's and the source's, and
+    normalized = (value - target) / (source - target)."""
     rows = []
     with open_probe_file(h5_path) as f:
         valid = read_progress(f).samples
-        for metric in metrics:
-            values = f[f"patching/{metric}"][:valid]
+        for metric, method in itertools.product(metrics, grid.methods):
+            values = f[f"patching/{metric}{SUFFIX[method]}"][:valid]
             target = float(np.mean(f[f"patching/{metric}_target"][:valid]))
             source = float(np.mean(f[f"patching/{metric}_source"][:valid]))
             span = source - target
@@ -247,6 +272,8 @@ def patching_table(h5_path, grid: Grid, metrics: list[str]) -> pd.DataFrame:
                         **asdict(cell),
                         "site": grid.site,
                         "metric": metric,
+                        "method": method,
+                        "layer_type": grid.types[cell.layer],
                         "n": valid,
                         "value": value,
                         "target": target,
@@ -272,7 +299,7 @@ def heatmap(table: pd.DataFrame, path: Path, grid: Grid, labels: list[str] | Non
     except ImportError:
         log.info("no matplotlib: patching.png is not drawn (pip install -e '.[plot]')")
         return None
-    first = table[table.metric == table.metric.iloc[0]]
+    first = table[(table.metric == table.metric.iloc[0]) & (table.method == table.method.iloc[0])]
     across = "position" if "position" in grid.over else ("head" if "head" in grid.over else None)
     layers = list(dict.fromkeys(first.layer))
     if across is None:

@@ -26,6 +26,7 @@ from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.capture import Capture
 from probe.hooks.forward import answer, call, first_output, output_rows, to_device
+from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
 from probe.intervene.grid import Grid, grid_spec, heatmap, patching_table
 from probe.intervene.metrics import at_position, check_metrics, per_sample, summary, value
@@ -145,14 +146,26 @@ class Interventions:
         source passes, recording the sites patches and the grid read."""
         run = (model, batch, tokens, device, precision)
         out = {}
-        if self.grid is None or "clean" in self.recorders:
-            out["clean"] = self._pass(*run, "clean", inputs)
-        wanted = "pair" in self.recorders or (self.metrics and self.grid is None)
+        sites = self.grid.attention if self.grid is not None else None
+        self.grid_tokens(tokens)
+        if (
+            self.grid is None
+            or "clean" in self.recorders
+            or (sites and self.grid.source == "clean")
+        ):
+            with _recording(sites, self.grid and self.grid.source == "clean"):
+                out["clean"] = self._pass(*run, "clean", inputs)
+        wanted = "pair" in self.recorders or (self.metrics and self.grid is None) or sites
         if source is not None and wanted:
-            out["pair"] = self._pass(*run, "pair", to_device(model, source, device, True))
+            with _recording(sites, self.grid.source == "pair"):
+                out["pair"] = self._pass(*run, "pair", to_device(model, source, device, True))
         if self.grid is not None:
             self.grid.values = self.recorded.get(self.grid.source, {})
         return out
+
+    def grid_tokens(self, tokens) -> None:
+        if self.grid is not None:
+            self.grid.tokens = tokens
 
     def _pass(self, model, batch: Batch, tokens, device, precision, kind: str, inputs):
         capture, patches = self.recorders.get(kind, (None, []))
@@ -205,10 +218,12 @@ class Interventions:
                 return [c[:, -1].double() for c in chunks]
             return [at_position(c, tokens, self.position) for c in chunks]
 
-        with devices.autocast(device, precision):
-            edited = self.grid.run_cells(
-                model, capture, cell_inputs, tokens, batch.size, batch.start, read
-            )
+        edited = []
+        if "exact" in self.grid.methods:
+            with devices.autocast(device, precision):
+                edited = self.grid.run_cells(
+                    model, capture, cell_inputs, tokens, batch.size, batch.start, read
+                )
         rows = {}
         for name in self.metrics:
             base = per_sample([name], target, source, target, batch.side)[name]
@@ -216,8 +231,12 @@ class Interventions:
                 base[:, 0],
                 base[:, 1],
             )
-            cells = [value(name, e, target, batch.side) for e in edited]
-            rows[f"patching/{name}"] = torch.stack(cells, 1).cpu()
+            if edited:
+                cells = [value(name, e, target, batch.side) for e in edited]
+                rows[f"patching/{name}"] = torch.stack(cells, 1).cpu()
+        if {"atp", "atp_star"} & set(self.grid.methods):
+            args = (model, inputs, tokens, batch.side, self.metrics, self.position, device)
+            rows.update(linearised(self.grid, *args, precision))
         return rows
 
     def _last_only(self, model, inputs, tokens) -> bool:
@@ -244,6 +263,14 @@ class Interventions:
         if self.grid is not None:
             table = patching_table(h5_path, self.grid, self.metrics)
             table.to_csv(run_dir / "patching.csv", index=False)
+            agreed = agreement(table)
+            if agreed is not None and len(agreed):
+                agreed.to_csv(run_dir / "patching_agreement.csv", index=False)
+                for r in agreed.itertuples():
+                    log.info(
+                        "patching: %s %s vs exact on %s: Spearman %.3f, top-10 recall %.2f",
+                        r.method, r.metric, r.layer_type, r.spearman, r.top10_recall,
+                    )  # fmt: skip
             labels = token_labels(self.labels, self.tokenizer) if self.labels else None
             heatmap(table, run_dir / "patching.png", self.grid, labels)
             return
@@ -260,6 +287,21 @@ class Interventions:
         while self.held:
             capture, pooled = self.held.pop()
             capture.pool.give(pooled)
+
+
+class _recording:
+    """Query or key sites in record mode for one source pass (nothing without them)."""
+
+    def __init__(self, sites, on: bool):
+        self.sites = sites if on else None
+
+    def __enter__(self):
+        if self.sites is not None:
+            self.sites.mode = "record"
+
+    def __exit__(self, *exc):
+        if self.sites is not None:
+            self.sites.mode = None
 
 
 def position_of(options) -> int | None:

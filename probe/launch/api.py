@@ -21,7 +21,9 @@ from omegaconf.errors import OmegaConfBaseException
 from probe.build.user_batches import UserBatches
 from probe.checks import check_seed
 from probe.config import (
+    AttributionConfig,
     DatasetConfig,
+    LensConfig,
     ModelConfig,
     ObjectiveConfig,
     ProbeSpec,
@@ -34,7 +36,13 @@ from probe.shipped import check_shipped, compose_shipped
 from probe.store import runfile, runlock
 
 log = logging.getLogger("probe")
-GROUPS = {"store": StoreConfig, "objective": ObjectiveConfig, "stats": StatsConfig}
+GROUPS = {
+    "store": StoreConfig,
+    "objective": ObjectiveConfig,
+    "stats": StatsConfig,
+    "attribution": AttributionConfig,
+    "lens": LensConfig,
+}
 
 
 def run(
@@ -47,6 +55,8 @@ def run(
     objective: str | Mapping | None = None,
     intervene: str | Mapping | None = None,
     stats: str | Mapping | None = None,
+    attribution: Mapping | None = None,
+    lens: str | Mapping | None = None,
     device: str | None = None,
     seed: int = 0,
     precision: str = "fp32",
@@ -60,7 +70,8 @@ def run(
     """Run `probes` on `model` over `data` into the directory `out`; returns the run's reader
     (`probe.open_run`). `data` is an iterable of batches, each a tensor, an (inputs, targets)
     pair or a dict of keyword arguments (input_ids, attention_mask, ...): a DataLoader as it is.
-    `device` None keeps the model where it is; `stats` is a backend name or the stats keys. The
+    `device` None keeps the model where it is; `stats` is a backend name or the stats keys;
+    `attribution` integrated gradients' keys; `lens` logit, tuned or dla, or its keys. The
     model's training mode is given back as it was; no hook is left on it, on any way out.
     `out` is locked for the run (probe.store.runlock): a second run into it meanwhile is refused."""
     from probe.analysis.reading import open_run
@@ -72,7 +83,7 @@ def run(
         raise ConfigError(f"out={str(out)!r} is a file; give a directory for the run")
     with runlock.reserve(out):  # held for the run (probe.launch.run.run claims it)
         check_out(out, store, resume, overwrite)
-        cfg = config(probes, store, objective, intervene, stats, model)
+        cfg = config(probes, store, objective, intervene, stats, model, attribution, lens)
         batches = UserBatches(data)
         cfg.device = device or _device_of(model)
         cfg.dataset = OmegaConf.structured(
@@ -101,7 +112,9 @@ def run(
     return open_run(out)
 
 
-def config(probes, store, objective, intervene, stats, model) -> DictConfig:
+def config(
+    probes, store, objective, intervene, stats, model, attribution=None, lens=None
+) -> DictConfig:
     """The run's config: shipped files by name through Hydra's compose (as the CLI has them),
     mappings typed against the schema, and the caller's model named in `model`."""
     overrides = ["print_summary=false"]
@@ -110,6 +123,7 @@ def config(probes, store, objective, intervene, stats, model) -> DictConfig:
         ("store", store),
         ("objective", objective),
         ("intervene", intervene),
+        ("lens", lens),
     ):
         if isinstance(value, str):
             check_shipped(group, value)
@@ -126,7 +140,9 @@ def config(probes, store, objective, intervene, stats, model) -> DictConfig:
             f"probes={probes!r}: give the name of a shipped probe file (e.g. 'all_convs') or a "
             "mapping {name: {layers: [...], capture: [...]}}"
         )
-    for group, value in (("store", store), ("objective", objective), ("stats", stats)):
+    typed_groups = (("store", store), ("objective", objective), ("stats", stats),
+                    ("attribution", attribution), ("lens", lens))  # fmt: skip
+    for group, value in typed_groups:
         if isinstance(value, Mapping | DictConfig):
             cfg[group] = typed(GROUPS[group], cfg[group], group, value)
     if isinstance(intervene, Mapping | DictConfig):

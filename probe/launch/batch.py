@@ -12,7 +12,7 @@ from probe.attribute.integrated import Integrated
 from probe.attribute.maps import take_maps
 from probe.hooks import device as devices
 from probe.hooks.capture import Capture
-from probe.hooks.forward import call, output_rows, to_device, token_batch
+from probe.hooks.forward import call, first_output, output_rows, to_device, token_batch
 from probe.hooks.gradients import resolve_grads
 from probe.hooks.objective import per_sample
 from probe.hooks.record import Record
@@ -34,6 +34,8 @@ class BatchStep:
     precision: str = "fp32"
     model_output: str = "auto"
     integrated: Integrated | None = None  # integrated gradients' settings and baselines
+    readout: object = None  # a lens or direct logit attribution (probe.attribute.readout)
+    position: int | None = None  # where the readout reads the answer (lens.position)
 
 
 def run_batch(step: BatchStep, batch, index: int) -> Record:
@@ -55,7 +57,9 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
     if interventions is not None:
         passes = interventions.before(model, batch, inputs, source, tokens, device, precision)
     captured = capture.begin(size, batch.start, tokens)
-    per_batch = {}
+    per_batch, held = {}, None
+    if step.readout is not None:
+        step.readout.begin()
     try:
         if objective is None:
             with torch.inference_mode(), devices.autocast(device, precision):
@@ -72,9 +76,19 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
             take_maps(captured, tokens)
     finally:
         capture.end()
+        if step.readout is not None:
+            held = step.readout.end()
     if step.integrated is not None and captured.attributed:  # (more forwards, hooks idle)
         step.integrated.take(captured, step, inputs, targets, tokens, side, scores)
     extra = output_rows(output, model_output, size, tokens)
+    once = {}
+    if step.readout is not None:
+        with torch.no_grad():
+            ids = batch.inputs["input_ids"]
+            rows, once = step.readout.rows(
+                held, first_output(output).detach(), ids, tokens, batch.side, step.position
+            )
+        extra.update(rows)
     if passes is not None:
         run = (model, device, precision, capture)
         extra.update(interventions.after(passes, output, batch, inputs, tokens, model_output, run))
@@ -94,6 +108,7 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
     record.counted = observed
     record.axes = captured.axes
     record.token_keys = captured.token_keys
+    record.once = once
     if host_tokens is not None and any(s.rows == "tokens" for s in selections):
         record.tokens = host_tokens.rows(batch.inputs["input_ids"], batch.start)
     if captured.pooled:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from probe.analysis.tables import summary_frame
 from probe.attribute.integrated import Integrated, baselines, check_attribution_run
+from probe.attribute.readout import build_readout, write_readout_tables
 from probe.attribute.table import attribution_table
 from probe.build import placement
 from probe.build.data import build_batches, check_token_data
@@ -89,6 +90,7 @@ class Prepared:
         None  # what reduces captures (`probe.stats.backend`); None: stats.backend
     )
     integrated: Integrated | None = None  # made by the run (its baselines may need a pass)
+    readout: object = None  # the lens or direct logit attribution (probe.attribute.readout)
 
 
 def build_run(cfg: DictConfig) -> Prepared:
@@ -131,6 +133,7 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
     if wants_grad:
         objective = build_objective(cfg.objective, batches.has_targets, classes, answers)
     check_attribution_run(model, selections, edits, bool(cfg.train_mode))
+    readout = build_readout(cfg.lens, model, "answer" in answers)
     for sel in selections:
         log.info(
             "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
@@ -150,7 +153,9 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
             "and no layers, and summary.csv no rows",
             cfg.store.filename,
         )
-    return Prepared(model, batches, selections, objective, device, edits, shard, stats_backend)
+    prepared = Prepared(model, batches, selections, objective, device, edits, shard, stats_backend)
+    prepared.readout = readout
+    return prepared
 
 
 def run(
@@ -265,9 +270,12 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
         cfg.precision,
         cfg.store.model_output,
         p.integrated,
+        p.readout,
+        cfg.lens.position,
     )
     fail_on_nonfinite = cfg.fail_on_nonfinite  # read once
-    with capture, stop, interventions or contextlib.nullcontext():
+    readout = p.readout or contextlib.nullcontext()
+    with capture, stop, interventions or contextlib.nullcontext(), readout:
         bar = tqdm(p.batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
         first = index = writer.num_batches  # (a resumed run starts after its last batch)
         for index, batch in enumerate(bar, start=first):
@@ -305,6 +313,8 @@ def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> 
         if len(attributions):
             attributions.to_csv(run_dir / "attribution.csv", index=False)
             log.info("wrote %s (%d sites)", run_dir / "attribution.csv", len(attributions))
+    if cfg.lens.name != "none":
+        write_readout_tables(h5_path, run_dir)
     else:
         log.info(
             "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "

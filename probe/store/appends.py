@@ -71,6 +71,9 @@ class Appends:
                 self.held_bytes += self.held[-1][1].nbytes
             else:
                 self._append_plain(name, t.numpy(), r.start, end)
+        for name, a in r.once.items():  # (a lens's first samples: written with the first batch)
+            if name not in self.known:
+                self._write_once(name, np.asarray(a))
         for name, a in r.batch_rows.items():
             new = name not in self.known
             self._append_plain(name, a, r.batch_index, r.batch_index + 1, kind="batch")
@@ -89,6 +92,14 @@ class Appends:
                 index = np.arange(r.start, end, dtype=np.int64) + self.index_offset
                 for name, values in self.provenance.samples(index).items():
                     self._append_plain(f"samples/{name}", values, r.start, end)
+
+    def _write_once(self, name: str, a: np.ndarray) -> None:
+        if name not in self.file:
+            if a.dtype.kind in "UO":
+                self.file.create_dataset(name, data=a.astype(object), dtype=h5py.string_dtype())
+            else:
+                self.file.create_dataset(name, data=a)
+        self.known.add(name)
 
     def _write_direct(self) -> None:
         """The batch's whole chunks in as few O_DIRECT writes as their places in the file allow;

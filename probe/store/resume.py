@@ -127,6 +127,9 @@ def restore(writer, batch_rows: int) -> None:
     saved = stats_file.read(f)
     for name in _stored_arrays(f):
         ds = f[name]
+        if ds.maxshape[0] is not None:  # written once whole (a lens's first samples' top-k)
+            writer.known.add(name)
+            continue
         unit = row_unit(ds.attrs, name)
         rows = {"batches": writer.num_batches, "tokens": writer.num_tokens}.get(
             unit, writer.num_samples
@@ -185,7 +188,7 @@ def _first_stats_group(f: h5py.File) -> h5py.Group | dict:
 
 def _stored_arrays(f: h5py.File) -> list[str]:
     names: list[str] = []
-    for top in ("layers", "samples", "model", "tokens", "effects", "patching"):
+    for top in ("layers", "samples", "model", "tokens", "effects", "patching", "lens", "dla"):
         if top in f:
             f[top].visititems(
                 lambda n, o, top=top: (

@@ -335,7 +335,7 @@ class ProbeWriter(Appends):
             self.coverage.needs_dataset(self.file, key, lo)
             for key, _, lo, *_ in self._placements(r, r.start + r.size)
         )
-        if any(n not in self.known for n in r.batch_rows):
+        if any(n not in self.known for n in [*r.batch_rows, *r.once]):
             return True
         if gaps or self.mode != "full":
             return gaps

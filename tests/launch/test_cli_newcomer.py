@@ -22,8 +22,8 @@ from probe import model_checks
 from probe.build.data import SyntheticImages, build_batches
 from probe.build.models import build_model, key_prefix
 from probe.build.select import select_modules
-from probe.checks import check_config
-from probe.config import ProbeSpec, unread_keys
+from probe.checks import check_config, unread_keys
+from probe.config import ProbeSpec
 from probe.errors import CheckpointError, ProbeError
 from tests.helpers import ROOT, cli, make_cfg
 

@@ -1,0 +1,114 @@
+"""Where a transformer keeps its residual stream, attention and MLP writes, final norm and
+unembedding: known once per HuggingFace family, exposed as layer aliases beside `@blocks`.
+
+`@attn` (each block's attention module: its queries and keys are grid sites), `@attn_out`
+(each block's attention output projection, whose input is the heads side by side),
+`@heads` (the same modules, for sites split per head), `@mlp_out` (each block's MLP, whose output
+is its write), `@final_norm` and `@unembed`. A family it does not know is an error that names the
+aliases it could not resolve and `model.anatomy.*`, which sets them by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from probe.errors import ConfigError
+
+ALIASES = ("@attn", "@attn_out", "@heads", "@mlp_out", "@final_norm", "@unembed")
+LLAMA = {
+    "attn": "self_attn", "attn_out": "self_attn.o_proj", "mlp_out": "mlp", "final_norm": ["model.norm", "norm"],
+    "unembed": ["lm_head"], "embed": ["model.embed_tokens", "embed_tokens"],
+}  # fmt: skip
+FAMILIES = {  # per model_type: module suffixes below each block, and top-level candidates
+    "gpt2": {
+        "attn": "attn", "attn_out": "attn.c_proj", "mlp_out": "mlp", "final_norm": ["transformer.ln_f", "ln_f"],
+        "unembed": ["lm_head"], "embed": ["transformer.wte", "transformer.wpe", "wte", "wpe"],
+    },
+    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
+    "gpt_neox": {
+        "attn": "attention", "attn_out": "attention.dense", "mlp_out": "mlp",
+        "final_norm": ["gpt_neox.final_layer_norm", "final_layer_norm"],
+        "unembed": ["embed_out", "lm_head"],
+        "embed": ["gpt_neox.embed_in", "embed_in"],
+    },
+    "bert": {  # post-norm: each block normalises its residual; the MLM head is norm + decoder
+        "attn": "attention.self", "attn_out": "attention.output.dense", "mlp_out": "output.dense",
+        "final_norm": ["cls.predictions.transform"], "unembed": ["cls.predictions.decoder"],
+        "embed": ["bert.embeddings", "embeddings"], "post_norm": True,
+    },
+}  # fmt: skip
+HEADS = ("n_head", "num_attention_heads")
+
+
+@dataclass
+class Anatomy:
+    family: str
+    blocks: list[str]
+    attn: list[str] = field(default_factory=list)  # the modules that call the attention
+    attn_out: list[str] = field(default_factory=list)
+    mlp_out: list[str] = field(default_factory=list)
+    final_norm: str | None = None
+    unembed: str | None = None
+    embed: list[str] = field(default_factory=list)
+    heads: int | None = None
+    post_norm: bool = False  # the residual is normalised inside each block (BERT)
+
+    def alias(self, name: str) -> list[str]:
+        return {
+            "@attn": self.attn,
+            "@attn_out": self.attn_out,
+            "@heads": self.attn_out,
+            "@mlp_out": self.mlp_out,
+            "@final_norm": [self.final_norm] if self.final_norm else [],
+            "@unembed": [self.unembed] if self.unembed else [],
+        }[name]
+
+
+def _first(modules: dict, candidates) -> str | None:
+    return next((c for c in candidates if c in modules), None)
+
+
+def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) -> Anatomy:
+    """The anatomy of `model` (its `@blocks` given), by its family, with `model.anatomy`
+    overrides (suffixes below each block for attn_out and mlp_out, names for the rest; a model
+    built from a config carries them as `_probe_anatomy`)."""
+    overrides = overrides if overrides is not None else getattr(model, "_probe_anatomy", None)
+    config = getattr(model, "config", None)
+    family = str(getattr(config, "model_type", type(model).__name__))
+    known = dict(FAMILIES.get(family, {}))
+    known.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    modules = dict(model.named_modules())
+    out = Anatomy(family, list(blocks), post_norm=bool(known.get("post_norm", False)))
+    for key in ("attn", "attn_out", "mlp_out"):
+        suffix = known.get(key)
+        if suffix:
+            names = [f"{b}.{suffix}" for b in blocks]
+            setattr(out, key, [n for n in names if n in modules])
+    for key in ("final_norm", "unembed"):
+        value = known.get(key)
+        setattr(out, key, _first(modules, [value] if isinstance(value, str) else value or []))
+    out.embed = [n for n in known.get("embed", []) if n in modules]
+    heads = known.get("heads") or next(
+        (getattr(config, k) for k in HEADS if isinstance(getattr(config, k, None), int)), None
+    )
+    out.heads = int(heads) if heads else None
+    return out
+
+
+def resolve(model: nn.Module, blocks: list[str], pattern: str, label: str, overrides=None):
+    """The module names alias `pattern` (one of ALIASES) stands for, or a ConfigError naming the
+    aliases that could not be resolved and the keys that set them."""
+    body = anatomy(model, blocks, overrides)
+    names = body.alias(pattern)
+    if names and (pattern != "@heads" or body.heads):
+        return names
+    missing = [a for a in ALIASES if not body.alias(a) or (a == "@heads" and not body.heads)]
+    raise ConfigError(
+        f"{label}: {pattern} cannot be resolved for a {body.family!r} model: probe knows the "
+        f"anatomy of {', '.join(sorted(FAMILIES))}; unresolved here: {', '.join(missing)}. Set "
+        "them by hand: model.anatomy.attn=SUFFIX, model.anatomy.attn_out=SUFFIX and "
+        "model.anatomy.mlp_out=SUFFIX (below each block, e.g. self_attn, self_attn.o_proj, mlp), model.anatomy.final_norm=NAME, "
+        "model.anatomy.unembed=NAME, model.anatomy.heads=N"
+    )
