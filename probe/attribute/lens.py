@@ -94,27 +94,30 @@ class Lens:
         keep = min(int(self.cfg.samples), n)
         topk = np.full((keep, len(self.names), t, int(self.cfg.topk)), -1, np.int64)
         real = mask.sum(1).clamp(min=1).float()
-        for j, name in enumerate(self.names):
+        for name in self.names:
             h = held[name]
             if h.ndim != 3 or h.shape[:2] != (n, t):
                 raise ConfigError(
                     f"lens: layer {name!r} gives {tuple(h.shape)}, not the residual stream "
                     f"(N, T, D) = ({n}, {t}, D); give lens.layers that are blocks (@blocks)"
                 )
-            rows = h.reshape(n * t, -1)[read.to(h.device)]
-            values = {
-                k: _scatter(v, read, n, t)
-                for k, v in self._values(name, rows, final, following).items()
-            }
+        layers = {
+            name: held[name].reshape(n * t, -1)[read.to(held[name].device)] for name in self.names
+        }
+        first = int((read < keep * t).sum())  # the leading rows of the kept samples (top-k)
+        every = self._values(layers, final, following, first)
+        for j, name in enumerate(self.names):
+            values = {k: _scatter(v, read, n, t) for k, v in every[name].items() if k != "topk"}
             for m in PER_TOKEN:
                 out[m][:, j] = (values[m].nan_to_num() * mask).sum(1) / real
             count = follows.sum(1)
             ce = (values["next_ce"].nan_to_num() * follows).sum(1) / count.clamp(min=1)
             out["next_ce"][:, j] = ce.masked_fill(count == 0, math.nan)
             out["top1_prob_positions"][:, j] = values["top1_prob"]
-            topk[:, j] = values["topk"][:keep].nan_to_num(-1).long().numpy()
+            kept = _scatter(every[name]["topk"], read[:first], keep, t)
+            topk[:, j] = kept.nan_to_num(-1).long().numpy()
             if answers:
-                for m, v in self._answers(name, h, logits, at, side).items():
+                for m, v in self._answers(name, held[name], logits, at, side).items():
                     out[m][:, j] = v
         out["tokens"] = mask.sum(1).float()[:, None]
         out["next_tokens"] = follows.sum(1).float()[:, None]
@@ -123,33 +126,41 @@ class Lens:
             "lens/layers": np.array(self.names, dtype=object),
         }
 
-    def _values(self, name, rows, final, following) -> dict[str, torch.Tensor]:
-        """Per read row: the per-token metrics and the lens's top-k ids, in chunks of rows."""
-        vocab = final.shape[-1]
-        step = max(1, CHUNK // vocab)
-        parts: dict[str, list] = {}
-        for lo in range(0, len(rows), step):
+    def _values(self, layers: dict, final, following, first: int) -> dict[str, dict]:
+        """Per layer and read row: the per-token metrics, and the top-k ids of the `first` rows,
+        in chunks of rows; the final distribution's share of the work done once per chunk."""
+        step = max(1, CHUNK // final.shape[-1])
+        parts: dict[str, dict[str, list]] = {name: {} for name in layers}
+        k = int(self.cfg.topk)
+        for lo in range(0, len(final), step):
             logp = final[lo : lo + step].log_softmax(-1)
-            if name == self.last and name not in self.translators:
-                logq = logp  # the model's last block decoded is the model's own logits
-            else:
-                logq = self.decode(name, rows[lo : lo + step]).log_softmax(-1).to(logp.device)
+            p = logp.exp()
+            own = (p * logp).sum(-1)  # sum p log p, for KL(final || lens)
             top1 = logp.argmax(-1, keepdim=True)
-            at_top1 = logq.gather(-1, top1)
-            got = {
-                "kl": (logp.exp() * (logp - logq)).sum(-1),
-                "entropy": -(logq.exp() * logq).sum(-1),
-                "top1_prob": at_top1.squeeze(-1).exp(),
-                "top1_rank": (logq > at_top1).sum(-1).float(),
-                "agree": (logq.argmax(-1, keepdim=True) == top1).squeeze(-1).float(),
-                "next_ce": -logq.gather(
-                    -1, following[lo : lo + step, None].to(logq.device)
-                ).squeeze(-1),
-                "topk": logq.topk(int(self.cfg.topk), -1).indices.float(),
-            }
-            for k, v in got.items():
-                parts.setdefault(k, []).append(v.cpu())
-        return {k: torch.cat(v) for k, v in parts.items()}
+            nexts = following[lo : lo + step, None].to(logp.device)
+            for name, rows in layers.items():
+                if name == self.last and name not in self.translators:
+                    logq = logp  # the model's last block decoded is the model's own logits
+                else:
+                    logq = self.decode(name, rows[lo : lo + step]).log_softmax(-1).to(logp.device)
+                at_top1 = logq.gather(-1, top1)
+                got = {
+                    "kl": own - (p * logq).sum(-1),
+                    "entropy": -(logq.exp() * logq).sum(-1),
+                    "top1_prob": at_top1.squeeze(-1).exp(),
+                    "top1_rank": (logq > at_top1).sum(-1).float(),
+                    "agree": (logq.argmax(-1, keepdim=True) == top1).squeeze(-1).float(),
+                    "next_ce": -logq.gather(-1, nexts).squeeze(-1),
+                }
+                if lo < first:
+                    got["topk"] = logq[: first - lo].topk(k, -1).indices.float()
+                for key, v in got.items():
+                    parts[name].setdefault(key, []).append(v.cpu())
+        out = {}
+        for name, got in parts.items():
+            out[name] = {key: torch.cat(v) for key, v in got.items()}
+            out[name].setdefault("topk", torch.zeros(0, k))
+        return out
 
     def _answers(self, name, h, logits, at, side) -> dict[str, torch.Tensor]:
         """The answer's total probability, its first token's rank and its cross-entropy under the

@@ -236,3 +236,24 @@ def test_lens_at_the_last_position_reads_that_position_alone(tmp_path, models):
     np.testing.assert_allclose(last["lens/top1_prob"][:], positions[:, :, -1], rtol=1e-6)
     assert np.isnan(last["lens/next_ce"][:]).all()  # no next token at the last position
     np.testing.assert_allclose(last["lens/answer_prob"][:], every["lens/answer_prob"][:], rtol=1e-6)
+
+
+def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm):
+    """A model of a family the anatomy does not know: the alias is refused, naming the keys;
+    given by hand (model.anatomy.mlp_out), it resolves below each block."""
+    from probe.build.models import build_model
+    from probe.build.select import select_modules
+    from probe.checks import typed_probes
+    from tests.helpers import make_cfg
+
+    _, path, _ = lm
+    args = ["model=custom", "model._target_=tests.models_for_tests.LinearLM", "dataset=pairs",
+            f"dataset.path={path}", "probes=none", "+probes.x.layers=[@mlp_out]"]  # fmt: skip
+    out = cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    assert "@mlp_out cannot be resolved for a 'LinearLM' model" in out.stderr
+    assert "model.anatomy.mlp_out=SUFFIX" in out.stderr
+    cfg = make_cfg(*args, "+model.anatomy.mlp_out=lin")
+    typed_probes(cfg)
+    chosen = select_modules(build_model(cfg.model, 0), cfg.probes)
+    assert [s.name for s in chosen] == ["blocks.0.lin", "blocks.1.lin", "blocks.2.lin"]
