@@ -105,9 +105,18 @@ class Lens:
             name: held[name].reshape(n * t, -1)[read.to(held[name].device)] for name in self.names
         }
         first = int((read < keep * t).sum())  # the leading rows of the kept samples (top-k)
-        every = self._values(layers, final, following, first)
+        answer = None  # each sample's answer row among the read ones, and its answer ids
+        if answers:
+            where = torch.full((n * t,), -1, dtype=torch.long)
+            where[read] = torch.arange(len(read))
+            rows_at = where[torch.arange(n) * t + at]
+            if bool((rows_at < 0).any()):  # an answer position outside the rows read
+                rows_at = None
+            answer = None if rows_at is None else (rows_at, side["answer"].reshape(n, -1))
+        every = self._values(layers, final, following, first, answer)
         for j, name in enumerate(self.names):
-            values = {k: _scatter(v, read, n, t) for k, v in every[name].items() if k != "topk"}
+            scattered = [k for k in every[name] if k != "topk" and k not in ANSWER]
+            values = {k: _scatter(every[name][k], read, n, t) for k in scattered}
             for m in PER_TOKEN:
                 out[m][:, j] = (values[m].nan_to_num() * mask).sum(1) / real
             count = follows.sum(1)
@@ -117,8 +126,13 @@ class Lens:
             kept = _scatter(every[name]["topk"], read[:first], keep, t)
             topk[:, j] = kept.nan_to_num(-1).long().numpy()
             if answers:
-                for m, v in self._answers(name, held[name], logits, at, side).items():
-                    out[m][:, j] = v
+                found = (
+                    every[name]
+                    if answer is not None
+                    else self._answers(name, held[name], logits, at, side)
+                )
+                for m in ANSWER:
+                    out[m][:, j] = found[m]
         out["tokens"] = mask.sum(1).float()[:, None]
         out["next_tokens"] = follows.sum(1).float()[:, None]
         return {f"lens/{k}": v for k, v in out.items()}, {
@@ -126,12 +140,17 @@ class Lens:
             "lens/layers": np.array(self.names, dtype=object),
         }
 
-    def _values(self, layers: dict, final, following, first: int) -> dict[str, dict]:
+    def _values(self, layers: dict, final, following, first: int, answer=None) -> dict[str, dict]:
         """Per layer and read row: the per-token metrics, and the top-k ids of the `first` rows,
-        in chunks of rows; the final distribution's share of the work done once per chunk."""
+        in chunks of rows; the final distribution's share of the work done once per chunk. With
+        `answer` (each sample's answer row, its answer ids) the answer metrics from the same
+        lens logits."""
         step = max(1, CHUNK // final.shape[-1])
         parts: dict[str, dict[str, list]] = {name: {} for name in layers}
         k = int(self.cfg.topk)
+        found = {name: {m: torch.full((0,), math.nan) for m in ANSWER} for name in layers}
+        if answer is not None:
+            found = {name: {m: torch.zeros(len(answer[0])) for m in ANSWER} for name in layers}
         for lo in range(0, len(final), step):
             logp = final[lo : lo + step].log_softmax(-1)
             p = logp.exp()
@@ -154,12 +173,15 @@ class Lens:
                 }
                 if lo < first:
                     got["topk"] = logq[: first - lo].topk(k, -1).indices.float()
+                if answer is not None:
+                    _answer_rows(found[name], logq, answer, lo)
                 for key, v in got.items():
                     parts[name].setdefault(key, []).append(v.cpu())
         out = {}
         for name, got in parts.items():
             out[name] = {key: torch.cat(v) for key, v in got.items()}
             out[name].setdefault("topk", torch.zeros(0, k))
+            out[name].update(found[name])
         return out
 
     def _answers(self, name, h, logits, at, side) -> dict[str, torch.Tensor]:
@@ -180,6 +202,21 @@ class Lens:
             "answer_rank": (logq > first).sum(1).float().cpu(),
             "answer_ce": (-total).cpu(),
         }
+
+
+def _answer_rows(found: dict, logq: torch.Tensor, answer, lo: int) -> None:
+    """The answer metrics of the samples whose answer row lies in this chunk of lens logits."""
+    rows_at, ids = answer
+    inside = ((rows_at >= lo) & (rows_at < lo + len(logq))).nonzero().squeeze(1)
+    if not len(inside):
+        return
+    logq = logq[(rows_at[inside] - lo).to(logq.device)]
+    mine = ids[inside].to(logq.device)
+    total = logq.gather(1, mine.clamp(min=0)).masked_fill(mine < 0, -math.inf).logsumexp(1)
+    first = logq.gather(1, mine[:, :1].clamp(min=0))
+    found["answer_prob"][inside] = total.exp().cpu()
+    found["answer_rank"][inside] = (logq > first).sum(1).float().cpu()
+    found["answer_ce"][inside] = (-total).cpu()
 
 
 def _scatter(values: torch.Tensor, read: torch.Tensor, n: int, t: int) -> torch.Tensor:
