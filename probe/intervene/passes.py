@@ -153,11 +153,11 @@ class Interventions:
             or "clean" in self.recorders
             or (sites and self.grid.source == "clean")
         ):
-            with _recording(sites, self.grid and self.grid.source == "clean"):
+            with _recording(sites, self.grid is not None and self.grid.source == "clean"):
                 out["clean"] = self._pass(*run, "clean", inputs)
         wanted = "pair" in self.recorders or (self.metrics and self.grid is None) or sites
         if source is not None and wanted:
-            with _recording(sites, self.grid.source == "pair"):
+            with _recording(sites, self.grid is not None and self.grid.source == "pair"):
                 out["pair"] = self._pass(*run, "pair", to_device(model, source, device, True))
         if self.grid is not None:
             self.grid.values = self.recorded.get(self.grid.source, {})
