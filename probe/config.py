@@ -107,6 +107,9 @@ class DatasetConfig:
     seq_len: int = 128
     pack: bool = False  # text: concatenate documents into full rows instead of one row each
     text_field: str = "text"  # .jsonl / .parquet column holding the text
+    label_field: str | None = None  # text: a document's class -> /samples/target
+    word_labels_field: str | None = None  # text: a label per word -> /tokens/label
+    label_subtokens: str = "first"  # a word's label on its first sub-token, or on all of them
     vocab_size: int | None = None  # random_tokens: None means the model's vocabulary
 
 

@@ -228,3 +228,39 @@ class LinearLM(Tracked):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class RowsOfIds(nn.Module):
+    """Token rows that hold their own identity: `echo` outputs (N, T, 2) = (the token id, its
+    position) as floats, so a stream's rows can be traced back to the file (feed each sequence
+    its own index as every token id)."""
+
+    def __init__(self):
+        super().__init__()
+        self.echo = nn.Identity()
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        steps = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.head(self.echo(torch.stack([input_ids, steps], -1).float()))
+
+
+class TokenContext(nn.Module):
+    """What a token row can hold, planted: `lexical` outputs the current token one-hot (the word
+    type), `context` the previous token one-hot (zeros at position 0: nothing of the current
+    word), `mixed` a fixed random projection of both (full-rank features for an lstsq check)."""
+
+    def __init__(self, vocab: int = 20, width: int = 12):
+        super().__init__()
+        self.vocab = vocab
+        self.lexical, self.context = nn.Identity(), nn.Identity()
+        self.mixed = nn.Linear(2 * vocab, width)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.mixed.weight.copy_(torch.randn(width, 2 * vocab, generator=g))
+            self.mixed.bias.copy_(torch.randn(width, generator=g))
+
+    def forward(self, input_ids, attention_mask=None):
+        now = nn.functional.one_hot(input_ids, self.vocab).float()
+        before = torch.cat([torch.zeros_like(now[:, :1]), now[:, :-1]], 1)
+        return self.mixed(torch.cat([self.lexical(now), self.context(before)], -1))

@@ -31,7 +31,7 @@ from probe.analysis.cka import (
     run_cka_table,
     sketch_seed,
 )
-from probe.analysis.linear_probe import run_table
+from probe.analysis.linear_probe import LINEAR_COLUMNS, run_table
 from probe.analysis.reading import open_run
 from probe.analysis.summarize import is_sweep, read_overrides, sweep_runs, write_table
 from probe.errors import ConfigError, DataError, ProbeError
@@ -55,6 +55,8 @@ class Options:
     tmp: Path | None = None
     window_rows: int | None = None  # rows per window of cached features (default: from memory)
     slab_bytes: int | None = None  # bytes per slab of the file (default: from memory)
+    control: bool = False  # token rows: Hewitt and Liang's control task and selectivity
+    probe: str = "linear"  # or mlp: also a one-hidden-layer probe
 
     @property
     def budget(self) -> int:
@@ -93,6 +95,7 @@ class RunFeatures:
     index: np.ndarray | None = None
     targets: np.ndarray | None = None
     items: list[Item] = field(default_factory=list)
+    token_keys: list[tuple[str, str]] = field(default_factory=list)  # token rows, with labels
 
     def __post_init__(self) -> None:
         self.name = self.path.name
@@ -124,10 +127,12 @@ class RunFeatures:
                     continue
                 if is_per_batch(ds.attrs, site):
                     log.info("%s %s: one row per batch, not per sample: skipped", layer, site)
+                elif ds.attrs.get("row_unit") == "tokens" and "tokens/label" in run.file:
+                    self.token_keys.append((layer, site))
                 elif ds.attrs.get("row_unit") == "tokens":
                     log.info(
-                        "%s %s: one row per token: skipped (capture it with reduce: token_mean "
-                        "for one row per sample)",
+                        "%s %s: one row per token and no /tokens/label: skipped (label the "
+                        "tokens, dataset.word_labels_field, or capture reduce: token_mean)",
                         layer,
                         site,
                     )
@@ -214,6 +219,24 @@ def _write_all(fd: int, array: np.ndarray) -> None:
         view = view[os.write(fd, view) :]
 
 
+def linear_table(rf: RunFeatures) -> pd.DataFrame | None:
+    """The probes of the sample rows (with /samples/target) and of the token rows (with
+    /tokens/label) in one table; None when neither has labels."""
+    tables = [t for t in [run_table(rf)] if t is not None]
+    if rf.token_keys:
+        from probe.analysis.token_probe import token_rows
+
+        found = []
+        with open_run(rf.path) as run:
+            for layer, site in rf.token_keys:
+                row = token_rows(run, layer, site, rf.options)
+                if row is not None:
+                    found.append({"run": rf.name, "layer": layer, "site": site, **row})
+        if found:
+            tables.append(pd.DataFrame(found, columns=LINEAR_COLUMNS))
+    return pd.concat(tables, ignore_index=True) if tables else None
+
+
 # -- runs and sweeps ---------------------------------------------------------------------------
 def analyze_run(path: Path, what: set[str], options: Options) -> dict[str, pd.DataFrame]:
     """Write linear_probes.csv and/or cka.csv (+ cka.png) beside the run's summary.csv."""
@@ -226,7 +249,7 @@ def analyze_run(path: Path, what: set[str], options: Options) -> dict[str, pd.Da
 
 def _write_run(rf: RunFeatures, what: set[str]) -> dict[str, pd.DataFrame]:
     out = {}
-    if "linear" in what and (table := run_table(rf)) is not None:
+    if "linear" in what and (table := linear_table(rf)) is not None:
         write_table(table, rf.path / "linear_probes")
         out["linear"] = table
     if "cka" in what and len(rf.items) >= 2:
@@ -335,13 +358,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", nargs="*", default=[], help="fnmatch globs of layers")
     parser.add_argument("--sites", nargs="*", default=[], help="fnmatch globs of sites")
     parser.add_argument("--tmp", type=Path, default=None, help="folder of the scratch files")
+    parser.add_argument(
+        "--control", action="store_true",
+        help="token rows: also a control task (a random label per word type) and selectivity",
+    )  # fmt: skip
+    parser.add_argument(
+        "--probe", choices=["linear", "mlp"], default="linear",
+        help="mlp: also a one-hidden-layer probe beside the closed-form linear one",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     hand_back_freed_slabs()
     if not logging.getLogger().handlers and not log.handlers:
         logging.basicConfig(level=logging.INFO, format="probe.analyze: %(message)s")
     options = Options(
         args.test_fraction, args.seed, args.ridge, args.features, args.max_features, args.memory,
-        tuple(args.layers), tuple(args.sites), args.tmp,
+        tuple(args.layers), tuple(args.sites), args.tmp, control=args.control, probe=args.probe,
     )  # fmt: skip
     try:
         if not 0 < options.test_fraction < 1 or options.max_features < 1 or options.memory_mb <= 0:

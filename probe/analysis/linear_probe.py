@@ -3,7 +3,8 @@
 Closed-form ridge needs only X^T X, X^T Y and the feature sums, which add up exactly over row slabs:
 one pass over the file gives an in-memory fit's weights, in memory independent of the sample count,
 with nothing to tune and nothing random but the split. scikit-learn's streaming fits are approximate
-and its exact ones want the data in memory; numpy keeps torch out of the analysis process.
+and its exact ones want the data in memory; numpy keeps torch out of the analysis process (but for
+--probe mlp and token rows, read through the torch stream: probe.analysis.token_probe).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pandas as pd
 
 log = logging.getLogger("probe")
 LINEAR_COLUMNS = [
-    "run", "layer", "site", "features", "samples_train", "samples_test", "accuracy", "loss",
-    "chance", "classes", "accuracy_train", "source_features", "reduce",
+    "run", "layer", "site", "rows", "features", "samples_train", "samples_test", "accuracy",
+    "loss", "chance", "classes", "accuracy_train", "source_features", "reduce",
+    "control_accuracy", "selectivity", "mlp_accuracy", "mlp_control_accuracy", "mlp_selectivity",
 ]  # fmt: skip
 
 
@@ -75,13 +77,16 @@ class RidgeFit:
         self.counts = np.zeros(classes)
 
     def update(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Rows x (n, features) with class indices y (n,)."""
+        """Rows x (n, features) with class indices y (n,), or their targets (n, classes)."""
         if not len(x):
             return
         xc = np.array(x, np.float64)
         xc -= self.shift
-        onehot = np.zeros((len(y), self.classes))
-        onehot[np.arange(len(y)), y] = 1.0
+        if y.ndim == 2:
+            onehot = y
+        else:
+            onehot = np.zeros((len(y), self.classes))
+            onehot[np.arange(len(y)), y] = 1.0
         self.n += len(x)
         self.sum += xc.sum(axis=0)
         for r in range(0, len(self.xx), 256):  # xx += xc^T xc with a small temporary
@@ -184,8 +189,10 @@ def probe_layer(
 
 
 def run_table(rf) -> pd.DataFrame | None:
-    """One row per (layer, site) of a run's features (`probe.analysis.analyze.RunFeatures`): held-out
-    accuracy and loss of a ridge probe; None when the run has no class targets."""
+    """One row per (layer, site) of a run's sample-row features
+    (`probe.analysis.analyze.RunFeatures`): held-out accuracy and loss of a ridge probe (and of
+    an MLP with --probe mlp); None when the run has no class targets. (Control tasks are defined
+    over word types: token rows, probe.analysis.token_probe.)"""
     if rf.targets is None:
         log.info("%s: no /samples/target: no linear probes", rf.path)
         return None
@@ -209,11 +216,19 @@ def run_table(rf) -> pd.DataFrame | None:
         result = probe_layer(
             windows, y, len(names), held_out, usable, opts.ridge, item.features.shift
         )
+        if opts.probe == "mlp":
+            from probe.analysis.mlp_probe import mlp_accuracy
+
+            (result["mlp_accuracy"],) = mlp_accuracy(
+                lambda w=windows: ((lo, x.astype(np.float64)) for lo, x in w()),
+                [y], usable & ~held_out, usable & held_out, opts.seed,
+            )  # fmt: skip
         rows.append(
             {
                 "run": rf.name,
                 "layer": item.layer,
                 "site": item.site,
+                "rows": "samples",
                 "features": item.width,
                 "classes": len(names),
                 "source_features": item.features.source_width or item.width,

@@ -205,3 +205,34 @@ def units_figure(
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def probes_figure(table: pd.DataFrame, title: str = "") -> plt.Figure:
+    """linear_probes.csv by depth (layers in the table's order): held-out accuracy (and the
+    MLP's) over chance, and with control tasks the control accuracy and the selectivity; one
+    line per (run, site, rows)."""
+    table = table.assign(rows=table["rows"].fillna("samples") if "rows" in table else "samples")
+    control = "selectivity" in table and bool(table["selectivity"].notna().any())
+    panels = 2 if control else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(10, 3.2 * panels), squeeze=False)
+    layers = list(dict.fromkeys(table["layer"]))
+    keys = [k for k in ("run", "site", "rows") if k in table]
+    for key, part in table.groupby(keys, sort=False):
+        name = " ".join(map(str, key))
+        x = [layers.index(layer) for layer in part["layer"]]
+        (line,) = axes[0, 0].plot(x, part["accuracy"], marker="o", label=f"{name} accuracy")
+        color = line.get_color()
+        axes[0, 0].plot(x, part["chance"], ls=":", color=color, label=f"{name} chance")
+        for column, style in (("mlp_accuracy", "-."), ("control_accuracy", "--")):
+            if column in part and part[column].notna().any():
+                axes[0, 0].plot(x, part[column], ls=style, color=color, label=f"{name} {column}")
+        if control:
+            axes[1, 0].plot(x, part["selectivity"], marker="o", color=color, label=name)
+    names = ("held-out accuracy", "selectivity (accuracy - control)")
+    for ax, label in zip(axes[:, 0], names, strict=False):
+        ax.set_ylabel(label, fontsize=8)
+        ax.legend(fontsize=6)
+        ax.set_xticks(np.arange(len(layers)), layers, rotation=60, ha="right", fontsize=6)
+    fig.suptitle(title or "probes across depth", fontsize=9)
+    fig.tight_layout()
+    return fig

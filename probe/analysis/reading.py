@@ -180,6 +180,14 @@ class Run:
 
         return data_array(self, layer, site, rows)
 
+    def dataset(self, layer: str, site: str = "output", **options):
+        """The valid rows of one (layer, site) as a shuffled torch IterableDataset of
+        `(rows, labels)` batches (docs/training_data.md): batch_size=4096, shuffle=True, seed=0,
+        buffer_rows, drop_last, with_index, dtype, device."""
+        from probe.analysis.stream import RowStream, sources_of
+
+        return RowStream(sources_of(self, layer, site), **options)
+
     def tokens(self) -> pd.DataFrame:
         """What each row of the token-row datasets (rows: tokens) is: its sample, position and
         token id."""
@@ -309,6 +317,19 @@ class Sweep:
 
     def run(self, name: str | int) -> Run:
         return Run(self.path / str(name))
+
+    def dataset(self, layer: str, site: str = "output", **options):
+        """Run.dataset over every run of the sweep that stored (layer, site), one stream."""
+        from probe.analysis.stream import RowStream, sources_of
+
+        sources = []
+        for d in self.run_dirs:
+            with Run(d) as run:
+                if (layer, site) in run.keys:
+                    sources += sources_of(run, layer, site)
+        if not sources:
+            raise KeyError(f"no run of {str(self.path)!r} stored {layer!r} {site!r}")
+        return RowStream(sources, **options)
 
 
 def open_run(path: Path | str) -> Run:

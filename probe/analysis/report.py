@@ -77,7 +77,12 @@ def analysis_section(path: Path) -> str:
     out = []
     csv = path / "linear_probes.csv"
     if csv.is_file():
-        out.append(table(pd.read_csv(csv), "Linear probes (linear_probes.csv)"))
+        from probe.analysis.plots import probes_figure
+
+        probes = pd.read_csv(csv, dtype={"run": str})
+        if not probes.empty:
+            out.append(img(figure_png(probes_figure(probes)), "probes across depth"))
+        out.append(table(probes, "Linear probes (linear_probes.csv)"))
     if (path / "cka.png").is_file():
         out.append("<h3>CKA (cka.png)</h3>" + img((path / "cka.png").read_bytes(), "cka"))
     elif (path / "cka.csv").is_file():

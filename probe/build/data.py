@@ -16,8 +16,9 @@ from probe.checks import check_data_file, check_dataset, check_root
 from probe.config import TOKEN_DATASETS, TOKEN_REDUCTIONS
 from probe.errors import DataError
 
-# what a pairs batch carries besides the model's inputs: the other half and the answer tokens
-SIDE_KEYS = ("corrupt_ids", "answer", "wrong")
+# what a batch carries besides the model's inputs: a pairs batch's other half and answer tokens,
+# a labelled token batch's label per token (/tokens/label)
+SIDE_KEYS = ("corrupt_ids", "answer", "wrong", "token_labels")
 log = logging.getLogger("probe")
 
 

@@ -86,16 +86,20 @@ class TokenBatch:
         flat = None if self.flat is None else self.flat.to(device)
         return TokenBatch(self.length, *moved, flat)
 
-    def rows(self, ids: torch.Tensor, start: int) -> dict[str, np.ndarray]:
+    def rows(self, ids: torch.Tensor, start: int, labels=None) -> dict[str, np.ndarray]:
         """/tokens/sample (`start` + row in the batch), /tokens/position and /tokens/id of each
-        real token, in the order of the token rows; from the host tensors."""
+        real token, in the order of the token rows, and /tokens/label with `labels` (N, T); from
+        the host tensors."""
         n, t = ids.shape[:2]
         flat = torch.arange(n * t) if self.flat is None else self.flat.cpu()
-        return {
+        out = {
             "tokens/sample": (flat // t + start).numpy(),
             "tokens/position": (flat % t).to(torch.int32).numpy(),
             "tokens/id": ids.reshape(-1)[flat].to(torch.int64).numpy(),
         }
+        if labels is not None:
+            out["tokens/label"] = labels.reshape(-1)[flat].to(torch.int64).numpy()
+        return out
 
 
 def token_axis_checked(x: torch.Tensor, tokens: TokenBatch | None, where: str, what: str) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from probe.build import tokens as tk  # its file, id and tokenizer helpers, private or not
+from probe.build import text as tx  # its record and tokenizer helpers
+from probe.build import tokens as tk  # its file and id helpers, private or not
 from probe.errors import ConfigError, DataError
 
 _WHAT = "a .jsonl file of clean/corrupt pairs or a .pt dict {clean_ids, corrupt_ids, ...}"
@@ -107,7 +108,7 @@ def _jsonl(p: Path, cfg, model_cfg, pad_token_id: int | None) -> PairDataset:
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        halves = [tk._jsonl_text(n, line, k, where, _JSONL) for k in ("clean", "corrupt")]
+        halves = [tx._jsonl_text(n, line, k, where, _JSONL) for k in ("clean", "corrupt")]
         if None in halves:
             half = "clean" if halves[0] is None else "corrupt"
             raise DataError(f"{where}: line {n}: {half!r} is null; {_JSONL}")
@@ -117,7 +118,7 @@ def _jsonl(p: Path, cfg, model_cfg, pad_token_id: int | None) -> PairDataset:
         at.append(n)
     if not texts:
         raise DataError(f"{where} holds no pairs; {_JSONL}")
-    tok = tk._tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
+    tok = tx._tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
     clean = tok([t[0] for t in texts], add_special_tokens=True)["input_ids"]
     corrupt = tok([t[1] for t in texts], add_special_tokens=True)["input_ids"]
     for i, (a, b) in enumerate(zip(clean, corrupt, strict=True)):

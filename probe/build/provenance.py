@@ -177,7 +177,9 @@ def _text(identity: dict, base, to_base, dataset_cfg) -> Provenance:
     )
     ids = functools.cache(lambda: document_ids(source.path, source.lines))
     if not packed:
-        return Provenance(identity, {"document": _lookup(ids, to_base)})
+        names = {"class_names": source.class_names, "token_label_names": source.label_names}
+        lists = {k: v for k, v in names.items() if v is not None}
+        return Provenance(identity, {"document": _lookup(ids, to_base)}, lists)
     starts = np.asarray(source.starts, dtype=np.int64)
     first = np.arange(0, source.tokens, source.seq_len, dtype=np.int64)  # each row's first token
     last = np.minimum(first + source.seq_len, source.tokens) - 1

@@ -6,7 +6,6 @@ padded position is 0 in `attention_mask`, so padding can be kept out of statisti
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,12 +16,7 @@ from probe.checks import check_data_file
 from probe.config import TOKEN_DATASETS
 from probe.errors import ConfigError, DataError
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-# what save_pretrained writes for a tokenizer (one of them at least), by tokenizer kind
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
-                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 _WHAT = {"tokens": "a .pt file of token ids", "text": "a .txt, .jsonl or .parquet file of text"}
-_CHUNK = 1024  # documents tokenized per call when packing (stop early once enough rows exist)
 
 
 @dataclass(frozen=True)
@@ -38,15 +32,20 @@ class TextSource:
     seq_len: int
     starts: list[int] | None = None
     tokens: int = 0
+    class_names: list[str] | None = None  # dataset.label_field's string classes, by index
+    label_names: list[str] | None = None  # dataset.word_labels_field's string labels, by index
 
 
 class TokenDataset(Dataset):
     """Rows of ids held in memory. The whole tensors are attributes so the run can check ids once;
-    items are `{"input_ids", "attention_mask"?}` or `(that dict, target)` for the default collate."""
+    items are `{"input_ids", "attention_mask"?, "token_labels"?}` or `(that dict, target)` for the
+    default collate. `token_labels` (N, T): a label per token, -1 where none (/tokens/label)."""
 
-    def __init__(self, input_ids, attention_mask=None, targets=None, source=None):
+    def __init__(self, input_ids, attention_mask=None, targets=None, source=None,
+                 token_labels=None):  # fmt: skip
         self.input_ids, self.attention_mask, self.targets = input_ids, attention_mask, targets
         self.source: TextSource | None = source  # dataset=text: the documents rows come from
+        self.token_labels = token_labels
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -55,15 +54,19 @@ class TokenDataset(Dataset):
         inputs = {"input_ids": self.input_ids[i]}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask[i]
+        if self.token_labels is not None:
+            inputs["token_labels"] = self.token_labels[i]
         return inputs if self.targets is None else (inputs, self.targets[i])
 
     def head(self, n: int | None) -> TokenDataset:
         """The first n rows (copies, so the rest can be freed)."""
         if n is None or n >= len(self):
             return self
-        cut = [None if t is None else t[:n].clone() for t in (self.input_ids, self.attention_mask)]
-        targets = None if self.targets is None else self.targets[:n].clone()
-        return TokenDataset(*cut, targets, self.source)  # row i of the head is row i of the whole
+        ids, mask, targets, labels = (
+            None if t is None else t[:n].clone()
+            for t in (self.input_ids, self.attention_mask, self.targets, self.token_labels)
+        )  # row i of the head is row i of the whole
+        return TokenDataset(ids, mask, targets, self.source, labels)
 
 
 class RandomTokens(Dataset):
@@ -121,7 +124,12 @@ def token_dataset(
     if cfg.path is None:
         raise ConfigError(f"dataset={cfg.name} needs dataset.path=FILE ({_WHAT[cfg.name]})")
     p = _existing_file(cfg.path, _WHAT[cfg.name])
-    ds = _tokens_file(p, pad_token_id) if cfg.name == "tokens" else _text(p, cfg, model_cfg, n)
+    if cfg.name == "tokens":
+        ds = _tokens_file(p, pad_token_id)
+    else:
+        from probe.build.text import text_dataset
+
+        ds = text_dataset(p, cfg, model_cfg, n)
     ds = ds.head(n)
     _check_ids(ds.input_ids, vocab_size, p)
     return ds, ds.targets is not None
@@ -173,7 +181,7 @@ def _tokens_file(p: Path, pad_token_id: int | None) -> TokenDataset:
             f"{where} holds a {type(obj).__name__}{keys}; expected a (N, T) tensor of token ids or "
             "a dict {'input_ids': ..., 'attention_mask': ... (optional), 'labels': ... (optional)}"
         )
-    extra = sorted(set(obj) - {"input_ids", "attention_mask", "labels", "targets"})
+    extra = sorted(set(obj) - {"input_ids", "attention_mask", "labels", "targets", "token_labels"})
     if extra:
         raise DataError(f"{where} holds keys dataset=tokens does not use: {extra}; remove them")
     if "labels" in obj and "targets" in obj:
@@ -206,7 +214,15 @@ def _tokens_file(p: Path, pad_token_id: int | None) -> TokenDataset:
                 f"{where}: {n} samples of {t} tokens but {key} of shape "
                 f"{tuple(targets.shape)}; expected ({n},) or ({n}, {t})"
             )
-    return TokenDataset(ids, mask, targets)
+    token_labels = obj.get("token_labels")
+    if token_labels is not None:
+        token_labels = _integers(token_labels, where, "token_labels")
+        if token_labels.shape != ids.shape:
+            raise DataError(
+                f"{where}: token_labels has shape {tuple(token_labels.shape)} but input_ids "
+                f"{tuple(ids.shape)}; give one label per token (-1 where none)"
+            )
+    return TokenDataset(ids, mask, targets, None, token_labels)
 
 
 def _integers(t, where: str, what: str) -> torch.Tensor:
@@ -260,132 +276,3 @@ def _right_pad(rows, pad: int, width: int):
         ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         mask[i, : len(r)] = 1
     return ids, mask
-
-
-# --- dataset=text ---------------------------------------------------------------------------
-
-
-def _text(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDataset:
-    """Unpacked: one row per document (the tokenizer's own special tokens, cut to seq_len), padded to
-    the longest row of the whole file, so a row does not change with num_samples. Packed: documents
-    joined by EOS into rows of exactly seq_len. Text rows always carry an attention_mask."""
-    if p.suffix.lower() not in TEXT_SUFFIXES:
-        raise DataError(
-            f"dataset.path={str(p)!r} has the unsupported suffix {p.suffix!r}; dataset=text reads "
-            f"{', '.join(TEXT_SUFFIXES)}"
-        )
-    docs, lines = _documents(p, cfg.text_field)
-    tok = _tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
-    source = TextSource(p, lines, str(cfg.tokenizer or model_cfg.name), cfg.seq_len)
-    pad = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
-    T = cfg.seq_len
-    if not cfg.pack:
-        enc = tok(docs, add_special_tokens=True, truncation=True, max_length=T)["input_ids"]
-        rows = [r[:T] for r in enc]
-        if not any(rows):
-            raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
-        return TokenDataset(*_right_pad(rows, pad, max(len(r) for r in rows)), None, source)
-    flat, need, starts = [], None if num_samples is None else num_samples * T, []
-    for start in range(0, len(docs), _CHUNK):
-        chunk = docs[start : start + _CHUNK]
-        for doc in tok(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
-            if flat and tok.eos_token_id is not None:
-                flat.append(tok.eos_token_id)
-            starts.append(len(flat))
-            flat.extend(doc)
-        if need is not None and len(flat) >= need:
-            break
-    if not flat:
-        raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
-    rows = [flat[i : i + T] for i in range(0, len(flat), T)]
-    packed = TextSource(p, lines, source.tokenizer, T, starts, len(flat))
-    return TokenDataset(*_right_pad(rows, pad, T), None, packed)
-
-
-def _documents(p: Path, field: str) -> tuple[list[str], list[int]]:
-    """Non-empty documents: .txt lines, a field of .jsonl records, a column of .parquet; and the
-    0-based line (or row) of each."""
-    where, suffix = f"dataset.path={str(p)!r}", p.suffix.lower()
-    way_out = f"name the field holding the text with dataset.text_field=... (now {field!r})"
-    if suffix == ".parquet":
-        values = _parquet_column(p, field, where, way_out)
-    else:
-        try:
-            lines = p.read_text(encoding="utf-8").split("\n")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        values = [
-            line.rstrip("\r") if suffix == ".txt" else _jsonl_text(n, line, field, where, way_out)
-            for n, line in enumerate(lines, 1)
-        ]
-    kept = [n for n, v in enumerate(values) if v is not None and v.strip()]
-    docs = [values[n] for n in kept]
-    if not docs:
-        raise DataError(
-            f"{where} holds no documents; give one document per non-empty line (.txt), one JSON "
-            "object per line (.jsonl) or a text column (.parquet)"
-        )
-    return docs, kept
-
-
-def _jsonl_text(n: int, line: str, field: str, where: str, way_out: str):
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"{where}: line {n} is not JSON ({e.msg}); a .jsonl file holds one JSON object per line"
-        ) from None
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: line {n} is a JSON {type(record).__name__}, not an object")
-    if field not in record:
-        raise DataError(
-            f"{where}: line {n} has no field {field!r} (keys: {list(record)}); {way_out}"
-        )
-    return _text_value(record[field], f"{where}: line {n}", field)
-
-
-def _text_value(value, where: str, field: str):
-    if value is not None and not isinstance(value, str):
-        raise DataError(f"{where}: {field!r} is a {type(value).__name__}, not text")
-    return value
-
-
-def _parquet_column(p: Path, field: str, where: str, way_out: str) -> list:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError("reading .parquet needs pyarrow; pip install pyarrow") from None
-    try:
-        names = pq.read_schema(p).names
-        values = (
-            pq.read_table(p, columns=[field]).column(field).to_pylist() if field in names else 0
-        )
-    except Exception as e:
-        raise DataError(f"{where} is not a readable parquet file ({_first_line(e)})") from None
-    if values == 0:
-        raise DataError(f"{where} has no column {field!r} (columns: {names}); {way_out}")
-    return [_text_value(v, f"{where}: row {i}", field) for i, v in enumerate(values)]
-
-
-def _tokenizer(name: str, named: bool):
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ConfigError("dataset=text needs transformers; pip install -e '.[hf]'") from None
-    source = f"dataset.tokenizer={name!r}" if named else f"model.name={name!r} (as tokenizer)"
-    folder = Path(str(name)).expanduser()
-    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        # transformers would build an empty tokenizer from a model's config.json alone
-        raise ConfigError(
-            f"{source} is a folder without tokenizer files "
-            f"({', '.join(TOKENIZER_FILES[:3])}, ...); set dataset.tokenizer to a local directory saved with tokenizer.save_pretrained(DIR)"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(str(name))
-    except Exception as e:
-        raise ConfigError(
-            f"{source} cannot be loaded ({_first_line(e)}); set dataset.tokenizer to a local "
-            "directory saved with tokenizer.save_pretrained(DIR)"
-        ) from None

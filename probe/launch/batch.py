@@ -110,7 +110,9 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
     record.token_keys = captured.token_keys
     record.once = once
     if host_tokens is not None and any(s.rows == "tokens" for s in selections):
-        record.tokens = host_tokens.rows(batch.inputs["input_ids"], batch.start)
+        record.tokens = host_tokens.rows(
+            batch.inputs["input_ids"], batch.start, batch.side.get("token_labels")
+        )
     if captured.pooled:
         record.release = functools.partial(capture.pool.give, captured.pooled)
     return record
