@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from probe.build.labels import fields, labelled, padded_labels
-from probe.build.tokens import TextSource, TokenDataset, _first_line, _right_pad
+from probe.build.token_data import TextSource, TokenDataset, _first_line, _right_pad
 from probe.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
