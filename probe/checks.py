@@ -158,6 +158,8 @@ def check_run_options(cfg) -> None:
     and store.* (the run checks them here too when its config did not come through
     check_config: the Python API's)."""
     _store(cfg.store, str(cfg.stats.get("during", "run")))
+    for key in ("topk", "bottomk", "topk_quantiles"):
+        at_least(f"stats.{key}", cfg.stats.get(key, 0), 0, " (0: off)")
     name = cfg.device
     if name != "auto" and not DEVICE.match(str(name)):
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")

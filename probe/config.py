@@ -133,6 +133,9 @@ class ProbeSpec:
     # first cam_skip_tokens (a ViT's class token)
     cam_grid: list[int] | None = None
     cam_skip_tokens: int = 0
+    sae: Any = (
+        None  # an SAE on the output: a folder (SAELens layout) or {path, dense, splice, error_term}
+    )
 
 
 @dataclass
@@ -256,6 +259,9 @@ class StatsConfig:
     # when a full run computes them: run (in the hooks), close (from the stored rows once the
     # loop ends) or none (readers compute them from the rows where asked)
     during: StatsDuring = StatsDuring.run
+    topk: int = 0  # per unit, the K largest values and their rows (/topk; 0: off)
+    bottomk: int = 0  # the K smallest
+    topk_quantiles: int = 0  # Q: a seeded sample of active rows in Q equal-count groups by rank
 
 
 @dataclass

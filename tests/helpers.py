@@ -58,7 +58,8 @@ def file_arrays(f: h5py.File) -> dict:
 
     def take(name, obj):
         plain = name == "sample" or not is_scale(obj)
-        if isinstance(obj, h5py.Dataset) and plain and name != "progress" and name[:6] != "stats/":
+        own_slots = name[:6] in ("stats/", "topk/")  # (decoded below: which slot is the file's)
+        if isinstance(obj, h5py.Dataset) and plain and name != "progress" and not own_slots:
             arrays[name] = obj[()]
 
     f.visititems(take)
@@ -68,6 +69,8 @@ def file_arrays(f: h5py.File) -> dict:
         arrays[f"{at}/hist"] = occupied(s.hist.counts, False)
         if s.units is not None:
             arrays[f"{at}/units"] = s.units.packed()
+        for kind, (values, keys) in (info.topk.kinds if info.topk is not None else {}).items():
+            arrays[f"topk/{layer}/{site}/{kind}"] = np.stack([values, keys.astype(np.float64)])
     return arrays
 
 

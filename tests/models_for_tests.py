@@ -264,3 +264,19 @@ class TokenContext(nn.Module):
         now = nn.functional.one_hot(input_ids, self.vocab).float()
         before = torch.cat([torch.zeros_like(now[:, :1]), now[:, :-1]], 1)
         return self.mixed(torch.cat([self.lexical(now), self.context(before)], -1))
+
+
+class PadLoud(nn.Module):
+    """Token rows whose padding is the loudest: `loud` outputs the token one-hot plus 100 at
+    every padded position, so a top-k that let padding in would show it first."""
+
+    def __init__(self, vocab: int = 20):
+        super().__init__()
+        self.vocab = vocab
+        self.loud = nn.Identity()
+
+    def forward(self, input_ids, attention_mask=None):
+        h = nn.functional.one_hot(input_ids, self.vocab).float()
+        if attention_mask is not None:
+            h = h + 100.0 * (1 - attention_mask[..., None].float())
+        return self.loud(h + 0.01 * torch.arange(input_ids.shape[1], device=h.device)[:, None])

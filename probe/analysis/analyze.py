@@ -340,6 +340,11 @@ def hand_back_freed_slabs() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "topk" in argv[1:2]:  # feature cards: their own options (probe.analysis.cards)
+        from probe.analysis.cards import main as cards
+
+        return cards(argv)
     parser = argparse.ArgumentParser(
         prog="python -m probe.analyze",
         description="Linear probes (linear_probes.csv) and CKA (cka.csv, cka.png) of a run or sweep.",

@@ -188,6 +188,15 @@ class Run:
 
         return RowStream(sources_of(self, layer, site), **options)
 
+    def topk(self, layer: str, site: str = "output", unit=None, kind: str = "top",
+             context: tuple[int, int] = (8, 4), tokenizer=None) -> pd.DataFrame:  # fmt: skip
+        """The examples the run kept of `unit` (int, list, None: all) with stats.topk (kind
+        top, bottom or quantiles): value, sample, position, and what the sample is (its path,
+        document, or tokens with `context` tokens around); docs/features.md."""
+        from probe.analysis.examples import examples_table
+
+        return examples_table(self, layer, site, unit, kind, context, tokenizer)
+
     def tokens(self) -> pd.DataFrame:
         """What each row of the token-row datasets (rows: tokens) is: its sample, position and
         token id."""

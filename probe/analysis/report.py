@@ -10,41 +10,18 @@ report.html is written too and linked).
 from __future__ import annotations
 
 import argparse
-import base64
 import html
-import io
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from probe.analysis.html_parts import figure_png, img, page
 from probe.analysis.reading import open_run, open_sweep
 from probe.analysis.summarize import is_sweep
 from probe.errors import ProbeError
 
 CHEAP_BYTES = 64 * 2**20  # analyses run by the report itself only for files this small
-STYLE = (
-    "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
-    "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}"
-    ".wide{overflow-x:auto}img{max-width:100%}pre{background:#f6f6f6;padding:1em;font-size:12px}"
-)
-
-
-def data_uri(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
-
-
-def figure_png(fig) -> bytes:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def img(png: bytes, alt: str) -> str:
-    return f'<figure><img alt="{html.escape(alt)}" src="{data_uri(png)}"></figure>'
 
 
 def table(frame: pd.DataFrame | None, caption: str) -> str:
@@ -109,6 +86,21 @@ def identity(run) -> pd.DataFrame:
     )
 
 
+def feature_cards(run, sites: int = 3, cards: int = 4) -> str:
+    """A few feature cards of the first sites with kept examples (stats.topk); the rest with
+    `python -m probe.analyze RUN topk --layer ...`."""
+    from probe.analysis.cards import cards_html
+    from probe.store import stats_file
+
+    kept = [k for k, info in stats_file.read(run.file).items() if info.topk is not None]
+    parts = [cards_html(run, layer, site, limit=cards) for layer, site in kept[:sites]]
+    if len(kept) > sites:
+        rest = ", ".join(f"{a} {b}" for a, b in kept[sites:])
+        parts.append(f"<p>More sites with examples: {html.escape(rest)} (python -m probe.analyze "
+                     f"{html.escape(str(run.path))} topk --layer L --site S)</p>")  # fmt: skip
+    return "".join(parts)
+
+
 def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> str:
     """The HTML sections of one run."""
     from omegaconf import OmegaConf
@@ -126,6 +118,7 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
         parts.append(table(run.attribution, "Attribution (attribution.csv)"))
         parts.append(table(run.lens, "Logit lens (lens.csv)"))
         parts.append(table(run.dla, "Direct logit attribution (dla.csv)"))
+        parts.append(feature_cards(run))
         config = OmegaConf.to_yaml(run.config, resolve=False)
     parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
     return "".join(parts)
@@ -159,14 +152,6 @@ def sweep_body(path: Path, analyze: str = "auto") -> str:
         with open_run(run_dir) as run:
             parts.append(table(identity(run), "Run") + table(run.summary, "Summary"))
     return "".join(parts)
-
-
-def page(title: str, body: str) -> str:
-    t = html.escape(title)
-    return (
-        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{t}</title>'
-        f"<style>{STYLE}</style></head><body><h1>{t}</h1>{body}</body></html>\n"
-    )
 
 
 def write(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> Path:

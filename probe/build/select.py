@@ -38,6 +38,7 @@ class Selection:
     rows: str = "samples"
     cam_grid: tuple[int, int] | None = None  # CAMs of a token layout: its grid
     cam_skip_tokens: int = 0
+    sae: Any = None  # the probe's `sae`, then its loaded SaeSite (probe.hooks.sae_site)
 
     @property
     def module_type(self) -> str:
@@ -181,13 +182,14 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                     "rows": spec.rows,
                     "cam_grid": getattr(spec, "cam_grid", None),
                     "cam_skip_tokens": getattr(spec, "cam_skip_tokens", 0),
+                    "sae": getattr(spec, "sae", None),
                 },
             )
-            layout = ("reduce", "dtype", "unit_axis", "rows", "cam_grid", "cam_skip_tokens")
+            layout = ("reduce", "dtype", "unit_axis", "rows", "cam_grid", "cam_skip_tokens", "sae")
             if tuple(entry[k] for k in layout) != tuple(getattr(spec, k, None) for k in layout):
                 raise ConfigError(
                     f"module {n!r} is selected by probes {entry['probe']!r} and {probe_name!r} with "
-                    "different reduce/dtype/unit_axis/rows/cam_grid; exclude it from one of them"
+                    "different reduce/dtype/unit_axis/rows/cam_grid/sae; exclude it from one of them"
                 )
             entry["sites"] += [s for s in spec.capture if s not in entry["sites"]]
             if "param_grad" in spec.capture:
@@ -206,6 +208,7 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
             e["rows"],
             tuple(e["cam_grid"]) if e["cam_grid"] else None,
             int(e["cam_skip_tokens"] or 0),
+            e["sae"],
         )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]

@@ -19,10 +19,12 @@ from torch.autograd.graph import get_gradient_edge
 from probe.build.layout import TokenBatch, reduced, token_rows, unit_axis
 from probe.build.select import Selection
 from probe.config import ATTRIBUTION_SITES
-from probe.errors import ModelError
+from probe.errors import ConfigError, ModelError
 from probe.hooks.buffers import AlignedPool, aligned_empty
+from probe.hooks.examples import TopKSpec, partial, row_keys
 from probe.hooks.gradients import DTYPES, Attributed, PendingGrad
 from probe.hooks.names import dataset_name, flatten, replace_tensors
+from probe.hooks.sae_site import SaeSite, sae_site, take_sae
 
 # the attribution sites that explain a module's output, and its input
 ATTRIBUTED = {
@@ -52,6 +54,9 @@ class BatchCapture:
     observe_device: bool = False  # `observe` also takes GPU values (the torch backend)
     attributed: list[Attributed] = field(default_factory=list)  # for the attribution sites
     token_keys: set[tuple[str, str]] = field(default_factory=set)  # the datasets of token rows
+    topk: TopKSpec | None = None  # examples per unit to keep (stats.topk), on the value's device
+    topk_rows: int = 0  # the samples the run visits (more examples than rows are refused)
+    topk_partials: dict[tuple[str, str], dict] = field(default_factory=dict)  # this batch's
 
     def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees the value now, before any later
@@ -66,6 +71,11 @@ class BatchCapture:
             self.token_keys.add(key)
         if observing:
             self.observed[key] = self.observe(key, value, axis)
+        if self.topk is not None:
+            by_token = sel.rows == "tokens" and t.ndim >= 2
+            found = row_keys(value, axis, self.start, self.tokens, by_token)
+            check_examples(self.topk, self.topk_rows * len(found[1]) // max(self.size, 1), key)
+            self.topk_partials[key] = partial(*found, self.topk)
         if observing and not self.keep_values:
             value = self.layout(key, value)
         self.values[key] = value
@@ -88,6 +98,7 @@ class HookedModule:
     module: torch.nn.Module
     selection: Selection | None
     edits: dict[str, list] = field(default_factory=dict)
+    sae: SaeSite | None = None  # a sparse autoencoder on its output (probe.hooks.sae_site)
 
     def __post_init__(self):
         self.captured = frozenset(self.selection.sites if self.selection is not None else ())
@@ -117,15 +128,18 @@ class Capture:
         observe: Callable[[tuple[str, str], torch.Tensor, int], Any] | None = None,
         keep_values: bool = True,
         observe_device: bool = False,
+        topk: TopKSpec | None = None,
+        topk_rows: int = 0,
     ):
         self.selections = selections
         self.observe = observe  # called with each capture (and its unit axis) as it is taken
         self.observe_device = observe_device  # GPU captures too, else only CPU ones
+        self.topk, self.topk_rows = topk, topk_rows  # examples per unit (probe.stats.topk)
         self.keep_values = keep_values
         self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
         hooked: dict[str, HookedModule] = {
-            s.name: HookedModule(s.name, s.module, s) for s in selections
+            s.name: HookedModule(s.name, s.module, s, sae=sae_site(s)) for s in selections
         }
         for e in edits or []:
             if e.module_name not in hooked:
@@ -179,6 +193,8 @@ class Capture:
             recording=recording,
             repeats=repeats,
             observe_device=self.observe_device,
+            topk=self.topk if recording else None,
+            topk_rows=self.topk_rows,
         )
         self.in_calls.clear()
         self.out_calls.clear()
@@ -256,11 +272,16 @@ class Capture:
             else:  # the batch repeated (a grid's stacked cells): each repeat edited alike
                 parts = edited.chunk(batch.repeats)
                 edited = torch.cat([e.apply(c, batch.start, key, batch.tokens) for c in parts])
+        onward = edited
+        if t.sae is not None and site == "output" and call == 0 and path in ("", ".0"):
+            onward = take_sae(batch, t.name, t.sae, edited, sel)
         captured = site in t.captured and batch.recording
         if captured and edited is not x and sel.unedited:
             batch.take((t.name, "unedited_" + key), x, sel)
         if captured:
             batch.take((t.name, key), edited, sel)
+        if onward is not edited:  # spliced: the model goes on with the SAE's reconstruction
+            return onward
         explains = t.explains.get(site) if batch.recording else None
         if not edited.requires_grad or not (t.wants(grad_site) or explains):
             return edited
@@ -305,6 +326,16 @@ def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
             f"layer {key[0]!r} {key[1]} has shape {tuple(t.shape)}, whose first axis is not the batch "
             f"of {size}; exclude this layer from the probe (exclude: [{key[0]!r}])"
         )
+
+
+def check_examples(spec: TopKSpec, rows: int, key: tuple[str, str]) -> None:
+    """More examples per unit than the run has rows (with their positions) cannot be kept."""
+    for name, k in (("stats.topk", spec.top), ("stats.bottomk", spec.bottom)):
+        if k > rows:
+            raise ConfigError(
+                f"{name}={k} is more than the {rows} rows (samples x positions) layer "
+                f"{key[0]!r} {key[1]} gives in this run; ask for at most {rows}"
+            )
 
 
 def keep(

@@ -32,6 +32,8 @@ class Record:
     batch_rows: dict[str, np.ndarray] = field(default_factory=dict)  # one row for this batch
     token_keys: set[tuple[str, str]] = field(default_factory=set)  # values of one row per token
     once: dict[str, np.ndarray] = field(default_factory=dict)  # written whole if not yet there
+    # this batch's examples per unit by dataset and kind: (values, keys) (probe.stats.topk)
+    topk: dict[tuple[str, str], dict[str, tuple]] = field(default_factory=dict)
 
     @property
     def token_count(self) -> int:

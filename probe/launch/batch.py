@@ -36,6 +36,7 @@ class BatchStep:
     integrated: Integrated | None = None  # integrated gradients' settings and baselines
     readout: object = None  # a lens or direct logit attribution (probe.attribute.readout)
     position: int | None = None  # where the readout reads the answer (lens.position)
+    splice: object = None  # the spliced SAEs' extra forwards (probe.intervene.splice)
 
 
 def run_batch(step: BatchStep, batch, index: int) -> Record:
@@ -78,6 +79,9 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
         capture.end()
         if step.readout is not None:
             held = step.readout.end()
+    if step.splice is not None:  # (more forwards, recording nothing)
+        ctx = functools.partial(devices.autocast, device, precision)
+        step.splice.measure(model, inputs, tokens, size, batch.start, ctx)
     if step.integrated is not None and captured.attributed:  # (more forwards, hooks idle)
         step.integrated.take(captured, step, inputs, targets, tokens, side, scores)
     extra = output_rows(output, model_output, size, tokens)
@@ -100,7 +104,15 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
             if not t.is_cpu:
                 observed[key] = capture.observe(key, t, 1)
     on_device = {k: v.packed for k, v in observed.items() if isinstance(v, DeviceStats)}
-    (values, per_batch, host_stats), ready = devices.to_host(captured.values, per_batch, on_device)
+    examples = {
+        (key, kind, i): t
+        for key, kinds in captured.topk_partials.items()
+        for kind, pair in kinds.items()
+        for i, t in enumerate(pair)
+    }
+    (values, per_batch, host_stats, examples), ready = devices.to_host(
+        captured.values, per_batch, on_device, examples
+    )
     for key, packed in host_stats.items():  # readable once `ready` has fired
         observed[key].packed = packed
     record = Record(batch.start, size, index, values, per_batch, batch.targets, extra, ready)
@@ -109,6 +121,9 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
     record.axes = captured.axes
     record.token_keys = captured.token_keys
     record.once = once
+    for (key, kind, i), t in examples.items():  # readable once `ready` has fired
+        pair = record.topk.setdefault(key, {}).setdefault(kind, [None, None])
+        pair[i] = t
     if host_tokens is not None and any(s.rows == "tokens" for s in selections):
         record.tokens = host_tokens.rows(
             batch.inputs["input_ids"], batch.start, batch.side.get("token_labels")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pandas as pd
 import torch
 import torchvision
@@ -31,9 +33,12 @@ from probe.config import BACKWARD_SITES
 from probe.errors import ConfigError
 from probe.hooks import nonfinite
 from probe.hooks.capture import Capture
+from probe.hooks.examples import TopKSpec
 from probe.hooks.objective import build_objective
+from probe.hooks.sae_site import sae_site
 from probe.intervene.edits import GRAD_EDIT_SITES, build_edits, first_pass_means
 from probe.intervene.passes import Interventions
+from probe.intervene.splice import SpliceReport
 from probe.launch import distributed, size_plan
 from probe.launch.batch import BatchStep, run_batch
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
@@ -117,6 +122,8 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
     stats_backend = backend.resolve(cfg.stats.backend, device.type)
     backend.use(stats_backend)
     selections = select_modules(model, cfg.probes)
+    # (read now: a bad SAE folder stops the run before any file is made)
+    selections = [dataclasses.replace(s, sae=sae_site(s)) for s in selections]
     if placement.is_placed(model):
         placement.describe(model, selections)
         placement.check_param_grads(selections)
@@ -245,11 +252,19 @@ def _open_writer(
         total_rows=len(shard.samples),
         provenance=provenance,
         stats_during=cfg.stats.during,
+        topk=examples_spec(cfg),
     )
     if resuming:
         p.batches.skip(writer.num_batches)
         log.info("resuming %s after %d samples", h5_path, writer.num_samples)
     return writer
+
+
+def examples_spec(cfg) -> TopKSpec | None:
+    """What stats.topk, stats.bottomk and stats.topk_quantiles ask to keep (None: nothing)."""
+    s = cfg.stats
+    spec = TopKSpec(s.get("topk", 0), s.get("bottomk", 0), s.get("topk_quantiles", 0), cfg.seed)
+    return spec if spec.sizes() and s.during != "none" else None
 
 
 def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: StopFlag) -> bool:
@@ -259,7 +274,8 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
     in_hooks = cfg.stats.during == "run" and (p.device.type == "cpu" or on_device)
     observe = writer.observe if in_hooks else None
     keep_values = cfg.store.mode == "full"
-    capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device)
+    capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device,
+                      writer.topk if cfg.stats.during == "run" else None, shard.dataset_samples)  # fmt: skip
     step = BatchStep(
         p.model,
         capture,
@@ -272,6 +288,7 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
         p.integrated,
         p.readout,
         cfg.lens.position,
+        SpliceReport(capture) if any(t.sae is not None for t in capture.hooked) else None,
     )
     fail_on_nonfinite = cfg.fail_on_nonfinite  # read once
     readout = p.readout or contextlib.nullcontext()
@@ -289,6 +306,13 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
                 nonfinite.check_batch(record)
             if stop.requested is not None:
                 break
+    if step.splice is not None:  # (each rank its own: a torchrun job's are not merged)
+        table = step.splice.table()
+        table.to_csv(writer.path.parent / "sae.csv", index=False)
+        log.info("wrote %s (%d layers with an SAE)", writer.path.parent / "sae.csv", len(table))
+        promoted = step.splice.promoted(p.model)
+        if promoted:  # (feature cards show them: probe.analysis.cards)
+            np.savez(writer.path.parent / "sae_tokens.npz", **promoted)
     # a signal during the last batch stops nothing: the run is whole, so it says so
     complete = stop.requested is None or index + 1 - first >= remaining_batches(p.batches)
     if complete:

@@ -13,6 +13,7 @@ import torch
 from probe.errors import WriteError
 from probe.hooks.record import Record
 from probe.stats.running import stats_for
+from probe.stats.topk import TopKState
 from probe.store import direct, stats_file
 from probe.store.chunks import (
     ChunkedDataset,
@@ -59,7 +60,9 @@ class Appends:
 
     def _append_batch(self, r: Record, end: int) -> None:
         for key, t, lo, hi, per_batch, axis, by_token in self._placements(r, end):
-            self._append(key, t, lo, hi, per_batch, r.counted.get(key), axis, by_token)
+            self._append(
+                key, t, lo, hi, per_batch, r.counted.get(key), axis, by_token, r.topk.get(key)
+            )
         tokens = (self.num_tokens, self.num_tokens + r.token_count)
         if self.mode == "full" and self.token_layers and r.tokens is not None:
             for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
@@ -128,6 +131,7 @@ class Appends:
         counted=None,
         unit_axis: int = 1,
         by_token: bool = False,
+        examples: dict | None = None,
     ) -> None:
         info = self.datasets.get(key)
         if info is None:
@@ -145,6 +149,10 @@ class Appends:
             self.datasets[key] = info
         if self.stats_during == "run":  # (else made at close: its layout follows the stats)
             info.stats.merge(counted if counted is not None else self.observe(key, t, unit_axis))
+            if examples is not None:  # the batch's examples per unit (probe.stats.topk)
+                if info.topk is None:
+                    info.topk = TopKState(self.topk)
+                info.topk.merge({kind: (v.numpy(), k.numpy()) for kind, (v, k) in examples.items()})
         if (
             self.stats_during == "run"
             and f"stats/{encode(key[0])}/{encode(key[1])}" not in self.known

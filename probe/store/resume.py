@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from probe.errors import ConfigError, DataError
 from probe.stats import backend
 from probe.stats.running import stats_for
+from probe.stats.topk import TopKState
 from probe.store import stats_file
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import (
@@ -205,6 +206,7 @@ def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> Non
     slots = "progress" in writer.file  # whole by construction: published with the counts
     if stored is not None and (slots or stored.stats.rows == rows - _unseen(writer, key)):
         info.stats, info.shape, info.dtype = stored.stats, stored.shape, stored.dtype
+        info.topk = stored.topk
         return
     ds = writer.file.get(layer_path(*key))
     if ds is None:
@@ -222,12 +224,36 @@ def recompute(writer, key, info, rows: int, batch_rows: int) -> None:
     the run would have (stats.during=close, and a resume whose /stats do not cover its rows)."""
     ds = writer.file[layer_path(*key)]
     info.stats = stats_for(info.module_type, key[1], info.stats.unit_axis)
+    examples = writer.topk is not None and not info.per_batch
+    info.topk = TopKState(writer.topk) if examples else None
     seen = seen_ranges(writer.file, key[0], key[1], min(rows, len(ds)))
     for lo, hi in _batch_rows(writer, info, rows, batch_rows):
         for a, b in seen:
             if max(lo, a) < min(hi, b):
-                backend.fold(info.stats, ds[max(lo, a) : min(hi, b)])
+                block = ds[max(lo, a) : min(hi, b)]
+                backend.fold(info.stats, block)
+                if examples:
+                    _fold_examples(writer, info, block, max(lo, a))
     info.shape, info.dtype = tuple(ds.shape[1:]), str(ds.dtype)
+
+
+def _fold_examples(writer, info, block: np.ndarray, lo: int) -> None:
+    """A block of stored rows' examples per unit, their keys from /samples/index or /tokens/*
+    (a capture of token positions per sample cannot tell its padding apart: rows: tokens can)."""
+    import torch
+
+    from probe.hooks.examples import POSITION_BITS, partial, stored_keys
+
+    f, n = writer.file, len(block)
+    if info.rows == "tokens":
+        inner = int(np.prod(block.shape[1:], dtype=np.int64)) // block.shape[info.stats.unit_axis]
+        sample = f["tokens/sample"][lo : lo + n].astype(np.int64)
+        base = sample * (1 << POSITION_BITS) + f["tokens/position"][lo : lo + n] * inner
+    else:
+        base = f["samples/index"][lo : lo + n].astype(np.int64) * (1 << POSITION_BITS)
+    found = stored_keys(torch.from_numpy(block), info.stats.unit_axis, torch.from_numpy(base))
+    kinds = partial(*found, writer.topk)
+    info.topk.merge({kind: (v.numpy(), k.numpy()) for kind, (v, k) in kinds.items()})
 
 
 def _unseen(writer, key) -> int:

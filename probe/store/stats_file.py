@@ -27,6 +27,8 @@ from probe.stats.running import (
     occupied,
     stats_for,
 )
+from probe.stats.topk import TopKState
+from probe.store import topk_file
 from probe.store.fileformat import captured, encode, is_per_batch, read_progress
 from probe.store.h5fresh import add_attrs, add_dataset
 
@@ -50,6 +52,7 @@ class DatasetInfo:
     stats: RunningStats = field(default_factory=RunningStats)
     per_batch: bool = False
     rows: str = "samples"  # or "tokens": one row per non-padding token
+    topk: TopKState | None = None  # its examples per unit (stats.topk), probe.stats.topk
 
 
 def tags(info: DatasetInfo, order: int) -> dict:
@@ -83,6 +86,8 @@ def create(file: h5py.File, info: DatasetInfo, order: int) -> None:
     g.create_dataset(
         "hist", shape=(2, 0), maxshape=(2, None), dtype=BUCKET_TYPE, chunks=(1, HIST_CHUNK)
     )
+    if info.topk is not None and info.topk.kinds:
+        topk_file.create(file, info.layer, info.site, info.topk)
 
 
 def write_slot(file: h5py.File, infos, slot: int) -> dict[tuple[str, str], int]:
@@ -111,6 +116,8 @@ def write_slot(file: h5py.File, infos, slot: int) -> dict[tuple[str, str], int]:
                 units[name] = row
             g["units"][slot] = units
         g["scalars"][slot] = record
+        if info.topk is not None and info.topk.kinds:
+            topk_file.write(file, info.layer, info.site, info.topk, slot)
         capacity[info.layer, info.site] = h.shape[1]
     return capacity
 
@@ -165,6 +172,8 @@ def read(f: h5py.File, warn=None) -> dict[tuple[str, str], DatasetInfo]:
                 is_per_batch(a, site),
                 str(a.get("row_unit", "samples")),
             )
+            if slot is not None:
+                info.topk = topk_file.read(f, layer, str(a.get("site", site)), slot)
             found.append((int(a.get("order", 1 << 30)), len(found), info))
     return {(i.layer, i.site): i for _, _, i in sorted(found, key=lambda t: t[:2])}
 

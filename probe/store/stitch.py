@@ -140,6 +140,10 @@ def merge_stats(per_shard: list[dict]) -> dict:
         for key, info in infos.items():
             if key in merged:
                 merged[key].stats.merge(info.stats)
+                if info.topk is not None and merged[key].topk is None:
+                    merged[key].topk = copy.deepcopy(info.topk)
+                elif info.topk is not None:  # examples per unit: the same exact selection
+                    merged[key].topk.merge(info.topk.kinds)
             else:
                 merged[key] = copy.deepcopy(info)
     return merged

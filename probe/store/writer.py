@@ -65,6 +65,7 @@ class ProbeWriter(Appends):
         total_rows: int | None = None,
         provenance=None,
         stats_during: str = "run",
+        topk=None,
     ):
         # store.* values are checked with the config (probe.checks), before a writer is made
         self.path, self.mode = Path(path), str(mode)
@@ -80,6 +81,7 @@ class ProbeWriter(Appends):
         self.provenance = provenance  # the dataset's identity and per-sample names
         # statistics: run (folded batch by batch), close (from the rows at close), none
         self.stats_during, self.batch_rows = str(stats_during), batch_rows
+        self.topk = topk  # examples per unit kept with the statistics (a TopKSpec), or None
         # what reduces captures to statistics in the hooks (`probe.stats.backend`)
         if stats_backend is None:
             stats_backend = backend.resolve(os.environ.get(backend.ENV, "auto"))

@@ -29,6 +29,9 @@ CASE = [
     "probes=all_convs",
     "probes.convs.layers=[layer4.*,conv1]",
     "probes.convs.capture=[output,grad_output,param_grad]",
+    "stats.topk=3",  # examples per unit, merged across ranks (compared decoded, by file_arrays)
+    "stats.bottomk=2",
+    "stats.topk_quantiles=2",
 ]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 

@@ -1,0 +1,144 @@
+"""A sparse autoencoder on a layer's output (a probe's `sae` key): its latents and its error as
+sites of the layer, and optionally the layer's output replaced by the reconstruction (`splice`,
+with the error added back by `error_term`, leaving the model exact).
+
+Latents are computed where the output lives, in float32 (the SAE's weights moved there once),
+over the probe's unit axis. While recording, the sums of the SAE's report accumulate on that
+device (real tokens only): rows, squared error, the feature sums and squares (so the fraction of
+variance unexplained is 1 - sum|x - x_hat|^2 / sum|x - mean x|^2, SAELens's definition), active
+latents per row (L0) and per latent (dead ones); one host copy at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from probe.build.layout import unit_axis
+from probe.build.sae import SAE, check_width, load_sae
+from probe.errors import ConfigError
+
+SPEC_KEYS = ("path", "dense", "splice", "error_term")
+MODES = ("observe", "splice", "off", "zero")  # off: the layer as it is; zero: its output zeroed
+
+
+@dataclass(frozen=True)
+class SaeSpec:
+    path: str
+    dense: bool = False
+    splice: bool = False
+    error_term: bool = False
+
+
+def sae_spec(value, probe: str) -> SaeSpec | None:
+    """A probe's `sae`: a folder, or {path, dense, splice, error_term}."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return SaeSpec(value)
+    value = dict(value)
+    unknown = sorted(set(value) - set(SPEC_KEYS))
+    if unknown or "path" not in value:
+        raise ConfigError(
+            f"probe {probe!r}: sae={value} needs path and takes only {', '.join(SPEC_KEYS)}"
+            + (f" (not {', '.join(unknown)})" if unknown else "")
+        )
+    return SaeSpec(str(value["path"]), *(bool(value.get(k, False)) for k in SPEC_KEYS[1:]))
+
+
+def sae_site(selection) -> SaeSite | None:
+    """The SAE a selection's probe names, loaded (errors name the file), or None."""
+    if isinstance(selection.sae, SaeSite) or selection.sae is None:
+        return selection.sae
+    spec = sae_spec(selection.sae, selection.probe)
+    return None if spec is None else SaeSite(selection.name, spec)
+
+
+def take_sae(batch, layer: str, site: SaeSite, x: torch.Tensor, sel) -> torch.Tensor:
+    """The layer's output through its SAE: `sae.latents` and `sae.error` taken as sites while
+    recording; returns what the model goes on with."""
+    axis = unit_axis(sel.unit_axis, sel.class_axis, x.ndim, f"probe {sel.probe!r} layer {layer!r}")
+    onward, latents, error = site.apply(x, axis, batch.tokens, batch.recording)
+    if latents is not None and batch.recording:
+        dense = dataclasses.replace(sel, dtype="float16") if site.spec.dense else sel
+        batch.take((layer, "sae.latents"), latents, dense)
+        batch.take((layer, "sae.error"), error, sel)
+    return onward
+
+
+class SaeSite:
+    """One SAE on one layer's output, its mode (what the model goes on with) and its sums."""
+
+    def __init__(self, layer: str, spec: SaeSpec):
+        self.layer, self.spec = layer, spec
+        self.sae: SAE = load_sae(spec.path)
+        self.mode = "splice" if spec.splice else "observe"
+        self.placed: dict[torch.device, SAE] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> SAE:
+        if device not in self.placed:
+            self.placed[device] = self.sae.to(device=device, dtype=torch.float32)
+        return self.placed[device]
+
+    def apply(self, x: torch.Tensor, axis: int, tokens, recording: bool):
+        """(what the model goes on with, latents, error): latents and error laid out as x, with
+        d_sae and d_in units on `axis`."""
+        if self.mode == "off":
+            return x, None, None
+        if self.mode == "zero":
+            return torch.zeros_like(x), None, None
+        units = x.detach().movedim(axis, -1)
+        check_width(self.sae, units.shape[-1], f"probe sae on layer {self.layer!r}")
+        sae = self.on(x.device)
+        u = units.float()
+        z = sae.encode(u)
+        rebuilt = sae.decode(z)
+        error = u - rebuilt
+        if recording:
+            self._add(u, z, error, tokens)
+        out = x
+        if self.mode == "splice":
+            spliced = rebuilt + error if self.spec.error_term else rebuilt
+            out = spliced.to(x.dtype).movedim(-1, axis)
+        return out, z.movedim(-1, axis), error.movedim(-1, axis)
+
+    def _add(self, u: torch.Tensor, z: torch.Tensor, error: torch.Tensor, tokens) -> None:
+        """The report's sums over this batch's real rows, in float64 on the device (padding
+        weighted 0: no indexing by a mask, so no host sync)."""
+        padded = tokens is not None and tokens.mask is not None and u.ndim >= 3
+        padded = padded and u.shape[1] == tokens.length  # (N, T, ..., units): real tokens only
+        u, z, error = (t.reshape(-1, t.shape[-1]) for t in (u, z, error))
+        weight = torch.ones(len(u), dtype=torch.float64, device=u.device)
+        if padded:
+            real = tokens.mask.to(u.device).reshape(-1, 1).expand(-1, len(u) // tokens.mask.numel())
+            weight = real.reshape(-1).double()
+        u64 = u.double()
+        batch = {
+            "rows": weight.sum(),
+            "squared_error": (error.double().pow(2).sum(1) * weight).sum(),
+            "sum": (u64 * weight[:, None]).sum(0),
+            "sum_squares": (u64.pow(2).sum(1) * weight).sum(),
+            "active": ((z > 0).double() * weight[:, None]).sum(0),
+        }
+        for k, v in batch.items():
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+
+    def report(self) -> dict:
+        """rows, l0, fvu, dead_latents, dead_frac of what was recorded (NaN-free zeros if none)."""
+        s = {k: v.double().cpu() for k, v in self.sums.items()}
+        if not s:
+            return {"rows": 0}
+        n = float(s["rows"])
+        spread = float(s["sum_squares"]) - float(s["sum"].pow(2).sum()) / n
+        return {
+            "rows": int(n),
+            "l0": float(s["active"].sum()) / n,
+            "fvu": float(s["squared_error"]) / spread if spread > 0 else float("nan"),
+            "dead_latents": int((s["active"] == 0).sum()),
+            "dead_frac": float((s["active"] == 0).double().mean()),
+            "d_sae": self.sae.d_sae,
+            "architecture": self.sae.architecture,
+        }

@@ -1,0 +1,218 @@
+"""Sparse autoencoders as sites of a layer (a probe's `sae`): latents equal SAELens's encode
+written in numpy, the error term leaves a spliced model exact, the loss change equals plain
+hooks', the FVU equals float64 numpy (not the mean-removed formula); bad SAEs exit 2 by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import probe
+from tests.build.test_sae_loading import reference, write_sae
+from tests.helpers import cli, run_probe
+from tests.token_fixtures import make_tiny
+
+WIDTH, LATENTS, K = 32, 64, 6
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """A tiny GPT-2 (width 32, vocabulary 40) and right-padded ids with a mask."""
+    root = tmp_path_factory.mktemp("sae_lm")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 40, (10, 12), generator=g)
+    lengths = torch.randint(5, 13, (10,), generator=g)
+    mask = (torch.arange(12)[None] < lengths[:, None]).long()
+    torch.save({"input_ids": ids * mask, "attention_mask": mask}, root / "ids.pt")
+    return make_tiny("gpt2", root / "gpt2", vocab_size=40), root / "ids.pt", ids, mask
+
+
+def sae_tensors(arch: str, seed: int = 0, offset: float = 0.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    found = {
+        "W_enc": torch.randn(WIDTH, LATENTS, generator=g) * 0.3,
+        "b_enc": torch.randn(LATENTS, generator=g) * 0.1,
+        "W_dec": torch.randn(LATENTS, WIDTH, generator=g) * 0.1,
+        "b_dec": torch.randn(WIDTH, generator=g) * 0.1 + offset,
+    }
+    if arch == "jumprelu":
+        found["threshold"] = torch.rand(LATENTS, generator=g) * 0.3
+    return found
+
+
+def an_sae(folder, arch="standard", **kw):
+    tensors = sae_tensors(arch, **kw)
+    write_sae(
+        folder, arch, tensors, d_in=WIDTH, d_sae=LATENTS, **({"k": K} if arch == "topk" else {})
+    )
+    return tensors
+
+
+def run_lm(lm, run_dir, *args):
+    model, ids_path, _, _ = lm
+    return run_probe(run_dir, "model=hf", f"model.name={model}", "model.task=causal_lm",
+                     "dataset=tokens", f"dataset.path={ids_path}", "dataset.batch_size=4",
+                     "probes=none", "+probes.block.layers=[transformer.h.0]", *args)  # fmt: skip
+
+
+def output_key(f) -> str:
+    return "output" if "layers/transformer.h.0/output" in f else "output.0"
+
+
+@pytest.mark.parametrize("arch", ["standard", "topk", "jumprelu"])
+def test_latents_equal_numpy_encode(lm, tmp_path, arch):
+    tensors = an_sae(tmp_path / "sae", arch)
+    _, f = run_lm(lm, tmp_path / "run", f"+probes.block.sae={tmp_path / 'sae'}")
+    with f:
+        x = f[f"layers/transformer.h.0/{output_key(f)}"][:]
+        latents = f["layers/transformer.h.0/sae.latents"][:]
+        error = f["layers/transformer.h.0/sae.error"][:]
+    z, rebuilt = reference(tensors, x, arch, k=K)
+    np.testing.assert_allclose(latents, z, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(error, x - rebuilt, rtol=1e-4, atol=1e-5)
+    if arch == "topk":
+        assert ((latents > 0).sum(-1) <= K).all() and ((latents > 0).sum(-1) == K).any()
+    if arch == "jumprelu":
+        pre = (x - tensors["b_dec"].numpy()) @ tensors["W_enc"].numpy() + tensors["b_enc"].numpy()
+        assert (latents[pre <= tensors["threshold"].numpy()] == 0).all()
+    table = pd.read_csv(tmp_path / "run" / "sae.csv").iloc[0]
+    _, _, _, mask = lm
+    real = mask.bool().numpy()
+    assert table["rows"] == real.sum()
+    assert table["l0"] == pytest.approx((z[real] > 0).sum(-1).mean())
+    assert table["dead_latents"] == int(((z[real] > 0).sum(0) == 0).sum())
+
+
+def test_error_term_leaves_the_model_exact(lm, tmp_path):
+    an_sae(tmp_path / "sae")
+    splice = f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true,error_term:true}}"
+    _, spliced = run_lm(lm, tmp_path / "spliced", splice, "store.model_output=full")
+    _, plain = run_lm(lm, tmp_path / "plain", "store.model_output=full")
+    with spliced, plain:
+        key = next(k for k in spliced["model"] if "logits" in k or k == "output")
+        np.testing.assert_allclose(
+            spliced[f"model/{key}"][:], plain[f"model/{key}"][:], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_the_loss_change_equals_plain_hooks(lm, tmp_path):
+    """ce_clean, ce_spliced and ce_zero of sae.csv against forwards with a plain hook that puts
+    the reconstruction (or zeros) in place of the block's output."""
+    from transformers import AutoModelForCausalLM
+
+    from probe.build.sae import load_sae
+
+    an_sae(tmp_path / "sae")
+    run_lm(lm, tmp_path / "run", f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true}}")[
+        1
+    ].close()
+    table = pd.read_csv(tmp_path / "run" / "sae.csv").iloc[0]
+    model_dir, _, ids, mask = lm
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    sae = load_sae(tmp_path / "sae")
+    ids = ids * mask
+
+    def loss(replace):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            new = replace(hidden)
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        handle = model.transformer.h[0].register_forward_hook(hook) if replace else None
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits.double()
+        if handle:
+            handle.remove()
+        ce = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, 40), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        keep = mask[:, 1:].reshape(-1).bool()
+        return float(ce[keep].mean())
+
+    clean = loss(None)
+    assert table["ce_clean"] == pytest.approx(clean, rel=1e-5)
+    assert table["ce_spliced"] == pytest.approx(loss(lambda h: sae.decode(sae.encode(h))), rel=1e-5)
+    assert table["ce_zero"] == pytest.approx(loss(torch.zeros_like), rel=1e-5)
+    want = (table["ce_zero"] - table["ce_spliced"]) / (table["ce_zero"] - table["ce_clean"])
+    assert table["ce_loss_recovered"] == pytest.approx(want)
+
+
+def test_fvu_is_against_the_mean_of_x_not_of_the_error(lm, tmp_path):
+    """An SAE whose reconstruction is offset (b_dec + 3): its error has a large mean, which the
+    mean-removed formula (var(x - x_hat) / var(x)) leaves out and SAELens's does not."""
+    an_sae(tmp_path / "sae", offset=3.0)
+    _, f = run_lm(lm, tmp_path / "run", f"+probes.block.sae={tmp_path / 'sae'}")
+    with f:
+        x = f[f"layers/transformer.h.0/{output_key(f)}"][:].astype(np.float64)
+        error = f["layers/transformer.h.0/sae.error"][:].astype(np.float64)
+    real = lm[3].bool().numpy()
+    x, error = x[real], error[real]
+    fvu = (error**2).sum() / ((x - x.mean(0)) ** 2).sum()
+    mean_removed = ((error - error.mean(0)) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    got = pd.read_csv(tmp_path / "run" / "sae.csv").iloc[0]["fvu"]
+    assert got == pytest.approx(fvu, rel=1e-5)
+    assert abs(got - mean_removed) > 0.5 * fvu
+
+
+def test_bad_saes_exit_2_by_name(lm, tmp_path):
+    model, ids_path, _, _ = lm
+    base = ["model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=tokens",
+            f"dataset.path={ids_path}", "probes=none", "+probes.block.layers=[transformer.h.0]"]  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    narrow = tmp_path / "narrow"
+    write_sae(narrow)  # d_in 16, for a layer 32 wide
+    unknown = tmp_path / "unknown"
+    an_sae(unknown)
+    (unknown / "cfg.json").write_text(
+        (unknown / "cfg.json").read_text().replace('"standard"', '"gated"')
+    )
+    for folder, words in ((tmp_path / "empty", ["cfg.json"]), (narrow, ["d_in=16", "32 wide"]),
+                          (unknown, ["gated", "standard"])):  # fmt: skip
+        out = cli(
+            *base, f"+probes.block.sae={folder}", f"hydra.run.dir={tmp_path / folder.name}_run"
+        )
+        assert out.returncode == 2, out.stderr[-2000:]
+        message = out.stderr.strip().splitlines()[-1]
+        assert all(w in message for w in words), message
+
+
+def test_latent_examples_and_frequency(lm, tmp_path):
+    """stats.topk on the latents: each latent's examples are its largest values; per-latent
+    statistics count its active rows."""
+    an_sae(tmp_path / "sae")
+    _, f = run_lm(lm, tmp_path / "run", f"+probes.block.sae={tmp_path / 'sae'}", "stats.topk=3",
+                  "+probes.block.rows=tokens")  # fmt: skip
+    f.close()
+    with probe.open_run(tmp_path / "run") as run:
+        latents = run.array("transformer.h.0", "sae.latents")[:]
+        table = run.topk("transformer.h.0", "sae.latents", unit=[0, 5])
+        units = run.units("transformer.h.0", "sae.latents")
+    for u in (0, 5):
+        want = np.sort(latents[:, u])[::-1][:3]
+        np.testing.assert_allclose(table[table["unit"] == u]["value"], want, rtol=1e-6)
+    frac = (latents > 0).mean(0)
+    column = next(c for c in ("frac_positive", "active_frac", "positive_frac") if c in units)
+    np.testing.assert_allclose(units[column].to_numpy(), frac, rtol=1e-9)
+
+
+@pytest.mark.cuda
+def test_sae_sites_on_the_gpu_equal_the_cpus(lm, tmp_path, monkeypatch):
+    """Encoded where the output lives (TF32 off): the GPU run's latents, error and report are
+    the CPU run's."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    an_sae(tmp_path / "sae", "topk")
+    splice = f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true}}"
+    _, gpu = run_lm(lm, tmp_path / "gpu", splice, "device=cuda")
+    _, cpu = run_lm(lm, tmp_path / "cpu", splice)
+    with gpu, cpu:
+        for site in ("sae.latents", "sae.error"):
+            a, b = (
+                gpu[f"layers/transformer.h.0/{site}"][:],
+                cpu[f"layers/transformer.h.0/{site}"][:],
+            )
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=site)
+    a, b = (pd.read_csv(tmp_path / d / "sae.csv").iloc[0] for d in ("gpu", "cpu"))
+    for column in ("rows", "l0", "fvu", "ce_clean", "ce_spliced", "ce_zero"):
+        assert a[column] == pytest.approx(b[column], rel=1e-4), column
