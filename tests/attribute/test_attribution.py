@@ -179,20 +179,3 @@ def test_a_resumed_attribution_run_equals_an_uninterrupted_one(tmp_path):
         SignalsItself.at_call = None
     resumed = run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
     assert assert_same_arrays(reference.h5_path, resumed.h5_path) >= 8
-
-
-@pytest.mark.cuda
-def test_attributions_on_the_gpu_equal_the_cpus(tmp_path, monkeypatch):
-    """Computed where the tensors live: a GPU run (TF32 off) stores the CPU run's maps."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    args = [*RESNET, "probes.convs.capture=[grad_x_output,gradcam,gradcam_pp,ig_output]",
-            "attribution.steps=4"]  # fmt: skip
-    _, gpu = run_probe(tmp_path / "gpu", *args, "device=cuda")
-    _, cpu = run_probe(tmp_path / "cpu", *args)
-    for layer in ("layer3", "layer4"):
-        for site in ("grad_x_output", "gradcam", "gradcam_pp", "ig_output", "ig_output.gap"):
-            np.testing.assert_allclose(
-                stored(gpu, layer, site), stored(cpu, layer, site), rtol=1e-4, atol=1e-5,
-                err_msg=f"{layer} {site}",
-            )  # fmt: skip
