@@ -8,6 +8,7 @@ interleaved per round after one warm-up each, over the same materialised batches
 the residual stream statistics-only (`store=stats probes=residual`); the same with
 `stats.topk=20` on every block; with an SAE of 16x width (4096 latents, seeded random, SAELens
 layout) on block 3 (its latents and error get statistics); both (the latents get top-20 too);
+the statistics-only run with a bare hook doing the SAE's encode and decode (its arithmetic alone);
 and the top-k of the six blocks
 computed after a full run from its stored rows (the floor a post-hoc pass pays, the full run not
 counted). Then the peak RSS of the top-k run in fresh processes at N and 2N samples: flat in the
@@ -138,11 +139,33 @@ def main() -> None:
             for b in setup.base.batches:
                 setup.model(**b.inputs)
 
+    stats_case = oracles.probe_case(setup, "store.mode=stats")
+
+    def stats_and_hand_sae(out: Path) -> None:
+        """The statistics-only run with the SAE's own arithmetic in a bare hook (encode, decode;
+        what any tool running this SAE pays): the floor under the SAE variants."""
+        from safetensors.torch import load_file
+
+        w = load_file(sae / "sae_weights.safetensors")
+
+        def hook(module, args, output):
+            x = output[0] if isinstance(output, tuple) else output
+            latents = torch.relu((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"])
+            _ = latents @ w["W_dec"] + w["b_dec"]
+
+        block = setup.base.model.get_submodule("transformer.h.3")
+        handle = block.register_forward_hook(hook)
+        try:
+            stats_case(out)
+        finally:
+            handle.remove()
+
     full = oracles.probe_case(setup)
     stored = full(root / "full")
     variants = {
         "plain": plain,
-        "stats": oracles.probe_case(setup, "store.mode=stats"),
+        "stats": stats_case,
+        "stats+hand sae": stats_and_hand_sae,
         "stats+topk": oracles.probe_case(setup, "store.mode=stats", f"stats.topk={K}"),
         "stats+sae": oracles.probe_case(setup, "store.mode=stats", *examples(sae)[1:]),
         "stats+topk+sae": oracles.probe_case(setup, "store.mode=stats", *examples(sae)),
@@ -158,6 +181,8 @@ def main() -> None:
         rows.append((name, f"{bc.median(runs):.3f}", f"{to_plain:.2f}", f"{to_stats:.2f}"))
     ratio = statistics.median(bc.ratios(times["stats+topk+sae"], times["stats"]))
     alone = statistics.median(bc.ratios(times["stats+topk"], times["stats"]))
+    arithmetic = statistics.median(bc.ratios(times["stats+hand sae"], times["stats"]))
+    beyond = statistics.median(bc.ratios(times["stats+topk+sae"], times["stats+hand sae"]))
     head = [f"# bench_topk ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores)", "",
             f"{args.samples} x {POSITIONS} tokens, batch {args.batch}, {bc.LAYERS} blocks of width "
             f"{bc.WIDTH}; stats.topk={K} on every block, an SAE of {LATENTS} latents on block 3; "
@@ -166,6 +191,8 @@ def main() -> None:
         f"top-k and SAE latents at {ratio:.3f}x the statistics-only run (target {TARGET}x): "
         + ("met" if ratio <= TARGET else "not met")
         + f"; top-k alone {alone:.3f}x",
+        f"the SAE's own arithmetic (a bare encode/decode hook) {arithmetic:.3f}x the statistics-only "
+        f"run; top-k and SAE latents at {beyond:.3f}x that run",
         "peak RSS above the loaded model of the top-k run: "
         + ", ".join(
             f"{r.get('samples')} samples {r.get('rss_mb', float('nan')):.0f} MB" for r in rss
