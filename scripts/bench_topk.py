@@ -11,7 +11,7 @@ layout) on block 3 (its latents and error get statistics); both (the latents get
 the statistics-only run with a bare hook doing the SAE's encode and decode (its arithmetic alone);
 and the top-k of the six blocks
 computed after a full run from its stored rows (the floor a post-hoc pass pays, the full run not
-counted). Then the peak RSS of the top-k run in fresh processes at N and 2N samples: flat in the
+counted). Then the peak RSS of the top-k run in fresh processes at N and 8N samples: flat in the
 number of tokens. Target: top-k and SAE latents within 1.15x the statistics-only run.
 """
 
@@ -173,7 +173,7 @@ def main() -> None:
     }
     bc.warm_up(variants, root)
     times = bc.rounds(variants, args.rounds, root, threads=torch.get_num_threads())
-    rss = [child_rss(args, n, root) for n in (args.samples, 2 * args.samples)]
+    rss = [child_rss(args, n, root) for n in (args.samples, 8 * args.samples)]
     rows = []
     for name, runs in times.items():
         to_plain = statistics.median(bc.ratios(runs, times["plain"]))

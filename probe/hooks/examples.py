@@ -116,14 +116,18 @@ def partial(v, keys, valid, spec: TopKSpec) -> dict[str, tuple]:
 
 def _select(score, ok, k: int):
     """Indices (k, units) of each unit's k largest scores among the `ok` rows, ties to the
-    smallest row (keys ascend along the rows), exactly and without a host sync: one top-k over
-    int64 keys that hold the float's order in their high half and the reversed row below."""
+    smallest row (keys ascend along the rows), exactly and without a host sync: the k-th largest
+    score per unit by a float top-k, then every row above it and the first rows equal to it (a
+    running count), picked by a top-k of that 0/1 mask. Each unit's rows are made contiguous
+    first: a top-k, compare or count along them is several times one across them."""
     import torch
 
     m = score.shape[0]
     if m == k:
         return torch.arange(m, device=score.device)[:, None].expand(m, score.shape[1])
-    bits = (score + 0.0).view(torch.int32)  # (+ 0.0: -0.0 ranks as 0.0)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).masked_fill(~ok, -(1 << 31))
-    rows = (1 << 32) - 1 - torch.arange(m, device=score.device)
-    return torch.topk((ordered.long() << 32) | rows[:, None], k, dim=0).indices
+    s = score.masked_fill(~ok, -torch.inf).T.contiguous()  # (units, rows)
+    kth = torch.topk(s, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+    above, tied = s > kth, s == kth  # (-0.0 == 0.0; NaN and inf rows are not ok: -inf)
+    room = k - above.sum(1, keepdim=True, dtype=torch.int32)
+    keep = above | (tied & (tied.cumsum(1, dtype=torch.int32) <= room))
+    return torch.topk(keep.to(s.dtype), k, dim=1, sorted=False).indices.T

@@ -89,6 +89,28 @@ def test_the_sample_hash_is_the_same_in_torch_and_numpy():
     )
 
 
+def test_one_batch_selection_against_numpy_on_hard_values():
+    """A batch's top-k and bottom-k per unit (one partial) against numpy's (value, row) sort:
+    ties at the k-th value, -0.0 beside 0.0, NaN and inf rows, a unit with no finite row and one
+    with fewer than k."""
+    rng = np.random.default_rng(3)
+    v = np.round(rng.normal(size=(64, 6)), 0).astype(np.float32)  # few distinct values: ties
+    v[::5, 1] = -0.0
+    v[3, 2], v[9, 2], v[:, 4] = np.nan, np.inf, np.nan
+    v[2:, 5] = np.nan  # two finite rows, k = 5
+    keys = torch.arange(64, dtype=torch.int64) * 3 + 7  # ascending, as row_keys makes them
+    spec = TopKSpec(top=5, bottom=5)
+    got = partial(torch.from_numpy(v), keys, None, spec)
+    for kind, sign in (("top", 1), ("bottom", -1)):
+        for u in range(v.shape[1]):
+            finite = np.flatnonzero(np.isfinite(v[:, u]))
+            order = finite[np.lexsort((finite, -sign * v[finite, u].astype(np.float64)))][:5]
+            want_keys = np.full(5, -1)
+            want_keys[: len(order)] = order * 3 + 7
+            have = got[kind][1][u].numpy()
+            np.testing.assert_array_equal(np.sort(have), np.sort(want_keys), err_msg=f"{kind} {u}")
+
+
 def test_padding_never_appears_even_when_loudest(tmp_path):
     """PadLoud's padded positions hold 100 + ...: the largest values of the capture. Token rows
     and a (N, T, C) capture per sample keep only real tokens; contexts are the ids around."""
