@@ -19,6 +19,8 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from probe.analysis.latents import SparseLatents
+from probe.analysis.lazy import LazyArray
 from probe.analysis.summarize import (
     dataset_keys,
     gather_tables,
@@ -34,47 +36,6 @@ from probe.stats.running import RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
 from probe.store.runfile import missing_sources, open_probe_file, state
-
-
-class LazyArray:
-    """Rows [0, valid) of an HDF5 dataset; indexing reads only what it selects."""
-
-    def __init__(self, ds: h5py.Dataset, valid: int):
-        self.ds, self.valid = ds, min(valid, len(ds))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.valid, *self.ds.shape[1:])
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.ds.dtype
-
-    def __len__(self) -> int:
-        return self.valid
-
-    def __array__(self, dtype=None, copy=None):
-        a = self[:]
-        return a if dtype is None else a.astype(dtype)
-
-    def __getitem__(self, key):
-        first, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
-        if first is Ellipsis:
-            first, rest = slice(None), (Ellipsis, *rest)
-        if isinstance(first, slice):
-            first = slice(*first.indices(self.valid))
-            if first.step < 0:  # h5py reads increasing rows only
-                return self[(slice(None), *rest)][key[0] if isinstance(key, tuple) else key]
-        elif isinstance(first, (int, np.integer)):
-            if not -self.valid <= first < self.valid:
-                raise IndexError(f"row {first} is outside the {self.valid} valid rows")
-            first = int(first) % self.valid
-        else:
-            rows = np.asarray(first)
-            if rows.size and (rows.max() >= self.valid or rows.min() < 0):
-                raise IndexError(f"rows {rows} reach outside the {self.valid} valid rows")
-            first = rows
-        return self.ds[(first, *rest)]
 
 
 class Run:
@@ -147,7 +108,16 @@ class Run:
         return found
 
     def array(self, layer: str, site: str = "output") -> LazyArray:
-        """Rows of one (layer, site); rows a module skipped (`seen`) read as NaN."""
+        """Rows of one (layer, site); rows a module skipped (`seen`) read as NaN. An SAE's
+        latents stored sparse read as dense rows."""
+        sparse = layer_path(layer, "sae.latents.index")
+        if (
+            site == "sae.latents"
+            and layer_path(layer, site) not in self.file
+            and sparse in self.file
+        ):
+            index, value = (self._dataset(layer, f"sae.latents.{p}") for p in ("index", "value"))
+            return SparseLatents(index, value, self.progress.valid_rows(index, "sae.latents.index"))
         ds = self._dataset(layer, site)
         return LazyArray(ds, self.progress.valid_rows(ds, site))
 

@@ -57,14 +57,21 @@ class BatchCapture:
     topk: TopKSpec | None = None  # examples per unit to keep (stats.topk), on the value's device
     topk_rows: int = 0  # the samples the run visits (more examples than rows are refused)
     topk_partials: dict[tuple[str, str], dict] = field(default_factory=dict)  # this batch's
+    unstored: set[tuple[str, str]] = field(default_factory=set)  # statistics, no dataset
+    plain: dict[tuple[str, str], dict] = field(default_factory=dict)  # no statistics: attrs
 
-    def take(self, key: tuple[str, str], t: torch.Tensor, sel: Selection) -> None:
+    def take(
+        self, key: tuple[str, str], t: torch.Tensor, sel: Selection, store: bool = True
+    ) -> None:
         """Capture `t` at `key`. `observe` (the statistics) sees the value now, before any later
         in-place op (a CPU one while it is in cache, a GPU one where it lives, when the backend
-        reduces there); when values are not kept it needs no copy, and `values` holds an empty
-        tensor that only tells the writer the layout."""
+        reduces there); when values are not kept (or not `store`d) it needs no copy, and `values`
+        holds an empty tensor that only tells the writer the layout."""
         observing = self.observe is not None and (t.is_cpu or self.observe_device)
-        copy = self.keep_values or not observing
+        if not store:
+            self.unstored.add(key)
+        keeping = self.keep_values and store
+        copy = keeping or not observing
         value, axis = keep(t, sel, self.size, key, copy, self.pool, self.pooled, self.tokens)
         self.axes[key] = axis
         if sel.rows == "tokens" and t.ndim >= 2:  # one row per token (as `keep` made them)
@@ -76,8 +83,19 @@ class BatchCapture:
             found = row_keys(value, axis, self.start, self.tokens, by_token)
             check_examples(self.topk, self.topk_rows * len(found[1]) // max(self.size, 1), key)
             self.topk_partials[key] = partial(*found, self.topk)
-        if observing and not self.keep_values:
+        if observing and not keeping:
             value = self.layout(key, value)
+        self.values[key] = value
+
+    def take_plain(self, key: tuple[str, str], t: torch.Tensor, sel: Selection, **attrs) -> None:
+        """Store `t` at `key` in the probe's rows, without statistics or examples (an SAE's
+        sparse latents: slot indices and values); `attrs` go on its dataset."""
+        value, self.axes[key] = keep(
+            t, sel, self.size, key, True, self.pool, self.pooled, self.tokens
+        )
+        if sel.rows == "tokens" and t.ndim >= 2:
+            self.token_keys.add(key)
+        self.plain[key] = attrs
         self.values[key] = value
 
     def layout(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:

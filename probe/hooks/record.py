@@ -34,6 +34,8 @@ class Record:
     once: dict[str, np.ndarray] = field(default_factory=dict)  # written whole if not yet there
     # this batch's examples per unit by dataset and kind: (values, keys) (probe.stats.topk)
     topk: dict[tuple[str, str], dict[str, tuple]] = field(default_factory=dict)
+    unstored: set[tuple[str, str]] = field(default_factory=set)  # statistics only, no dataset
+    plain: dict[tuple[str, str], dict] = field(default_factory=dict)  # no statistics: attrs
 
     @property
     def token_count(self) -> int:

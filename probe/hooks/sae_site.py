@@ -20,7 +20,8 @@ from probe.build.layout import unit_axis
 from probe.build.sae import SAE, check_width, load_sae
 from probe.errors import ConfigError
 
-SPEC_KEYS = ("path", "dense", "splice", "error_term")
+SPEC_KEYS = ("path", "dense", "splice", "error_term", "max_active")
+MAX_ACTIVE = 128  # slots a row for a standard or JumpReLU SAE's sparse latents (TopK: its k)
 MODES = ("observe", "splice", "off", "zero")  # off: the layer as it is; zero: its output zeroed
 
 
@@ -30,6 +31,7 @@ class SaeSpec:
     dense: bool = False
     splice: bool = False
     error_term: bool = False
+    max_active: int = 0  # 0: the SAE's k (TopK), else MAX_ACTIVE
 
 
 def sae_spec(value, probe: str) -> SaeSpec | None:
@@ -45,7 +47,14 @@ def sae_spec(value, probe: str) -> SaeSpec | None:
             f"probe {probe!r}: sae={value} needs path and takes only {', '.join(SPEC_KEYS)}"
             + (f" (not {', '.join(unknown)})" if unknown else "")
         )
-    return SaeSpec(str(value["path"]), *(bool(value.get(k, False)) for k in SPEC_KEYS[1:]))
+    slots = value.get("max_active", 0)
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+        raise ConfigError(
+            f"probe {probe!r}: sae.max_active={slots!r} is not a whole number >= 0 (the active "
+            "latents kept a row; 0: the SAE's k, or 128)"
+        )
+    flags = (bool(value.get(k, False)) for k in SPEC_KEYS[1:4])
+    return SaeSpec(str(value["path"]), *flags, max_active=slots)
 
 
 def sae_site(selection) -> SaeSite | None:
@@ -60,12 +69,31 @@ def take_sae(batch, layer: str, site: SaeSite, x: torch.Tensor, sel) -> torch.Te
     """The layer's output through its SAE: `sae.latents` and `sae.error` taken as sites while
     recording; returns what the model goes on with."""
     axis = unit_axis(sel.unit_axis, sel.class_axis, x.ndim, f"probe {sel.probe!r} layer {layer!r}")
-    onward, latents, error = site.apply(x, axis, batch.tokens, batch.recording)
+    sparse = not site.spec.dense and sel.reduce == "none"  # (a mean over positions is not sparse)
+    slotted = sparse and batch.keep_values  # the rows stored as slots
+    onward, latents, error = site.apply(x, axis, batch.tokens, batch.recording, slotted)
     if latents is not None and batch.recording:
-        dense = dataclasses.replace(sel, dtype="float16") if site.spec.dense else sel
-        batch.take((layer, "sae.latents"), latents, dense)
+        if sparse:  # statistics and examples of the latents; their rows as slots
+            batch.take((layer, "sae.latents"), latents, sel, store=False)
+            if batch.keep_values:
+                index, value = active_slots(latents, axis, site.slots)
+                for name, t in (("sae.latents.index", index), ("sae.latents.value", value)):
+                    batch.take_plain((layer, name), t, sel, d_sae=site.sae.d_sae)
+        else:
+            dense = dataclasses.replace(sel, dtype="float16") if site.spec.dense else sel
+            batch.take((layer, "sae.latents"), latents, dense)
         batch.take((layer, "sae.error"), error, sel)
     return onward
+
+
+def active_slots(latents: torch.Tensor, axis: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's active latents, largest first, in `slots` places on the unit axis: (indices int32,
+    -1 in an empty slot; values, 0 there). Rows with more active latents keep their largest."""
+    z = latents.movedim(axis, -1)
+    values, index = torch.topk(z, min(slots, z.shape[-1]), dim=-1)
+    active = values > 0
+    index = torch.where(active, index, -1).to(torch.int32)
+    return index.movedim(-1, axis), torch.where(active, values, 0.0).movedim(-1, axis)
 
 
 class SaeSite:
@@ -77,13 +105,16 @@ class SaeSite:
         self.mode = "splice" if spec.splice else "observe"
         self.placed: dict[torch.device, SAE] = {}
         self.sums: dict[str, torch.Tensor] = {}
+        k = self.sae.k if self.sae.architecture == "topk" else 0
+        self.slots = spec.max_active or k or MAX_ACTIVE  # sparse latents' places a row
+        self.slotted = False  # latents were stored in slots
 
     def on(self, device: torch.device) -> SAE:
         if device not in self.placed:
             self.placed[device] = self.sae.to(device=device, dtype=torch.float32)
         return self.placed[device]
 
-    def apply(self, x: torch.Tensor, axis: int, tokens, recording: bool):
+    def apply(self, x: torch.Tensor, axis: int, tokens, recording: bool, slotted: bool = False):
         """(what the model goes on with, latents, error): latents and error laid out as x, with
         d_sae and d_in units on `axis`."""
         if self.mode == "off":
@@ -98,16 +129,20 @@ class SaeSite:
         rebuilt = sae.decode(z)
         error = u - rebuilt
         if recording:
-            self._add(u, z, error, tokens)
+            self._add(u, z, error, tokens, self.slots if slotted else 0)
+            self.slotted = self.slotted or slotted
         out = x
         if self.mode == "splice":
             spliced = rebuilt + error if self.spec.error_term else rebuilt
             out = spliced.to(x.dtype).movedim(-1, axis)
         return out, z.movedim(-1, axis), error.movedim(-1, axis)
 
-    def _add(self, u: torch.Tensor, z: torch.Tensor, error: torch.Tensor, tokens) -> None:
+    def _add(
+        self, u: torch.Tensor, z: torch.Tensor, error: torch.Tensor, tokens, slots: int
+    ) -> None:
         """The report's sums over this batch's real rows, in float64 on the device (padding
-        weighted 0: no indexing by a mask, so no host sync)."""
+        weighted 0: no indexing by a mask, so no host sync); with `slots`, the rows whose active
+        latents did not all fit them."""
         padded = tokens is not None and tokens.mask is not None and u.ndim >= 3
         padded = padded and u.shape[1] == tokens.length  # (N, T, ..., units): real tokens only
         u, z, error = (t.reshape(-1, t.shape[-1]) for t in (u, z, error))
@@ -123,6 +158,8 @@ class SaeSite:
             "sum_squares": (u64.pow(2).sum(1) * weight).sum(),
             "active": ((z > 0).double() * weight[:, None]).sum(0),
         }
+        if slots:
+            batch["truncated_rows"] = (((z > 0).sum(1) > slots).double() * weight).sum()
         for k, v in batch.items():
             self.sums[k] = self.sums[k] + v if k in self.sums else v
 
@@ -141,4 +178,6 @@ class SaeSite:
             "dead_frac": float((s["active"] == 0).double().mean()),
             "d_sae": self.sae.d_sae,
             "architecture": self.sae.architecture,
+            "slots": self.slots if self.slotted else 0,
+            "truncated_rows": int(s["truncated_rows"]) if "truncated_rows" in s else 0,
         }

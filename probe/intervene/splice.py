@@ -11,6 +11,7 @@ splices every spliced layer at once (what its captures saw).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 
@@ -22,10 +23,12 @@ from omegaconf import OmegaConf
 from probe.hooks.forward import call, first_output
 from probe.hooks.objective import build_objective
 
+log = logging.getLogger("probe")
+
 COLUMNS = [
     "layer", "architecture", "d_sae", "spliced", "error_term", "rows", "l0", "fvu",
     "dead_latents", "dead_frac", "ce_clean", "ce_spliced", "ce_zero", "ce_loss_recovered",
-    "delta_loss",
+    "delta_loss", "slots", "truncated_rows",
 ]  # fmt: skip
 
 
@@ -81,6 +84,13 @@ class SpliceReport:
         for name, s in self.sites:
             row = {"layer": name, **s.report(), "spliced": s.spec.splice,
                    "error_term": s.spec.error_term, "ce_clean": clean}  # fmt: skip
+            if row["truncated_rows"]:
+                log.warning(
+                    "layer %r: %d rows had more active SAE latents than the %d stored a row "
+                    "(their smallest are not in sae.latents.value; statistics and examples saw "
+                    "them all): raise sae.max_active or set sae.dense=true",
+                    name, row["truncated_rows"], s.slots,
+                )  # fmt: skip
             if s.spec.splice:
                 spliced, zero = self._mean((name, "splice")), self._mean((name, "zero"))
                 row.update(ce_spliced=spliced, ce_zero=zero, delta_loss=spliced - clean)

@@ -120,6 +120,7 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
     record.counted = observed
     record.axes = captured.axes
     record.token_keys = captured.token_keys
+    record.unstored, record.plain = captured.unstored, captured.plain
     record.once = once
     for (key, kind, i), t in examples.items():  # readable once `ready` has fired
         pair = record.topk.setdefault(key, {}).setdefault(kind, [None, None])

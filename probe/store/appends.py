@@ -60,9 +60,15 @@ class Appends:
 
     def _append_batch(self, r: Record, end: int) -> None:
         for key, t, lo, hi, per_batch, axis, by_token in self._placements(r, end):
+            if key in r.plain:
+                self._append_unstated(
+                    key, t.numpy(), lo, hi, by_token, {**r.plain[key], "unit_axis": axis}
+                )
+                continue
             self._append(
-                key, t, lo, hi, per_batch, r.counted.get(key), axis, by_token, r.topk.get(key)
-            )
+                key, t, lo, hi, per_batch, r.counted.get(key), axis, by_token, r.topk.get(key),
+                store=key not in r.unstored,
+            )  # fmt: skip
         tokens = (self.num_tokens, self.num_tokens + r.token_count)
         if self.mode == "full" and self.token_layers and r.tokens is not None:
             for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
@@ -132,6 +138,7 @@ class Appends:
         unit_axis: int = 1,
         by_token: bool = False,
         examples: dict | None = None,
+        store: bool = True,
     ) -> None:
         info = self.datasets.get(key)
         if info is None:
@@ -160,7 +167,7 @@ class Appends:
             stats_file.create(self.file, info, len(self.datasets) - 1)
             self.known.add("stats/" + encode(key[0]) + "/" + encode(key[1]))
         gap = self.coverage.add(self.file, key, lo, hi)
-        if self.mode != "full":
+        if self.mode != "full" or not store:
             return
         name = layer_path(*key)
         if name not in self.known:
@@ -168,6 +175,20 @@ class Appends:
         if gap is not None:
             self.chunked[name].fill(*gap)
         self._append_plain(name, t.numpy(), lo, hi)  # created above, by its kind
+
+    def _append_unstated(self, key: tuple[str, str], a: np.ndarray, lo: int, hi: int,
+                         by_token: bool, attrs: dict) -> None:  # fmt: skip
+        """A dataset of the layer's rows with no statistics (an SAE's sparse latents)."""
+        if self.mode != "full":
+            return
+        name = layer_path(*key)
+        if name not in self.known:
+            ds = self._create(name, a, "token" if by_token else "sample")
+            ds.attrs.update(
+                {**attrs, "site": key[1], "row_unit": "tokens" if by_token else "samples"}
+            )
+            self.chunked[name] = ChunkedDataset(ds)
+        self._append_plain(name, a, lo, hi)
 
     def _create_capture(self, name: str, info: DatasetInfo, a: np.ndarray, order: int) -> None:
         """A layer's dataset, tagged with what it is and with named dimensions."""

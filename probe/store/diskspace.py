@@ -48,6 +48,8 @@ def bytes_needed(writer, record) -> int:
     arrays = [(name, t, record.start, "sample") for name, t in record.extra.items()]
     if writer.mode == "full":
         for key, t in record.values.items():
+            if key in record.unstored:
+                continue
             by_token = key in record.token_keys
             at, kind = (writer.num_tokens, "token") if by_token else (record.start, "sample")
             arrays.append((layer_path(*key), t, at, kind))

@@ -30,6 +30,7 @@ from probe.store.fileformat import (
     write_progress,
 )
 from probe.store.runfile import open_probe_file
+from probe.store.sparse_rows import stored_rows
 
 # The parts of the resolved config that decide the values in the file.
 COMPARED = (
@@ -208,7 +209,7 @@ def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> Non
         info.stats, info.shape, info.dtype = stored.stats, stored.shape, stored.dtype
         info.topk = stored.topk
         return
-    ds = writer.file.get(layer_path(*key))
+    ds = stored_rows(writer.file, *key)
     if ds is None:
         raise DataError(
             f"{str(writer.path)!r} holds no statistics for the {rows} rows of {key[0]} {key[1]} "
@@ -222,7 +223,7 @@ def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> Non
 def recompute(writer, key, info, rows: int, batch_rows: int) -> None:
     """`info.stats` from the first `rows` stored rows of (layer, site), folded batch by batch as
     the run would have (stats.during=close, and a resume whose /stats do not cover its rows)."""
-    ds = writer.file[layer_path(*key)]
+    ds = stored_rows(writer.file, *key)
     info.stats = stats_for(info.module_type, key[1], info.stats.unit_axis)
     examples = writer.topk is not None and not info.per_batch
     info.topk = TopKState(writer.topk) if examples else None

@@ -166,7 +166,7 @@ class ProbeWriter(Appends):
         counted = record.counted
         if record.ready is None and self.stats_during == "run":
             for key, t in [*record.values.items(), *record.per_batch.items()]:
-                if key not in counted:
+                if key not in counted and key not in record.plain:
                     counted[key] = self.observe(key, t, record.axes.get(key, 1))
         if self.inline is None:
             # A stats-only batch of CPU tensors leaves nothing to write but its statistics:

@@ -61,16 +61,32 @@ def output_key(f) -> str:
     return "output" if "layers/transformer.h.0/output" in f else "output.0"
 
 
+def latents_of(run_dir) -> np.ndarray:
+    with probe.open_run(run_dir) as run:
+        return run.array("transformer.h.0", "sae.latents")[:]
+
+
+@pytest.mark.parametrize("stored", ["sparse", "dense"])
 @pytest.mark.parametrize("arch", ["standard", "topk", "jumprelu"])
-def test_latents_equal_numpy_encode(lm, tmp_path, arch):
+def test_latents_equal_numpy_encode(lm, tmp_path, arch, stored):
+    """Stored sparse (slots of active latents, read back dense) or dense float16."""
     tensors = an_sae(tmp_path / "sae", arch)
-    _, f = run_lm(lm, tmp_path / "run", f"+probes.block.sae={tmp_path / 'sae'}")
+    dense = "true" if stored == "dense" else "false"
+    _, f = run_lm(
+        lm, tmp_path / "run", f"+probes.block.sae={{path:{tmp_path / 'sae'},dense:{dense}}}"
+    )
     with f:
         x = f[f"layers/transformer.h.0/{output_key(f)}"][:]
-        latents = f["layers/transformer.h.0/sae.latents"][:]
         error = f["layers/transformer.h.0/sae.error"][:]
+        names = set(f["layers/transformer.h.0"])
+    latents = latents_of(tmp_path / "run")
     z, rebuilt = reference(tensors, x, arch, k=K)
-    np.testing.assert_allclose(latents, z, rtol=1e-4, atol=1e-5)
+    if stored == "dense":
+        assert "sae.latents" in names and "sae.latents.index" not in names
+        np.testing.assert_allclose(latents, z.astype(np.float16), rtol=1e-3, atol=1e-3)
+    else:
+        assert "sae.latents" not in names and {"sae.latents.index", "sae.latents.value"} <= names
+        np.testing.assert_allclose(latents, z, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(error, x - rebuilt, rtol=1e-4, atol=1e-5)
     if arch == "topk":
         assert ((latents > 0).sum(-1) <= K).all() and ((latents > 0).sum(-1) == K).any()
@@ -80,9 +96,30 @@ def test_latents_equal_numpy_encode(lm, tmp_path, arch):
     table = pd.read_csv(tmp_path / "run" / "sae.csv").iloc[0]
     _, _, _, mask = lm
     real = mask.bool().numpy()
-    assert table["rows"] == real.sum()
+    assert table["rows"] == real.sum() and table["truncated_rows"] == 0
     assert table["l0"] == pytest.approx((z[real] > 0).sum(-1).mean())
     assert table["dead_latents"] == int(((z[real] > 0).sum(0) == 0).sum())
+
+
+def test_rows_with_more_active_latents_than_slots_keep_their_largest(lm, tmp_path):
+    """sae.max_active=3 on a standard SAE: each stored row holds its 3 largest latents (slots
+    sorted, -1 and 0 where fewer are active); sae.csv counts the real rows that had more."""
+    tensors = an_sae(tmp_path / "sae")
+    _, f = run_lm(lm, tmp_path / "run", f"+probes.block.sae={{path:{tmp_path / 'sae'},max_active:3}}",
+                  "+probes.block.rows=tokens")  # fmt: skip
+    with f:
+        x = f[f"layers/transformer.h.0/{output_key(f)}"][:]
+        index = f["layers/transformer.h.0/sae.latents.index"][:]
+        value = f["layers/transformer.h.0/sae.latents.value"][:]
+    z, _ = reference(tensors, x, "standard")
+    assert index.shape == (len(z), 3) and index.dtype == np.int32
+    want = np.sort(z, axis=1)[:, ::-1][:, :3]
+    np.testing.assert_allclose(value, np.where(want > 0, want, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.take_along_axis(z, np.maximum(index, 0), 1)[index >= 0],
+                               value[index >= 0], rtol=1e-6)  # fmt: skip
+    assert (index[want <= 0] == -1).all()
+    table = pd.read_csv(tmp_path / "run" / "sae.csv").iloc[0]
+    assert table["slots"] == 3 and table["truncated_rows"] == int(((z > 0).sum(1) > 3).sum()) > 0
 
 
 def test_error_term_leaves_the_model_exact(lm, tmp_path):
@@ -168,11 +205,11 @@ def test_bad_saes_exit_2_by_name(lm, tmp_path):
     (unknown / "cfg.json").write_text(
         (unknown / "cfg.json").read_text().replace('"standard"', '"gated"')
     )
-    for folder, words in ((tmp_path / "empty", ["cfg.json"]), (narrow, ["d_in=16", "32 wide"]),
-                          (unknown, ["gated", "standard"])):  # fmt: skip
-        out = cli(
-            *base, f"+probes.block.sae={folder}", f"hydra.run.dir={tmp_path / folder.name}_run"
-        )
+    slots = f"{{path:{narrow},max_active:-1}}"
+    cases = [(tmp_path / "empty", ["cfg.json"]), (narrow, ["d_in=16", "32 wide"]),
+             (unknown, ["gated", "standard"]), (slots, ["max_active=-1", ">= 0"])]  # fmt: skip
+    for i, (folder, words) in enumerate(cases):
+        out = cli(*base, f"+probes.block.sae={folder}", f"hydra.run.dir={tmp_path / f'run{i}'}")
         assert out.returncode == 2, out.stderr[-2000:]
         message = out.stderr.strip().splitlines()[-1]
         assert all(w in message for w in words), message
@@ -207,12 +244,25 @@ def test_sae_sites_on_the_gpu_equal_the_cpus(lm, tmp_path, monkeypatch):
     _, gpu = run_lm(lm, tmp_path / "gpu", splice, "device=cuda")
     _, cpu = run_lm(lm, tmp_path / "cpu", splice)
     with gpu, cpu:
-        for site in ("sae.latents", "sae.error"):
-            a, b = (
-                gpu[f"layers/transformer.h.0/{site}"][:],
-                cpu[f"layers/transformer.h.0/{site}"][:],
-            )
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=site)
+        a, b = (f["layers/transformer.h.0/sae.error"][:] for f in (gpu, cpu))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg="sae.error")
+    a, b = (latents_of(tmp_path / d) for d in ("gpu", "cpu"))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg="sae.latents")
     a, b = (pd.read_csv(tmp_path / d / "sae.csv").iloc[0] for d in ("gpu", "cpu"))
     for column in ("rows", "l0", "fvu", "ce_clean", "ce_spliced", "ce_zero"):
         assert a[column] == pytest.approx(b[column], rel=1e-4), column
+
+
+def test_statistics_at_close_from_sparse_rows_equal_the_runs(lm, tmp_path):
+    """stats.during=close recomputes the latents' statistics from their stored slots: the same
+    per-latent table as statistics taken while running (the slots hold every active latent)."""
+    an_sae(tmp_path / "sae", "topk")
+    sae = f"+probes.block.sae={tmp_path / 'sae'}"
+    tables = []
+    for during in ("run", "close"):
+        run_lm(lm, tmp_path / during, sae, "+probes.block.rows=tokens", f"stats.during={during}")[
+            1
+        ].close()
+        with probe.open_run(tmp_path / during) as run:
+            tables.append(run.units("transformer.h.0", "sae.latents"))
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=False, rtol=1e-6)
