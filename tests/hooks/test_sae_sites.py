@@ -266,3 +266,45 @@ def test_statistics_at_close_from_sparse_rows_equal_the_runs(lm, tmp_path):
         with probe.open_run(tmp_path / during) as run:
             tables.append(run.units("transformer.h.0", "sae.latents"))
     pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=False, rtol=1e-6)
+
+
+def test_conv_channel_latents_resume_to_the_uninterrupted_run(tmp_path):
+    """An SAE over a conv layer's channels (unit axis 1: slots stored as (N, slots, H, W)),
+    read back dense equal to numpy's encode of the stored maps; a run interrupted in its
+    third batch and resumed stores the uninterrupted run's slots and statistics."""
+    from probe.launch.interrupt import Interrupted
+    from probe.launch.run import run
+    from tests.helpers import make_cfg
+    from tests.models_for_tests import SignalsItself
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"W_enc": torch.randn(4, 16, generator=g), "b_enc": torch.randn(16, generator=g) * 0.1,
+               "W_dec": torch.randn(16, 4, generator=g) * 0.1, "b_dec": torch.zeros(4)}  # fmt: skip
+    write_sae(tmp_path / "sae", "standard", tensors, d_in=4, d_sae=16)
+    args = ["model=custom", "model._target_=tests.models_for_tests.SignalsItself",
+            "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset.num_samples=12",
+            "dataset.batch_size=3", "probes=none", "+probes.c.layers=[conv]",
+            f"+probes.c.sae={{path:{tmp_path / 'sae'},max_active:5}}", "stats.topk=2"]  # fmt: skip
+    run(make_cfg(*args), run_dir=tmp_path / "reference")
+    SignalsItself.at_call = 2
+    try:
+        with pytest.raises(Interrupted):
+            run(make_cfg(*args), run_dir=tmp_path / "run")
+    finally:
+        SignalsItself.at_call = None
+    run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
+    got = {}
+    for name in ("reference", "run"):
+        with probe.open_run(tmp_path / name) as r:
+            maps = r.array("conv", "output")[:]
+            got[name] = (r.array("conv", "sae.latents")[:], r.units("conv", "sae.latents"),
+                         r.topk("conv", "sae.latents", unit=[0, 3]))  # fmt: skip
+            assert r.array("conv", "sae.latents.index").shape == (12, 5, 8, 8)
+    z, _ = reference(tensors, np.moveaxis(maps, 1, -1), "standard")
+    kept = np.sort(z, axis=-1)[..., -5:][..., :1]  # rows with more than 5 active keep the 5 largest
+    want = np.where(z >= kept, z, 0.0)
+    assert ((z > 0).sum(-1) > 5).any()  # (some rows were cut)
+    np.testing.assert_allclose(got["reference"][0], np.moveaxis(want, -1, 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["run"][0], got["reference"][0])
+    pd.testing.assert_frame_equal(got["run"][1], got["reference"][1])
+    pd.testing.assert_frame_equal(got["run"][2], got["reference"][2])
