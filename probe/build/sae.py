@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from probe.errors import ConfigError
 
@@ -151,6 +150,8 @@ def load_sae(path: str | Path) -> SAE:
     weights_file = folder / WEIGHTS_FILE
     if not weights_file.is_file():
         raise ConfigError(f"{folder} has no {WEIGHTS_FILE}: {RESAVE}")
+    from safetensors.torch import load_file  # (only a run with an SAE needs it)
+
     try:
         tensors = load_file(weights_file)
     except Exception as e:
