@@ -206,7 +206,7 @@ def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 
 class Buffer:
-    """The rows in hand, in arrays of `held_rows` + a chunk slots allocated once. A chunk is read
+    """The rows in hand, in arrays of `held_rows` slots allocated once. A chunk is read
     sequentially into a scratch array and scattered into free slots; a batch is gathered out of
     its slots, which become free. Only 8-byte slot numbers move: `slots` lists the held rows'
     slots in held order (a batch's picks are places in it), `ids` each slot's (source, row)."""
