@@ -15,7 +15,7 @@ class SparseLatents(LazyArray):
 
     def __init__(self, index, value, valid: int):
         super().__init__(index, valid)
-        self.values = LazyArray(value, valid)
+        self.indices, self.values = LazyArray(index, valid), LazyArray(value, valid)
         self.d_sae, self.axis = int(index.attrs["d_sae"]), int(index.attrs["unit_axis"])
 
     @property
@@ -30,7 +30,7 @@ class SparseLatents(LazyArray):
 
     def __getitem__(self, key):
         first, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
-        index, value = super().__getitem__(first), self.values[first]
+        index, value = self.indices[first], self.values[first]
         one_row = index.ndim < self.ds.ndim
         dense = dense_latents(index, value, self.d_sae, self.axis - one_row)
         return dense[rest] if one_row else dense[(slice(None), *rest)]

@@ -308,3 +308,17 @@ def test_conv_channel_latents_resume_to_the_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(got["run"][0], got["reference"][0])
     pd.testing.assert_frame_equal(got["run"][1], got["reference"][1])
     pd.testing.assert_frame_equal(got["run"][2], got["reference"][2])
+
+
+def test_sparse_latents_index_like_an_array(lm, tmp_path):
+    """run.array of slots: rows, a reversed slice, a row list and a unit read as numpy would."""
+    an_sae(tmp_path / "sae")
+    run_lm(
+        lm, tmp_path / "run", f"+probes.block.sae={tmp_path / 'sae'}", "+probes.block.rows=tokens"
+    )[1].close()
+    with probe.open_run(tmp_path / "run") as run:
+        lazy = run.array("transformer.h.0", "sae.latents")
+        whole = lazy[:]
+        assert lazy.shape == whole.shape == (len(whole), LATENTS) and lazy.dtype == np.float32
+        for key in (3, -1, slice(2, 9), slice(None, None, -2), [0, 4, 5], (slice(1, 4), 7), (2, 7)):
+            np.testing.assert_array_equal(lazy[key], whole[key], err_msg=str(key))
