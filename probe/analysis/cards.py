@@ -22,6 +22,8 @@ import numpy as np
 
 from probe.errors import ProbeError
 
+HIST_BYTES = 64 << 20  # rows read for a card's histogram
+
 ORDERS = ("frequency", "max")
 
 
@@ -112,17 +114,34 @@ def _thumbnail(run, r) -> str:
     return f'<img alt="{name}" title="{name}" src="{data_uri(buf.getvalue())}">'
 
 
+def _stored_column(run, layer: str, site: str, unit: int) -> np.ndarray | None:
+    """The unit's stored values over the first rows (at most HIST_BYTES of rows read), along its
+    unit axis; for latents stored in slots, the values of the slots that hold it. None where the
+    run stored no rows."""
+    from probe.analysis.latents import SparseLatents
+    from probe.store import stats_file
+
+    try:
+        lazy = run.array(layer, site)
+    except KeyError:
+        return None
+    row_bytes = max(1, int(np.prod(lazy.shape[1:], dtype=np.int64)) * lazy.dtype.itemsize)
+    rows = max(1, min(len(lazy), HIST_BYTES // row_bytes))
+    if isinstance(lazy, SparseLatents):  # (never dense: the slots that name the unit)
+        return np.asarray(lazy.values[:rows][lazy.indices[:rows] == unit], np.float64)
+    info = stats_file.read(run.file).get((layer, site))
+    axis = info.stats.unit_axis if info is not None else 1
+    return np.take(np.asarray(lazy[:rows]), unit, axis=axis).astype(np.float64).reshape(-1)
+
+
 def _histogram(run, layer: str, site: str, unit: int, sampled) -> str:
     """Active values of the unit: its stored column (a full run), else the seeded sample."""
     import matplotlib.pyplot as plt
 
     from probe.analysis.html_parts import figure_png, img
 
-    values = None
-    try:
-        column = run.array(layer, site)[:, unit]
-        values = np.asarray(column, dtype=np.float64).reshape(-1)
-    except (KeyError, IndexError):
+    values = _stored_column(run, layer, site, unit)
+    if values is None:
         values = sampled
     if values is None:
         return ""

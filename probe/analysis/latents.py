@@ -30,6 +30,8 @@ class SparseLatents(LazyArray):
 
     def __getitem__(self, key):
         first, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if first is Ellipsis:  # (the rest counts from the last axis: read every row first)
+            return self[:][key]
         index, value = self.indices[first], self.values[first]
         one_row = index.ndim < self.ds.ndim
         dense = dense_latents(index, value, self.d_sae, self.axis - one_row)

@@ -92,7 +92,8 @@ def feature_cards(run, sites: int = 3, cards: int = 4) -> str:
     from probe.analysis.cards import cards_html
     from probe.store import stats_file
 
-    kept = [k for k, info in stats_file.read(run.file).items() if info.topk is not None]
+    kept = [k for k, info in stats_file.read(run.file).items()
+            if info.topk is not None and "top" in info.topk.kinds]  # fmt: skip
     parts = [cards_html(run, layer, site, limit=cards) for layer, site in kept[:sites]]
     if len(kept) > sites:
         rest = ", ".join(f"{a} {b}" for a, b in kept[sites:])

@@ -56,6 +56,7 @@ class BatchCapture:
     token_keys: set[tuple[str, str]] = field(default_factory=set)  # the datasets of token rows
     topk: TopKSpec | None = None  # examples per unit to keep (stats.topk), on the value's device
     topk_rows: int = 0  # the samples the run visits (more examples than rows are refused)
+    topk_first: int = 0  # the first sample of this process (its first batch is judged)
     topk_partials: dict[tuple[str, str], dict] = field(default_factory=dict)  # this batch's
     unstored: set[tuple[str, str]] = field(default_factory=set)  # statistics, no dataset
     plain: dict[tuple[str, str], dict] = field(default_factory=dict)  # no statistics: attrs
@@ -81,7 +82,8 @@ class BatchCapture:
         if self.topk is not None:
             by_token = sel.rows == "tokens" and t.ndim >= 2
             found = row_keys(value, axis, self.start, self.tokens, by_token)
-            check_examples(self.topk, self.topk_rows * len(found[1]) // max(self.size, 1), key)
+            if self.start == self.topk_first:  # (judged once, on the first batch's rows)
+                check_examples(self.topk, self.topk_rows * len(found[1]) // max(self.size, 1), key)
             self.topk_partials[key] = partial(*found, self.topk)
         if observing and not keeping:
             value = self.layout(key, value)
@@ -90,13 +92,11 @@ class BatchCapture:
     def take_plain(self, key: tuple[str, str], t: torch.Tensor, sel: Selection, **attrs) -> None:
         """Store `t` at `key` in the probe's rows, without statistics or examples (an SAE's
         sparse latents: slot indices and values); `attrs` go on its dataset."""
-        value, self.axes[key] = keep(
-            t, sel, self.size, key, True, self.pool, self.pooled, self.tokens
-        )
+        args = (self.size, key, True, self.pool, self.pooled, self.tokens)
+        self.values[key], self.axes[key] = keep(t, sel, *args)
         if sel.rows == "tokens" and t.ndim >= 2:
             self.token_keys.add(key)
         self.plain[key] = attrs
-        self.values[key] = value
 
     def layout(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
         """An empty tensor shaped like a row of `value`: the layout, not the activation, which
@@ -213,6 +213,7 @@ class Capture:
             observe_device=self.observe_device,
             topk=self.topk if recording else None,
             topk_rows=self.topk_rows,
+            topk_first=self.index_offset,
         )
         self.in_calls.clear()
         self.out_calls.clear()

@@ -12,6 +12,7 @@ latents per row (L0) and per latent (dead ones); one host copy at the end.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,24 @@ def sae_site(selection) -> SaeSite | None:
         return selection.sae
     spec = sae_spec(selection.sae, selection.probe)
     return None if spec is None else SaeSite(selection.name, spec)
+
+
+def load_saes(selections: list) -> list:
+    """The selections with their SAEs loaded (errors name the file). A spliced SAE is refused
+    beside gradient sites: the reconstruction is made from the detached output, so no
+    gradient would flow back through the spliced layer."""
+    from probe.config import BACKWARD_SITES
+
+    selections = [dataclasses.replace(s, sae=sae_site(s)) for s in selections]
+    spliced = [s for s in selections if s.sae is not None and s.sae.spec.splice]
+    backward = sorted({site for s in selections for site in s.sites if site in BACKWARD_SITES})
+    if spliced and backward:
+        raise ConfigError(
+            f"probe {spliced[0].probe!r}: sae.splice=true on layer {spliced[0].name!r} with "
+            f"gradient sites in the run ({', '.join(backward)}): gradients do not flow through "
+            "a spliced SAE here; splice in a run without them, or take the gradients unspliced"
+        )
+    return selections
 
 
 def take_sae(batch, layer: str, site: SaeSite, x: torch.Tensor, sel) -> torch.Tensor:
@@ -166,8 +185,10 @@ class SaeSite:
     def report(self) -> dict:
         """rows, l0, fvu, dead_latents, dead_frac of what was recorded (NaN-free zeros if none)."""
         s = {k: v.double().cpu() for k, v in self.sums.items()}
-        if not s:
-            return {"rows": 0}
+        if not s:  # (the layer never ran while recording)
+            return {"rows": 0, "l0": math.nan, "fvu": math.nan, "dead_latents": 0,
+                    "dead_frac": math.nan, "d_sae": self.sae.d_sae,
+                    "architecture": self.sae.architecture, "slots": 0, "truncated_rows": 0}  # fmt: skip
         n = float(s["rows"])
         spread = float(s["sum_squares"]) - float(s["sum"].pow(2).sum()) / n
         return {

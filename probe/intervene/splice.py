@@ -24,6 +24,7 @@ from probe.hooks.forward import call, first_output
 from probe.hooks.objective import build_objective
 
 log = logging.getLogger("probe")
+PROMOTED_BLOCK = 256  # latents scored against the vocabulary at a time (256 x 256k: 256 MB)
 
 COLUMNS = [
     "layer", "architecture", "d_sae", "spliced", "error_term", "rows", "l0", "fvu",
@@ -111,10 +112,17 @@ class SpliceReport:
         for name, s in self.sites:
             if weight.shape[1] != s.sae.d_in:
                 continue
-            with torch.no_grad():
-                scores = s.sae.W_dec.float() @ weight.detach().float().cpu().T
-                found = torch.topk(scores, min(top, scores.shape[1]), dim=1)
-            out[f"{name}/ids"], out[f"{name}/weights"] = found.indices.numpy(), found.values.numpy()
+            unembed_t = weight.detach().float().cpu().T
+            ids, weights = [], []
+            with torch.no_grad():  # (latents a block at a time: never d_sae x vocab at once)
+                for block in s.sae.W_dec.float().split(PROMOTED_BLOCK):
+                    found = torch.topk(block @ unembed_t, min(top, unembed_t.shape[1]), dim=1)
+                    ids.append(found.indices)
+                    weights.append(found.values)
+            out[f"{name}/ids"], out[f"{name}/weights"] = (
+                torch.cat(ids).numpy(),
+                torch.cat(weights).numpy(),
+            )
         return out
 
     def _mean(self, key) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import json
 import logging
@@ -35,7 +34,7 @@ from probe.hooks import nonfinite
 from probe.hooks.capture import Capture
 from probe.hooks.examples import TopKSpec
 from probe.hooks.objective import build_objective
-from probe.hooks.sae_site import sae_site
+from probe.hooks.sae_site import load_saes
 from probe.intervene.edits import GRAD_EDIT_SITES, build_edits, first_pass_means
 from probe.intervene.passes import Interventions
 from probe.intervene.splice import SpliceReport
@@ -123,7 +122,7 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
     backend.use(stats_backend)
     selections = select_modules(model, cfg.probes)
     # (read now: a bad SAE folder stops the run before any file is made)
-    selections = [dataclasses.replace(s, sae=sae_site(s)) for s in selections]
+    selections = load_saes(selections)
     if placement.is_placed(model):
         placement.describe(model, selections)
         placement.check_param_grads(selections)

@@ -243,7 +243,7 @@ class Appends:
         for key, total in missing:
             gap = self.coverage.add(self.file, key, total, total)
             name = layer_path(*key)
-            if self.mode == "full" and gap is not None:
-                if name not in self.chunked:
+            if self.mode == "full" and gap is not None and name in self.file:
+                if name not in self.chunked:  # (statistics-only sites have no dataset)
                     self.chunked[name] = ChunkedDataset(self.file[name])
                 self.chunked[name].fill(*gap)

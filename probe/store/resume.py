@@ -45,10 +45,12 @@ COMPARED = (
     "intervene",
 )
 IGNORED = {"store": ("queue_batches", "flush_seconds")}  # change speed, not values
+EXAMPLES = ("topk", "bottomk", "topk_quantiles")  # stats.* that decide what /topk holds
 
 
 def _values_part(config: dict) -> dict:
     part = {k: config.get(k) for k in COMPARED}
+    part["stats"] = {k: (config.get("stats") or {}).get(k, 0) for k in EXAMPLES}
     for section, keys in IGNORED.items():
         if isinstance(part.get(section), dict):
             part[section] = {k: v for k, v in part[section].items() if k not in keys}

@@ -30,7 +30,7 @@ from probe.store.appends import Appends
 from probe.store.chunks import ChunkedDataset, Chunking
 from probe.store.coverage import Coverage
 from probe.store.diskspace import RESUME, check_closing, check_space, failure
-from probe.store.fileformat import FORMAT_VERSION, Progress, write_progress
+from probe.store.fileformat import FORMAT_VERSION, Progress, layer_path, write_progress
 from probe.store.livefile import LiveFile
 from probe.store.resume import recompute, restore, valid_rows
 from probe.store.stats_file import DatasetInfo
@@ -330,8 +330,10 @@ class ProbeWriter(Appends):
 
     def _needs_objects(self, r: Record) -> bool:
         """Whether `r` brings a dataset the file does not hold yet (created outside SWMR mode)."""
-        keys = [*r.values, *r.per_batch]
+        keys = [k for k in [*r.values, *r.per_batch] if k not in r.plain]
         if any(key not in self.datasets for key in keys):
+            return True
+        if self.mode == "full" and any(layer_path(*k) not in self.known for k in r.plain):
             return True
         gaps = any(
             self.coverage.needs_dataset(self.file, key, lo)

@@ -71,3 +71,21 @@ def test_image_cards_carry_thumbnails(tmp_path):
     for card, unit in zip(cards, (0, 1), strict=True):
         names = re.findall(r'<img alt="([^"]+)" title', card)
         assert names == list(top[top["unit"] == unit]["path"])
+
+
+def test_a_cards_histogram_reads_the_units_own_column(lm, tmp_path):  # noqa: F811
+    """Per-sample token rows (N, T, units): the histogram's values are the unit's, along the
+    unit axis; latents in slots give the unit's active values without a dense read."""
+    from probe.analysis.cards import _stored_column
+
+    an_sae(tmp_path / "sae")
+    run_lm(lm, tmp_path / "run", f"+probes.block.sae={tmp_path / 'sae'}")[1].close()
+    with probe.open_run(tmp_path / "run") as run:
+        error = run.array("transformer.h.0", "sae.error")[:]
+        latents = run.array("transformer.h.0", "sae.latents")[:]
+        assert error.ndim == 3 and latents.ndim == 3
+        got = _stored_column(run, "transformer.h.0", "sae.error", 5)
+        np.testing.assert_array_equal(got, error[..., 5].reshape(-1).astype(np.float64))
+        got = _stored_column(run, "transformer.h.0", "sae.latents", 5)
+        want = latents[..., 5][latents[..., 5] > 0]
+        np.testing.assert_allclose(np.sort(got), np.sort(want.astype(np.float64)), rtol=1e-6)

@@ -320,5 +320,26 @@ def test_sparse_latents_index_like_an_array(lm, tmp_path):
         lazy = run.array("transformer.h.0", "sae.latents")
         whole = lazy[:]
         assert lazy.shape == whole.shape == (len(whole), LATENTS) and lazy.dtype == np.float32
-        for key in (3, -1, slice(2, 9), slice(None, None, -2), [0, 4, 5], (slice(1, 4), 7), (2, 7)):
+        for key in (
+            3,
+            -1,
+            slice(2, 9),
+            slice(None, None, -2),
+            [0, 4, 5],
+            (slice(1, 4), 7),
+            (2, 7),
+            (..., 7),
+        ):
             np.testing.assert_array_equal(lazy[key], whole[key], err_msg=str(key))
+
+
+def test_a_spliced_sae_beside_gradient_sites_is_refused(lm, tmp_path):
+    an_sae(tmp_path / "sae")
+    model, ids_path, _, _ = lm
+    out = cli("model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=tokens",
+              f"dataset.path={ids_path}", "probes=none", "+probes.block.layers=[transformer.h.0]",
+              f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true}}", "objective=lm_loss",
+              "+probes.block.capture=[output,grad_output]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    message = out.stderr.strip().splitlines()[-1]
+    assert all(w in message for w in ("sae.splice=true", "grad_output", "transformer.h.0")), message

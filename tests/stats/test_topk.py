@@ -167,6 +167,10 @@ def test_a_resumed_run_keeps_the_uninterrupted_examples(tmp_path):
         SignalsItself.at_call = None
     run(make_cfg(*stats, "resume=true"), run_dir=tmp_path / "stats")
     assert_same(kept(tmp_path / "stats"), kept(tmp_path / "stats_reference"))
+    from probe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stats.topk: 4 in the file, 5 now"):  # (other examples)
+        run(make_cfg(*args, "stats.topk=5", "resume=true"), run_dir=tmp_path / "run")
 
 
 def test_more_examples_than_rows_is_refused(tmp_path):
