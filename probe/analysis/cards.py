@@ -29,9 +29,15 @@ ORDERS = ("frequency", "max")
 
 def card_units(run, layer: str, site: str, units, order: str, limit: int) -> list[int]:
     """The units to draw: those asked, else the most frequent (or largest) active ones."""
-    if units:
-        return [int(u) for u in units][:limit]
     table = run.units(layer, site)
+    if units:
+        bad = [u for u in units if not 0 <= int(u) < len(table)]
+        if bad:
+            raise ValueError(
+                f"--units {' '.join(map(str, bad))}: {layer!r} {site} has units 0 to "
+                f"{len(table) - 1}; give units in that range"
+            )
+        return [int(u) for u in units][:limit]
     if table.empty:
         raise KeyError(f"{run.h5_path} holds no per-unit statistics of {layer!r} {site}")
     key = "frac_positive" if order == "frequency" else "max"

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from probe.errors import ConfigError
+
 POSITION_BITS = 20  # positions per sample: < 2**20 (tokens, a map's pixels)
 PER_QUANTILE = 5  # rows kept per quantile group
 _MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # (64-bit odd constants)
@@ -49,6 +51,7 @@ def row_keys(value, axis: int, start: int, tokens, by_token: bool):
     n, inner = x.shape[0], int(np.prod(x.shape[1:-1], dtype=np.int64))
     valid = None
     if by_token:  # (tokens, ..., units): rows made by probe.build.layout.token_rows
+        _check_positions(tokens.length * inner)
         flat = torch.arange(n, device=x.device) if tokens.flat is None else tokens.flat.to(x.device)
         base = (flat // tokens.length + start) * (1 << POSITION_BITS) + (
             flat % tokens.length
@@ -73,12 +76,17 @@ def stored_keys(value, axis: int, base):
 def _flat(x, base, inner: int):
     import torch
 
-    if inner >= 1 << POSITION_BITS:
-        raise ValueError(
-            f"{inner} positions a row: more than top-k keys hold ({1 << POSITION_BITS})"
-        )
+    _check_positions(inner)
     keys = (base[:, None] + torch.arange(inner, device=x.device)).reshape(-1)
     return x.reshape(-1, x.shape[-1]).float(), keys
+
+
+def _check_positions(inner: int) -> None:
+    if inner >= 1 << POSITION_BITS:
+        raise ConfigError(
+            f"stats.topk: a row of {inner} positions is more than the keys of examples hold "
+            f"({1 << POSITION_BITS}); reduce the capture (the probe's reduce) or turn the examples off"
+        )
 
 
 def partial(v, keys, valid, spec: TopKSpec) -> dict[str, tuple]:

@@ -89,3 +89,11 @@ def test_a_cards_histogram_reads_the_units_own_column(lm, tmp_path):  # noqa: F8
         got = _stored_column(run, "transformer.h.0", "sae.latents", 5)
         want = latents[..., 5][latents[..., 5] > 0]
         np.testing.assert_allclose(np.sort(got), np.sort(want.astype(np.float64)), rtol=1e-6)
+    out = subprocess.run(
+        [sys.executable, "-m", "probe.analyze", str(tmp_path / "run"), "topk", "--layer",
+         "transformer.h.0", "--site", "sae.latents", "--units", "3", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--units 64" in out.stderr and "0 to 63" in out.stderr, (
+        out.stderr
+    )
