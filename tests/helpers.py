@@ -28,6 +28,22 @@ def run_probe(tmp_path: Path, *overrides: str):
     return result, h5py.File(result.h5_path, "r")
 
 
+def run_interrupted(run_dir: Path, at_call: int, *overrides: str) -> None:
+    """A run of tests.models_for_tests.SignalsItself stopped by its own SIGINT at forward call
+    `at_call` (the batches before it written), for a resume to continue."""
+    import pytest
+
+    from probe.launch.interrupt import Interrupted
+    from tests.models_for_tests import SignalsItself
+
+    SignalsItself.at_call = at_call
+    try:
+        with pytest.raises(Interrupted):
+            run(make_cfg(*overrides), run_dir=run_dir)
+    finally:
+        SignalsItself.at_call = None
+
+
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
     """`python -m probe ARGS` in a subprocess (`-m` first: Hydra's parser wants flags before overrides)."""
     flags = [a for a in args if a in ("-m", "--multirun")]

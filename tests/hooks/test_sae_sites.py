@@ -272,10 +272,8 @@ def test_conv_channel_latents_resume_to_the_uninterrupted_run(tmp_path):
     """An SAE over a conv layer's channels (unit axis 1: slots stored as (N, slots, H, W)),
     read back dense equal to numpy's encode of the stored maps; a run interrupted in its
     third batch and resumed stores the uninterrupted run's slots and statistics."""
-    from probe.launch.interrupt import Interrupted
     from probe.launch.run import run
-    from tests.helpers import make_cfg
-    from tests.models_for_tests import SignalsItself
+    from tests.helpers import make_cfg, run_interrupted
 
     g = torch.Generator().manual_seed(1)
     tensors = {"W_enc": torch.randn(4, 16, generator=g), "b_enc": torch.randn(16, generator=g) * 0.1,
@@ -286,12 +284,7 @@ def test_conv_channel_latents_resume_to_the_uninterrupted_run(tmp_path):
             "dataset.batch_size=3", "probes=none", "+probes.c.layers=[conv]",
             f"+probes.c.sae={{path:{tmp_path / 'sae'},max_active:5}}", "stats.topk=2"]  # fmt: skip
     run(make_cfg(*args), run_dir=tmp_path / "reference")
-    SignalsItself.at_call = 2
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*args), run_dir=tmp_path / "run")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "run", 2, *args)
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
     got = {}
     for name in ("reference", "run"):

@@ -10,11 +10,10 @@ import torch
 
 import probe
 from probe.hooks.examples import POSITION_BITS, TopKSpec, partial, priority, row_keys
-from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.stats.topk import TopKState, best
 from probe.store import stats_file
-from tests.helpers import cli, make_cfg, run_probe
+from tests.helpers import cli, make_cfg, run_interrupted, run_probe
 
 SPEC = TopKSpec(top=4, bottom=3, quantiles=2, seed=0)
 EXAMPLES = ["stats.topk=4", "stats.bottomk=3", "stats.topk_quantiles=2"]
@@ -145,26 +144,14 @@ def test_padding_never_appears_even_when_loudest(tmp_path):
 
 
 def test_a_resumed_run_keeps_the_uninterrupted_examples(tmp_path):
-    from tests.models_for_tests import SignalsItself
-
     args = [*IMAGES, "model._target_=tests.models_for_tests.SignalsItself", "dataset.batch_size=3"]
     reference = run(make_cfg(*args), run_dir=tmp_path / "reference")
-    SignalsItself.at_call = 3
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*args), run_dir=tmp_path / "run")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "run", 3, *args)
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
     assert_same(kept(tmp_path / "run"), kept(reference.h5_path.parent))
     stats = [*args, "store.mode=stats"]  # (statistics-only: the examples resume from /topk)
     run(make_cfg(*stats), run_dir=tmp_path / "stats_reference")
-    SignalsItself.at_call = 3
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*stats, "store.flush_seconds=0"), run_dir=tmp_path / "stats")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "stats", 3, *stats, "store.flush_seconds=0")
     run(make_cfg(*stats, "resume=true"), run_dir=tmp_path / "stats")
     assert_same(kept(tmp_path / "stats"), kept(tmp_path / "stats_reference"))
     from probe.errors import ConfigError
