@@ -2,7 +2,8 @@
 
 The public API, imported on first use so that `import probe` stays light: `run`, `capture`,
 `sites`, `open_run`, `open_sweep` and the error types. Everything else lives in the stage
-subpackages (build, hooks, stats, store, intervene, analysis, launch).
+subpackages, in the order data flows (docs/architecture.md): models, data, hooks, stats, store,
+attribute, intervene, read, analysis, report, launch.
 """
 
 __version__ = "0.1.0"
@@ -11,8 +12,8 @@ _API = {
     "run": ("probe.launch.api", "run"),
     "capture": ("probe.hooks.memory", "capture"),
     "sites": ("probe.hooks.sites", "sites"),
-    "open_run": ("probe.analysis.reading", "open_run"),
-    "open_sweep": ("probe.analysis.reading", "open_sweep"),
+    "open_run": ("probe.read.runs", "open_run"),
+    "open_sweep": ("probe.read.runs", "open_sweep"),
     "ProbeError": ("probe.errors", "ProbeError"),
     "ConfigError": ("probe.errors", "ConfigError"),
     "DataError": ("probe.errors", "DataError"),

@@ -1,11 +1,11 @@
 """Config errors decided from the config alone, before torch is imported or a model is built.
 
 Each check that needs neither torch nor a model lives here once: the modules that build the
-pieces (probe.build.data, probe.build.tokens, probe.build.models, probe.build.select, probe.intervene.edits, probe.hooks.objective)
+pieces (probe.data.batches, probe.data.tokens, probe.models.build, probe.hooks.select, probe.intervene.edits, probe.hooks.objective)
 call these functions, so a caller that builds a piece directly gets the same error, and
 `check_config` calls them all first, so that a command line mistake is reported in a fraction of
 a second instead of after the imports and the model. The name lists are probe.config's. The checks
-of probe.hooks.device, probe.hooks.forward, probe.stats.backend, probe.store.writer, probe.build.hub and probe.launch.run's device are
+of probe.hooks.device, probe.hooks.forward, probe.stats.backend, probe.store.writer, probe.models.hub and probe.launch.run's device are
 still repeated here with their messages (tests/test_cli_newcomer.py holds them equal).
 """
 
@@ -90,7 +90,7 @@ def check_seed(key: str, seed) -> None:
         )
 
 
-# -- dataset (probe.build.data) -------------------------------------------------------------------------
+# -- dataset (probe.data.batches) -------------------------------------------------------------------------
 def check_dataset(d) -> None:
     """The dataset config's sizes and name, and the root or path its kind needs."""
     at_least("dataset.batch_size", d.batch_size)
@@ -127,7 +127,7 @@ def check_data_file(
     path, what: str = "a .pt file of inputs", fix: str = "; fix its permissions"
 ) -> Path:
     """dataset.path, which must be a readable file; `what` says what it holds (dataset=tensors'
-    by default; probe.build.tokens gives its own, and no `fix`)."""
+    by default; probe.data.tokens gives its own, and no `fix`)."""
     p = Path(str(path))
     if p.is_dir():
         raise DataError(f"dataset.path={str(path)!r} is a directory; give {what}")
@@ -172,7 +172,7 @@ def check_run_options(cfg) -> None:
         )
 
 
-# -- probes (probe.build.select) ------------------------------------------------------------------------
+# -- probes (probe.hooks.select) ------------------------------------------------------------------------
 def check_probe_spec(name: str, spec) -> None:
     """A probe's sites, reduction, dtype, rows and unit axis (a ProbeSpec or its DictConfig)."""
     for site in spec.capture:

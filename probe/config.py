@@ -48,7 +48,7 @@ OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
 
 # what a `_target_` key's messages give as an example
 TARGET_EXAMPLES = {
-    "model._target_": "probe.build.zoo.LeNet",
+    "model._target_": "probe.models.zoo.LeNet",
     "objective._target_": "my_losses.per_sample_loss",
 }
 
@@ -72,7 +72,7 @@ class ModelConfig:
     pretrained: bool | None = None  # None: hf loads weights, timm starts from random init
     task: str = "base"  # hf: which Auto class (HF_TASKS)
     config: dict[str, Any] = field(default_factory=dict)  # hf: config fields to set or override
-    # where the weights live (probe.build.placement): None, one of DEVICE_MAPS, a device, or a
+    # where the weights live (probe.models.placement): None, one of DEVICE_MAPS, a device, or a
     # mapping module name -> device (cpu and disk offload); max_memory per device ({0: 10GiB,
     # cpu: 64GiB}), offload_folder for disk; the weights' dtype (WEIGHT_DTYPES)
     device_map: Any = None
@@ -80,7 +80,7 @@ class ModelConfig:
     offload_folder: str | None = None
     dtype: str = "float32"
     low_cpu_mem_usage: bool = False  # hf: load weights without a second copy in memory
-    # the transformer anatomy for a family probe.build.anatomy does not know: attn_out and
+    # the transformer anatomy for a family probe.models.anatomy does not know: attn_out and
     # mlp_out (suffixes below each block), final_norm, unembed (names), heads
     anatomy: dict[str, Any] = field(default_factory=dict)
 

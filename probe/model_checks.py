@@ -72,7 +72,7 @@ def check_model(m) -> None:
     library = model_library(m)
     if (
         library == "hf" and m.task not in HF_TASKS
-    ):  # probe.build.hub's, after transformers is imported
+    ):  # probe.models.hub's, after transformers is imported
         raise ConfigError(f"model.task={m.task!r} is not one of {', '.join(HF_TASKS)}")
     at_least("model.num_classes", m.num_classes, note=" (the classes the model outputs)")
     path = _value(m, "checkpoint")
@@ -83,7 +83,7 @@ def check_model(m) -> None:
 
 def check_placement(m, library: str) -> None:
     """model.dtype, device_map, max_memory, offload_folder and low_cpu_mem_usage, as far as the
-    config decides them (probe.build.placement checks the map's modules against the model)."""
+    config decides them (probe.models.placement checks the map's modules against the model)."""
     _choice("model.dtype", _value(m, "dtype") or "float32", WEIGHT_DTYPES)
     device_map, folder = _value(m, "device_map"), _value(m, "offload_folder")
     if _value(m, "low_cpu_mem_usage") and library != "hf":

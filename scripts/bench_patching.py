@@ -259,7 +259,7 @@ PARTS = [  # (label, file suffix, function name): where a pipeline run spends it
         "ProbeWriter() @ probe/store/writer.py @ __init__",
         "report: patching_table @ probe/intervene/grid.py @ patching_table",
         "report: heatmap @ probe/intervene/grid.py @ heatmap",
-        "summary_frame @ probe/analysis/summarize.py @ summary_frame",
+        "summary_frame @ probe/read/summarize.py @ summary_frame",
     )
 ]
 

@@ -19,10 +19,10 @@ import bench_common  # noqa: F401 - first: it puts the repository root on sys.pa
 import torch
 from hydra import compose, initialize_config_dir
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
 from probe.config import config_dir
+from probe.data.batches import build_batches
 from probe.launch.run import run
+from probe.models.build import build_model
 
 
 def plain(cfg) -> tuple[float, float]:

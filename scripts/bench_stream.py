@@ -93,8 +93,8 @@ def child(variant: str, run_dir: Path, cache: Path) -> dict:
     import torch
 
     import probe
-    import probe.analysis.reading  # noqa: F401  (imports, pandas among them, are not reading)
-    import probe.analysis.stream  # noqa: F401
+    import probe.read.runs  # noqa: F401  (imports, pandas among them, are not reading)
+    import probe.read.stream  # noqa: F401
 
     torch.randperm(1 << 14)  # (torch's set-up on first use is not the reader's memory)
     with probe.open_run(run_dir) as run:

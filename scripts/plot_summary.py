@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from probe.analysis.plot import main  # noqa: E402
+from probe.report.figures import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

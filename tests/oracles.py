@@ -23,12 +23,12 @@ import torch
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from probe.build.placement import is_placed
-from probe.build.select import select_modules
 from probe.checks import typed_probes
 from probe.config import BACKWARD_SITES
 from probe.hooks.objective import build_objective
+from probe.hooks.select import select_modules
 from probe.launch.run import Prepared, build_run, run
+from probe.models.placement import is_placed
 from tests.helpers import make_cfg
 
 

@@ -1,1 +1,2 @@
-"""Stage 7, analysis: tables, the reading API, plots, reports, linear probes and CKA over run files."""
+"""Analyses over a run's captures: linear and MLP probes (with control tasks), CKA, and
+`python -m probe.analyze`."""

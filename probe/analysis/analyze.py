@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from probe.analysis import slabs as slab_reads
 from probe.analysis.cka import (
     CountSketch,
     Features,
@@ -32,9 +31,10 @@ from probe.analysis.cka import (
     sketch_seed,
 )
 from probe.analysis.linear_probe import LINEAR_COLUMNS, run_table
-from probe.analysis.reading import open_run
-from probe.analysis.summarize import is_sweep, read_overrides, sweep_runs, write_table
 from probe.errors import ConfigError, DataError, ProbeError
+from probe.read import slabs as slab_reads
+from probe.read.runs import open_run
+from probe.read.summarize import is_sweep, read_overrides, sweep_runs, write_table
 from probe.store.fileformat import is_per_batch, layer_path
 
 log = logging.getLogger("probe")
@@ -341,10 +341,6 @@ def hand_back_freed_slabs() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "topk" in argv[1:2]:  # feature cards: their own options (probe.analysis.cards)
-        from probe.analysis.cards import main as cards
-
-        return cards(argv)
     parser = argparse.ArgumentParser(
         prog="python -m probe.analyze",
         description="Linear probes (linear_probes.csv) and CKA (cka.csv, cka.png) of a run or sweep.",

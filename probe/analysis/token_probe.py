@@ -1,5 +1,5 @@
 """Probes on token rows: a label per token (/tokens/label; -1 is left out), read through the run's
-training stream (probe.analysis.stream) in file order, one window at a time.
+training stream (probe.read.stream) in file order, one window at a time.
 
 The linear probe is the closed-form ridge of probe.analysis.linear_probe, held out by sequence (no
 sample gives rows to both sides). `control` adds Hewitt and Liang's (2019) control task: each
@@ -17,7 +17,7 @@ import numpy as np
 from probe.analysis.cka import CountSketch, sketch_seed
 from probe.analysis.linear_probe import RidgeFit, Scores, split
 from probe.analysis.mlp_probe import mlp_accuracy
-from probe.analysis.stream import sources_of
+from probe.read.stream import sources_of
 
 log = logging.getLogger("probe")
 WINDOW_ROWS = 8192

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from probe.attribute.maps import with_totals
-from probe.build.layout import TokenBatch
 from probe.config import ATTRIBUTION_SITES
 from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.forward import call, to_device
 from probe.hooks.names import flatten, replace_tensors
 from probe.hooks.objective import per_sample
+from probe.layout import TokenBatch
 from probe.store.fileformat import layer_path
 
 log = logging.getLogger("probe")

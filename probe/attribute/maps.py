@@ -15,9 +15,9 @@ import dataclasses
 
 import torch
 
-from probe.build.layout import unit_axis
 from probe.choices import CAM_SITES
 from probe.errors import ConfigError
+from probe.layout import unit_axis
 
 EPS_PP, EPS_X = 1e-6, 1e-7  # pytorch-grad-cam's GradCAM++ and XGradCAM epsilons
 

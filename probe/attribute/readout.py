@@ -10,10 +10,10 @@ import pandas as pd
 
 from probe.attribute.dla import DirectLogit
 from probe.attribute.lens import ANSWER, PER_TOKEN, Lens
-from probe.build.anatomy import anatomy
-from probe.build.select import block_names, match_modules, warn_nested
 from probe.config import ProbeSpec
 from probe.errors import ConfigError
+from probe.hooks.select import block_names, match_modules, warn_nested
+from probe.models.anatomy import anatomy
 
 log = logging.getLogger("probe")
 LENSES = ("none", "logit", "tuned", "dla")

@@ -50,7 +50,7 @@ def row_keys(value, axis: int, start: int, tokens, by_token: bool):
     x = value.detach().movedim(axis, -1)
     n, inner = x.shape[0], int(np.prod(x.shape[1:-1], dtype=np.int64))
     valid = None
-    if by_token:  # (tokens, ..., units): rows made by probe.build.layout.token_rows
+    if by_token:  # (tokens, ..., units): rows made by probe.layout.token_rows
         _check_positions(tokens.length * inner)
         flat = torch.arange(n, device=x.device) if tokens.flat is None else tokens.flat.to(x.device)
         base = (flat // tokens.length + start) * (1 << POSITION_BITS) + (

@@ -9,10 +9,10 @@ import inspect
 import torch
 from torch import nn
 
-from probe.build.layout import TokenBatch
-from probe.build.models import model_input
 from probe.errors import ModelError, ProbeError
 from probe.hooks.names import flatten
+from probe.layout import TokenBatch
+from probe.models.build import model_input
 
 
 def to_device(model: nn.Module, inputs, device, non_blocking: bool = False):

@@ -3,7 +3,7 @@
 The small-data path: for a notebook or a test, where a run directory and an HDF5 file are more
 than the question needs. Everything captured stays in memory, so keep it to a few batches;
 `probe.launch.run` and `python -m probe` stream to HDF5 with bounded memory instead. The hooks are
-probe.hooks.capture.Capture's, with the selection of probe.build.select, so names, copies, reductions and dtypes
+probe.hooks.capture.Capture's, with the selection of probe.hooks.select, so names, copies, reductions and dtypes
 are those of a run.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from probe.build.layout import TokenBatch
-from probe.build.select import select_modules
 from probe.config import GRAD_SITES
 from probe.errors import ConfigError, ModelError, ProbeError
 from probe.hooks.capture import BatchCapture, Capture
 from probe.hooks.gradients import resolve_grads
 from probe.hooks.names import flatten
+from probe.hooks.select import select_modules
 from probe.hooks.sites import probe_specs
+from probe.layout import TokenBatch
 
 NOT_RESOLVED = (
     "gradient sites ({sites}) were recorded in a forward but never resolved; call "

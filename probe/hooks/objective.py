@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from probe.build.layout import TokenBatch
 from probe.checks import check_objective
 from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.hooks.forward import first_output
+from probe.layout import TokenBatch
 
 NEEDS_TARGETS = {"cross_entropy"}
 IGNORED = -100  # cross_entropy's ignore_index: a sample with this label adds no loss

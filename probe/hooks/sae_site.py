@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.build.layout import unit_axis
-from probe.build.sae import SAE, check_width, load_sae
 from probe.errors import ConfigError
+from probe.layout import unit_axis
+from probe.models.sae import SAE, check_width, load_sae
 
 SPEC_KEYS = ("path", "dense", "splice", "error_term", "max_active")
 MAX_ACTIVE = 128  # slots a row for a standard or JumpReLU SAE's sparse latents (TopK: its k)

@@ -3,7 +3,7 @@
 Layer globs are written against names one cannot see without printing the model; this table lists
 every module with its class and parameters, and with an example input what each produced on its
 first call and how often it ran (call k>0 is stored as `output@k`). With `probes` it says which
-probe selects each module, by probe.build.select's own `select_modules`, so what it shows is what a run
+probe selects each module, by probe.hooks.select's own `select_modules`, so what it shows is what a run
 hooks. `python -m probe.sites OVERRIDES` prints it for the model and data a run would use.
 
 `probe.hooks.sites` is this module, made callable, so `probe.sites(model)` works even once the module
@@ -20,12 +20,12 @@ import pandas as pd
 import torch
 from torch import nn
 
-from probe.build.models import model_input
-from probe.build.select import select_modules
 from probe.config import ProbeSpec, config_dir, typed
 from probe.errors import ConfigError, ModelError, ProbeError, SelectionError
 from probe.hooks.forward import call, to_device
 from probe.hooks.names import dataset_name, flatten
+from probe.hooks.select import select_modules
+from probe.models.build import model_input
 
 
 def probe_specs(probes) -> dict[str, Any]:
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from probe.build.data import build_batches
-    from probe.build.models import build_model
+    from probe.data.batches import build_batches
+    from probe.models.build import build_model
 
     try:
         with initialize_config_dir(version_base="1.3", config_dir=config_dir()):

@@ -1,2 +1,2 @@
-"""Stage 6, intervene: declared edits (ablations, patching, steering, gradient surgery), the
-passes they need and the effects they have on the model's answer."""
+"""Interventions: declared edits (ablations, patching, steering, gradient surgery), the passes
+they need, patching grids, attribution patching, and the effects on the model's answer."""

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from probe.build.layout import class_axis
-from probe.build.select import match_modules
 from probe.checks import check_edit, check_edit_op
 from probe.config import GRAD_EDIT_SITES as GRAD_EDIT_SITES  # probe.launch.run's
 from probe.config import edit_specs, import_target
 from probe.errors import ConfigError, DataError
+from probe.hooks.select import match_modules
 from probe.intervene.patching import DIRECTIONS, Patch, Region, Steer, load_vector, mean_diff
+from probe.layout import class_axis
 from probe.store import swmr
 from probe.store.fileformat import layer_path, read_progress
 
@@ -274,9 +274,9 @@ class MeanSource:
 
 def first_pass_means(model: nn.Module, batches, edits: list[Edit], device) -> None:
     """op=mean with source=first_pass: one clean pass over the dataset summing each edited site."""
-    from probe.build.select import Selection
     from probe.hooks.capture import Capture
     from probe.hooks.forward import call, to_device, token_batch
+    from probe.hooks.select import Selection
 
     sources = [e.fn for e in edits if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass]
     if not sources:

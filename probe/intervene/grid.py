@@ -20,15 +20,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.build.layout import TokenBatch, class_axis
-from probe.build.select import match_modules, warn_nested
 from probe.config import GridSpec, typed
 from probe.errors import ConfigError
 from probe.hooks.forward import call
+from probe.hooks.select import match_modules, warn_nested
 from probe.intervene.atp import methods_of
 from probe.intervene.attention import SITES as ATTENTION_SITES
 from probe.intervene.attention import AttentionSites
 from probe.intervene.patching import DIRECTIONS, SOURCES, Region, read_rows, run_file
+from probe.layout import TokenBatch, class_axis
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
 

@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.build.layout import TokenBatch
 from probe.errors import ConfigError
 from probe.hooks.objective import logit_difference, picked
+from probe.layout import TokenBatch
 
 METRICS = ("logit_diff", "answer_logprob", "answer_prob", "kl", "output_change")
 NEEDS = {

@@ -19,18 +19,18 @@ import pandas as pd
 import torch
 from torch.utils.data import Subset
 
-from probe.build.data import Batch
-from probe.build.layout import TokenBatch
-from probe.build.select import Selection
+from probe.data.batches import Batch
 from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.capture import Capture
 from probe.hooks.forward import answer, call, first_output, output_rows, to_device
+from probe.hooks.select import Selection
 from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
 from probe.intervene.grid import Grid, grid_spec, heatmap, patching_table
 from probe.intervene.metrics import at_position, check_metrics, per_sample, summary, value
 from probe.intervene.patching import SOURCES, Patch
+from probe.layout import TokenBatch
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from probe.build.layout import TokenBatch, unit_axis
 from probe.errors import ConfigError, DataError
+from probe.layout import TokenBatch, unit_axis
 from probe.store import stats_file, swmr
 from probe.store.fileformat import layer_path, read_progress
 

@@ -1,2 +1,2 @@
-"""Stage 8, launch: the run loop, the size plan, the Python API's `probe.run`, torchrun,
-interrupts and sweeps."""
+"""Launch: the run loop, the size plan, the Python API's `probe.run`, torchrun, interrupts and
+sweeps."""

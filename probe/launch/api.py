@@ -18,7 +18,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from probe.build.user_batches import UserBatches
 from probe.checks import check_seed
 from probe.config import (
     AttributionConfig,
@@ -31,6 +30,7 @@ from probe.config import (
     StoreConfig,
     typed,
 )
+from probe.data.user_batches import UserBatches
 from probe.errors import ConfigError
 from probe.shipped import check_shipped, compose_shipped
 from probe.store import runfile, runlock
@@ -74,9 +74,9 @@ def run(
     `attribution` integrated gradients' keys; `lens` logit, tuned or dla, or its keys. The
     model's training mode is given back as it was; no hook is left on it, on any way out.
     `out` is locked for the run (probe.store.runlock): a second run into it meanwhile is refused."""
-    from probe.analysis.reading import open_run
     from probe.launch.run import prepare
     from probe.launch.run import run as run_config
+    from probe.read.runs import open_run
 
     out = Path(out)
     if out.exists() and not out.is_dir():  # (before the lock would make it a directory)

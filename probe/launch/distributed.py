@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Subset
 
-from probe.build.data import OrderedBatches
+from probe.data.batches import OrderedBatches
 from probe.errors import ConfigError
 from probe.store.stitch import stitch
 

@@ -18,29 +18,29 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from probe.analysis.tables import summary_frame
 from probe.attribute.integrated import Integrated, baselines, check_attribution_run
 from probe.attribute.readout import build_readout, write_readout_tables
 from probe.attribute.table import attribution_table
-from probe.build import placement
-from probe.build.data import build_batches, check_token_data
-from probe.build.models import build_model
-from probe.build.provenance import describe as describe_dataset
-from probe.build.select import select_modules
 from probe.checks import check_config, check_run_options
 from probe.config import BACKWARD_SITES
+from probe.data.batches import build_batches, check_token_data
+from probe.data.provenance import describe as describe_dataset
 from probe.errors import ConfigError
 from probe.hooks import nonfinite
 from probe.hooks.capture import Capture
 from probe.hooks.examples import TopKSpec
 from probe.hooks.objective import build_objective
 from probe.hooks.sae_site import load_saes
+from probe.hooks.select import select_modules
 from probe.intervene.edits import GRAD_EDIT_SITES, build_edits, first_pass_means
 from probe.intervene.passes import Interventions
 from probe.intervene.splice import SpliceReport
 from probe.launch import distributed, size_plan
 from probe.launch.batch import BatchStep, run_batch
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
+from probe.models import placement
+from probe.models.build import build_model
+from probe.read.tables import summary_frame
 from probe.stats import backend
 from probe.store import runfile, runlock, swmr
 from probe.store.resume import check_identity, check_resumable, file_sha256
@@ -109,7 +109,7 @@ def build_run(cfg: DictConfig) -> Prepared:
 
 def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
     """This process's batches, the device, the selected sites, the edits and the objective of a
-    run of `model` over `every` (batches as `probe.build.data.OrderedBatches` gives them)."""
+    run of `model` over `every` (batches as `probe.data.batches.OrderedBatches` gives them)."""
     shard, batches = distributed.shard(every)
     if placement.is_placed(model):  # accelerate's hooks move each module's inputs in
         device = placement.input_device(model)
@@ -310,7 +310,7 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
         table.to_csv(writer.path.parent / "sae.csv", index=False)
         log.info("wrote %s (%d layers with an SAE)", writer.path.parent / "sae.csv", len(table))
         promoted = step.splice.promoted(p.model)
-        if promoted:  # (feature cards show them: probe.analysis.cards)
+        if promoted:  # (feature cards show them: probe.report.cards)
             np.savez(writer.path.parent / "sae_tokens.npz", **promoted)
     # a signal during the last batch stops nothing: the run is whole, so it says so
     complete = stop.requested is None or index + 1 - first >= remaining_batches(p.batches)

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from probe.build.data import OrderedBatches
+from probe.data.batches import OrderedBatches
 from probe.hooks.record import Record
 from probe.stats.backend import DeviceStats
 from probe.stats.running import occupied_buckets

@@ -1,2 +1,2 @@
-"""Stage 4, store: probe.h5 itself: its format, the writer, the disk-space guard, resume,
-stitching shards, reading a run file and the run directory's lock."""
+"""Store: probe.h5 itself: its format, the writer, the disk-space guard, resume, stitching
+shards, the run file's state and the run directory's lock."""

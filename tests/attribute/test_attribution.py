@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
 from probe.launch.run import run
+from probe.models.build import build_model
 from tests.helpers import make_cfg, run_probe
 
 captum_attr = pytest.importorskip("captum.attr")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
+from probe.models.build import build_model
 from tests.helpers import cli, make_cfg, run_probe
 from tests.token_fixtures import tiny_config
 

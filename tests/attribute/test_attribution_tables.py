@@ -45,8 +45,8 @@ def test_attribution_csv_equals_numpy_over_the_stored_maps(tmp_path):
 def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tmp_path):
     """`python -m probe probes=cams objective=logit objective.index=predicted` and probe.run with
     the same probe and objective as mappings, on the same model and inputs."""
-    from probe.build.data import build_batches
-    from probe.build.models import build_model
+    from probe.data.batches import build_batches
+    from probe.models.build import build_model
     from tests.helpers import make_cfg
 
     out = cli(*RESNET, "probes=cams", f"hydra.run.dir={tmp_path / 'cli'}")
@@ -105,7 +105,7 @@ def test_the_figures_draw_the_stored_maps(tmp_path, kind, tiny_gpt2):
     """cams.png shows each stored map on its own symmetric scale; a token run's coloured text
     has one box per real token, coloured by the attribution summed over features."""
     pytest.importorskip("matplotlib")
-    from probe.analysis.plot import figures
+    from probe.report.figures import figures
 
     if kind == "images":
         args = [*RESNET, "probes=cams"]

@@ -49,8 +49,8 @@ def by_hand(path, ids):
     """(each block's lens logits (L, N, T, V), final logits, the model) from plain hooks."""
     from transformers import AutoModelForCausalLM
 
-    from probe.build.anatomy import anatomy
-    from probe.build.select import block_names
+    from probe.hooks.select import block_names
+    from probe.models.anatomy import anatomy
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     body = anatomy(model, block_names(model))
@@ -241,9 +241,9 @@ def test_lens_at_the_last_position_reads_that_position_alone(tmp_path, models):
 def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm):
     """A model of a family the anatomy does not know: the alias is refused, naming the keys;
     given by hand (model.anatomy.mlp_out), it resolves below each block."""
-    from probe.build.models import build_model
-    from probe.build.select import select_modules
     from probe.checks import typed_probes
+    from probe.hooks.select import select_modules
+    from probe.models.build import build_model
     from tests.helpers import make_cfg
 
     _, path, _ = lm

@@ -82,7 +82,7 @@ def test_the_lens_and_dla_figures_draw_the_stored_values(tmp_path, lm):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from probe.analysis.plot import figures
+    from probe.report.figures import figures
 
     run_probe(tmp_path / "lens", *pairs_args(lm, "lens=logit"))
     run_probe(tmp_path / "dla", *pairs_args(lm, "lens=dla"))

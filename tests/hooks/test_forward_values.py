@@ -9,10 +9,10 @@ import pytest
 import torch
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
-from probe.build.select import select_modules
+from probe.data.batches import build_batches
 from probe.hooks.capture import Capture
+from probe.hooks.select import select_modules
+from probe.models.build import build_model
 from tests.helpers import make_cfg, run_probe
 
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
+from probe.models.build import build_model
 from tests.helpers import cli, make_cfg, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=7"]

@@ -139,7 +139,7 @@ def test_the_loss_change_equals_plain_hooks(lm, tmp_path):
     the reconstruction (or zeros) in place of the block's output."""
     from transformers import AutoModelForCausalLM
 
-    from probe.build.sae import load_sae
+    from probe.models.sae import load_sae
 
     an_sae(tmp_path / "sae")
     run_lm(lm, tmp_path / "run", f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true}}")[

@@ -1,4 +1,4 @@
-"""probe.hooks.sites: the module table against named_modules, plain hooks of our own and probe.build.select."""
+"""probe.hooks.sites: the module table against named_modules, plain hooks of our own and probe.hooks.select."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torchvision
 from torch import nn
 
 import probe
-from probe.build.select import select_modules
 from probe.config import ProbeSpec, typed
 from probe.errors import ConfigError, ModelError
+from probe.hooks.select import select_modules
 from probe.hooks.sites import main
 from tests.helpers import ROOT
 from tests.models_for_tests import Raises, TinyLM, TinyNet, assert_no_hooks

@@ -11,11 +11,11 @@ import torch
 from omegaconf import open_dict
 
 import probe
-from probe.analysis.summarize import summarize_file
-from probe.build.data import build_batches
-from probe.build.models import build_model
 from probe.config import EditSpec, ProbeSpec
+from probe.data.batches import build_batches
 from probe.launch.run import run
+from probe.models.build import build_model
+from probe.read.summarize import summarize_file
 from tests.helpers import assert_same_arrays, cli, cloned_outputs, make_cfg, run_probe
 from tests.token_fixtures import make_tiny
 
@@ -331,7 +331,7 @@ def test_torchvision_vit_blocks_probe_averages_tokens_into_features(tmp_path):
 def test_random_tokens_are_all_tokens_even_the_pad_id(tmp_path, saved):
     """dataset=random_tokens (vocabulary 3: the pad id 0 is drawn too) on a model with a pad
     token: every id is a token row, in order, equal to the dataset's seeded ids."""
-    from probe.build.tokens import RandomTokens
+    from probe.data.tokens import RandomTokens
 
     directory, _ = saved["gpt2"]
     args = ["model=hf", f"model.name={directory}", "model.task=causal_lm", "dataset=random_tokens",

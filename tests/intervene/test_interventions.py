@@ -15,8 +15,8 @@ import yaml
 from torch import nn
 
 import probe
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
+from probe.models.build import build_model
 from tests.helpers import ROOT, cli, make_cfg, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import probe
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
 from probe.errors import ConfigError, DataError
+from probe.models.build import build_model
 from tests.helpers import assert_same_arrays, cli, cloned_outputs, make_cfg
 from tests.token_fixtures import make_tiny
 

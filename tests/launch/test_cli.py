@@ -140,7 +140,7 @@ def test_checkpoint_round_trip_loads_the_weights(tmp_path):
     assert out.returncode == 0, out.stderr
     with h5py.File(tmp_path / "run" / "probe.h5") as f:
         x = f["layers/conv1/output"][:]
-    from probe.build.data import SyntheticImages
+    from probe.data.batches import SyntheticImages
 
     data = SyntheticImages(3, (3, 32, 32), 1000, seed=0)
     inputs = torch.stack([data[i][0] for i in range(3)])

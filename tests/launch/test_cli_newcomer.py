@@ -19,12 +19,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from probe import model_checks
-from probe.build.data import SyntheticImages, build_batches
-from probe.build.models import build_model, key_prefix
-from probe.build.select import select_modules
 from probe.checks import check_config, unread_keys
 from probe.config import ProbeSpec
+from probe.data.batches import SyntheticImages, build_batches
 from probe.errors import CheckpointError, ProbeError
+from probe.hooks.select import select_modules
+from probe.models.build import build_model, key_prefix
 from tests.helpers import ROOT, cli, make_cfg
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=2"]
@@ -247,7 +247,7 @@ def test_a_key_nothing_reads_is_named_with_the_close_one(tmp_path):
 def test_free_form_keys_are_not_reported():
     cfg = make_cfg(
         "model=custom",
-        "model._target_=probe.build.zoo.LeNet",
+        "model._target_=probe.models.zoo.LeNet",
         "+model.kwargs.width=64",
         "+model.config.n_layer=2",
         "+intervene.mine.op=zero",

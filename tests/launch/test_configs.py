@@ -10,17 +10,17 @@ import torch
 import torchvision
 from PIL import Image
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
-from probe.build.select import select_modules
 from probe.config import config_dir
+from probe.data.batches import build_batches
+from probe.hooks.select import select_modules
+from probe.models.build import build_model
 from tests.helpers import cli, make_cfg, run_probe
 
 CONF = Path(config_dir())
 MODELS = sorted(
     p.stem for p in (CONF / "model").glob("*.yaml") if p.stem not in ("custom", "torchvision")
 )
-NAMED_BY_USER = ("hf", "timm")  # name: ??? (tests/build/test_hub_models.py builds them)
+NAMED_BY_USER = ("hf", "timm")  # name: ??? (tests/models/test_hub_models.py builds them)
 TOKEN_MODELS = {"gpt2": 12, "bert-base-uncased": 12, "smollm2-135m": 30}  # their blocks
 IMAGE_MODELS = [m for m in MODELS if m not in TOKEN_MODELS and m not in NAMED_BY_USER]
 PROBES = sorted(p.stem for p in (CONF / "probes").glob("*.yaml"))

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
+from probe.models.build import build_model
 from tests.helpers import cloned_outputs, make_cfg, run_probe
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]

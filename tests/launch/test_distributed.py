@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 
 import probe
-from probe.analysis.summarize import summarize_file
 from probe.errors import DataError
+from probe.read.summarize import summarize_file
 from probe.store.stitch import IncompleteFileError, is_complete, open_checked, read_stats
 from tests.helpers import QUIET, ROOT, assert_same_arrays, cli
 

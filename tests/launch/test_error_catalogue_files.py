@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import probe
-from probe.analysis.summarize import summarize_file
 from probe.launch.run import run
+from probe.read.summarize import summarize_file
 from probe.store.runfile import NothingFlushed, open_probe_file
 from tests.helpers import QUIET, ROOT, make_cfg
 from tests.models_for_tests import SignalsItself

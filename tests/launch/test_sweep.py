@@ -11,9 +11,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from probe.analysis.summarize import sweep_table
-from probe.build.data import build_batches
-from probe.build.models import build_model
+from probe.data.batches import build_batches
+from probe.models.build import build_model
+from probe.read.summarize import sweep_table
 from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=3", "dataset.batch_size=2"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from probe.build.select import Selection
 from probe.hooks import buffers as host_buffers
 from probe.hooks.capture import keep
 from probe.hooks.record import Record
+from probe.hooks.select import Selection
 from probe.store import direct
 from probe.store.chunks import chunk_rows
 from probe.store.writer import ProbeWriter

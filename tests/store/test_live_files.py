@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 import probe
-from probe.analysis.summarize import summarize_file
 from probe.errors import ConfigError
 from probe.hooks.record import Record
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
+from probe.read.summarize import summarize_file
 from probe.stats import backend
 from probe.stats.running import SCALARS, UNIT_FIELDS, stats_for
 from probe.store import stats_file
@@ -32,7 +32,7 @@ from probe.store.writer import ProbeWriter
 from tests.helpers import QUIET, ROOT, cli, file_arrays, h5_arrays, image_folder, make_cfg
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
-DATA = Path(__file__).parent.parent / "data" / "format1"
+DATA = Path(__file__).parent / "format1"
 SLOW = [*INTERRUPTED_SLOW[:-2], "dataset.num_samples=36", "dataset.batch_size=3"]
 
 
@@ -49,7 +49,7 @@ def start(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 def test_a_second_process_reads_every_flushed_batch_while_the_run_writes(tmp_path):
-    """h5py (SWMR), probe.open_run with refresh() and probe.analysis.summarize, every few batches: what
+    """h5py (SWMR), probe.open_run with refresh() and probe.read.summarize, every few batches: what
     they see is the finished file's first rows, and the file is "in progress", never damaged."""
     proc = start(tmp_path, "+model.kwargs.delay=0.6")
     h5 = tmp_path / "probe.h5"
@@ -319,7 +319,7 @@ def test_resume_refuses_a_dataset_file_whose_contents_changed(tmp_path):
     """A dataset=tensors run stopped after 3 of 4 batches; the .pt file is saved again at the
     same path with other values: resume=true exits 2 naming the dataset's contents (and the hash
     stored in the file), and the file's arrays and counts are as they were."""
-    from probe.build.provenance import file_identity
+    from probe.data.provenance import file_identity
     from tests.models_for_tests import SignalsItself
 
     data = tmp_path / "data.pt"
