@@ -126,40 +126,37 @@ class TorchStats:
 
         if x.is_cpu:
             return torch_stats.batch_stats(x, bounds, unit_axis)
-        return DeviceStats(torch_stats.reduce(x, bounds, unit_axis), len(x), unit_axis)
+        return DeviceStats(*torch_stats.on_device(x, bounds, unit_axis))
 
 
 @dataclass
 class DeviceStats:
-    """A GPU batch's statistics packed in one float64 tensor (`torch_stats.reduce`): on the
+    """A GPU batch's statistics packed in one float64 tensor (`torch_stats.on_device`): on the
     device when taken, then a pinned host copy (`probe.hooks.device.to_host`) that may be read once
-    the record's event has fired."""
+    the record's event has fired; `read` makes a `RunningStats` of that copy (kept once made)."""
 
     packed: object  # torch.Tensor
-    rows: int
-    unit_axis: int
+    read: object  # numpy array -> RunningStats
+    _read: tuple = (None, None)  # (the packed tensor read, its statistics)
 
     def host(self):
-        from probe.stats import torch_backend as torch_stats
-
-        return torch_stats.unpack(self.packed.numpy(), self.rows, self.unit_axis)
+        if self._read[0] is not self.packed:
+            self._read = (self.packed, self.read(self.packed.numpy()))
+        return self._read[1]
 
     def fold_into(self, s) -> None:
         s.merge(self.host())
-
-    def _head(self) -> np.ndarray:
-        from probe.stats.torch_backend import HEAD
-
-        return self.packed[:HEAD].numpy()
+        self._read = (None, None)  # (s may now hold its units: not to be handed out again)
 
     @property
     def nan_count(self) -> int:
-        return int(self._head()[9])
+        return self.host().nan_count
 
     @property
     def inf_count(self) -> int:
-        return int(self._head()[10])
+        return self.host().inf_count
 
     @property
     def buckets(self) -> int:
-        return int(np.count_nonzero(self.packed[-(1 << 16) :].numpy()))
+        hist = self.host().hist
+        return 0 if hist is None else int(np.count_nonzero(hist.counts))

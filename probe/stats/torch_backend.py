@@ -1,14 +1,21 @@
-"""Per-batch statistics in torch, on the tensor's own device: the kernels' portable reference.
+"""Per-batch statistics in torch, on the tensor's own device: the kernels' portable reference,
+and the path that picks between it and the fused reduction (`probe.stats.fused`).
 
 The same quantities as `probe.stats.backend.batch_stats`. `reduce` packs a batch into one float64
 vector (HEAD scalars, UNIT_ROWS rows of per-unit values, BINS histogram counts) without syncing with
 the host on CUDA, so a caller can queue it and copy it back when it likes; `unpack` turns the host
 copy into a `RunningStats`. Rows are reduced in slabs, merged exactly, to keep temporaries small.
+
+`on_device` and `batch_stats` take the fused reduction (a dozen operations a batch) off the host
+and this reference (dozens of short operations, faster on a CPU) on it; `PROBE_TORCH_REDUCTION`
+(auto, fused or reference) or `use_reduction` chooses otherwise. float64 batches always take the
+reference.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from typing import NamedTuple
@@ -16,6 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from probe.errors import ConfigError
+from probe.stats import fused
 from probe.stats.running import SATURATION_TOL, LogHistogram, RunningStats, UnitStats
 
 HEAD = 13
@@ -139,14 +148,56 @@ def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
     return RunningStats(rows, *scalars, hist=hist, units=units, unit_axis=unit_axis)
 
 
+REDUCTION_ENV = "PROBE_TORCH_REDUCTION"
+REDUCTIONS = ("auto", "fused", "reference")
+_reduction: str | None = None  # this process's choice (None: the environment's, else auto)
+
+
+def use_reduction(name: str | None) -> None:
+    """Reduce this process's batches with `name` (auto, fused or reference) from now on; None
+    goes back to PROBE_TORCH_REDUCTION's or auto."""
+    global _reduction
+    if name is not None and name not in REDUCTIONS:
+        raise ConfigError(
+            f"torch reduction {name!r} is unknown; choose from {', '.join(REDUCTIONS)}"
+        )
+    _reduction = name
+
+
+def takes_fused(x: torch.Tensor) -> bool:
+    """Whether x is reduced by the fused path: auto takes it off the host; float64 never."""
+    name = _reduction or os.environ.get(REDUCTION_ENV) or "auto"
+    if name not in REDUCTIONS:
+        raise ConfigError(
+            f"{REDUCTION_ENV}={name!r} is unknown; choose from {', '.join(REDUCTIONS)}"
+        )
+    if name == "reference" or not fused.supports(x):
+        return False
+    return name == "fused" or not _host(x.device)
+
+
+def on_device(x: torch.Tensor, bounds=None, unit_axis: int = 1):
+    """(packed tensor on x's device, unpack) for batch x without a host sync on a GPU: `unpack`
+    makes a `RunningStats` of the packed tensor's host copy (as a numpy array)."""
+    rows = x.shape[0] if x.dim() else 1
+    if takes_fused(x):
+        sorted_from = None if _host(x.device) else SORTED_HISTOGRAM
+        packed, layout = fused.reduce(
+            x, bounds, unit_axis, slab=SLAB_DEVICE, sorted_from=sorted_from
+        )
+        return packed, layout.unpack
+    return reduce(x, bounds, unit_axis), lambda p: unpack(p, rows, unit_axis)
+
+
 def batch_stats(x, bounds=None, unit_axis: int = 1) -> RunningStats:
-    """`reduce`, one copy to the host, `unpack`: x a torch tensor on any device or an array."""
+    """`on_device`, one copy to the host, its unpack: x a torch tensor on any device or an array."""
     if not isinstance(x, torch.Tensor):
         x = torch.from_numpy(_native(x))
     rows = x.shape[0] if x.dim() else 1
     if x.numel() == 0:
         return RunningStats(rows=rows, hist=None, unit_axis=unit_axis)
-    return unpack(reduce(x, bounds, unit_axis).cpu().numpy(), rows, unit_axis)
+    packed, read = on_device(x, bounds, unit_axis)
+    return read(packed.cpu().numpy())
 
 
 def _native(x) -> np.ndarray:
