@@ -10,10 +10,12 @@ value checks and whose peak device memory is reported):
 - `tests`: `pytest -m cuda` (statistics on the device against numpy, the GPU run against the CPU
   run, models split over the GPU and the CPU against whole ones).
 - `image`: resnet18 every convolution; store full and stats with `stats.backend=auto` (reduced on
-  the GPU) against the host path (numba: every capture reduced on the CPU); ratios to a plain
-  forward; stored values against plain hooks, device statistics against host statistics.
-- `tokens`: the GPT-2-shaped model of bench_tokens.py, its 6 block outputs one row per token, full
-  and stats, against `output_hidden_states` + h5py; the same model with `model.dtype=bfloat16`
+  the GPU by the fused reduction) against the host path (numba: every capture reduced on the CPU)
+  and `stats_reference` (reduced on the GPU by the torch backend's reference path, the one before
+  the fused reduction); ratios to a plain forward; stored values against plain hooks, device
+  statistics against host statistics and against the reference path's.
+- `tokens`: the GPT-2-shaped model of bench_tokens.py, its 6 block outputs one row per token, full,
+  stats and stats_reference, against `output_hidden_states` + h5py; the same model with `model.dtype=bfloat16`
   (values against a bfloat16 forward) and split by a device map (half the blocks kept in CPU
   memory, moved in per call by accelerate; values against the whole model).
 - `grid`: the patching grid of bench_patching.py (6 blocks x 32 positions, 64 pairs) with
@@ -132,7 +134,21 @@ def stored_equal(h5: Path, want: dict, rtol: float, atol: float) -> tuple[bool, 
     return True, f"values equal (max |diff| {worst:.1e})"
 
 
-def stats_equal(a: Path, b: Path) -> tuple[bool, str]:
+def reference_reduction(case: Callable) -> Callable:
+    """The case with the torch backend's reference path reducing every capture on the device."""
+    from probe.stats import torch_backend
+
+    def run_it(out):
+        torch_backend.use_reduction("reference")
+        try:
+            return case(out)
+        finally:
+            torch_backend.use_reduction(None)
+
+    return run_it
+
+
+def stats_equal(a: Path, b: Path, what: str = "device stats = host stats") -> tuple[bool, str]:
     """The /stats of two runs over the same values: counts and extremes equal, moments to 1e-9."""
     import probe
 
@@ -145,7 +161,7 @@ def stats_equal(a: Path, b: Path) -> tuple[bool, str]:
                 return False, f"{key}: moments differ beyond 1e-9"
             if not np.array_equal(s.hist.counts, t.hist.counts):
                 return False, f"{key}: histograms differ"
-    return True, "device stats = host stats"
+    return True, what
 
 
 # -- the groups --------------------------------------------------------------------------------
@@ -162,6 +178,7 @@ def image_group(args, tmp: Path) -> list[list]:
         "full_host_stats": oracles.probe_case(setup, "store=full", host),
         "stats": oracles.probe_case(setup, "store=stats"),
         "stats_host": oracles.probe_case(setup, "store=stats", host),
+        "stats_reference": reference_reduction(oracles.probe_case(setup, "store=stats")),
     }
     times, peaks, out = measure(variants, tmp / "image", args.rounds)
     want = hooked_outputs(setup.model, setup.names, setup.base.batches, args.device)
@@ -169,6 +186,9 @@ def image_group(args, tmp: Path) -> list[list]:
         "full": stored_equal(out["full"], want, 1e-5, 1e-5),
         "full_host_stats": stats_equal(out["full"].parent, out["full_host_stats"].parent),
         "stats_host": stats_equal(out["stats"].parent, out["stats_host"].parent),
+        "stats_reference": stats_equal(
+            out["stats"].parent, out["stats_reference"].parent, "fused stats = reference stats"
+        ),
     }
     return rows_of("image", times, peaks, "plain", checks)
 
@@ -217,12 +237,17 @@ def token_group(args, tmp: Path) -> list[list]:
         "hidden_states+h5py": hidden_states(setup, args.device),
         "full": oracles.probe_case(setup, "store=full"),
         "stats": oracles.probe_case(setup, "store=stats"),
+        "stats_reference": reference_reduction(oracles.probe_case(setup, "store=stats")),
     }
     times, peaks, out = measure(variants, root / "runs", args.rounds)
     want = hooked_outputs(setup.model, names, setup.base.batches, args.device, rows=True)
-    rows = rows_of(
-        "tokens", times, peaks, "plain", {"full": stored_equal(out["full"], want, 1e-5, 1e-5)}
-    )
+    checks = {
+        "full": stored_equal(out["full"], want, 1e-5, 1e-5),
+        "stats_reference": stats_equal(
+            out["stats"].parent, out["stats_reference"].parent, "fused stats = reference stats"
+        ),
+    }
+    rows = rows_of("tokens", times, peaks, "plain", checks)
     # the same model in bfloat16, and split by a device map (blocks 3-5 kept in CPU memory)
     half = token_setup(args, root, "model.dtype=bfloat16")
     gpu, away = (0, "cpu") if args.device == "cuda" else ("cpu", "disk")  # (a CPU: disk)
