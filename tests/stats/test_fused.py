@@ -245,7 +245,8 @@ def test_on_cuda_the_fused_statistics_equal_the_reference(name):
 @CUDA
 def test_the_fused_reduction_does_not_synchronise_on_cuda():
     x = CASES["specials"][0].cuda()
-    fused.reduce(x, (0.0, 1.0))  # the constants, made once (copied from pinned memory)
+    for sorted_from in (None, 1):  # the constants, made once (copied from pinned memory)
+        fused.reduce(x, (0.0, 1.0), sorted_from=sorted_from)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
