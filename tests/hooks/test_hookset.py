@@ -1,9 +1,12 @@
 """HookSet against torch's own hook dicts: every kind registers and goes, all or none, on any exit,
-level by level."""
+level by level; and no module of probe/ registers a hook anywhere else."""
 
 from __future__ import annotations
 
+import ast
+import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from torch.nn.modules import module as module_globals
 
 from probe.hooks.hookset import HookSet
 from tests.models_for_tests import assert_no_hooks, registrations
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small():
@@ -224,3 +229,53 @@ def test_repr_names_the_label_kinds_targets_and_level():
         )
         assert hooks.targets("forward_pre") == ["layer0"] and bool(hooks)
     assert repr(hooks) == "<HookSet 'capture': no hooks; level 0>"
+
+
+# -- no hook registered outside the owner --------------------------------------------------------
+REGISTERS = re.compile(r"^(register_\w*hook|register_prehook)$")
+OWNER = ROOT / "probe" / "hooks" / "hookset.py"
+
+
+def registrations_in(source: str) -> list[int]:
+    """Lines that register a hook: a call of `register_*hook`/`register_hook`/`register_prehook`
+    (a method or a name), such a name imported, or spelled as a string in a call
+    (`getattr(m, "register_forward_hook")`). Comments and docstrings are not code."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            spelled = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            names = [name, *(s for s in spelled if isinstance(s, str))]
+            if any(REGISTERS.match(n) for n in names):
+                found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(REGISTERS.match(a.name) for a in node.names):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_scan_finds_registrations_and_not_their_mentions():
+    source = '''
+"""Docs may say module.register_forward_hook(fn)."""
+from torch.nn.modules.module import register_module_forward_hook
+# m.register_forward_pre_hook(fn) in a comment
+def f(m, t, node):
+    """t.register_hook(fn) in a docstring"""
+    m.register_forward_hook(fn)
+    t.register_hook(fn)
+    node.register_prehook(fn)
+    register_module_forward_hook(fn)
+    getattr(m, "register_full_backward_hook")(fn)
+    m.registered_hooks()
+'''
+    assert registrations_in(source) == [3, 7, 8, 9, 10, 11]
+
+
+def test_no_module_of_probe_registers_a_hook_but_the_hook_owner():
+    found = {}
+    for path in sorted((ROOT / "probe").rglob("*.py")):
+        lines = registrations_in(path.read_text())
+        if lines and path != OWNER:
+            found[str(path.relative_to(ROOT))] = lines
+    assert not found, f"hooks registered outside probe/hooks/hookset.py (use a HookSet): {found}"
+    assert registrations_in(OWNER.read_text())  # (the scan sees the owner's own)
