@@ -1,4 +1,5 @@
-"""Small models that misbehave on purpose; every instance is remembered so tests can check hooks."""
+"""Small models that misbehave on purpose; every instance is remembered so tests can check hooks
+(`assert_no_hooks`), and `registrations`, which counts or refuses the hooks hung on them."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 import signal
 import time
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_globals
 
 BUILT: list[weakref.ref] = []
 
@@ -17,10 +20,57 @@ def built_models() -> list[nn.Module]:
     return [m for m in (r() for r in BUILT) if m is not None]
 
 
-def assert_no_hooks(model: nn.Module) -> None:
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs")  # fmt: skip
+GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                "_global_backward_pre_hooks", "_global_forward_hooks_with_kwargs",
+                "_global_forward_hooks_always_called")  # fmt: skip
+REGISTRATIONS = (  # what probe hangs on a model: module forward hooks and tensor hooks
+    (nn.Module, "register_forward_hook"),
+    (nn.Module, "register_forward_pre_hook"),
+    (torch.Tensor, "register_hook"),
+)
+
+
+def assert_no_hooks(model: nn.Module, *tensors: torch.Tensor) -> None:
+    """No hook left on any module of `model` (every hook dict torch keeps on a module), on its
+    parameters, on `tensors`, nor among torch's module-global hooks."""
     for name, m in model.named_modules():
-        hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)
-        assert not any(hooks), f"hooks left on {name!r}"
+        left = [d for d in MODULE_HOOKS if getattr(m, d)]
+        assert not left, f"hooks left on {name!r}: {left}"
+    for name, p in model.named_parameters():
+        assert not p._backward_hooks and not p._post_accumulate_grad_hooks, f"hooks on {name}"
+    for i, t in enumerate(tensors):
+        assert not t._backward_hooks, f"tensor {i} keeps {len(t._backward_hooks)} hooks"
+    left = [d for d in GLOBAL_HOOKS if getattr(module_globals, d)]
+    assert not left, f"global hooks left: {left}"
+
+
+@contextmanager
+def registrations(refuse: int | None = None):
+    """Counts the hook registrations made inside (REGISTRATIONS, all kinds together); the
+    `refuse`-th raises RuntimeError('registration K refused'). Yields the list of calls so far
+    (one None each), so `len()` of it is the count."""
+    calls: list = []
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in REGISTRATIONS]
+
+    def counted(original):
+        def register(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == refuse:
+                raise RuntimeError(f"registration {refuse} refused")
+            return original(*args, **kwargs)
+
+        return register
+
+    for owner, name, original in saved:
+        setattr(owner, name, counted(original))
+    try:
+        yield calls
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 class Tracked(nn.Module):

@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from probe.errors import ConfigError
+from probe.hooks.hookset import HookSet
 
 NORMS = ("LayerNorm", "RMSNorm")
 
 
 class DirectLogit:
-    """Hooks holding each component's write at every position through one forward (all or
-    none), then per sample each component's direct effect on the answer's logit difference."""
+    """Hooks holding each component's write at every position through one forward, then per
+    sample each component's direct effect on the answer's logit difference. A context manager:
+    its hooks (one HookSet) are hung on entry, all or none, and removed on any exit."""
 
     def __init__(self, model, body, norm, unembed, tokens=None):
         _refuse(model, body, norm)
@@ -31,7 +33,7 @@ class DirectLogit:
         self.mlp = [(n, modules[n]) for n in body.mlp_out]
         self.heads = body.heads
         self.held: dict | None = None
-        self.handles: list = []
+        self.hooks = HookSet("dla")
         self.names = self._names()
 
     def _names(self) -> list[tuple[str, str, int]]:
@@ -43,22 +45,21 @@ class DirectLogit:
         return [*out, ("norm_bias", "", -1), ("unembed_bias", "", -1)]
 
     def __enter__(self) -> DirectLogit:
-        try:
-            hook = self.handles.append
-            hook(self.first_block.register_forward_pre_hook(self._keep("embed", first=True)))
-            for name, m in self.attn:
-                hook(m.register_forward_pre_hook(self._keep(f"z:{name}", first=True)))
-            for name, m in self.mlp:
-                hook(m.register_forward_hook(self._keep(f"mlp:{name}")))
-            hook(self.norm.register_forward_pre_hook(self._keep("final", first=True)))
-        except BaseException:
-            self.__exit__()
-            raise
+        self.hooks.enter(self._hang)
         return self
 
+    def _hang(self) -> None:
+        hooks = self.hooks
+        first = self.body.blocks[0]
+        hooks.forward_pre(self.first_block, self._keep("embed", first=True), name=first)
+        for name, m in self.attn:
+            hooks.forward_pre(m, self._keep(f"z:{name}", first=True), name=name)
+        for name, m in self.mlp:
+            hooks.forward(m, self._keep(f"mlp:{name}"), name=name)
+        hooks.forward_pre(self.norm, self._keep("final", first=True), name="final norm")
+
     def __exit__(self, *exc) -> None:
-        while self.handles:
-            self.handles.pop().remove()
+        self.hooks.__exit__(*exc)
 
     def _keep(self, key: str, first: bool = False):
         def hook(module, args, output=None):

@@ -22,6 +22,7 @@ from probe.config import ATTRIBUTION_SITES
 from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.forward import call, to_device
+from probe.hooks.hookset import HookSet
 from probe.hooks.names import flatten, replace_tensors
 from probe.hooks.objective import per_sample
 from probe.layout import TokenBatch
@@ -54,11 +55,9 @@ def replaced(module, name: str, value: torch.Tensor):
             return None
         return replace_tensors(output, lambda p, t: value if p == path else t)
 
-    handle = module.register_forward_hook(hook)
-    try:
+    with HookSet("ig_output") as hooks:
+        hooks.forward(module, hook)
         yield
-    finally:
-        handle.remove()
 
 
 def _repeat(x, k: int):
@@ -157,16 +156,14 @@ def baselines(cfg, model, batches, selections, device, precision: str) -> dict[s
         return hook
 
     log.info("attribution.baseline=mean: a first pass over the data for %s", ", ".join(layers))
-    handles = [s.module.register_forward_hook(add(n)) for n, s in layers.items()]
-    try:
+    with HookSet("attribution.baseline=mean") as hooks:
+        for n, s in layers.items():
+            hooks.forward(s.module, add(n), name=n)
         with torch.inference_mode(), devices.autocast(device, precision):
             for batch in batches:
                 inputs = batch.inputs
                 mask[0] = inputs.get("attention_mask") if isinstance(inputs, dict) else None
                 call(model, to_device(model, inputs, device))
-    finally:
-        for h in handles:
-            h.remove()
     return {name: (total / max(count, 1)).float() for name, (total, count) in sums.items()}
 
 

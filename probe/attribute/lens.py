@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from probe.errors import ConfigError
+from probe.hooks.hookset import HookSet
 from probe.hooks.names import flatten
 
 PER_TOKEN = ("kl", "entropy", "top1_prob", "top1_rank", "agree")
@@ -27,7 +28,8 @@ CHUNK = 1 << 23  # lens logits held at once (rows x vocabulary)
 
 
 class Lens:
-    """The lens layers' outputs held through one forward (hooks all or none), then decoded."""
+    """The lens layers' outputs held through one forward, then decoded. A context manager: its
+    hooks (one HookSet) are hung on entry, all or none, and removed on any exit."""
 
     def __init__(self, cfg, layers: list[tuple[str, torch.nn.Module]], norm, unembed, body):
         self.cfg, self.layers, self.norm, self.unembed = cfg, layers, norm, unembed
@@ -36,20 +38,18 @@ class Lens:
         tuned = cfg.name == "tuned"
         self.translators = load_translators(cfg.path, self.names, body) if tuned else {}
         self.held: dict[str, torch.Tensor] | None = None
-        self.handles: list = []
+        self.hooks = HookSet("lens")
 
     def __enter__(self) -> Lens:
-        try:
-            for name, module in self.layers:
-                self.handles.append(module.register_forward_hook(self._keep(name)))
-        except BaseException:
-            self.__exit__()
-            raise
+        self.hooks.enter(self._hang)
         return self
 
+    def _hang(self) -> None:
+        for name, module in self.layers:
+            self.hooks.forward(module, self._keep(name), name=name)
+
     def __exit__(self, *exc) -> None:
-        while self.handles:
-            self.handles.pop().remove()
+        self.hooks.__exit__(*exc)
 
     def _keep(self, name: str):
         def hook(module, args, output):

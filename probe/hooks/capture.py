@@ -1,4 +1,6 @@
-"""Register every probe hook in one context manager and collect what one batch produces.
+"""Capture: every probe hook (captures and edits) on a model in one context manager, and what one
+batch produces (BatchCapture). Its hooks belong to one HookSet: hung all or none on entry,
+removed on any exit, the gradient-edit hooks it hangs on tensors during a forward included.
 
 Forward values are copied inside the hook (a later in-place op cannot change them). Gradients are
 taken with respect to the autograd edge each tensor had when the hook saw it, so an in-place op
@@ -21,6 +23,7 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.buffers import AlignedPool, aligned_empty
 from probe.hooks.examples import TopKSpec, partial, row_keys
 from probe.hooks.gradients import DTYPES, Attributed, PendingGrad
+from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten, replace_tensors
 from probe.hooks.sae_site import SaeSite, sae_site, take_sae
 from probe.hooks.select import Selection
@@ -164,7 +167,8 @@ class Capture:
                 hooked[e.module_name] = HookedModule(e.module_name, e.module, None)
             hooked[e.module_name].edits.setdefault(e.site, []).append(e)
         self.hooked = list(hooked.values())
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        probes = ", ".join(dict.fromkeys(s.probe for s in selections))
+        self.hooks = HookSet(f"capture ({probes})" if probes else "capture")
         self.batch: BatchCapture | None = None
         self.in_calls: Counter[str] = Counter()
         self.out_calls: Counter[str] = Counter()
@@ -172,24 +176,19 @@ class Capture:
         self.axes: dict[tuple[str, str], int] = {}
 
     def __enter__(self) -> Capture:
-        try:
-            for t in self.hooked:
-                if t.wants("input", "grad_input"):
-                    self.handles.append(t.module.register_forward_pre_hook(self._pre_hook(t)))
-                if t.wants("output", "grad_output"):
-                    self.handles.append(t.module.register_forward_hook(self._post_hook(t)))
-        except BaseException:
-            self.remove()
-            raise
+        self.hooks.enter(self._hang)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.remove()
+    def _hang(self) -> None:
+        for t in self.hooked:
+            if t.wants("input", "grad_input"):
+                self.hooks.forward_pre(t.module, self._pre_hook(t), name=t.name)
+            if t.wants("output", "grad_output"):
+                self.hooks.forward(t.module, self._post_hook(t), name=t.name)
 
-    def remove(self) -> None:
-        while self.handles:
-            self.handles.pop().remove()
+    def __exit__(self, *exc) -> None:
         self.batch = None
+        self.hooks.__exit__(*exc)
 
     def begin(
         self,
@@ -319,7 +318,8 @@ class Capture:
             batch.pending.append(PendingGrad(gkey, get_gradient_edge(edited), edited.shape, sel))
         grad_edits = t.edits.get(grad_site, [])
         if grad_edits:
-            edited.register_hook(self._grad_hook(t, grad_edits, grad_site, gkey, batch))
+            hook = self._grad_hook(t, grad_edits, grad_site, gkey, batch)
+            self.hooks.tensor(edited, hook, name=f"{t.name} {gkey[1]}")
         return edited
 
     @staticmethod

@@ -6,8 +6,7 @@ the level removes them, on any exit (an exception, KeyboardInterrupt, a generato
 and the set can be entered again inside itself (an inner level's hooks go when the inner `with`
 ends, the outer ones stay). Registration is all or none: when one registration fails, every hook
 of the level being registered is removed before the error propagates (outside any `with`, every
-hook of the set), so a model is never left half-hooked.
-`repr` says what the set holds.
+hook of the set), so a model is never left half-hooked. `repr` says what the set holds.
 
     hooks = HookSet("capture")
     with hooks:
@@ -15,10 +14,15 @@ hook of the set), so a model is never left half-hooked.
         model(x)
     # no hook left, however the block ended
 
+A class that hooks a model on `__enter__` opens its level with `hooks.enter(register)` (a failed
+`register` closes the level again) and closes it with `hooks.__exit__(*exc)`.
+
 Kinds: forward, forward_pre, full_backward, full_backward_pre (modules, or every module with
 `module=None`: torch's module-global hooks), tensor (`Tensor.register_hook`), post_accumulate_grad
 (a leaf's gradient after accumulation), node (an autograd Node's hook or pre-hook),
-optimizer_step_pre and optimizer_step_post.
+optimizer_step_pre and optimizer_step_post. Tensor and node hooks are registered anew on every
+forward; the set forgets those whose tensor or graph is gone when it takes the next one, so a set
+held for a whole run does not grow batch by batch.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 from torch.utils.hooks import RemovableHandle
 
+PER_FORWARD = ("tensor", "node", "node_pre")  # kinds whose targets live one forward and backward
+
 
 @dataclass(frozen=True)
 class Held:
@@ -46,7 +52,7 @@ class Held:
 
 class HookSet:
     """Owns hook handles: registers all or none, removes them on leaving the level they were
-    registered at (or on `remove()`). `label` names the set in its repr and in errors."""
+    registered at (or on `remove()`). `label` names the set in its repr."""
 
     def __init__(self, label: str = "hooks"):
         self.label = label
@@ -54,13 +60,31 @@ class HookSet:
         self._level = 0
 
     # -- levels ------------------------------------------------------------------------------
+    @property
+    def level(self) -> int:
+        """How many `with` levels are open (0: none)."""
+        return self._level
+
     def __enter__(self) -> HookSet:
         self._level += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        self._remove_from(self._level)
-        self._level = max(self._level - 1, 0)
+        try:
+            self._remove_from(self._level)
+        finally:
+            self._level = max(self._level - 1, 0)
+
+    def enter(self, register: Callable[[], object]) -> HookSet:
+        """Open a level and call `register()` to hang its hooks; if that raises, the level is
+        closed (its hooks removed) before the error goes on. For an owner's own `__enter__`."""
+        self.__enter__()
+        try:
+            register()
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)
+            raise
+        return self
 
     def remove(self) -> None:
         """Remove every hook the set holds, at every level."""
@@ -82,10 +106,15 @@ class HookSet:
 
     # -- registration --------------------------------------------------------------------------
     def _add(self, kind: str, target: str, register: Callable[[], RemovableHandle]):
+        if kind in PER_FORWARD:
+            self._held = [h for h in self._held if not _gone(h)]
         try:
             handle = register()
-        except BaseException:
-            self._remove_from(self._level)  # the level being registered: all or none
+        except BaseException as error:
+            try:  # the level being registered: all or none
+                self._remove_from(self._level)
+            except BaseException as also:  # noqa: BLE001 - the registration's error goes on
+                error.add_note(f"{self.label}: removing the hooks also raised {also!r}")
             raise
         self._held.append(Held(kind, target, self._level, handle))
         return handle
@@ -102,8 +131,9 @@ class HookSet:
     ) -> RemovableHandle:
         """`fn(module, args, output)` (with_kwargs: `fn(module, args, kwargs, output)`) after
         `module`'s forward; a non-None return replaces the output. `module=None`: after every
-        module's forward (torch's global hook)."""
+        module's forward (torch's global hook; no `prepend`)."""
         if module is None:
+            _global_lacks("forward", prepend=prepend)
             return self._add(
                 "forward",
                 "<every module>",
@@ -129,8 +159,10 @@ class HookSet:
         with_kwargs: bool = False,
     ) -> RemovableHandle:
         """`fn(module, args)` (with_kwargs: `fn(module, args, kwargs)`) before `module`'s forward;
-        a non-None return replaces the arguments. `module=None`: before every module's forward."""
+        a non-None return replaces the arguments. `module=None`: before every module's forward
+        (no `prepend`, no `with_kwargs`)."""
         if module is None:
+            _global_lacks("forward_pre", prepend=prepend, with_kwargs=with_kwargs)
             return self._add(
                 "forward_pre",
                 "<every module>",
@@ -148,8 +180,9 @@ class HookSet:
     ) -> RemovableHandle:  # fmt: skip
         """`fn(module, grad_input, grad_output)` once the module's input gradients are computed
         (in-place ops after the module break it: probe's gradient sites use tensor hooks).
-        `module=None`: every module's."""
+        `module=None`: every module's (no `prepend`)."""
         if module is None:
+            _global_lacks("full_backward", prepend=prepend)
             return self._add(
                 "full_backward",
                 "<every module>",
@@ -166,8 +199,9 @@ class HookSet:
         prepend: bool = False,
     ) -> RemovableHandle:  # fmt: skip
         """`fn(module, grad_output)` before the module's input gradients are computed.
-        `module=None`: every module's."""
+        `module=None`: every module's (no `prepend`)."""
         if module is None:
+            _global_lacks("full_backward_pre", prepend=prepend)
             return self._add(
                 "full_backward_pre",
                 "<every module>",
@@ -230,7 +264,7 @@ class HookSet:
 
     def __repr__(self) -> str:
         if not self._held:
-            return f"<HookSet {self.label!r}: no hooks>"
+            return f"<HookSet {self.label!r}: no hooks; level {self._level}>"
         kinds = ", ".join(f"{n} {k}" for k, n in self.kinds().items())
         shown = list(dict.fromkeys(h.target for h in self._held))
         more = f", ... {len(shown) - 4} more" if len(shown) > 4 else ""
@@ -242,3 +276,16 @@ class HookSet:
 
 def _name(module: nn.Module, name: str | None) -> str:
     return name if name is not None else type(module).__name__
+
+
+def _gone(held: Held) -> bool:
+    """Whether a tensor or node hook's target has been freed (its hook dict with it)."""
+    ref = getattr(held.handle, "hooks_dict_ref", None)
+    return held.kind in PER_FORWARD and ref is not None and ref() is None
+
+
+def _global_lacks(kind: str, **asked: bool) -> None:
+    """torch's module-global hooks take fewer options than a module's: refuse one they lack."""
+    given = [k for k, v in asked.items() if v]
+    if given:
+        raise TypeError(f"a global {kind} hook (module=None) takes no {', '.join(given)}")

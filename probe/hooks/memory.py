@@ -9,6 +9,8 @@ are those of a run.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from torch import nn
 
@@ -16,6 +18,7 @@ from probe.config import GRAD_SITES
 from probe.errors import ConfigError, ModelError, ProbeError
 from probe.hooks.capture import BatchCapture, Capture
 from probe.hooks.gradients import resolve_grads
+from probe.hooks.hookset import HookSet
 from probe.hooks.names import flatten
 from probe.hooks.select import select_modules
 from probe.hooks.sites import probe_specs
@@ -47,31 +50,26 @@ class MemoryCapture:
         self._parts: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._joined: dict[tuple[str, str], torch.Tensor] = {}
         self._unresolved: list[BatchCapture] = []
-        self._handles: list = []
+        self.hooks = HookSet("probe.capture")  # the model's own: where a forward starts and ends
+        self._entered: ExitStack | None = None
         self._rows = 0
         self._grad = False
 
     def __enter__(self) -> MemoryCapture:
-        self.capture.__enter__()
-        try:
-            self._handles.append(
-                self.model.register_forward_pre_hook(self._begin, with_kwargs=True)
-            )
-            self._handles.append(self.model.register_forward_hook(self._end))
-        except BaseException:
-            self._remove()
-            raise
+        with ExitStack() as entering:  # the capture's hooks, then the model's, or neither
+            entering.enter_context(self.capture)
+            entering.enter_context(self.hooks)
+            self.hooks.forward_pre(self.model, self._begin, name="<model>", with_kwargs=True)
+            self.hooks.forward(self.model, self._end, name="<model>")
+            self._entered = entering.pop_all()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._remove()
+        entered, self._entered = self._entered, None
+        if entered is not None:  # the model's hooks, then the capture's
+            entered.__exit__(exc_type, exc, tb)
         if exc_type is None and self._unresolved:
             raise ProbeError(NOT_RESOLVED.format(sites=", ".join(self.grad_sites)))
-
-    def _remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
-        self.capture.remove()
 
     def _begin(self, module, args, kwargs) -> None:
         """A forward of the model starts: one batch, sized by its first input tensor."""

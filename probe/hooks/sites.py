@@ -23,6 +23,7 @@ from torch import nn
 from probe.config import ProbeSpec, config_dir, typed
 from probe.errors import ConfigError, ModelError, ProbeError, SelectionError
 from probe.hooks.forward import call, to_device
+from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten
 from probe.hooks.select import select_modules
 from probe.models.build import model_input
@@ -111,18 +112,16 @@ def _trace(model: nn.Module, modules, example) -> tuple[Counter, dict, dict]:
     def after(module, args, output):
         outputs.setdefault(id(module), _shapes("output", output))
 
-    handles = []
     training = model.training  # eval for the trace: a batch norm must not update its buffers
     try:
-        for _, m in modules:
-            handles.append(m.register_forward_pre_hook(before))
-            handles.append(m.register_forward_hook(after))
-        with torch.inference_mode():
-            _forward(model.eval(), example)
+        with HookSet("probe.sites") as hooks:
+            for name, m in modules:
+                hooks.forward_pre(m, before, name=name)
+                hooks.forward(m, after, name=name)
+            with torch.inference_mode():
+                _forward(model.eval(), example)
     finally:
         model.train(training)
-        for h in handles:
-            h.remove()
     return calls, inputs, outputs
 
 

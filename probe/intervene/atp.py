@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.forward import call, first_output
+from probe.hooks.hookset import HookSet
 from probe.intervene.metrics import at_position, value
 
 METHODS = ("exact", "atp", "atp_star")
@@ -38,23 +39,27 @@ def methods_of(spec, label: str) -> list[str]:
 
 class Edges:
     """Hooks that keep, during one forward with gradients, each grid site's value and its
-    autograd edge (an input site's own use: the module gets a copy)."""
+    autograd edge (an input site's own use: the module gets a copy). A context manager: hung on
+    entry, all or none, removed on any exit."""
 
     def __init__(self, grid):
-        self.grid, self.values, self.edges, self.handles = grid, {}, {}, []
+        self.grid, self.values, self.edges = grid, {}, {}
+        self.hooks = HookSet(f"{grid.label} atp")
         self.called: set[str] = set()
 
     def __enter__(self) -> Edges:
-        for name, module in self.grid.modules:
-            if self.grid.site == "output":
-                self.handles.append(module.register_forward_hook(self._output(name)))
-            else:
-                self.handles.append(module.register_forward_pre_hook(self._input(name)))
+        self.hooks.enter(self._hang)
         return self
 
+    def _hang(self) -> None:
+        for name, module in self.grid.modules:
+            if self.grid.site == "output":
+                self.hooks.forward(module, self._output(name), name=name)
+            else:
+                self.hooks.forward_pre(module, self._input(name), name=name)
+
     def __exit__(self, *exc) -> None:
-        while self.handles:
-            self.handles.pop().remove()
+        self.hooks.__exit__(*exc)
 
     def _keep(self, name: str, x: torch.Tensor) -> None:
         self.called.add(name)

@@ -23,6 +23,7 @@ import torch
 from probe.config import GridSpec, typed
 from probe.errors import ConfigError
 from probe.hooks.forward import call
+from probe.hooks.hookset import HookSet
 from probe.hooks.select import match_modules, warn_nested
 from probe.intervene.atp import methods_of
 from probe.intervene.attention import SITES as ATTENTION_SITES
@@ -50,7 +51,8 @@ def grid_spec(intervene) -> GridSpec | None:
 
 
 class Grid:
-    """The cells of a grid spec on a model, and the hooks that patch the cells of a forward."""
+    """The cells of a grid spec on a model, and the hooks that patch the cells of a forward (a
+    context manager: hung on entry, removed on any exit)."""
 
     def __init__(self, model, spec, length: int | None, label: str = "intervene.grid"):
         over = list(spec.over)
@@ -112,7 +114,7 @@ class Grid:
         self.values: dict[tuple[str, str], torch.Tensor] = {}  # the source's, this batch
         self.tokens: TokenBatch | None = None
         self.start = 0
-        self.handles: list = []
+        self.hooks = HookSet(label)
 
     def _axis(self, given, key: str, size: int | None, what: str) -> list[int]:
         if given == "all":
@@ -134,25 +136,26 @@ class Grid:
         return json.dumps([asdict(c) for c in self.cells])
 
     def __enter__(self) -> Grid:
+        """Query and key sites patch inside the attention function (no hook); other sites hang
+        one hook per layer, all or none, removed on any exit."""
         if self.attention is not None:
             self.attention.__enter__()
-            return self
-        try:
-            for name, module in self.modules:
-                if self.site == "output":
-                    self.handles.append(module.register_forward_hook(self._output_hook(name)))
-                else:
-                    self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
-        except BaseException:
-            self.__exit__()
-            raise
+        else:
+            self.hooks.enter(self._hang)
         return self
+
+    def _hang(self) -> None:
+        for name, module in self.modules:
+            if self.site == "output":
+                self.hooks.forward(module, self._output_hook(name), name=name)
+            else:
+                self.hooks.forward_pre(module, self._input_hook(name), name=name)
 
     def __exit__(self, *exc) -> None:
         if self.attention is not None:
             self.attention.__exit__(*exc)
-        while self.handles:
-            self.handles.pop().remove()
+        else:
+            self.hooks.__exit__(*exc)
 
     def _output_hook(self, name: str):
         def hook(module, args, output):

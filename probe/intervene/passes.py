@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def _source(edit) -> str | None:
 
 @dataclass
 class Interventions:
-    """Per batch: the passes around the edited forward and what they measure."""
+    """Per batch: the passes around the edited forward and what they measure. A context manager
+    over the hooks of its recorders (one Capture per source) and of its grid."""
 
     effects: Effects | None
     metrics: list[str]
@@ -87,6 +89,7 @@ class Interventions:
     held: list = field(default_factory=list)  # (capture, its lent host buffers) of this batch
     recorded: dict = field(default_factory=dict)  # this batch's values of the sites, by source
     batch_rows: dict = field(default_factory=dict)  # this batch's one-row datasets (effects)
+    _entered: ExitStack | None = field(default=None, init=False, repr=False)  # while inside
 
     @classmethod
     def of(cls, model, edits, options, dataset, is_pairs: bool, tokenizer=None):
@@ -125,21 +128,20 @@ class Interventions:
         return found
 
     def __enter__(self) -> Interventions:
-        try:  # all hooks or none
+        """The recorders' hooks, then the grid's, all or none (a failure leaves again what was
+        entered); on any exit every one is removed, the grid's first."""
+        with ExitStack() as entering:
             for capture, _ in self.recorders.values():
-                capture.__enter__()
+                entering.enter_context(capture)
             if self.grid is not None:
-                self.grid.__enter__()
-        except BaseException:
-            self.__exit__()
-            raise
+                entering.enter_context(self.grid)
+            self._entered = entering.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.grid is not None:
-            self.grid.__exit__(*exc)
-        for capture, _ in self.recorders.values():
-            capture.__exit__(*exc)
+        entered, self._entered = self._entered, None
+        if entered is not None:
+            entered.__exit__(*exc)
 
     def before(self, model, batch: Batch, inputs, source, tokens, device, precision) -> dict:
         """The target (own input, unedited; a grid's target is the run's own forward) and the

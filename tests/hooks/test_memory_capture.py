@@ -10,7 +10,7 @@ from torch import nn
 
 import probe
 from probe.errors import ConfigError, ProbeError
-from tests.models_for_tests import TinyLM, assert_no_hooks
+from tests.models_for_tests import TinyLM, assert_no_hooks, registrations
 
 
 def cloned(model, names, x):
@@ -140,6 +140,28 @@ def test_hooks_removed_after_an_exception(resnet):
     with pytest.raises(RuntimeError), probe.capture(resnet, probes):  # the forward fails half-way
         resnet(torch.randn(2, 5, 32, 32))
     assert_no_hooks(resnet)
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_refused_registration_leaves_no_hook_and_the_next_capture_is_unchanged(resnet, which):
+    """The capture's first hook refused, or probe.capture's own on the model (the last one)."""
+    probes = {"p": {"layers": ["layer1.0.conv1", "fc"], "capture": ["input", "output"]}}
+    x = torch.randn(2, 3, 32, 32)
+    with registrations() as calls, probe.capture(resnet, probes):
+        pass
+    k = 1 if which == "first" else len(calls)
+    refused = pytest.raises(RuntimeError, match=f"registration {k} refused")
+    with registrations(refuse=k), refused, probe.capture(resnet, probes):
+        pytest.fail("entered with a registration refused")
+    assert_no_hooks(resnet)
+    fresh = copy.deepcopy(resnet)
+    with probe.capture(resnet, probes) as cap, torch.no_grad():
+        resnet(x)
+    with probe.capture(fresh, probes) as want, torch.no_grad():
+        fresh(x)
+    assert cap.keys() == want.keys() and len(cap) == 4
+    for key in want:
+        torch.testing.assert_close(cap[key], want[key], rtol=0, atol=0)
 
 
 def test_unknown_key_names_it(resnet):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
 from collections import Counter
 
+import pandas as pd
 import pytest
 import torch
 import torchvision
@@ -18,7 +20,7 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.select import select_modules
 from probe.hooks.sites import main
 from tests.helpers import ROOT
-from tests.models_for_tests import Raises, TinyLM, TinyNet, assert_no_hooks
+from tests.models_for_tests import Raises, TinyLM, TinyNet, assert_no_hooks, registrations
 
 
 class Twice(nn.Module):
@@ -121,6 +123,16 @@ def test_probes_column_is_what_select_selects(resnet):
     assert not table.probes.str.contains("nothing").any()
     with pytest.raises(ConfigError, match="layerz"):
         probe.sites(resnet, probes={"bad": {"layerz": ["fc"]}})
+
+
+@pytest.mark.parametrize("k", [1, 8])  # 8: the last of TinyNet's 4 modules x 2 hooks
+def test_a_refused_registration_leaves_no_hook_and_the_next_table_is_unchanged(k):
+    model, x = TinyNet(), torch.randn(2, 3, 8, 8)
+    want = probe.sites(copy.deepcopy(model), x)
+    with registrations(refuse=k), pytest.raises(RuntimeError, match=f"registration {k} refused"):
+        probe.sites(model, x)
+    assert_no_hooks(model)
+    pd.testing.assert_frame_equal(probe.sites(model, x), want)
 
 
 def test_hooks_removed_when_the_forward_raises():

@@ -16,6 +16,7 @@ from probe.data.batches import build_batches
 from probe.errors import ConfigError, DataError
 from probe.models.build import build_model
 from tests.helpers import assert_same_arrays, cli, cloned_outputs, make_cfg
+from tests.models_for_tests import assert_no_hooks
 from tests.token_fixtures import make_tiny
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -28,12 +29,6 @@ def _model_and_batches(*overrides: str):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.seed)
     return model, list(build_batches(cfg.dataset, cfg.model, cfg.seed, model))
-
-
-def _no_hooks(model: torch.nn.Module) -> bool:
-    return not any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules()
-    )
 
 
 def _summary(path) -> pd.DataFrame:
@@ -62,7 +57,8 @@ def test_the_api_writes_what_the_cli_writes_from_the_same_work(tmp_path):
     pd.testing.assert_frame_equal(_summary(tmp_path / "cli"), _summary(tmp_path / "api"))
     with h5py.File(tmp_path / "api" / "probe.h5") as f:
         assert f.attrs["complete"] and f.attrs["num_samples"] == 5
-    assert _no_hooks(model) and model.training  # run in eval mode (train_mode=False), given back
+    assert_no_hooks(model)
+    assert model.training  # run in eval mode (train_mode=False), given back
 
 
 def test_a_token_model_with_dict_batches_equals_the_cli_on_the_same_ids(tmp_path):
@@ -93,7 +89,8 @@ def test_a_generator_of_bare_tensors_stores_every_row_a_forward_gives(tmp_path):
         want = cloned_outputs(model, ["layer4.1.conv2", "fc"], inputs)
         for name, values in want.items():
             np.testing.assert_allclose(run.array(name)[:], values, rtol=1e-6, atol=1e-6)
-    assert not model.training and _no_hooks(model)
+    assert not model.training
+    assert_no_hooks(model)
 
 
 def test_a_run_stopped_by_bad_data_leaves_no_hook_and_the_mode_it_found(tmp_path):
@@ -101,7 +98,8 @@ def test_a_run_stopped_by_bad_data_leaves_no_hook_and_the_mode_it_found(tmp_path
     data = (x for x in [batches[0].inputs, "not a batch", batches[1].inputs])  # found mid-run
     with pytest.raises(DataError, match="data yielded a str"):
         probe.run(model.eval(), data, "all_convs", out=tmp_path, progress=False)
-    assert _no_hooks(model) and not model.training
+    assert_no_hooks(model)
+    assert not model.training
     with h5py.File(tmp_path / "probe.h5") as f:  # the batch before it is written
         assert f.attrs["num_samples"] == 2 and not f.attrs["complete"]
 
@@ -122,7 +120,7 @@ def test_bad_input_names_the_bad_value(tmp_path, probes, data, error, words):
     data = [torch.randn(2, 3, 32, 32)] if data is None else data
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         probe.run(model, data, probes, out=tmp_path / "run", progress=False)
-    assert _no_hooks(model)
+    assert_no_hooks(model)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +137,8 @@ def test_a_bad_keyword_value_names_the_keyword_and_the_choices(tmp_path, keyword
     model = build_model(make_cfg(*TINY).model, 0)
     with pytest.raises(ConfigError, match=re.escape(words)):
         probe.run(model, [torch.randn(2, 3, 32, 32)], "all_convs", out=tmp_path, **keywords)
-    assert _no_hooks(model) and not (tmp_path / "probe.h5").exists()
+    assert_no_hooks(model)
+    assert not (tmp_path / "probe.h5").exists()
 
 
 def test_an_out_that_holds_a_run_is_refused(tmp_path):
