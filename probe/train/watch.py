@@ -182,8 +182,9 @@ class Watch:
                 self._evaluate(step)
             self.watcher.attach()
             if self.optimizer is not None:
-                self.watcher.hooks.optimizer_step_pre(self.optimizer, self._before_step)
-                self.watcher.hooks.optimizer_step_post(self.optimizer, self._after_step)
+                before, after = self._step_hooks()
+                self.watcher.hooks.optimizer_step_pre(self.optimizer, before)
+                self.watcher.hooks.optimizer_step_post(self.optimizer, after)
         except BaseException:
             self._release(complete=False)
             raise
@@ -280,11 +281,16 @@ class Watch:
         self._note(f"resuming the training at step {step}: {len(held)} recorded steps kept")
 
     # -- steps -------------------------------------------------------------------------------
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        self.before_update(optimizer)
+    def _step_hooks(self):
+        """The optimizer's step hooks (closures: see Watcher's hooks)."""
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        self.after_update()
+        def before(optimizer, args, kwargs):
+            self.before_update(optimizer)
+
+        def after(optimizer, args, kwargs):
+            self.after_update()
+
+        return before, after
 
     def before_update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Right before the optimizer step: the parameters, their gradients, the global grad

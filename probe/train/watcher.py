@@ -124,7 +124,7 @@ class Watcher:
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> None:
         """Register every hook (all or none)."""
-        self.hooks.forward_pre(self.model, self._root_pre, name="<model>", with_kwargs=True)
+        self.hooks.forward_pre(self.model, self._root_hook(), name="<model>", with_kwargs=True)
         for h in self.hooked:
             if h.before:
                 self.hooks.forward_pre(h.module, self._pre_hook(h), name=h.name)
@@ -141,9 +141,14 @@ class Watcher:
     def _active(self) -> bool:
         return not self.paused and torch.is_grad_enabled()
 
-    def _root_pre(self, module, args, kwargs) -> None:
-        if self._active():
-            self.forward_begins(args, kwargs)
+    # Hooks are closures, not bound methods: copy.deepcopy(model) (an EMA copy) copies a
+    # module's hooks, and a bound method would drag the watch and its open file along.
+    def _root_hook(self):
+        def hook(module, args, kwargs):
+            if self._active():
+                self.forward_begins(args, kwargs)
+
+        return hook
 
     def _pre_hook(self, h: Hooked):
         def hook(module, args):

@@ -84,10 +84,11 @@ def test_gradient_sites_in_a_step_without_backward(tmp_path):
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, _ = image_batches(1)[0]
-    with pytest.raises(ConfigError, match=r"step 0: no gradient reached.*loss.backward\(\)"):
-        with probe.watch(model, GRADS, out=tmp_path, optimizer=opt):
-            model(x).sum()
-            opt.step()
+    said = r"step 0: no gradient reached.*loss.backward\(\)"
+    with pytest.raises(ConfigError, match=said), probe.watch(model, GRADS, out=tmp_path,
+                                                             optimizer=opt):  # fmt: skip
+        model(x).sum()
+        opt.step()
     assert_no_hooks(model)
 
 
@@ -95,9 +96,9 @@ def test_gradient_sites_in_a_training_that_never_goes_backward(tmp_path):
     """Without optimizer= and without a step: said when the watch closes."""
     model = cnn()
     x, _ = image_batches(1)[0]
-    with pytest.raises(ConfigError, match="no gradient reached them in the whole training"):
-        with probe.watch(model, GRADS, out=tmp_path):
-            model(x)
+    said = "no gradient reached them in the whole training"
+    with pytest.raises(ConfigError, match=said), probe.watch(model, GRADS, out=tmp_path):
+        model(x)
     assert_no_hooks(model)
 
 
@@ -105,9 +106,9 @@ def test_a_run_directory_that_holds_a_run_and_calls_out_of_order(tmp_path):
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train(model, opt, image_batches(1), image_loss, {"probes": CONVS, "out": tmp_path})
-    with pytest.raises(ConfigError, match="already holds a run.*load_state_dict.*overwrite=True"):
-        with probe.watch(model, CONVS, out=tmp_path):
-            pass
+    said = "already holds a run.*load_state_dict.*overwrite=True"
+    with pytest.raises(ConfigError, match=said), probe.watch(model, CONVS, out=tmp_path):
+        pass
     w = probe.watch(model, CONVS, out=tmp_path, optimizer=opt, overwrite=True)
     with w:
         with pytest.raises(ProbeError, match="before the watch starts"):
@@ -154,7 +155,7 @@ def test_a_non_finite_value_is_named_with_its_step_layer_and_site(tmp_path, capl
     stopped = None
     try:
         with w:
-            for step, x in enumerate(inputs):
+            for x in inputs:
                 opt.zero_grad()
                 model(x).nan_to_num().sum().backward()
                 opt.step()

@@ -66,8 +66,9 @@ def test_a_gradient_edit_while_watched_equals_the_same_edit_hooked_by_hand(tmp_p
         model = cnn()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         train(model, opt, data, image_loss)
-        assert not torch.equal(state_of(model, opt)["model.conv1.weight"],
-                               by_hand["model.conv1.weight"])  # (the edit changes the training)
+        assert not torch.equal(
+            state_of(model, opt)["model.conv1.weight"], by_hand["model.conv1.weight"]
+        )  # (the edit changes the training)
 
         model = cnn()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

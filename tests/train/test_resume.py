@@ -20,7 +20,7 @@ import torch
 import probe
 from probe.store.runfile import open_probe_file
 from tests.helpers import ROOT
-from tests.train.watched_training import CHECKPOINT_EVERY, main
+from tests.train.watched_training import main
 
 STEPS = 12
 TRIALS = 3
