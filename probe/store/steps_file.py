@@ -229,13 +229,24 @@ class StepFile:
         self.out.file.flush()
         self._write_progress(False)
         self.out.file.flush()
-        table = step_frame(
-            [s for s, _, _ in self.pending],
-            list(self.sites.values()),
-            {key: np.stack([v.get(key, _NAN) for _, v, _ in self.pending]) for key in self.sites},
-        )
-        table.to_csv(self.csv, mode="a", header=not self.csv.exists(), index=False)
+        self._append_csv()
         self.pending.clear()
+
+    def _append_csv(self) -> None:
+        """The pending steps' rows at the end of train.csv, as `step_frame` orders and pandas
+        writes them (floats as repr, integers plain, NaN empty), without pandas' cost."""
+        lines = [] if self.csv.exists() else [",".join(CSV_COLUMNS)]
+        for step, values, _ in self.pending:
+            for key, info in self.sites.items():
+                row = values.get(key)
+                if row is None or math.isnan(row[_ROWS]):
+                    continue
+                head = [str(step), _csv_text(info.layer), _csv_text(info.site),
+                        _csv_text(info.module_type), "x".join(map(str, info.shape)), info.dtype]  # fmt: skip
+                cells = [_cell(v, i in _INTEGERS) for i, v in enumerate(row.tolist())]
+                lines.append(",".join(head + cells))
+        with open(self.csv, "a", newline="") as fh:
+            fh.write("".join(line + "\n" for line in lines))
 
     def _create_sites(self) -> None:
         """Datasets for sites first seen since the last flush (the file leaves SWMR mode to make
@@ -279,7 +290,21 @@ class StepFile:
         )
 
 
-_NAN = np.full(len(STAT_COLUMNS), np.nan)
+_ROWS = STAT_COLUMNS.index("rows")
+_INTEGERS = {STAT_COLUMNS.index(c) for c in INTEGER_COLUMNS}
+
+
+def _cell(v: float, integer: bool) -> str:
+    if math.isnan(v):
+        return ""
+    return str(int(v)) if integer else repr(v)
+
+
+def _csv_text(text: str) -> str:
+    """A CSV field as the csv module quotes it (a layer name may hold a comma or a quote)."""
+    if any(c in text for c in ',"\n\r'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 def step_row(stats) -> np.ndarray:

@@ -70,6 +70,8 @@ def test_a_training_is_read_while_it_runs_and_after(tmp_path):
         rows = f["train/sites/fc/output"][:]
         assert rows.shape == (6, len(STAT_COLUMNS))
         assert list(f["train/step"][:]) == list(range(6))
+    with probe.open_run(tmp_path) as run:  # appended at each flush, as pandas writes the table
+        assert (tmp_path / "train.csv").read_text() == run.train().to_csv(index=False)
     fc = table[(table.layer == "fc") & (table.site == "output")]
     np.testing.assert_array_equal(fc[list(STAT_COLUMNS)].to_numpy(dtype=float), rows)
 
