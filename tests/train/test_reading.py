@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 import probe
+from probe.read.summarize import main as summarize_main
 from probe.store.steps_file import CSV_COLUMNS, STAT_COLUMNS
 from tests.helpers import ROOT
 from tests.train.trainings import cnn, image_batches, image_loss
@@ -32,7 +33,7 @@ def python(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)  # fmt: skip
 
 
-def test_a_training_is_read_while_it_runs_and_after(tmp_path):
+def test_a_training_is_read_while_it_runs_and_after(tmp_path, capfd):
     """Flushed every 2 recorded steps: after 5 steps another process reads steps 0-3 ("in
     progress"); after the watch closes, all 6 and `probe.summarize` prints the last step's
     table. train.csv's columns are `step`, summary.csv's, then `norm`."""
@@ -50,12 +51,12 @@ def test_a_training_is_read_while_it_runs_and_after(tmp_path):
                 live = python("-c", READER, str(tmp_path))
     assert live.returncode == 0, live.stderr
     assert live.stdout.split("\n")[0] == "in progress [0, 1, 2, 3] [0, 1, 2, 3]"
-    done = python("-c", READER, str(tmp_path))
-    assert done.stdout.split("\n")[0] == "complete [0, 1, 2, 3, 4, 5] [0, 1, 2, 3, 4, 5]"
+    with probe.open_run(tmp_path) as run:
+        assert run.complete and sorted(run.train()["step"].unique()) == list(range(6))
 
-    summary = python("-m", "probe.summarize", str(tmp_path))
-    assert summary.returncode == 0, summary.stderr
-    lines = summary.stdout.strip().split("\n")
+    capfd.readouterr()
+    assert summarize_main([str(tmp_path)]) == 0  # python -m probe.summarize RUN
+    lines = capfd.readouterr().out.strip().split("\n")
     assert lines[0].split() == ["step", *CSV_COLUMNS[1:]]
     assert [line.split()[0] for line in lines[1:-1]] == ["5"] * 5  # 5 sites at step 5
     assert lines[-1].endswith("complete, a watched training, 6 recorded steps (the last 5)")
