@@ -220,3 +220,26 @@ def test_the_gradients_recorded_are_those_the_optimizer_sees_under_a_grad_scaler
     with probe.open_run(tmp_path / "run") as run:
         np.testing.assert_allclose(run.train()["norm"], norms, rtol=1e-6)
         assert list(run.train_scalars()["grad_scale"]) == scales
+
+
+def test_two_watches_of_one_training_record_at_their_own_steps(tmp_path):
+    """Parameters at every 3rd step, activations at every step: two watches, two directories,
+    the same values where both record."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acts = {"fc": {"layers": ["fc"], "capture": ["output"]}}
+    params = {"fc": {"layers": ["fc"], "capture": ["output", "param_update"]}}
+    with (
+        probe.watch(model, acts, out=tmp_path / "a", optimizer=opt),
+        probe.watch(model, params, out=tmp_path / "p", optimizer=opt, every=3),
+    ):
+        for batch in image_batches(5, size=2):
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            opt.step()
+    with probe.open_run(tmp_path / "a") as a, probe.open_run(tmp_path / "p") as p:
+        every, third = a.train(), p.train()
+    assert list(every["step"]) == [0, 1, 2, 3, 4]
+    assert sorted(third["step"].unique()) == [0, 3]
+    mine = third[third["site"] == "output"].reset_index(drop=True)
+    pd.testing.assert_frame_equal(mine, every[every["step"] % 3 == 0].reset_index(drop=True))
