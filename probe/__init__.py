@@ -1,9 +1,9 @@
 """probe: declarative model probing for PyTorch, streamed into chunked HDF5.
 
 The public API, imported on first use so that `import probe` stays light: `run`, `capture`,
-`sites`, `open_run`, `open_sweep` and the error types. Everything else lives in the stage
+`sites`, `open_run`, `open_sweep`, `watch` and the error types. Everything else lives in the stage
 subpackages, in the order data flows (docs/architecture.md): models, data, hooks, stats, store,
-attribute, intervene, read, analysis, report, launch.
+attribute, intervene, read, analysis, report, launch, train.
 """
 
 __version__ = "0.1.0"
@@ -14,6 +14,7 @@ _API = {
     "sites": ("probe.hooks.sites", "sites"),
     "open_run": ("probe.read.runs", "open_run"),
     "open_sweep": ("probe.read.runs", "open_sweep"),
+    "watch": ("probe.train.watch", "watch"),
     "ProbeError": ("probe.errors", "ProbeError"),
     "ConfigError": ("probe.errors", "ConfigError"),
     "DataError": ("probe.errors", "DataError"),

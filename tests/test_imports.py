@@ -16,7 +16,7 @@ import probe
 
 STAGES = [
     "models", "data", "hooks", "stats", "store", "attribute", "intervene", "read", "analysis",
-    "report", "launch",
+    "report", "launch", "train",
 ]  # fmt: skip
 CORE = {
     "probe.config",

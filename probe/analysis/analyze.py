@@ -35,6 +35,7 @@ from probe.errors import ConfigError, DataError, ProbeError
 from probe.read import slabs as slab_reads
 from probe.read.runs import open_run
 from probe.read.summarize import is_sweep, read_overrides, sweep_runs, write_table
+from probe.read.train_steps import is_watched_run, probe_batch_sweep
 from probe.store.fileformat import is_per_batch, layer_path
 
 log = logging.getLogger("probe")
@@ -305,7 +306,8 @@ def analyze_sweep(path: Path, what: set[str], options: Options) -> dict[str, pd.
 
 
 def analyze(path: Path | str, what: set[str] | str, options: Options | None = None):
-    """Analyse a run directory (or its probe.h5) or a sweep directory; returns the tables."""
+    """Analyse a run directory (or its probe.h5) or a sweep directory; returns the tables. A
+    watched training is analysed through its probe-batch runs, a sweep over its steps."""
     path, options = Path(path), options or Options()
     what = {"linear", "cka"} if what == "all" else {what} if isinstance(what, str) else set(what)
     if not what or not what <= {"linear", "cka"}:
@@ -319,6 +321,14 @@ def analyze(path: Path | str, what: set[str] | str, options: Options | None = No
         )
     if path.is_file():
         path = path.parent
+    if (path / "probe.h5").is_file() and is_watched_run(path):
+        steps = probe_batch_sweep(path)  # its probe batch at each step: a sweep over steps
+        if steps is None or not sweep_runs(steps):
+            raise DataError(
+                f"{str(path)!r} is a watched training without probe-batch runs: the analyses "
+                "read captures; watch with probe_batch= to have them at steps of the training"
+            )
+        return analyze_sweep(steps, what, options)
     if (path / "probe.h5").is_file():
         return analyze_run(path, what, options)
     if path.is_dir() and is_sweep(path):

@@ -32,10 +32,12 @@ from probe.read.summarize import (
     sweep_table,
 )
 from probe.read.tables import summary_frame, units_frame
+from probe.read.train_steps import train_scalars, train_table
 from probe.stats.running import RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
 from probe.store.runfile import missing_sources, open_probe_file, state
+from probe.store.steps_file import is_watched, valid_steps
 
 
 class Run:
@@ -65,6 +67,7 @@ class Run:
         self.num_samples = progress.samples
         self.num_batches = progress.batches
         self.num_tokens = progress.tokens
+        self.watched = is_watched(self.file)  # a watched training (probe.watch): run.train()
 
     def refresh(self) -> Run:
         """Pick up what a run in progress flushed since this Run was opened (reopens the file:
@@ -87,6 +90,9 @@ class Run:
             self.file.close()
 
     def __repr__(self) -> str:
+        if self.watched:
+            steps = valid_steps(self.file)
+            return f"Run({str(self.path)!r}, {self.state}, a watched training of {steps} recorded steps)"
         return (
             f"Run({str(self.path)!r}, {self.state}, {self.num_samples} samples, "
             f"{len(self.layers)} layers)"
@@ -175,6 +181,26 @@ class Run:
         return pd.DataFrame(
             {k: self.file[f"tokens/{k}"][: self.num_tokens] for k in ("sample", "position", "id")}
         )
+
+    def train(self) -> pd.DataFrame:
+        """A watched training's statistics (train.csv's rows, as far as the file counts them
+        valid): one row per (step, layer, site), `step` first, the columns of summary.csv,
+        then `norm`."""
+        self._check_watched("train")
+        return train_table(self.file)
+
+    def train_scalars(self) -> pd.DataFrame:
+        """A watched training's scalars, one row per recorded step: `step`, loss, grad_norm,
+        grad_scale, lr.<group>."""
+        self._check_watched("train_scalars")
+        return train_scalars(self.file)
+
+    def _check_watched(self, what: str) -> None:
+        if not self.watched:
+            raise DataError(
+                f"run.{what}() reads a watched training (probe.watch); {self.h5_path} is a "
+                "probing run: read run.summary and run.array(...) instead"
+            )
 
     @cached_property
     def config(self) -> DictConfig:

@@ -53,6 +53,10 @@ class FileSummary:
     def table(self) -> pd.DataFrame:
         return summary_frame(self.datasets)
 
+    @property
+    def detail(self) -> str:
+        return f"{self.num_samples} samples, {len(self.datasets)} datasets"
+
 
 def summarize_file(path: Path | str, from_stats: bool = False) -> FileSummary:
     """Statistics of every (layer, site) of a probe.h5; never raises on a partial or corrupt file."""
@@ -262,6 +266,13 @@ def summarize_path(path: Path, from_stats: bool = False, units: bool = False) ->
             if gathered is not None:
                 write_table(gathered, path / name)
         return summaries
+    from probe.read.train_steps import summarize_watched
+
+    watched = summarize_watched(path / "probe.h5")
+    if watched is not None:  # a watched training: its last step's table (train.csv is its own)
+        if not watched.frame.empty:
+            print(watched.table.to_string(index=False))
+        return [watched]
     s = summarize_file(path / "probe.h5", from_stats)
     if s.state == "in progress":
         print(s.table.to_string(index=False))
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
         for s in summaries:
             if s.state == "complete":
-                print(f"{s.path}: complete, {s.num_samples} samples, {len(s.datasets)} datasets")
+                print(f"{s.path}: complete, {s.detail}")
             else:
                 print(f"{s.path}: {s.state}: {s.message}", file=sys.stderr)
                 failed |= s.state in ("corrupt", "missing")

@@ -1,0 +1,405 @@
+"""The per-step statistics of a watched training (`probe.watch`) in probe.h5, and train.csv.
+
+Row i of every dataset under `/train` is the recorded step `/train/step[i]`:
+
+    /train/step                  (S,) int64: the training step of each row, increasing
+    /train/scalars               (S, K) float64: loss, grad_norm, grad_scale, lr.<group>, ...
+                                 (attribute `columns`)
+    /train/sites/<layer>/<site>  (S, len(STAT_COLUMNS)) float64: the statistics of one site at
+                                 each recorded step; NaN at steps where it had no value
+    /progress                    rows valid (`steps`), the last complete step (`last_step`),
+                                 `complete`; beside the counts of a probing run's /progress
+
+The writer appends rows in memory and writes them at `flush`: data first, then `/progress`, each
+flushed, in HDF5's SWMR mode, so a reader (and a kill) never sees a step half written. Rows past
+`/progress` are a killed writer's and are cut when the training resumes. docs/format.md has the
+layout for people; train.csv is the same rows as a table, appended at each flush.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from probe.errors import ConfigError
+from probe.store.fileformat import FORMAT_VERSION, PROGRESS, decode, encode
+from probe.store.livefile import LiveFile
+
+WATCH_MODE = "watch"  # the `store_mode` attribute of a watched training's probe.h5
+PROBE_BATCH = "probe_batch"  # the run directory's folder of probe-batch runs, one per step
+TRAIN = "train"
+SITES = f"{TRAIN}/sites"
+CHUNK_ROWS = 64  # rows per chunk: a flush rewrites at most one partial chunk per dataset
+STAT_COLUMNS = (
+    "rows", "n", "mean", "std", "min", "max", "abs_mean", "rms", "frac_zero", "nan_count",
+    "inf_count", "l2_mean", "p01", "p50", "p99", "units", "dead_frac", "saturated_frac", "norm",
+)  # fmt: skip
+INTEGER_COLUMNS = ("rows", "n", "nan_count", "inf_count", "units")
+SITE_COLUMNS = ("layer", "site", "module_type", "shape", "dtype")
+CSV_COLUMNS = ("step", *SITE_COLUMNS, *STAT_COLUMNS)  # train.csv
+SCALAR_COLUMNS = ("loss", "grad_norm", "grad_scale")  # then lr.<group> per param group
+STEP_PROGRESS = np.dtype(
+    PROGRESS.descr + [("steps", "<i8"), ("last_step", "<i8")]  # (a probing run's fields kept)
+)
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """What one recorded (layer, site) is: its module's class, the shape and dtype of its first
+    value, and its kind (`activation`: merged over micro-batches and ranks; `parameter`)."""
+
+    layer: str
+    site: str
+    module_type: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+
+
+def is_watched(f: h5py.File) -> bool:
+    """Whether `f` is a watched training's file (per-step statistics, no captures)."""
+    return str(f.attrs.get("store_mode", "")) == WATCH_MODE
+
+
+def site_path(layer: str, site: str) -> str:
+    return f"{SITES}/{encode(layer)}/{encode(site)}"
+
+
+class StepFile:
+    """Appends recorded steps to probe.h5 (a new file, or one resumed at a step) and train.csv.
+
+    `attrs` are written into a new file; a resumed file keeps its own, and its `watch` attribute
+    (the watch's settings, JSON) must equal the new one's. `scalar_columns` name the scalars."""
+
+    def __init__(
+        self,
+        path: Path,
+        attrs: dict,
+        scalar_columns: Iterable[str],
+        resume_at: int | None = None,
+    ):
+        self.path = Path(path)
+        self.csv = self.path.parent / "train.csv"
+        self.scalar_columns = tuple(scalar_columns)
+        self.sites: dict[tuple[str, str], SiteInfo] = {}  # in order of first appearance
+        self.written = 0  # rows on disk and counted by /progress
+        self.last_step = -1
+        self.pending: list[tuple[int, dict[tuple[str, str], np.ndarray], np.ndarray]] = []
+        self.pending_sites: dict[tuple[str, str], SiteInfo] = {}
+        resuming = resume_at is not None and self.path.is_file()
+        self.out = LiveFile(self.path, resume=resuming)
+        try:
+            if resuming:
+                self._resume(attrs, resume_at)
+            else:
+                self._start(attrs)
+            self.out.file.flush()
+            self.out.go_live()
+        except BaseException:
+            self.out.close(None)
+            raise
+
+    @property
+    def file(self) -> h5py.File:
+        return self.out.file
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _start(self, attrs: dict) -> None:
+        f = self.file
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["store_mode"] = WATCH_MODE
+        f.attrs["complete"] = False
+        f.attrs["resumes"] = 0
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        f.create_dataset(f"{TRAIN}/step", (0,), "<i8", maxshape=(None,), chunks=(CHUNK_ROWS,))
+        width = len(self.scalar_columns)
+        scalars = f.create_dataset(
+            f"{TRAIN}/scalars", (0, width), "<f8", maxshape=(None, width),
+            chunks=(CHUNK_ROWS, max(width, 1)), fillvalue=np.nan,
+        )  # fmt: skip
+        scalars.attrs["columns"] = list(self.scalar_columns)
+        f.require_group(SITES)
+        self._write_progress(False)
+        if self.csv.exists():
+            self.csv.unlink()  # (the run directory was replaced: overwrite=True)
+
+    def _resume(self, attrs: dict, step: int) -> None:
+        """Keep the rows of steps before `step` (the checkpoint's), cut the rest: rows a kill
+        left past /progress and steps recorded after the checkpoint was taken."""
+        f = self.file
+        if not is_watched(f):
+            raise ConfigError(
+                f"{str(self.path)!r} is not a watched training's file (store_mode "
+                f"{f.attrs.get('store_mode')!r}); give probe.watch a new out= directory"
+            )
+        mine, theirs = json.loads(attrs.get("watch", "{}")), json.loads(f.attrs.get("watch", "{}"))
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        if differ:
+            said = "; ".join(f"{k}: file {theirs.get(k)!r}, now {mine.get(k)!r}" for k in differ)
+            raise ConfigError(
+                f"the training resumed into {str(self.path.parent)!r} is watched differently "
+                f"({said}); resume with the same settings, or watch into a new out= directory"
+            )
+        if tuple(f[f"{TRAIN}/scalars"].attrs["columns"]) != self.scalar_columns:
+            raise ConfigError(
+                f"the resumed training's scalars {list(self.scalar_columns)} differ from the "
+                f"file's {list(f[f'{TRAIN}/scalars'].attrs['columns'])} (another optimizer or "
+                "param groups); watch into a new out= directory"
+            )
+        valid = int(f["progress"][()]["steps"])
+        steps = f[f"{TRAIN}/step"][:valid]
+        keep = int(np.searchsorted(steps, step, side="left"))
+        for name in (f"{TRAIN}/step", f"{TRAIN}/scalars"):
+            f[name].resize(keep, axis=0)
+        order = []
+        for link, group in f[SITES].items():
+            for site_link, ds in group.items():
+                ds.resize(keep, axis=0)
+                info = SiteInfo(
+                    decode(link), decode(site_link), str(ds.attrs["module_type"]),
+                    tuple(int(s) for s in ds.attrs["shape"]), str(ds.attrs["dtype"]),
+                    str(ds.attrs["kind"]),
+                )  # fmt: skip
+                order.append((int(ds.attrs["order"]), info))
+        self.sites = {(i.layer, i.site): i for _, i in sorted(order, key=lambda p: p[0])}
+        self.written = keep
+        self.last_step = int(steps[keep - 1]) if keep else -1
+        f.attrs["complete"] = False
+        f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
+        self._write_progress(False)
+        self.steps_kept = steps[:keep]
+        rewrite_csv(f, self.csv, keep)
+
+    # -- appending -------------------------------------------------------------------------------
+    def append(
+        self,
+        step: int,
+        rows: dict[tuple[str, str], tuple[SiteInfo, np.ndarray]],
+        scalars: np.ndarray,
+    ) -> None:
+        """One recorded step: each site's STAT_COLUMNS row and the scalars; kept until `flush`."""
+        if step <= self.last_step or (self.pending and step <= self.pending[-1][0]):
+            raise ValueError(f"step {step} recorded after a later one")  # (the watch's own bug)
+        values = {}
+        for key, (info, row) in rows.items():
+            if key not in self.sites and key not in self.pending_sites:
+                self.pending_sites[key] = info
+            values[key] = row
+        self.pending.append((step, values, np.asarray(scalars, dtype=np.float64)))
+
+    @property
+    def unflushed(self) -> int:
+        return len(self.pending)
+
+    def flush(self) -> None:
+        """Write the pending steps, then say they are valid (/progress), then append them to
+        train.csv."""
+        if not self.pending:
+            return
+        self.out.check()
+        if self.pending_sites:
+            self._create_sites()
+        f = self.file
+        lo, hi = self.written, self.written + len(self.pending)
+        step_ds = f[f"{TRAIN}/step"]
+        step_ds.resize(hi, axis=0)
+        step_ds[lo:hi] = [s for s, _, _ in self.pending]
+        scalars = f[f"{TRAIN}/scalars"]
+        scalars.resize(hi, axis=0)
+        if scalars.shape[1]:
+            scalars[lo:hi] = np.stack([v for _, _, v in self.pending])
+        block = np.full((hi - lo, len(STAT_COLUMNS)), np.nan)
+        for key in self.sites:
+            block.fill(np.nan)
+            for i, (_, values, _) in enumerate(self.pending):
+                if key in values:
+                    block[i] = values[key]
+            ds = f[site_path(*key)]
+            ds.resize(hi, axis=0)
+            ds[lo:hi] = block
+        self.written, self.last_step = hi, self.pending[-1][0]
+        self.out.file.flush()
+        self._write_progress(False)
+        self.out.file.flush()
+        self._append_csv()
+        self.pending.clear()
+
+    def _append_csv(self) -> None:
+        """The pending steps' rows at the end of train.csv, as `step_frame` orders and pandas
+        writes them (floats as repr, integers plain, NaN empty), without pandas' cost."""
+        lines = [] if self.csv.exists() else [",".join(CSV_COLUMNS)]
+        for step, values, _ in self.pending:
+            for key, info in self.sites.items():
+                row = values.get(key)
+                if row is None or math.isnan(row[_ROWS]):
+                    continue
+                head = [str(step), _csv_text(info.layer), _csv_text(info.site),
+                        _csv_text(info.module_type), "x".join(map(str, info.shape)), info.dtype]  # fmt: skip
+                cells = [_cell(v, i in _INTEGERS) for i, v in enumerate(row.tolist())]
+                lines.append(",".join(head + cells))
+        with open(self.csv, "a", newline="") as fh:
+            fh.write("".join(line + "\n" for line in lines))
+
+    def _create_sites(self) -> None:
+        """Datasets for sites first seen since the last flush (the file leaves SWMR mode to make
+        them); their rows before now read NaN."""
+        self.out.creating()
+        f = self.file
+        for key, info in self.pending_sites.items():
+            ds = f.create_dataset(
+                site_path(*key), (self.written, len(STAT_COLUMNS)), "<f8",
+                maxshape=(None, len(STAT_COLUMNS)), chunks=(CHUNK_ROWS, len(STAT_COLUMNS)),
+                fillvalue=np.nan,
+            )  # fmt: skip
+            ds.attrs.update(
+                name=info.layer, site=info.site, module_type=info.module_type,
+                shape=list(info.shape), dtype=info.dtype, kind=info.kind,
+                order=len(self.sites), columns=list(STAT_COLUMNS),
+            )  # fmt: skip
+            f[site_path(*key)].parent.attrs["name"] = info.layer
+            self.sites[key] = info
+        self.pending_sites.clear()
+        f.flush()
+        self.out.go_live()
+
+    def _write_progress(self, complete: bool) -> None:
+        row = np.zeros((), STEP_PROGRESS)
+        row["complete"], row["stats_slot"] = int(complete), -1
+        row["steps"], row["last_step"] = self.written, self.last_step
+        if "progress" in self.file:
+            self.file["progress"][()] = row
+        else:
+            self.file.create_dataset("progress", data=row)
+
+    def close(self, complete: bool) -> None:
+        """Flush what is pending (unless the file failed), then write `complete` last."""
+        if self.out.failed is None:
+            self.flush()
+            self._write_progress(complete)
+        attrs = {"complete": bool(complete), "num_steps": self.written}
+        self.out.close(
+            attrs if self.out.failed is None else None, abandon=self.out.failed is not None
+        )
+
+
+_ROWS = STAT_COLUMNS.index("rows")
+_INTEGERS = {STAT_COLUMNS.index(c) for c in INTEGER_COLUMNS}
+
+
+def _cell(v: float, integer: bool) -> str:
+    if math.isnan(v):
+        return ""
+    return str(int(v)) if integer else repr(v)
+
+
+def _csv_text(text: str) -> str:
+    """A CSV field as the csv module quotes it (a layer name may hold a comma or a quote)."""
+    if any(c in text for c in ',"\n\r'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def step_row(stats) -> np.ndarray:
+    """A RunningStats as one STAT_COLUMNS row: the columns of summary.csv, then `norm`, the L2
+    norm of the finite values (sqrt of m2 + n mean^2, their sum of squares)."""
+    row = stats.as_row()
+    n = stats.n
+    norm = math.sqrt(max(stats.m2 + n * stats.mean * stats.mean, 0.0)) if n else math.nan
+    return np.array([*(float(row[c]) for c in STAT_COLUMNS[:-1]), norm], dtype=np.float64)
+
+
+def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
+    """train.csv's rows, one per (step, layer, site) holding a value, steps in order and sites
+    in order of first appearance: `values[(layer, site)]` is (steps, STAT_COLUMNS)."""
+    steps = np.asarray(steps, dtype=np.int64)
+    frames = []
+    for info in infos:
+        block = values[(info.layer, info.site)]
+        held = ~np.isnan(block[:, STAT_COLUMNS.index("rows")])
+        if not held.any():
+            continue
+        frame = pd.DataFrame(block[held], columns=list(STAT_COLUMNS))
+        frame.insert(0, "step", steps[held])
+        frame.insert(1, "layer", info.layer)
+        frame.insert(2, "site", info.site)
+        frame.insert(3, "module_type", info.module_type)
+        frame.insert(4, "shape", "x".join(map(str, info.shape)))
+        frame.insert(5, "dtype", info.dtype)
+        frame["_order"] = len(frames)
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=list(CSV_COLUMNS))
+    table = pd.concat(frames, ignore_index=True).sort_values(["step", "_order"], kind="stable")
+    table = table.drop(columns="_order").reset_index(drop=True)
+    for column in INTEGER_COLUMNS:
+        table[column] = table[column].astype("Int64")
+    return table[list(CSV_COLUMNS)]
+
+
+def read_sites(f: h5py.File) -> list[SiteInfo]:
+    """The recorded sites of a watched file, in order of first appearance."""
+    found = []
+    if SITES not in f:
+        return found
+    for link, group in f[SITES].items():
+        for site_link, ds in group.items():
+            info = SiteInfo(
+                decode(link), decode(site_link), str(ds.attrs["module_type"]),
+                tuple(int(s) for s in ds.attrs["shape"]), str(ds.attrs["dtype"]),
+                str(ds.attrs["kind"]),
+            )  # fmt: skip
+            found.append((int(ds.attrs["order"]), info))
+    return [info for _, info in sorted(found, key=lambda p: p[0])]
+
+
+def valid_steps(f: h5py.File) -> int:
+    """How many rows /progress counts as valid (a reader refreshes it first)."""
+    ds = f["progress"]
+    if f.swmr_mode:
+        ds.refresh()
+    return int(ds[()]["steps"])
+
+
+def read_frame(f: h5py.File, rows: int | None = None) -> pd.DataFrame:
+    """train.csv's table from the file: the first `rows` recorded steps (default: the valid)."""
+    rows = valid_steps(f) if rows is None else rows
+    step_ds = f[f"{TRAIN}/step"]
+    if f.swmr_mode:
+        step_ds.refresh()
+    infos = read_sites(f)
+    values = {}
+    for info in infos:
+        ds = f[site_path(info.layer, info.site)]
+        if f.swmr_mode:
+            ds.refresh()
+        values[(info.layer, info.site)] = ds[:rows]
+    return step_frame(step_ds[:rows], infos, values)
+
+
+def read_scalars(f: h5py.File, rows: int | None = None) -> pd.DataFrame:
+    """One row per recorded step: `step`, then the scalars (loss, grad_norm, grad_scale, lr.*)."""
+    rows = valid_steps(f) if rows is None else rows
+    ds, steps = f[f"{TRAIN}/scalars"], f[f"{TRAIN}/step"]
+    if f.swmr_mode:
+        ds.refresh()
+        steps.refresh()
+    table = pd.DataFrame(ds[:rows], columns=[str(c) for c in ds.attrs["columns"]])
+    table.insert(0, "step", steps[:rows])
+    return table
+
+
+def rewrite_csv(f: h5py.File, csv: Path, rows: int) -> None:
+    """train.csv anew from the file's first `rows` steps (a resume cuts it as it cuts the file)."""
+    table = read_frame(f, rows)
+    if rows:
+        table.to_csv(csv, index=False)
+    elif csv.exists():
+        csv.unlink()

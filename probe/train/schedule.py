@@ -1,0 +1,43 @@
+"""Which training steps a watch records: every N-th (`every=N`) or 0, 1, 2, 4, 8, ... (`"log"`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from probe.errors import ConfigError
+
+LOG = "log"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """`every` an int >= 1 or "log"; `name` names the keyword in errors."""
+
+    every: int | str
+    name: str = "every"
+
+    def __post_init__(self):
+        every = self.every
+        if every == LOG:
+            return
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(
+                f"{self.name}={every!r}: give an int >= 1 (record every N-th step; 1: every "
+                f"step) or {LOG!r} (steps 0, 1, 2, 4, 8, ...)"
+            )
+
+    def records(self, step: int) -> bool:
+        """Whether step `step` (0-based) is recorded."""
+        if self.every == LOG:
+            return step == 0 or step & (step - 1) == 0
+        return step % self.every == 0
+
+    def steps_before(self, step: int) -> list[int]:
+        """The recorded steps below `step`, in order."""
+        if self.every == LOG:
+            out, s = ([0] if step > 0 else []), 1
+            while s < step:
+                out.append(s)
+                s *= 2
+            return out
+        return list(range(0, step, self.every))

@@ -1,0 +1,411 @@
+"""`probe.watch(model, probes, out=DIR, ...)`: per-step statistics of the user's own training.
+
+    with probe.watch(model, "all_convs", out="runs/w", optimizer=opt, every=10) as w:
+        for x, y in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            w.loss(loss)            # optional: the step's loss in the file
+            opt.step()              # the optimizer's step hooks count the steps
+
+No extra forward or backward: the hooks watch the user's own (probe.train.watcher). Without
+`optimizer=`, the loop calls `w.step(loss=loss)` after each optimizer step (before zero_grad).
+The run directory holds probe.h5 with the per-step statistics (probe.store.steps_file),
+train.csv, probe.log, watch.yaml and, with a `probe_batch`, its evaluations
+(probe.train.probe_batch). `w.state_dict()` goes into the user's checkpoint; a training resumed
+with `w.load_state_dict(...)` (before the watch starts) appends to the same file from its step.
+docs/training.md is the guide.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+from torch import nn
+
+from probe.config import GRAD_EDIT_SITES, edit_specs
+from probe.errors import ConfigError, ProbeError
+from probe.hooks.sites import probe_specs
+from probe.intervene.edits import build_edits
+from probe.store import runlock
+from probe.store.runfile import file_state
+from probe.store.steps_file import SCALAR_COLUMNS, StepFile
+from probe.train.probe_batch import FOLDER, ProbeBatch
+from probe.train.schedule import Schedule
+from probe.train.sites import resolve
+from probe.train.watcher import Watcher
+
+log = logging.getLogger("probe")
+STATE_VERSION = 1
+FILENAME = "probe.h5"
+
+
+def watch(
+    model: nn.Module,
+    probes,
+    *,
+    out: str | Path,
+    every: int | str = 1,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler=None,
+    probe_batch=None,
+    probe_every: int | str | None = None,
+    probe_stats: Mapping | None = None,
+    edits: Mapping | None = None,
+    flush_every: int = 10,
+    fail_on_nonfinite: bool = False,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Watch:
+    """Watch the training of `model` into the run directory `out` (see the module's text).
+
+    `probes`: a mapping name -> probe spec, or a shipped probe file's name; their `capture`
+    takes output, input, grad_output, grad_input, param, param_grad, param_update (those three
+    with an optional glob: param_grad.weight). `every`: an int >= 1 or "log" (steps 0, 1, 2, 4,
+    ...). `optimizer`: counts the steps with its step hooks. `scaler`: AMP's GradScaler, whose
+    scale the file records. `probe_batch` (a tensor, an (inputs, targets) pair or a dict of
+    keyword arguments) is evaluated every `probe_every` steps (default: `every`), its run's
+    statistics options in `probe_stats` (e.g. {"topk": 8}). `edits`: name -> edit spec on
+    grad_output/grad_input sites (op zero, scale, clamp, noise, ...: the intervene group's
+    keys), applied at every step. `flush_every`: recorded steps between flushes of the file.
+    `fail_on_nonfinite`: the first NaN or Inf stops the training (a ModelError). `seed`: the
+    noise edits' seed. `overwrite`: replace a watched run already in `out`."""
+    return Watch(
+        model, probes, out=out, every=every, optimizer=optimizer, scaler=scaler,
+        probe_batch=probe_batch, probe_every=probe_every, probe_stats=probe_stats, edits=edits,
+        flush_every=flush_every, fail_on_nonfinite=fail_on_nonfinite, seed=seed,
+        overwrite=overwrite,
+    )  # fmt: skip
+
+
+class Watch:
+    """A watched training: `start()`/`close()` or a `with` block. Every argument is checked
+    here, before the training runs; the hooks exist from `start()` to `close()`.
+
+    Entry points for what drives the steps: `before_update(optimizer)` and `after_update()` (the
+    optimizer's step hooks call them; a trainer's callbacks can), or `step(loss=...)` in a plain
+    loop without `optimizer=`."""
+
+    def __init__(self, model, probes, *, out, every=1, optimizer=None, scaler=None,
+                 probe_batch=None, probe_every=None, probe_stats=None, edits=None,
+                 flush_every=10, fail_on_nonfinite=False, seed=0, overwrite=False):  # fmt: skip
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"probe.watch takes an nn.Module, not a {type(model).__name__}")
+        self.model, self.out = model, Path(out)
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"out={str(self.out)!r} is a file; give a directory for the run")
+        self.schedule = Schedule(every)
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise ConfigError(
+                f"flush_every={flush_every!r}: give an int >= 1, the recorded steps between "
+                "flushes of the file (a kill loses at most the steps after the last flush)"
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer; pass "
+                "the optimizer whose step() ends each training step, or leave it out and call "
+                "w.step() after each step"
+            )
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise ConfigError(
+                f"scaler is a {type(scaler).__name__}, not AMP's GradScaler (no get_scale)"
+            )
+        self.optimizer, self.scaler, self.flush_every = optimizer, scaler, flush_every
+        self.overwrite = bool(overwrite)
+        self.specs = probe_specs(probes)
+        watched = resolve(model, self.specs)
+        self.edits = _grad_edits(model, edits, seed)
+        self.watcher = Watcher(
+            model, watched, self.edits, self.schedule, self._record,
+            fail_on_nonfinite=bool(fail_on_nonfinite), failing=self._failing,
+        )  # fmt: skip
+        self.watcher.params_at_forward = optimizer is None
+        groups = len(optimizer.param_groups) if optimizer is not None else 0
+        self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
+        self.probe_batch = None
+        if probe_batch is not None:
+            schedule = Schedule(every if probe_every is None else probe_every, "probe_every")
+            self.probe_batch = ProbeBatch(
+                model, self.specs, probe_batch, self.out / FOLDER, schedule, probe_stats
+            )
+        self.settings = {
+            "probes": {n: OmegaConf.to_container(s, resolve=True) for n, s in self.specs.items()},
+            "every": every,
+            "edits": [e.describe for e in self.edits],
+            "probe_every": None if self.probe_batch is None else self.probe_batch.schedule.every,
+        }
+        self.config = {
+            **self.settings,
+            "model": type(model).__name__,
+            "optimizer": None if optimizer is None else type(optimizer).__name__,
+            "param_groups": groups,
+            "scaler": scaler is not None,
+            "flush_every": flush_every,
+            "fail_on_nonfinite": bool(fail_on_nonfinite),
+            "seed": seed,
+            "modules": {w.name: sorted(w.sites) + sorted(
+                f"{k}.{n}" for k, ps in w.params.items() for n in ps) for w in watched},
+        }  # fmt: skip
+        self.file: StepFile | None = None
+        self.resume_at: int | None = None
+        self.started = self.closed = False
+        self.log_handler: logging.Handler | None = None
+
+    # -- life --------------------------------------------------------------------------------
+    def __enter__(self) -> Watch:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(complete=exc_type is None, raising=exc_type is None)
+
+    def start(self) -> Watch:
+        """Lock the run directory, open (or resume) probe.h5, hook the model and the optimizer,
+        evaluate the probe batch if its schedule takes this step."""
+        if self.started:
+            raise ProbeError("this watch has started already; a Watch runs once")
+        runlock.acquire(self.out)  # (RunDirBusy while another run writes there)
+        self.started = True
+        try:
+            self._open_log()
+            self._open_file()
+            step = self.watcher.step
+            if self.probe_batch is not None:
+                self.probe_batch.check_fits()
+                self.probe_batch.forget_from(step)
+                self._evaluate(step)
+            self.watcher.attach()
+            if self.optimizer is not None:
+                before, after = self._step_hooks()
+                self.watcher.hooks.optimizer_step_pre(self.optimizer, before)
+                self.watcher.hooks.optimizer_step_post(self.optimizer, after)
+        except BaseException:
+            self._release(complete=False)
+            raise
+        self._note(
+            f"watching {len(self.watcher.watched)} modules of {type(self.model).__name__} from "
+            f"step {step}, every {self.schedule.every}"
+            + (
+                f"; gradient edits active: {json.dumps(self.settings['edits'])}"
+                if self.edits
+                else ""
+            )
+        )
+        return self
+
+    def close(self, complete: bool = True, raising: bool = True) -> None:
+        """Flush, write `complete`, remove every hook, release the directory. A training whose
+        gradient sites never got a gradient is said here (a ConfigError, after closing)."""
+        if self.closed or not self.started:
+            self.closed = True
+            return
+        error = None
+        if raising:
+            try:
+                self.watcher.check_close()
+            except ConfigError as e:
+                error = e
+        self._release(complete=complete and error is None)
+        if error is not None:
+            raise error
+
+    def _release(self, complete: bool) -> None:
+        self.closed = True
+        try:
+            self.watcher.detach()
+        finally:
+            try:
+                if self.file is not None:
+                    self.file.close(complete)
+                    self._note(
+                        f"closed {self.file.path} ({'complete' if complete else 'not complete'}"
+                        f", {self.file.written} recorded steps, the last {self.file.last_step})"
+                    )
+            finally:
+                if self.log_handler is not None:
+                    log.removeHandler(self.log_handler)
+                    self.log_handler.close()
+                runlock.release(self.out)
+
+    def _open_log(self) -> None:
+        self.log_handler = logging.FileHandler(self.out / "probe.log", mode="a")
+        self.log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
+        log.addHandler(self.log_handler)
+
+    def _note(self, message: str) -> None:
+        """An INFO line in probe.log (and wherever the user's logging sends probe's)."""
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", message)
+        elif self.log_handler is not None:
+            self.log_handler.handle(
+                log.makeRecord(log.name, logging.INFO, "", 0, message, (), None)
+            )
+
+    def _open_file(self) -> None:
+        path = self.out / FILENAME
+        if path.exists() and self.resume_at is None and not self.overwrite:
+            raise ConfigError(
+                f"out={str(self.out)!r} already holds a run ({file_state(path)}); resume its "
+                "training with w.load_state_dict(checkpoint's w.state_dict()) before the watch "
+                "starts, pass overwrite=True to replace it, or give a new directory"
+            )
+        attrs = {
+            "config": yaml.safe_dump(self.config, sort_keys=False),
+            "watch": json.dumps(self.settings, sort_keys=True),
+            "edits": json.dumps(self.settings["edits"]),
+        }
+        (self.out / "watch.yaml").write_text(attrs["config"])
+        self.file = StepFile(path, attrs, self.scalar_columns, self.resume_at)
+        if self.resume_at is not None:
+            self._resumed(self.resume_at)
+
+    def _resumed(self, step: int) -> None:
+        self.watcher.begin(step)
+        held = getattr(self.file, "steps_kept", None)
+        if held is None:
+            self._note(f"resuming the training at step {step} into a new {self.file.path}")
+            return
+        lost = sorted(set(self.schedule.steps_before(step)) - set(held.tolist()))
+        if lost:
+            log.warning(
+                "resuming at step %d: the file lacks the recorded steps %s (taken after its last "
+                "flush before the training stopped; they cannot be recorded again)",
+                step, _ranges(lost),
+            )  # fmt: skip
+        self._note(f"resuming the training at step {step}: {len(held)} recorded steps kept")
+
+    # -- steps -------------------------------------------------------------------------------
+    def _step_hooks(self):
+        """The optimizer's step hooks (closures: see Watcher's hooks)."""
+
+        def before(optimizer, args, kwargs):
+            self.before_update(optimizer)
+
+        def after(optimizer, args, kwargs):
+            self.after_update()
+
+        return before, after
+
+    def before_update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Right before the optimizer step: the parameters, their gradients, the global grad
+        norm and the learning rates."""
+        self.watcher.take_params()
+        self.watcher.take_grads(optimizer)
+
+    def after_update(self, loss=None) -> None:
+        """Right after the optimizer step: the updates; the step ends."""
+        self.watcher.add_loss(loss)
+        self.watcher.take_updates()
+        self._end_step()
+
+    def step(self, loss=None) -> None:
+        """End a training step in a loop without `optimizer=`: call it after optimizer.step()
+        and before zero_grad (it reads the gradients). `loss` (a tensor or a number) goes into
+        the file."""
+        self._check_open("w.step()")
+        if self.optimizer is not None:
+            raise ProbeError(
+                "w.step() ends a step of a watch without optimizer=; this one counts the steps "
+                "with the optimizer's step hooks. Give the loss with w.loss(loss) instead"
+            )
+        self.watcher.add_loss(loss)
+        self.watcher.take_grads(None)
+        self.watcher.take_updates()
+        self._end_step()
+
+    def loss(self, loss) -> None:
+        """The loss of the current step (of each micro-batch: the step's is their mean)."""
+        self.watcher.add_loss(loss)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps completed: the step the next forward belongs to."""
+        return self.watcher.step
+
+    def _end_step(self) -> None:
+        recorded = self.watcher.recording
+        scale = None
+        if recorded and self.scaler is not None:
+            scale = float(self.scaler.get_scale())
+        self.watcher.end_step(grad_scale=scale)
+        if recorded and self.file.unflushed >= self.flush_every:
+            self.file.flush()
+        if self.probe_batch is not None:
+            self._evaluate(self.watcher.step)
+
+    def _evaluate(self, step: int) -> None:
+        self.watcher.paused = True
+        try:
+            self.probe_batch.evaluate(step)
+        finally:
+            self.watcher.paused = False
+
+    def _record(self, step: int, rows: dict, scalars: dict) -> None:
+        values = [scalars.get(c, math.nan) for c in self.scalar_columns]
+        self.file.append(step, rows, values)
+        said = ", ".join(f"{k} {scalars[k]:.6g}" for k in ("loss", "grad_norm") if k in scalars)
+        self._note(f"step {step}: {len(rows)} sites recorded{'; ' + said if said else ''}")
+
+    def _failing(self, message: str) -> None:
+        self.file.flush()
+
+    def _check_open(self, what: str) -> None:
+        if not self.started or self.closed:
+            raise ProbeError(f"{what} outside the watch: call it between start() and close()")
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What the user's checkpoint keeps of the watch: the step and the edits' sample count.
+        The file is flushed first, so it holds every step the checkpoint has seen."""
+        if self.file is not None and not self.closed:
+            self.file.flush()
+        return {"version": STATE_VERSION, "step": self.watcher.step,
+                "rows_seen": self.watcher.rows_seen}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Resume from a checkpoint's `state_dict()`: before `start()`. The watch then appends
+        to the file in `out` from the checkpoint's step (later rows are cut)."""
+        if self.started:
+            raise ProbeError(
+                "w.load_state_dict() comes before the watch starts (before `with w:` or "
+                "w.start()): the file is opened at the checkpoint's step"
+            )
+        if (
+            not isinstance(state, Mapping)
+            or not isinstance(state.get("step"), int)
+            or state["step"] < 0
+        ):
+            raise ConfigError(f"w.load_state_dict got {state!r}; give what w.state_dict() returned")
+        self.resume_at = int(state["step"])
+        self.watcher.begin(self.resume_at)
+        self.watcher.rows_seen = int(state.get("rows_seen", 0))
+
+
+def _grad_edits(model: nn.Module, edits, seed: int) -> list:
+    """The declared edits, each on a gradient site, resolved onto the modules they select."""
+    if not edits:
+        return []
+    if not isinstance(edits, Mapping):
+        raise ConfigError(
+            f"edits is a {type(edits).__name__}; give a mapping name -> edit spec, e.g. "
+            "{'freeze': {'layers': ['layer3.*'], 'site': 'grad_output', 'op': 'zero'}}"
+        )
+    for name, spec in edit_specs(dict(edits)).items():
+        if spec.site not in GRAD_EDIT_SITES:
+            raise ConfigError(
+                f"edit {name!r}: site {spec.site!r}; a watched training edits gradients only "
+                f"({', '.join(GRAD_EDIT_SITES)}), in the user's own backward"
+            )
+    return build_edits(model, dict(edits), seed)
+
+
+def _ranges(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (
+        f", ... ({len(steps)} in all)" if len(steps) > 8 else ""
+    )

@@ -1,0 +1,390 @@
+"""The core of a watched training: hooks in the user's forward and backward, and the step's
+entry points, whatever drives the steps (a plain loop, an optimizer's step hooks, a trainer's
+callbacks).
+
+A step goes through, in order:
+
+    forward_begins()      each forward of the model (its root pre-hook calls it)
+      module hooks         values, and tensor hooks for the gradients of the user's backward
+    take_params()         the parameters before the update (and a copy for param_update)
+    take_grads(opt)       the gradients the optimizer sees, the global grad norm, the lrs
+    take_updates()        what the optimizer step changed
+    end_step()            the step's statistics -> merge_ranks -> the sink; the next step begins
+
+Only recorded steps (the schedule's) reduce anything; on the others the hooks return at once,
+except where a gradient edit acts: edits act at every step. Statistics are taken only in
+forwards run with gradients enabled (a validation pass under no_grad inside the loop is not the
+training's); the probe batch runs with the watch `paused`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from probe.errors import ConfigError, ModelError
+from probe.hooks.hookset import HookSet
+from probe.hooks.names import dataset_name, flatten
+from probe.layout import unit_axis
+from probe.stats.running import RunningStats, bounds_for
+from probe.store.steps_file import SiteInfo, step_row
+from probe.train.schedule import Schedule
+from probe.train.sites import GRAD_SITES, WatchedModule
+from probe.train.step_stats import Key, StepStats
+
+log = logging.getLogger("probe")
+
+
+@dataclass
+class Hooked:
+    """One module the watch hooks: what it records (None: only edited) and its gradient edits
+    by site."""
+
+    name: str
+    module: nn.Module
+    watched: WatchedModule | None
+    edits: dict[str, list] = field(default_factory=dict)
+
+    def prepare(self) -> None:
+        """Its flags, read in every hook call, once its edits are all added."""
+        sites = self.watched.sites if self.watched is not None else set()
+        self.record_input = "input" in sites
+        self.record_output = "output" in sites
+        self.record_grad_input = "grad_input" in sites
+        self.record_grad_output = "grad_output" in sites
+        self.edit_input = bool(self.edits.get("grad_input"))
+        self.edit_output = bool(self.edits.get("grad_output"))
+        self.module_type = type(self.module).__name__
+
+    @property
+    def before(self) -> bool:
+        return self.record_input or self.record_grad_input or self.edit_input
+
+    @property
+    def after(self) -> bool:
+        return self.record_output or self.record_grad_output or self.edit_output
+
+
+class Watcher:
+    """Hooks and per-step statistics of one watched model.
+
+    `sink(step, rows, scalars)` takes each recorded step: rows {(layer, site): (SiteInfo,
+    STAT_COLUMNS row)}, scalars {name: float}. `merge_ranks(stats, infos)` turns this process's
+    statistics of a step into the training's (identity here; distributed training merges the
+    activation sites over ranks there, `SiteInfo.kind`). `failing(message)` runs before a fatal
+    non-finite value raises (the file is flushed there)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        watched: list[WatchedModule],
+        edits: list,
+        schedule: Schedule,
+        sink: Callable[[int, dict, dict], None],
+        *,
+        fail_on_nonfinite: bool = False,
+        failing: Callable[[str], None] | None = None,
+    ):
+        self.model = model
+        self.watched = watched
+        self.schedule = schedule
+        self.sink = sink
+        self.fail_on_nonfinite = fail_on_nonfinite
+        self.failing = failing
+        self.merge_ranks: Callable[[dict, dict], dict] = lambda stats, infos: stats
+        hooked = {w.name: Hooked(w.name, w.module, w) for w in watched}
+        for e in edits:
+            if e.module_name not in hooked:
+                hooked[e.module_name] = Hooked(e.module_name, e.module, None)
+            hooked[e.module_name].edits.setdefault(e.site, []).append(e)
+        for h in hooked.values():
+            h.prepare()
+        self.hooked = list(hooked.values())
+        self.by_name = hooked
+        self.edited = bool(edits)
+        self.hooks = HookSet("watch")
+        self.grad_hooks = HookSet("watch: gradients of this step's forwards")
+        self.infos: dict[Key, SiteInfo] = {}  # every site seen, in order of first appearance
+        self.layouts: dict[Key, tuple] = {}  # (saturation bounds, unit axis) by site
+        self.reported: set[Key] = set()  # sites whose non-finite values were logged
+        self.missing: set[tuple[str, str]] = set()  # gradient sites said to get nothing
+        self.paused = False
+        self.rows_seen = 0  # rows of the training's forwards: the noise edits' sample index
+        self.forwards = 0  # training forwards while watched
+        self.grads_seen = 0  # gradient values recorded while watched
+        self.params_at_forward = False  # take_params at a step's first forward (no optimizer)
+        self.begin(0)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Register every hook (all or none)."""
+        self.hooks.forward_pre(self.model, self._root_hook(), name="<model>", with_kwargs=True)
+        for h in self.hooked:
+            if h.before:
+                self.hooks.forward_pre(h.module, self._pre_hook(h), name=h.name)
+            if h.after:
+                self.hooks.forward(h.module, self._post_hook(h), name=h.name)
+
+    def detach(self) -> None:
+        """Remove every hook (the step's gradient hooks too)."""
+        try:
+            self.grad_hooks.remove()
+        finally:
+            self.hooks.remove()
+
+    def _active(self) -> bool:
+        return not self.paused and torch.is_grad_enabled()
+
+    # Hooks are closures, not bound methods: copy.deepcopy(model) (an EMA copy) copies a
+    # module's hooks, and a bound method would drag the watch and its open file along.
+    def _root_hook(self):
+        def hook(module, args, kwargs):
+            if self._active():
+                self.forward_begins(args, kwargs)
+
+        return hook
+
+    def _pre_hook(self, h: Hooked):
+        def hook(module, args):
+            if not (self.recording or h.edit_input) or not self._active():
+                return None
+            values = self.recording and h.record_input
+            grads = (self.recording and h.record_grad_input) or h.edit_input
+            call = self.in_calls[h.name]
+            self.in_calls[h.name] += 1
+            if not args:
+                raise ModelError(
+                    f"layer {h.name!r} was called with no positional input, so it has no "
+                    "input or grad_input to watch; watch its output sites or exclude it"
+                )
+            new, changed = list(args), False
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                path = "" if len(args) == 1 else f".{i}"
+                if values:
+                    self.observe(h, dataset_name("input", path, call), a, "activation")
+                if grads and a.requires_grad:  # its own copy: this module's share of the gradient
+                    new[i], changed = a.clone(), True  # (the clone's backward passes it on as is)
+                    self._grad_site(h, new[i], dataset_name("grad_input", path, call), "grad_input")
+            return tuple(new) if changed else None
+
+        return hook
+
+    def _post_hook(self, h: Hooked):
+        def hook(module, args, output):
+            if not (self.recording or h.edit_output) or not self._active():
+                return None
+            values = self.recording and h.record_output
+            grads = (self.recording and h.record_grad_output) or h.edit_output
+            call = self.out_calls[h.name]
+            self.out_calls[h.name] += 1
+            for path, x in flatten(output):
+                if values:
+                    self.observe(h, dataset_name("output", path, call), x, "activation")
+                if grads and x.requires_grad:
+                    self._grad_site(h, x, dataset_name("grad_output", path, call), "grad_output")
+            return None
+
+        return hook
+
+    def _grad_site(self, h: Hooked, x: torch.Tensor, key: str, site: str) -> None:
+        """A tensor hook on `x` (in-place safe: it sees the gradient of the value `x` had now):
+        the site's edits, then its statistics at a recorded step."""
+        edits = h.edits.get(site, ())
+        record = self.recording and site in h.watched.sites if h.watched is not None else False
+        start = self.rows_seen
+
+        def hook(grad):
+            for e in edits:
+                grad = e.apply(grad, start, key)
+            if record:
+                self.grads_seen += 1
+                self.observe(h, key, grad, "activation")
+            return grad if edits else None
+
+        self.grad_hooks.tensor(x, hook, name=f"{h.name} {key}")
+        self.grads_expected += record
+
+    # -- the step's entry points ---------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Step `step` starts (0-based: optimizer steps completed before its forward)."""
+        self.step = step
+        self.recording = self.schedule.records(step)
+        self.stats = StepStats()
+        self.in_calls: Counter[str] = Counter()
+        self.out_calls: Counter[str] = Counter()
+        self.losses: list[float] = []
+        self.scalars: dict[str, float] = {}
+        self.before: dict[int, torch.Tensor] = {}  # id(parameter) -> its value before the update
+        self.params_taken = False
+        self.grads_at_begin = self.grads_seen
+        self.grads_expected = 0  # gradient values this step's forwards wait for
+
+    def forward_begins(self, args=(), kwargs=None) -> None:
+        """A training forward of the model starts (call counts restart: `output@1` is the
+        second call of a module in one forward)."""
+        self.forwards += 1
+        self.in_calls.clear()
+        self.out_calls.clear()
+        if self.edited:
+            tensors = [t for _, t in flatten((args, kwargs or {})) if t.dim() > 0]
+            self.rows_seen += tensors[0].shape[0] if tensors else 1
+        if self.params_at_forward:
+            self.take_params()
+
+    def take_params(self) -> None:
+        """The parameters as the step's forward used them (`param.*`), and a copy of those whose
+        update is recorded; once per step."""
+        if not self.recording or self.params_taken:
+            return
+        self.params_taken = True
+        for w in self.watched:
+            h = self._hooked(w)
+            for name, p in w.params.get("param", {}).items():
+                self.observe(h, f"param.{name}", p.detach().unsqueeze(0), "parameter")
+            for p in w.params.get("param_update", {}).values():
+                if id(p) not in self.before:
+                    self.before[id(p)] = p.detach().clone()
+
+    def take_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """The gradients as the optimizer sees them (after accumulation, and under DDP after
+        the all-reduce), the global grad norm over every gradient of the model, and each param
+        group's learning rate."""
+        if not self.recording:
+            return
+        for w in self.watched:
+            h = self._hooked(w)
+            for name, p in w.params.get("param_grad", {}).items():
+                if p.grad is not None:
+                    self.observe(h, f"param_grad.{name}", p.grad.detach().unsqueeze(0), "parameter")
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            self.scalars["grad_norm"] = float(torch.nn.utils.get_total_norm(grads))
+        if optimizer is not None:
+            for i, group in enumerate(optimizer.param_groups):
+                self.scalars[f"lr.{i}"] = float(group["lr"])
+
+    def take_updates(self) -> None:
+        """What the optimizer step changed (`param_update.*`): the weights after minus before."""
+        if not self.recording:
+            return
+        for w in self.watched:
+            h = self._hooked(w)
+            for name, p in w.params.get("param_update", {}).items():
+                before = self.before.get(id(p))
+                if before is not None:
+                    change = p.detach() - before
+                    self.observe(h, f"param_update.{name}", change.unsqueeze(0), "parameter")
+        self.before.clear()
+
+    def add_loss(self, loss) -> None:
+        """A micro-batch's loss (a tensor or a number); the step's is their mean."""
+        if self.recording and loss is not None:
+            self.losses.append(
+                float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            )
+
+    def end_step(self, **scalars: float) -> None:
+        """The step ends: at a recorded step its statistics (and `scalars`, e.g. grad_scale) go
+        to the sink; then the next step begins."""
+        if self.recording:
+            self._check_backward()
+            stats = self.stats.settle(self._check_finite)
+            stats = self.merge_ranks(stats, self.infos)
+            rows = {key: (self.infos[key], step_row(s)) for key, s in stats.items()}
+            values = dict(self.scalars)
+            values.update({k: v for k, v in scalars.items() if v is not None})
+            if self.losses:
+                values["loss"] = float(np.mean(self.losses))
+            self.sink(self.step, rows, values)
+        self.grad_hooks.remove()
+        self.begin(self.step + 1)
+
+    # -- statistics ----------------------------------------------------------------------------
+    def observe(self, h: Hooked, site: str, x: torch.Tensor, kind: str) -> None:
+        """Fold one value of (h's layer, site) into the step's statistics."""
+        key = (h.name, site)
+        layout = self.layouts.get(key)
+        if layout is None:
+            self.infos[key] = SiteInfo(
+                h.name, site, h.module_type, tuple(x.shape), str(x.dtype).removeprefix("torch."),
+                kind,
+            )  # fmt: skip
+            if kind == "parameter":
+                axis = 1 if x.dim() >= 2 else 0  # a parameter's first axis (its output units)
+            else:
+                setting = h.watched.unit_axis if h.watched is not None else "auto"
+                where = f"probe {h.watched.probe!r} layer {h.name!r} {site}"
+                axis = unit_axis(setting, h.watched.class_axis, x.dim(), where)
+            layout = self.layouts[key] = (bounds_for(h.module_type, site), axis)
+        batch = self.stats.add(key, x, *layout)
+        if batch is not None and (batch.nan_count or batch.inf_count):
+            self._check_finite(key, batch)
+
+    def _check_finite(self, key: Key, batch: RunningStats) -> None:
+        """Log the first non-finite values of each site (with fail_on_nonfinite: the first of
+        the training stops it, after the file is flushed)."""
+        if not (batch.nan_count or batch.inf_count) or key in self.reported:
+            return
+        first = not self.reported
+        self.reported.add(key)
+        message = (
+            f"step {self.step}: layer {key[0]!r} {key[1]} has {batch.nan_count} NaN and "
+            f"{batch.inf_count} Inf values (the first of this site"
+            f"{', and of the training' if first else ''})"
+        )
+        log.warning("%s", message)
+        if self.fail_on_nonfinite and first:
+            if self.failing is not None:
+                self.failing(message)
+            raise ModelError(
+                f"{message}; fail_on_nonfinite=True stops the training here (the steps before "
+                "it are written); set fail_on_nonfinite=False to count them and go on"
+            )
+
+    def _check_backward(self) -> None:
+        """A recorded step whose forwards wait for gradients that no backward brought is a
+        training without loss.backward(); a gradient site that gets none is said once."""
+        got_any = self.grads_seen > self.grads_at_begin
+        if self.grads_expected and not got_any:
+            wanted = [f"{w.name} {s}" for w in self.watched for s in GRAD_SITES if s in w.sites]
+            raise ConfigError(
+                f"step {self.step}: no gradient reached the gradient sites ({', '.join(wanted[:4])}"
+                f"{', ...' if len(wanted) > 4 else ''}): the step ended without a backward "
+                "through the model. Call loss.backward() before the optimizer step, or drop "
+                "grad_output/grad_input from the probes"
+            )
+        if not got_any:
+            return
+        got = {(layer, site.split(".")[0].split("@")[0]) for layer, site in self.stats.stats}
+        got |= {(layer, site.split(".")[0].split("@")[0]) for layer, site in self.stats.on_device}
+        for w in self.watched:
+            for site in GRAD_SITES:
+                if site in w.sites and (w.name, site) not in got | self.missing:
+                    self.missing.add((w.name, site))
+                    log.warning(
+                        "step %d: layer %r %s got no gradient (its %s needs none, or the loss "
+                        "does not depend on it)",
+                        self.step, w.name, site, site.removeprefix("grad_"),
+                    )  # fmt: skip
+
+    def check_close(self) -> None:
+        """At the end of the watch: gradient sites asked for in a training that never ran a
+        backward are an error (said here when no step ended to say it)."""
+        wanted = any(s in w.sites for w in self.watched for s in GRAD_SITES)
+        if wanted and self.forwards and not self.grads_seen:
+            raise ConfigError(
+                "the probes watch gradient sites (grad_output, grad_input), but no gradient "
+                "reached them in the whole training: the model's forwards never went backward. "
+                "Call loss.backward() in the loop, or drop those sites from the probes"
+            )
+
+    def _hooked(self, w: WatchedModule) -> Hooked:
+        return self.by_name[w.name]
