@@ -59,11 +59,12 @@ class Rewriter:
             if len(active):
                 self.plan[(g.kind, g.layer)] = (g, senders, active)
         self.attn_in: dict[int, torch.Tensor] = {}
+        self.values: dict[int, dict] = {}  # per layer: the rewritten projection columns
         for i, layer in enumerate(parts.layers):
             if ("attn", i) in self.plan:
                 hooks.forward_pre(layer.attn_norm, self._keep(i), name=f"attn norm {i}")
-                for proj in layer.projections:
-                    hooks.forward(proj.module, self._projection(i, proj), name=proj.name)
+                for p, proj in enumerate(layer.projections):
+                    hooks.forward(proj.module, self._projection(i, p), name=proj.name)
             if ("mlp", i) in self.plan:
                 hooks.forward_pre(layer.mlp_norm, self._input(("mlp", i)), name=f"mlp norm {i}")
         if ("logits", graph.layers) in self.plan:
@@ -80,31 +81,44 @@ class Rewriter:
 
     def added(self, key, x: torch.Tensor, active: np.ndarray, rows: slice, positions: slice):
         """(rows, t, len(active), D): what the active receivers of group `key` add to their
-        input over a chunk: sum over tables and senders of mask x (table - run) writes."""
+        input over a chunk: sum over tables and senders of mask x (table - run) writes. A sparse
+        mask (one edge a variant: exact patching) builds the writes of its few (variant,
+        sender, receiver) terms alone."""
         g, senders, _ = self.plan[key]
-        run = self._states()
         n = x.shape[0] // self.variants
         v0, v1 = rows.start // n, rows.stop // n
         dtype = torch.promote_types(x.dtype, torch.float32)
-        own = writes(self.parts, run, senders, rows, positions, dtype)
-        own = own.reshape(v1 - v0, n, *own.shape[1:])
-        total = 0
+        run = self._states()
+        t, d = x[:1, positions].shape[1], x.shape[-1]
+        total = torch.zeros(v1 - v0, len(active), n, t, d, dtype=dtype, device=x.device)
+        picked = torch.as_tensor(senders), torch.as_tensor(g.receivers.start + active)
+        own = None
         for table in self.tables:
-            picked = torch.as_tensor(senders), torch.as_tensor(g.receivers.start + active)
-            mask = table.mask[v0:v1][:, picked[0]][:, :, picked[1]].to(own)
-            if not bool(mask.any()):
+            mask = table.mask[v0:v1][:, picked[0]][:, :, picked[1]].to(x.device, dtype)
+            terms = mask.nonzero().tolist()
+            if not terms:
                 continue
-            theirs = writes(self.parts, table.states, senders, slice(None), positions, dtype)
-            total = total + torch.einsum("bntsd,bsr->bntrd", theirs[None] - own, mask)
-        if isinstance(total, int):
-            return torch.zeros(
-                *x[rows, positions].shape[:2],
-                len(active),
-                x.shape[-1],
-                dtype=dtype,
-                device=x.device,
-            )
-        return total.reshape(-1, *total.shape[2:])
+            if 8 * len(terms) >= mask.numel():  # dense: every sender's write, one product
+                if own is None:
+                    own = writes(self.parts, run, senders, rows, positions, dtype)
+                    own = own.reshape(v1 - v0, n, *own.shape[1:])  # (b, n, t, senders, D)
+                theirs = writes(self.parts, table.states, senders, slice(None), positions, dtype)
+                total += torch.einsum("bntsd,bsr->brntd", theirs[None] - own, mask)
+                continue
+            theirs, mine = {}, {}
+            for b, s, r in terms:
+                if s not in theirs:
+                    w = writes(
+                        self.parts, table.states, senders[s : s + 1], slice(None), positions, dtype
+                    )
+                    theirs[s] = w[:, :, 0]
+                if (b, s) not in mine:
+                    at = slice(rows.start + b * n, rows.start + (b + 1) * n)
+                    mine[b, s] = writes(self.parts, run, senders[s : s + 1], at, positions, dtype)[
+                        :, :, 0
+                    ]
+                total[b, r] += mask[b, s, r] * (theirs[s] - mine[b, s])
+        return total.permute(0, 2, 3, 1, 4).reshape(-1, t, len(active), d)
 
     def _chunks(self, x: torch.Tensor, key, receivers: int):
         g, senders, _ = self.plan[key]
@@ -128,32 +142,48 @@ class Rewriter:
     def _keep(self, layer: int):
         def hook(module, args):
             self.attn_in[layer] = args[0]
+            self.values.pop(layer, None)
 
         return hook
 
-    def _projection(self, layer: int, proj):
+    def _attention_values(self, layer: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per projection of the layer: the output columns of its rewritten receivers and their
+        values (rows, T, columns), each receiver's from its own rewritten input through the norm
+        and its rows of the projection; computed once for the layer's projections."""
         key = ("attn", layer)
         _, _, active = self.plan[key]
-        position = {int(r): i for i, r in enumerate(proj.receivers)}
-        mine = np.array([r for r in active if int(r) in position], dtype=np.int64)
-
-        def hook(module, args, output):
-            if not len(mine):
-                return None
-            x = self.attn_in[layer]
-            norm = self.parts.layers[layer].attn_norm
-            w, b = proj.weight()
-            cols = proj.columns[[position[int(r)] for r in mine]].to(x.device)
-            out = output.clone()
-            for rows, positions in self._chunks(x, key, len(mine)):
-                add = self.added(key, x, mine, rows, positions)
-                rewritten = x[rows, positions][:, :, None].to(add.dtype) + add
-                y = norm.forward(rewritten.to(x.dtype))
-                values = torch.einsum("ntrd,rkd->ntrk", y.to(w.dtype), w[cols])
+        x = self.attn_in[layer]
+        norm = self.parts.layers[layer].attn_norm
+        per = []
+        for p, proj in enumerate(self.parts.layers[layer].projections):
+            at = {int(r): i for i, r in enumerate(proj.receivers)}
+            which = [i for i, r in enumerate(active) if int(r) in at]
+            if which:
+                cols = proj.columns[[at[int(active[i])] for i in which]].to(x.device)
+                per.append((p, torch.as_tensor(which, device=x.device), cols, *proj.weight()))
+        out = {
+            p: (cols.reshape(-1), x.new_empty(*x.shape[:2], cols.numel()))
+            for p, _, cols, _, _ in per
+        }
+        for rows, positions in self._chunks(x, key, len(active)):
+            add = self.added(key, x, active, rows, positions)
+            y = norm.forward((x[rows, positions][:, :, None].to(add.dtype) + add).to(x.dtype))
+            for p, which, cols, w, b in per:
+                values = torch.einsum("ntrd,rkd->ntrk", y[:, :, which].to(w.dtype), w[cols])
                 if b is not None:
                     values = values + b[cols]
-                part = out[rows, positions]  # a view: assigning into it writes `out`
-                part[:, :, cols.reshape(-1)] = values.reshape(*values.shape[:2], -1).to(out.dtype)
+                out[p][1][rows, positions] = values.reshape(*values.shape[:2], -1).to(x.dtype)
+        return out
+
+    def _projection(self, layer: int, p: int):
+        def hook(module, args, output):
+            if layer not in self.values:
+                self.values[layer] = self._attention_values(layer)
+            if p not in self.values[layer]:
+                return None
+            cols, values = self.values[layer][p]
+            out = output.clone()
+            out[..., cols] = values.to(out.dtype)
             return out
 
         return hook

@@ -51,7 +51,7 @@ class BatchContext:
         if sums is not None:
             sums.verify(recorder)
             self.parts.checked = True
-        logits = self.metric.logits(out, self.batch.tokens)
+        logits = self.batch.logits(self.metric, out)
         self.set_clean(recorder.states(), logits)
 
     @property
@@ -75,7 +75,7 @@ class BatchContext:
 
     def score(self, output) -> torch.Tensor:
         """The metric per sample of a run's output, against the clean reference."""
-        logits = self.metric.logits(output, self.batch.tokens)
+        logits = self.batch.logits(self.metric, output)
         reference = self.reference if self._clean is not None else logits.detach()
         return self.metric(logits, reference, self.batch.side)
 

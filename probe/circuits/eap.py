@@ -41,7 +41,7 @@ def eap(ctx: BatchContext, budget: int = CHUNK_BYTES) -> torch.Tensor:
     logits = {}
 
     def score(output):
-        logits["clean"] = ctx.metric.logits(output, ctx.batch.tokens)
+        logits["clean"] = ctx.batch.logits(ctx.metric, output)
         return ctx.metric(logits["clean"], logits["clean"].detach(), ctx.batch.side)
 
     states, grads, _ = gradient_run(ctx.parts, ctx.batch.clean, score)

@@ -7,6 +7,7 @@ sample, from patched forwards (probe.circuits.ablate).
 - `exact_nodes`: one per sender, every edge out of it replaced (the node's total effect).
 - `evaluate`: the metric with every edge outside a circuit ablated (the circuit's own edges
   read the run's values), one variant per circuit.
+- `evaluate_dataset`: `evaluate` averaged over a dataset of pairs.
 - `path_patch`: a sender's effect through a named set of receivers only: each named receiver
   reads the sender's ablated value and every other sender frozen at its clean value; nothing
   else reads the sender's change; downstream of the receivers everything is recomputed.
@@ -20,6 +21,7 @@ import torch
 from probe.circuits.ablate import Table, edge_masks, kept_masks, node_masks, rewritten
 from probe.circuits.context import BatchContext
 from probe.circuits.gradients import CHUNK_BYTES
+from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.errors import ConfigError
 
 PER_FORWARD = 16
@@ -30,7 +32,7 @@ def _variants(ctx: BatchContext, masks: torch.Tensor, tables_of, budget: int) ->
     batch = ctx.batch
     inputs, tokens, side = batch.repeated(len(masks))
     output = rewritten(ctx.parts, inputs, tables_of(masks), len(masks), budget)
-    logits = ctx.metric.logits(output, tokens)
+    logits = ctx.metric.logits(output, tokens, batch.kept)
     reference = ctx.reference.repeat(len(masks), 1)
     return ctx.metric(logits, reference, side).reshape(len(masks), batch.size)
 
@@ -127,5 +129,28 @@ def path_patch(
     tables = [Table(ctx.sources, own.to(device)), Table(ctx.clean_states, frozen.to(device))]
     batch = ctx.batch
     output = rewritten(ctx.parts, batch.clean, tables, 1, budget)
-    values = ctx.metric(ctx.metric.logits(output, batch.tokens), ctx.reference, batch.side)
+    values = ctx.metric(batch.logits(ctx.metric, output), ctx.reference, batch.side)
     return values - ctx.clean_metric
+
+
+def evaluate_dataset(
+    parts,
+    batches,
+    keep: np.ndarray,
+    metric=None,
+    ablation=None,
+    per_forward: int = PER_FORWARD,
+    budget: int = CHUNK_BYTES,
+) -> np.ndarray:
+    """(circuits,) each circuit's metric averaged over every pair of `batches` (dataset=pairs
+    batches), every edge outside it ablated: `evaluate` summed over batches in float64."""
+    metric, ablation = metric or AnswerMetric(), ablation or Ablation()
+    total, count = 0.0, 0
+    for batch in batches:
+        ctx = BatchContext(parts, pair_batch(parts.model, batch, metric), metric, ablation)
+        ctx.check()
+        total = total + evaluate(ctx, keep, per_forward, budget).double().sum(1).cpu().numpy()
+        count += ctx.batch.size
+    if not count:
+        raise ConfigError("circuits: no pairs to evaluate the circuit on")
+    return total / count

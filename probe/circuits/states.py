@@ -76,11 +76,10 @@ def writes(
     """(n, t, len(senders), D) writes of the chosen senders (graph indices, ascending) over
     `rows` and `positions` of `states`."""
     graph = parts.graph
-    pieces, order = [], []
+    pieces = []
     senders = np.asarray(senders)
     if (senders == 0).any():
         pieces.append(_at(states.input, rows, positions).to(dtype)[:, :, None])
-        order.append(0)
     for layer in range(graph.layers):
         first = graph.head(layer, 0)
         mine = senders[(senders >= first) & (senders < first + graph.heads)] - first
@@ -89,17 +88,15 @@ def writes(
             z = z.reshape(*z.shape[:2], graph.heads, parts.head_dim)[:, :, mine]
             w = parts.head_weights(layer, dtype)[mine].to(z.device)
             pieces.append(torch.einsum("nthk,hkd->nthd", z, w))
-            order += list(mine + first)
         if (senders == graph.mlp(layer)).any():
             pieces.append(_at(states.mlp[layer], rows, positions).to(dtype)[:, :, None])
-            order.append(graph.mlp(layer))
     if not pieces:
         raise ValueError("writes: no sender chosen")
+    if len(pieces) == 1:
+        return pieces[0]
     n = max(p.shape[0] for p in pieces)
     t = max(p.shape[1] for p in pieces)
-    out = torch.cat([p.expand(n, t, *p.shape[2:]) for p in pieces], 2)
-    assert order == sorted(order)  # internal: senders come in graph order
-    return out
+    return torch.cat([p.expand(n, t, *p.shape[2:]) for p in pieces], 2)
 
 
 class Recorder:

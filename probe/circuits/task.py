@@ -12,6 +12,7 @@ given as tensors) and `zero`.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from probe.intervene.metrics import METRICS, NEEDS, at_position, value
 from probe.layout import TokenBatch
 
 ABLATIONS = ("counterfactual", "mean", "zero")
+KEEP = "logits_to_keep"  # transformers' causal LMs: the positions to compute logits at
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,28 @@ class AnswerMetric:
                 f"circuit.metric={self.name!r} is unknown; choose from {', '.join(METRICS)}"
             )
 
-    def logits(self, output, tokens: TokenBatch | None) -> torch.Tensor:
-        """(N, V) float64 logits at the metric's position."""
-        return at_position(first_output(output), tokens, self.position)
+    def index(self, tokens: TokenBatch, n: int) -> torch.Tensor:
+        """(N,) each sample's position the metric reads."""
+        t = tokens.length
+        last = tokens.last.cpu()
+        p = self.position
+        index = last if p is None else (last + 1 + p if p < 0 else torch.full_like(last, p))
+        if bool(((index < 0) | (index >= t)).any()):
+            raise ConfigError(
+                f"circuit.position={p} is outside the {t} tokens of a sample; give a position in "
+                f"[-{t}, {t}) or leave it unset for the last real token"
+            )
+        return index
+
+    def logits(self, output, tokens: TokenBatch, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, V) float64 logits at the metric's position; `kept`: the positions a model gave
+        logits for (transformers' logits_to_keep), in order."""
+        out = first_output(output)
+        if kept is None or out.ndim != 3 or out.shape[1] != len(kept):
+            return at_position(out, tokens, self.position)
+        index = self.index(tokens, len(out))
+        column = torch.searchsorted(kept.cpu(), index).to(out.device)
+        return out[torch.arange(len(out), device=out.device), column].double()
 
     def __call__(self, logits: torch.Tensor, reference: torch.Tensor, side: dict) -> torch.Tensor:
         """(N,) the metric of (N, V) logits at the position; `reference` the clean run's."""
@@ -77,6 +98,11 @@ class PairBatch:
     corrupt: dict
     tokens: TokenBatch
     side: dict
+    kept: torch.Tensor | None = None  # the positions the model is asked logits for
+
+    def logits(self, metric: AnswerMetric, output) -> torch.Tensor:
+        """(N, V) float64 logits at the metric's position of a run's output."""
+        return metric.logits(output, self.tokens, self.kept)
 
     @property
     def size(self) -> int:
@@ -84,7 +110,10 @@ class PairBatch:
 
     def repeated(self, times: int) -> tuple[dict, TokenBatch, dict]:
         """The clean inputs, layout and answers repeated `times` (variant-major rows)."""
-        clean = {k: v.repeat(times, *([1] * (v.ndim - 1))) for k, v in self.clean.items()}
+        clean = {
+            k: v if k == KEEP else v.repeat(times, *([1] * (v.ndim - 1)))
+            for k, v in self.clean.items()
+        }
         side = {k: v.repeat(times, *([1] * (v.ndim - 1))) for k, v in self.side.items()}
         return clean, TokenBatch.of(clean["input_ids"], clean.get("attention_mask")), side
 
@@ -119,4 +148,15 @@ def pair_batch(model, batch: dict, metric: AnswerMetric, device=None) -> PairBat
         if batch.get(k) is not None
     }
     tokens = TokenBatch.of(clean["input_ids"], clean.get("attention_mask"))
-    return PairBatch(clean, corrupt, tokens, side)
+    kept = None
+    if KEEP in _parameters(model):  # logits at the metric's positions alone
+        kept = metric.index(tokens, len(clean["input_ids"])).unique().to(device)
+        clean[KEEP] = corrupt[KEEP] = kept
+    return PairBatch(clean, corrupt, tokens, side, kept)
+
+
+def _parameters(model) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()

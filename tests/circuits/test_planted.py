@@ -11,7 +11,7 @@ import torch
 
 from probe.circuits.context import BatchContext
 from probe.circuits.parts import parts_of
-from probe.circuits.patching import evaluate
+from probe.circuits.patching import evaluate, evaluate_dataset
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from tests.circuits.toy import Toy, overrides
@@ -86,3 +86,5 @@ def test_the_top_edges_are_the_planted_route_and_the_circuit_is_faithful():
     clean = ctx.clean_metric.mean().item()
     assert clean > 0.1
     np.testing.assert_allclose(got, [clean, clean, corrupt.item()], rtol=1e-5, atol=1e-6)
+    halves = [{k: v[i : i + 3] for k, v in pairs.items()} for i in (0, 3)]
+    np.testing.assert_allclose(evaluate_dataset(parts, halves, keep), got, rtol=1e-6)
