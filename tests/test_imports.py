@@ -15,8 +15,8 @@ from pathlib import Path
 import probe
 
 STAGES = [
-    "models", "data", "hooks", "stats", "store", "attribute", "intervene", "read", "analysis",
-    "report", "launch", "train",
+    "models", "data", "hooks", "stats", "store", "attribute", "intervene", "circuits", "read",
+    "analysis", "report", "launch", "train",
 ]  # fmt: skip
 CORE = {
     "probe.config",

@@ -6,6 +6,14 @@ unembedding: known once per HuggingFace family, exposed as layer aliases beside 
 `@heads` (the same modules, for sites split per head), `@mlp_out` (each block's MLP, whose output
 is its write), `@final_norm` and `@unembed`. A family it does not know is an error that names the
 aliases it could not resolve and `model.anatomy.*`, which sets them by hand.
+
+For the graph of a model's components (probe.circuits) it also knows where each block reads the
+residual stream: the norm before the attention (`attn_norm`) and before the MLP (`mlp_norm`), the
+projections that make the queries, keys and values from the normed residual (`qkv`: three
+modules, or one fused module whose columns `qkv_layout` describes: `fused` is GPT-2's
+[all queries | all keys | all values], `per_head` GPT-NeoX's [head 0: q k v | head 1: ...]),
+the key/value heads of grouped-query attention (`kv_heads`), the head width (`head_dim`) and
+whether attention and MLP read the same residual (`parallel`, GPT-NeoX's parallel residual).
 """
 
 from __future__ import annotations
@@ -20,11 +28,15 @@ ALIASES = ("@attn", "@attn_out", "@heads", "@mlp_out", "@final_norm", "@unembed"
 LLAMA = {
     "attn": "self_attn", "attn_out": "self_attn.o_proj", "mlp_out": "mlp", "final_norm": ["model.norm", "norm"],
     "unembed": ["lm_head"], "embed": ["model.embed_tokens", "embed_tokens"],
+    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+    "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "qkv_layout": "split",
 }  # fmt: skip
+QKV_LAYOUTS = ("split", "fused", "per_head")
 FAMILIES = {  # per model_type: module suffixes below each block, and top-level candidates
     "gpt2": {
         "attn": "attn", "attn_out": "attn.c_proj", "mlp_out": "mlp", "final_norm": ["transformer.ln_f", "ln_f"],
         "unembed": ["lm_head"], "embed": ["transformer.wte", "transformer.wpe", "wte", "wpe"],
+        "attn_norm": "ln_1", "mlp_norm": "ln_2", "qkv": "attn.c_attn", "qkv_layout": "fused",
     },
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
     "gpt_neox": {
@@ -32,6 +44,9 @@ FAMILIES = {  # per model_type: module suffixes below each block, and top-level 
         "final_norm": ["gpt_neox.final_layer_norm", "final_layer_norm"],
         "unembed": ["embed_out", "lm_head"],
         "embed": ["gpt_neox.embed_in", "embed_in"],
+        "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+        "qkv": "attention.query_key_value", "qkv_layout": "per_head",
+        "parallel": "use_parallel_residual",  # a config attribute: GPT-NeoX's parallel residual
     },
     "bert": {  # post-norm: each block normalises its residual; the MLM head is norm + decoder
         "attn": "attention.self", "attn_out": "attention.output.dense", "mlp_out": "output.dense",
@@ -40,6 +55,7 @@ FAMILIES = {  # per model_type: module suffixes below each block, and top-level 
     },
 }  # fmt: skip
 HEADS = ("n_head", "num_attention_heads")
+KV_HEADS = ("num_key_value_heads", "n_head_kv", "multi_query_group_num")
 
 
 @dataclass
@@ -54,6 +70,13 @@ class Anatomy:
     embed: list[str] = field(default_factory=list)
     heads: int | None = None
     post_norm: bool = False  # the residual is normalised inside each block (BERT)
+    attn_norm: list[str] = field(default_factory=list)  # each block's norm before the attention
+    mlp_norm: list[str] = field(default_factory=list)  # each block's norm before the MLP
+    qkv: list[tuple[str, ...]] = field(default_factory=list)  # per block: (q, k, v) or (fused,)
+    qkv_layout: str | None = None  # split | fused | per_head (see the module's docstring)
+    kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
+    head_dim: int | None = None
+    parallel: bool = False  # attention and MLP read the same residual (GPT-NeoX)
 
     def alias(self, name: str) -> list[str]:
         return {
@@ -90,11 +113,39 @@ def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) 
         value = known.get(key)
         setattr(out, key, _first(modules, [value] if isinstance(value, str) else value or []))
     out.embed = [n for n in known.get("embed", []) if n in modules]
-    heads = known.get("heads") or next(
-        (getattr(config, k) for k in HEADS if isinstance(getattr(config, k, None), int)), None
-    )
+    heads = known.get("heads") or _config_int(config, HEADS)
     out.heads = int(heads) if heads else None
+    _reading(out, known, config, modules)
     return out
+
+
+def _config_int(config, keys) -> int | None:
+    return next(
+        (getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None
+    )
+
+
+def _reading(out: Anatomy, known: dict, config, modules: dict) -> None:
+    """Where each block reads the residual stream (norms, q/k/v projections), the key/value
+    heads, the head width and the parallel residual; names that are absent are left out."""
+    for key in ("attn_norm", "mlp_norm"):
+        suffix = known.get(key)
+        if suffix:
+            setattr(out, key, [n for b in out.blocks if (n := f"{b}.{suffix}") in modules])
+    qkv = known.get("qkv")
+    if qkv:
+        suffixes = (qkv,) if isinstance(qkv, str) else tuple(qkv)
+        per_block = [tuple(f"{b}.{s}" for s in suffixes) for b in out.blocks]
+        out.qkv = [names for names in per_block if all(n in modules for n in names)]
+    out.qkv_layout = known.get("qkv_layout") or (
+        "split" if qkv and not isinstance(qkv, str) and len(qkv) == 3 else None
+    )
+    kv = known.get("kv_heads") or _config_int(config, KV_HEADS)
+    out.kv_heads = int(kv) if kv else out.heads
+    dim = known.get("head_dim") or _config_int(config, ("head_dim",))
+    out.head_dim = int(dim) if dim else None
+    parallel = known.get("parallel", False)
+    out.parallel = bool(getattr(config, parallel, False) if isinstance(parallel, str) else parallel)
 
 
 def resolve(model: nn.Module, blocks: list[str], pattern: str, label: str, overrides=None):

@@ -1,0 +1,173 @@
+"""Edge and node scores over a dataset of pairs: every method on the same batches, accumulated
+as float64 sums, sums of squares and counts, so batches, runs and ranks merge exactly.
+
+    parts = parts_of(model)
+    scores = attribute(parts, loader, methods=["eap", "exact"], metric=AnswerMetric("logit_diff"))
+    scores["eap"].edges        # (E,) mean score per edge, in parts.graph.edges order
+    scores["eap"].nodes        # (S,) per sender: its total effect
+    scores["eap"].top(20)      # [(edge name, score)] by absolute score
+
+A score is the metric's change when the edge is ablated (estimated by the gradient methods, by
+a patched forward for `exact`), averaged over pairs: negative for an edge the answer needs. A
+node's score is the sum of its out-edges' scores for the gradient methods (exactly the gradient
+with respect to its write: every path out of a sender starts at one of its edges) and its own
+patched forward for `exact`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from probe.circuits import eap as gradient
+from probe.circuits.context import BatchContext
+from probe.circuits.gradients import CHUNK_BYTES
+from probe.circuits.graph import Graph
+from probe.circuits.parts import Parts
+from probe.circuits.patching import PER_FORWARD, check_exact, exact_edges, exact_nodes
+from probe.circuits.task import Ablation, AnswerMetric, pair_batch
+from probe.errors import ConfigError
+
+METHODS = ("eap", "eap_ig_inputs", "eap_ig_activations", "exact")
+STEPS = 5
+
+
+@dataclass
+class EdgeScores:
+    """One method's scores: per edge and per sender, sums and sums of squares over samples (of
+    each sample's score) and the number of samples."""
+
+    graph: Graph
+    method: str
+    edge_sum: np.ndarray = field(default=None)
+    edge_sumsq: np.ndarray = field(default=None)
+    node_sum: np.ndarray = field(default=None)
+    node_sumsq: np.ndarray = field(default=None)
+    count: int = 0
+
+    def __post_init__(self):
+        e, s = self.graph.n_edges, self.graph.n_senders
+        for name, size in (("edge_sum", e), ("edge_sumsq", e), ("node_sum", s), ("node_sumsq", s)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(size))
+
+    def add(self, edges: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Add per-sample scores: edges (N, E), nodes (N, S)."""
+        e, n = edges.double(), nodes.double()
+        self.edge_sum += e.sum(0).cpu().numpy()
+        self.edge_sumsq += e.square().sum(0).cpu().numpy()
+        self.node_sum += n.sum(0).cpu().numpy()
+        self.node_sumsq += n.square().sum(0).cpu().numpy()
+        self.count += len(e)
+
+    def merge(self, other: EdgeScores) -> EdgeScores:
+        """The scores of both sets of samples (same graph and method)."""
+        if other.graph != self.graph or other.method != self.method:
+            raise ConfigError(
+                f"circuits: cannot merge {other.method} scores of another graph into {self.method}'s"
+            )
+        return EdgeScores(
+            self.graph, self.method, self.edge_sum + other.edge_sum,
+            self.edge_sumsq + other.edge_sumsq, self.node_sum + other.node_sum,
+            self.node_sumsq + other.node_sumsq, self.count + other.count,
+        )  # fmt: skip
+
+    @property
+    def edges(self) -> np.ndarray:
+        """(E,) the mean score of each edge."""
+        return self.edge_sum / max(self.count, 1)
+
+    @property
+    def nodes(self) -> np.ndarray:
+        """(S,) the mean score of each sender."""
+        return self.node_sum / max(self.count, 1)
+
+    @property
+    def edge_std(self) -> np.ndarray:
+        """(E,) the standard deviation of the per-sample scores."""
+        mean = self.edges
+        return np.sqrt(np.maximum(self.edge_sumsq / max(self.count, 1) - mean**2, 0))
+
+    def top(self, k: int, absolute: bool = True) -> list[tuple[str, float]]:
+        """The k edges of largest score (by magnitude, or most negative first when not
+        `absolute`: the edges whose ablation lowers the metric most), ties by edge order."""
+        key = -np.abs(self.edges) if absolute else self.edges
+        order = np.argsort(key, kind="stable")[:k]
+        names = self.graph.edges
+        return [(names[i], float(self.edges[i])) for i in order]
+
+
+def node_sums(graph: Graph, edges: torch.Tensor) -> torch.Tensor:
+    """(N, S) per-sample sums of each sender's out-edges' scores."""
+    out = torch.zeros(len(edges), graph.n_senders, dtype=edges.dtype, device=edges.device)
+    index = torch.as_tensor(graph.edge_sender, device=edges.device)
+    return out.index_add_(1, index, edges)
+
+
+def check_methods(methods: Sequence[str], ablation: Ablation) -> list[str]:
+    methods = [methods] if isinstance(methods, str) else list(methods)
+    for m in methods:
+        if m not in METHODS:
+            raise ConfigError(f"circuit.method={m!r} is unknown; choose from {', '.join(METHODS)}")
+    if "eap_ig_inputs" in methods and ablation.kind != "counterfactual":
+        raise ConfigError(
+            "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
+            f"it needs circuit.ablation=counterfactual (got {ablation.kind}); use "
+            "eap_ig_activations for mean or zero ablation"
+        )
+    return sorted(dict.fromkeys(methods), key=METHODS.index)  # eap's clean run serves the rest
+
+
+def score_batch(
+    ctx: BatchContext,
+    method: str,
+    steps: int = STEPS,
+    max_exact: int | None = None,
+    per_forward: int = PER_FORWARD,
+    budget: int = CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One method's per-sample (edges (N, E), nodes (N, S)) scores on one batch."""
+    graph = ctx.parts.graph
+    if method == "exact":
+        check_exact(graph.n_edges, max_exact)
+        edges = exact_edges(ctx, per_forward=per_forward, budget=budget)
+        return edges, exact_nodes(ctx, per_forward, budget)
+    if method == "eap":
+        edges = gradient.eap(ctx, budget)
+    elif method == "eap_ig_inputs":
+        edges = gradient.eap_ig_inputs(ctx, steps, budget)
+    else:
+        edges = gradient.eap_ig_activations(ctx, steps, budget)
+    return edges, node_sums(graph, edges)
+
+
+def attribute(
+    parts: Parts,
+    batches: Iterable[dict],
+    methods: Sequence[str] = ("eap",),
+    metric: AnswerMetric | None = None,
+    ablation: Ablation | None = None,
+    steps: int = STEPS,
+    max_exact: int | None = None,
+    per_forward: int = PER_FORWARD,
+    budget: int = CHUNK_BYTES,
+) -> dict[str, EdgeScores]:
+    """Each method's scores over `batches` (dataset=pairs batches: input_ids, corrupt_ids,
+    attention_mask, answer, wrong). `steps`: the integrated-gradient methods' steps;
+    `max_exact`: refuse `exact` over more edges; `per_forward`: exact variants per forward;
+    `budget`: bytes of a chunk of writes and gradients."""
+    metric = metric or AnswerMetric()
+    ablation = ablation or Ablation()
+    methods = check_methods(methods, ablation)
+    if "exact" in methods:
+        check_exact(parts.graph.n_edges, max_exact)
+    out = {m: EdgeScores(parts.graph, m) for m in methods}
+    for batch in batches:
+        ctx = BatchContext(parts, pair_batch(parts.model, batch, metric), metric, ablation)
+        ctx.check()  # the first batch's clean run checks the residual sum
+        for m in methods:
+            out[m].add(*score_batch(ctx, m, steps, max_exact, per_forward, budget))
+    return out

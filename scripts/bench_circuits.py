@@ -1,0 +1,215 @@
+"""Benchmark: EAP edge scores over every edge of the GPT-2-shaped model of the token benchmarks
+(6 layers, width 256, 4 heads, vocab 5000: 1,108 edges), against a plain forward + backward of
+the same batch and against the exact edge loop on the same pairs, and its peak memory.
+
+    python scripts/bench_circuits.py                       # 16 pairs x 32 tokens a batch
+    python scripts/bench_circuits.py --rounds 5 --threads 1 --out docs/bench_circuits.md
+
+- time per batch: probe.circuits' `eap` (the corrupt forward, the clean forward with gradients,
+  one backward to the receivers, the products with the senders' writes) over a plain forward +
+  backward of the model (the logit difference's gradient to every parameter); target <= 3x.
+- edges x pairs per second: `eap` against `exact` (one patched forward per edge, variants of
+  16 edges a forward; timed on --exact-edges edges, its cost being linear in the edges); target
+  >= 100x.
+- peak memory above the loaded model (CUDA: allocated; CPU: the resident set, glibc told to
+  hand freed blocks back), each in a fresh process: a plain forward + backward of one batch;
+  `eap` over 1, 2 and 8 batches (flat in the pairs); `eap` on one batch with 1 MiB chunks
+  against the default 256 MiB; beside the size of every sender's write at every position of a
+  batch (the tensor the chunks never build).
+Interleaved rounds after a warm-up; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import bench_common as bc  # first: it puts the repository root on sys.path
+
+EAP_TARGET, EXACT_TARGET = 3.0, 100.0  # eap <= 3x forward + backward; >= 100x the exact loop
+
+
+def parse_args(argv=None):
+    p = bc.token_parser(__doc__, rounds=3)
+    p.add_argument("--pairs", type=int, default=16, help="pairs a batch (default 16)")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--exact-edges", type=int, default=64, help="edges the exact loop is timed on")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # BATCHES,BUDGET: one peak
+    return p.parse_args(argv)
+
+
+def assets(args, device):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=bc.LAYERS, n_embd=bc.WIDTH, n_head=bc.HEADS, vocab_size=bc.VOCAB,
+                        n_positions=max(32, args.seq_len))  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        model = GPT2LMHeadModel(config).eval().to(device)
+    g = torch.Generator().manual_seed(args.seed + 1)
+
+    def batch():
+        n, t = args.pairs, args.seq_len
+        clean = torch.randint(0, bc.VOCAB, (n, t), generator=g)
+        corrupt = clean.clone()
+        corrupt[:, : t // 2 : 3] = torch.randint(
+            0, bc.VOCAB, (n, len(range(0, t // 2, 3))), generator=g
+        )
+        return {"input_ids": clean, "corrupt_ids": corrupt, "attention_mask": torch.ones_like(clean),
+                "answer": torch.randint(0, bc.VOCAB, (n, 1), generator=g),
+                "wrong": torch.randint(0, bc.VOCAB, (n, 1), generator=g)}  # fmt: skip
+
+    return model, [batch() for _ in range(8)]
+
+
+def forward_backward(model, batch, device) -> None:
+    """The floor: the logit difference at the last position (its logits alone computed, as
+    probe asks for them), its gradient to every parameter."""
+    import torch
+
+    ids = batch["input_ids"].to(device)
+    logits = model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+    rows = torch.arange(len(ids), device=device)
+    answer, wrong = batch["answer"][:, 0].to(device), batch["wrong"][:, 0].to(device)
+    (logits[rows, answer] - logits[rows, wrong]).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def peak_mb(fn, device) -> float:
+    """Peak memory of fn() (after one call for the one-off costs) above what was held before,
+    in MB (CUDA: allocated bytes; CPU: the resident set, VmHWM after a reset)."""
+    import gc
+
+    import torch
+
+    fn()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = bc.status_mb("VmRSS") or 0.0
+        bc.reset_peak()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return bc.peak_rss_mb() - before
+
+
+def child(args, model, parts, batches, device) -> int:
+    """One peak in this fresh process, `--child BATCHES,BUDGET`: eap over that many batches with
+    that chunk budget, or (0 batches) the plain forward + backward of one."""
+    from probe.circuits.scores import attribute
+
+    count, budget = (int(v) for v in args.child.split(","))
+    if count == 0:
+        fn = lambda: forward_backward(model, batches[0], device)  # noqa: E731
+    else:
+        fn = lambda: attribute(parts, batches[:count], ["eap"], budget=budget)  # noqa: E731
+    print(json.dumps({"peak": peak_mb(fn, device)}))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import time
+
+    import numpy as np
+    import torch
+
+    from probe.circuits.context import BatchContext
+    from probe.circuits.gradients import CHUNK_BYTES
+    from probe.circuits.parts import parts_of
+    from probe.circuits.patching import exact_edges
+    from probe.circuits.scores import attribute
+    from probe.circuits.task import Ablation, AnswerMetric, pair_batch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, batches = assets(args, device)
+    parts = parts_of(model)
+    if args.child:
+        return child(args, model, parts, batches, device)
+    graph = parts.graph
+    one = batches[:1]
+    metric = AnswerMetric()
+
+    def plain():
+        forward_backward(model, one[0], device)
+
+    edges = np.linspace(0, graph.n_edges - 1, args.exact_edges).astype(np.int64)
+
+    def exact():
+        ctx = BatchContext(parts, pair_batch(model, one[0], metric), metric, Ablation())
+        exact_edges(ctx, edges)
+
+    fns = {"forward+backward": plain, "eap": lambda: attribute(parts, one, ["eap"]), "exact": exact}
+    for fn in fns.values():  # warm-up
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            bc.sync_device()
+            start = time.perf_counter()
+            fn()
+            bc.sync_device()
+            times[name].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    per_round = [e / p for e, p in zip(times["eap"], times["forward+backward"], strict=True)]
+    eap_ratio = statistics.median(per_round)
+    rate = {"eap": graph.n_edges * args.pairs / med["eap"],
+            "exact": len(edges) * args.pairs / med["exact"]}  # fmt: skip
+    per_edge = [
+        (x / len(edges)) / (e / graph.n_edges)
+        for e, x in zip(times["eap"], times["exact"], strict=True)
+    ]
+    speedup = statistics.median(per_edge)  # per round, as the rates of one round compare
+    common = [__file__, f"--pairs={args.pairs}", f"--seq-len={args.seq_len}", f"--seed={args.seed}"]
+    if args.threads:
+        common.append(f"--threads={args.threads}")
+    peaks = {}
+    # glibc returns freed blocks of 64 KiB and more at once, so the resident set follows what
+    # is live (by default freed memory stays resident and a peak hides in reuse)
+    os.environ.update({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"})
+    for label, spec in (("forward+backward", "0,0"), ("eap, 1 batch", f"1,{CHUNK_BYTES}"), ("eap, 2 batches", f"2,{CHUNK_BYTES}"),
+                        ("eap, 8 batches", f"8,{CHUNK_BYTES}"),
+                        ("eap, 1 batch, 1 MiB chunks", f"1,{2**20}")):  # fmt: skip
+        got = bc.child_json([*common, f"--child={spec}"])
+        peaks[label] = got.get("peak", float("nan"))
+    dense = args.pairs * args.seq_len * graph.n_senders * bc.WIDTH * 4 / 2**20
+    rows = [
+        ["forward+backward", f"{med['forward+backward'] * 1e3:.1f}", "1.00", "-"],
+        ["eap", f"{med['eap'] * 1e3:.1f}", f"{eap_ratio:.2f}", f"{rate['eap']:,.0f}"],
+        [f"exact ({len(edges)} edges)", f"{med['exact'] * 1e3:.1f}", "-", f"{rate['exact']:,.0f}"],
+    ]
+    head = [
+        f"# bench_circuits: {graph.n_edges} edges, {args.pairs} pairs x {args.seq_len} tokens a "
+        f"batch, {device}, {torch.get_num_threads()} threads, {args.rounds} rounds",
+    ]
+    notes = [
+        f"eap per batch / forward+backward: {eap_ratio:.2f}x (target <= {EAP_TARGET:g}x): "
+        f"{'met' if eap_ratio <= EAP_TARGET else 'MISSED'}",
+        f"eap / exact, edges x pairs per second: {speedup:,.0f}x (target >= {EXACT_TARGET:g}x): "
+        f"{'met' if speedup >= EXACT_TARGET else 'MISSED'}",
+        "peak memory above the loaded model (MB, each in a fresh process): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
+        + f"; every sender's write of a batch would take {dense:.1f}",
+    ]
+    text = bc.markdown(head, ["variant", "ms a batch", "x forward+backward", "edges x pairs / s"],
+                       rows, notes)  # fmt: skip
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
