@@ -158,3 +158,21 @@ def test_the_walk_finds_a_cycle_and_an_upward_import(tmp_path):
     edges = graph(pkg)
     assert upward(edges) == ["probe.models.a imports probe.launch.b, a later stage"]
     assert cycles(edges) == [["probe.launch.b", "probe.models.a", "probe.launch.b"]]
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists each subpackage of probe/ (a package missing there imports from a
+    checkout and is absent from an installed wheel)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {
+        ".".join(p.parent.relative_to(PACKAGE.parent).parts)
+        for p in PACKAGE.rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert sorted(found - listed) == []
