@@ -80,8 +80,8 @@ def watch(
     `fail_on_nonfinite`: the first NaN or Inf stops the training (a ModelError). `seed`: the
     noise edits' seed. `overwrite`: replace a watched run already in `out`.
     `hook_optimizer=False`: the optimizer's learning rates are recorded but its steps are not
-    hooked; whatever drives the training ends each step (`before_update()`/`after_update()`
-    from a trainer's callbacks, or `w.step()`).
+    hooked; whatever drives the training calls `before_update()` right before each optimizer
+    step and `after_update()` right after it (a trainer's callbacks).
 
     In a process group (DDP, FSDP2 under torchrun) every rank makes the same watch; rank 0
     writes the one run directory (probe.train.ranks)."""
@@ -99,7 +99,7 @@ class Watch:
 
     Entry points for what drives the steps: `before_update(optimizer)` and `after_update()` (the
     optimizer's step hooks call them; a trainer's callbacks can), or `step(loss=...)` in a plain
-    loop without `optimizer=` (or with `hook_optimizer=False`)."""
+    loop without `optimizer=`."""
 
     def __init__(self, model, probes, *, out, every=1, optimizer=None, scaler=None,
                  probe_batch=None, probe_every=None, probe_stats=None, edits=None,
@@ -140,7 +140,7 @@ class Watch:
             model, watched, self.edits, self.schedule, self._record,
             fail_on_nonfinite=bool(fail_on_nonfinite), failing=self._failing,
         )  # fmt: skip
-        self.watcher.params_at_forward = not self.hook_optimizer
+        self.watcher.params_at_forward = optimizer is None
         if self.world > 1:
             self.watcher.merge_ranks = ranks.RankMerge(model, self.rank, self.world)
         groups = len(optimizer.param_groups) if optimizer is not None else 0
@@ -174,6 +174,7 @@ class Watch:
         self.resume_at: int | None = None
         self.started = self.closed = self.locked = False
         self.log_handler: logging.Handler | None = None
+        self.on_record = None  # callable(step, rows, scalars) after each recorded step is written
 
     # -- life --------------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -341,17 +342,23 @@ class Watch:
         self._end_step()
 
     def step(self, loss=None) -> None:
-        """End a training step in a loop without `optimizer=` (or with hook_optimizer=False):
-        call it after optimizer.step() and before zero_grad (it reads the gradients). `loss` (a
-        tensor or a number) goes into the file."""
+        """End a training step in a loop without `optimizer=`: call it after optimizer.step()
+        and before zero_grad (it reads the gradients). `loss` (a tensor or a number) goes into
+        the file."""
         self._check_open("w.step()")
         if self.hook_optimizer:
             raise ProbeError(
                 "w.step() ends a step of a watch without optimizer=; this one counts the steps "
                 "with the optimizer's step hooks. Give the loss with w.loss(loss) instead"
             )
+        if self.optimizer is not None:
+            raise ProbeError(
+                "w.step() ends a step of a watch without optimizer=; with hook_optimizer=False "
+                "call w.before_update() right before optimizer.step() and w.after_update() "
+                "right after it"
+            )
         self.watcher.add_loss(loss)
-        self.watcher.take_grads(self.optimizer)
+        self.watcher.take_grads(None)
         self.watcher.take_updates()
         self._end_step()
 
@@ -385,6 +392,8 @@ class Watch:
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
         values = [scalars.get(c, math.nan) for c in self.scalar_columns]
         self.file.append(step, rows, values)
+        if self.on_record is not None:
+            self.on_record(step, rows, scalars)
         said = ", ".join(f"{k} {scalars[k]:.6g}" for k in ("loss", "grad_norm") if k in scalars)
         self._note(f"step {step}: {len(rows)} sites recorded{'; ' + said if said else ''}")
 
