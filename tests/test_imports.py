@@ -16,7 +16,7 @@ import probe
 
 STAGES = [
     "models", "data", "hooks", "stats", "store", "attribute", "intervene", "read", "analysis",
-    "report", "launch", "train",
+    "report", "launch", "train", "integrations",
 ]  # fmt: skip
 CORE = {
     "probe.config",
