@@ -78,7 +78,8 @@ def trainer_for(out, model, opt, **callback):
         disable_tqdm=True, seed=0,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=samples(), optimizers=(opt, None))
-    trainer.model_accepts_loss_kwargs = False  # its loss is then the model's mean, as the loop's (not sum / tokens)
+    # the model's own mean loss, as the loop's (not the Trainer's sum over its token count)
+    trainer.model_accepts_loss_kwargs = False
     return trainer
 
 
