@@ -41,15 +41,6 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module a DistributedDataParallel wrapper trains (its names are the model's own)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
-
-
 def check_model(model: nn.Module, specs) -> None:
     """Parameter sites need the model's own parameters: the FullyShardedDataParallel wrapper
     (FSDP1) replaces them by flat shards, so it is refused there."""

@@ -41,7 +41,7 @@ from probe.train import ranks
 from probe.train.probe_batch import FOLDER, ProbeBatch
 from probe.train.schedule import Schedule
 from probe.train.sites import resolve
-from probe.train.watcher import Watcher
+from probe.train.watcher import COMPILED_WAY_OUT, Watcher
 
 log = logging.getLogger("probe")
 STATE_VERSION = 1
@@ -107,7 +107,7 @@ class Watch:
                  hook_optimizer=True):  # fmt: skip
         if not isinstance(model, nn.Module):
             raise ConfigError(f"probe.watch takes an nn.Module, not a {type(model).__name__}")
-        model = ranks.unwrap(model)
+        model = trained_module(model)
         self.rank, self.world = ranks.rank_and_world()
         self.writes = self.rank == 0  # (rank 0 alone writes the run directory)
         self.model, self.out = model, Path(out)
@@ -431,6 +431,18 @@ class Watch:
         self.resume_at = int(state["step"])
         self.watcher.begin(self.resume_at)
         self.watcher.rows_seen = int(state.get("rows_seen", 0))
+
+
+def trained_module(model: nn.Module) -> nn.Module:
+    """The module a DistributedDataParallel wrapper trains (its names are the model's own); a
+    torch.compile'd model is refused (its compiled code skips hooks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise ConfigError(f"probe.watch got a torch.compile'd model. {COMPILED_WAY_OUT}")
+    return model
 
 
 def _grad_edits(model: nn.Module, edits, seed: int) -> list:

@@ -134,17 +134,19 @@ class Watcher:
         self.grads_seen = 0  # gradient values recorded while watched
         self.params_at_forward = False  # take_params at a step's first forward (no optimizer)
         self.sharded = any(is_dtensor(p) for p in model.parameters())
+        self.needs_forwards = bool(edits) or any(w.sites for w in watched)
         self.begin(0)
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> None:
-        """Register every hook (all or none)."""
-        self.hooks.forward_pre(self.model, self._root_hook(), name="<model>", with_kwargs=True)
+        """Register every hook (all or none), each refusing to run in compiled code."""
+        root = uncompiled(self._root_hook())
+        self.hooks.forward_pre(self.model, root, name="<model>", with_kwargs=True)
         for h in self.hooked:
             if h.before:
-                self.hooks.forward_pre(h.module, self._pre_hook(h), name=h.name)
+                self.hooks.forward_pre(h.module, uncompiled(self._pre_hook(h)), name=h.name)
             if h.after:
-                self.hooks.forward(h.module, self._post_hook(h), name=h.name)
+                self.hooks.forward(h.module, uncompiled(self._post_hook(h)), name=h.name)
 
     def detach(self) -> None:
         """Remove every hook (the step's gradient hooks too)."""
@@ -308,6 +310,8 @@ class Watcher:
     def end_step(self, **scalars: float) -> None:
         """The step ends: at a recorded step its statistics (and `scalars`, e.g. grad_scale) go
         to the sink; then the next step begins."""
+        if not self.forwards and self.needs_forwards:
+            self._check_hooks_ran()
         if self.recording:
             self._check_backward()
             stats = self.stats.settle(self._check_finite)
@@ -396,6 +400,17 @@ class Watcher:
                         self.step, w.name, site, site.removeprefix("grad_"),
                     )  # fmt: skip
 
+    def _check_hooks_ran(self) -> None:
+        """A step that ends with gradients but without one forward through the hooks trained a
+        model whose compiled code runs without them (torch.compile ignores hooks added after
+        it compiled)."""
+        if any(p.grad is not None for p in self.model.parameters()):
+            raise ConfigError(
+                f"step {self.step} ended with gradients, but no forward of "
+                f"{type(self.model).__name__} passed through the watch's hooks: a model "
+                f"compiled before the watch was made runs without them. {COMPILED_WAY_OUT}"
+            )
+
     def check_close(self) -> None:
         """At the end of the watch: gradient sites asked for in a training that never ran a
         backward are an error (said here when no step ended to say it)."""
@@ -409,6 +424,37 @@ class Watcher:
 
     def _hooked(self, w: WatchedModule) -> Hooked:
         return self.by_name[w.name]
+
+
+COMPILED_WAY_OUT = (
+    "torch.compile's code skips module hooks (those added after it compiled, and after a "
+    "graph break those of the next modules), so a watch would miss values: watch and train the "
+    "model uncompiled (the module you gave torch.compile, e.g. compiled._orig_mod: the same "
+    "parameters), and compile the trainings you do not watch"
+)
+
+
+def uncompiled(hook):
+    """`hook`, refusing to run in a model torch.compile traced: traced, the outer function
+    notes it (dynamo replays the note as the graph runs), then the graph breaks at the inner
+    one, which runs as plain Python and raises a ConfigError."""
+    traced = []
+
+    def refuse(*args):
+        if traced:
+            raise ConfigError(
+                f"the watched model runs compiled (torch.compile). {COMPILED_WAY_OUT}"
+            )
+        return hook(*args)
+
+    inner = torch.compiler.disable(refuse)
+
+    def outer(*args):
+        if torch.compiler.is_compiling():
+            traced.append(True)
+        return inner(*args)
+
+    return outer
 
 
 def is_dtensor(t) -> bool:
