@@ -60,8 +60,8 @@ class WatchedModule:
 
 
 def class_name(module: nn.Module) -> str:
-    """The module's class name; FSDP2's `fully_shard` makes a class FSDP<name> of FSDPModule and
-    the module's own class: the own class's name, as in the unsharded model."""
+    """The module's class name, as in the unwrapped model: FSDP2's `fully_shard` (and
+    `replicate`) give a module the class FSDP<name> of FSDPModule and its own class."""
     cls = type(module)
     bases = cls.__bases__
     if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):

@@ -10,7 +10,8 @@ batch, its model wrapped in DistributedDataParallel or sharded with FSDP2's full
 CPU, gloo). The one process takes the same two halves as micro-batches and averages their
 gradients before the step, as DDP's all-reduce does. Every run writes its watch into OUT/watch
 and its final parameters into OUT/final.pt; under FSDP rank 0 also writes OUT/fsdp1.txt, the
-error a watch of parameter sites gives on an FSDP1-wrapped model.
+error a watch of parameter sites gives on an FSDP1-wrapped model, and each rank OUT/early<rank>.txt,
+the error of a watch made before sharding and started after.
 """
 
 from __future__ import annotations
@@ -73,10 +74,15 @@ def ranks(mode: str, out: Path) -> None:
 
         if rank == 0:
             (out / "fsdp1.txt").write_text(fsdp1_refusal())
+        early = probe.watch(net, PROBES, out=out / "early")  # made before sharding
         for layer in net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         model = fully_shard(net)
+        try:
+            early.start()
+        except ConfigError as e:
+            (out / f"early{rank}.txt").write_text(str(e))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with probe.watch(model, PROBES, out=out / "watch", optimizer=opt) as w:
         for x, y in batches():

@@ -102,3 +102,8 @@ def test_fsdp2_on_two_ranks_equals_the_unsharded_model(single, tmp_path):
     # the FullyShardedDataParallel wrapper (FSDP1) flattens parameters: a named refusal
     said = (tmp_path / "fsdp1.txt").read_text()
     assert "FullyShardedDataParallel (FSDP1)" in said and "fully_shard" in said, said
+    # a watch made before fully_shard would read the replaced parameters: refused at start
+    for rank in (0, 1):
+        said = (tmp_path / f"early{rank}.txt").read_text()
+        assert "layer '0' parameter 'weight' is no longer one of the model's" in said, said
+    assert not (tmp_path / "early").exists()
