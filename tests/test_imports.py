@@ -16,7 +16,7 @@ import probe
 
 STAGES = [
     "models", "data", "hooks", "stats", "store", "attribute", "intervene", "circuits", "read",
-    "analysis", "report", "launch", "train",
+    "analysis", "report", "launch", "train", "integrations",
 ]  # fmt: skip
 CORE = {
     "probe.config",

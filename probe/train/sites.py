@@ -49,7 +49,7 @@ class WatchedModule:
 
     @property
     def module_type(self) -> str:
-        return type(self.module).__name__
+        return class_name(self.module)
 
     @property
     def class_axis(self) -> str | None:
@@ -57,6 +57,16 @@ class WatchedModule:
 
     def wants(self, *sites: str) -> bool:
         return any(s in self.sites for s in sites)
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's class name, as in the unwrapped model: FSDP2's `fully_shard` (and
+    `replicate`) give a module the class FSDP<name> of FSDPModule and its own class."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ in ("FSDPModule", "ReplicateModule"):
+        cls = bases[1]
+    return cls.__name__
 
 
 def split_site(entry: str) -> tuple[str, str | None]:

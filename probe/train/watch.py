@@ -37,10 +37,11 @@ from probe.intervene.edits import build_edits
 from probe.store import runlock
 from probe.store.runfile import file_state
 from probe.store.steps_file import SCALAR_COLUMNS, StepFile
+from probe.train import ranks
 from probe.train.probe_batch import FOLDER, ProbeBatch
 from probe.train.schedule import Schedule
 from probe.train.sites import resolve
-from probe.train.watcher import Watcher
+from probe.train.watcher import COMPILED_WAY_OUT, Watcher
 
 log = logging.getLogger("probe")
 STATE_VERSION = 1
@@ -63,6 +64,7 @@ def watch(
     fail_on_nonfinite: bool = False,
     seed: int = 0,
     overwrite: bool = False,
+    hook_optimizer: bool = True,
 ) -> Watch:
     """Watch the training of `model` into the run directory `out` (see the module's text).
 
@@ -76,12 +78,18 @@ def watch(
     grad_output/grad_input sites (op zero, scale, clamp, noise, ...: the intervene group's
     keys), applied at every step. `flush_every`: recorded steps between flushes of the file.
     `fail_on_nonfinite`: the first NaN or Inf stops the training (a ModelError). `seed`: the
-    noise edits' seed. `overwrite`: replace a watched run already in `out`."""
+    noise edits' seed. `overwrite`: replace a watched run already in `out`.
+    `hook_optimizer=False`: the optimizer's learning rates are recorded but its steps are not
+    hooked; whatever drives the training calls `before_update()` right before each optimizer
+    step and `after_update()` right after it (a trainer's callbacks).
+
+    In a process group (DDP, FSDP2 under torchrun) every rank makes the same watch; rank 0
+    writes the one run directory (probe.train.ranks)."""
     return Watch(
         model, probes, out=out, every=every, optimizer=optimizer, scaler=scaler,
         probe_batch=probe_batch, probe_every=probe_every, probe_stats=probe_stats, edits=edits,
         flush_every=flush_every, fail_on_nonfinite=fail_on_nonfinite, seed=seed,
-        overwrite=overwrite,
+        overwrite=overwrite, hook_optimizer=hook_optimizer,
     )  # fmt: skip
 
 
@@ -95,9 +103,13 @@ class Watch:
 
     def __init__(self, model, probes, *, out, every=1, optimizer=None, scaler=None,
                  probe_batch=None, probe_every=None, probe_stats=None, edits=None,
-                 flush_every=10, fail_on_nonfinite=False, seed=0, overwrite=False):  # fmt: skip
+                 flush_every=10, fail_on_nonfinite=False, seed=0, overwrite=False,
+                 hook_optimizer=True):  # fmt: skip
         if not isinstance(model, nn.Module):
             raise ConfigError(f"probe.watch takes an nn.Module, not a {type(model).__name__}")
+        model = trained_module(model)
+        self.rank, self.world = ranks.rank_and_world()
+        self.writes = self.rank == 0  # (rank 0 alone writes the run directory)
         self.model, self.out = model, Path(out)
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"out={str(self.out)!r} is a file; give a directory for the run")
@@ -118,8 +130,10 @@ class Watch:
                 f"scaler is a {type(scaler).__name__}, not AMP's GradScaler (no get_scale)"
             )
         self.optimizer, self.scaler, self.flush_every = optimizer, scaler, flush_every
+        self.hook_optimizer = optimizer is not None and bool(hook_optimizer)
         self.overwrite = bool(overwrite)
         self.specs = probe_specs(probes)
+        ranks.check_model(model, self.specs)
         watched = resolve(model, self.specs)
         self.edits = _grad_edits(model, edits, seed)
         self.watcher = Watcher(
@@ -127,6 +141,8 @@ class Watch:
             fail_on_nonfinite=bool(fail_on_nonfinite), failing=self._failing,
         )  # fmt: skip
         self.watcher.params_at_forward = optimizer is None
+        if self.world > 1:
+            self.watcher.merge_ranks = ranks.RankMerge(model, self.rank, self.world)
         groups = len(optimizer.param_groups) if optimizer is not None else 0
         self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
         self.probe_batch = None
@@ -150,13 +166,15 @@ class Watch:
             "flush_every": flush_every,
             "fail_on_nonfinite": bool(fail_on_nonfinite),
             "seed": seed,
+            "world_size": self.world,
             "modules": {w.name: sorted(w.sites) + sorted(
                 f"{k}.{n}" for k, ps in w.params.items() for n in ps) for w in watched},
         }  # fmt: skip
         self.file: StepFile | None = None
         self.resume_at: int | None = None
-        self.started = self.closed = False
+        self.started = self.closed = self.locked = False
         self.log_handler: logging.Handler | None = None
+        self.on_record = None  # callable(step, rows, scalars) after each recorded step is written
 
     # -- life --------------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -167,27 +185,36 @@ class Watch:
 
     def start(self) -> Watch:
         """Lock the run directory, open (or resume) probe.h5, hook the model and the optimizer,
-        evaluate the probe batch if its schedule takes this step."""
+        evaluate the probe batch if its schedule takes this step. In a process group rank 0
+        does the directory's part, and every rank learns whether it could."""
         if self.started:
             raise ProbeError("this watch has started already; a Watch runs once")
-        runlock.acquire(self.out)  # (RunDirBusy while another run writes there)
-        self.started = True
+        ranks.check_params_current(self.model, self.watcher.watched)
+        failure = None
         try:
-            self._open_log()
-            self._open_file()
-            step = self.watcher.step
-            if self.probe_batch is not None:
-                self.probe_batch.check_fits()
-                self.probe_batch.forget_from(step)
-                self._evaluate(step)
+            if self.writes:
+                runlock.acquire(self.out)  # (RunDirBusy while another run writes there)
+                self.locked = True
+            self.started = True
+            if self.writes:
+                self._open_directory()
+        except BaseException as e:
+            failure = e
+        if self.world > 1:
+            failure = ranks.agree(failure, self.rank, self.world)
+        try:
+            if failure is not None:
+                raise failure
             self.watcher.attach()
-            if self.optimizer is not None:
+            if self.hook_optimizer:
                 before, after = self._step_hooks()
                 self.watcher.hooks.optimizer_step_pre(self.optimizer, before)
                 self.watcher.hooks.optimizer_step_post(self.optimizer, after)
         except BaseException:
-            self._release(complete=False)
+            if self.started:
+                self._release(complete=False)
             raise
+        step = self.watcher.step
         self._note(
             f"watching {len(self.watcher.watched)} modules of {type(self.model).__name__} from "
             f"step {step}, every {self.schedule.every}"
@@ -198,6 +225,15 @@ class Watch:
             )
         )
         return self
+
+    def _open_directory(self) -> None:
+        self._open_log()
+        self._open_file()
+        step = self.watcher.step
+        if self.probe_batch is not None:
+            self.probe_batch.check_fits()
+            self.probe_batch.forget_from(step)
+            self._evaluate(step)
 
     def close(self, complete: bool = True, raising: bool = True) -> None:
         """Flush, write `complete`, remove every hook, release the directory. A training whose
@@ -231,7 +267,8 @@ class Watch:
                 if self.log_handler is not None:
                     log.removeHandler(self.log_handler)
                     self.log_handler.close()
-                runlock.release(self.out)
+                if self.locked:
+                    runlock.release(self.out)
 
     def _open_log(self) -> None:
         self.log_handler = logging.FileHandler(self.out / "probe.log", mode="a")
@@ -296,7 +333,7 @@ class Watch:
         """Right before the optimizer step: the parameters, their gradients, the global grad
         norm and the learning rates."""
         self.watcher.take_params()
-        self.watcher.take_grads(optimizer)
+        self.watcher.take_grads(optimizer if optimizer is not None else self.optimizer)
 
     def after_update(self, loss=None) -> None:
         """Right after the optimizer step: the updates; the step ends."""
@@ -309,10 +346,16 @@ class Watch:
         and before zero_grad (it reads the gradients). `loss` (a tensor or a number) goes into
         the file."""
         self._check_open("w.step()")
-        if self.optimizer is not None:
+        if self.hook_optimizer:
             raise ProbeError(
                 "w.step() ends a step of a watch without optimizer=; this one counts the steps "
                 "with the optimizer's step hooks. Give the loss with w.loss(loss) instead"
+            )
+        if self.optimizer is not None:
+            raise ProbeError(
+                "w.step() ends a step of a watch without optimizer=; with hook_optimizer=False "
+                "call w.before_update() right before optimizer.step() and w.after_update() "
+                "right after it"
             )
         self.watcher.add_loss(loss)
         self.watcher.take_grads(None)
@@ -334,9 +377,9 @@ class Watch:
         if recorded and self.scaler is not None:
             scale = float(self.scaler.get_scale())
         self.watcher.end_step(grad_scale=scale)
-        if recorded and self.file.unflushed >= self.flush_every:
+        if recorded and self.file is not None and self.file.unflushed >= self.flush_every:
             self.file.flush()
-        if self.probe_batch is not None:
+        if self.probe_batch is not None and self.writes:
             self._evaluate(self.watcher.step)
 
     def _evaluate(self, step: int) -> None:
@@ -349,11 +392,14 @@ class Watch:
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
         values = [scalars.get(c, math.nan) for c in self.scalar_columns]
         self.file.append(step, rows, values)
+        if self.on_record is not None:
+            self.on_record(step, rows, scalars)
         said = ", ".join(f"{k} {scalars[k]:.6g}" for k in ("loss", "grad_norm") if k in scalars)
         self._note(f"step {step}: {len(rows)} sites recorded{'; ' + said if said else ''}")
 
     def _failing(self, message: str) -> None:
-        self.file.flush()
+        if self.file is not None:
+            self.file.flush()
 
     def _check_open(self, what: str) -> None:
         if not self.started or self.closed:
@@ -385,6 +431,18 @@ class Watch:
         self.resume_at = int(state["step"])
         self.watcher.begin(self.resume_at)
         self.watcher.rows_seen = int(state.get("rows_seen", 0))
+
+
+def trained_module(model: nn.Module) -> nn.Module:
+    """The module a DistributedDataParallel wrapper trains (its names are the model's own); a
+    torch.compile'd model is refused (its compiled code skips hooks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise ConfigError(f"probe.watch got a torch.compile'd model. {COMPILED_WAY_OUT}")
+    return model
 
 
 def _grad_edits(model: nn.Module, edits, seed: int) -> list:

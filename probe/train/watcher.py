@@ -9,7 +9,7 @@ A step goes through, in order:
     take_params()         the parameters before the update (and a copy for param_update)
     take_grads(opt)       the gradients the optimizer sees, the global grad norm, the lrs
     take_updates()        what the optimizer step changed
-    end_step()            the step's statistics -> merge_ranks -> the sink; the next step begins
+    end_step()            the step's StepRecord -> merge_ranks -> the sink; the next step begins
 
 Only recorded steps (the schedule's) reduce anything; on the others the hooks return at once,
 except where a gradient edit acts: edits act at every step. Statistics are taken only in
@@ -35,10 +35,22 @@ from probe.layout import unit_axis
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
-from probe.train.sites import GRAD_SITES, WatchedModule
+from probe.train.sites import GRAD_SITES, WatchedModule, class_name
 from probe.train.step_stats import Key, StepStats
 
 log = logging.getLogger("probe")
+
+
+@dataclass
+class StepRecord:
+    """What one recorded step gives the sink: statistics and SiteInfo by (layer, site), the
+    step's scalars (grad_norm, lr.<group>, grad_scale) and the losses given during it."""
+
+    step: int
+    stats: dict[Key, RunningStats]
+    infos: dict[Key, SiteInfo]
+    scalars: dict[str, float]
+    losses: list[float]
 
 
 @dataclass
@@ -60,7 +72,7 @@ class Hooked:
         self.record_grad_output = "grad_output" in sites
         self.edit_input = bool(self.edits.get("grad_input"))
         self.edit_output = bool(self.edits.get("grad_output"))
-        self.module_type = type(self.module).__name__
+        self.module_type = class_name(self.module)
 
     @property
     def before(self) -> bool:
@@ -75,10 +87,12 @@ class Watcher:
     """Hooks and per-step statistics of one watched model.
 
     `sink(step, rows, scalars)` takes each recorded step: rows {(layer, site): (SiteInfo,
-    STAT_COLUMNS row)}, scalars {name: float}. `merge_ranks(stats, infos)` turns this process's
-    statistics of a step into the training's (identity here; distributed training merges the
-    activation sites over ranks there, `SiteInfo.kind`). `failing(message)` runs before a fatal
-    non-finite value raises (the file is flushed there)."""
+    STAT_COLUMNS row)}, scalars {name: float}. `merge_ranks(record)` turns this process's
+    StepRecord into the training's, or None where this process writes nothing (identity here;
+    probe.train.ranks merges the ranks of a distributed training there: activation sites over
+    the ranks' batches, sharded parameters' pieces, `SiteInfo.kind` says which). Parameters
+    are read through `to_local()` where they are DTensors (FSDP2's shards). `failing(message)`
+    runs before a fatal non-finite value raises (the file is flushed there)."""
 
     def __init__(
         self,
@@ -97,7 +111,7 @@ class Watcher:
         self.sink = sink
         self.fail_on_nonfinite = fail_on_nonfinite
         self.failing = failing
-        self.merge_ranks: Callable[[dict, dict], dict] = lambda stats, infos: stats
+        self.merge_ranks: Callable[[StepRecord], StepRecord | None] = lambda record: record
         hooked = {w.name: Hooked(w.name, w.module, w) for w in watched}
         for e in edits:
             if e.module_name not in hooked:
@@ -119,17 +133,20 @@ class Watcher:
         self.forwards = 0  # training forwards while watched
         self.grads_seen = 0  # gradient values recorded while watched
         self.params_at_forward = False  # take_params at a step's first forward (no optimizer)
+        self.sharded = any(is_dtensor(p) for p in model.parameters())
+        self.needs_forwards = bool(edits) or any(w.sites for w in watched)
         self.begin(0)
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> None:
-        """Register every hook (all or none)."""
-        self.hooks.forward_pre(self.model, self._root_hook(), name="<model>", with_kwargs=True)
+        """Register every hook (all or none), each refusing to run in compiled code."""
+        root = uncompiled(self._root_hook())
+        self.hooks.forward_pre(self.model, root, name="<model>", with_kwargs=True)
         for h in self.hooked:
             if h.before:
-                self.hooks.forward_pre(h.module, self._pre_hook(h), name=h.name)
+                self.hooks.forward_pre(h.module, uncompiled(self._pre_hook(h)), name=h.name)
             if h.after:
-                self.hooks.forward(h.module, self._post_hook(h), name=h.name)
+                self.hooks.forward(h.module, uncompiled(self._post_hook(h)), name=h.name)
 
     def detach(self) -> None:
         """Remove every hook (the step's gradient hooks too)."""
@@ -248,10 +265,10 @@ class Watcher:
         for w in self.watched:
             h = self._hooked(w)
             for name, p in w.params.get("param", {}).items():
-                self.observe(h, f"param.{name}", p.detach().unsqueeze(0), "parameter")
+                self._observe_param(h, f"param.{name}", local(p))
             for p in w.params.get("param_update", {}).values():
                 if id(p) not in self.before:
-                    self.before[id(p)] = p.detach().clone()
+                    self.before[id(p)] = local(p).clone()
 
     def take_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The gradients as the optimizer sees them (after accumulation, and under DDP after
@@ -263,8 +280,8 @@ class Watcher:
             h = self._hooked(w)
             for name, p in w.params.get("param_grad", {}).items():
                 if p.grad is not None:
-                    self.observe(h, f"param_grad.{name}", p.grad.detach().unsqueeze(0), "parameter")
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                    self._observe_param(h, f"param_grad.{name}", local(p.grad))
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
         if grads:
             self.scalars["grad_norm"] = float(torch.nn.utils.get_total_norm(grads))
         if optimizer is not None:
@@ -280,8 +297,7 @@ class Watcher:
             for name, p in w.params.get("param_update", {}).items():
                 before = self.before.get(id(p))
                 if before is not None:
-                    change = p.detach() - before
-                    self.observe(h, f"param_update.{name}", change.unsqueeze(0), "parameter")
+                    self._observe_param(h, f"param_update.{name}", local(p) - before)
         self.before.clear()
 
     def add_loss(self, loss) -> None:
@@ -294,20 +310,29 @@ class Watcher:
     def end_step(self, **scalars: float) -> None:
         """The step ends: at a recorded step its statistics (and `scalars`, e.g. grad_scale) go
         to the sink; then the next step begins."""
+        if not self.forwards and self.needs_forwards:
+            self._check_hooks_ran()
         if self.recording:
             self._check_backward()
             stats = self.stats.settle(self._check_finite)
-            stats = self.merge_ranks(stats, self.infos)
-            rows = {key: (self.infos[key], step_row(s)) for key, s in stats.items()}
             values = dict(self.scalars)
             values.update({k: v for k, v in scalars.items() if v is not None})
-            if self.losses:
-                values["loss"] = float(np.mean(self.losses))
-            self.sink(self.step, rows, values)
+            infos = {key: self.infos[key] for key in stats}
+            record = self.merge_ranks(StepRecord(self.step, stats, infos, values, self.losses))
+            if record is not None:
+                rows = {key: (record.infos[key], step_row(s)) for key, s in record.stats.items()}
+                if record.losses:
+                    record.scalars["loss"] = float(np.mean(record.losses))
+                self.sink(record.step, rows, record.scalars)
         self.grad_hooks.remove()
         self.begin(self.step + 1)
 
     # -- statistics ----------------------------------------------------------------------------
+    def _observe_param(self, h: Hooked, site: str, p: torch.Tensor) -> None:
+        """A parameter (or its gradient or update) as one row; an empty shard has nothing."""
+        if p.numel() or not self.sharded:
+            self.observe(h, site, p.detach().unsqueeze(0), "parameter")
+
     def observe(self, h: Hooked, site: str, x: torch.Tensor, kind: str) -> None:
         """Fold one value of (h's layer, site) into the step's statistics."""
         key = (h.name, site)
@@ -375,6 +400,17 @@ class Watcher:
                         self.step, w.name, site, site.removeprefix("grad_"),
                     )  # fmt: skip
 
+    def _check_hooks_ran(self) -> None:
+        """A step that ends with gradients but without one forward through the hooks trained a
+        model whose compiled code runs without them (torch.compile ignores hooks added after
+        it compiled)."""
+        if any(p.grad is not None for p in self.model.parameters()):
+            raise ConfigError(
+                f"step {self.step} ended with gradients, but no forward of "
+                f"{type(self.model).__name__} passed through the watch's hooks: a model "
+                f"compiled before the watch was made runs without them. {COMPILED_WAY_OUT}"
+            )
+
     def check_close(self) -> None:
         """At the end of the watch: gradient sites asked for in a training that never ran a
         backward are an error (said here when no step ended to say it)."""
@@ -388,3 +424,44 @@ class Watcher:
 
     def _hooked(self, w: WatchedModule) -> Hooked:
         return self.by_name[w.name]
+
+
+COMPILED_WAY_OUT = (
+    "torch.compile's code skips module hooks (those added after it compiled, and after a "
+    "graph break those of the next modules), so a watch would miss values: watch and train the "
+    "model uncompiled (the module you gave torch.compile, e.g. compiled._orig_mod: the same "
+    "parameters), and compile the trainings you do not watch"
+)
+
+
+def uncompiled(hook):
+    """`hook`, refusing to run in a model torch.compile traced: traced, the outer function
+    notes it (dynamo replays the note as the graph runs), then the graph breaks at the inner
+    one, which runs as plain Python and raises a ConfigError."""
+    traced = []
+
+    def refuse(*args):
+        if traced:
+            raise ConfigError(
+                f"the watched model runs compiled (torch.compile). {COMPILED_WAY_OUT}"
+            )
+        return hook(*args)
+
+    inner = torch.compiler.disable(refuse)
+
+    def outer(*args):
+        if torch.compiler.is_compiling():
+            traced.append(True)
+        return inner(*args)
+
+    return outer
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (FSDP2's sharded parameters and gradients)."""
+    return callable(getattr(t, "to_local", None))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's piece of a parameter or gradient (a DTensor's local shard), detached."""
+    return (t.to_local() if is_dtensor(t) else t).detach()

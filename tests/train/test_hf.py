@@ -1,0 +1,137 @@
+"""transformers' Trainer with probe's ProbeCallback writes the file that probe.watch writes on the
+same training run by hand (a tiny GPT-2, AdamW, the Trainer's gradient clipping, the same
+batches in order): the same /train rows and scalars and the same train.csv; the chosen
+statistics reach every report_to integration through the Trainer's log (read here by a
+callback's on_log, where TensorBoard's, W&B's and MLflow's callbacks read them)."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import probe
+from probe.errors import ConfigError
+from probe.integrations.hf import ProbeCallback
+from tests.token_fixtures import tiny_config
+from tests.train.trainings import assert_bitwise_equal, one_thread, state_of
+
+PROBES = {
+    "blocks": {"layers": ["transformer.h.*"], "types": ["GPT2Block"],
+               "capture": ["output", "grad_output"]},
+    "mlp": {"layers": ["transformer.h.0.mlp.c_fc"], "capture": ["output", "param_grad", "param_update"]},
+}  # fmt: skip
+STEPS, EVERY, ROWS, LR = 4, 2, 4, 1e-3
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """The tests' 2-layer GPT-2 without dropout (the Trainer and the loop draw random numbers
+    differently; the file's equality is the point here)."""
+    config = tiny_config("gpt2", 40)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).train()
+
+
+def samples() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 40, (STEPS * ROWS, 6), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def by_hand(out):
+    """The Trainer's step: forward with labels, backward, clip to max_grad_norm, step."""
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = samples()
+    with probe.watch(model, PROBES, out=out, every=EVERY, optimizer=opt) as w:
+        for step in range(STEPS):
+            batch = {k: torch.stack([s[k] for s in data[step * ROWS : (step + 1) * ROWS]])
+                     for k in ("input_ids", "labels")}  # fmt: skip
+            model.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            w.loss(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return state_of(model, opt)
+
+
+class Logs(TrainerCallback):
+    """What a report_to integration's callback gets."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append((state.global_step, dict(logs)))
+
+
+def trainer_for(out, model, opt, **callback):
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), use_cpu=True, report_to=[], max_steps=STEPS,
+        per_device_train_batch_size=ROWS, train_sampling_strategy="sequential",
+        lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1000, save_strategy="no",
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=samples(), optimizers=(opt, None))
+    # the model's own mean loss, as the loop's (not the Trainer's sum over its token count)
+    trainer.model_accepts_loss_kwargs = False
+    return trainer
+
+
+def by_trainer(out, logs: Logs):
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    trainer = trainer_for(out, model, opt)
+    trainer.add_callback(logs)
+    ProbeCallback(PROBES, out=out / "watch", every=EVERY, log_stats=["abs_mean"]).attach(trainer)
+    trainer.train()
+    return state_of(model, opt)
+
+
+def test_hf_trainer_callback_writes_the_hand_loops_file(tmp_path):
+    logs = Logs()
+    with one_thread():
+        hand = by_hand(tmp_path / "hand")
+        hf = by_trainer(tmp_path, logs)
+    assert_bitwise_equal(hf, hand)  # the same training, so the same file means something
+    a = pd.read_csv(tmp_path / "watch" / "train.csv")
+    b = pd.read_csv(tmp_path / "hand" / "train.csv")
+    pd.testing.assert_frame_equal(a, b)
+    # 2 blocks x (output, grad_output); c_fc's output and its weight's and bias's grad and update
+    assert sorted(set(a.step)) == [0, 2] and len(a) == 2 * (2 * 2 + 1 + 2 * 2)
+    with (
+        h5py.File(tmp_path / "watch" / "probe.h5") as f,
+        h5py.File(tmp_path / "hand" / "probe.h5") as g,
+    ):
+        assert f.attrs["complete"]
+        np.testing.assert_array_equal(f["train/step"][:], g["train/step"][:])
+        np.testing.assert_array_equal(f["train/scalars"][:], g["train/scalars"][:])
+        for layer in ("transformer.h.0", "transformer.h.1"):
+            for site in ("output", "grad_output"):
+                name = f"train/sites/{layer}/{site}"
+                np.testing.assert_array_equal(f[name][:], g[name][:])
+    scalars = probe.open_run(tmp_path / "watch").train_scalars()
+    assert scalars["lr.0"].tolist() == [LR, LR] and not scalars["loss"].isna().any()
+    # the statistics went through the Trainer's log at each recorded step (global step = the
+    # optimizer steps done: the watch's step + 1, where the Trainer logs that step's loss)
+    sent = [(s, v) for s, v in logs.seen if "probe/transformer.h.1/output/abs_mean" in v]
+    assert [s for s, _ in sent] == [1, 3]
+    want = a[(a.layer == "transformer.h.1") & (a.site == "output")]["abs_mean"].tolist()
+    assert [v["probe/transformer.h.1/output/abs_mean"] for _, v in sent] == want
+
+
+def test_hf_log_stats_need_the_trainer(tmp_path):
+    model = gpt2()
+    trainer = trainer_for(tmp_path, model, torch.optim.AdamW(model.parameters(), lr=LR))
+    trainer.add_callback(ProbeCallback(PROBES, out=tmp_path / "w", log_stats=["abs_mean"]))
+    with pytest.raises(ConfigError, match=r"cb\.attach\(trainer\)"):
+        trainer.train()
+    with pytest.raises(ConfigError, match="log_stats names 'abs'; choose from"):
+        ProbeCallback(PROBES, out=tmp_path / "w", log_stats=["abs"])
+    with pytest.raises(ConfigError, match="ProbeCallback got optimizer"):
+        ProbeCallback(PROBES, out=tmp_path / "w", optimizer=None)

@@ -1,0 +1,123 @@
+"""Lightning's Trainer with probe's ProbeCallback writes the file that probe.watch writes on the
+same training run by hand (same model, seed and batches): the same /train rows and scalars and
+the same train.csv, bit for bit; the chosen statistics reach the trainer's logger (a
+CSVLogger's metrics.csv) at the recorded steps."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import probe
+from tests.train.trainings import (
+    EVERY_SITE,
+    assert_bitwise_equal,
+    cnn,
+    image_batches,
+    image_loss,
+    one_thread,
+    state_of,
+)
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from probe.integrations.lightning import ProbeCallback  # noqa: E402
+
+PROBES = {
+    "convs": {"layers": ["net.*"], "types": ["Conv2d", "Linear"], "capture": EVERY_SITE},
+    "blocks": {"layers": ["net.layer1", "net.layer2"], "capture": ["output", "grad_output"]},
+}
+STEPS, EVERY = 5, 2
+
+
+class LitCNN(L.LightningModule):
+    """tests.train.trainings' small CNN (in `self.net`) as a LightningModule."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = cnn()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return image_loss(self, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def by_hand(out, accumulate):
+    """The loop Lightning runs: `accumulate` micro-batches a step, each loss divided by it."""
+    model = LitCNN()
+    opt = model.configure_optimizers()
+    batches = image_batches(STEPS * accumulate)
+    with probe.watch(model, PROBES, out=out, every=EVERY, optimizer=opt) as w:
+        for step in range(STEPS):
+            opt.zero_grad()
+            for i in range(step * accumulate, (step + 1) * accumulate):
+                loss = model.training_step(batches[i], i)
+                (loss / accumulate).backward()
+                w.loss(loss)
+            opt.step()
+    return state_of(model, opt)
+
+
+def by_lightning(out, logs, accumulate):
+    model = LitCNN()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=accumulate,
+        logger=CSVLogger(logs, name="csv"), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ProbeCallback(PROBES, out=out, every=EVERY, log_stats=["abs_mean", "norm"])],
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(image_batches(STEPS * accumulate), batch_size=None)
+    trainer.fit(model, loader)
+    return state_of(model, trainer.optimizers[0])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_callback_writes_the_hand_loops_file(tmp_path, accumulate):
+    with one_thread():
+        torch.manual_seed(0)
+        hand = by_hand(tmp_path / "hand", accumulate)
+        torch.manual_seed(0)
+        lit = by_lightning(tmp_path / "lit", tmp_path / "logs", accumulate)
+    assert_bitwise_equal(lit, hand)  # the same training, so the same file means something
+    a, b = pd.read_csv(tmp_path / "lit" / "train.csv"), pd.read_csv(tmp_path / "hand" / "train.csv")
+    pd.testing.assert_frame_equal(a, b)
+    # 4 modules' values and gradients (conv1's input needs no gradient), 3 convs' weight and
+    # fc's weight and bias in 3 param sites, 2 blocks' output and grad_output
+    sites = 4 * 4 - 1 + 5 * 3 + 2 * 2
+    assert sorted(set(a.step)) == [0, 2, 4] and len(a) == 3 * sites
+    assert set(a.loc[a.site == "output", "rows"]) == {8 * accumulate}  # the step's micro-batches
+    with (
+        h5py.File(tmp_path / "lit" / "probe.h5") as f,
+        h5py.File(tmp_path / "hand" / "probe.h5") as g,
+    ):
+        assert f.attrs["complete"]
+        for name in ("train/step", "train/scalars"):
+            np.testing.assert_array_equal(f[name][:], g[name][:])
+        held = []
+        g["train/sites"].visititems(
+            lambda n, d: held.append(n) if isinstance(d, h5py.Dataset) else None
+        )
+        assert len(held) == sites
+        for name in held:
+            np.testing.assert_array_equal(
+                f["train/sites"][name][:], g["train/sites"][name][:], name
+            )
+    scalars = probe.open_run(tmp_path / "lit").train_scalars()
+    assert list(scalars.columns[:4]) == ["step", "loss", "grad_norm", "grad_scale"]
+    assert scalars["lr.0"].tolist() == [0.05] * 3 and not scalars["loss"].isna().any()
+    # the logger's metrics: abs_mean and norm of each recorded site at the watch's steps
+    logged = pd.read_csv(next((tmp_path / "logs").rglob("metrics.csv")))
+    column = "probe/net.layer1/output/abs_mean"
+    got = logged.dropna(subset=[column]).set_index("step")[column]
+    want = a[(a.layer == "net.layer1") & (a.site == "output")].set_index("step")["abs_mean"]
+    pd.testing.assert_series_equal(got, want, check_names=False)
+    assert "probe/net.fc/param_grad.weight/norm" in logged.columns
