@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.token_fixtures import make_tiny, make_tokenizer
+from probe.testing.tokens import make_tiny, make_tokenizer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,7 +78,7 @@ def resnet():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    """A tiny tokenizer saved with save_pretrained (see token_fixtures.make_tokenizer)."""
+    """A tiny tokenizer saved with save_pretrained (see probe.testing.tokens.make_tokenizer)."""
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 

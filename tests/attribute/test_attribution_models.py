@@ -10,8 +10,9 @@ import torch
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
-from tests.helpers import cli, make_cfg, run_probe
-from tests.token_fixtures import tiny_config
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import tiny_config
+from tests.helpers import cli, run_probe
 
 captum_attr = pytest.importorskip("captum.attr")
 pytest.importorskip("pytorch_grad_cam")

@@ -47,7 +47,7 @@ def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tm
     the same probe and objective as mappings, on the same model and inputs."""
     from probe.data.batches import build_batches
     from probe.models.build import build_model
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     out = cli(*RESNET, "probes=cams", f"hydra.run.dir={tmp_path / 'cli'}")
     assert out.returncode == 0, out.stderr[-2000:]

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.testing.tokens import make_tiny
 from tests.helpers import cli, run_probe
-from tests.token_fixtures import make_tiny
 
 N, T = 5, 6
 
@@ -212,7 +212,7 @@ def test_bad_lens_input_is_a_named_error(tmp_path, models, extra, words):
 def test_dla_refuses_a_post_norm_model(tmp_path):
     from transformers import BertForMaskedLM
 
-    from tests.token_fixtures import tiny_config
+    from probe.testing.tokens import tiny_config
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -244,10 +244,10 @@ def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm):
     from probe.checks import typed_probes
     from probe.hooks.select import select_modules
     from probe.models.build import build_model
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     _, path, _ = lm
-    args = ["model=custom", "model._target_=tests.models_for_tests.LinearLM", "dataset=pairs",
+    args = ["model=custom", "model._target_=probe.testing.models.LinearLM", "dataset=pairs",
             f"dataset.path={path}", "probes=none", "+probes.x.layers=[@mlp_out]"]  # fmt: skip
     out = cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 2

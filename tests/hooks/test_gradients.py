@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
-from tests.helpers import cli, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import cli, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=7"]
 ALL_SITES = [

@@ -11,8 +11,9 @@ import pytest
 
 from probe.errors import ModelError
 from probe.launch.run import run
-from tests.helpers import cli, make_cfg
-from tests.models_for_tests import assert_no_hooks, built_models
+from probe.testing.compose import make_cfg
+from probe.testing.models import assert_no_hooks, built_models
+from tests.helpers import cli
 
 TINY = [
     "model=custom",
@@ -43,7 +44,7 @@ def test_a_thirty_run_sweep_keeps_handles_and_memory_flat(tmp_path):
     log = tmp_path / "resources.txt"
     out = cli(
         *TINY,
-        "model._target_=tests.models_for_tests.RecordsResources",
+        "model._target_=probe.testing.models.RecordsResources",
         f"+model.kwargs.log={log}",
         f"seed={','.join(map(str, range(30)))}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
@@ -63,7 +64,7 @@ def test_a_thirty_run_sweep_keeps_handles_and_memory_flat(tmp_path):
 @pytest.mark.parametrize("ok_calls", [0, 2], ids=["first-batch", "third-batch"])
 def test_a_run_that_raises_leaves_no_hook_handle_or_thread(tmp_path, ok_calls):
     cfg = make_cfg(
-        *TINY, "model._target_=tests.models_for_tests.Raises", f"+model.kwargs.ok_calls={ok_calls}"
+        *TINY, "model._target_=probe.testing.models.Raises", f"+model.kwargs.ok_calls={ok_calls}"
     )
     fds = open_fds()
     with pytest.raises(ModelError, match="deliberate failure"):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import probe
-from tests.build.test_sae_loading import reference, write_sae
+from probe.testing.tokens import make_tiny
 from tests.helpers import cli, run_probe
-from tests.token_fixtures import make_tiny
+from tests.models.test_sae_loading import reference, write_sae
 
 WIDTH, LATENTS, K = 32, 64, 6
 
@@ -273,13 +273,14 @@ def test_conv_channel_latents_resume_to_the_uninterrupted_run(tmp_path):
     read back dense equal to numpy's encode of the stored maps; a run interrupted in its
     third batch and resumed stores the uninterrupted run's slots and statistics."""
     from probe.launch.run import run
-    from tests.helpers import make_cfg, run_interrupted
+    from probe.testing.compose import make_cfg
+    from tests.helpers import run_interrupted
 
     g = torch.Generator().manual_seed(1)
     tensors = {"W_enc": torch.randn(4, 16, generator=g), "b_enc": torch.randn(16, generator=g) * 0.1,
                "W_dec": torch.randn(16, 4, generator=g) * 0.1, "b_dec": torch.zeros(4)}  # fmt: skip
     write_sae(tmp_path / "sae", "standard", tensors, d_in=4, d_sae=16)
-    args = ["model=custom", "model._target_=tests.models_for_tests.SignalsItself",
+    args = ["model=custom", "model._target_=probe.testing.models.SignalsItself",
             "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset.num_samples=12",
             "dataset.batch_size=3", "probes=none", "+probes.c.layers=[conv]",
             f"+probes.c.sae={{path:{tmp_path / 'sae'},max_active:5}}", "stats.topk=2"]  # fmt: skip

@@ -11,8 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tests.helpers import cli, run_probe
-from tests.token_fixtures import hf
+from tests.helpers import cli, hf, run_probe
 
 
 def grid_args(model, path, *extra):
@@ -23,7 +22,7 @@ def grid_args(model, path, *extra):
 
 def test_atp_is_exact_on_a_model_linear_in_the_patched_site(tmp_path, lm):
     _, path, _ = lm
-    args = ["model=custom", "model._target_=tests.models_for_tests.LinearLM", "dataset=pairs",
+    args = ["model=custom", "model._target_=probe.testing.models.LinearLM", "dataset=pairs",
             f"dataset.path={path}", "dataset.batch_size=2", "probes=none", "intervene=patch_grid",
             "intervene.grid.method=[exact,atp]"]  # fmt: skip
     _, f = run_probe(tmp_path, *args)

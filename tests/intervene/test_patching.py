@@ -13,8 +13,9 @@ from omegaconf import open_dict
 from probe.config import EditSpec
 from probe.errors import ConfigError, DataError
 from probe.launch.run import run
-from tests.helpers import make_cfg
-from tests.token_fixtures import hf, make_tiny
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import make_tiny
+from tests.helpers import hf
 
 N, T = 5, 6
 

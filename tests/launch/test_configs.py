@@ -14,7 +14,8 @@ from probe.config import config_dir
 from probe.data.batches import build_batches
 from probe.hooks.select import select_modules
 from probe.models.build import build_model
-from tests.helpers import cli, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import cli, run_probe
 
 CONF = Path(config_dir())
 MODELS = sorted(

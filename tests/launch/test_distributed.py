@@ -17,7 +17,8 @@ import probe
 from probe.errors import DataError
 from probe.read.summarize import summarize_file
 from probe.store.stitch import IncompleteFileError, is_complete, open_checked, read_stats
-from tests.helpers import QUIET, ROOT, assert_same_arrays, cli
+from probe.testing.compose import QUIET
+from tests.helpers import ROOT, assert_same_arrays, cli
 
 # 7 samples in batches of 2: rank 0 gets batches 0-1 (samples 0-3), rank 1 batches 2-3 (samples
 # 4-6, the last batch short). Outputs, output gradients and per-batch parameter gradients.

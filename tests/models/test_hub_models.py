@@ -11,8 +11,9 @@ import torch
 from probe.errors import CheckpointError, ConfigError
 from probe.models.build import build_model
 from probe.models.hub import pad_token_id, vocab_size
-from tests.helpers import cli, make_cfg
-from tests.token_fixtures import tiny_config
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import tiny_config
+from tests.helpers import cli
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")

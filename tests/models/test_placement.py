@@ -15,8 +15,10 @@ from omegaconf import open_dict
 from probe.config import EditSpec
 from probe.launch.run import run
 from probe.models.build import build_model
-from tests.helpers import assert_same_arrays, cli, h5_arrays, make_cfg, run_probe
-from tests.token_fixtures import make_tiny
+from probe.testing.arrays import h5_arrays
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import make_tiny
+from tests.helpers import assert_same_arrays, cli, run_probe
 
 CUDA = pytest.mark.cuda
 FAMILIES = {  # the top-level modules of each tiny causal LM and its blocks

@@ -12,7 +12,7 @@ from probe.stats import backend
 from probe.stats.backend import batch_stats, fold
 from probe.stats.running import QUANTILE_REL_ERROR, LogHistogram, RunningStats, counts_agree
 from probe.store.fileformat import read_progress
-from tests.analysis_models import DEAD, SATURATED
+from probe.testing.models import DEAD, SATURATED
 from tests.helpers import run_probe
 
 CUTS = [0, 1, 6, 7, 30, 61]  # uneven batches, one of a single row
@@ -188,7 +188,7 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     result, f = run_probe(
         tmp_path,
         "model=custom",
-        "model._target_=tests.analysis_models.DeadChannel",
+        "model._target_=probe.testing.models.DeadChannel",
         "model.input_shape=[3,8,8]",
         "model.num_classes=10",
         "dataset.num_samples=6",

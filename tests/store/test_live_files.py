@@ -29,7 +29,9 @@ from probe.store import stats_file
 from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
 from probe.store.writer import ProbeWriter
-from tests.helpers import QUIET, ROOT, cli, file_arrays, h5_arrays, image_folder, make_cfg
+from probe.testing.arrays import file_arrays, h5_arrays
+from probe.testing.compose import QUIET, make_cfg
+from tests.helpers import ROOT, cli, image_folder
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent / "format1"
@@ -290,7 +292,7 @@ def test_files_of_format_version_1_are_still_read():
 def test_the_file_records_the_dataset_and_refuses_a_changed_checkpoint(tmp_path):
     ckpt = tmp_path / "weights.pt"
     torch.manual_seed(1)
-    from tests.models_for_tests import TinyNet
+    from probe.testing.models import TinyNet
 
     torch.save(TinyNet().state_dict(), ckpt)
     args = [*SLOW, f"model.checkpoint={ckpt}", "dataset.num_samples=9"]
@@ -320,12 +322,12 @@ def test_resume_refuses_a_dataset_file_whose_contents_changed(tmp_path):
     same path with other values: resume=true exits 2 naming the dataset's contents (and the hash
     stored in the file), and the file's arrays and counts are as they were."""
     from probe.data.provenance import file_identity
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     data = tmp_path / "data.pt"
     g = torch.Generator().manual_seed(0)
     save_samples(data, g)
-    args = [*SLOW[:-2], "model._target_=tests.models_for_tests.SignalsItself", "dataset=tensors",
+    args = [*SLOW[:-2], "model._target_=probe.testing.models.SignalsItself", "dataset=tensors",
             f"dataset.path={data}", "dataset.batch_size=3"]  # fmt: skip
     SignalsItself.at_call = 2
     try:
@@ -410,12 +412,12 @@ def test_a_text_run_writes_each_sample_document_id(tiny_gpt2, tmp_path):
 def test_effects_after_a_resume_count_every_batch(tmp_path):
     """effects.csv of a run stopped and resumed equals an uninterrupted run's: the file keeps
     each batch's effect sums."""
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     edit = ["intervene=edit", "intervene.edit.layers=[relu]", "intervene.edit.op=zero"]
     args = [*SLOW, "dataset.num_samples=12", *edit]
     run(make_cfg(*args), run_dir=tmp_path / "whole")
-    stopped = [*args, "model._target_=tests.models_for_tests.SignalsItself"]
+    stopped = [*args, "model._target_=probe.testing.models.SignalsItself"]
     SignalsItself.at_call = 5  # a clean and an edited forward per batch: inside the third batch
     try:
         with pytest.raises(Interrupted):
@@ -432,9 +434,9 @@ def test_effects_after_a_resume_count_every_batch(tmp_path):
 def test_a_resume_killed_before_its_first_batch_leaves_a_readable_file(tmp_path):
     """The resumed file enters SWMR mode before its first batch: a kill then leaves every row
     of the earlier run readable, and another resume finishes it equal to an uninterrupted run."""
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
-    stopped = [*SLOW, "model._target_=tests.models_for_tests.SignalsItself"]
+    stopped = [*SLOW, "model._target_=probe.testing.models.SignalsItself"]
     SignalsItself.at_call = 4
     try:
         with pytest.raises(Interrupted):

@@ -28,12 +28,13 @@ import probe
 from probe.errors import ConfigError
 from probe.launch.run import run
 from probe.store import runlock
-from tests.helpers import QUIET, ROOT, assert_same_arrays, cli, make_cfg
-from tests.models_for_tests import TinyNet
+from probe.testing.compose import QUIET, make_cfg
+from probe.testing.models import TinyNet
+from tests.helpers import ROOT, assert_same_arrays, cli
 
 TINY = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "probes=everything",
