@@ -128,6 +128,30 @@ def test_xarray_sees_named_dimensions_and_the_sample_coordinate(finished):
         np.testing.assert_array_equal(part["sample"].values, np.arange(3, 9))
 
 
+def test_the_documented_reads_share_one_process_in_either_order(finished):
+    """docs/format.md's sequence in one process on a finished run: probe.open_run, refresh, then
+    h5py.File(path, "r", swmr=True) while the run is open (HDF5 refuses a second open with another
+    SWMR flag unless the first is a SWMR one), then the plain open of a finished run; and the
+    opposite orders. Each sees the rows the run reads."""
+    path = finished.h5_path
+    run = probe.open_run(finished.run_dir)
+    run.refresh()
+    want = run.array("conv", "output")[:]
+    with h5py.File(path, "r", swmr=True) as f:
+        n = f["progress"][()]["samples"]
+        np.testing.assert_array_equal(f["layers/conv/output"][:n], want)
+    with h5py.File(path) as f:
+        assert f.attrs["complete"]
+        np.testing.assert_array_equal(f["layers/conv/output"][:], want)
+    assert n == run.num_samples == 36 and run.state == "complete"
+    run.close()
+    for swmr in (True, False):
+        with h5py.File(path, "r", swmr=swmr) as f, probe.open_run(finished.run_dir) as run:
+            np.testing.assert_array_equal(run.array("conv", "output")[:], want)
+            np.testing.assert_array_equal(f["layers/conv/output"][:], want)
+            assert run.refresh().num_samples == 36
+
+
 def test_stats_decode_from_their_field_names_alone(finished):
     """A reader that knows only HDF5 and the field names in the file gets the summary's values."""
     summary = finished.summary.set_index(["layer", "site"])
