@@ -1,9 +1,28 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the share of the cores each pytest-xdist worker takes."""
+
+import os
 
 import pytest
 import torch
 
+from probe.stats.parallel import usable_cores
 from probe.testing.tokens import make_tiny, make_tokenizer
+
+# Nothing is downloaded: the HuggingFace hub answers at once that it is offline (a name it would
+# look up, such as a custom model's as a tokenizer, otherwise waits out its retries), here and in
+# every CLI run a test starts.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n auto`), each worker's torch, and the CLI runs it starts, use its
+    share of the cores, so that the workers do not crowd each other out; tests of threads set
+    the count they check themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        share = max(1, usable_cores() // workers)
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -54,6 +54,7 @@ def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tm
     cfg = make_cfg(*RESNET)
     model = build_model(cfg.model, cfg.seed)
     batches = [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed, model)]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the backward on several CPU threads varies in its last bits)
     try:
         api = probe.run(
@@ -61,7 +62,7 @@ def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tm
             out=tmp_path / "api", objective={"name": "logit", "index": "predicted"},
         )  # fmt: skip
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
     with probe.open_run(tmp_path / "cli") as shipped, api:
         assert shipped.layers == ["layer4"]
         for site in ("gradcam", "layercam"):

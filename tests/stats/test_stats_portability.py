@@ -95,8 +95,9 @@ def test_an_unknown_backend_is_named(tmp_path):
 
 
 def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path):
-    team = _run(tmp_path, "team", "stats.backend=numba")
-    alone = _run(tmp_path, "alone", "stats.backend=numba", env={"PROBE_OMP_TEAM": "0"})
+    two = {"OMP_NUM_THREADS": "2"}  # a team to split across, however many cores the test has
+    team = _run(tmp_path, "team", "stats.backend=numba", env=two)
+    alone = _run(tmp_path, "alone", "stats.backend=numba", env={**two, "PROBE_OMP_TEAM": "0"})
     assert assert_same_statistics(team, alone, rtol=1e-12) >= 9
 
 
