@@ -1,11 +1,15 @@
 """Shared fixtures, and the share of the cores each pytest-xdist worker takes."""
 
+import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from probe.stats.parallel import usable_cores
+from probe.testing.compose import QUIET
 from probe.testing.tokens import make_tiny, make_tokenizer
 
 # Nothing is downloaded: the HuggingFace hub answers at once that it is offline (a name it would
@@ -45,6 +49,39 @@ def compiled_kernels():
 
     if backend.numba_installed() and not kernel_cache.is_warm():
         kernel_cache.warm_up()
+
+
+@pytest.fixture
+def cli_in_process(capfd, monkeypatch):
+    """`python -m probe ARGS` through its console entry point in this process: Hydra's
+    composition, every check, the message and the exit code as `tests.helpers.cli` gets them in
+    a subprocess, without starting an interpreter. For a run that stops at bad input; returns a
+    subprocess.CompletedProcess (returncode, stdout, stderr)."""
+    from probe.__main__ import main
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        flags = [a for a in args if a in ("-m", "--multirun")]
+        argv = ["probe", *flags, *QUIET, *(a for a in args if a not in flags)]
+        capfd.readouterr()  # (what the test printed before)
+        with monkeypatch.context() as m:
+            m.setattr(sys, "argv", argv)
+            try:
+                main()
+                code = 0
+            except SystemExit as e:  # as the interpreter turns it into an exit status
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            finally:  # Hydra's handlers write to this test's captured streams: drop them
+                for handler in logging.root.handlers[:]:
+                    logging.root.removeHandler(handler)
+                    handler.close()
+        out = capfd.readouterr()
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+    return call
 
 
 @pytest.fixture

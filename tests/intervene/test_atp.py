@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tests.helpers import cli, hf, run_probe
+from tests.helpers import hf, run_probe
 
 
 def grid_args(model, path, *extra):
@@ -122,11 +122,11 @@ def test_the_qk_fix_recomputes_the_patched_keys_attention_exactly(tmp_path, lm):
     )  # fmt: skip
 
 
-def test_atp_on_an_input_without_gradient_is_a_named_error(tmp_path, lm):
+def test_atp_on_an_input_without_gradient_is_a_named_error(tmp_path, lm, cli_in_process):
     model_dir, path, _ = lm
-    out = cli(*grid_args(model_dir, path, "intervene.grid.layers=[transformer.wte]",
-                         "intervene.grid.site=input", "intervene.grid.over=[layer]",
-                         "intervene.grid.method=atp"), f"hydra.run.dir={tmp_path}")  # fmt: skip
+    out = cli_in_process(*grid_args(model_dir, path, "intervene.grid.layers=[transformer.wte]",
+                                    "intervene.grid.site=input", "intervene.grid.over=[layer]",
+                                    "intervene.grid.method=atp"), f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert (
         "method atp needs the gradient of 'transformer.wte''s input, which has none" in out.stderr

@@ -312,8 +312,8 @@ def test_an_ablation_followed_by_an_in_place_op_keeps_its_gradients(tmp_path):
         ),
     ],
 )
-def test_bad_interventions(tmp_path, args, words):
-    out = cli(*SMALL, *args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+def test_bad_interventions(tmp_path, args, words, cli_in_process):
+    out = cli_in_process(*SMALL, *args, f"hydra.run.dir={tmp_path}")
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "Traceback" not in text
     for w in words:

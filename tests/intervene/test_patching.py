@@ -304,10 +304,8 @@ def test_a_steering_vector_per_position_equals_a_plain_hook(tmp_path, lm):
     np.testing.assert_allclose(f["effects/output_change"][:, 2], want, rtol=1e-5)
 
 
-def test_a_patch_without_a_source_exits_2_with_its_message(tmp_path, lm):
-    from tests.helpers import cli
-
-    out = cli(
+def test_a_patch_without_a_source_exits_2_with_its_message(tmp_path, lm, cli_in_process):
+    out = cli_in_process(
         *base_args(lm), "intervene=edit", "intervene.edit.layers=[transformer.h.0]",
         "intervene.edit.op=patch", f"hydra.run.dir={tmp_path}",
     )  # fmt: skip

@@ -14,7 +14,7 @@ from probe.launch.run import run
 from probe.stats.topk import TopKState, best
 from probe.store import stats_file
 from probe.testing.compose import make_cfg
-from tests.helpers import cli, run_interrupted, run_probe
+from tests.helpers import run_interrupted, run_probe
 
 SPEC = TopKSpec(top=4, bottom=3, quantiles=2, seed=0)
 EXAMPLES = ["stats.topk=4", "stats.bottomk=3", "stats.topk_quantiles=2"]
@@ -161,16 +161,16 @@ def test_a_resumed_run_keeps_the_uninterrupted_examples(tmp_path):
         run(make_cfg(*args, "stats.topk=5", "resume=true"), run_dir=tmp_path / "run")
 
 
-def test_more_examples_than_rows_is_refused(tmp_path):
+def test_more_examples_than_rows_is_refused(tmp_path, cli_in_process):
     head = [a for a in IMAGES if not a.startswith("probes=")] + [
         "probes=none",
         "+probes.head.layers=[fc]",
     ]
-    out = cli(*head, "stats.topk=21", f"hydra.run.dir={tmp_path}")
+    out = cli_in_process(*head, "stats.topk=21", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2, out.stderr
     message = out.stderr.strip().splitlines()[-1]
     assert "stats.topk=21" in message and "20 rows" in message and "'fc'" in message
-    out = cli(*IMAGES, "stats.bottomk=-1", f"hydra.run.dir={tmp_path / 'b'}")
+    out = cli_in_process(*IMAGES, "stats.bottomk=-1", f"hydra.run.dir={tmp_path / 'b'}")
     assert out.returncode == 2 and "stats.bottomk=-1 must be at least 0" in out.stderr
 
 

@@ -14,7 +14,7 @@ from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.testing.arrays import h5_arrays
 from probe.testing.compose import make_cfg
-from tests.helpers import assert_same_arrays, cli
+from tests.helpers import assert_same_arrays
 from tests.store.test_interrupts import SLOW
 
 
@@ -106,7 +106,9 @@ def test_a_stopped_close_run_resumes_to_the_uninterrupted_statistics(tmp_path):
     assert assert_same_arrays(reference.h5_path, result.h5_path) >= 6
 
 
-def test_deferred_statistics_need_stored_rows(tmp_path, small_resnet):
-    out = cli(*small_resnet, "store=stats", "stats.during=close", f"hydra.run.dir={tmp_path}")
+def test_deferred_statistics_need_stored_rows(tmp_path, small_resnet, cli_in_process):
+    out = cli_in_process(
+        *small_resnet, "store=stats", "stats.during=close", f"hydra.run.dir={tmp_path}"
+    )
     assert out.returncode == 2
     assert "stats.during=close needs store.mode=full" in out.stderr
