@@ -73,8 +73,17 @@ def assert_same_statistics(a: Path, b: Path, rtol: float) -> int:
         return len(ra.keys)
 
 
-def test_without_numba_the_torch_backend_gives_numbas_values(tmp_path):
-    compiled = _run(tmp_path, "numba", "stats.backend=numba", "store.mode=stats")
+TWO_THREADS = {"OMP_NUM_THREADS": "2"}  # a team to split across, however many cores the test has
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """A statistics-only run on numba's kernels, split across torch's OpenMP team of two."""
+    root = tmp_path_factory.mktemp("compiled")
+    return _run(root, "numba", "stats.backend=numba", "store.mode=stats", env=TWO_THREADS)
+
+
+def test_without_numba_the_torch_backend_gives_numbas_values(tmp_path, compiled):
     portable = _run(tmp_path, "torch", "store.mode=stats", env=_without_numba(tmp_path))
     assert (_backend(compiled), _backend(portable)) == ("numba", "torch")
     assert assert_same_statistics(compiled, portable, rtol=1e-9) >= 9
@@ -94,11 +103,10 @@ def test_an_unknown_backend_is_named(tmp_path):
     assert "Invalid value 'gpu'" in out.stderr and "auto, torch, numba" in out.stderr
 
 
-def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path):
-    two = {"OMP_NUM_THREADS": "2"}  # a team to split across, however many cores the test has
-    team = _run(tmp_path, "team", "stats.backend=numba", env=two)
-    alone = _run(tmp_path, "alone", "stats.backend=numba", env={**two, "PROBE_OMP_TEAM": "0"})
-    assert assert_same_statistics(team, alone, rtol=1e-12) >= 9
+def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path, compiled):
+    alone = _run(tmp_path, "alone", "stats.backend=numba", "store.mode=stats",
+                 env={**TWO_THREADS, "PROBE_OMP_TEAM": "0"})  # fmt: skip
+    assert assert_same_statistics(compiled, alone, rtol=1e-12) >= 9
 
 
 def test_importing_probe_compiles_and_imports_no_numba():
