@@ -18,7 +18,7 @@ from probe.models.build import build_model
 from probe.read.summarize import summarize_file
 from probe.testing.compose import make_cfg
 from probe.testing.tokens import make_tiny
-from tests.helpers import assert_same_arrays, cli, cloned_outputs, run_probe
+from tests.helpers import assert_same_arrays, cloned_outputs, run_probe
 
 LAYERS = {"gpt2": "transformer.h", "bert": "bert.encoder.layer", "llama": "model.layers"}
 TASKS = {"gpt2": "causal_lm", "bert": "masked_lm", "llama": "causal_lm"}
@@ -276,15 +276,14 @@ def test_stop_and_resume_of_token_rows_gives_the_uninterrupted_file(tmp_path, sa
 def test_torchrun_stitches_token_rows_into_the_single_process_file(tmp_path, saved):
     """2 processes of torchrun over padded token batches: the stitched file's token rows,
     /tokens (dataset-wide sample numbers) and table equal a single process's."""
-    from tests.launch.test_distributed import ONE_THREAD, torchrun
+    from tests.launch.test_distributed import single_process, torchrun
 
     args = [
         "model=custom", "model._target_=probe.testing.models.TinyLM", "+model.kwargs.vocab=100",
         "dataset=tokens", f"dataset.path={saved['gpt2'][1]}", "dataset.batch_size=2",
         "probes=residual",
     ]  # fmt: skip
-    single = cli(*args, f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path, env=ONE_THREAD)
-    assert single.returncode == 0, single.stderr
+    single_process(tmp_path / "single", *args)
     two = torchrun(tmp_path / "two", *args)
     assert two.returncode == 0, two.stderr + two.stdout
     assert assert_same_arrays(tmp_path / "two" / "probe.h5", tmp_path / "single" / "probe.h5") > 5
