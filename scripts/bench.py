@@ -28,7 +28,7 @@ import bench_common as bc  # first: it puts the repository root on sys.path
 import torch
 from torch.nn import functional as F
 
-from tests import oracles
+from probe.testing import oracles
 
 
 @dataclass

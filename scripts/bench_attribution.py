@@ -45,7 +45,7 @@ def parse_args(argv=None):
 
 
 def setup(args):
-    from tests.oracles import make_setup
+    from probe.testing.oracles import make_setup
 
     layers = BLOCKS[::-1][: args.layers]
     return make_setup([
@@ -63,7 +63,7 @@ def variants(s, layers):
     from pytorch_grad_cam import GradCAM
     from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 
-    from tests import oracles
+    from probe.testing import oracles
 
     model = s.model
     modules = [model.get_submodule(n) for n in layers]

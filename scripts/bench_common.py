@@ -4,8 +4,8 @@ small GPT-2 of the token benchmarks.
 
 A script imports it as `import bench_common` (a script's own folder is sys.path[0], from whatever
 directory it is started); importing it puts the repository root on sys.path, so that `probe` and
-the tests' oracles (`from tests import oracles`: a setup of model and batches, the pipeline over
-it, the reference values and hand-written captures) import from a checkout. Only the standard
+the oracles the tests use too (`from probe.testing import oracles`: a setup of model and batches,
+the pipeline over it, the reference values and hand-written captures) import from a checkout. Only the standard
 library is imported here: torch and the rest load where a function needs them.
 """
 

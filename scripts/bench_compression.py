@@ -24,7 +24,7 @@ import bench_common  # noqa: F401 - first: it puts the repository root on sys.pa
 import h5py
 import torch
 
-from tests.oracles import hooked, make_setup
+from probe.testing.oracles import hooked, make_setup
 
 
 def filters() -> dict[str, dict]:

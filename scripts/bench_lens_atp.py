@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch
 
     from probe.launch.run import build_run, run
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     if args.threads:
         torch.set_num_threads(args.threads)

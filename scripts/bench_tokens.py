@@ -72,7 +72,7 @@ def write_assets(assets: Path, args) -> tuple[Path, Path]:
 
 
 def make_setup(args, assets: Path):
-    from tests import oracles
+    from probe.testing import oracles
 
     model_dir, ids_path = write_assets(assets, args)
     return oracles.make_setup(
@@ -149,7 +149,7 @@ def hidden_states_h5py(setup) -> Callable:
 
 
 def probe_variant(setup, *overrides: str) -> Callable:
-    from tests import oracles
+    from probe.testing import oracles
 
     return oracles.probe_case(setup, *overrides)
 

@@ -103,7 +103,7 @@ def child_rss(args, samples: int, root: Path) -> dict:
 
 
 def run_child(samples: int, root: Path, batch: int) -> None:
-    from tests import oracles
+    from probe.testing import oracles
 
     model_dir, ids, sae = write_assets(root, samples, 0)
     setup = oracles.make_setup(overrides(model_dir, ids, batch))
@@ -129,7 +129,7 @@ def main() -> None:
         return run_child(args.child, root, args.batch)
     import torch
 
-    from tests import oracles
+    from probe.testing import oracles
 
     model_dir, ids, sae = write_assets(root, args.samples, 0)
     setup = oracles.make_setup(overrides(model_dir, ids, args.batch))

@@ -36,7 +36,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     if args.model == "cnn":
-        from tests.train.trainings import SmallCNN
+        from probe.testing.trainings import SmallCNN
 
         def make():
             return SmallCNN()

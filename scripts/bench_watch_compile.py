@@ -39,7 +39,7 @@ def main() -> None:
 
     import probe
     from probe.hooks.hookset import HookSet
-    from tests.train.trainings import SmallCNN
+    from probe.testing.trainings import SmallCNN
 
     torch.set_num_threads(args.threads)
     torch._inductor.config.fx_graph_cache = False  # (a compile from scratch each time)

@@ -37,11 +37,11 @@ from probe.stats.running import stats_for
 from probe.store import stats_file
 from probe.store.fileformat import decode, is_scale, layer_path, read_progress
 from probe.store.runfile import NothingFlushed, open_probe_file
-from tests.helpers import file_arrays  # as the tests compare files
+from probe.testing.arrays import file_arrays  # as the tests compare files
 
 BASE = [
     *("print_summary=false", "progress=false", "hydra.verbose=probe", "model=custom"),
-    *("model._target_=tests.models_for_tests.TinyNet", "model.input_shape=[3,8,8]"),
+    *("model._target_=probe.testing.models.TinyNet", "model.input_shape=[3,8,8]"),
     "model.num_classes=10",
 ]
 EVERYTHING = ["probes=everything"]  # conv, relu, fc: input and output, float16

@@ -43,7 +43,7 @@ import h5py
 import numpy as np
 import torch
 
-from tests import oracles
+from probe.testing import oracles
 
 COLS = ["group", "case", "median_s", "ratio", "to", "peak_gpu_mib", "check", "result"]
 
@@ -277,7 +277,7 @@ def token_group(args, tmp: Path) -> list[list]:
 
 def grid_group(args, tmp: Path) -> list[list]:
     from probe.launch.run import build_run, run
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     root = tmp / "grid"
     root.mkdir(parents=True, exist_ok=True)

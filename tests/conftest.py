@@ -1,9 +1,32 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the share of the cores each pytest-xdist worker takes."""
+
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.token_fixtures import make_tiny, make_tokenizer
+from probe.stats.parallel import usable_cores
+from probe.testing.compose import QUIET
+from probe.testing.tokens import make_tiny, make_tokenizer
+
+# Nothing is downloaded: the HuggingFace hub answers at once that it is offline (a name it would
+# look up, such as a custom model's as a tokenizer, otherwise waits out its retries), here and in
+# every CLI run a test starts.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n auto`), each worker's torch, and the CLI runs it starts, use its
+    share of the cores, so that the workers do not crowd each other out; tests of threads set
+    the count they check themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        share = max(1, usable_cores() // workers)
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,6 +49,39 @@ def compiled_kernels():
 
     if backend.numba_installed() and not kernel_cache.is_warm():
         kernel_cache.warm_up()
+
+
+@pytest.fixture
+def cli_in_process(capfd, monkeypatch):
+    """`python -m probe ARGS` through its console entry point in this process: Hydra's
+    composition, every check, the message and the exit code as `tests.helpers.cli` gets them in
+    a subprocess, without starting an interpreter. For a run that stops at bad input; returns a
+    subprocess.CompletedProcess (returncode, stdout, stderr)."""
+    from probe.__main__ import main
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        flags = [a for a in args if a in ("-m", "--multirun")]
+        argv = ["probe", *flags, *QUIET, *(a for a in args if a not in flags)]
+        capfd.readouterr()  # (what the test printed before)
+        with monkeypatch.context() as m:
+            m.setattr(sys, "argv", argv)
+            try:
+                main()
+                code = 0
+            except SystemExit as e:  # as the interpreter turns it into an exit status
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            finally:  # Hydra's handlers write to this test's captured streams: drop them
+                for handler in logging.root.handlers[:]:
+                    logging.root.removeHandler(handler)
+                    handler.close()
+        out = capfd.readouterr()
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+    return call
 
 
 @pytest.fixture
@@ -78,7 +134,7 @@ def resnet():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    """A tiny tokenizer saved with save_pretrained (see token_fixtures.make_tokenizer)."""
+    """A tiny tokenizer saved with save_pretrained (see probe.testing.tokens.make_tokenizer)."""
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 

@@ -8,18 +8,11 @@ import sys
 from pathlib import Path
 
 import h5py
-from hydra import compose, initialize_config_dir
 
-from probe.config import config_dir
 from probe.launch.run import run
+from probe.testing.compose import QUIET, make_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
-QUIET = ["print_summary=false", "progress=false"]
-
-
-def make_cfg(*overrides: str):
-    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
-        return compose("config", overrides=[*QUIET, *overrides])
 
 
 def run_probe(tmp_path: Path, *overrides: str):
@@ -29,12 +22,12 @@ def run_probe(tmp_path: Path, *overrides: str):
 
 
 def run_interrupted(run_dir: Path, at_call: int, *overrides: str) -> None:
-    """A run of tests.models_for_tests.SignalsItself stopped by its own SIGINT at forward call
+    """A run of probe.testing.models.SignalsItself stopped by its own SIGINT at forward call
     `at_call` (the batches before it written), for a resume to continue."""
     import pytest
 
     from probe.launch.interrupt import Interrupted
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     SignalsItself.at_call = at_call
     try:
@@ -60,47 +53,11 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: f
     )
 
 
-def file_arrays(f: h5py.File) -> dict:
-    """Every captured or per-sample dataset of an open run file by its path (virtual ones read
-    through their sources), and its statistics decoded from /stats (the slot layout, which
-    depends on how many flushes wrote it, is left out), under stats/<layer>/<site>/..."""
-    import numpy as np
-
-    from probe.stats.running import SCALARS, occupied
-    from probe.store import stats_file
-    from probe.store.fileformat import is_scale
-
-    arrays = {}
-
-    def take(name, obj):
-        plain = name == "sample" or not is_scale(obj)
-        own_slots = name[:6] in ("stats/", "topk/")  # (decoded below: which slot is the file's)
-        if isinstance(obj, h5py.Dataset) and plain and name != "progress" and not own_slots:
-            arrays[name] = obj[()]
-
-    f.visititems(take)
-    for (layer, site), info in stats_file.read(f).items():
-        s, at = info.stats, f"stats/{layer}/{site}"
-        arrays[f"{at}/scalars"] = np.array([getattr(s, k) for k in SCALARS], dtype=np.float64)
-        arrays[f"{at}/hist"] = occupied(s.hist.counts, False)
-        if s.units is not None:
-            arrays[f"{at}/units"] = s.units.packed()
-        for kind, (values, keys) in (info.topk.kinds if info.topk is not None else {}).items():
-            arrays[f"topk/{layer}/{site}/{kind}"] = np.stack([values, keys.astype(np.float64)])
-    return arrays
-
-
-def h5_arrays(path: Path) -> dict:
-    """`file_arrays` of the file at `path`."""
-    from probe.store.runfile import open_probe_file
-
-    with open_probe_file(path, ours_only=False) as f:
-        return file_arrays(f)
-
-
 def assert_same_arrays(a: Path, b: Path) -> int:
     """Both files hold the same datasets, value for value (NaN equal to NaN); returns how many."""
     import numpy as np
+
+    from probe.testing.arrays import h5_arrays
 
     left, right = h5_arrays(a), h5_arrays(b)
     assert sorted(left) == sorted(right)
@@ -148,3 +105,19 @@ def image_folder(root: Path, size: int = 4) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.new("RGB", (size + k + j, size + 1), (10 * k, 20 * j, 7)).save(path)
     return root
+
+
+def hf(lm):
+    """The causal LM saved in the `lm` fixture's folder, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(lm[0]).eval()
+
+
+def padded(rows, pad, width):
+    """The expectation, built by hand: right-padded rows and a 1/0 mask."""
+    import torch
+
+    ids = [r + [pad] * (width - len(r)) for r in rows]
+    mask = [[1] * len(r) + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(ids), torch.tensor(mask)

@@ -4,7 +4,8 @@ Every `import` of every module counts, those inside functions too (a lazy import
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, choices,
 errors, checks, model_checks, shipped, callable, layout) import no stage; the entry points at the
 top (`__main__`, the `python -m` modules, a stage's own `__main__`) may import anything, and
-nothing imports them.
+nothing imports them. `probe.testing` (what the tests and the benchmark scripts share) comes last:
+nothing in the pipeline imports it. The scripts import nothing from the test package.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import probe
 
 STAGES = [
     "models", "data", "hooks", "stats", "store", "attribute", "intervene", "circuits", "read",
-    "analysis", "report", "launch", "train", "integrations",
+    "analysis", "report", "launch", "train", "integrations", "testing",
 ]  # fmt: skip
 CORE = {
     "probe.config",
@@ -142,6 +143,24 @@ def test_every_module_has_a_place():
     entry |= {"probe.sites", *(f"probe.{s}" for s in STAGES)}
     entry |= {m for m in modules() if m.endswith(".__main__")}
     assert [m for m in modules() if stage(m) is None and m not in CORE | entry] == []
+
+
+def test_no_script_imports_the_test_package():
+    """scripts/ takes what it shares with the tests from probe.testing: no `tests.*` import, and
+    no model named by a `tests.` target."""
+    found = []
+    for path in sorted((PACKAGE.parent / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value.partition("_target_=")[2]] if "_target_=" in node.value else []
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "tests"]
+    assert found == []
 
 
 def test_the_walk_finds_a_cycle_and_an_upward_import(tmp_path):

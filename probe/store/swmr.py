@@ -129,14 +129,32 @@ def clear_dead_writer(path: Path | str) -> bool:
 
 
 def open_read(path: Path | str) -> h5py.File:
-    """Open for reading: plainly, or in SWMR mode when a writer has the file open or was killed
-    with it open (it then shows every batch flushed so far)."""
+    """Open for reading, in SWMR mode wherever the file's format allows it (its superblock is the
+    1.10 format's), whether a writer holds it, was killed holding it, or closed it. HDF5 lets one
+    process open a file a second time only with the same SWMR flag, or plainly over a SWMR open:
+    reading in SWMR mode lets `h5py.File(path, "r", swmr=True)` and a plain `h5py.File(path)` open
+    it beside this handle. Where this process already holds the file plainly, it opens plainly."""
     try:
-        return _open(path)
+        f = _open(path)
     except OSError as e:
         if "already open for write" not in str(e):
             raise  # (a damaged or cut-short file: a SWMR open would retry its reads for minutes)
-    return _open(path, swmr=True)
+        return _open(path, swmr=True)
+    if not swmr_format(path):
+        return f
+    f.close()  # (it opened plainly, so it is whole: reopened in SWMR mode)
+    try:
+        return _open(path, swmr=True)
+    except OSError as e:
+        if "SWMR read access flag not the same" not in str(e):
+            raise
+    return _open(path)  # this process holds it plainly already
+
+
+def swmr_format(path: Path | str) -> bool:
+    """Whether the file's superblock is the 1.10 format's (version 2 or 3), as SWMR writes it."""
+    with open(path, "rb") as fh:
+        return _superblock(fh.read(64)) is not None
 
 
 def _open(path, **kwargs) -> h5py.File:

@@ -307,7 +307,7 @@ def test_token_rows_are_skipped_and_token_layouts_pooled_per_sample(tmp_path):
     stored whole (N, T, C) and averaged over its tokens by the analysis."""
     from transformers import AutoModelForCausalLM
 
-    from tests.token_fixtures import make_tiny
+    from probe.testing.tokens import make_tiny
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny("gpt2", tmp_path / "gpt2", 40))
     ids = torch.randint(1, 40, (24, 6), generator=torch.Generator().manual_seed(0))

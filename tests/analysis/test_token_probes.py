@@ -30,7 +30,7 @@ def planted(root, name: str, labels: torch.Tensor):
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
     torch.save({"input_ids": ids * mask, "attention_mask": mask,
                 "token_labels": torch.where(mask.bool(), labels(ids), -1)}, root / f"{name}.pt")  # fmt: skip
-    _, f = run_probe(root / name, "model=custom", "model._target_=tests.models_for_tests.TokenContext",
+    _, f = run_probe(root / name, "model=custom", "model._target_=probe.testing.models.TokenContext",
                      "dataset=tokens", f"dataset.path={root / f'{name}.pt'}", "dataset.batch_size=32",
                      "+probes.t.layers=[lexical,context,mixed]", "+probes.t.rows=tokens",
                      "probes=none")  # fmt: skip

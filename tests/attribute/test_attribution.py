@@ -13,7 +13,8 @@ import torch
 from probe.data.batches import build_batches
 from probe.launch.run import run
 from probe.models.build import build_model
-from tests.helpers import make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import run_probe
 
 captum_attr = pytest.importorskip("captum.attr")
 grad_cam = pytest.importorskip("pytorch_grad_cam")
@@ -135,7 +136,7 @@ def test_the_completeness_gap_shrinks_with_more_steps(tmp_path, method):
     zero baseline, so any step count is exact there.)"""
     gaps = {}
     for steps in (4, 64):
-        args = ["model=custom", "model._target_=tests.models_for_tests.SmoothNet",
+        args = ["model=custom", "model._target_=probe.testing.models.SmoothNet",
                 "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset.num_samples=6",
                 "dataset.batch_size=3", "probes=all_convs", "probes.convs.layers=[conv1]",
                 "probes.convs.capture=[ig_output]", "objective=logit", "objective.index=3",
@@ -161,11 +162,11 @@ def test_attributions_do_not_depend_on_the_batch(tmp_path):
 
 def test_a_resumed_attribution_run_equals_an_uninterrupted_one(tmp_path):
     from probe.launch.interrupt import Interrupted
+    from probe.testing.models import SignalsItself
     from tests.helpers import assert_same_arrays
-    from tests.models_for_tests import SignalsItself
 
     args = [
-        "model=custom", "model._target_=tests.models_for_tests.SignalsItself",
+        "model=custom", "model._target_=probe.testing.models.SignalsItself",
         "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset.num_samples=10",
         "dataset.batch_size=3", "probes=all_convs", "probes.convs.capture=[gradcam,ig_output]",
         "objective=logit", "objective.index=predicted", "attribution.steps=4",

@@ -10,8 +10,9 @@ import torch
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
-from tests.helpers import cli, make_cfg, run_probe
-from tests.token_fixtures import tiny_config
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import tiny_config
+from tests.helpers import run_probe
 
 captum_attr = pytest.importorskip("captum.attr")
 pytest.importorskip("pytorch_grad_cam")
@@ -125,10 +126,10 @@ R = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=2", "datase
           "objective=logit", "objective.index=ten"], "objective.index='ten' is neither"),
     ],
 )  # fmt: skip
-def test_bad_attribution_input_is_a_named_error(tmp_path, args, words):
+def test_bad_attribution_input_is_a_named_error(tmp_path, args, words, cli_in_process):
     plain = tmp_path / "x.pt"
     torch.save(torch.randn(2, 3, 32, 32), plain)
     args = [a.replace("@NOTARGETS", str(plain)) for a in args]
-    out = cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    out = cli_in_process(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 2, out.stderr[-3000:]
     assert words in out.stderr and "Traceback" not in out.stderr

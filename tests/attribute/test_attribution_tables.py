@@ -47,13 +47,14 @@ def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tm
     the same probe and objective as mappings, on the same model and inputs."""
     from probe.data.batches import build_batches
     from probe.models.build import build_model
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     out = cli(*RESNET, "probes=cams", f"hydra.run.dir={tmp_path / 'cli'}")
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = make_cfg(*RESNET)
     model = build_model(cfg.model, cfg.seed)
     batches = [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed, model)]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the backward on several CPU threads varies in its last bits)
     try:
         api = probe.run(
@@ -61,7 +62,7 @@ def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tm
             out=tmp_path / "api", objective={"name": "logit", "index": "predicted"},
         )  # fmt: skip
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
     with probe.open_run(tmp_path / "cli") as shipped, api:
         assert shipped.layers == ["layer4"]
         for site in ("gradcam", "layercam"):

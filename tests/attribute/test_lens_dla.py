@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import cli, run_probe
-from tests.token_fixtures import make_tiny
+from probe.testing.tokens import make_tiny
+from tests.helpers import run_probe
 
 N, T = 5, 6
 
@@ -196,7 +196,7 @@ def test_dla_components_sum_to_the_logit_difference_and_heads_equal_a_hand_compu
         ),
     ],
 )
-def test_bad_lens_input_is_a_named_error(tmp_path, models, extra, words):
+def test_bad_lens_input_is_a_named_error(tmp_path, models, extra, words, cli_in_process):
     bad = tmp_path / "bad"
     bad.mkdir()
     torch.save({f"layer_translators.{i}.{k}": torch.zeros(*s) for i in range(2)
@@ -204,22 +204,23 @@ def test_bad_lens_input_is_a_named_error(tmp_path, models, extra, words):
     given = [a.replace("@BAD", str(bad)) for a in args_of(models, "gpt2", *extra)]
     if "dataset=random_tokens" in extra:
         given = [a for a in given if not a.startswith(("dataset=pairs", "dataset.path"))]
-    out = cli(*given, f"hydra.run.dir={tmp_path / 'run'}")
+    out = cli_in_process(*given, f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 2, out.stderr[-2000:]
     assert words in out.stderr and "Traceback" not in out.stderr
 
 
-def test_dla_refuses_a_post_norm_model(tmp_path):
+def test_dla_refuses_a_post_norm_model(tmp_path, cli_in_process):
     from transformers import BertForMaskedLM
 
-    from tests.token_fixtures import tiny_config
+    from probe.testing.tokens import tiny_config
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
         BertForMaskedLM(tiny_config("bert", 40)).save_pretrained(tmp_path / "bert")
-    out = cli("model=hf", f"model.name={tmp_path / 'bert'}", "model.task=masked_lm",
-              "dataset=random_tokens", "dataset.num_samples=2", "dataset.seq_len=4", "probes=none",
-              "lens=dla", "lens.tokens=[5,6]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    out = cli_in_process("model=hf", f"model.name={tmp_path / 'bert'}", "model.task=masked_lm",
+                         "dataset=random_tokens", "dataset.num_samples=2", "dataset.seq_len=4",
+                         "probes=none", "lens=dla", "lens.tokens=[5,6]",
+                         f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert out.returncode == 2 and "is a post-norm model" in out.stderr
 
 
@@ -238,18 +239,18 @@ def test_lens_at_the_last_position_reads_that_position_alone(tmp_path, models):
     np.testing.assert_allclose(last["lens/answer_prob"][:], every["lens/answer_prob"][:], rtol=1e-6)
 
 
-def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm):
+def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm, cli_in_process):
     """A model of a family the anatomy does not know: the alias is refused, naming the keys;
     given by hand (model.anatomy.mlp_out), it resolves below each block."""
     from probe.checks import typed_probes
     from probe.hooks.select import select_modules
     from probe.models.build import build_model
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     _, path, _ = lm
-    args = ["model=custom", "model._target_=tests.models_for_tests.LinearLM", "dataset=pairs",
+    args = ["model=custom", "model._target_=probe.testing.models.LinearLM", "dataset=pairs",
             f"dataset.path={path}", "probes=none", "+probes.x.layers=[@mlp_out]"]  # fmt: skip
-    out = cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    out = cli_in_process(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 2
     assert "@mlp_out cannot be resolved for a 'LinearLM' model" in out.stderr
     assert "model.anatomy.mlp_out=SUFFIX" in out.stderr

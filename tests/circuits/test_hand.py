@@ -13,9 +13,9 @@ from probe.circuits.parts import parts_of
 from probe.circuits.patching import exact_edges, path_patch
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
+from probe.testing.tokens import tiny_config
 from tests.circuits.hand import Hand
 from tests.circuits.toy import pairs
-from tests.token_fixtures import tiny_config
 
 
 def build(family: str):

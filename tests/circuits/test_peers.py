@@ -18,10 +18,10 @@ import torch
 
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
+from probe.testing.tokens import make_tokenizer
 from tests.circuits.hand import logit_diff
 from tests.circuits.test_hand import build
 from tests.circuits.toy import pairs
-from tests.token_fixtures import make_tokenizer
 
 pytest.importorskip("transformer_lens", reason="TransformerLens is not installed")
 

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 from probe.config import DatasetConfig, ModelConfig
 from probe.data.pairs import pair_dataset
 from probe.errors import ConfigError, DataError
-from tests.token_fixtures import make_tokenizer, padded
+from probe.testing.tokens import make_tokenizer
+from tests.helpers import padded
 
 VOCAB = 32  # 4 specials + 28 words
 

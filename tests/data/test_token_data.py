@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from probe.config import DatasetConfig, ModelConfig
 from probe.data.tokens import token_dataset
 from probe.errors import ConfigError, DataError
-from tests.token_fixtures import make_tokenizer, padded
+from probe.testing.tokens import make_tokenizer
+from tests.helpers import padded
 
 DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one two three four"]
 
@@ -322,7 +323,7 @@ def test_tokens_lists_as_a_tokenizer_returns_them(tmp_path):
 
 @pytest.mark.parametrize("name", ["tokens", "text", "random_tokens"])
 def test_config_files_compose(name):
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     cfg = make_cfg(f"dataset={name}", "dataset.path=x")
     assert cfg.dataset.name == name and cfg.dataset.batch_size == 8

@@ -13,8 +13,8 @@ import torch
 
 import probe
 from probe.errors import ConfigError, DataError
+from probe.testing.tokens import make_tiny_gpt2
 from tests.helpers import run_probe
-from tests.token_fixtures import make_tiny_gpt2
 
 DOCS = [
     ("the cat sat unbelievable", ["DET", "NOUN", "VERB", "ADJ"], "pos"),
@@ -129,7 +129,7 @@ def test_token_labels_of_a_pt_file_with_padding_on_either_side(tmp_path):
     torch.save(
         {"input_ids": ids, "attention_mask": mask, "token_labels": labels}, tmp_path / "ids.pt"
     )
-    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=tests.models_for_tests.TokenContext",
+    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=probe.testing.models.TokenContext",
                      "dataset=tokens", f"dataset.path={tmp_path / 'ids.pt'}", "dataset.batch_size=2",
                      "+probes.t.layers=[lexical]", "+probes.t.rows=tokens", "probes=none")  # fmt: skip
     with f:
@@ -139,7 +139,7 @@ def test_token_labels_of_a_pt_file_with_padding_on_either_side(tmp_path):
 
 def test_label_errors_name_the_record_and_the_way_out(labelled_docs, tmp_path):
     from probe.data.tokens import token_dataset
-    from tests.helpers import make_cfg
+    from probe.testing.compose import make_cfg
 
     root, _ = labelled_docs
     wordpiece(tmp_path / "tok")

@@ -13,7 +13,8 @@ from probe.data.batches import build_batches
 from probe.hooks.capture import Capture
 from probe.hooks.select import select_modules
 from probe.models.build import build_model
-from tests.helpers import make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import run_probe
 
 
 def _model_and_inputs(cfg):

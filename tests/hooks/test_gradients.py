@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
-from tests.helpers import cli, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=7"]
 ALL_SITES = [
@@ -239,11 +240,11 @@ def test_logit_objective_is_a_saliency(tmp_path):
         (["dataset=tensors", "dataset.path={x}"], ["needs targets", "output_sum"]),
     ],
 )
-def test_bad_objective_inputs(tmp_path, args, words):
+def test_bad_objective_inputs(tmp_path, args, words, cli_in_process):
     torch.save(torch.randn(2, 3, 32, 32), tmp_path / "x.pt")
     args = [a.replace("{x}", str(tmp_path / "x.pt")) for a in args]
-    out = cli(
-        *SMALL, "probes=grads_all_convs", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path
+    out = cli_in_process(
+        *SMALL, "probes=grads_all_convs", *args, f"hydra.run.dir={tmp_path / 'run'}"
     )
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "Traceback" not in text

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from probe.hooks.hookset import HookSet
-from tests.models_for_tests import assert_no_hooks, registrations
+from probe.testing.models import assert_no_hooks, registrations
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from probe.models.zoo import LeNet
 from probe.stats import backend
 from probe.stats.backend import batch_stats
 from probe.stats.running import RunningStats
-from tests.models_for_tests import TinyLM
+from probe.testing.models import TinyLM
 
 
 def spec(**kw):

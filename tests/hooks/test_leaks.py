@@ -24,9 +24,10 @@ from probe.hooks.select import select_modules
 from probe.hooks.sites import probe_specs
 from probe.intervene.edits import Edit
 from probe.launch.run import run
-from tests.helpers import cli, file_arrays, make_cfg
-from tests.models_for_tests import TinyNet, assert_no_hooks, built_models, registrations
-from tests.token_fixtures import hf
+from probe.testing.arrays import file_arrays
+from probe.testing.compose import make_cfg
+from probe.testing.models import TinyNet, assert_no_hooks, built_models, registrations
+from tests.helpers import cli, hf
 
 TINY = [
     "model=custom",
@@ -57,7 +58,7 @@ def test_a_thirty_run_sweep_keeps_handles_and_memory_flat(tmp_path):
     log = tmp_path / "resources.txt"
     out = cli(
         *TINY,
-        "model._target_=tests.models_for_tests.RecordsResources",
+        "model._target_=probe.testing.models.RecordsResources",
         f"+model.kwargs.log={log}",
         f"seed={','.join(map(str, range(30)))}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
@@ -77,7 +78,7 @@ def test_a_thirty_run_sweep_keeps_handles_and_memory_flat(tmp_path):
 @pytest.mark.parametrize("ok_calls", [0, 2], ids=["first-batch", "third-batch"])
 def test_a_run_that_raises_leaves_no_hook_handle_or_thread(tmp_path, ok_calls):
     cfg = make_cfg(
-        *TINY, "model._target_=tests.models_for_tests.Raises", f"+model.kwargs.ok_calls={ok_calls}"
+        *TINY, "model._target_=probe.testing.models.Raises", f"+model.kwargs.ok_calls={ok_calls}"
     )
     fds = open_fds()
     with pytest.raises(ModelError, match="deliberate failure"):
@@ -172,7 +173,7 @@ def api_run(model, out, keywords: dict):
 @contextlib.contextmanager
 def owners():
     """{'<HookSet label> <kind>': the numbers of the registrations it made} (counted as
-    tests.models_for_tests.registrations counts them) of what runs inside."""
+    probe.testing.models.registrations counts them) of what runs inside."""
     made: dict[str, list[int]] = {}
     add = HookSet._add
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import probe
 from probe.errors import ConfigError, ProbeError
-from tests.models_for_tests import TinyLM, assert_no_hooks, registrations
+from probe.testing.models import TinyLM, assert_no_hooks, registrations
 
 
 def cloned(model, names, x):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import cli, run_probe
+from tests.helpers import run_probe
 
 LOGITS = [
     "model=resnet18", "model.num_classes=10", "dataset.image_size=32", "dataset.num_samples=5",
@@ -33,7 +33,7 @@ def test_a_log_probabilitys_gradient_is_one_hot_minus_softmax(tmp_path):
     np.testing.assert_allclose(f["layers/fc/grad_output"][:], want.numpy(), atol=1e-6)
 
 
-def test_objective_logit_diff_equals_the_metric(tmp_path, lm):
+def test_objective_logit_diff_equals_the_metric(tmp_path, lm, cli_in_process):
     """Answer minus wrong logit at the last position of each pair's own input: its gradient on
     lm_head's output is +1 at the answer and -1 at the wrong token there, 0 elsewhere."""
     model, path, pairs = lm
@@ -47,6 +47,6 @@ def test_objective_logit_diff_equals_the_metric(tmp_path, lm):
     want[rows, -1, pairs["answer"].numpy()] += 1
     want[rows, -1, pairs["wrong"].numpy()] -= 1
     np.testing.assert_array_equal(grad, want)
-    out = cli(*args[:3], "dataset=random_tokens", "dataset.num_samples=2", *args[6:],
-              f"hydra.run.dir={tmp_path / 'no-answers'}")  # fmt: skip
+    out = cli_in_process(*args[:3], "dataset=random_tokens", "dataset.num_samples=2", *args[6:],
+                         f"hydra.run.dir={tmp_path / 'no-answers'}")  # fmt: skip
     assert out.returncode == 2 and "objective=logit_diff reads each sample's answer" in out.stderr

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import probe
-from tests.helpers import cli, run_probe
+from probe.testing.tokens import make_tiny
+from tests.helpers import run_probe
 from tests.models.test_sae_loading import reference, write_sae
-from tests.token_fixtures import make_tiny
 
 WIDTH, LATENTS, K = 32, 64, 6
 
@@ -193,7 +193,7 @@ def test_fvu_is_against_the_mean_of_x_not_of_the_error(lm, tmp_path):
     assert abs(got - mean_removed) > 0.5 * fvu
 
 
-def test_bad_saes_exit_2_by_name(lm, tmp_path):
+def test_bad_saes_exit_2_by_name(lm, tmp_path, cli_in_process):
     model, ids_path, _, _ = lm
     base = ["model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=tokens",
             f"dataset.path={ids_path}", "probes=none", "+probes.block.layers=[transformer.h.0]"]  # fmt: skip
@@ -209,7 +209,9 @@ def test_bad_saes_exit_2_by_name(lm, tmp_path):
     cases = [(tmp_path / "empty", ["cfg.json"]), (narrow, ["d_in=16", "32 wide"]),
              (unknown, ["gated", "standard"]), (slots, ["max_active=-1", ">= 0"])]  # fmt: skip
     for i, (folder, words) in enumerate(cases):
-        out = cli(*base, f"+probes.block.sae={folder}", f"hydra.run.dir={tmp_path / f'run{i}'}")
+        out = cli_in_process(
+            *base, f"+probes.block.sae={folder}", f"hydra.run.dir={tmp_path / f'run{i}'}"
+        )
         assert out.returncode == 2, out.stderr[-2000:]
         message = out.stderr.strip().splitlines()[-1]
         assert all(w in message for w in words), message
@@ -273,13 +275,14 @@ def test_conv_channel_latents_resume_to_the_uninterrupted_run(tmp_path):
     read back dense equal to numpy's encode of the stored maps; a run interrupted in its
     third batch and resumed stores the uninterrupted run's slots and statistics."""
     from probe.launch.run import run
-    from tests.helpers import make_cfg, run_interrupted
+    from probe.testing.compose import make_cfg
+    from tests.helpers import run_interrupted
 
     g = torch.Generator().manual_seed(1)
     tensors = {"W_enc": torch.randn(4, 16, generator=g), "b_enc": torch.randn(16, generator=g) * 0.1,
                "W_dec": torch.randn(16, 4, generator=g) * 0.1, "b_dec": torch.zeros(4)}  # fmt: skip
     write_sae(tmp_path / "sae", "standard", tensors, d_in=4, d_sae=16)
-    args = ["model=custom", "model._target_=tests.models_for_tests.SignalsItself",
+    args = ["model=custom", "model._target_=probe.testing.models.SignalsItself",
             "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset.num_samples=12",
             "dataset.batch_size=3", "probes=none", "+probes.c.layers=[conv]",
             f"+probes.c.sae={{path:{tmp_path / 'sae'},max_active:5}}", "stats.topk=2"]  # fmt: skip
@@ -326,13 +329,15 @@ def test_sparse_latents_index_like_an_array(lm, tmp_path):
             np.testing.assert_array_equal(lazy[key], whole[key], err_msg=str(key))
 
 
-def test_a_spliced_sae_beside_gradient_sites_is_refused(lm, tmp_path):
+def test_a_spliced_sae_beside_gradient_sites_is_refused(lm, tmp_path, cli_in_process):
     an_sae(tmp_path / "sae")
     model, ids_path, _, _ = lm
-    out = cli("model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=tokens",
-              f"dataset.path={ids_path}", "probes=none", "+probes.block.layers=[transformer.h.0]",
-              f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true}}", "objective=lm_loss",
-              "+probes.block.capture=[output,grad_output]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    out = cli_in_process(
+        "model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=tokens",
+        f"dataset.path={ids_path}", "probes=none", "+probes.block.layers=[transformer.h.0]",
+        f"+probes.block.sae={{path:{tmp_path / 'sae'},splice:true}}", "objective=lm_loss",
+        "+probes.block.capture=[output,grad_output]", f"hydra.run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     message = out.stderr.strip().splitlines()[-1]
     assert all(w in message for w in ("sae.splice=true", "grad_output", "transformer.h.0")), message

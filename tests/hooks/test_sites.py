@@ -19,8 +19,8 @@ from probe.config import ProbeSpec, typed
 from probe.errors import ConfigError, ModelError
 from probe.hooks.select import select_modules
 from probe.hooks.sites import main
+from probe.testing.models import Raises, TinyLM, TinyNet, assert_no_hooks, registrations
 from tests.helpers import ROOT
-from tests.models_for_tests import Raises, TinyLM, TinyNet, assert_no_hooks, registrations
 
 
 class Twice(nn.Module):

@@ -16,8 +16,9 @@ from probe.data.batches import build_batches
 from probe.launch.run import run
 from probe.models.build import build_model
 from probe.read.summarize import summarize_file
-from tests.helpers import assert_same_arrays, cli, cloned_outputs, make_cfg, run_probe
-from tests.token_fixtures import make_tiny
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import make_tiny
+from tests.helpers import assert_same_arrays, cloned_outputs, run_probe
 
 LAYERS = {"gpt2": "transformer.h", "bert": "bert.encoder.layer", "llama": "model.layers"}
 TASKS = {"gpt2": "causal_lm", "bert": "masked_lm", "llama": "causal_lm"}
@@ -249,10 +250,10 @@ def test_stop_and_resume_of_token_rows_gives_the_uninterrupted_file(tmp_path, sa
     then resume=true: every dataset (token rows of padded batches, /tokens, /samples) and the
     table equal an uninterrupted run's."""
     from probe.launch.interrupt import Interrupted
-    from tests.models_for_tests import SignalsItselfLM
+    from probe.testing.models import SignalsItselfLM
 
     args = [
-        "model=custom", "model._target_=tests.models_for_tests.SignalsItselfLM", "+model.kwargs.vocab=100",
+        "model=custom", "model._target_=probe.testing.models.SignalsItselfLM", "+model.kwargs.vocab=100",
         "dataset=tokens", f"dataset.path={saved['gpt2'][1]}", "dataset.batch_size=2",
         "probes=residual", "probes.residual.capture=[output,grad_output]",
         "objective=lm_loss", "store.flush_seconds=0",
@@ -275,15 +276,14 @@ def test_stop_and_resume_of_token_rows_gives_the_uninterrupted_file(tmp_path, sa
 def test_torchrun_stitches_token_rows_into_the_single_process_file(tmp_path, saved):
     """2 processes of torchrun over padded token batches: the stitched file's token rows,
     /tokens (dataset-wide sample numbers) and table equal a single process's."""
-    from tests.launch.test_distributed import ONE_THREAD, torchrun
+    from tests.launch.test_distributed import single_process, torchrun
 
     args = [
-        "model=custom", "model._target_=tests.models_for_tests.TinyLM", "+model.kwargs.vocab=100",
+        "model=custom", "model._target_=probe.testing.models.TinyLM", "+model.kwargs.vocab=100",
         "dataset=tokens", f"dataset.path={saved['gpt2'][1]}", "dataset.batch_size=2",
         "probes=residual",
     ]  # fmt: skip
-    single = cli(*args, f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path, env=ONE_THREAD)
-    assert single.returncode == 0, single.stderr
+    single_process(tmp_path / "single", *args)
     two = torchrun(tmp_path / "two", *args)
     assert two.returncode == 0, two.stderr + two.stdout
     assert assert_same_arrays(tmp_path / "two" / "probe.h5", tmp_path / "single" / "probe.h5") > 5

@@ -11,8 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tests.helpers import cli, run_probe
-from tests.token_fixtures import hf
+from tests.helpers import hf, run_probe
 
 
 def grid_args(model, path, *extra):
@@ -23,7 +22,7 @@ def grid_args(model, path, *extra):
 
 def test_atp_is_exact_on_a_model_linear_in_the_patched_site(tmp_path, lm):
     _, path, _ = lm
-    args = ["model=custom", "model._target_=tests.models_for_tests.LinearLM", "dataset=pairs",
+    args = ["model=custom", "model._target_=probe.testing.models.LinearLM", "dataset=pairs",
             f"dataset.path={path}", "dataset.batch_size=2", "probes=none", "intervene=patch_grid",
             "intervene.grid.method=[exact,atp]"]  # fmt: skip
     _, f = run_probe(tmp_path, *args)
@@ -123,11 +122,11 @@ def test_the_qk_fix_recomputes_the_patched_keys_attention_exactly(tmp_path, lm):
     )  # fmt: skip
 
 
-def test_atp_on_an_input_without_gradient_is_a_named_error(tmp_path, lm):
+def test_atp_on_an_input_without_gradient_is_a_named_error(tmp_path, lm, cli_in_process):
     model_dir, path, _ = lm
-    out = cli(*grid_args(model_dir, path, "intervene.grid.layers=[transformer.wte]",
-                         "intervene.grid.site=input", "intervene.grid.over=[layer]",
-                         "intervene.grid.method=atp"), f"hydra.run.dir={tmp_path}")  # fmt: skip
+    out = cli_in_process(*grid_args(model_dir, path, "intervene.grid.layers=[transformer.wte]",
+                                    "intervene.grid.site=input", "intervene.grid.over=[layer]",
+                                    "intervene.grid.method=atp"), f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert (
         "method atp needs the gradient of 'transformer.wte''s input, which has none" in out.stderr

@@ -15,8 +15,8 @@ from probe.errors import ConfigError
 from probe.intervene.metrics import METRICS
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
-from tests.helpers import make_cfg
-from tests.token_fixtures import hf
+from probe.testing.compose import make_cfg
+from tests.helpers import hf
 
 N, T = 5, 6
 
@@ -190,9 +190,9 @@ def test_causal_tracing_noise_on_the_embeddings_and_a_grid_from_clean(tmp_path, 
 def test_an_interrupted_grid_resumes_to_the_same_file(tmp_path, lm):
     """A SIGINT inside the 2nd batch's cells (14 forwards a batch: source, target, 12 cells),
     then resume=true: /patching and patching.csv equal an uninterrupted grid's."""
-    from tests.models_for_tests import SIGNAL_AT
+    from probe.testing.models import SIGNAL_AT
 
-    model = ["model=custom", "model._target_=tests.models_for_tests.signalling_lm",
+    model = ["model=custom", "model._target_=probe.testing.models.signalling_lm",
              f"+model.kwargs.path={lm[0]}"]  # fmt: skip
     args = [*grid_args(lm)[3:], *model]
     run(make_cfg(*args), run_dir=tmp_path / "whole")

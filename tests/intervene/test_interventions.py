@@ -17,7 +17,8 @@ from torch import nn
 import probe
 from probe.data.batches import build_batches
 from probe.models.build import build_model
-from tests.helpers import ROOT, cli, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import ROOT, cli, run_probe
 
 SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]
 
@@ -311,8 +312,8 @@ def test_an_ablation_followed_by_an_in_place_op_keeps_its_gradients(tmp_path):
         ),
     ],
 )
-def test_bad_interventions(tmp_path, args, words):
-    out = cli(*SMALL, *args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+def test_bad_interventions(tmp_path, args, words, cli_in_process):
+    out = cli_in_process(*SMALL, *args, f"hydra.run.dir={tmp_path}")
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "Traceback" not in text
     for w in words:
@@ -353,7 +354,7 @@ def test_summarize_gathers_every_jobs_effects_at_the_sweep_root(tmp_path):
     SWEEP/effects.csv, equal to each job's effects.csv after its run and override columns (read
     here from .hydra/overrides.yaml), in job order; each job's one-line effects summary on the
     console gives the numbers of its effects.csv."""
-    tiny = ["model=custom", "model._target_=tests.models_for_tests.TinyNet",
+    tiny = ["model=custom", "model._target_=probe.testing.models.TinyNet",
             "model.input_shape=[3,8,8]", "model.num_classes=10", "probes=all_linear",
             "dataset.num_samples=7", "dataset.batch_size=3"]  # fmt: skip
     edit = ["intervene=edit", "intervene.edit.layers=[relu]", "intervene.edit.op=scale,zero",

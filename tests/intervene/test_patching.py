@@ -13,8 +13,9 @@ from omegaconf import open_dict
 from probe.config import EditSpec
 from probe.errors import ConfigError, DataError
 from probe.launch.run import run
-from tests.helpers import make_cfg
-from tests.token_fixtures import hf, make_tiny
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import make_tiny
+from tests.helpers import hf
 
 N, T = 5, 6
 
@@ -303,10 +304,8 @@ def test_a_steering_vector_per_position_equals_a_plain_hook(tmp_path, lm):
     np.testing.assert_allclose(f["effects/output_change"][:, 2], want, rtol=1e-5)
 
 
-def test_a_patch_without_a_source_exits_2_with_its_message(tmp_path, lm):
-    from tests.helpers import cli
-
-    out = cli(
+def test_a_patch_without_a_source_exits_2_with_its_message(tmp_path, lm, cli_in_process):
+    out = cli_in_process(
         *base_args(lm), "intervene=edit", "intervene.edit.layers=[transformer.h.0]",
         "intervene.edit.op=patch", f"hydra.run.dir={tmp_path}",
     )  # fmt: skip

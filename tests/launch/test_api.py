@@ -15,9 +15,10 @@ import probe
 from probe.data.batches import build_batches
 from probe.errors import ConfigError, DataError
 from probe.models.build import build_model
-from tests.helpers import assert_same_arrays, cli, cloned_outputs, make_cfg
-from tests.models_for_tests import assert_no_hooks
-from tests.token_fixtures import make_tiny
+from probe.testing.compose import make_cfg
+from probe.testing.models import assert_no_hooks
+from probe.testing.tokens import make_tiny
+from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]

@@ -1,4 +1,5 @@
-"""The command line in a subprocess: a checkout run, an installed-package run, and bad inputs."""
+"""The command line: a checkout run, an installed-package run and an unwritable run directory in
+a subprocess, and bad inputs through its console entry point in this process (`cli_in_process`)."""
 
 from __future__ import annotations
 
@@ -106,8 +107,8 @@ def test_installed_package_finds_its_configs(tmp_path):
         (["seed_typo=1"], ["seed_typo"]),
     ],
 )
-def test_bad_input_exits_nonzero_with_a_named_message(tmp_path, args, words):
-    out = cli(*TINY, *args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+def test_bad_input_exits_nonzero_with_a_named_message(tmp_path, args, words, cli_in_process):
+    out = cli_in_process(*TINY, *args, f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "Traceback" not in text
@@ -115,10 +116,10 @@ def test_bad_input_exits_nonzero_with_a_named_message(tmp_path, args, words):
         assert w in text, text
 
 
-def test_checkpoint_of_another_architecture_names_the_keys(tmp_path):
+def test_checkpoint_of_another_architecture_names_the_keys(tmp_path, cli_in_process):
     bad = tmp_path / "other.pt"
     torch.save({"features.0.weight": torch.zeros(3)}, bad)
-    out = cli(*TINY, f"model.checkpoint={bad}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out = cli_in_process(*TINY, f"model.checkpoint={bad}", f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "missing keys" in out.stderr and "features.0.weight" in out.stderr
 

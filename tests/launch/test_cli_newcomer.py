@@ -25,12 +25,13 @@ from probe.data.batches import SyntheticImages, build_batches
 from probe.errors import CheckpointError, ProbeError
 from probe.hooks.select import select_modules
 from probe.models.build import build_model, key_prefix
-from tests.helpers import ROOT, cli, make_cfg
+from probe.testing.compose import make_cfg
+from tests.helpers import ROOT, cli
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=2"]
 TINYNET = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "dataset.num_samples=4",
     "dataset.batch_size=2",

@@ -14,7 +14,8 @@ from probe.config import config_dir
 from probe.data.batches import build_batches
 from probe.hooks.select import select_modules
 from probe.models.build import build_model
-from tests.helpers import cli, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import run_probe
 
 CONF = Path(config_dir())
 MODELS = sorted(
@@ -175,7 +176,7 @@ def test_fakedata_and_tensors_datasets(tmp_path):
     assert torch.equal(torch.cat([b.targets for b in batches]), y[:3])
 
 
-def test_missing_custom_target_is_a_message(tmp_path):
-    out = cli("model=custom", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+def test_missing_custom_target_is_a_message(tmp_path, cli_in_process):
+    out = cli_in_process("model=custom", f"hydra.run.dir={tmp_path}")
     text = out.stdout + out.stderr
     assert out.returncode == 2 and "Traceback" not in text and "model._target_" in text

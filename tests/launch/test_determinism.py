@@ -7,7 +7,8 @@ import numpy as np
 import pandas as pd
 
 from probe.launch.run import run
-from tests.helpers import cli, make_cfg
+from probe.testing.compose import make_cfg
+from tests.helpers import cli
 
 ARGS = [
     "model=lenet",

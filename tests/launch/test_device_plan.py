@@ -13,7 +13,8 @@ from hydra.errors import ConfigCompositionException
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
-from tests.helpers import cloned_outputs, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import cloned_outputs, run_probe
 
 TINY = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "dataset.batch_size=2"]
 LAYERS = ["probes=all_convs", "probes.convs.layers=[conv1,layer2.*,layer4.1.conv2]"]

@@ -12,12 +12,15 @@ import h5py
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import probe
 from probe.errors import DataError
+from probe.launch.run import run
 from probe.read.summarize import summarize_file
 from probe.store.stitch import IncompleteFileError, is_complete, open_checked, read_stats
-from tests.helpers import QUIET, ROOT, assert_same_arrays, cli
+from probe.testing.compose import QUIET, make_cfg
+from tests.helpers import ROOT, assert_same_arrays
 
 # 7 samples in batches of 2: rank 0 gets batches 0-1 (samples 0-3), rank 1 batches 2-3 (samples
 # 4-6, the last batch short). Outputs, output gradients and per-batch parameter gradients.
@@ -34,6 +37,17 @@ CASE = [
     "stats.topk_quantiles=2",
 ]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def single_process(run_dir, *args) -> None:
+    """The same run in this process on one thread, as each torchrun rank runs (the reference a
+    stitched file is compared with, value for value)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(make_cfg(*args), run_dir=run_dir)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def torchrun(run_dir, *args):
@@ -53,8 +67,7 @@ def torchrun(run_dir, *args):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
-    single = cli(*CASE, f"hydra.run.dir={root / 'single'}", cwd=root, env=ONE_THREAD)
-    assert single.returncode == 0, single.stderr
+    single_process(root / "single", *CASE)
     two = torchrun(root / "two", *CASE)
     assert two.returncode == 0, two.stderr + two.stdout
     return root / "single", root / "two"

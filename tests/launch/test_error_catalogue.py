@@ -28,8 +28,9 @@ from probe.errors import DataError
 from probe.launch.run import run
 from probe.store.fileformat import is_scale
 from probe.store.runfile import is_partial, open_probe_file
-from tests.helpers import QUIET, ROOT, make_cfg
-from tests.models_for_tests import assert_no_hooks, built_models
+from probe.testing.compose import QUIET, make_cfg
+from probe.testing.models import assert_no_hooks, built_models
+from tests.helpers import ROOT
 
 TINY = [
     "model=custom",
@@ -38,7 +39,7 @@ TINY = [
     "dataset.num_samples=6",
     "dataset.batch_size=2",
 ]
-TINYNET = [*TINY, "model._target_=tests.models_for_tests.TinyNet", "probes=everything"]
+TINYNET = [*TINY, "model._target_=probe.testing.models.TinyNet", "probes=everything"]
 
 
 @pytest.fixture
@@ -163,7 +164,7 @@ def test_custom_model_without_its_class(cli_here):
 def test_site_a_module_cannot_provide(cli_here):
     code, text = cli_here(
         *TINY,
-        "model._target_=tests.models_for_tests.KeywordOnly",
+        "model._target_=probe.testing.models.KeywordOnly",
         "probes=everything",
         "probes.everything.layers=[inner]",
     )
@@ -265,7 +266,7 @@ def test_corrupt_checkpoint(cli_here, tmp_path):
 
 def test_pickle_only_checkpoint_is_refused(cli_here, tmp_path):
     """A whole pickled module needs arbitrary code to load; weights_only=True refuses it."""
-    from tests.models_for_tests import TinyNet
+    from probe.testing.models import TinyNet
 
     path = tmp_path / "whole_model.pt"
     torch.save(TinyNet(), path)
@@ -285,7 +286,7 @@ def test_checkpoint_that_is_not_a_state_dict(cli_here, tmp_path):
 
 # -- the model -----------------------------------------------------------------------------------
 def test_forward_that_raises_keeps_the_batches_before_it(cli_here, tmp_path):
-    args = [*TINY, "model._target_=tests.models_for_tests.Raises", "probes=everything"]
+    args = [*TINY, "model._target_=probe.testing.models.Raises", "probes=everything"]
     code, text = cli_here(*args, "+model.kwargs.ok_calls=2")
     assert code == 2
     assert_words(text, "forward raised RuntimeError", "deliberate failure", "dataset.image_size")
@@ -295,7 +296,7 @@ def test_forward_that_raises_keeps_the_batches_before_it(cli_here, tmp_path):
 
 
 def test_nonfinite_values_are_counted(cli_here, tmp_path):
-    args = [*TINY, "model._target_=tests.models_for_tests.MakesNaN", "probes=everything"]
+    args = [*TINY, "model._target_=probe.testing.models.MakesNaN", "probes=everything"]
     code, text = cli_here(*args)
     assert code == 0
     assert_words(text, "layer 'bad' output", "NaN", "fail_on_nonfinite=true")
@@ -313,7 +314,7 @@ def test_nonfinite_values_are_counted(cli_here, tmp_path):
 
 
 def test_fail_on_nonfinite_names_the_first_layer(cli_here, tmp_path):
-    args = [*TINY, "model._target_=tests.models_for_tests.MakesNaN", "probes=everything"]
+    args = [*TINY, "model._target_=probe.testing.models.MakesNaN", "probes=everything"]
     code, text = cli_here(*args, "fail_on_nonfinite=true")
     assert code == 2
     assert_words(text, "layer 'bad' output", "first layer", "starts at sample 0")

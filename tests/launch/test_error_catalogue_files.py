@@ -16,12 +16,13 @@ import probe
 from probe.launch.run import run
 from probe.read.summarize import summarize_file
 from probe.store.runfile import NothingFlushed, open_probe_file
-from tests.helpers import QUIET, ROOT, make_cfg
-from tests.models_for_tests import SignalsItself
+from probe.testing.compose import QUIET, make_cfg
+from probe.testing.models import SignalsItself
+from tests.helpers import ROOT
 
 TINY = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "dataset.num_samples=6",
@@ -102,7 +103,7 @@ def test_ctrl_c_during_the_last_batch_leaves_a_complete_run(tmp_path):
     SignalsItself.signal = signal.SIGINT
     try:
         result = run(
-            make_cfg(*TINY, "model._target_=tests.models_for_tests.SignalsItself"),
+            make_cfg(*TINY, "model._target_=probe.testing.models.SignalsItself"),
             run_dir=tmp_path,
         )
     finally:

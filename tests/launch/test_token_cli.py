@@ -1,5 +1,6 @@
 """Bad token-model input from the command line: each a one-line message naming the value, exit
-2, no traceback, and nothing of a run lost."""
+2, no traceback, and nothing of a run lost. Most go through the console entry point in this
+process (`cli_in_process`); a missing extra needs a process of its own."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 from tests.helpers import ROOT, cli
 
 
-def run_lm(tiny_gpt2, tmp_path, *args):
+def run_lm(call, tiny_gpt2, tmp_path, *args):
+    """`call` (the CLI in a subprocess or in this process) on the tiny GPT-2."""
     model, _ = tiny_gpt2
-    return cli(
+    return call(
         "model=hf", f"model.name={model}", "model.task=causal_lm",
         f"hydra.run.dir={tmp_path / 'run'}", *args,
     )  # fmt: skip
@@ -27,32 +29,37 @@ def assert_message(out, *words):
         assert word in message, message
 
 
-def test_ids_beyond_the_vocabulary(tiny_gpt2, tmp_path):
+def test_ids_beyond_the_vocabulary(tiny_gpt2, tmp_path, cli_in_process):
     path = tmp_path / "ids.pt"
     torch.save(torch.tensor([[1, 2, 3], [4, 70, 5]]), path)
-    out = run_lm(tiny_gpt2, tmp_path, "dataset=tokens", f"dataset.path={path}", "probes=residual")
+    data = ["dataset=tokens", f"dataset.path={path}", "probes=residual"]
+    out = run_lm(cli_in_process, tiny_gpt2, tmp_path, *data)
     assert_message(out, "70", "sample 1", "vocabulary of 40")
 
 
-def test_a_text_file_without_the_named_field(tiny_gpt2, tmp_path):
+def test_a_text_file_without_the_named_field(tiny_gpt2, tmp_path, cli_in_process):
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "the cat sat"}) + "\n" + json.dumps({"body": "a dog"}))
-    out = run_lm(tiny_gpt2, tmp_path, "dataset=text", f"dataset.path={path}", "probes=residual")
+    data = ["dataset=text", f"dataset.path={path}", "probes=residual"]
+    out = run_lm(cli_in_process, tiny_gpt2, tmp_path, *data)
     assert_message(out, "line 2", "text", "body", "dataset.text_field")
 
 
-def test_token_rows_without_a_mask_where_padding_exists(tiny_gpt2, tmp_path):
+def test_token_rows_without_a_mask_where_padding_exists(tiny_gpt2, tmp_path, cli_in_process):
     """Ids holding the model's pad token (0) and no attention_mask: rows: tokens cannot tell
     padding from tokens; the file is never created."""
     path = tmp_path / "ids.pt"
     torch.save({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]])}, path)
-    out = run_lm(tiny_gpt2, tmp_path, "dataset=tokens", f"dataset.path={path}", "probes=residual")
+    data = ["dataset=tokens", f"dataset.path={path}", "probes=residual"]
+    out = run_lm(cli_in_process, tiny_gpt2, tmp_path, *data)
     assert_message(out, "rows: tokens", "pad token 0", "attention_mask")
     assert not (tmp_path / "run" / "probe.h5").exists()
 
 
-def test_a_model_name_that_is_neither_a_folder_nor_reachable(tmp_path):
-    out = cli("model=hf", "model.name=no-such-org/no-such-model", f"hydra.run.dir={tmp_path}")
+def test_a_model_name_that_is_neither_a_folder_nor_reachable(tmp_path, cli_in_process):
+    out = cli_in_process(
+        "model=hf", "model.name=no-such-org/no-such-model", f"hydra.run.dir={tmp_path}"
+    )
     assert_message(out, "no-such-org/no-such-model", "model.name=DIR")
 
 
@@ -78,7 +85,7 @@ def test_a_text_run_tokenizes_with_the_named_tokenizer(tiny_gpt2, tmp_path):
     path = tmp_path / "docs.txt"
     path.write_text("the cat sat on the mat\n\na big red dog ran\n")
     out = run_lm(
-        tiny_gpt2, tmp_path, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={tokenizer}",
+        cli, tiny_gpt2, tmp_path, "dataset=text", f"dataset.path={path}", f"dataset.tokenizer={tokenizer}",
         "probes=residual",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -121,13 +128,13 @@ def test_a_sweep_of_token_runs_summarizes_into_one_table(tiny_gpt2, tmp_path):
         pd.testing.assert_frame_equal(mine, own, check_exact=False, rtol=1e-12)
 
 
-def test_lm_loss_on_a_model_without_vocabulary_logits(tiny_gpt2, tmp_path):
+def test_lm_loss_on_a_model_without_vocabulary_logits(tiny_gpt2, tmp_path, cli_in_process):
     """A base model returns hidden states (width 32) for ids up to 39: not logits to predict
     them with."""
     model, _ = tiny_gpt2
     path = tmp_path / "ids.pt"
     torch.save(torch.tensor([[1, 2, 39], [4, 5, 6]]), path)
-    out = cli(
+    out = cli_in_process(
         "model=hf", f"model.name={model}", "model.task=base", "dataset=tokens",
         f"dataset.path={path}", "probes=residual", "probes.residual.capture=[grad_output]",
         "objective=lm_loss", f"hydra.run.dir={tmp_path / 'run'}",

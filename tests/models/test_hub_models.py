@@ -11,8 +11,9 @@ import torch
 from probe.errors import CheckpointError, ConfigError
 from probe.models.build import build_model
 from probe.models.hub import pad_token_id, vocab_size
-from tests.helpers import cli, make_cfg
-from tests.token_fixtures import tiny_config
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import tiny_config
+from tests.helpers import cli
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -27,6 +28,16 @@ TASK_CLASS = {
     "masked_lm": transformers.AutoModelForMaskedLM,
     "base": transformers.AutoModel,
 }
+
+
+@pytest.fixture
+def hub_online(monkeypatch):
+    """The hub as the machine reaches it (the tests run it offline otherwise): these tests are
+    about a name it does not answer for, on a machine with or without network."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (and the CLI runs it starts)
 
 
 def saved(tmp_path, model_type: str, task: str, seed: int = 1):
@@ -85,7 +96,7 @@ def test_config_overrides_apply_to_a_saved_folder(tmp_path):
         hf_model(f"model.name={path}", "+model.config.n_layer=3")
 
 
-def test_pretrained_false_from_model_type_alone_needs_no_folder_nor_network():
+def test_pretrained_false_from_model_type_alone_needs_no_folder_nor_network(hub_online):
     start = time.monotonic()
     model = hf_model(
         "model.name=nowhere/tiny-gpt2",
@@ -146,7 +157,7 @@ def test_user_errors_name_the_value(tmp_path):
         build_model(make_cfg("model=hf", "model.name=x", "model.library=keras").model, 0)
 
 
-def test_an_unreachable_hub_name_fails_fast_with_the_way_out():
+def test_an_unreachable_hub_name_fails_fast_with_the_way_out(hub_online):
     """No network here (or an unknown name where there is one): one try, no retries."""
     start = time.monotonic()
     with pytest.raises(ConfigError, match="no-such-org/no-such-model.*model.pretrained=false"):
@@ -154,7 +165,7 @@ def test_an_unreachable_hub_name_fails_fast_with_the_way_out():
     assert time.monotonic() - start < 15
 
 
-def test_cli_unknown_hf_name_exits_2_with_one_line():
+def test_cli_unknown_hf_name_exits_2_with_one_line(hub_online):
     out = cli("model=hf", "model.name=no-such-org/no-such-model", timeout=120)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr

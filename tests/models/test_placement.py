@@ -15,8 +15,10 @@ from omegaconf import open_dict
 from probe.config import EditSpec
 from probe.launch.run import run
 from probe.models.build import build_model
-from tests.helpers import assert_same_arrays, cli, h5_arrays, make_cfg, run_probe
-from tests.token_fixtures import make_tiny
+from probe.testing.arrays import h5_arrays
+from probe.testing.compose import make_cfg
+from probe.testing.tokens import make_tiny
+from tests.helpers import assert_same_arrays, run_probe
 
 CUDA = pytest.mark.cuda
 FAMILIES = {  # the top-level modules of each tiny causal LM and its blocks
@@ -186,9 +188,9 @@ def test_param_grad_of_an_offloaded_module_is_refused(tmp_path, tiny):
         (["model.offload_folder=/tmp/x"], "model.offload_folder is set but model.device_map"),
     ],
 )
-def test_bad_placement_is_a_named_error(tmp_path, tiny, args, words):
+def test_bad_placement_is_a_named_error(tmp_path, tiny, args, words, cli_in_process):
     models, ids = tiny
-    out = cli(
+    out = cli_in_process(
         *model_args(models, "gpt2"), "dataset=tokens", f"dataset.path={ids}", "probes=residual",
         *args, f"hydra.run.dir={tmp_path / 'run'}",
     )  # fmt: skip

@@ -1,10 +1,14 @@
 """probe.models.sae: tiny SAEs written in the SAELens layout (cfg.json + sae_weights.safetensors),
-checked against SAELens's formulas written again in numpy (float64) from the same weights, and
-each load error. Where sae_lens is installed, its own load_from_disk reads the same folders."""
+checked against SAELens's formulas written again in numpy (float64) from the same weights and
+against SAELens's own reading of the same folders (its encode and decode, recorded in
+sae_lens_values.npz by record_sae_lens.py, and run live where sae_lens is installed), and each
+load error."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,14 +220,28 @@ def test_check_width(tmp_path):
 @pytest.mark.parametrize("apply_b_dec", [True, False])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_sae_lens_reads_the_same_folder_the_same_way(tmp_path, arch, apply_b_dec):
-    sae_lens = pytest.importorskip("sae_lens")
-    write_sae(tmp_path, arch, apply_b_dec_to_input=apply_b_dec)
-    theirs, ours = sae_lens.SAE.load_from_disk(str(tmp_path)), load_sae(tmp_path)
-    x = inputs()
+    """probe's encode and decode equal SAELens's on the same folder: the values SAELens gave
+    (sae_lens_values.npz), and where sae_lens is installed, what it gives now."""
+    recorded = np.load(Path(__file__).with_name("sae_lens_values.npz"))
+    tensors = {
+        name.split("/")[1]: torch.from_numpy(recorded[name])
+        for name in recorded.files
+        if name.startswith(f"{arch}/") and name.count("/") == 1
+    }
+    write_sae(tmp_path, arch, tensors, apply_b_dec_to_input=apply_b_dec)
+    x = torch.from_numpy(recorded["inputs"])
+    z, recon = (torch.from_numpy(recorded[f"{arch}/{apply_b_dec}/{v}"]) for v in ("z", "recon"))
+    if importlib.util.find_spec("sae_lens") is not None:
+        from tests.models.record_sae_lens import sae_lens_reads
+
+        live_z, live_recon = sae_lens_reads(tmp_path, x)
+        torch.testing.assert_close(torch.from_numpy(live_z), z, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(live_recon), recon, rtol=1e-5, atol=1e-6)
+    ours = load_sae(tmp_path)
     with torch.no_grad():
-        z = theirs.encode(x)
         torch.testing.assert_close(ours.encode(x), z, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ours.decode(z), theirs.decode(z), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.decode(z), recon, rtol=1e-5, atol=1e-6)
+    assert 0 < (z > 0).sum() < z.numel()  # both active and inactive latents
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -11,12 +11,12 @@ import torch
 
 from probe.errors import CheckpointError, DataError
 from probe.launch.run import run
-from tests.helpers import make_cfg
-from tests.models_for_tests import TinyNet
+from probe.testing.compose import make_cfg
+from probe.testing.models import TinyNet
 
 TINY = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "dataset.batch_size=2",

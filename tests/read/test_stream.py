@@ -29,7 +29,7 @@ def ids_run(tmp_path_factory):
     torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
     out = {}
     for name, chunk in (("small", 64), ("large", 1 << 16)):
-        _, f = run_probe(root / name, "model=custom", "model._target_=tests.models_for_tests.RowsOfIds",
+        _, f = run_probe(root / name, "model=custom", "model._target_=probe.testing.models.RowsOfIds",
                   "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=64",
                   "+probes.echo.layers=[echo]", "+probes.echo.rows=tokens", "probes=none",
                   f"store.chunk_bytes={chunk}")  # fmt: skip
@@ -194,7 +194,8 @@ def test_only_the_rows_a_module_produced_and_the_file_counts(tmp_path):
     """A module that skips batches: the stream gives its seen rows only (no NaN row); a run
     killed in its third batch: the rows /progress counts, and its labels with them."""
     from probe.launch.run import run
-    from tests.helpers import cli, make_cfg
+    from probe.testing.compose import make_cfg
+    from tests.helpers import cli
     from tests.store.test_live_files import BRANCHY
 
     run(make_cfg(*BRANCHY), run_dir=tmp_path / "branchy")
@@ -207,7 +208,7 @@ def test_only_the_rows_a_module_produced_and_the_file_counts(tmp_path):
     np.testing.assert_array_equal(index, np.flatnonzero(seen))
     np.testing.assert_array_equal(rows, rare[seen])
     np.testing.assert_array_equal(np.concatenate([b[1].numpy() for b in batches]), targets[seen])
-    out = cli("model=custom", "model._target_=tests.analysis_models.DiesOnThirdBatch",
+    out = cli("model=custom", "model._target_=probe.testing.models.DiesOnThirdBatch",
               "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset.num_samples=10",
               "dataset.batch_size=2", "probes=all_convs", f"hydra.run.dir={tmp_path / 'killed'}")  # fmt: skip
     assert out.returncode == 9
@@ -222,7 +223,7 @@ def test_a_sweep_streams_every_run(tmp_path):
     naming the run."""
     ids = torch.arange(64)[:, None].expand(64, 4).contiguous()
     torch.save({"input_ids": ids}, tmp_path / "ids.pt")
-    out = cli("-m", "model=custom", "model._target_=tests.models_for_tests.RowsOfIds", "dataset=tokens",
+    out = cli("-m", "model=custom", "model._target_=probe.testing.models.RowsOfIds", "dataset=tokens",
               f"dataset.path={tmp_path / 'ids.pt'}", "dataset.num_samples=16,48", "probes=none",
               "+probes.echo.layers=[echo]", "+probes.echo.rows=tokens", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
@@ -270,7 +271,7 @@ def test_plain_chunk_reads_equal_hdf5_reads(ids_run, tmp_path, monkeypatch):
     for (a, i), (b, j) in zip(plain, through_h5py, strict=True):
         assert torch.equal(a, b) and torch.equal(i, j)
     monkeypatch.setattr(chunk_reads, "PLAIN_READS", True)
-    _, f = run_probe(tmp_path / "lzf", "model=custom", "model._target_=tests.models_for_tests.RowsOfIds",
+    _, f = run_probe(tmp_path / "lzf", "model=custom", "model._target_=probe.testing.models.RowsOfIds",
                      "dataset=tokens", f"dataset.path={ids_run['small'].parent / 'ids.pt'}",
                      "dataset.batch_size=64", "+probes.echo.layers=[echo]", "+probes.echo.rows=tokens",
                      "probes=none", "store.chunk_bytes=64", "store.compression=lzf")  # fmt: skip
@@ -289,7 +290,7 @@ def test_labels_chunked_otherwise_than_the_rows(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(20, (48, 7), generator=g)
     torch.save({"input_ids": ids, "token_labels": ids % 3}, tmp_path / "ids.pt")
-    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=tests.models_for_tests.TokenContext",
+    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=probe.testing.models.TokenContext",
                      "dataset=tokens", f"dataset.path={tmp_path / 'ids.pt'}", "dataset.batch_size=12",
                      "+probes.t.layers=[lexical]", "+probes.t.rows=tokens", "probes=none",
                      "store.chunk_bytes=400")  # fmt: skip

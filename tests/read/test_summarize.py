@@ -18,7 +18,8 @@ from probe.read.tables import COLUMNS
 from probe.report.summary_plots import depth_figure
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
-from tests.helpers import QUIET, ROOT, cli, run_probe
+from probe.testing.compose import QUIET
+from tests.helpers import ROOT, cli, run_probe
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=4", "dataset.batch_size=3"]
 TEXT = ["layer", "site", "module_type", "shape", "dtype"]
@@ -70,7 +71,7 @@ def test_a_run_cut_short_is_reported_partial_and_summarized(tmp_path):
     run_dir = tmp_path / "killed"
     out = cli(
         "model=custom",
-        "model._target_=tests.analysis_models.DiesOnThirdBatch",
+        "model._target_=probe.testing.models.DiesOnThirdBatch",
         "model.input_shape=[3,8,8]",
         "model.num_classes=10",
         "dataset.num_samples=10",

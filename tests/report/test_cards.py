@@ -56,7 +56,7 @@ def test_latent_cards_show_their_examples_in_order(lm, tmp_path):  # noqa: F811
 
 def test_image_cards_carry_thumbnails(tmp_path):
     root = image_folder(tmp_path / "images", size=8)
-    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=tests.models_for_tests.TinyNet",
+    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=probe.testing.models.TinyNet",
                      "model.input_shape=[3,8,8]", "model.num_classes=10", "dataset=imagefolder",
                      f"dataset.root={root}", "dataset.resize=8", "dataset.crop=8", "dataset.batch_size=2",
                      "probes=all_convs", "stats.topk=2")  # fmt: skip

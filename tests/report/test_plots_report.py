@@ -18,11 +18,12 @@ from probe.launch.run import run  # noqa: E402
 from probe.read.runs import open_run, open_sweep  # noqa: E402
 from probe.report.figures import figures, main  # noqa: E402
 from probe.report.page import write  # noqa: E402
-from tests.helpers import cli, make_cfg  # noqa: E402
+from probe.testing.compose import make_cfg  # noqa: E402
+from tests.helpers import cli  # noqa: E402
 
 TINYNET = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "dataset.batch_size=3",
@@ -206,7 +207,7 @@ def test_run_report_is_one_self_contained_page_a_browser_shows(tiny, tmp_path):
     assert len(page.images) >= 6  # 5 figures and the CKA heatmap
     assert all(i["src"].startswith("data:image/png;base64,") for i in page.images)
     assert 'src="http' not in text and "<link" not in text and "<script" not in text
-    assert "tests.models_for_tests.TinyNet" in "".join(page.pre)
+    assert "probe.testing.models.TinyNet" in "".join(page.pre)
     shown, pixels = rendered(out, tmp_path / "run.png")
     with open_run(tiny) as r:
         summary, effects = r.summary, r.effects

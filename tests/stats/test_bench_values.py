@@ -1,5 +1,5 @@
-"""The oracles the benchmark checks with (tests/oracles.py), the block-wise batch statistics and
-the batch-aligned chunks.
+"""The oracles the benchmark checks with (probe/testing/oracles.py), the block-wise batch
+statistics and the batch-aligned chunks.
 
 Values only: nothing here is timed.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from probe.stats.backend import batch_stats
-from tests import oracles
+from probe.testing import oracles
 
 BLOCK = 1 << 14  # sizes around a block boundary of the float64 accumulation
 

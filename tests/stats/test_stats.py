@@ -12,7 +12,7 @@ from probe.stats import backend
 from probe.stats.backend import batch_stats, fold
 from probe.stats.running import QUANTILE_REL_ERROR, LogHistogram, RunningStats, counts_agree
 from probe.store.fileformat import read_progress
-from tests.analysis_models import DEAD, SATURATED
+from probe.testing.models import DEAD, SATURATED
 from tests.helpers import run_probe
 
 CUTS = [0, 1, 6, 7, 30, 61]  # uneven batches, one of a single row
@@ -27,10 +27,7 @@ def stats_backend(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def numba_only(stats_backend):
-    if stats_backend != "numba":
-        pytest.skip("the compiled kernels' own paths")
+NUMBA_ONLY = pytest.mark.parametrize("stats_backend", ["numba"], indirect=True)  # its own paths
 
 
 def _stream(a: np.ndarray, bounds=None) -> RunningStats:
@@ -188,7 +185,7 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     result, f = run_probe(
         tmp_path,
         "model=custom",
-        "model._target_=tests.analysis_models.DeadChannel",
+        "model._target_=probe.testing.models.DeadChannel",
         "model.input_shape=[3,8,8]",
         "model.num_classes=10",
         "dataset.num_samples=6",
@@ -211,7 +208,8 @@ def test_dead_and_saturated_units_of_a_real_run(tmp_path):
     np.testing.assert_array_equal(sat_counts, (np.abs(tanh) >= 0.98).sum(axis=(0, 2, 3)))
 
 
-def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch, numba_only):
+@NUMBA_ONLY
+def test_a_batch_split_across_threads_gives_the_same_statistics(monkeypatch):
     """Rows split across helper threads (each with its own histogram lane) equal one thread."""
     import probe.stats.numba_backend as stats_module
     from probe.stats import team
@@ -296,7 +294,8 @@ def test_statistics_saved_one_attribute_per_scalar_still_read():
     np.testing.assert_array_equal(back.units.positive, s.units.positive)
 
 
-def test_bucket_ranges_hold_every_float32_between_the_extremes(numba_only):
+@NUMBA_ONLY
+def test_bucket_ranges_hold_every_float32_between_the_extremes():
     from probe.stats.kernels.histogram import bucket_ranges
 
     rng = np.random.default_rng(7)
@@ -316,7 +315,8 @@ def test_bucket_ranges_hold_every_float32_between_the_extremes(numba_only):
     assert bucket_ranges(-4.0, 2.0, 1.0) == [(0x3F80, 0x4001), (0xBF80, 0xC081)]
 
 
-def test_every_kernel_is_cached_against_every_module_of_the_kernels(numba_only):
+@NUMBA_ONLY
+def test_every_kernel_is_cached_against_every_module_of_the_kernels():
     """A caller's cached code holds its callees' compiled in, so each kernel's numba cache is
     checked against the whole package (`kernels.locator`), not its own file only; and the
     warm-up's stamp lists the index files of the kernels of every module."""

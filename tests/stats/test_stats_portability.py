@@ -73,9 +73,21 @@ def assert_same_statistics(a: Path, b: Path, rtol: float) -> int:
         return len(ra.keys)
 
 
-def test_without_numba_the_torch_backend_gives_numbas_values(tmp_path):
-    compiled = _run(tmp_path, "numba", "stats.backend=numba", "store.mode=stats")
-    portable = _run(tmp_path, "torch", "store.mode=stats", env=_without_numba(tmp_path))
+# a team to split across, however many cores the test has (every run compared with the
+# compiled one runs its forward on as many threads: the activations are then bit for bit equal)
+TWO_THREADS = {"OMP_NUM_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """A statistics-only run on numba's kernels, split across torch's OpenMP team of two."""
+    root = tmp_path_factory.mktemp("compiled")
+    return _run(root, "numba", "stats.backend=numba", "store.mode=stats", env=TWO_THREADS)
+
+
+def test_without_numba_the_torch_backend_gives_numbas_values(tmp_path, compiled):
+    no_numba = {**_without_numba(tmp_path), **TWO_THREADS}  # (the forward as the compiled run's)
+    portable = _run(tmp_path, "torch", "store.mode=stats", env=no_numba)
     assert (_backend(compiled), _backend(portable)) == ("numba", "torch")
     assert assert_same_statistics(compiled, portable, rtol=1e-9) >= 9
 
@@ -94,10 +106,10 @@ def test_an_unknown_backend_is_named(tmp_path):
     assert "Invalid value 'gpu'" in out.stderr and "auto, torch, numba" in out.stderr
 
 
-def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path):
-    team = _run(tmp_path, "team", "stats.backend=numba")
-    alone = _run(tmp_path, "alone", "stats.backend=numba", env={"PROBE_OMP_TEAM": "0"})
-    assert assert_same_statistics(team, alone, rtol=1e-12) >= 9
+def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path, compiled):
+    alone = _run(tmp_path, "alone", "stats.backend=numba", "store.mode=stats",
+                 env={**TWO_THREADS, "PROBE_OMP_TEAM": "0"})  # fmt: skip
+    assert assert_same_statistics(compiled, alone, rtol=1e-12) >= 9
 
 
 def test_importing_probe_compiles_and_imports_no_numba():

@@ -13,11 +13,12 @@ from probe.hooks.examples import POSITION_BITS, TopKSpec, partial, priority, row
 from probe.launch.run import run
 from probe.stats.topk import TopKState, best
 from probe.store import stats_file
-from tests.helpers import cli, make_cfg, run_interrupted, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import run_interrupted, run_probe
 
 SPEC = TopKSpec(top=4, bottom=3, quantiles=2, seed=0)
 EXAMPLES = ["stats.topk=4", "stats.bottomk=3", "stats.topk_quantiles=2"]
-IMAGES = ["model=custom", "model._target_=tests.models_for_tests.TinyNet", "model.input_shape=[3,8,8]",
+IMAGES = ["model=custom", "model._target_=probe.testing.models.TinyNet", "model.input_shape=[3,8,8]",
           "model.num_classes=10", "dataset.num_samples=20", "probes=all_convs", *EXAMPLES]  # fmt: skip
 
 
@@ -118,7 +119,7 @@ def test_padding_never_appears_even_when_loudest(tmp_path):
     lengths = torch.randint(3, 10, (12,), generator=g)
     mask = (torch.arange(9)[None] < lengths[:, None]).long()
     torch.save({"input_ids": ids * mask, "attention_mask": mask}, tmp_path / "ids.pt")
-    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=tests.models_for_tests.PadLoud",
+    _, f = run_probe(tmp_path / "run", "model=custom", "model._target_=probe.testing.models.PadLoud",
                      "dataset=tokens", f"dataset.path={tmp_path / 'ids.pt'}", "dataset.batch_size=5",
                      "+probes.rows.layers=[loud]", "+probes.rows.rows=tokens", "probes=none",
                      "stats.topk=6", "stats.topk_quantiles=2")  # fmt: skip
@@ -144,7 +145,7 @@ def test_padding_never_appears_even_when_loudest(tmp_path):
 
 
 def test_a_resumed_run_keeps_the_uninterrupted_examples(tmp_path):
-    args = [*IMAGES, "model._target_=tests.models_for_tests.SignalsItself", "dataset.batch_size=3"]
+    args = [*IMAGES, "model._target_=probe.testing.models.SignalsItself", "dataset.batch_size=3"]
     reference = run(make_cfg(*args), run_dir=tmp_path / "reference")
     run_interrupted(tmp_path / "run", 3, *args)
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
@@ -160,16 +161,16 @@ def test_a_resumed_run_keeps_the_uninterrupted_examples(tmp_path):
         run(make_cfg(*args, "stats.topk=5", "resume=true"), run_dir=tmp_path / "run")
 
 
-def test_more_examples_than_rows_is_refused(tmp_path):
+def test_more_examples_than_rows_is_refused(tmp_path, cli_in_process):
     head = [a for a in IMAGES if not a.startswith("probes=")] + [
         "probes=none",
         "+probes.head.layers=[fc]",
     ]
-    out = cli(*head, "stats.topk=21", f"hydra.run.dir={tmp_path}")
+    out = cli_in_process(*head, "stats.topk=21", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2, out.stderr
     message = out.stderr.strip().splitlines()[-1]
     assert "stats.topk=21" in message and "20 rows" in message and "'fc'" in message
-    out = cli(*IMAGES, "stats.bottomk=-1", f"hydra.run.dir={tmp_path / 'b'}")
+    out = cli_in_process(*IMAGES, "stats.bottomk=-1", f"hydra.run.dir={tmp_path / 'b'}")
     assert out.returncode == 2 and "stats.bottomk=-1 must be at least 0" in out.stderr
 
 
@@ -181,7 +182,7 @@ def test_examples_on_the_gpu_equal_the_cpus(tmp_path):
     ids = torch.randint(1, 20, (12, 9), generator=g)
     mask = (torch.arange(9)[None] < torch.randint(3, 10, (12, 1), generator=g)).long()
     torch.save({"input_ids": ids * mask, "attention_mask": mask}, tmp_path / "ids.pt")
-    args = ["model=custom", "model._target_=tests.models_for_tests.PadLoud", "dataset=tokens",
+    args = ["model=custom", "model._target_=probe.testing.models.PadLoud", "dataset=tokens",
             f"dataset.path={tmp_path / 'ids.pt'}", "dataset.batch_size=5", "+probes.rows.layers=[loud]",
             "+probes.rows.rows=tokens", "probes=none", "stats.topk=6", "stats.bottomk=2",
             "stats.topk_quantiles=2"]  # fmt: skip

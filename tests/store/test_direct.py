@@ -18,7 +18,8 @@ from probe.hooks.select import Selection
 from probe.store import direct
 from probe.store.chunks import chunk_rows
 from probe.store.writer import ProbeWriter
-from tests.helpers import assert_same_arrays, make_cfg, run_probe
+from probe.testing.compose import make_cfg
+from tests.helpers import assert_same_arrays, run_probe
 from tests.hooks.test_forward_values import _model_and_inputs
 
 RESNET = [

@@ -30,11 +30,13 @@ import torch
 from probe.launch.run import run
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
-from tests.helpers import QUIET, assert_same_arrays, h5_arrays, make_cfg
+from probe.testing.arrays import h5_arrays
+from probe.testing.compose import QUIET, make_cfg
+from tests.helpers import assert_same_arrays
 
 TINY = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "probes=everything",

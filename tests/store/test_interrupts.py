@@ -24,11 +24,13 @@ from probe.stats.running import stats_for
 from probe.store import stats_file
 from probe.store.fileformat import read_progress
 from probe.store.runfile import is_partial, open_probe_file
-from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
+from probe.testing.arrays import file_arrays
+from probe.testing.compose import QUIET, make_cfg
+from tests.helpers import ROOT
 
 SLOW = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "probes=everything",
@@ -196,10 +198,10 @@ def test_in_process_stop_and_resume_with_parameter_gradients(tmp_path, store):
     """A real SIGINT from inside the 3rd forward; run() raises Interrupted, the previous handler
     is back, and resuming gives the uninterrupted file (per-batch param_grad rows included).
     With a deferred flush the stop still writes every batch: closing flushes."""
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     args = [*SLOW[:-2], "dataset.num_samples=10", "dataset.batch_size=3", *store]
-    args[1] = "model._target_=tests.models_for_tests.SignalsItself"
+    args[1] = "model._target_=probe.testing.models.SignalsItself"
     args[4] = "probes=param_grads"
     args.append("probes.params.capture=[output,grad_output,param_grad]")
     reference = run(make_cfg(*args), run_dir=tmp_path / "reference")

@@ -24,7 +24,9 @@ from probe.launch.run import run
 from probe.store import runlock, swmr
 from probe.store.fileformat import is_scale, read_progress, row_unit
 from probe.store.runfile import NothingFlushed, is_partial, open_probe_file
-from tests.helpers import QUIET, ROOT, file_arrays, make_cfg
+from probe.testing.arrays import file_arrays
+from probe.testing.compose import QUIET, make_cfg
+from tests.helpers import ROOT
 from tests.store.test_interrupts import SLOW, assert_prefix_of, signal_after, start
 
 BATCH = 3  # SLOW's dataset.batch_size
@@ -217,7 +219,7 @@ def test_a_writer_killed_in_a_plain_open_leaves_a_file_readers_open(tmp_path, co
     if complete:
         result = run(make_cfg(*SLOW), run_dir=tmp_path)
     else:  # the model raises in its third batch: two batches flushed
-        raises = ["model._target_=tests.models_for_tests.Raises", "+model.kwargs.ok_calls=2"]
+        raises = ["model._target_=probe.testing.models.Raises", "+model.kwargs.ok_calls=2"]
         with pytest.raises(ProbeError):
             run(make_cfg(*SLOW, *raises), run_dir=tmp_path)
     path = tmp_path / "probe.h5"

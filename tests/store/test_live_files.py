@@ -29,7 +29,9 @@ from probe.store import stats_file
 from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
 from probe.store.writer import ProbeWriter
-from tests.helpers import QUIET, ROOT, cli, file_arrays, h5_arrays, image_folder, make_cfg
+from probe.testing.arrays import file_arrays, h5_arrays
+from probe.testing.compose import QUIET, make_cfg
+from tests.helpers import ROOT, cli, image_folder
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent / "format1"
@@ -124,6 +126,30 @@ def test_xarray_sees_named_dimensions_and_the_sample_coordinate(finished):
         part = r.xarray("conv", "output", rows=slice(3, 9))
         np.testing.assert_array_equal(part.values, r.array("conv", "output")[3:9])
         np.testing.assert_array_equal(part["sample"].values, np.arange(3, 9))
+
+
+def test_the_documented_reads_share_one_process_in_either_order(finished):
+    """docs/format.md's sequence in one process on a finished run: probe.open_run, refresh, then
+    h5py.File(path, "r", swmr=True) while the run is open (HDF5 refuses a second open with another
+    SWMR flag unless the first is a SWMR one), then the plain open of a finished run; and the
+    opposite orders. Each sees the rows the run reads."""
+    path = finished.h5_path
+    run = probe.open_run(finished.run_dir)
+    run.refresh()
+    want = run.array("conv", "output")[:]
+    with h5py.File(path, "r", swmr=True) as f:
+        n = f["progress"][()]["samples"]
+        np.testing.assert_array_equal(f["layers/conv/output"][:n], want)
+    with h5py.File(path) as f:
+        assert f.attrs["complete"]
+        np.testing.assert_array_equal(f["layers/conv/output"][:], want)
+    assert n == run.num_samples == 36 and run.state == "complete"
+    run.close()
+    for swmr in (True, False):
+        with h5py.File(path, "r", swmr=swmr) as f, probe.open_run(finished.run_dir) as run:
+            np.testing.assert_array_equal(run.array("conv", "output")[:], want)
+            np.testing.assert_array_equal(f["layers/conv/output"][:], want)
+            assert run.refresh().num_samples == 36
 
 
 def test_stats_decode_from_their_field_names_alone(finished):
@@ -290,7 +316,7 @@ def test_files_of_format_version_1_are_still_read():
 def test_the_file_records_the_dataset_and_refuses_a_changed_checkpoint(tmp_path):
     ckpt = tmp_path / "weights.pt"
     torch.manual_seed(1)
-    from tests.models_for_tests import TinyNet
+    from probe.testing.models import TinyNet
 
     torch.save(TinyNet().state_dict(), ckpt)
     args = [*SLOW, f"model.checkpoint={ckpt}", "dataset.num_samples=9"]
@@ -320,12 +346,12 @@ def test_resume_refuses_a_dataset_file_whose_contents_changed(tmp_path):
     same path with other values: resume=true exits 2 naming the dataset's contents (and the hash
     stored in the file), and the file's arrays and counts are as they were."""
     from probe.data.provenance import file_identity
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     data = tmp_path / "data.pt"
     g = torch.Generator().manual_seed(0)
     save_samples(data, g)
-    args = [*SLOW[:-2], "model._target_=tests.models_for_tests.SignalsItself", "dataset=tensors",
+    args = [*SLOW[:-2], "model._target_=probe.testing.models.SignalsItself", "dataset=tensors",
             f"dataset.path={data}", "dataset.batch_size=3"]  # fmt: skip
     SignalsItself.at_call = 2
     try:
@@ -410,12 +436,12 @@ def test_a_text_run_writes_each_sample_document_id(tiny_gpt2, tmp_path):
 def test_effects_after_a_resume_count_every_batch(tmp_path):
     """effects.csv of a run stopped and resumed equals an uninterrupted run's: the file keeps
     each batch's effect sums."""
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     edit = ["intervene=edit", "intervene.edit.layers=[relu]", "intervene.edit.op=zero"]
     args = [*SLOW, "dataset.num_samples=12", *edit]
     run(make_cfg(*args), run_dir=tmp_path / "whole")
-    stopped = [*args, "model._target_=tests.models_for_tests.SignalsItself"]
+    stopped = [*args, "model._target_=probe.testing.models.SignalsItself"]
     SignalsItself.at_call = 5  # a clean and an edited forward per batch: inside the third batch
     try:
         with pytest.raises(Interrupted):
@@ -432,9 +458,9 @@ def test_effects_after_a_resume_count_every_batch(tmp_path):
 def test_a_resume_killed_before_its_first_batch_leaves_a_readable_file(tmp_path):
     """The resumed file enters SWMR mode before its first batch: a kill then leaves every row
     of the earlier run readable, and another resume finishes it equal to an uninterrupted run."""
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
-    stopped = [*SLOW, "model._target_=tests.models_for_tests.SignalsItself"]
+    stopped = [*SLOW, "model._target_=probe.testing.models.SignalsItself"]
     SignalsItself.at_call = 4
     try:
         with pytest.raises(Interrupted):

@@ -28,12 +28,13 @@ import probe
 from probe.errors import ConfigError
 from probe.launch.run import run
 from probe.store import runlock
-from tests.helpers import QUIET, ROOT, assert_same_arrays, cli, make_cfg
-from tests.models_for_tests import TinyNet
+from probe.testing.compose import QUIET, make_cfg
+from probe.testing.models import TinyNet
+from tests.helpers import ROOT, assert_same_arrays, cli
 
 TINY = [
     "model=custom",
-    "model._target_=tests.models_for_tests.TinyNet",
+    "model._target_=probe.testing.models.TinyNet",
     "model.input_shape=[3,8,8]",
     "model.num_classes=10",
     "probes=everything",
@@ -91,13 +92,13 @@ def assert_equal_runs(got: Path, want: Path) -> None:
 
 
 def test_a_second_run_into_a_directory_being_written_is_refused_and_changes_nothing(
-    tmp_path, reference
+    tmp_path, reference, cli_in_process
 ):
     run_dir = tmp_path / "run"
     first = start(*SLOW, f"hydra.run.dir={run_dir}")
     wait_for(run_dir / "probe.h5", first)
     mine = (run_dir / ".hydra" / "config.yaml").read_bytes()
-    second = cli(*SLOW, "seed=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    second = cli_in_process(*SLOW, "seed=1", f"hydra.run.dir={run_dir}")
     still_running = first.poll() is None
     out = first.communicate(timeout=300)[0]
     assert still_running, "the first run ended before the second one tried"
@@ -113,7 +114,7 @@ def test_a_second_run_into_a_directory_being_written_is_refused_and_changes_noth
     assert runlock.holder(run_dir) is None
 
 
-def test_holder_names_the_live_run_and_not_a_killed_one(tmp_path, reference):
+def test_holder_names_the_live_run_and_not_a_killed_one(tmp_path, reference, cli_in_process):
     """While a run writes, holder() names it; after SIGKILL its lock file is left but holds
     nothing, a rerun without resume refuses and changes no byte, and resume=true finishes the
     file as the uninterrupted run wrote it."""
@@ -130,7 +131,7 @@ def test_holder_names_the_live_run_and_not_a_killed_one(tmp_path, reference):
     before = snapshot(run_dir)
     del before[runlock.LOCK_NAME]  # the rerun takes the stale lock and removes it on release
 
-    again = cli(*SLOW, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    again = cli_in_process(*SLOW, f"hydra.run.dir={run_dir}")
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
     assert re.search(
         r"already holds probe\.h5 \(partial, \d+ of 30 samples\); continue it with resume=true "
@@ -143,20 +144,22 @@ def test_holder_names_the_live_run_and_not_a_killed_one(tmp_path, reference):
     assert_equal_runs(run_dir, reference / "slow")
 
 
-def test_a_rerun_refuses_a_complete_file_and_overwrite_replaces_it(tmp_path, reference):
+def test_a_rerun_refuses_a_complete_file_and_overwrite_replaces_it(
+    tmp_path, reference, cli_in_process
+):
     run_dir = tmp_path / "run"
     assert cli(*QUICK, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
     assert_equal_runs(run_dir, reference / "quick")
     before = snapshot(run_dir)
 
-    refused = cli(*QUICK, "seed=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    refused = cli_in_process(*QUICK, "seed=1", f"hydra.run.dir={run_dir}")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "already holds probe.h5 (complete, 6 samples); continue it with resume=true" in (
         refused.stderr
     )
     assert snapshot(run_dir) == before  # probe.h5, .hydra/ and the log, byte for byte
 
-    both = cli(*QUICK, "resume=true", "overwrite=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    both = cli_in_process(*QUICK, "resume=true", "overwrite=true", f"hydra.run.dir={run_dir}")
     assert both.returncode == 2 and "ask for opposite things" in both.stderr
     assert snapshot(run_dir) == before
 

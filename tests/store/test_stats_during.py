@@ -12,7 +12,9 @@ import pytest
 import probe
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
-from tests.helpers import assert_same_arrays, cli, h5_arrays, make_cfg
+from probe.testing.arrays import h5_arrays
+from probe.testing.compose import make_cfg
+from tests.helpers import assert_same_arrays
 from tests.store.test_interrupts import SLOW
 
 
@@ -85,10 +87,10 @@ def _summarize(run_dir):
 def test_a_stopped_close_run_resumes_to_the_uninterrupted_statistics(tmp_path):
     """A SIGINT in the 3rd forward stops the run; the stopped file's statistics are those of its
     rows, and the resumed file equals the uninterrupted one, /stats included."""
-    from tests.models_for_tests import SignalsItself
+    from probe.testing.models import SignalsItself
 
     args = [*SLOW[:-2], "dataset.num_samples=10", "dataset.batch_size=3", "stats.during=close"]
-    args[1] = "model._target_=tests.models_for_tests.SignalsItself"
+    args[1] = "model._target_=probe.testing.models.SignalsItself"
     reference = run(make_cfg(*args), run_dir=tmp_path / "reference")
     SignalsItself.at_call = 2
     try:
@@ -104,7 +106,9 @@ def test_a_stopped_close_run_resumes_to_the_uninterrupted_statistics(tmp_path):
     assert assert_same_arrays(reference.h5_path, result.h5_path) >= 6
 
 
-def test_deferred_statistics_need_stored_rows(tmp_path, small_resnet):
-    out = cli(*small_resnet, "store=stats", "stats.during=close", f"hydra.run.dir={tmp_path}")
+def test_deferred_statistics_need_stored_rows(tmp_path, small_resnet, cli_in_process):
+    out = cli_in_process(
+        *small_resnet, "store=stats", "stats.during=close", f"hydra.run.dir={tmp_path}"
+    )
     assert out.returncode == 2
     assert "stats.during=close needs store.mode=full" in out.stderr

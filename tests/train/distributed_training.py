@@ -26,7 +26,7 @@ from torch import nn
 
 import probe
 from probe.errors import ConfigError
-from tests.train.trainings import EVERY_SITE
+from probe.testing.trainings import EVERY_SITE
 
 PROBES = {"all": {"layers": ["*"], "types": ["Linear", "Tanh"], "capture": EVERY_SITE}}
 STEPS, ROWS, WORLD = 3, 8, 2

@@ -12,8 +12,8 @@ from torch import nn
 
 import probe
 from probe.errors import ConfigError, DataError, ModelError, ProbeError, SelectionError
-from tests.models_for_tests import assert_no_hooks
-from tests.train.trainings import cnn, image_batches, image_loss, train
+from probe.testing.models import assert_no_hooks
+from probe.testing.trainings import cnn, image_batches, image_loss, train
 
 CONVS = {"convs": {"layers": ["*"], "types": ["Conv2d"], "capture": ["output"]}}
 GRADS = {"convs": {"layers": ["conv1"], "capture": ["grad_output"]}}

@@ -15,7 +15,7 @@ import torch
 
 import probe
 from probe.errors import ConfigError
-from tests.train.trainings import (
+from probe.testing.trainings import (
     EVERY_SITE,
     cnn,
     image_batches,

@@ -18,9 +18,9 @@ import torch
 import yaml
 
 import probe
+from probe.testing.trainings import one_thread
 from tests.helpers import ROOT
 from tests.train import distributed_training
-from tests.train.trainings import one_thread
 
 KEYS = ["step", "layer", "site", "module_type", "shape", "dtype"]
 COUNTS = ["rows", "n", "nan_count", "inf_count", "units"]

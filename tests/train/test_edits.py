@@ -10,7 +10,7 @@ import h5py
 import pytest
 import torch
 
-from tests.train.trainings import (
+from probe.testing.trainings import (
     assert_bitwise_equal,
     cnn,
     image_batches,

@@ -16,8 +16,8 @@ from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArgu
 import probe
 from probe.errors import ConfigError
 from probe.integrations.hf import ProbeCallback
-from tests.token_fixtures import tiny_config
-from tests.train.trainings import assert_bitwise_equal, one_thread, state_of
+from probe.testing.tokens import tiny_config
+from probe.testing.trainings import assert_bitwise_equal, one_thread, state_of
 
 PROBES = {
     "blocks": {"layers": ["transformer.h.*"], "types": ["GPT2Block"],

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import probe
-from tests.train.trainings import (
+from probe.testing.trainings import (
     EVERY_SITE,
     assert_bitwise_equal,
     cnn,
@@ -35,7 +35,7 @@ STEPS, EVERY = 5, 2
 
 
 class LitCNN(L.LightningModule):
-    """tests.train.trainings' small CNN (in `self.net`) as a LightningModule."""
+    """probe.testing.trainings' small CNN (in `self.net`) as a LightningModule."""
 
     def __init__(self):
         super().__init__()

@@ -16,8 +16,8 @@ import pandas as pd
 import torch
 
 import probe
+from probe.testing.trainings import cnn, image_batches, image_loss, train
 from tests.helpers import ROOT
-from tests.train.trainings import cnn, image_batches, image_loss, train
 
 
 def numpy_cka(x: np.ndarray, y: np.ndarray) -> float:

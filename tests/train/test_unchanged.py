@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.train.trainings import (
+from probe.testing.trainings import (
     EVERY_SITE,
     assert_bitwise_equal,
     cnn,

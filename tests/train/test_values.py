@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import probe
 from probe.stats.running import QUANTILE_REL_ERROR
-from tests.train.trainings import cnn, image_batches, image_loss, one_thread, train
+from probe.testing.trainings import cnn, image_batches, image_loss, one_thread, train
 
 LAYERS = ["conv1", "relu", "layer1.bn", "layer1", "fc"]
 SITES = ["output", "input", "grad_output", "param", "param_grad", "param_update"]

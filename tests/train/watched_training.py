@@ -2,7 +2,7 @@
 
     python -m tests.train.watched_training OUT CHECKPOINT STEPS [DELAY]
 
-Trains tests.train.trainings' small CNN with SGD over seeded batches, one per step, on one torch
+Trains probe.testing.trainings' small CNN with SGD over seeded batches, one per step, on one torch
 thread (bitwise repeatable). After every 3rd step it saves a checkpoint (model, optimizer and
 the watch's state_dict, written aside then renamed into place); a run that finds the
 checkpoint resumes from it. Prints `step N` after each step.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import probe
-from tests.train.trainings import cnn, image_batches, image_loss
+from probe.testing.trainings import cnn, image_batches, image_loss
 
 PROBES = {
     "net": {"layers": ["conv1", "layer1", "fc"],

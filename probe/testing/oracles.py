@@ -25,11 +25,12 @@ from torch.nn import functional as F
 
 from probe.checks import typed_probes
 from probe.config import BACKWARD_SITES
+from probe.hooks.hookset import HookSet
 from probe.hooks.objective import build_objective
 from probe.hooks.select import select_modules
 from probe.launch.run import Prepared, build_run, run
 from probe.models.placement import is_placed
-from tests.helpers import make_cfg
+from probe.testing.compose import make_cfg
 
 
 class Materialised:
@@ -106,21 +107,19 @@ def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Calla
     return case
 
 
-class hooked:
-    """Forward hooks calling `fn(name, output)` on the setup's modules, removed on exit."""
+class hooked(HookSet):
+    """Plain forward hooks calling `fn(name, output)` on the setup's modules, removed on exit;
+    hooks added to it inside the block (a tensor hook on an output) go on exit too."""
 
     def __init__(self, setup: Setup, fn: Callable[[str, torch.Tensor], None]):
-        self.handles = [
-            m.register_forward_hook(lambda mod, args, out, n=n: fn(n, out))
-            for n, m in setup.modules()
-        ]
+        super().__init__("oracle")
+        self.setup, self.fn = setup, fn
 
     def __enter__(self):
+        super().__enter__()
+        for n, m in self.setup.modules():
+            self.forward(m, lambda mod, args, out, n=n: self.fn(n, out), name=n)
         return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
 
 
 # -- reference values and the equality check --------------------------------------------------
@@ -135,10 +134,10 @@ def reference_values(setup: Setup, grads: bool = False) -> dict[tuple[str, str],
     def hook(n, o):
         keep((n, "output"), o)
         if grads:
-            o.register_hook(lambda g, n=n: keep((n, "grad_output"), g))
+            hooks.tensor(o, lambda g, n=n: keep((n, "grad_output"), g), name=n)
 
     model = setup.model
-    with hooked(setup, hook):
+    with hooked(setup, hook) as hooks:
         for b in setup.base.batches:
             if grads:
                 x = b.inputs.detach().requires_grad_(True)

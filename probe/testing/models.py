@@ -1,5 +1,12 @@
-"""Small models that misbehave on purpose; every instance is remembered so tests can check hooks
-(`assert_no_hooks`), and `registrations`, which counts or refuses the hooks hung on them."""
+"""Small models for the tests and the benchmarks, built by name
+(`model=custom model._target_=probe.testing.models.TinyNet`).
+
+Some misbehave on purpose (raise, signal their own process, make NaN, die mid-run), some plant a
+known answer (token rows that hold their own identity, a dead and a saturated channel), and two are
+tiny language models. Every `Tracked` instance is remembered (`built_models`) so a test can check
+that a run left no hook on it (`assert_no_hooks`); `registrations` counts or refuses the hooks
+hung on a model.
+"""
 
 from __future__ import annotations
 
@@ -224,6 +231,8 @@ def signalling_lm(path: str) -> nn.Module:
     call SIGNAL_AT[0] (a run's every forward counts: a grid's source, target and cells)."""
     from transformers import AutoModelForCausalLM
 
+    from probe.hooks.hookset import HookSet
+
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     calls = [0]
 
@@ -232,7 +241,7 @@ def signalling_lm(path: str) -> nn.Module:
             os.kill(os.getpid(), signal.SIGINT)
         calls[0] += 1
 
-    model.register_forward_pre_hook(count, with_kwargs=True)
+    HookSet("signal").forward_pre(model, count, with_kwargs=True)  # (held for the model's life)
     return model
 
 
@@ -330,3 +339,47 @@ class PadLoud(nn.Module):
         if attention_mask is not None:
             h = h + 100.0 * (1 - attention_mask[..., None].float())
         return self.loud(h + 0.01 * torch.arange(input_ids.shape[1], device=h.device)[:, None])
+
+
+# -- planted statistics and a run that dies ---------------------------------------------------
+DEAD = 2  # the channel forced negative before the ReLU
+SATURATED = 1  # the channel pushed far into tanh's bound
+
+
+class DeadChannel(nn.Module):
+    """conv -> (channel DEAD set to -1 - |x|) -> ReLU, and a tanh branch with channel SATURATED * 50."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.tanh = nn.Tanh()
+        self.head = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        h = self.conv(x)
+        mask = torch.zeros(1, h.shape[1], 1, 1, dtype=torch.bool)
+        mask[:, DEAD] = True
+        h = torch.where(mask, -1.0 - h.abs(), h)
+        scale = torch.ones(1, h.shape[1], 1, 1)
+        scale[:, SATURATED] = 50.0
+        t = self.tanh(torch.sign(h) * (h.abs() + 1.0) * scale)
+        r = self.relu(h)
+        return self.head((r + t).mean(dim=(2, 3)))
+
+
+class DiesOnThirdBatch(nn.Module):
+    """A tiny conv net whose process is killed (os._exit) at its third forward: a run cut short."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            time.sleep(1.0)  # let the writer thread flush the first two batches
+            os._exit(9)
+        return self.head(self.conv(x).mean(dim=(2, 3)))

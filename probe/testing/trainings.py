@@ -1,4 +1,4 @@
-"""Small trainings for the watch's tests: a CNN with BatchNorm, an in-place ReLU and a residual
+"""Small trainings for the watch's tests and benchmarks: a CNN with BatchNorm, an in-place ReLU and a residual
 add, a tiny GPT-2, their seeded batches, and one loop that runs watched or not.
 
 A training is deterministic on the CPU with one thread (`one_thread`): two runs of the same
@@ -58,11 +58,11 @@ def cnn(seed: int = 0) -> SmallCNN:
 
 
 def gpt2(seed: int = 0) -> nn.Module:
-    """A 2-layer width-32 GPT2LMHeadModel (tests.token_fixtures' config, vocabulary 40) in
+    """A 2-layer width-32 GPT2LMHeadModel (probe.testing.tokens' config, vocabulary 40) in
     train mode, its dropout on."""
     from transformers import GPT2LMHeadModel
 
-    from tests.token_fixtures import tiny_config
+    from probe.testing.tokens import tiny_config
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)

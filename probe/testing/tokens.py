@@ -1,4 +1,5 @@
-"""Tiny local tokenizer and GPT-2 for token tests: nothing is downloaded."""
+"""A tiny tokenizer and tiny GPT-2, BERT and Llama models with random weights, saved locally with
+save_pretrained for the token tests and benchmarks: nothing is downloaded."""
 
 from pathlib import Path
 
@@ -106,17 +107,3 @@ def make_tiny(kind: str, dir, vocab_size: int = 100) -> Path:
 def make_tiny_gpt2(dir, vocab_size: int) -> Path:
     """A 2-layer width-32 GPT2LMHeadModel saved into `dir` (see make_tiny)."""
     return make_tiny("gpt2", dir, vocab_size)
-
-
-def hf(lm):
-    """The causal LM saved in the `lm` fixture's folder, in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(lm[0]).eval()
-
-
-def padded(rows, pad, width):
-    """The expectation, built by hand: right-padded rows and a 1/0 mask."""
-    ids = [r + [pad] * (width - len(r)) for r in rows]
-    mask = [[1] * len(r) + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(ids), torch.tensor(mask)
