@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import probe
-from tests.build.test_sae_loading import reference, write_sae
 from tests.helpers import cli, run_probe
+from tests.models.test_sae_loading import reference, write_sae
 from tests.token_fixtures import make_tiny
 
 WIDTH, LATENTS, K = 32, 64, 6
