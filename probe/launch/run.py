@@ -137,7 +137,7 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
         "?" if batches.num_samples is None else batches.num_samples,
         "?" if batches.num_samples is None else len(batches),
     )
-    if not selections:
+    if not selections and plan.probes:  # (probes=none asks for no module)
         log.warning(
             "no module selected (every probe allows an empty selection): %s will hold the samples "
             "and no layers, and summary.csv no rows",
@@ -289,8 +289,9 @@ def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions,
 
 
 def _finish(plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
-    """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file),
-    the edits' effects, the log's summary."""
+    """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file;
+    none when no probe was asked for or stats.during=none), the lens's and the edits' tables,
+    the log's summary."""
     counted = plan.stats.during != "none"
     if counted:
         nonfinite.report(writer.datasets.values())
@@ -299,23 +300,24 @@ def _finish(plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interven
         summary = summary_frame(writer.datasets.values())
         return RunResult(run_dir, shard.path(h5_path), summary, writer.num_samples)
     summary = summary_frame(datasets) if counted else summary_frame([])
-    if counted:
+    tables = counted and bool(plan.probes)  # (probes=none asks for no layer: no table of them)
+    if tables:
         summary.to_csv(run_dir / "summary.csv", index=False)
         attributions = attribution_table(datasets)
         if len(attributions):
             attributions.to_csv(run_dir / "attribution.csv", index=False)
             log.info("wrote %s (%d sites)", run_dir / "attribution.csv", len(attributions))
-    if plan.lens.name != "none":
-        write_readout_tables(h5_path, run_dir)
-    else:
+    elif not counted:
         log.info(
             "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "
             "%s computes them from the rows",
             run_dir,
         )
+    if plan.lens.name != "none":
+        write_readout_tables(h5_path, run_dir)
     if interventions is not None:
         interventions.report(h5_path, run_dir)
-    if plan.options.print_summary and counted:
+    if plan.options.print_summary and tables:
         print_summary(summary)
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
     log.info("wrote %s (%d samples)", h5_path, num_samples)

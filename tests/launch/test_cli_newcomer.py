@@ -374,3 +374,53 @@ def test_tab_completion_names_the_keys(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "dataset.num_samples=" in out.stdout.split()
+
+
+# -- 7. runs that ask for no probe, and what the log says of statistics ---------------------------
+@pytest.mark.parametrize(
+    "extra", [["intervene=patch_grid"], ["lens=logit"]], ids=["patch_grid", "lens"]
+)
+def test_a_run_without_probes_warns_of_nothing_and_writes_no_summary(tmp_path, lm, caplog, extra):
+    """The documented `probes=none intervene=patch_grid` and `probes=none lens=logit` commands:
+    probes=none asks for no module, so nothing is missing; no statistics table of no layer."""
+    import pandas as pd
+    from transformers import AutoConfig
+
+    from probe.launch.run import run
+
+    model, path, _ = lm
+    args = ["model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=pairs",
+            f"dataset.path={path}", "dataset.batch_size=2", "probes=none", *extra]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="probe"):
+        run(make_cfg(*args), run_dir=tmp_path)
+    assert "no module selected" not in caplog.text
+    assert "stats.during=none" not in caplog.text
+    assert not (tmp_path / "summary.csv").exists()
+    blocks = [f"transformer.h.{i}" for i in range(AutoConfig.from_pretrained(model).n_layer)]
+    if extra == ["intervene=patch_grid"]:  # every block at each of the pairs' 6 positions
+        table = pd.read_csv(tmp_path / "patching.csv")
+        assert sorted(set(zip(table.layer, table.position, strict=True))) == [
+            (b, p) for b in blocks for p in range(6)
+        ]
+    else:
+        assert list(pd.read_csv(tmp_path / "lens.csv").layer) == blocks
+
+
+@pytest.mark.parametrize("during", ["run", "none"])
+def test_the_log_speaks_of_statistics_only_where_they_are_left_out(tmp_path, caplog, during):
+    """The default run writes summary.csv, a row per conv, and says nothing of stats.during;
+    stats.during=none says that it leaves them out, and writes none."""
+    import pandas as pd
+    import torchvision
+
+    from probe.launch.run import run
+
+    with caplog.at_level(logging.INFO, logger="probe"):
+        run(make_cfg(*TINY, f"stats.during={during}"), run_dir=tmp_path)
+    said = "stats.during=none: no statistics and no summary.csv" in caplog.text
+    assert said == (during == "none")
+    assert (tmp_path / "summary.csv").exists() == (during == "run")
+    if during == "run":
+        convs = [n for n, m in torchvision.models.resnet18().named_modules()
+                 if isinstance(m, torch.nn.Conv2d)]  # fmt: skip
+        assert list(pd.read_csv(tmp_path / "summary.csv").layer) == convs
