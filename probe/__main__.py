@@ -1,7 +1,7 @@
 """`python -m probe` / `probe`: compose the config with Hydra, run, turn user errors into messages.
 
-torch is imported only once the config has passed probe.checks, so a config mistake is reported
-in about a second.
+torch is imported only once probe.plan has parsed the config (every check the config alone decides),
+so a config mistake is reported in about a second.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from probe.checks import check_config, unread_keys
 from probe.config import config_dir
 from probe.errors import ProbeError
 from probe.launch.interrupt import Interrupted
 from probe.launch.sweep import JobFailed, in_sweep, job_label
+from probe.plan import parse
 from probe.store import runlock
 
 log = logging.getLogger("probe")
@@ -30,12 +30,12 @@ _EXISTING: set[Path] | None = None
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def app(cfg: DictConfig) -> None:
     try:
-        check_config(cfg)
-        for message in unread_keys(cfg):
+        plan = parse(cfg)
+        for message in plan.unread:
             log.warning("%s", message)
         from probe.launch.run import run
 
-        run(cfg)
+        run(plan)
     except Interrupted as e:
         log.warning("%s", e)
         print(f"probe: {e}", file=sys.stderr)

@@ -26,6 +26,12 @@ StoreMode = Choice("StoreMode", [(n, n) for n in ("full", "stats")])
 Compression = Choice("Compression", [(n, n) for n in ("none", "lzf", "gzip")])
 PRECISIONS = tuple(m.value for m in Precision)  # probe.hooks.device maps them to torch dtypes
 STATS_BACKENDS = tuple(m.value for m in StatsBackend)
+# said where numba is asked for and not installed (probe.checks for the config's stats.backend,
+# probe.stats.backend for PROBE_STATS_BACKEND)
+NUMBA_MISSING = (
+    "stats.backend=numba needs numba, which is not installed: pip install -e '.[fast]', or use "
+    "stats.backend=torch"
+)
 
 # the attribution sites (probe.attribute), named here so readers need neither Hydra nor torch
 CAM_SITES = ("gradcam", "hirescam", "gradcam_pp", "layercam", "xgradcam")

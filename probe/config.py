@@ -1,14 +1,14 @@
-"""Typed config schemas, registered in Hydra's ConfigStore.
+"""Typed config schemas, registered in Hydra's ConfigStore, and the names of the values keys take.
 
 The YAML files under conf/ merge onto these dataclasses, so a misspelt key or a wrong type fails at
-compose time with Hydra's own message. Imported by the app and by the tests.
+compose time with Hydra's own message; probe.plan then parses the composed config into frozen
+objects of the same fields and checks their values.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,22 @@ OBJECTIVES = ("cross_entropy", "logit", "logprob", "logit_diff", "output_sum", "
 EDIT_SITES = ("input", "output", "grad_output", "grad_input")
 GRAD_EDIT_SITES = ("grad_output", "grad_input")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
+PATCH_SOURCES = ("pair", "clean")  # a patch's source besides an earlier run's directory
+DIRECTIONS = ("denoise", "noise")  # which half of a pair the run feeds (patches, grids)
+ATTENTION_SITES = ("query", "key")  # grid sites inside attention modules ('@attn')
+GRID_AXES = ("layer", "position", "head")
+GRID_METHODS = ("exact", "atp", "atp_star")
+METRICS = ("logit_diff", "answer_logprob", "answer_prob", "kl", "output_change")
+LENSES = ("none", "logit", "tuned", "dla")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+LABEL_SUBTOKENS = ("first", "all")
+# what dataset.path holds, for the datasets that read a file
+DATA_FILES = {
+    "tensors": "a .pt file of inputs",
+    "tokens": "a .pt file of token ids",
+    "text": "a .txt, .jsonl or .parquet file of text",
+    "pairs": "a .jsonl file of clean/corrupt pairs or a .pt dict {clean_ids, corrupt_ids, ...}",
+}
 
 
 # what a `_target_` key's messages give as an example
@@ -269,7 +285,7 @@ class Config:
     model: ModelConfig = MISSING
     dataset: DatasetConfig = MISSING
     # named probes, each a ProbeSpec: typed by `/schema/probe@NAME` in the probe files and by
-    # probe.checks for one added on the command line (`+probes.head.layers=[fc]`), since OmegaConf
+    # probe.plan for one added on the command line (`+probes.head.layers=[fc]`), since OmegaConf
     # cannot add a key to a dict of dataclasses
     probes: dict[str, Any] = field(default_factory=dict)
     # named edits (EditSpec) and the keys of INTERVENE_KEYS: metrics, position, grid (GridSpec)
@@ -333,6 +349,14 @@ def config_dir() -> str:
     return str(next(iter(spec.submodule_search_locations)))
 
 
+def library_of(model) -> str:
+    """Which library builds model config (or spec) `model`: custom where a `_target_`,
+    model.name=custom or model.library=custom says so, else model.library."""
+    if model._target_ or model.name == "custom" or model.library == "custom":
+        return "custom"
+    return model.library or "torchvision"
+
+
 def require_target(key: str, target: str | None, example: str | None = None) -> None:
     """A ConfigError naming `key` where `target` is None: nothing to import. `example` defaults
     to the key's in TARGET_EXAMPLES."""
@@ -363,38 +387,3 @@ def import_target(key: str, target: str | None, example: str | None = None):
             f"{key}={target!r} cannot be imported ({e}); give a dotted path importable from this "
             f"environment, e.g. {_example(key, example)}"
         ) from None
-
-
-def typed(schema, node, label: str, *updates):
-    """`node` (then `updates`) merged onto the structured `schema`: a misspelt key or a wrong type
-    or value becomes a ConfigError naming `label`, the key and the schema's keys (the intervene
-    group holds edits beside its own keys, and a probe added on the command line composes
-    untyped, so they are typed here)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    from probe.errors import ConfigError
-
-    try:
-        return OmegaConf.merge(OmegaConf.structured(schema), node, *updates)
-    except OmegaConfBaseException as e:
-        keys = [f.name for f in fields(schema)]
-        first = str(e).splitlines()[0]
-        if getattr(e, "full_key", None):
-            first = f"{e.full_key}: {first}"
-        if isinstance(e, ConfigKeyError) and e.key is not None:
-            close = difflib.get_close_matches(str(e.key), keys, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            first = f"key {e.key!r} is not a key of {schema.__name__}{hint}"
-        raise ConfigError(
-            f"{label}: {first}; {schema.__name__}'s keys: {', '.join(keys)}"
-        ) from None
-
-
-def edit_specs(intervene) -> dict:
-    """The named edits of the intervene group, each typed as an EditSpec."""
-    return {
-        name: typed(EditSpec, node, f"intervene {name!r}")
-        for name, node in (intervene or {}).items()
-        if name not in INTERVENE_KEYS
-    }

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 
 from probe.hooks.record import Record
+from probe.plan import StoreSpec
 from probe.store.writer import ProbeWriter
 
 
 def write(path: Path, records: list[Record], flush: bool) -> float:
-    writer = ProbeWriter(path, queue_batches=4)
+    writer = ProbeWriter(path, StoreSpec(queue_batches=4))
     if not flush:
         writer.file.flush = lambda: None  # the comparison point: HDF5 flushes only on close
     t = time.perf_counter()

@@ -23,14 +23,15 @@ from probe.config import config_dir
 from probe.data.batches import build_batches
 from probe.launch.run import run
 from probe.models.build import build_model
+from probe.plan import parse
 
 
 def plain(cfg) -> tuple[float, float]:
     """(wall seconds, CPU seconds of all threads)."""
     t, c = time.perf_counter(), time.process_time()
-    model = build_model(cfg.model, cfg.seed).eval()
+    model = build_model(parse(cfg).model, cfg.seed).eval()
     with torch.inference_mode():
-        for batch in build_batches(cfg.dataset, cfg.model, cfg.seed):
+        for batch in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed):
             model(batch.inputs)
     return time.perf_counter() - t, time.process_time() - c
 

@@ -1,11 +1,12 @@
 """The package's imports run one way: from launch down to models, never up, never in a circle.
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
-dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, choices,
-errors, checks, model_checks, shipped, callable, layout) import no stage; the entry points at the
-top (`__main__`, the `python -m` modules, a stage's own `__main__`) may import anything, and
-nothing imports them. `probe.testing` (what the tests and the benchmark scripts share) comes last:
-nothing in the pipeline imports it. The scripts import nothing from the test package.
+dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, plan,
+choices, errors, checks, model_checks, shipped, callable, layout) import no stage; the entry
+points at the top (`__main__`, the `python -m` modules, a stage's own `__main__`) may import
+anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
+share) comes last: nothing in the pipeline imports it. The scripts import nothing from the test
+package.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ STAGES = [
 ]  # fmt: skip
 CORE = {
     "probe.config",
+    "probe.plan",
     "probe.errors",
     "probe.checks",
     "probe.callable",

@@ -26,6 +26,7 @@ from probe.hooks.hookset import HookSet
 from probe.hooks.names import flatten, replace_tensors
 from probe.hooks.objective import per_sample
 from probe.layout import TokenBatch
+from probe.plan import AttributionSpec
 from probe.store.fileformat import layer_path
 
 log = logging.getLogger("probe")
@@ -129,7 +130,9 @@ class Integrated:
         return attr, gap
 
 
-def baselines(cfg, model, batches, selections, device, precision: str) -> dict[str, torch.Tensor]:
+def baselines(
+    cfg: AttributionSpec, model, batches, selections, device, precision: str
+) -> dict[str, torch.Tensor]:
     """Each ig_output layer's baseline: zeros (nothing stored), the run's mean of the layer (a
     first pass over the data) or an earlier run's mean of its stored output rows. A token
     layout's mean is per feature, over samples and real tokens."""

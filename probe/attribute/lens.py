@@ -21,6 +21,7 @@ import torch
 from probe.errors import ConfigError
 from probe.hooks.hookset import HookSet
 from probe.hooks.names import flatten
+from probe.plan import LensSpec
 
 PER_TOKEN = ("kl", "entropy", "top1_prob", "top1_rank", "agree")
 ANSWER = ("answer_prob", "answer_rank", "answer_ce")
@@ -31,7 +32,9 @@ class Lens:
     """The lens layers' outputs held through one forward, then decoded. A context manager: its
     hooks (one HookSet) are hung on entry, all or none, and removed on any exit."""
 
-    def __init__(self, cfg, layers: list[tuple[str, torch.nn.Module]], norm, unembed, body):
+    def __init__(
+        self, cfg: LensSpec, layers: list[tuple[str, torch.nn.Module]], norm, unembed, body
+    ):
         self.cfg, self.layers, self.norm, self.unembed = cfg, layers, norm, unembed
         self.names = [n for n, _ in layers]
         self.last = body.blocks[-1] if body.blocks else None  # (its lens is the model's logits)

@@ -10,19 +10,17 @@ import pandas as pd
 
 from probe.attribute.dla import DirectLogit
 from probe.attribute.lens import ANSWER, PER_TOKEN, Lens
-from probe.config import ProbeSpec
 from probe.errors import ConfigError
 from probe.hooks.select import block_names, match_modules, warn_nested
 from probe.models.anatomy import anatomy
+from probe.plan import LensSpec, Selector
 
 log = logging.getLogger("probe")
-LENSES = ("none", "logit", "tuned", "dla")
 
 
-def build_readout(cfg, model, has_answers: bool):
-    """A Lens or a DirectLogit for `lens.*` (None for lens=none); errors name what is missing."""
-    if cfg.name not in LENSES:
-        raise ConfigError(f"lens={cfg.name!r} is unknown; choose from {', '.join(LENSES)}")
+def build_readout(cfg: LensSpec, model, has_answers: bool):
+    """A Lens or a DirectLogit for a run plan's `lens.*` (None for lens=none); errors name what
+    the model or the data lacks."""
     if cfg.name == "none":
         return None
     body = anatomy(model, block_names(model))
@@ -44,8 +42,7 @@ def build_readout(cfg, model, has_answers: bool):
             )
         tokens = list(cfg.tokens) if cfg.tokens else None
         return DirectLogit(model, body, norm, unembed, tokens)
-    spec = ProbeSpec(layers=list(cfg.layers))
-    layers = match_modules(model, "lens.layers", spec)
+    layers = match_modules(model, "lens.layers", Selector(layers=cfg.layers))
     warn_nested("lens.layers", list(cfg.layers), [n for n, _ in layers])
     body.width = int(getattr(unembed, "in_features", unembed.weight.shape[1]))
     return Lens(cfg, layers, norm, unembed, body)

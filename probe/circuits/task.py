@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from probe.circuits.states import SenderStates
+from probe.config import METRICS
 from probe.errors import ConfigError
 from probe.hooks.forward import first_output, to_device
-from probe.intervene.metrics import METRICS, NEEDS, at_position, value
+from probe.intervene.metrics import NEEDS, at_position, value
 from probe.layout import TokenBatch
 
 ABLATIONS = ("counterfactual", "mean", "zero")

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from probe.checks import check_data_file, check_dataset, check_root
 from probe.config import TOKEN_DATASETS, TOKEN_REDUCTIONS
 from probe.data.tokens import token_dataset
 from probe.errors import DataError
+from probe.plan import DataSpec, ModelSpec
 
 # what a batch carries besides the model's inputs: a pairs batch's other half and answer tokens,
 # a labelled token batch's label per token (/tokens/label)
@@ -116,9 +116,9 @@ def _loaded(loader: DataLoader, start: int, batch_size: int):
         yield item
 
 
-def build_batches(cfg, model_cfg, seed: int, model=None) -> OrderedBatches:
-    """The batches of dataset config `cfg`; `model` tells token data its vocabulary."""
-    check_dataset(cfg)
+def build_batches(cfg: DataSpec, model_cfg: ModelSpec, seed: int, model=None) -> OrderedBatches:
+    """The batches of a run plan's dataset `cfg` (`model_cfg` gives generated data its default
+    shape and classes, and text its tokenizer); `model` tells token data its vocabulary."""
     if cfg.name in (*TOKEN_DATASETS, "pairs"):
         from probe.data.pairs import pair_dataset
         from probe.models.hub import pad_token_id, vocab_size
@@ -152,7 +152,7 @@ def build_batches(cfg, model_cfg, seed: int, model=None) -> OrderedBatches:
 def _check_target_classes(cfg, model_cfg, model: nn.Module, num_classes: int) -> None:
     """Synthetic targets are drawn below dataset.num_classes or model.num_classes (1000 unless
     set), which a custom model is not built with: say so where its outputs look fewer or more."""
-    if not (model_cfg.get("_target_") or model_cfg.get("library") == "custom"):
+    if not (model_cfg._target_ or model_cfg.library == "custom"):
         return
     source = "dataset.num_classes" if cfg.num_classes else "model.num_classes"
     width, where = output_width(model, model_cfg)
@@ -177,7 +177,7 @@ def output_width(model: nn.Module, model_cfg=None) -> tuple[int | None, str]:
     """How many outputs a classifier seems to have, and whence: model.kwargs.num_classes, a
     `num_classes` attribute, else its last Linear module (in module order). A guess that needs
     no forward pass, for a warning only."""
-    given = (model_cfg.get("kwargs") or {}).get("num_classes") if model_cfg is not None else None
+    given = (model_cfg.kwargs or {}).get("num_classes") if model_cfg is not None else None
     if isinstance(given, int):
         return given, "model.kwargs.num_classes gives it"
     attribute = getattr(model, "num_classes", None)
@@ -226,7 +226,7 @@ def _fakedata(n: int, shape, num_classes: int, seed: int) -> Dataset:
 def _imagefolder(cfg) -> Dataset:
     from torchvision import datasets, transforms
 
-    root = check_root(cfg.root)
+    root = Path(str(cfg.root))  # (a directory: probe.checks)
     tf = transforms.Compose(
         [
             transforms.Resize(cfg.resize),
@@ -244,7 +244,7 @@ def _imagefolder(cfg) -> Dataset:
 
 
 def _tensors(path) -> tuple[Dataset, bool]:
-    p = check_data_file(path)
+    p = Path(str(path))  # (a readable file: probe.checks)
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -21,7 +21,6 @@ import torch
 
 from probe.errors import DataError
 
-SUBTOKENS = ("first", "all")
 WORDS = re.compile(r"\S+")
 
 
@@ -117,10 +116,6 @@ def label_ids(values: list[list], where: str) -> tuple[list[list[int]], list[str
 def labelled(tok, docs: list[str], lines: list[int], records: dict, cfg, p: Path):
     """(rows of ids, rows of token labels or None, targets or None, class names, word label
     names) of unpacked documents, each cut to dataset.seq_len."""
-    if cfg.label_subtokens not in SUBTOKENS:
-        raise DataError(
-            f"dataset.label_subtokens={cfg.label_subtokens!r} is unknown; choose first or all"
-        )
     where, parquet = f"dataset.path={str(p)!r}", p.suffix.lower() == ".parquet"
     targets = names = word_names = None
     if cfg.label_field:

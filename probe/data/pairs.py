@@ -15,9 +15,8 @@ from torch.utils.data import Dataset
 
 from probe.data import text as tx  # its record and tokenizer helpers
 from probe.data import tokens as tk  # its file and id helpers, private or not
-from probe.errors import ConfigError, DataError
+from probe.errors import DataError
 
-_WHAT = "a .jsonl file of clean/corrupt pairs or a .pt dict {clean_ids, corrupt_ids, ...}"
 _KEYS = ("clean_ids", "corrupt_ids", "attention_mask", "answer", "wrong")
 _ANSWERS = ("answer", "wrong")
 _UNEQUAL = "{}: clean is {} tokens, corrupt is {}; patching needs halves of equal length: {}"
@@ -58,17 +57,8 @@ def pair_dataset(cfg, model_cfg, vocab_size: int | None, pad_token_id: int | Non
     skips the check). Ragged pairs are right-padded with `pad_token_id`, else the tokenizer's pad,
     else its EOS, else 0."""
     n = cfg.num_samples
-    if n is not None and n < 1:
-        raise ConfigError(f"dataset.num_samples={n} must be at least 1 (or null for all)")
-    if cfg.path is None:
-        raise ConfigError(f"dataset=pairs needs dataset.path=FILE ({_WHAT})")
-    p = tk._existing_file(cfg.path, _WHAT)
+    p = Path(str(cfg.path))  # (a .jsonl or .pt file: probe.checks)
     is_jsonl = p.suffix.lower() == ".jsonl"
-    if not is_jsonl and p.suffix.lower() != ".pt":
-        raise DataError(
-            f"dataset.path={str(p)!r} has the unsupported suffix {p.suffix!r}; dataset=pairs reads "
-            f"{_WHAT}"
-        )
     ds = (_jsonl(p, cfg, model_cfg, pad_token_id) if is_jsonl else _pt(p, pad_token_id)).head(n)
     _check_all(ds, vocab_size, p)
     return ds

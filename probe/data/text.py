@@ -12,7 +12,6 @@ from probe.data.labels import fields, labelled, padded_labels
 from probe.data.token_data import TextSource, TokenDataset, _first_line, _right_pad
 from probe.errors import ConfigError, DataError
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # what save_pretrained writes for a tokenizer (one of them at least), by tokenizer kind
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
@@ -23,23 +22,13 @@ def text_dataset(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDatas
     """Unpacked: one row per document (the tokenizer's own special tokens, cut to seq_len), padded to
     the longest row of the whole file, so a row does not change with num_samples. Packed: documents
     joined by EOS into rows of exactly seq_len. Text rows always carry an attention_mask."""
-    if p.suffix.lower() not in TEXT_SUFFIXES:
-        raise DataError(
-            f"dataset.path={str(p)!r} has the unsupported suffix {p.suffix!r}; dataset=text reads "
-            f"{', '.join(TEXT_SUFFIXES)}"
-        )
     docs, lines = _documents(p, cfg.text_field)
     tok = _tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
     source = TextSource(p, lines, str(cfg.tokenizer or model_cfg.name), cfg.seq_len)
     pad = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
     T = cfg.seq_len
     names = [n for n in (cfg.label_field, cfg.word_labels_field) if n]
-    if names and cfg.pack:
-        raise ConfigError(
-            f"dataset.pack=true joins documents, but labels ({', '.join(names)}) belong to one "
-            "document each; set dataset.pack=false"
-        )
-    if not cfg.pack:
+    if not cfg.pack:  # (labels with pack=true are refused by probe.checks)
         records = fields(p, lines, names) if names else {}
         rows, token_rows, targets, classes, label_names = labelled(
             tok, docs, lines, records, cfg, p

@@ -21,8 +21,8 @@ from probe.hooks.gradients import resolve_grads
 from probe.hooks.hookset import HookSet
 from probe.hooks.names import flatten
 from probe.hooks.select import select_modules
-from probe.hooks.sites import probe_specs
 from probe.layout import TokenBatch
+from probe.plan import probe_specs
 
 NOT_RESOLVED = (
     "gradient sites ({sites}) were recorded in a forward but never resolved; call "
@@ -196,5 +196,5 @@ def _tokens(args: tuple, kwargs: dict) -> TokenBatch | None:
 
 def capture(model: nn.Module, probes, *, to=None, batch_size: int | None = None) -> MemoryCapture:
     """`with probe.capture(model, probes) as cap:`; see MemoryCapture. `probes` is a mapping
-    name -> probe spec (as in a probe file), a DictConfig, or a shipped probe file's name."""
+    name -> probe spec (as in a probe file) or a shipped probe file's name."""
     return MemoryCapture(model, probes, to=to, batch_size=batch_size)

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from probe.checks import check_objective
 from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.hooks.forward import first_output
 from probe.layout import TokenBatch
+from probe.plan import ObjectiveSpec
 
 NEEDS_TARGETS = {"cross_entropy"}
 IGNORED = -100  # cross_entropy's ignore_index: a sample with this label adds no loss
@@ -30,13 +30,13 @@ Objective = Callable[..., torch.Tensor]
 
 
 def build_objective(
-    cfg, has_targets: bool, num_outputs: int | None, answers: frozenset = frozenset()
+    cfg: ObjectiveSpec, has_targets: bool, answers: frozenset = frozenset()
 ) -> Objective:
-    """A function (model output, targets, inputs, tokens, side) -> one value per sample; errors
-    before any work is done. `answers`: which of answer and wrong ids the data gives."""
-    check_objective(cfg, num_outputs)
+    """The objective of a run plan's `cfg`: a function (model output, targets, inputs, tokens,
+    side) -> one value per sample; what the data cannot give is an error before any work.
+    `answers`: which of answer and wrong ids the data gives."""
     name = cfg.name
-    index = cfg.get("index")
+    index = cfg.index
     if (name in NEEDS_TARGETS or index == "target") and not has_targets:
         what = f"objective={name}" + (" objective.index=target" if index == "target" else "")
         raise DataError(
@@ -56,10 +56,10 @@ def build_objective(
     if name == "lm_loss":
         return _lm_loss
     if name in ("logit", "logprob"):
-        return _logit(index, cfg.get("position"), name == "logprob")
+        return _logit(index, cfg.position, name == "logprob")
     if name == "logit_diff":
-        return _logit_diff(cfg.get("position"))
-    return _custom(cfg.get("_target_"))
+        return _logit_diff(cfg.position)
+    return _custom(cfg._target_)
 
 
 def _custom(target: str) -> Objective:

@@ -13,57 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
 from probe.errors import ConfigError
 from probe.layout import unit_axis
 from probe.models.sae import SAE, check_width, load_sae
+from probe.plan import SaeSpec
 
-SPEC_KEYS = ("path", "dense", "splice", "error_term", "max_active")
 MAX_ACTIVE = 128  # slots a row for a standard or JumpReLU SAE's sparse latents (TopK: its k)
 MODES = ("observe", "splice", "off", "zero")  # off: the layer as it is; zero: its output zeroed
 
 
-@dataclass(frozen=True)
-class SaeSpec:
-    path: str
-    dense: bool = False
-    splice: bool = False
-    error_term: bool = False
-    max_active: int = 0  # 0: the SAE's k (TopK), else MAX_ACTIVE
-
-
-def sae_spec(value, probe: str) -> SaeSpec | None:
-    """A probe's `sae`: a folder, or {path, dense, splice, error_term}."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return SaeSpec(value)
-    value = dict(value)
-    unknown = sorted(set(value) - set(SPEC_KEYS))
-    if unknown or "path" not in value:
-        raise ConfigError(
-            f"probe {probe!r}: sae={value} needs path and takes only {', '.join(SPEC_KEYS)}"
-            + (f" (not {', '.join(unknown)})" if unknown else "")
-        )
-    slots = value.get("max_active", 0)
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-        raise ConfigError(
-            f"probe {probe!r}: sae.max_active={slots!r} is not a whole number >= 0 (the active "
-            "latents kept a row; 0: the SAE's k, or 128)"
-        )
-    flags = (bool(value.get(k, False)) for k in SPEC_KEYS[1:4])
-    return SaeSpec(str(value["path"]), *flags, max_active=slots)
-
-
 def sae_site(selection) -> SaeSite | None:
-    """The SAE a selection's probe names, loaded (errors name the file), or None."""
+    """The SAE a selection's probe names (its SaeSpec, probe.plan), loaded (errors name the
+    file), or None."""
     if isinstance(selection.sae, SaeSite) or selection.sae is None:
         return selection.sae
-    spec = sae_spec(selection.sae, selection.probe)
-    return None if spec is None else SaeSite(selection.name, spec)
+    return SaeSite(selection.name, selection.sae)
 
 
 def load_saes(selections: list) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import cached_property
@@ -11,11 +12,11 @@ from typing import Any
 
 from torch import nn
 
-from probe.checks import check_match, check_probe_spec
 from probe.config import SITES
 from probe.errors import ConfigError, SelectionError
 from probe.layout import class_axis
 from probe.models.anatomy import ALIASES, resolve
+from probe.plan import ProbeSpec, Selector
 
 log = logging.getLogger("probe")
 BLOCKS = "@blocks"  # in a layer pattern: each block of the model's stacks (`block_names`)
@@ -38,7 +39,7 @@ class Selection:
     rows: str = "samples"
     cam_grid: tuple[int, int] | None = None  # CAMs of a token layout: its grid
     cam_skip_tokens: int = 0
-    sae: Any = None  # the probe's `sae`, then its loaded SaeSite (probe.hooks.sae_site)
+    sae: Any = None  # the probe's SaeSpec, then its loaded SaeSite (probe.hooks.sae_site)
 
     @property
     def module_type(self) -> str:
@@ -111,8 +112,16 @@ def _expand(patterns: list[str], model: nn.Module, label: str, empty: bool = Fal
     return out
 
 
-def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Module]]:
-    """(name, module) pairs a spec's layers/types/exclude select, in module order.
+def match_modules(
+    model: nn.Module,
+    label: str,
+    where: Selector,
+    *,
+    allow_empty: bool = False,
+    leaves_only: bool = False,
+) -> list[tuple[str, nn.Module]]:
+    """(name, module) pairs a Selector's layers/types/exclude select, in module order; with
+    `leaves_only`, modules without children alone.
 
     A layer glob that matches no module name (with `match: any`, when none of them does), an
     unknown class name, or an empty selection (unless `allow_empty`) is an error naming the bad
@@ -123,18 +132,17 @@ def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Modu
     known_types = (
         set().union(*(_class_names(m) for _, m in modules)) | _module_class_names() | ELSEWHERE
     )
-    for t in spec.types:
+    for t in where.types:
         if t not in known_types:
             close = difflib.get_close_matches(t, sorted(known_types), n=3)
             raise ConfigError(
                 f"{label}: type {t!r} is no nn.Module class known here (class names are case-sensitive)"
                 f"{'; did you mean ' + ', '.join(close) if close else ''}"
             )
-    match = getattr(spec, "match", "all")
-    check_match(label, match)
-    layers = _expand(list(spec.layers), model, label, getattr(spec, "allow_empty", False))
+    match = where.match
+    layers = _expand(list(where.layers), model, label, allow_empty)
     unmatched = [p for p in layers if not any(fnmatchcase(n, p) for n in names)]
-    empty_ok = match == "any" and getattr(spec, "allow_empty", False)  # (alternatives, all absent)
+    empty_ok = match == "any" and allow_empty  # (alternatives, all absent)
     if unmatched and (match == "all" or len(unmatched) == len(layers)) and not empty_ok:
         pattern = unmatched[0]
         raise SelectionError(
@@ -144,31 +152,34 @@ def match_modules(model: nn.Module, label: str, spec) -> list[tuple[str, nn.Modu
             + ("" if match == "any" else "; with match: any, patterns are alternatives")
             + "; every name: python -m probe.sites model=... (or probe.sites(model) in Python)"
         )
-    leaves_only = getattr(spec, "leaves_only", False)
     chosen = [
         (n, m)
         for n, m in modules
         if any(fnmatchcase(n, p) for p in layers)
-        and (not spec.types or _class_names(m) & set(spec.types))
-        and not any(fnmatchcase(n, p) for p in spec.exclude)
+        and (not where.types or _class_names(m) & set(where.types))
+        and not any(fnmatchcase(n, p) for p in where.exclude)
         and not (leaves_only and next(m.children(), None) is not None)
     ]
-    if not chosen and not getattr(spec, "allow_empty", False):
+    if not chosen and not allow_empty:
         raise SelectionError(
             f"{label} selects no module of {type(model).__name__} "
-            f"(layers {list(spec.layers)}, types {list(spec.types)}, exclude {list(spec.exclude)}); "
+            f"(layers {list(where.layers)}, types {list(where.types)}, exclude {list(where.exclude)}); "
             f"module names start: {', '.join(names[:8])}. Widen the pattern or set allow_empty: true"
         )
     return chosen
 
 
-def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
-    """Every (module, sites) the probes ask for, in the model's module order; errors name the bad value."""
+def select_modules(model: nn.Module, probes: Mapping[str, ProbeSpec]) -> list[Selection]:
+    """Every (module, sites) the probes (a run plan's, or probe.plan.probe_specs') ask for, in
+    the model's module order; errors name the bad value."""
     names = [n for n, _ in model.named_modules() if n]
     merged: dict[str, dict] = {}
     for probe_name, spec in probes.items():
-        check_probe_spec(probe_name, spec)
-        for n, m in match_modules(model, f"probe {probe_name!r}", spec):
+        label = f"probe {probe_name!r}"
+        found = match_modules(
+            model, label, spec.where, allow_empty=spec.allow_empty, leaves_only=spec.leaves_only
+        )
+        for n, m in found:
             entry = merged.setdefault(
                 n,
                 {
@@ -180,13 +191,13 @@ def select_modules(model: nn.Module, probes: dict) -> list[Selection]:
                     "unedited": spec.unedited,
                     "unit_axis": spec.unit_axis,
                     "rows": spec.rows,
-                    "cam_grid": getattr(spec, "cam_grid", None),
-                    "cam_skip_tokens": getattr(spec, "cam_skip_tokens", 0),
-                    "sae": getattr(spec, "sae", None),
+                    "cam_grid": spec.cam_grid,
+                    "cam_skip_tokens": spec.cam_skip_tokens,
+                    "sae": spec.sae,
                 },
             )
             layout = ("reduce", "dtype", "unit_axis", "rows", "cam_grid", "cam_skip_tokens", "sae")
-            if tuple(entry[k] for k in layout) != tuple(getattr(spec, k, None) for k in layout):
+            if tuple(entry[k] for k in layout) != tuple(getattr(spec, k) for k in layout):
                 raise ConfigError(
                     f"module {n!r} is selected by probes {entry['probe']!r} and {probe_name!r} with "
                     "different reduce/dtype/unit_axis/rows/cam_grid/sae; exclude it from one of them"

@@ -14,37 +14,19 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import Any
 
 import pandas as pd
 import torch
 from torch import nn
 
-from probe.config import ProbeSpec, config_dir, typed
-from probe.errors import ConfigError, ModelError, ProbeError, SelectionError
+from probe.config import config_dir
+from probe.errors import ModelError, ProbeError, SelectionError
 from probe.hooks.forward import call, to_device
 from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten
 from probe.hooks.select import select_modules
 from probe.models.build import model_input
-
-
-def probe_specs(probes) -> dict[str, Any]:
-    """Probes as select_modules takes them: each typed as a ProbeSpec (a misspelt key is a
-    ConfigError naming it). `probes` is a mapping name -> spec (a probe file's content, a
-    DictConfig such as cfg.probes) or the name of a shipped probe file (`all_convs`)."""
-    if probes is None:
-        return {}
-    if isinstance(probes, str):
-        from probe.shipped import shipped_probes
-
-        probes = shipped_probes(probes)
-    if not hasattr(probes, "items"):
-        raise ConfigError(
-            f"probes is a {type(probes).__name__}; give a mapping name -> spec, such as "
-            "{'convs': {'types': ['Conv2d']}}, or a shipped probe file's name"
-        )
-    return {str(name): typed(ProbeSpec, spec, f"probe {name!r}") for name, spec in probes.items()}
+from probe.plan import probe_specs
 
 
 def sites(model: nn.Module, example=None, probes=None) -> pd.DataFrame:
@@ -165,14 +147,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from probe.data.batches import build_batches
     from probe.models.build import build_model
+    from probe.plan import parse
 
     try:
         with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
-            cfg = compose("config", overrides=argv)
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, cfg.seed)
-        batch = next(iter(build_batches(cfg.dataset, cfg.model, cfg.seed, model)))
-        table = sites(model, batch.inputs, cfg.probes)
+            plan = parse(compose("config", overrides=argv))
+        seed = plan.options.seed
+        torch.manual_seed(seed)
+        model = build_model(plan.model, seed)
+        batch = next(iter(build_batches(plan.data, plan.model, seed, model)))
+        table = sites(model, batch.inputs, plan.probes)
     except (ProbeError, OmegaConfBaseException, HydraException) as e:
         message = str(e).split("Config search path:")[0].strip() or type(e).__name__
         print(f"probe.sites: error: {message}", file=sys.stderr)

@@ -22,20 +22,6 @@ from probe.hooks.forward import call, first_output
 from probe.hooks.hookset import HookSet
 from probe.intervene.metrics import at_position, value
 
-METHODS = ("exact", "atp", "atp_star")
-
-
-def methods_of(spec, label: str) -> list[str]:
-    """The grid's methods, as a list; an unknown one names the choices."""
-    given = spec.method
-    methods = [given] if isinstance(given, str) else list(given)
-    for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"{label}.method={m!r} is unknown; choose from {', '.join(METHODS)}")
-    if not methods:
-        raise ConfigError(f"{label}.method is empty; give exact, atp or atp_star (or a list)")
-    return methods
-
 
 class Edges:
     """Hooks that keep, during one forward with gradients, each grid site's value and its

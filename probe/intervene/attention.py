@@ -18,7 +18,6 @@ import torch
 from probe.errors import ConfigError
 
 NAME = "probe"
-SITES = ("query", "key")
 _handlers: dict[int, tuple[object, str]] = {}  # id(attention module) -> (sites, layer)
 _registered = [False]
 

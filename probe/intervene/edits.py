@@ -8,20 +8,19 @@ site apply in config order; a probe on an edited site records the value after th
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from probe.checks import check_edit, check_edit_op
-from probe.config import GRAD_EDIT_SITES as GRAD_EDIT_SITES  # probe.launch.run's
-from probe.config import edit_specs, import_target
+from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.hooks.select import match_modules
-from probe.intervene.patching import DIRECTIONS, Patch, Region, Steer, load_vector, mean_diff
+from probe.intervene.patching import Patch, Region, Steer, load_vector, mean_diff
 from probe.layout import class_axis
+from probe.plan import EditSpec
 from probe.store import swmr
 from probe.store.fileformat import layer_path, read_progress
 
@@ -58,12 +57,12 @@ class Edit:
         return out
 
 
-def build_edits(model: nn.Module, cfg: dict, seed: int) -> list[Edit]:
-    """Resolve every named edit of the config onto the modules it selects; errors before any work."""
+def build_edits(model: nn.Module, specs: Mapping[str, EditSpec], seed: int) -> list[Edit]:
+    """Every named edit (a run plan's, probe.checks took their values) bound to the modules it
+    selects; errors before any work."""
     edits = []
-    for name, spec in edit_specs(cfg).items():
-        check_edit(name, spec)
-        for module_name, module in match_modules(model, f"intervene {name!r}", spec):
+    for name, spec in specs.items():
+        for module_name, module in match_modules(model, f"intervene {name!r}", spec.where):
             fn = _op(name, spec, module_name, seed, region(model, module, module_name, spec))
             channels = list(spec.channels) if spec.channels is not None else None
             edits.append(
@@ -93,10 +92,10 @@ def _describe(name: str, spec, module_name: str) -> dict:
         "patch": ["source", "direction"],
     }[spec.op]
     d = {"edit": name, "layer": module_name, "site": spec.site, "op": spec.op}
-    d.update({k: spec.get(k) for k in keys})
+    d.update({k: getattr(spec, k) for k in keys})
     for key in ("channels", "positions", "units", "heads"):
-        if spec.get(key) is not None:
-            d[key] = list(spec[key])
+        if getattr(spec, key) is not None:
+            d[key] = list(getattr(spec, key))
     return d
 
 
@@ -116,38 +115,11 @@ def region(model: nn.Module, module: nn.Module, module_name: str, spec) -> Regio
 
 
 def _patch_or_steer(name: str, spec, module_name: str, where: Region):
-    """op=patch, or op=add with a vector (None for a plain add)."""
+    """op=patch, or op=add with a vector."""
     where.label = f"intervene {name!r} at {module_name!r}"
-    if spec.site not in ("input", "output"):
-        raise ConfigError(
-            f"intervene {name!r}: op={spec.op} edits input or output sites, not {spec.site}"
-        )
-    if spec.channels is not None:
-        raise ConfigError(
-            f"intervene {name!r}: op={spec.op} takes units (and positions, heads), not channels"
-        )
-    if spec.heads is not None and spec.site != "input":
-        raise ConfigError(
-            f"intervene {name!r}: heads split the input of an attention output projection into "
-            "the model's heads; give site: input on it (e.g. attn.c_proj, self_attn.o_proj)"
-        )
-    if spec.direction not in DIRECTIONS:
-        raise ConfigError(
-            f"intervene {name!r}: direction={spec.direction!r} is unknown; choose denoise or noise"
-        )
     if spec.op == "patch":
-        if not spec.source or spec.source in ("first_pass",):
-            raise ConfigError(
-                f"intervene {name!r}: op=patch needs a source: pair (the other half of "
-                "dataset=pairs), clean (the unedited input) or an earlier run's directory"
-            )
         return Patch(where.label, module_name, spec.site, where, str(spec.source))
     if spec.vector == "mean_diff":
-        if not spec.plus or not spec.minus:
-            raise ConfigError(
-                f"intervene {name!r}: vector=mean_diff needs plus=RUN and minus=RUN, two earlier "
-                "runs that captured this site"
-            )
         vector = mean_diff(spec.plus, spec.minus, module_name, where.label)
     else:
         vector = load_vector(spec.vector, where.label)
@@ -155,7 +127,6 @@ def _patch_or_steer(name: str, spec, module_name: str, where: Region):
 
 
 def _op(name: str, spec, module_name: str, seed: int, where: Region):
-    check_edit_op(name, spec)
     op = spec.op
     if op == "patch" or (op == "add" and spec.vector):
         return _patch_or_steer(name, spec, module_name, where)
@@ -175,7 +146,7 @@ def _op(name: str, spec, module_name: str, seed: int, where: Region):
         )
     if op == "mean":
         return MeanSource(name, module_name, spec.source)
-    target = spec.get("_target_")
+    target = spec._target_
     fn = import_target(f"intervene.{name}._target_", target, example="my_edits.halve")
     return lambda x, start, key, ch: fn(x)
 

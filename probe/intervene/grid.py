@@ -20,22 +20,21 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.config import GridSpec, typed
+from probe.config import ATTENTION_SITES, GRID_AXES, PATCH_SOURCES
 from probe.errors import ConfigError
 from probe.hooks.forward import call
 from probe.hooks.hookset import HookSet
 from probe.hooks.select import match_modules, warn_nested
-from probe.intervene.atp import methods_of
-from probe.intervene.attention import SITES as ATTENTION_SITES
 from probe.intervene.attention import AttentionSites
-from probe.intervene.patching import DIRECTIONS, SOURCES, Region, read_rows, run_file
+from probe.intervene.patching import Region, read_rows, run_file
 from probe.layout import TokenBatch, class_axis
+from probe.plan import GridSpec
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
 
 log = logging.getLogger("probe")
 
-AXES = ("layer", "position", "head")
+AXES = GRID_AXES
 
 
 @dataclass(frozen=True)
@@ -45,38 +44,20 @@ class Cell:
     head: int | None = None
 
 
-def grid_spec(intervene) -> GridSpec | None:
-    node = (intervene or {}).get("grid")
-    return None if node is None else typed(GridSpec, node, "intervene.grid")
-
-
 class Grid:
-    """The cells of a grid spec on a model, and the hooks that patch the cells of a forward (a
-    context manager: hung on entry, removed on any exit)."""
+    """The cells of a grid spec (a run plan's: the parse checked its values) on a model, and the
+    hooks that patch the cells of a forward (a context manager: hung on entry, removed on any
+    exit)."""
 
-    def __init__(self, model, spec, length: int | None, label: str = "intervene.grid"):
+    def __init__(self, model, spec: GridSpec, length: int | None, label: str = "intervene.grid"):
         over = list(spec.over)
-        if "layer" not in over or any(a not in AXES for a in over) or len(set(over)) != len(over):
-            raise ConfigError(
-                f"{label}.over={over} must list layer, then position and/or head: [layer], "
-                "[layer,position], [layer,head] or [layer,position,head]"
-            )
-        if spec.site not in ("output", "input", *ATTENTION_SITES):
-            raise ConfigError(
-                f"{label}.site={spec.site!r} must be output, input, query or key (the last two "
-                "at attention modules: '@attn')"
-            )
-        if spec.direction not in DIRECTIONS:
-            raise ConfigError(f"{label}.direction={spec.direction!r}: choose denoise or noise")
         self.label, self.site, self.over = label, spec.site, over
         self.source, self.direction = str(spec.source), spec.direction
-        if spec.stack is not None and spec.stack < 1:
-            raise ConfigError(f"{label}.stack={spec.stack} must be at least 1 (or null)")
         on_gpu = any(p.is_cuda for p in model.parameters())
         self.stack = spec.stack or (8 if on_gpu else 1)
-        self.file = None if self.source in SOURCES else run_file(self.source, label)
-        self.modules = match_modules(model, label, spec)
-        warn_nested(label, list(spec.layers), [n for n, _ in self.modules])
+        self.file = None if self.source in PATCH_SOURCES else run_file(self.source, label)
+        self.modules = match_modules(model, label, spec.where)
+        warn_nested(label, list(spec.where.layers), [n for n, _ in self.modules])
         config = getattr(model, "config", None)
         self.n_heads = getattr(config, "num_attention_heads", None) or getattr(
             config, "n_head", None
@@ -84,18 +65,8 @@ class Grid:
         if spec.site == "key":  # (grouped-query attention shares each key head)
             self.n_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.attention = AttentionSites(self, model) if spec.site in ATTENTION_SITES else None
-        if self.attention is not None and self.source not in SOURCES:
-            raise ConfigError(
-                f"{label}: site {spec.site} takes its source from the pair or the clean input, "
-                f"not from a run file ({self.source!r})"
-            )
         positions = self._axis(spec.positions, "positions", length, "position")
         heads = self._axis(spec.heads, "heads", self.n_heads, "head") if "head" in over else []
-        if "head" in over and self.site not in ("input", *ATTENTION_SITES):
-            raise ConfigError(
-                f"{label}: a grid over heads patches the input of attention output projections; "
-                "give site: input and their layers (e.g. '@blocks.attn.c_proj')"
-            )
         self.cells = [
             Cell(name, p, h)
             for name, _ in self.modules
@@ -109,7 +80,7 @@ class Grid:
             n: class_axis(tuple(c.__name__ for c in type(m).__mro__)) for n, m in self.modules
         }
         self.types = {n: type(m).__name__ for n, m in self.modules}
-        self.methods = methods_of(spec, label)
+        self.methods = [spec.method] if isinstance(spec.method, str) else list(spec.method)
         self.active: list[Cell] = []  # the cells of the current forward, one per repeat
         self.values: dict[tuple[str, str], torch.Tensor] = {}  # the source's, this batch
         self.tokens: TokenBatch | None = None

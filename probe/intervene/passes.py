@@ -28,10 +28,11 @@ from probe.hooks.forward import answer, call, first_output, output_rows, to_devi
 from probe.hooks.select import Selection
 from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
-from probe.intervene.grid import Grid, grid_spec, heatmap, patching_table
+from probe.intervene.grid import Grid, heatmap, patching_table
 from probe.intervene.metrics import at_position, check_metrics, per_sample, summary, value
 from probe.intervene.patching import SOURCES, Patch
 from probe.layout import TokenBatch
+from probe.plan import InterventionSpec
 from probe.store.fileformat import read_progress
 from probe.store.runfile import open_probe_file
 
@@ -49,23 +50,19 @@ def split_pair(batch: Batch, direction: str) -> tuple[Batch, dict | None]:
     return replace(batch, inputs=own), other
 
 
-def direction_of(edits, is_pairs: bool, grid=None) -> str:
-    """The direction of the run's patches and grid (they must agree); noise (own input: clean)
-    when there are none."""
-    found = {e.describe.get("direction") for e in edits if _source(e) is not None}
-    if grid is not None:
-        found.add(grid.direction)
-    if len(found) > 1:
-        raise ConfigError(
-            "intervene: the patches disagree on direction (denoise and noise); the run feeds one "
-            "half of each pair, so give them one direction"
-        )
-    from_pair = any(_source(e) == "pair" for e in edits) or (grid and grid.source == "pair")
-    if from_pair and not is_pairs:
+def direction_of(spec: InterventionSpec, is_pairs: bool) -> str:
+    """The direction of the run's patches and grid (probe.checks holds them to one); noise (own
+    input: clean) when there are none. A patch from the pair needs a dataset of pairs."""
+    patches = [e for e in spec.edits.values() if e.op == "patch"]
+    grid = spec.grid
+    if (
+        any(e.source == "pair" for e in patches) or (grid and grid.source == "pair")
+    ) and not is_pairs:
         raise ConfigError(
             "intervene: op=patch with source=pair needs dataset=pairs (clean and corrupt halves); "
             "use source=clean or an earlier run's directory"
         )
+    found = {e.direction for e in patches} | ({grid.direction} if grid is not None else set())
     return found.pop() if found else "noise"
 
 
@@ -92,18 +89,18 @@ class Interventions:
     _entered: ExitStack | None = field(default=None, init=False, repr=False)  # while inside
 
     @classmethod
-    def of(cls, model, edits, options, dataset, is_pairs: bool, tokenizer=None):
-        spec = grid_spec(options)
-        if not edits and spec is None:
+    def of(cls, model, edits, spec: InterventionSpec, dataset, is_pairs: bool, tokenizer=None):
+        """The passes of a run of `model` over `dataset` (of pairs or not) with `edits` (bound to
+        the model) and the intervene group `spec` of its plan; None when it neither edits nor
+        patches a grid."""
+        if not edits and spec.grid is None:
             return None
         while isinstance(dataset, Subset):  # (a torchrun shard, a resumed run)
             dataset = dataset.dataset
-        metrics = check_metrics((options or {}).get("metrics"), side_keys(dataset))
+        metrics = check_metrics(spec.metrics, side_keys(dataset))
         ids = getattr(dataset, "input_ids", None)
         length = ids.shape[1] if ids is not None else None
-        grid = Grid(model, spec, length) if spec is not None else None
-        if grid is not None and not metrics:
-            raise ConfigError("intervene=patch_grid needs intervene.metrics, e.g. [logit_diff]")
+        grid = Grid(model, spec.grid, length) if spec.grid is not None else None
         sites: dict[str, dict] = {}
         patches: dict[str, list] = {}
         for e in edits:
@@ -121,9 +118,9 @@ class Interventions:
                             for n, (m, s) in found.items()]), patches.get(kind, []))
             for kind, found in sites.items()
         }  # fmt: skip
-        direction = direction_of(edits, is_pairs, grid)
         effects = None if metrics or grid else Effects()
-        found = cls(effects, metrics, position_of(options), direction, recorders, grid)
+        direction = direction_of(spec, is_pairs)
+        found = cls(effects, metrics, spec.position, direction, recorders, grid)
         found.tokenizer = tokenizer
         return found
 
@@ -304,13 +301,6 @@ class _recording:
     def __exit__(self, *exc):
         if self.sites is not None:
             self.sites.mode = None
-
-
-def position_of(options) -> int | None:
-    position = (options or {}).get("position")
-    if position is not None and (isinstance(position, bool) or not isinstance(position, int)):
-        raise ConfigError(f"intervene.position={position!r} must be a token position (an int)")
-    return position
 
 
 def at(output, tokens: TokenBatch | None, position: int | None):

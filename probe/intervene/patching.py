@@ -14,13 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from probe.config import PATCH_SOURCES as SOURCES  # else the path of an earlier run
 from probe.errors import ConfigError, DataError
 from probe.layout import TokenBatch, unit_axis
 from probe.store import stats_file, swmr
 from probe.store.fileformat import layer_path, read_progress
-
-SOURCES = ("pair", "clean")  # else the path of an earlier run
-DIRECTIONS = ("denoise", "noise")
 
 
 def first_item(key: str, site: str) -> bool:

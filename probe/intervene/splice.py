@@ -18,10 +18,10 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 import torch
-from omegaconf import OmegaConf
 
 from probe.hooks.forward import call, first_output
 from probe.hooks.objective import build_objective
+from probe.plan import ObjectiveSpec
 
 log = logging.getLogger("probe")
 PROMOTED_BLOCK = 256  # latents scored against the vocabulary at a time (256 x 256k: 256 MB)
@@ -41,7 +41,7 @@ class SpliceReport:
         self.sites = [(t.name, t.sae) for t in capture.hooked if t.sae is not None]
         self.spliced = [(name, s) for name, s in self.sites if s.spec.splice]
         self.loss: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0.0])  # (sum, count)
-        self.lm_loss = build_objective(OmegaConf.create({"name": "lm_loss"}), False, None)
+        self.lm_loss = build_objective(ObjectiveSpec(name="lm_loss"), False)
 
     def measure(self, model, inputs, tokens, size: int, start: int, precision_ctx) -> None:
         """The extra forwards of one batch: each spliced SAE alone, its layer zeroed, clean."""

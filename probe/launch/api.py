@@ -18,20 +18,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from probe.checks import check_seed
 from probe.config import (
     AttributionConfig,
     DatasetConfig,
     LensConfig,
     ModelConfig,
     ObjectiveConfig,
-    ProbeSpec,
     StatsConfig,
     StoreConfig,
-    typed,
 )
 from probe.data.user_batches import UserBatches
 from probe.errors import ConfigError
+from probe.plan import RunPlan, parse, typed
 from probe.shipped import check_shipped, compose_shipped
 from probe.store import runfile, runlock
 
@@ -83,40 +81,57 @@ def run(
         raise ConfigError(f"out={str(out)!r} is a file; give a directory for the run")
     with runlock.reserve(out):  # held for the run (probe.launch.run.run claims it)
         check_out(out, store, resume, overwrite)
-        cfg = config(probes, store, objective, intervene, stats, model, attribution, lens)
         batches = UserBatches(data)
-        cfg.device = device or _device_of(model)
-        cfg.dataset = OmegaConf.structured(
-            DatasetConfig(
-                name="python", batch_size=batches.batch_size, num_samples=batches.num_samples
-            )
-        )
-        for key, value in (
-            ("seed", seed),
-            ("precision", precision),
-            ("train_mode", train_mode),
-            ("resume", resume),
-            ("overwrite", overwrite),
-            ("fail_on_nonfinite", fail_on_nonfinite),
-            ("progress", progress),
-            ("print_summary", print_summary),
-        ):
-            set_key(cfg, key, value)
-        check_seed("seed", seed)  # (before torch turns an oversized one into a traceback)
+        groups = {"store": store, "objective": objective, "intervene": intervene, "stats": stats,
+                  "attribution": attribution, "lens": lens}  # fmt: skip
+        options = {"device": device, "seed": seed, "precision": precision,
+                   "train_mode": train_mode, "resume": resume, "overwrite": overwrite,
+                   "fail_on_nonfinite": fail_on_nonfinite, "progress": progress,
+                   "print_summary": print_summary}  # fmt: skip
+        # (an oversized seed is named before torch sees it)
+        plan = run_plan(model, batches, probes, **groups, **options)
         training = model.training
         try:
             torch.manual_seed(seed)
-            run_config(cfg, run_dir=out, prepared=prepare(cfg, model, batches))
+            run_config(plan, run_dir=out, prepared=prepare(plan, model, batches))
         finally:
             model.train(training)
     return open_run(out)
+
+
+def run_plan(
+    model: torch.nn.Module,
+    batches: UserBatches,
+    probes: str | Mapping,
+    *,
+    store: str | Mapping = "full",
+    objective: str | Mapping | None = None,
+    intervene: str | Mapping | None = None,
+    stats: str | Mapping | None = None,
+    attribution: Mapping | None = None,
+    lens: str | Mapping | None = None,
+    device: str | None = None,
+    **options,
+) -> RunPlan:
+    """The RunPlan of a `run` of `model` over `batches` with these keywords (`options`: seed,
+    precision, train_mode, resume, overwrite, fail_on_nonfinite, progress, print_summary), parsed
+    as the command line's config is (probe.plan.parse)."""
+    cfg = config(probes, store, objective, intervene, stats, model, attribution, lens)
+    cfg.device = device or _device_of(model)
+    cfg.dataset = OmegaConf.structured(
+        DatasetConfig(name="python", batch_size=batches.batch_size, num_samples=batches.num_samples)
+    )
+    for key, value in options.items():
+        set_key(cfg, key, value)
+    return parse(cfg, in_hand=True)
 
 
 def config(
     probes, store, objective, intervene, stats, model, attribution=None, lens=None
 ) -> DictConfig:
     """The run's config: shipped files by name through Hydra's compose (as the CLI has them),
-    mappings typed against the schema, and the caller's model named in `model`."""
+    mappings merged onto the schema (probe.plan.parse types a mapping of probes or edits), and
+    the caller's model named in `model`."""
     overrides = ["print_summary=false"]
     for group, value in (
         ("probes", probes),
@@ -132,9 +147,7 @@ def config(
         overrides.append(f"stats.backend={stats}")
     cfg = compose_shipped(overrides)
     if isinstance(probes, Mapping | DictConfig):
-        cfg.probes = {
-            str(name): typed(ProbeSpec, spec, f"probe {name!r}") for name, spec in probes.items()
-        }
+        cfg.probes = {str(name): spec for name, spec in probes.items()}
     elif not isinstance(probes, str):
         raise ConfigError(
             f"probes={probes!r}: give the name of a shipped probe file (e.g. 'all_convs') or a "

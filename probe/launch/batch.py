@@ -4,7 +4,8 @@ backward) through the hooks, and the Record the writer takes."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,26 +18,49 @@ from probe.hooks.gradients import resolve_grads
 from probe.hooks.objective import per_sample
 from probe.hooks.record import Record
 from probe.intervene.passes import Interventions, split_pair
+from probe.plan import RunPlan
 from probe.stats.backend import DeviceStats
 
 
 @dataclass
-class BatchStep:
-    """What every batch of a run goes through: the model on its device, the hooks, the
-    objective, the edits' passes and how the forward runs."""
+class Prepared:
+    """What a run needs before its loop: built once, so a benchmark can repeat the loop alone."""
 
     model: torch.nn.Module
-    capture: Capture
+    batches: Iterable
     selections: list
+    objective: object
     device: torch.device
-    objective: object = None
+    edits: list = field(default_factory=list)
+    shard: object = None  # probe.launch.distributed.Shard
+    stats_backend: str | None = (
+        None  # what reduces captures (probe.stats.backend); None: stats.backend
+    )
+    integrated: Integrated | None = None  # made by the run (its baselines may need a pass)
+    readout: object = None  # the lens or direct logit attribution (probe.attribute.readout)
+
+
+@dataclass
+class BatchStep:
+    """What every batch of a run goes through: what was prepared (the model on its device, the
+    selections, the objective, integrated gradients, the readout), the hooks, the edits' passes,
+    and the plan's word on how the forward runs (precision, store.model_output, lens.position)."""
+
+    prepared: Prepared
+    capture: Capture
+    plan: RunPlan
     interventions: Interventions | None = None
-    precision: str = "fp32"
-    model_output: str = "auto"
-    integrated: Integrated | None = None  # integrated gradients' settings and baselines
-    readout: object = None  # a lens or direct logit attribution (probe.attribute.readout)
-    position: int | None = None  # where the readout reads the answer (lens.position)
     splice: object = None  # the spliced SAEs' extra forwards (probe.intervene.splice)
+
+    model = property(lambda self: self.prepared.model)
+    selections = property(lambda self: self.prepared.selections)
+    device = property(lambda self: self.prepared.device)
+    objective = property(lambda self: self.prepared.objective)
+    integrated = property(lambda self: self.prepared.integrated)
+    readout = property(lambda self: self.prepared.readout)
+    precision = property(lambda self: self.plan.options.precision)
+    model_output = property(lambda self: self.plan.store.model_output)
+    position = property(lambda self: self.plan.lens.position)  # where a readout reads the answer
 
 
 def run_batch(step: BatchStep, batch, index: int) -> Record:

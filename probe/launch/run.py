@@ -1,4 +1,5 @@
-"""One probing run: build, register hooks, stream every batch to the writer, summarise."""
+"""One probing run of a RunPlan (probe.plan): build, register hooks, stream every batch to the
+writer, summarise."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import contextlib
 import importlib
 import json
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -15,14 +15,12 @@ import numpy as np
 import pandas as pd
 import torch
 import torchvision
-from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from probe.attribute.integrated import Integrated, baselines, check_attribution_run
 from probe.attribute.readout import build_readout, write_readout_tables
 from probe.attribute.table import attribution_table
-from probe.checks import check_config, check_run_options
-from probe.config import BACKWARD_SITES
+from probe.config import BACKWARD_SITES, GRAD_EDIT_SITES
 from probe.data.batches import build_batches, check_token_data
 from probe.data.provenance import describe as describe_dataset
 from probe.errors import ConfigError
@@ -32,14 +30,15 @@ from probe.hooks.examples import TopKSpec
 from probe.hooks.objective import build_objective
 from probe.hooks.sae_site import load_saes
 from probe.hooks.select import select_modules
-from probe.intervene.edits import GRAD_EDIT_SITES, build_edits, first_pass_means
+from probe.intervene.edits import build_edits, first_pass_means
 from probe.intervene.passes import Interventions
 from probe.intervene.splice import SpliceReport
 from probe.launch import distributed, size_plan
-from probe.launch.batch import BatchStep, run_batch
+from probe.launch.batch import BatchStep, Prepared, run_batch
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.models import placement
 from probe.models.build import build_model
+from probe.plan import RunPlan, parse
 from probe.read.tables import summary_frame
 from probe.stats import backend
 from probe.store import runfile, runlock, swmr
@@ -64,14 +63,11 @@ def output_dir() -> Path:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of `device` (probe.checks took its name): auto is the GPU where there
+    is one."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(
-            f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto"
-        ) from None
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"device={name!r} but no CUDA device is available here; use device=cpu or auto"
@@ -79,67 +75,55 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-@dataclass
-class Prepared:
-    """What a run needs before its loop: built once, so a benchmark can repeat the loop alone."""
-
-    model: torch.nn.Module
-    batches: Iterable
-    selections: list
-    objective: object
-    device: torch.device
-    edits: list = field(default_factory=list)
-    shard: distributed.Shard | None = None
-    stats_backend: str | None = (
-        None  # what reduces captures (`probe.stats.backend`); None: stats.backend
-    )
-    integrated: Integrated | None = None  # made by the run (its baselines may need a pass)
-    readout: object = None  # the lens or direct logit attribution (probe.attribute.readout)
+def as_plan(plan: RunPlan | object) -> RunPlan:
+    """`plan`, or the RunPlan of a composed config (probe.plan.parse)."""
+    return plan if isinstance(plan, RunPlan) else parse(plan)
 
 
-def build_run(cfg: DictConfig) -> Prepared:
-    """Build the model and the batches the config names, then `prepare` the run (the Python
-    API, `probe.launch.api`, prepares a caller's model and batches the same way)."""
-    check_config(cfg)  # what the config alone decides, before any work; types added probes
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.seed)
-    every = build_batches(cfg.dataset, cfg.model, cfg.seed, model)
-    return prepare(cfg, model, every)
+def build_run(plan: RunPlan) -> Prepared:
+    """Build the model and the batches the plan names (a composed config is parsed first), then
+    `prepare` the run (the Python API, `probe.launch.api`, prepares a caller's model and batches
+    the same way)."""
+    plan = as_plan(plan)
+    seed = plan.options.seed
+    torch.manual_seed(seed)
+    model = build_model(plan.model, seed)
+    every = build_batches(plan.data, plan.model, seed, model)
+    return prepare(plan, model, every)
 
 
-def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
+def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
     """This process's batches, the device, the selected sites, the edits and the objective of a
     run of `model` over `every` (batches as `probe.data.batches.OrderedBatches` gives them)."""
     shard, batches = distributed.shard(every)
+    options = plan.options
     if placement.is_placed(model):  # accelerate's hooks move each module's inputs in
         device = placement.input_device(model)
         log.info("device %s: where model.device_map runs the model's first module", device)
     else:
-        device = shard.device(resolve_device(cfg.device))
-        log.info("device %s (device=%s)", device, cfg.device)
-    check_run_options(cfg)  # checked once more: the Python API's config skips check_config
-    stats_backend = backend.resolve(cfg.stats.backend, device.type)
+        device = shard.device(resolve_device(options.device))
+        log.info("device %s (device=%s)", device, options.device)
+    stats_backend = backend.resolve(plan.stats.backend, device.type)
     backend.use(stats_backend)
-    selections = select_modules(model, cfg.probes)
+    selections = select_modules(model, plan.probes)
     # (read now: a bad SAE folder stops the run before any file is made)
     selections = load_saes(selections)
     if placement.is_placed(model):
         placement.describe(model, selections)
         placement.check_param_grads(selections)
     check_token_data(every.dataset, selections, model)
-    edits = build_edits(model, cfg.intervene, cfg.seed)
+    edits = build_edits(model, plan.intervene.edits, options.seed)
     wants_grad = any(s in BACKWARD_SITES for sel in selections for s in sel.sites) or any(
         e.site in GRAD_EDIT_SITES for e in edits
     )
-    classes = cfg.model.num_classes if cfg.model.library in ("torchvision", "timm") else None
     answers = frozenset(
         k for k in ("answer", "wrong") if getattr(every.dataset, k, None) is not None
     )
     objective = None
     if wants_grad:
-        objective = build_objective(cfg.objective, batches.has_targets, classes, answers)
-    check_attribution_run(model, selections, edits, bool(cfg.train_mode))
-    readout = build_readout(cfg.lens, model, "answer" in answers)
+        objective = build_objective(plan.objective, batches.has_targets, answers)
+    check_attribution_run(model, selections, edits, options.train_mode)
+    readout = build_readout(plan.lens, model, "answer" in answers)
     for sel in selections:
         log.info(
             "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
@@ -153,89 +137,87 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
         "?" if batches.num_samples is None else batches.num_samples,
         "?" if batches.num_samples is None else len(batches),
     )
-    if not selections:
+    if not selections and plan.probes:  # (probes=none asks for no module)
         log.warning(
             "no module selected (every probe allows an empty selection): %s will hold the samples "
             "and no layers, and summary.csv no rows",
-            cfg.store.filename,
+            plan.store.filename,
         )
-    prepared = Prepared(model, batches, selections, objective, device, edits, shard, stats_backend)
-    prepared.readout = readout
-    return prepared
+    return Prepared(
+        model, batches, selections, objective, device, edits, shard, stats_backend,
+        readout=readout,
+    )  # fmt: skip
 
 
-def run(
-    cfg: DictConfig, run_dir: Path | None = None, prepared: Prepared | None = None
-) -> RunResult:
-    """Run the probes of `cfg`; writes probe.h5 and summary.csv into `run_dir` (default: Hydra's).
-    `prepared` reuses what `build_run(cfg)` built (the benchmark times the loop alone). The run
-    holds the directory's lock (probe.store.runlock) throughout: one run per directory."""
+def run(plan: RunPlan, run_dir: Path | None = None, prepared: Prepared | None = None) -> RunResult:
+    """Run the probes of `plan` (a composed config is parsed first); writes probe.h5 and
+    summary.csv into `run_dir` (default: Hydra's). `prepared` reuses what `build_run` built (the
+    benchmark times the loop alone). The run holds the directory's lock (probe.store.runlock)
+    throughout: one run per directory."""
+    plan = as_plan(plan)
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
     with runlock.hold(run_dir), file_size_errors():
-        return _run(cfg, run_dir, prepared)
+        return _run(plan, run_dir, prepared)
 
 
-def _run(cfg: DictConfig, run_dir: Path, prepared: Prepared | None) -> RunResult:
-    p = prepared or build_run(cfg)
+def _run(plan: RunPlan, run_dir: Path, prepared: Prepared | None) -> RunResult:
+    p = prepared or build_run(plan)
     shard = p.shard or distributed.shard(p.batches)[0]
-    stats_backend = p.stats_backend or backend.resolve(cfg.stats.backend, p.device.type)
+    stats_backend = p.stats_backend or backend.resolve(plan.stats.backend, p.device.type)
     if not placement.is_placed(p.model):  # a placed model stays where its map put it
         p.model.to(p.device)
-    buffers = {k: v.clone() for k, v in p.model.state_dict().items()} if cfg.train_mode else None
-    p.model.train(cfg.train_mode)
-    tokenizer = cfg.dataset.tokenizer or cfg.model.name
+    train_mode = plan.options.train_mode
+    buffers = {k: v.clone() for k, v in p.model.state_dict().items()} if train_mode else None
+    p.model.train(train_mode)
+    tokenizer = plan.data.tokenizer or plan.model.name
+    is_pairs = plan.data.name == "pairs"
     interventions = Interventions.of(
-        p.model, p.edits, cfg.intervene, p.batches.dataset, cfg.dataset.name == "pairs", tokenizer
+        p.model, p.edits, plan.intervene, p.batches.dataset, is_pairs, tokenizer
     )
     if any("ig_output" in s.sites for s in p.selections):
-        a = cfg.attribution
-        base = baselines(a, p.model, p.batches, p.selections, p.device, cfg.precision)
+        a = plan.attribution
+        base = baselines(a, p.model, p.batches, p.selections, p.device, plan.options.precision)
         p.integrated = Integrated(a.steps, a.method, a.internal_batch_size, base)
-    h5_path = run_dir / cfg.store.filename
-    writer = _open_writer(cfg, p, shard, run_dir, h5_path, stats_backend, interventions)
+    h5_path = run_dir / plan.store.filename
+    writer = _open_writer(plan, p, shard, h5_path, stats_backend, interventions)
     complete, stop = False, StopFlag()
     try:
-        complete = _loop(cfg, p, shard, writer, interventions, stop)
+        complete = _loop(plan, p, shard, writer, interventions, stop)
     finally:
         if buffers is not None:
             p.model.load_state_dict(buffers)
         writer.close(complete=complete)
     if stop.requested is not None:
         raise Interrupted(stop.requested, writer.num_samples, h5_path)
-    return _finish(cfg, run_dir, h5_path, shard, writer, interventions)
+    return _finish(plan, run_dir, h5_path, shard, writer, interventions)
 
 
-def _open_writer(
-    cfg, p: Prepared, shard, run_dir: Path, h5_path: Path, stats_backend, interventions
-):
+def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend, interventions):
     """The run's writer on a new file, or on the file it resumes once that file is checked to
     be this run's (config, dataset, checkpoint)."""
-    path = shard.path(h5_path)
-    runfile.check_existing(path, bool(cfg.resume), bool(cfg.get("overwrite")))
-    if cfg.resume and path.is_file():  # this run holds the directory's lock:
+    path, options = shard.path(h5_path), plan.options
+    runfile.check_existing(path, options.resume, options.overwrite)
+    if options.resume and path.is_file():  # this run holds the directory's lock:
         swmr.mark_closed(path)  # "open for write" flags are a killed run's
-    resuming = bool(cfg.resume) and check_resumable(path, cfg)
+    resuming = options.resume and check_resumable(path, plan.text)
     provenance = describe_dataset(
-        cfg.dataset, p.batches if shard.world == 1 else p.batches.dataset.dataset
+        plan.data, p.batches if shard.world == 1 else p.batches.dataset.dataset
     )
     identity = {"dataset_identity": json.dumps(provenance.identity, sort_keys=True)}
-    if cfg.model.checkpoint:
-        identity["checkpoint_sha256"] = file_sha256(cfg.model.checkpoint)
+    if plan.model.checkpoint:
+        identity["checkpoint_sha256"] = file_sha256(plan.model.checkpoint)
     if resuming:
         check_identity(path, identity)
     first_pass_means(p.model, p.batches, p.edits, p.device)
-    store, selections = cfg.store, p.selections
+    selections = p.selections
     writer = ProbeWriter(
         path,
-        mode=store.mode,
-        compression=store.compression,
-        compression_level=store.compression_level,
-        chunk_bytes=store.chunk_bytes,
-        queue_batches=store.queue_batches,
+        plan.store,
+        plan.stats,
         module_types={s.name: s.module_type for s in selections},
         token_layers=frozenset(s.name for s in selections if s.rows == "tokens"),
         attrs={
-            **file_attrs(cfg, run_dir),
+            **file_attrs(plan),
             **shard.attrs(),
             "edits": json.dumps([e.describe for e in p.edits]),
             "stats_backend": stats_backend,
@@ -243,15 +225,12 @@ def _open_writer(
             **(interventions.attrs() if interventions is not None else {}),
         },
         resume=resuming,
-        batch_rows=cfg.dataset.batch_size,
-        flush_seconds=store.flush_seconds,
+        batch_rows=plan.data.batch_size,
         index_offset=shard.samples.start,
         stats_backend=stats_backend,
-        direct_io=store.direct_io,
         total_rows=len(shard.samples),
         provenance=provenance,
-        stats_during=cfg.stats.during,
-        topk=examples_spec(cfg),
+        topk=examples_spec(plan),
     )
     if resuming:
         p.batches.skip(writer.num_batches)
@@ -259,47 +238,37 @@ def _open_writer(
     return writer
 
 
-def examples_spec(cfg) -> TopKSpec | None:
+def examples_spec(plan: RunPlan) -> TopKSpec | None:
     """What stats.topk, stats.bottomk and stats.topk_quantiles ask to keep (None: nothing)."""
-    s = cfg.stats
-    spec = TopKSpec(s.get("topk", 0), s.get("bottomk", 0), s.get("topk_quantiles", 0), cfg.seed)
+    s = plan.stats
+    spec = TopKSpec(s.topk, s.bottomk, s.topk_quantiles, plan.options.seed)
     return spec if spec.sizes() and s.during != "none" else None
 
 
-def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: StopFlag) -> bool:
+def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions, stop) -> bool:
     """Every batch through the hooks into the writer; whether the run is whole (a signal stops
     it after the batch in flight)."""
     on_device = writer.observes_device
-    in_hooks = cfg.stats.during == "run" and (p.device.type == "cpu" or on_device)
+    during = plan.stats.during
+    in_hooks = during == "run" and (p.device.type == "cpu" or on_device)
     observe = writer.observe if in_hooks else None
-    keep_values = cfg.store.mode == "full"
+    keep_values = plan.store.mode == "full"
     capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device,
-                      writer.topk if cfg.stats.during == "run" else None, shard.dataset_samples)  # fmt: skip
-    step = BatchStep(
-        p.model,
-        capture,
-        p.selections,
-        p.device,
-        p.objective,
-        interventions,
-        cfg.precision,
-        cfg.store.model_output,
-        p.integrated,
-        p.readout,
-        cfg.lens.position,
-        SpliceReport(capture) if any(t.sae is not None for t in capture.hooked) else None,
-    )
-    fail_on_nonfinite = cfg.fail_on_nonfinite  # read once
+                      writer.topk if during == "run" else None, shard.dataset_samples)  # fmt: skip
+    splice = SpliceReport(capture) if any(t.sae is not None for t in capture.hooked) else None
+    step = BatchStep(p, capture, plan, interventions, splice)
+    fail_on_nonfinite = plan.options.fail_on_nonfinite  # read once
     readout = p.readout or contextlib.nullcontext()
     with capture, stop, interventions or contextlib.nullcontext(), readout:
-        bar = tqdm(p.batches, desc="probe", unit="batch", disable=not cfg.progress, leave=False)
+        bar = tqdm(p.batches, desc="probe", unit="batch", disable=not plan.options.progress,
+                   leave=False)  # fmt: skip
         first = index = writer.num_batches  # (a resumed run starts after its last batch)
         for index, batch in enumerate(bar, start=first):
             if observe is not None:
                 writer.begin_batch()
             record = run_batch(step, batch, index)
             if index == 0:
-                size_plan.announce(record, p.batches, p.selections, cfg.store, shard)
+                size_plan.announce(record, p.batches, p.selections, plan.store, shard)
             writer.put(record)
             if fail_on_nonfinite:
                 nonfinite.check_batch(record)
@@ -319,10 +288,11 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
     return complete
 
 
-def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
-    """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file),
-    the edits' effects, the log's summary."""
-    counted = cfg.stats.during != "none"
+def _finish(plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
+    """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file;
+    none when no probe was asked for or stats.during=none), the lens's and the edits' tables,
+    the log's summary."""
+    counted = plan.stats.during != "none"
     if counted:
         nonfinite.report(writer.datasets.values())
     datasets = distributed.finish(shard, h5_path, writer.datasets)
@@ -330,23 +300,24 @@ def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> 
         summary = summary_frame(writer.datasets.values())
         return RunResult(run_dir, shard.path(h5_path), summary, writer.num_samples)
     summary = summary_frame(datasets) if counted else summary_frame([])
-    if counted:
+    tables = counted and bool(plan.probes)  # (probes=none asks for no layer: no table of them)
+    if tables:
         summary.to_csv(run_dir / "summary.csv", index=False)
         attributions = attribution_table(datasets)
         if len(attributions):
             attributions.to_csv(run_dir / "attribution.csv", index=False)
             log.info("wrote %s (%d sites)", run_dir / "attribution.csv", len(attributions))
-    if cfg.lens.name != "none":
-        write_readout_tables(h5_path, run_dir)
-    else:
+    elif not counted:
         log.info(
             "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "
             "%s computes them from the rows",
             run_dir,
         )
+    if plan.lens.name != "none":
+        write_readout_tables(h5_path, run_dir)
     if interventions is not None:
         interventions.report(h5_path, run_dir)
-    if cfg.print_summary and counted:
+    if plan.options.print_summary and tables:
         print_summary(summary)
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
     log.info("wrote %s (%d samples)", h5_path, num_samples)
@@ -361,17 +332,19 @@ def remaining_batches(batches) -> int | float:
         return float("inf")
 
 
-def file_attrs(cfg: DictConfig, run_dir: Path) -> dict:
+def file_attrs(plan: RunPlan) -> dict:
+    """The file's attributes of the run: its config as parsed (resolved YAML), seed, mode and
+    objective, and the versions of the libraries that made it."""
     return {
-        "config": OmegaConf.to_yaml(cfg, resolve=True),
-        "train_mode": bool(cfg.train_mode),
-        "seed": int(cfg.seed),
+        "config": plan.text,
+        "train_mode": bool(plan.options.train_mode),
+        "seed": int(plan.options.seed),
         "torch_version": str(torch.__version__),
         "torchvision_version": str(torchvision.__version__),
         "h5py_version": str(h5py.__version__),
         "hdf5_version": str(h5py.version.hdf5_version),
-        "objective": str(cfg.objective.name),
-        **model_library_version(cfg.model.library),
+        "objective": str(plan.objective.name),
+        **model_library_version(plan.model.library),
     }
 
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+from pathlib import Path
 
 import torch
 import torchvision
-from omegaconf import OmegaConf
 from torch import nn
 
-from probe.config import import_target
+from probe.config import import_target, library_of
 from probe.errors import CheckpointError, ConfigError
-from probe.model_checks import check_checkpoint, model_library
 from probe.models.placement import dispatch
+from probe.plan import ModelSpec, plain
 
 log = logging.getLogger("probe")
 
@@ -38,31 +38,32 @@ def model_input(model: nn.Module, inputs: torch.Tensor, device, non_blocking: bo
     return inputs.to(device, non_blocking=non_blocking)
 
 
-def build_model(cfg, seed: int) -> nn.Module:
-    """A model with seeded random init (or the named weights), checkpoint loaded, in eval mode.
+def build_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The model of `spec` (a run plan's model) with seeded random init (or the named weights),
+    checkpoint loaded, in eval mode.
 
     `model.library` says where `model.name` comes from; a `_target_` class is always custom."""
     torch.manual_seed(seed)
-    kwargs = OmegaConf.to_container(cfg.kwargs, resolve=True) if cfg.kwargs else {}
-    library = model_library(cfg)
+    kwargs = plain(spec.kwargs)
+    library = library_of(spec)
     if library == "custom":
-        model = _build_custom(cfg.get("_target_"), kwargs)
+        model = _build_custom(spec._target_, kwargs)
     elif library == "hf":
         from probe.models.hub import build_hf
 
-        model = build_hf(cfg, seed)
+        model = build_hf(spec, seed)
     elif library == "timm":
         from probe.models.hub import build_timm
 
-        model = build_timm(cfg, seed)
+        model = build_timm(spec, seed)
     else:
-        model = _build_torchvision(cfg, kwargs)
-    if cfg.checkpoint:
-        load_checkpoint(model, cfg.checkpoint, cfg.get("checkpoint_prefix"))
+        model = _build_torchvision(spec, kwargs)
+    if spec.checkpoint:
+        load_checkpoint(model, spec.checkpoint, spec.checkpoint_prefix)
     if library != "hf":  # (transformers loads a model in its dtype and place)
-        model = dispatch(model, cfg)
-    if cfg.get("anatomy"):  # what probe.models.anatomy reads for the layer aliases
-        model._probe_anatomy = OmegaConf.to_container(cfg.anatomy, resolve=True)
+        model = dispatch(model, spec)
+    if spec.anatomy:  # what probe.models.anatomy reads for the layer aliases
+        model._probe_anatomy = plain(spec.anatomy)
     return model.eval()
 
 
@@ -81,7 +82,7 @@ def _build_custom(target: str, kwargs: dict) -> nn.Module:
     return model
 
 
-def _build_torchvision(cfg, kwargs: dict) -> nn.Module:
+def _build_torchvision(cfg: ModelSpec, kwargs: dict) -> nn.Module:
     names = classification_models()
     if cfg.name not in names:
         close = difflib.get_close_matches(cfg.name, names, n=5) or names[:5]
@@ -114,8 +115,8 @@ def _build_torchvision(cfg, kwargs: dict) -> nn.Module:
 def load_checkpoint(model: nn.Module, path: str, prefix: str | None = None) -> None:
     """Load a state_dict (weights only, strict keys) and say which keys do not fit. With `prefix`
     only the keys under it are loaded, without it (a wrapper's `module.`, `model.`); a checkpoint
-    whose keys all carry such a prefix is named in the error."""
-    p = check_checkpoint(path)
+    whose keys all carry such a prefix is named in the error. (probe.model_checks found the file.)"""
+    p = Path(path)
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:

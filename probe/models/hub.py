@@ -12,12 +12,12 @@ import importlib
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from probe.config import HF_TASKS, ModelConfig
 from probe.errors import CheckpointError, ConfigError
 from probe.models.placement import check_map, dispatch, hf_options, weight_dtype
+from probe.plan import ModelSpec, plain
 
 AUTO_CLASSES = {
     "base": "AutoModel",
@@ -41,10 +41,6 @@ def require(module: str, extra: str):
         raise ConfigError(
             f"model.library={extra} needs the {module} package: pip install -e '.[{extra}]'"
         ) from None
-
-
-def _plain(node) -> dict:
-    return dict(OmegaConf.to_container(node, resolve=True)) if node else {}
 
 
 def _hub_error(repo_id: str, filename: str) -> Exception | None:
@@ -161,15 +157,13 @@ def _check_keys(config, overrides: dict) -> None:
             )
 
 
-def build_hf(cfg, seed: int) -> nn.Module:
+def build_hf(cfg: ModelSpec, seed: int) -> nn.Module:
     """A transformers model for `model.task`: the weights of `model.name` (pretrained unset or
     true), or a random init seeded by `seed` (pretrained=false); in `model.dtype` (precision=bf16
     autocasts besides) and placed by `model.device_map`, use_cache off, in eval mode."""
     transformers = require("transformers", "hf")
-    if cfg.task not in HF_TASKS:
-        raise ConfigError(f"model.task={cfg.task!r} is not one of {', '.join(HF_TASKS)}")
     name = str(cfg.name)
-    overrides, kwargs = _plain(cfg.config), _plain(cfg.kwargs)
+    overrides, kwargs = plain(cfg.config), plain(cfg.kwargs)
     no_cache = "use_cache" not in overrides
     load: dict = {}
     if Path(name).expanduser().is_dir():
@@ -229,7 +223,7 @@ def build_hf(cfg, seed: int) -> nn.Module:
     return model.eval()
 
 
-def build_timm(cfg, seed: int) -> nn.Module:
+def build_timm(cfg: ModelSpec, seed: int) -> nn.Module:
     """`timm.create_model(name, pretrained, num_classes, **kwargs)` seeded by `seed`, eval mode."""
     timm, name = require("timm", "timm"), str(cfg.name)
     if not name.startswith(("hf-hub:", "hf_hub:", "local-dir:")) and not timm.is_model(name):
@@ -238,7 +232,7 @@ def build_timm(cfg, seed: int) -> nn.Module:
             f"unknown timm model {name!r}; closest: {', '.join(close) or 'none'} "
             "(timm.list_models('*pattern*') lists them)"
         )
-    pretrained, kwargs = bool(cfg.pretrained), _plain(cfg.kwargs)
+    pretrained, kwargs = bool(cfg.pretrained), plain(cfg.kwargs)
     if pretrained or name.startswith(("hf-hub:", "hf_hub:")):  # the latter fetch their config
         _check_timm_weights(timm, name)
     torch.manual_seed(seed)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections.abc import Mapping
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from probe.config import DEVICE_MAPS
@@ -25,8 +25,8 @@ OFFLOADED = ("cpu", "disk")  # places whose modules run on the main device (acce
 
 
 def weight_dtype(cfg) -> torch.dtype:
-    """The torch dtype of `model.dtype` (checked by probe.model_checks)."""
-    return WEIGHT_DTYPES[str(cfg.get("dtype") or "float32")]
+    """The torch dtype of `model.dtype` (checked by probe.model_checks) of a model spec."""
+    return WEIGHT_DTYPES[str(cfg.dtype or "float32")]
 
 
 def _place(value):
@@ -37,21 +37,20 @@ def _place(value):
 
 def device_map(cfg):
     """`model.device_map` as accelerate takes it: None, a strategy or device, or a dict."""
-    value = cfg.get("device_map")
+    value = cfg.device_map
     if value is None:
         return None
-    if not OmegaConf.is_config(value) and not isinstance(value, dict):
+    if not isinstance(value, Mapping):
         return _place(value)
-    plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else dict(value)
-    return {str(k): _place(v) for k, v in plain.items()}
+    return {str(k): _place(v) for k, v in value.items()}
 
 
 def max_memory(cfg) -> dict | None:
-    value = cfg.get("max_memory")
+    """`model.max_memory` as accelerate takes it: device -> size."""
+    value = cfg.max_memory
     if value is None:
         return None
-    plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else dict(value)
-    return {_place(k): v for k, v in plain.items()}
+    return {_place(k): v for k, v in value.items()}
 
 
 def check_devices(places) -> None:
@@ -76,15 +75,15 @@ def hf_options(cfg) -> dict:
     """from_pretrained's placement arguments for `model.*` (none when no map is given)."""
     mapping = device_map(cfg)
     out: dict = {}
-    if cfg.get("low_cpu_mem_usage"):
+    if cfg.low_cpu_mem_usage:
         out["low_cpu_mem_usage"] = True  # (transformers 5 always loads this way)
     if mapping is None:
         return out
     check_devices(mapping.values() if isinstance(mapping, dict) else [mapping])
     out["device_map"] = mapping
-    if cfg.get("max_memory") is not None:
+    if cfg.max_memory is not None:
         out["max_memory"] = max_memory(cfg)
-    if cfg.get("offload_folder"):
+    if cfg.offload_folder:
         out["offload_folder"] = str(cfg.offload_folder)
     return out
 
@@ -134,7 +133,7 @@ def dispatch(model: nn.Module, cfg) -> nn.Module:
         mapping = {"": mapping}
     check_devices(mapping.values())
     check_map(model, mapping)
-    folder = cfg.get("offload_folder")
+    folder = cfg.offload_folder
     if "disk" in mapping.values() and not folder:
         raise ConfigError(
             "model.device_map offloads to disk (with model.max_memory) but model.offload_folder "

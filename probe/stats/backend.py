@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from probe.choices import STATS_BACKENDS
+from probe.choices import NUMBA_MISSING, STATS_BACKENDS
 from probe.errors import ConfigError
 from probe.stats import kernel_cache
 
@@ -40,10 +40,7 @@ def resolve(name: str, device_type: str = "cpu", announce: bool = True) -> str:
         return "torch"
     if name == "numba":
         if not numba_installed():
-            raise ConfigError(
-                "stats.backend=numba needs numba, which is not installed: pip install -e "
-                "'.[fast]', or use stats.backend=torch"
-            )
+            raise ConfigError(NUMBA_MISSING)
         if announce and not kernel_cache.is_warm():
             log.warning(
                 "statistics: compiling the numba kernels before the first batch (once per "

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 
 from probe.errors import ConfigError, DataError
+from probe.plan import config_values
 from probe.stats import backend
 from probe.stats.running import stats_for
 from probe.stats.topk import TopKState
@@ -66,8 +66,9 @@ def _differences(old, new, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} in the file, {new!r} now"]
 
 
-def check_resumable(path: Path, cfg: DictConfig) -> bool:
-    """True when `path` holds a run of the same config to continue; False when there is no file.
+def check_resumable(path: Path, config: str) -> bool:
+    """True when `path` holds a run of the same config (its YAML text, as the file's `config`
+    attribute holds it: probe.plan.RunPlan.text) to continue; False when there is no file.
 
     A file of another config, or one that cannot be read, is an error: resuming it would mix runs.
     """
@@ -77,8 +78,8 @@ def check_resumable(path: Path, cfg: DictConfig) -> bool:
         stored = f.attrs.get("config")
     if stored is None:
         raise DataError(f"{str(path)!r} has no config attribute, so it cannot be resumed")
-    old = _values_part(OmegaConf.to_container(OmegaConf.create(str(stored))))
-    new = _values_part(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    old = _values_part(config_values(str(stored)))
+    new = _values_part(config_values(config))
     diff = _differences(old, new)
     if diff:
         shown = "; ".join(diff[:5]) + ("; ..." if len(diff) > 5 else "")

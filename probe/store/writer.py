@@ -23,6 +23,7 @@ import torch
 
 from probe.errors import WriteError
 from probe.hooks.record import Record
+from probe.plan import StatsSpec, StoreSpec
 from probe.stats import backend
 from probe.stats.running import bounds_for, stats_for
 from probe.stats.topk import TopKState
@@ -47,6 +48,7 @@ log = logging.getLogger("probe")
 ROW_DIMS = ("sample", "token", "batch")
 # A stats-only run writes nothing between flushes but its statistics (about 1 ms per dataset).
 STATS_FLUSH_SECONDS = 10.0
+DEFAULT_STORE, DEFAULT_STATS = StoreSpec(), StatsSpec()  # the schema's defaults
 HELD_BYTES = 64 << 20  # ... or sooner when the extras it holds until then reach this size
 
 
@@ -56,31 +58,36 @@ class ProbeWriter:
     def __init__(
         self,
         path: Path,
+        store: StoreSpec = DEFAULT_STORE,
+        stats: StatsSpec = DEFAULT_STATS,
         *,
-        mode: str = "full",
-        compression: str = "none",
-        compression_level: int | None = None,
-        chunk_bytes: int = 1 << 20,
-        queue_batches: int = 2,
         module_types: dict[str, str] | None = None,
+        token_layers: frozenset[str] = frozenset(),
         attrs: dict | None = None,
         resume: bool = False,
         batch_rows: int = 1,
-        flush_seconds: float | None = None,
         index_offset: int = 0,
-        token_layers: frozenset[str] = frozenset(),
-        stats_backend: str | None = None,
-        direct_io: bool = True,
         total_rows: int | None = None,
         provenance=None,
-        stats_during: str = "run",
+        stats_backend: str | None = None,
         topk=None,
     ):
-        # store.* values are checked with the config (probe.checks), before a writer is made
+        """A writer of `path` as `store` (store.*) and `stats` (stats.during; the rest is the
+        backend's and `topk`'s) say, the values probe.plan checked. `module_types` and
+        `token_layers` name the layers and those stored one row per token; `attrs` are the file's
+        attributes; `batch_rows` the rows of a full batch, `index_offset` a shard's first sample
+        in the whole dataset and `total_rows` its samples; `provenance` the dataset's identity
+        and per-sample names; `stats_backend` reduces captures (None: the environment's);
+        `topk` the examples per unit kept with the statistics (a TopKSpec), or None."""
+        mode = store.mode
         self.path, self.mode = Path(path), str(mode)
+        compression = store.compression
         self.compression = None if compression == "none" else str(compression)
-        self.compression_opts = compression_level if compression == "gzip" else None
-        self.chunking = Chunking(chunk_bytes, self.compression is not None, total_rows, batch_rows)
+        self.compression_opts = store.compression_level if compression == "gzip" else None
+        self.chunking = Chunking(
+            store.chunk_bytes, self.compression is not None, total_rows, batch_rows
+        )
+        flush_seconds = store.flush_seconds
         if flush_seconds is None:
             flush_seconds = STATS_FLUSH_SECONDS if mode == "stats" else 0.0
         self.flush_seconds, self.last_flush = flush_seconds, time.monotonic()
@@ -89,7 +96,7 @@ class ProbeWriter:
         self.token_layers = token_layers  # layers stored one row per token
         self.provenance = provenance  # the dataset's identity and per-sample names
         # statistics: run (folded batch by batch), close (from the rows at close), none
-        self.stats_during, self.batch_rows = str(stats_during), batch_rows
+        self.stats_during, self.batch_rows = str(stats.during), batch_rows
         self.topk = topk  # examples per unit kept with the statistics (a TopKSpec), or None
         # what reduces captures to statistics in the hooks (`probe.stats.backend`)
         if stats_backend is None:
@@ -98,9 +105,10 @@ class ProbeWriter:
         self._start_counts()
         self._open(resume, batch_rows, attrs)
         # written chunks bypass the page cache where they can (probe.store.direct)
-        self.direct_fd = direct.open_direct(self.path) if mode == "full" and direct_io else None
+        direct_io = mode == "full" and store.direct_io
+        self.direct_fd = direct.open_direct(self.path) if direct_io else None
         self.direct_writes: list | None = None  # a batch's whole chunks, written together
-        self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=queue_batches)
+        self.queue: queue.Queue[Record | None] = queue.Queue(maxsize=store.queue_batches)
         self.thread = threading.Thread(target=self._loop, name="probe-writer", daemon=True)
         self.inline: bool | None = None  # decided by the first record (see put)
 

@@ -23,13 +23,13 @@ import torch
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from probe.checks import typed_probes
 from probe.config import BACKWARD_SITES
 from probe.hooks.hookset import HookSet
 from probe.hooks.objective import build_objective
 from probe.hooks.select import select_modules
 from probe.launch.run import Prepared, build_run, run
 from probe.models.placement import is_placed
+from probe.plan import RunPlan, parse
 from probe.testing.compose import make_cfg
 
 
@@ -69,7 +69,7 @@ class Setup:
     def modules(self) -> list[tuple[str, torch.nn.Module]]:
         return [(s.name, s.module) for s in self.base.selections]
 
-    def variant(self, *overrides: str, dtype: str | None = None) -> tuple[DictConfig, Prepared]:
+    def variant(self, *overrides: str, dtype: str | None = None) -> tuple[RunPlan, Prepared]:
         """The pipeline's config with overrides, re-using this setup's model and batches."""
         replaced = {o.split("=")[0] for o in overrides}
         kept = [o for o in self.overrides if o.split("=")[0] not in replaced]
@@ -77,13 +77,11 @@ class Setup:
         if dtype is not None:
             for spec in cfg.probes.values():
                 spec.dtype = dtype
-        typed_probes(cfg)  # (a probe added with +probes.NAME composes untyped)
-        sels = select_modules(self.model, cfg.probes)
+        plan = parse(cfg)
+        sels = select_modules(self.model, plan.probes)
         needs_grad = any(s in BACKWARD_SITES for sel in sels for s in sel.sites)
-        objective = (
-            build_objective(cfg.objective, True, cfg.model.num_classes) if needs_grad else None
-        )
-        return cfg, Prepared(self.model, self.base.batches, sels, objective, self.base.device)
+        objective = build_objective(plan.objective, True) if needs_grad else None
+        return plan, Prepared(self.model, self.base.batches, sels, objective, self.base.device)
 
 
 def make_setup(overrides: list[str]) -> Setup:
@@ -99,10 +97,10 @@ def make_setup(overrides: list[str]) -> Setup:
 def probe_case(setup: Setup, *overrides: str, dtype: str | None = None) -> Callable:
     """The pipeline over the setup's model and batches: `case(out_dir) -> probe.h5`; the config
     is composed here, so a timed call runs the pipeline alone."""
-    cfg, prepared = setup.variant(*overrides, dtype=dtype)
+    plan, prepared = setup.variant(*overrides, dtype=dtype)
 
     def case(out: Path) -> Path:
-        return run(cfg, run_dir=out, prepared=prepared).h5_path
+        return run(plan, run_dir=out, prepared=prepared).h5_path
 
     return case
 

@@ -12,7 +12,7 @@ put back as they were.
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import logging
 import random
 import shutil
@@ -20,17 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
-from probe.config import DatasetConfig
 from probe.data.user_batches import UserBatches
 from probe.errors import ConfigError, ProbeError
 from probe.hooks.forward import call, to_device
-from probe.hooks.sites import probe_specs
 from probe.launch import api
 from probe.launch.run import prepare
 from probe.launch.run import run as run_config
+from probe.plan import probe_specs
 from probe.store.steps_file import PROBE_BATCH
 from probe.train.schedule import Schedule
 from probe.train.sites import value_probes
@@ -72,15 +70,16 @@ class ProbeBatch:
         self.model, self.batch, self.root, self.schedule = model, batch, Path(root), schedule
         run_probes = value_probes(probes)
         if not run_probes:
-            names = ", ".join(probe_specs(probes))
+            names = ", ".join(probe_specs(probes, run_sites=False))
             raise ConfigError(
                 f"probe_batch is evaluated with the probes' value sites, and the probes ({names}) "
                 "capture none; add output or input to a probe's capture, or drop probe_batch"
             )
-        UserBatches([batch])  # (a batch of the wrong kind is a DataError now)
-        self.cfg = api.config(run_probes, "full", None, None, stats, model)
-        for key, value in (("progress", False), ("print_summary", False), ("overwrite", True)):
-            api.set_key(self.cfg, key, value)
+        batches = UserBatches([batch])  # (a batch of the wrong kind is a DataError now)
+        self.plan = api.run_plan(
+            model, batches, run_probes, stats=stats, progress=False, print_summary=False,
+            overwrite=True,
+        )  # fmt: skip
 
     def check_fits(self) -> None:
         """One forward of the batch (everything put back after): a batch the model cannot take
@@ -110,18 +109,14 @@ class ProbeBatch:
         run_dir = self.root / str(step)
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        cfg = copy.deepcopy(self.cfg)
         batches = UserBatches([self.batch])
-        cfg.device = _device_of(self.model)
-        cfg.dataset = OmegaConf.structured(
-            DatasetConfig(name="python", batch_size=batches.batch_size,
-                          num_samples=batches.num_samples)
-        )  # fmt: skip
+        options = dataclasses.replace(self.plan.options, device=_device_of(self.model))
+        plan = dataclasses.replace(self.plan, options=options)  # (the model may have moved)
         quiet = log.level
         log.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # (a run's log per step)
         try:
             with untouched(self.model):
-                run_config(cfg, run_dir=run_dir, prepared=prepare(cfg, self.model, batches))
+                run_config(plan, run_dir=run_dir, prepared=prepare(plan, self.model, batches))
         finally:
             log.setLevel(quiet)
         hydra = run_dir / ".hydra"

@@ -12,7 +12,7 @@ A probe's `capture` lists, per selected module:
   (fnmatchcase). Gradients and updates are of trainable parameters only.
 
 Modules are selected as a run selects them (`probe.hooks.select.match_modules`: globs, types,
-`@blocks` aliases, exclude), from the probe specs `probe.hooks.sites.probe_specs` reads.
+`@blocks` aliases, exclude), from the probe specs `probe.plan.probe_specs` parses.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from omegaconf import OmegaConf
 from torch import nn
 
 from probe.errors import ConfigError
 from probe.hooks.select import match_modules
-from probe.hooks.sites import probe_specs
 from probe.layout import class_axis
+from probe.plan import probe_specs, spec_config
 
 VALUE_SITES = ("output", "input")
 GRAD_SITES = ("grad_output", "grad_input")
@@ -97,7 +96,7 @@ def resolve(model: nn.Module, probes) -> list[WatchedModule]:
     """The watched modules in the model's module order; a probe that selects no module (unless
     `allow_empty`), a parameter glob that matches no parameter of its modules, or probes that
     select nothing at all are ConfigErrors naming them."""
-    specs = probe_specs(probes)
+    specs = probe_specs(probes, run_sites=False)
     if not specs:
         raise ConfigError(
             "probe.watch got no probes; give a mapping {name: {layers: [...], capture: [...]}} "
@@ -106,7 +105,10 @@ def resolve(model: nn.Module, probes) -> list[WatchedModule]:
     merged: dict[str, WatchedModule] = {}
     for probe, spec in specs.items():
         check_capture(probe, spec.capture)
-        matched = match_modules(model, f"probe {probe!r}", spec)
+        matched = match_modules(
+            model, f"probe {probe!r}", spec.where, allow_empty=spec.allow_empty,
+            leaves_only=spec.leaves_only,
+        )  # fmt: skip
         globs: dict[str, bool] = {}
         for name, module in matched:
             w = merged.setdefault(name, WatchedModule(name, module, probe, spec.unit_axis))
@@ -151,8 +153,8 @@ def value_probes(probes) -> dict[str, dict]:
     """The probes restricted to the value sites (output, input), as a run takes them: what the
     probe batch captures. Probes without a value site are left out."""
     out = {}
-    for name, spec in probe_specs(probes).items():
+    for name, spec in probe_specs(probes, run_sites=False).items():
         capture = [s for s in spec.capture if s in VALUE_SITES]
         if capture:
-            out[name] = {**OmegaConf.to_container(spec, resolve=True), "capture": capture}
+            out[name] = {**spec_config(spec), "capture": capture}
     return out

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from omegaconf import OmegaConf
 from torch import nn
 
-from probe.config import GRAD_EDIT_SITES, edit_specs
+from probe.config import GRAD_EDIT_SITES
 from probe.errors import ConfigError, ProbeError
-from probe.hooks.sites import probe_specs
 from probe.intervene.edits import build_edits
+from probe.plan import checked_edits, probe_specs, spec_config
 from probe.store import runlock
 from probe.store.runfile import file_state
 from probe.store.steps_file import SCALAR_COLUMNS, StepFile
@@ -132,7 +131,7 @@ class Watch:
         self.optimizer, self.scaler, self.flush_every = optimizer, scaler, flush_every
         self.hook_optimizer = optimizer is not None and bool(hook_optimizer)
         self.overwrite = bool(overwrite)
-        self.specs = probe_specs(probes)
+        self.specs = probe_specs(probes, run_sites=False)
         ranks.check_model(model, self.specs)
         watched = resolve(model, self.specs)
         self.edits = _grad_edits(model, edits, seed)
@@ -152,7 +151,7 @@ class Watch:
                 model, self.specs, probe_batch, self.out / FOLDER, schedule, probe_stats
             )
         self.settings = {
-            "probes": {n: OmegaConf.to_container(s, resolve=True) for n, s in self.specs.items()},
+            "probes": {n: spec_config(s) for n, s in self.specs.items()},
             "every": every,
             "edits": [e.describe for e in self.edits],
             "probe_every": None if self.probe_batch is None else self.probe_batch.schedule.every,
@@ -454,13 +453,14 @@ def _grad_edits(model: nn.Module, edits, seed: int) -> list:
             f"edits is a {type(edits).__name__}; give a mapping name -> edit spec, e.g. "
             "{'freeze': {'layers': ['layer3.*'], 'site': 'grad_output', 'op': 'zero'}}"
         )
-    for name, spec in edit_specs(dict(edits)).items():
+    specs = checked_edits(dict(edits))
+    for name, spec in specs.items():
         if spec.site not in GRAD_EDIT_SITES:
             raise ConfigError(
                 f"edit {name!r}: site {spec.site!r}; a watched training edits gradients only "
                 f"({', '.join(GRAD_EDIT_SITES)}), in the user's own backward"
             )
-    return build_edits(model, dict(edits), seed)
+    return build_edits(model, specs, seed)
 
 
 def _ranges(steps: list[int]) -> str:

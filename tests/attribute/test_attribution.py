@@ -13,6 +13,7 @@ import torch
 from probe.data.batches import build_batches
 from probe.launch.run import run
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from tests.helpers import run_probe
 
@@ -31,8 +32,10 @@ RESNET = [
 def inputs_of(args) -> tuple[torch.nn.Module, torch.Tensor]:
     """The run's model (rebuilt from the same seed) and all its inputs as one tensor."""
     cfg = make_cfg(*args)
-    model = build_model(cfg.model, cfg.seed).eval()
-    x = torch.cat([b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed, model)])
+    model = build_model(parse(cfg).model, cfg.seed).eval()
+    x = torch.cat(
+        [b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed, model)]
+    )
     return model, x
 
 

@@ -10,6 +10,7 @@ import torch
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from probe.testing.tokens import tiny_config
 from tests.helpers import run_probe
@@ -27,8 +28,10 @@ VIT = [
 
 def model_and_inputs(args):
     cfg = make_cfg(*args)
-    model = build_model(cfg.model, cfg.seed).eval()
-    x = torch.cat([b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed, model)])
+    model = build_model(parse(cfg).model, cfg.seed).eval()
+    x = torch.cat(
+        [b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed, model)]
+    )
     return model, x
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import probe
+from probe.plan import parse
 from tests.helpers import cli, run_probe
 
 RESNET = [
@@ -52,8 +53,9 @@ def test_the_cli_with_the_shipped_cams_and_the_python_api_write_the_same_maps(tm
     out = cli(*RESNET, "probes=cams", f"hydra.run.dir={tmp_path / 'cli'}")
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = make_cfg(*RESNET)
-    model = build_model(cfg.model, cfg.seed)
-    batches = [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed, model)]
+    plan = parse(cfg)
+    model = build_model(plan.model, cfg.seed)
+    batches = [b.inputs for b in build_batches(plan.data, plan.model, cfg.seed, model)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the backward on several CPU threads varies in its last bits)
     try:

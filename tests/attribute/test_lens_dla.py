@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.plan import parse
 from probe.testing.tokens import make_tiny
 from tests.helpers import run_probe
 
@@ -242,7 +243,6 @@ def test_lens_at_the_last_position_reads_that_position_alone(tmp_path, models):
 def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm, cli_in_process):
     """A model of a family the anatomy does not know: the alias is refused, naming the keys;
     given by hand (model.anatomy.mlp_out), it resolves below each block."""
-    from probe.checks import typed_probes
     from probe.hooks.select import select_modules
     from probe.models.build import build_model
     from probe.testing.compose import make_cfg
@@ -254,7 +254,6 @@ def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm, cli_in_p
     assert out.returncode == 2
     assert "@mlp_out cannot be resolved for a 'LinearLM' model" in out.stderr
     assert "model.anatomy.mlp_out=SUFFIX" in out.stderr
-    cfg = make_cfg(*args, "+model.anatomy.mlp_out=lin")
-    typed_probes(cfg)
-    chosen = select_modules(build_model(cfg.model, 0), cfg.probes)
+    plan = parse(make_cfg(*args, "+model.anatomy.mlp_out=lin"))
+    chosen = select_modules(build_model(plan.model, 0), plan.probes)
     assert [s.name for s in chosen] == ["blocks.0.lin", "blocks.1.lin", "blocks.2.lin"]

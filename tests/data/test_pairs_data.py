@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from probe.config import DatasetConfig, ModelConfig
 from probe.data.pairs import pair_dataset
 from probe.errors import ConfigError, DataError
+from probe.plan import parse
+from probe.testing.compose import make_cfg
 from probe.testing.tokens import make_tokenizer
 from tests.helpers import padded
 
@@ -19,11 +19,10 @@ VOCAB = 32  # 4 specials + 28 words
 
 
 def build(path, tok_dir=None, vocab_size=VOCAB, pad_token_id=None, **kw):
-    cfg = OmegaConf.structured(DatasetConfig(name="pairs", path=str(path), **kw))
-    model_cfg = OmegaConf.structured(
-        ModelConfig(name=str(tok_dir or "no-such-model"), library="hf")
-    )
-    return pair_dataset(cfg, model_cfg, vocab_size, pad_token_id)
+    """The pairs of `path` as a run reads them: the config parsed (probe.plan), then the file."""
+    plan = parse(make_cfg("model=hf", f"model.name={tok_dir or 'no-such-model'}", "dataset=pairs",
+                          f"dataset.path={path}", *(f"dataset.{k}={v}" for k, v in kw.items())))  # fmt: skip
+    return pair_dataset(plan.data, plan.model, vocab_size, pad_token_id)
 
 
 def jsonl(tmp_path, records, name="pairs.jsonl"):
@@ -184,8 +183,7 @@ def test_config_and_file_errors(tmp_path, tok_dir):
     raises(DataError, ["unsupported suffix '.txt'", ".jsonl", ".pt"], tmp_path / "p.txt")
     raises(ConfigError, ["num_samples=0", "at least 1"], jsonl(tmp_path, RECORDS), num_samples=0)
     with pytest.raises(ConfigError, match="needs dataset.path=FILE"):
-        cfg = OmegaConf.structured(DatasetConfig(name="pairs"))
-        pair_dataset(cfg, OmegaConf.structured(ModelConfig(name="x")), None, None)
+        parse(make_cfg("model=hf", "model.name=x", "dataset=pairs"))
     raises(DataError, ["holds no pairs", "'clean'"], jsonl(tmp_path, ["", "  "]), tok_dir)
     (tmp_path / "empty.pt").write_bytes(b"")
     raises(DataError, ["not a readable .pt file", "torch.save"], tmp_path / "empty.pt")

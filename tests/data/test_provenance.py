@@ -3,6 +3,7 @@ write (torchvision's own ImageFolder listing, hashlib over the file, the documen
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,21 +11,19 @@ import os
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.utils.data import Subset
 
-from probe.config import DatasetConfig, ModelConfig
 from probe.data import provenance
 from probe.data.batches import build_batches
 from probe.data.provenance import describe
+from probe.plan import DataSpec, ModelSpec
 from tests.helpers import image_folder
 
 DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one two three four"]
 
 
 def configs(name, **kw):
-    cfg = OmegaConf.structured(DatasetConfig(name=name, **kw))
-    return cfg, OmegaConf.structured(ModelConfig(name="no-such-model", library="hf"))
+    return DataSpec(name=name, **kw), ModelSpec(name="no-such-model", library="hf")
 
 
 def built(name, **kw):
@@ -233,7 +232,7 @@ def test_generated_data_is_named_by_its_parameters():
         "hash_of": "parameters",
     }
     longer = describe(
-        cfg, build_batches(OmegaConf.merge(cfg, {"num_samples": 9}), model_cfg, seed=3)
+        cfg, build_batches(dataclasses.replace(cfg, num_samples=9), model_cfg, seed=3)
     )
     other = describe(cfg, build_batches(cfg, model_cfg, seed=4))
     assert longer.identity["hash"] == p.identity["hash"] != other.identity["hash"]
@@ -255,7 +254,7 @@ def test_a_callers_batches_are_named_by_kind_alone():
     from probe.data.user_batches import UserBatches
 
     batches = UserBatches([torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3)])
-    cfg = OmegaConf.structured(DatasetConfig(name="python", num_samples=batches.num_samples))
+    cfg = DataSpec(name="python", num_samples=batches.num_samples)
     assert describe(cfg, batches).identity == {"dataset": "python", "num_samples": 5}
-    unknown = OmegaConf.structured(DatasetConfig(name="python"))
+    unknown = DataSpec(name="python")
     assert describe(unknown, iter([])).identity == {"dataset": "python"}

@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from probe.config import DatasetConfig, ModelConfig
 from probe.data.tokens import token_dataset
 from probe.errors import ConfigError, DataError
+from probe.plan import DataSpec, ModelSpec, parse
+from probe.testing.compose import make_cfg
 from probe.testing.tokens import make_tokenizer
 from tests.helpers import padded
 
@@ -20,9 +20,16 @@ DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one 
 
 
 def build(name, vocab_size=None, pad_token_id=None, model="no-such-model", seed=0, **kw):
-    cfg = OmegaConf.structured(DatasetConfig(name=name, **kw))
-    model_cfg = OmegaConf.structured(ModelConfig(name=model, library="hf"))
-    return token_dataset(cfg, model_cfg, seed, vocab_size, pad_token_id)
+    """The dataset the builder makes of these keys (what the config alone decides is checked
+    by the parse: `checked`)."""
+    data, model = DataSpec(name=name, **kw), ModelSpec(name=model, library="hf")
+    return token_dataset(data, model, seed, vocab_size, pad_token_id)
+
+
+def checked(name, **kw) -> DataSpec:
+    """dataset.* as probe.plan.parse makes and checks them from the composed config."""
+    keys = [f"dataset.{k}={v}" for k, v in kw.items()]
+    return parse(make_cfg("model=hf", "model.name=no-such-model", f"dataset={name}", *keys)).data
 
 
 def save(tmp_path, obj, name="ids.pt"):
@@ -157,7 +164,7 @@ def test_tokens_missing_directory_and_unreadable_files(tmp_path):
         (tmp_path, "is a directory"),
     ]:
         with pytest.raises(DataError, match=words) as e:
-            build("tokens", path=str(path))
+            checked("tokens", path=str(path))
         assert str(path) in str(e.value)
     junk = tmp_path / "junk.pt"
     junk.write_text("not a pickle")
@@ -167,11 +174,11 @@ def test_tokens_missing_directory_and_unreadable_files(tmp_path):
         locked = save(tmp_path, torch.zeros(1, 1, dtype=torch.long), "locked.pt")
         os.chmod(locked, 0)
         with pytest.raises(DataError, match="permission denied"):
-            build("tokens", path=locked)
+            checked("tokens", path=locked)
     with pytest.raises(ConfigError, match="dataset.path=FILE"):
-        build("tokens")
+        checked("tokens")
     with pytest.raises(ConfigError, match="dataset.num_samples=0"):
-        build("tokens", path=str(junk), num_samples=0)
+        checked("tokens", path=str(junk), num_samples=0)
 
 
 # --- dataset=text -----------------------------------------------------------------------------
@@ -248,16 +255,16 @@ def test_text_id_beyond_the_model_vocabulary(tmp_path, tok_dir):
 
 
 def test_text_errors_name_the_bad_value(tmp_path, tok_dir):
-    def fails(error, path, *words, **kw):
+    def fails(error, path, *words, parse=False, **kw):
         with pytest.raises(error) as e:
-            build("text", path=str(path), tokenizer=str(tok_dir), **kw)
+            (checked if parse else build)("text", path=str(path), tokenizer=str(tok_dir), **kw)
         for w in words:
             assert w in str(e.value), str(e.value)
 
-    fails(DataError, tmp_path / "nope.txt", "nope.txt", "does not exist")
+    fails(DataError, tmp_path / "nope.txt", "nope.txt", "does not exist", parse=True)
     csv = tmp_path / "docs.csv"
     csv.write_text("text\nthe cat\n")
-    fails(DataError, csv, "'.csv'", ".txt, .jsonl, .parquet")
+    fails(DataError, csv, "'.csv'", ".txt, .jsonl, .parquet", parse=True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "the cat"}\n{"text": oops}\n')
     fails(DataError, bad, "line 2 is not JSON")
@@ -268,7 +275,7 @@ def test_text_errors_name_the_bad_value(tmp_path, tok_dir):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     fails(DataError, empty, "holds no documents")
-    fails(ConfigError, write_docs(tmp_path, ".txt"), "dataset.seq_len=0", seq_len=0)
+    fails(ConfigError, write_docs(tmp_path, ".txt"), "dataset.seq_len=0", seq_len=0, parse=True)
     with pytest.raises(ConfigError) as e:
         build("text", path=write_docs(tmp_path, ".txt"), tokenizer=str(tmp_path / "no-tok"))
     assert "dataset.tokenizer=" in str(e.value) and "save_pretrained" in str(e.value)
@@ -297,13 +304,13 @@ def test_random_tokens_depend_only_on_seed_and_row(tmp_path):
 def test_random_tokens_vocabulary(tmp_path):
     with pytest.raises(ConfigError, match="dataset.vocab_size"):
         build("random_tokens", seq_len=4)  # neither the config nor the model gives one
-    cfg_vocab = OmegaConf.structured(DatasetConfig(name="random_tokens", vocab_size=5, seq_len=50))
-    ds, _ = token_dataset(cfg_vocab, OmegaConf.structured(ModelConfig(name="m")), 0, 1000, None)
+    cfg_vocab = checked("random_tokens", vocab_size=5, seq_len=50)
+    ds, _ = token_dataset(cfg_vocab, ModelSpec(name="m"), 0, 1000, None)
     assert int(ds.input_ids.max()) < 5
     with pytest.raises(ConfigError, match="beyond the model's vocabulary of 3"):
-        token_dataset(cfg_vocab, OmegaConf.structured(ModelConfig(name="m")), 0, 3, None)
+        token_dataset(cfg_vocab, ModelSpec(name="m"), 0, 3, None)
     with pytest.raises(ConfigError, match="dataset.seq_len=0"):
-        build("random_tokens", vocab_size=5, seq_len=0)
+        checked("random_tokens", vocab_size=5, seq_len=0)
 
 
 def test_tokens_lists_as_a_tokenizer_returns_them(tmp_path):

@@ -139,6 +139,7 @@ def test_token_labels_of_a_pt_file_with_padding_on_either_side(tmp_path):
 
 def test_label_errors_name_the_record_and_the_way_out(labelled_docs, tmp_path):
     from probe.data.tokens import token_dataset
+    from probe.plan import parse
     from probe.testing.compose import make_cfg
 
     root, _ = labelled_docs
@@ -148,9 +149,9 @@ def test_label_errors_name_the_record_and_the_way_out(labelled_docs, tmp_path):
                    + json.dumps({"text": "a dog sat", "tags": ["DET"]}))  # fmt: skip
 
     def build(path, *more):
-        cfg = make_cfg("dataset=text", f"dataset.path={path}", f"dataset.tokenizer={tmp_path / 'tok'}",
-                       *more)  # fmt: skip
-        return token_dataset(cfg.dataset, cfg.model, 0, None, None)
+        plan = parse(make_cfg("dataset=text", f"dataset.path={path}",
+                              f"dataset.tokenizer={tmp_path / 'tok'}", *more))  # fmt: skip
+        return token_dataset(plan.data, plan.model, 0, None, None)
 
     with pytest.raises(DataError) as e:
         build(bad, "dataset.word_labels_field=tags")

@@ -13,13 +13,14 @@ from probe.data.batches import build_batches
 from probe.hooks.capture import Capture
 from probe.hooks.select import select_modules
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from tests.helpers import run_probe
 
 
 def _model_and_inputs(cfg):
-    model = build_model(cfg.model, cfg.seed)
-    batches = build_batches(cfg.dataset, cfg.model, cfg.seed)
+    model = build_model(parse(cfg).model, cfg.seed)
+    batches = build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)
     inputs = torch.cat([b.inputs for b in batches])
     return model, inputs, batches
 
@@ -202,7 +203,7 @@ class Boom(torch.nn.Module):
 def test_hooks_are_removed_after_a_forward_that_raises(tmp_path):
     model = Boom()
     cfg = make_cfg("probes=all_convs")
-    selections = select_modules(model, cfg.probes)
+    selections = select_modules(model, parse(cfg).probes)
     with pytest.raises(RuntimeError, match="kaboom"), Capture(selections) as capture:
         capture.begin(2)
         assert model.conv._forward_hooks

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from tests.helpers import run_probe
 
@@ -25,11 +26,11 @@ ALL_SITES = [
 
 def _reference_grads(cfg):
     """retain_grad on every conv/norm/relu output of an inplace=False copy, one call at a time."""
-    model = copy.deepcopy(build_model(cfg.model, cfg.seed))
+    model = copy.deepcopy(build_model(parse(cfg).model, cfg.seed))
     for m in model.modules():
         if isinstance(m, nn.ReLU):
             m.inplace = False
-    batches = build_batches(cfg.dataset, cfg.model, cfg.seed)
+    batches = build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)
     inputs = torch.cat([b.inputs for b in batches])
     targets = torch.cat([b.targets for b in batches])
     outs: dict[str, list[torch.Tensor]] = {}
@@ -173,8 +174,8 @@ def test_param_grad_of_every_conv_equals_plain_backward(tmp_path):
     over = [*SMALL, "dataset.batch_size=4", "probes=param_grads"]
     _, f = run_probe(tmp_path, *over)
     cfg = make_cfg(*over)
-    model = build_model(cfg.model, cfg.seed)
-    batches = list(build_batches(cfg.dataset, cfg.model, cfg.seed))
+    model = build_model(parse(cfg).model, cfg.seed)
+    batches = list(build_batches(parse(cfg).data, parse(cfg).model, cfg.seed))
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
     for i, batch in enumerate(batches):
         model.zero_grad()

@@ -9,11 +9,11 @@ import torch
 import torchvision
 from torch import nn
 
-from probe.config import ProbeSpec
 from probe.errors import ConfigError, SelectionError
 from probe.hooks.select import block_names, select_modules
 from probe.layout import class_axis, unit_axis
 from probe.models.zoo import LeNet
+from probe.plan import probe_specs
 from probe.stats import backend
 from probe.stats.backend import batch_stats
 from probe.stats.running import RunningStats
@@ -21,7 +21,7 @@ from probe.testing.models import TinyLM
 
 
 def spec(**kw):
-    return {"p": ProbeSpec(**kw)}
+    return probe_specs({"p": kw})
 
 
 def test_blocks_are_the_children_of_the_outermost_stacks():

@@ -15,10 +15,10 @@ import torchvision
 from torch import nn
 
 import probe
-from probe.config import ProbeSpec, typed
 from probe.errors import ConfigError, ModelError
 from probe.hooks.select import select_modules
 from probe.hooks.sites import main
+from probe.plan import probe_specs
 from probe.testing.models import Raises, TinyLM, TinyNet, assert_no_hooks, registrations
 from tests.helpers import ROOT
 
@@ -112,8 +112,7 @@ def test_probes_column_is_what_select_selects(resnet):
     }
     table = probe.sites(resnet, probes=probes)
     for name in ("convs", "late"):
-        spec = typed(ProbeSpec, probes[name], name)
-        expected = {s.name for s in select_modules(resnet, {name: spec})}
+        expected = {s.name for s in select_modules(resnet, probe_specs({name: probes[name]}))}
         shown = {layer for layer, p in zip(table.layer, table.probes, strict=True) if name in p}
         assert shown == expected
     convs = {n for n, m in resnet.named_modules() if isinstance(m, nn.Conv2d)}

@@ -15,6 +15,7 @@ from probe.config import EditSpec, ProbeSpec
 from probe.data.batches import build_batches
 from probe.launch.run import run
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.read.summarize import summarize_file
 from probe.testing.compose import make_cfg
 from probe.testing.tokens import make_tiny
@@ -76,8 +77,8 @@ def run_with(tmp_path, args: list[str], **groups) -> h5py.File:
 def plain_outputs(args: list[str], names: list[str]) -> dict:
     """What plain hooks see at `names` over the dataset of `args`, on the model they build."""
     cfg = make_cfg(*args)
-    model = build_model(cfg.model, cfg.seed)
-    inputs = [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)]
+    model = build_model(parse(cfg).model, cfg.seed)
+    inputs = [b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)]
     return cloned_outputs(model, names, inputs)
 
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from probe.config import EditSpec
+from probe.config import METRICS, EditSpec
 from probe.errors import ConfigError
-from probe.intervene.metrics import METRICS
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.testing.compose import make_cfg

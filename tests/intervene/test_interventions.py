@@ -17,6 +17,7 @@ from torch import nn
 import probe
 from probe.data.batches import build_batches
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from tests.helpers import ROOT, cli, run_probe
 
@@ -25,8 +26,10 @@ SMALL = ["model=resnet18", "dataset.image_size=32", "dataset.num_samples=5", "da
 
 def _clean_model_and_inputs(*over):
     cfg = make_cfg(*SMALL, *over)
-    model = build_model(cfg.model, cfg.seed)
-    inputs = torch.cat([b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)])
+    model = build_model(parse(cfg).model, cfg.seed)
+    inputs = torch.cat(
+        [b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)]
+    )
     return model, inputs
 
 

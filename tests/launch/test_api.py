@@ -15,6 +15,7 @@ import probe
 from probe.data.batches import build_batches
 from probe.errors import ConfigError, DataError
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from probe.testing.models import assert_no_hooks
 from probe.testing.tokens import make_tiny
@@ -28,8 +29,8 @@ def _model_and_batches(*overrides: str):
     """The model and the batches the CLI builds for these overrides."""
     cfg = make_cfg(*overrides)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.seed)
-    return model, list(build_batches(cfg.dataset, cfg.model, cfg.seed, model))
+    model = build_model(parse(cfg).model, cfg.seed)
+    return model, list(build_batches(parse(cfg).data, parse(cfg).model, cfg.seed, model))
 
 
 def _summary(path) -> pd.DataFrame:
@@ -117,7 +118,7 @@ def test_a_run_stopped_by_bad_data_leaves_no_hook_and_the_mode_it_found(tmp_path
     ],
 )
 def test_bad_input_names_the_bad_value(tmp_path, probes, data, error, words):
-    model = build_model(make_cfg(*TINY).model, 0)
+    model = build_model(parse(make_cfg(*TINY)).model, 0)
     data = [torch.randn(2, 3, 32, 32)] if data is None else data
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         probe.run(model, data, probes, out=tmp_path / "run", progress=False)
@@ -135,7 +136,7 @@ def test_bad_input_names_the_bad_value(tmp_path, probes, data, error, words):
     ],
 )
 def test_a_bad_keyword_value_names_the_keyword_and_the_choices(tmp_path, keywords, words):
-    model = build_model(make_cfg(*TINY).model, 0)
+    model = build_model(parse(make_cfg(*TINY)).model, 0)
     with pytest.raises(ConfigError, match=re.escape(words)):
         probe.run(model, [torch.randn(2, 3, 32, 32)], "all_convs", out=tmp_path, **keywords)
     assert_no_hooks(model)
@@ -143,7 +144,7 @@ def test_a_bad_keyword_value_names_the_keyword_and_the_choices(tmp_path, keyword
 
 
 def test_an_out_that_holds_a_run_is_refused(tmp_path):
-    model = build_model(make_cfg(*TINY).model, 0)
+    model = build_model(parse(make_cfg(*TINY)).model, 0)
     x = [torch.randn(2, 3, 32, 32)]
     probe.run(model, x, "all_convs", out=tmp_path, store="stats", progress=False).close()
     with pytest.raises(ConfigError, match="already holds a run"):
@@ -152,7 +153,7 @@ def test_an_out_that_holds_a_run_is_refused(tmp_path):
 
 def test_options_are_the_clis_keys(tmp_path):
     """store/stats/seed as keywords reach the file as the CLI's keys would."""
-    model = build_model(make_cfg(*TINY).model, 0)
+    model = build_model(parse(make_cfg(*TINY)).model, 0)
     x = [torch.randn(2, 3, 32, 32)]
     store = {"mode": "stats", "flush_seconds": 0}
     with probe.run(model, x, "all_convs", out=tmp_path, store=store, stats="torch", seed=3) as run:

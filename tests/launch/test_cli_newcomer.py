@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
-from probe import model_checks
-from probe.checks import check_config, unread_keys
+from probe import checks
+from probe import plan as plans
 from probe.config import ProbeSpec
 from probe.data.batches import SyntheticImages, build_batches
 from probe.errors import CheckpointError, ProbeError
 from probe.hooks.select import select_modules
 from probe.models.build import build_model, key_prefix
+from probe.plan import parse, unread_keys
 from probe.testing.compose import make_cfg
 from tests.helpers import ROOT, cli
 
@@ -56,7 +56,7 @@ def _inputs(n: int = 4, shape=(3, 32, 32)) -> torch.Tensor:
 def test_a_probe_added_on_the_command_line_stores_the_layer(tmp_path, args):
     out = cli(*TINY, *args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    net = build_model(make_cfg(*TINY).model, 0)
+    net = build_model(parse(make_cfg(*TINY)).model, 0)
     with torch.no_grad():
         expected = net(_inputs()).numpy()  # fc is resnet's last layer: its output is the model's
     with h5py.File(tmp_path / "probe.h5") as f:
@@ -68,10 +68,12 @@ def test_a_probe_added_on_the_command_line_stores_the_layer(tmp_path, args):
 def test_an_added_probe_is_typed_with_probespec_defaults_before_select():
     cfg = make_cfg("probes=none", "+probes.head={layers: [fc], capture: [output]}")
     assert OmegaConf.get_type(cfg.probes.head) is dict  # OmegaConf composes it untyped
-    check_config(cfg)
-    assert OmegaConf.get_type(cfg.probes.head) is ProbeSpec
-    assert cfg.probes.head.reduce == "none" and cfg.probes.head.types == []
-    (sel,) = select_modules(build_model(cfg.model, 0), cfg.probes)
+    plan = parse(cfg)
+    head = plan.probes["head"]
+    assert isinstance(head, plans.ProbeSpec)
+    assert head.reduce == "none" and head.where.types == ()
+    assert "reduce: none" in plan.text.split("head:")[1]  # the file's config holds it typed
+    (sel,) = select_modules(build_model(plan.model, 0), plan.probes)
     assert (sel.name, sel.sites, sel.reduce, sel.rows) == ("fc", ("output",), "none", "samples")
 
 
@@ -133,77 +135,78 @@ def test_an_existing_run_folder_is_kept(tmp_path):
     assert out.returncode == 2 and run_dir.is_dir()
 
 
-def _deep(fn):
-    try:
-        fn()
-    except ProbeError as e:
-        return e
-    raise AssertionError("the deep check raised nothing")
-
-
-class _Convs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 4, 3)
-
-
 EDIT = ["intervene=edit", "intervene.edit.layers=[conv1]"]
-SAME = {
-    "batch_size": (["dataset.batch_size=0"], "data"),
-    "num_samples": (["dataset.num_samples=0"], "data"),
-    "name": (["dataset.name=imagenet"], "data"),
-    "channels": (["dataset.channels=0"], "data"),
-    "root": (["dataset=imagefolder"], "data"),
-    "no-root": (["dataset=imagefolder", "dataset.root=/nonexistent"], "data"),
-    "path": (["dataset=tensors"], "data"),
-    "no-path": (["dataset=tensors", "dataset.path=/nonexistent.pt"], "data"),
-    "dir-path": (["dataset=tensors", "dataset.path=/"], "data"),
-    "library": (["model.library=jax"], "model"),
-    "target": (["model=custom"], "model"),
-    "checkpoint": (["model.checkpoint=/nonexistent.pt"], "model"),
-    "device": (["device=cuda:x"], "device"),
-    "site": (["probes.convs.capture=[outptu]"], "select"),
-    "reduce": (["probes.convs.reduce=mean"], "select"),
-    "tokens": (["probes.convs.rows=tokens", "probes.convs.reduce=spatial_mean"], "select"),
-    "unit_axis": (["probes.convs.unit_axis=0"], "select"),
-    "match": (["probes.convs.match=some"], "select"),
-    "objective": (["objective.name=nope", GRADS], "objective"),
-    "logit": (["objective=logit", GRADS], "objective"),
-    "logit-range": (["objective=logit", "objective.index=1000", GRADS], "objective"),
-    "custom": (["objective=custom", GRADS], "objective"),
-    "op": ([*EDIT, "intervene.edit.op=explode"], "edits"),
-    "edit-site": ([*EDIT, "intervene.edit.op=zero", "intervene.edit.site=weights"], "edits"),
-    "clamp": ([*EDIT, "intervene.edit.op=clamp"], "edits"),
-    "noise": ([*EDIT, "intervene.edit.op=noise", "intervene.edit.std=-1"], "edits"),
-    "mean": ([*EDIT, "intervene.edit.op=mean", "intervene.edit.source=/no/probe.h5"], "edits"),
-    "mean-site": ([*EDIT, "intervene.edit.op=mean", "intervene.edit.site=grad_output"], "edits"),
+MISTAKES = {
+    "batch_size": (["dataset.batch_size=0"], "dataset.batch_size=0 must be at least 1"),
+    "num_samples": (["dataset.num_samples=0"], "dataset.num_samples=0 must be at least 1 (or"),
+    "name": (["dataset.name=imagenet"], "unknown dataset 'imagenet'; choose one of synthetic"),
+    "channels": (["dataset.channels=0"], "dataset.channels=0 must be at least 1 (or null for"),
+    "root": (["dataset=imagefolder"], "dataset=imagefolder needs dataset.root=DIR"),
+    "no-root": (
+        ["dataset=imagefolder", "dataset.root=/nonexistent"],
+        "dataset.root='/nonexistent' is not a directory",
+    ),
+    "path": (["dataset=tensors"], "dataset=tensors needs dataset.path=FILE (a .pt file of"),
+    "no-path": (
+        ["dataset=tensors", "dataset.path=/nonexistent.pt"],
+        "dataset.path='/nonexistent.pt' does not exist; give a .pt file of inputs",
+    ),
+    "dir-path": (
+        ["dataset=tensors", "dataset.path=/"],
+        "dataset.path='/' is a directory; give a .pt file of inputs",
+    ),
+    "library": (["model.library=jax"], "model.library='jax' is not one of torchvision, hf"),
+    "target": (["model=custom"], "model._target_ is missing; name what to import"),
+    "checkpoint": (
+        ["model.checkpoint=/nonexistent.pt"],
+        "model.checkpoint='/nonexistent.pt' does not exist",
+    ),
+    "device": (["device=cuda:x"], "device='cuda:x' is not a torch device"),
+    "site": (["probes.convs.capture=[outptu]"], "probe 'convs': capture site 'outptu' is unknown"),
+    "reduce": (["probes.convs.reduce=mean"], "probe 'convs': reduce='mean' is unknown"),
+    "tokens": (
+        ["probes.convs.rows=tokens", "probes.convs.reduce=spatial_mean"],
+        "rows: tokens keeps every token, so it takes reduce: none, not 'spatial_mean'",
+    ),
+    "unit_axis": (["probes.convs.unit_axis=0"], "unit_axis=0 is neither auto nor a nonzero axis"),
+    "match": (["probes.convs.match=some"], "probe 'convs': match='some' is unknown"),
+    "objective": (["objective.name=nope", GRADS], "unknown objective 'nope'"),
+    "logit": (["objective=logit", GRADS], "objective=logit needs the class to explain"),
+    "logit-range": (
+        ["objective=logit", "objective.index=1000", GRADS],
+        "objective.index=1000 is out of range for a model output of 1000 logits",
+    ),
+    "custom": (["objective=custom", GRADS], "objective._target_ is missing"),
+    "op": ([*EDIT, "intervene.edit.op=explode"], "intervene 'edit': op='explode' is unknown"),
+    "edit-site": (
+        [*EDIT, "intervene.edit.op=zero", "intervene.edit.site=weights"],
+        "intervene 'edit': site='weights' is unknown",
+    ),
+    "clamp": ([*EDIT, "intervene.edit.op=clamp"], "op=clamp needs min and/or max"),
+    "noise": (
+        [*EDIT, "intervene.edit.op=noise", "intervene.edit.std=-1"],
+        "intervene 'edit': std=-1.0 must be >= 0",
+    ),
+    "mean": (
+        [*EDIT, "intervene.edit.op=mean", "intervene.edit.source=/no/probe.h5"],
+        "source='/no/probe.h5' is not a file",
+    ),
+    "mean-site": (
+        [*EDIT, "intervene.edit.op=mean", "intervene.edit.site=grad_output"],
+        "op=mean applies to input/output sites, not grad_output",
+    ),
 }
 
 
-@pytest.mark.parametrize("case", sorted(SAME))
-def test_early_checks_say_what_the_deep_checks_say(tmp_path, case):
-    from probe.hooks import objective
-    from probe.intervene import edits as intervene
-    from probe.launch import run
-    from probe.stats import backend
-
-    args, where = SAME[case]
-    cfg = make_cfg(*args)
-    with pytest.raises(ProbeError) as early:
-        check_config(cfg)
-    deep = _deep(
-        {
-            "data": lambda: build_batches(cfg.dataset, cfg.model, cfg.seed),
-            "model": lambda: build_model(cfg.model, cfg.seed),
-            "device": lambda: run.resolve_device(cfg.device),
-            "backend": lambda: backend.resolve(cfg.stats.backend),
-            "select": lambda: select_modules(_Convs(), cfg.probes),
-            "objective": lambda: objective.build_objective(cfg.objective, True, 1000),
-            "edits": lambda: intervene.build_edits(_Convs(), cfg.intervene, cfg.seed),
-        }[where]
-    )
-    assert str(early.value) == str(deep)
-    assert type(early.value) is type(deep)
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_the_parse_names_each_config_mistake(case):
+    """What the config alone decides is refused by probe.plan.parse, before a model or the data
+    is built (the builders take only parsed plans: tests/test_plan.py holds that they check
+    nothing again)."""
+    args, words = MISTAKES[case]
+    with pytest.raises(ProbeError) as e:
+        parse(make_cfg(*args))
+    assert words in str(e.value)
 
 
 def test_every_precision_of_the_schema_has_a_torch_dtype():
@@ -217,18 +220,18 @@ def test_every_precision_of_the_schema_has_a_torch_dtype():
 def test_the_early_device_pattern_is_what_torch_parses():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that mkldnn is deprecated
-        for name in [*model_checks.DEVICE_TYPES, "cuda:0", "cpu:1"]:
+        for name in [*checks.DEVICE_TYPES, "cuda:0", "cpu:1"]:
             torch.device(name)
-            assert model_checks.DEVICE.match(name)
+            assert checks.DEVICE.match(name)
     for name in ("gpu", "cuda:x", "cuda:-1", "cuda:01", "CUDA"):
-        assert not model_checks.DEVICE.match(name)
+        assert not checks.DEVICE.match(name)
 
 
 def test_every_shipped_config_passes_the_early_checks():
     for group, option in [("model", "lenet"), ("dataset", "fakedata"), ("intervene", "patch_grid"),
                           ("probes", "residual"), ("store", "stats"), ("model", "gpt2")]:  # fmt: skip
-        check_config(make_cfg(f"{group}={option}"))
-    check_config(make_cfg(GRADS, "objective=logit", "objective.index=3"))
+        parse(make_cfg(f"{group}={option}"))
+    parse(make_cfg(GRADS, "objective=logit", "objective.index=3"))
 
 
 # -- 3. keys nothing reads ------------------------------------------------------------------------
@@ -303,14 +306,15 @@ def test_a_prefixed_checkpoint_names_the_prefix_and_loads_with_it(tmp_path):
 
 def test_checkpoint_prefix_loads_every_weight(tmp_path, caplog):
     original, path = _prefixed(tmp_path, "module.")  # DDP's
-    cfg = make_cfg(f"model.checkpoint={path}", "model.checkpoint_prefix=module.")
+    plan = parse(make_cfg(f"model.checkpoint={path}", "model.checkpoint_prefix=module."))
     with caplog.at_level(logging.INFO, logger="probe"):
-        model = build_model(cfg.model, cfg.seed)
+        model = build_model(plan.model, plan.options.seed)
     for k, v in original.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     assert f"loaded checkpoint {path}" in caplog.text
     with pytest.raises(CheckpointError, match=r"checkpoint_prefix='model\.': no key .* starts"):
-        build_model(make_cfg(f"model.checkpoint={path}", "model.checkpoint_prefix=model.").model, 0)
+        prefixed = make_cfg(f"model.checkpoint={path}", "model.checkpoint_prefix=model.")
+        build_model(parse(prefixed).model, 0)
 
 
 def test_key_prefix_finds_only_a_prefix_that_makes_the_keys_fit():
@@ -324,17 +328,17 @@ def test_key_prefix_finds_only_a_prefix_that_makes_the_keys_fit():
 
 # -- 5. synthetic targets of a custom model -------------------------------------------------------
 def test_synthetic_targets_of_a_custom_model_warn_with_its_width(caplog):
-    cfg = make_cfg(*TINYNET)
-    model = build_model(cfg.model, 0)  # TinyNet: 10 classes, model.num_classes left at 1000
+    plan = parse(make_cfg(*TINYNET))
+    model = build_model(plan.model, 0)  # TinyNet: 10 classes, model.num_classes left at 1000
     with caplog.at_level(logging.WARNING, logger="probe"):
-        targets = torch.cat([b.targets for b in build_batches(cfg.dataset, cfg.model, 0, model)])
+        targets = torch.cat([b.targets for b in build_batches(plan.data, plan.model, 0, model)])
     assert int(targets.max()) >= 10  # what the warning is about
     assert "dataset=synthetic draws its targets below 1000 (model.num_classes)" in caplog.text
     assert "last Linear layer 'fc' has 10 outputs: set model.num_classes=10" in caplog.text
     caplog.clear()
-    cfg = make_cfg(*TINYNET, "model.num_classes=10")
+    plan = parse(make_cfg(*TINYNET, "model.num_classes=10"))
     with caplog.at_level(logging.WARNING, logger="probe"):
-        targets = torch.cat([b.targets for b in build_batches(cfg.dataset, cfg.model, 0, model)])
+        targets = torch.cat([b.targets for b in build_batches(plan.data, plan.model, 0, model)])
     assert int(targets.max()) < 10 and caplog.text == ""
 
 
@@ -371,3 +375,53 @@ def test_tab_completion_names_the_keys(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "dataset.num_samples=" in out.stdout.split()
+
+
+# -- 7. runs that ask for no probe, and what the log says of statistics ---------------------------
+@pytest.mark.parametrize(
+    "extra", [["intervene=patch_grid"], ["lens=logit"]], ids=["patch_grid", "lens"]
+)
+def test_a_run_without_probes_warns_of_nothing_and_writes_no_summary(tmp_path, lm, caplog, extra):
+    """The documented `probes=none intervene=patch_grid` and `probes=none lens=logit` commands:
+    probes=none asks for no module, so nothing is missing; no statistics table of no layer."""
+    import pandas as pd
+    from transformers import AutoConfig
+
+    from probe.launch.run import run
+
+    model, path, _ = lm
+    args = ["model=hf", f"model.name={model}", "model.task=causal_lm", "dataset=pairs",
+            f"dataset.path={path}", "dataset.batch_size=2", "probes=none", *extra]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="probe"):
+        run(make_cfg(*args), run_dir=tmp_path)
+    assert "no module selected" not in caplog.text
+    assert "stats.during=none" not in caplog.text
+    assert not (tmp_path / "summary.csv").exists()
+    blocks = [f"transformer.h.{i}" for i in range(AutoConfig.from_pretrained(model).n_layer)]
+    if extra == ["intervene=patch_grid"]:  # every block at each of the pairs' 6 positions
+        table = pd.read_csv(tmp_path / "patching.csv")
+        assert sorted(set(zip(table.layer, table.position, strict=True))) == [
+            (b, p) for b in blocks for p in range(6)
+        ]
+    else:
+        assert list(pd.read_csv(tmp_path / "lens.csv").layer) == blocks
+
+
+@pytest.mark.parametrize("during", ["run", "none"])
+def test_the_log_speaks_of_statistics_only_where_they_are_left_out(tmp_path, caplog, during):
+    """The default run writes summary.csv, a row per conv, and says nothing of stats.during;
+    stats.during=none says that it leaves them out, and writes none."""
+    import pandas as pd
+    import torchvision
+
+    from probe.launch.run import run
+
+    with caplog.at_level(logging.INFO, logger="probe"):
+        run(make_cfg(*TINY, f"stats.during={during}"), run_dir=tmp_path)
+    said = "stats.during=none: no statistics and no summary.csv" in caplog.text
+    assert said == (during == "none")
+    assert (tmp_path / "summary.csv").exists() == (during == "run")
+    if during == "run":
+        convs = [n for n, m in torchvision.models.resnet18().named_modules()
+                 if isinstance(m, torch.nn.Conv2d)]  # fmt: skip
+        assert list(pd.read_csv(tmp_path / "summary.csv").layer) == convs

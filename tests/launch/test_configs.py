@@ -14,6 +14,7 @@ from probe.config import config_dir
 from probe.data.batches import build_batches
 from probe.hooks.select import select_modules
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from tests.helpers import run_probe
 
@@ -31,7 +32,7 @@ TOKEN_PROBES = ("residual", "attn_mlp")  # the blocks of a transformer's stack
 @pytest.mark.parametrize("model", IMAGE_MODELS)
 def test_every_model_config_builds_and_every_probe_file_selects(model):
     cfg = make_cfg(f"model={model}")
-    net = build_model(cfg.model, cfg.seed)
+    net = build_model(parse(cfg).model, cfg.seed)
     assert not net.training
     x = torch.randn(1, *cfg.model.input_shape)
     with torch.no_grad():
@@ -39,7 +40,9 @@ def test_every_model_config_builds_and_every_probe_file_selects(model):
     for probes in PROBES:
         if probes in TOKEN_PROBES:
             continue
-        selections = select_modules(net, make_cfg(f"model={model}", f"probes={probes}").probes)
+        selections = select_modules(
+            net, parse(make_cfg(f"model={model}", f"probes={probes}")).probes
+        )
         for sel in selections:
             assert dict(net.named_modules())[sel.name] is sel.module
 
@@ -49,21 +52,21 @@ def test_every_token_model_config_builds_and_its_probes_select_each_block(model)
     """The shipped language models build offline (model.pretrained=false, random init) and the
     transformer probes select each block once (residual) and its attention and MLP (attn_mlp)."""
     cfg = make_cfg(f"model={model}", "model.pretrained=false")
-    net = build_model(cfg.model, cfg.seed)
+    net = build_model(parse(cfg).model, cfg.seed)
     with torch.no_grad():
         logits = net(input_ids=torch.tensor([[5, 6, 7]])).logits
     assert logits.shape == (1, 3, net.config.vocab_size)
     blocks = TOKEN_MODELS[model]
     for probes, per_block in (("residual", 1), ("attn_mlp", 2), ("all_linear", None)):
-        chosen = select_modules(net, make_cfg(f"model={model}", f"probes={probes}").probes)
+        chosen = select_modules(net, parse(make_cfg(f"model={model}", f"probes={probes}")).probes)
         assert per_block is None or len(chosen) == per_block * blocks
         assert chosen and all(dict(net.named_modules())[s.name] is s.module for s in chosen)
 
 
 def test_seeded_init_is_reproducible_and_seed_dependent():
-    a = build_model(make_cfg().model, 0).conv1.weight
-    b = build_model(make_cfg().model, 0).conv1.weight
-    c = build_model(make_cfg().model, 1).conv1.weight
+    a = build_model(parse(make_cfg()).model, 0).conv1.weight
+    b = build_model(parse(make_cfg()).model, 0).conv1.weight
+    c = build_model(parse(make_cfg()).model, 1).conv1.weight
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -76,7 +79,7 @@ def test_torchvision_weights_pass_through(tmp_path, monkeypatch):
     name = Path(torchvision.models.ResNet18_Weights.DEFAULT.url).name
     torch.save(reference.state_dict(), cache / name)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    model = build_model(make_cfg("model.weights=DEFAULT").model, seed=0)
+    model = build_model(parse(make_cfg("model.weights=DEFAULT")).model, seed=0)
     for k, v in reference.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
 
@@ -99,8 +102,8 @@ def test_other_torchvision_model_by_name(tmp_path):
         "dataset.image_size=64",
         "dataset.num_samples=2",
     )
-    net = build_model(cfg.model, cfg.seed)
-    x = torch.cat([b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)])
+    net = build_model(parse(cfg).model, cfg.seed)
+    x = torch.cat([b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)])
     with torch.no_grad():
         np.testing.assert_allclose(
             f["layers/features.0/output"][:], net.features[0](x).numpy(), rtol=1e-5, atol=1e-5
@@ -146,7 +149,7 @@ def test_imagefolder_loads_resizes_and_normalises_in_order(tmp_path):
         ]
     )
     first = tf(Image.open(root / "cat" / "0.png").convert("RGB"))[None]
-    net = build_model(make_cfg().model, 0)
+    net = build_model(parse(make_cfg()).model, 0)
     with torch.no_grad():
         np.testing.assert_allclose(
             f["layers/conv1/output"][0:1], net.conv1(first).numpy(), rtol=1e-5, atol=1e-5
@@ -157,7 +160,7 @@ def test_fakedata_and_tensors_datasets(tmp_path):
     cfg = make_cfg(
         "dataset=fakedata", "dataset.image_size=16", "dataset.num_samples=5", "dataset.batch_size=2"
     )
-    batches = list(build_batches(cfg.dataset, cfg.model, cfg.seed))
+    batches = list(build_batches(parse(cfg).data, parse(cfg).model, cfg.seed))
     fake = torchvision.datasets.FakeData(
         5, (3, 16, 16), 1000, torchvision.transforms.ToTensor(), random_offset=0
     )
@@ -171,7 +174,7 @@ def test_fakedata_and_tensors_datasets(tmp_path):
         "dataset.batch_size=2",
         "dataset.num_samples=3",
     )
-    batches = list(build_batches(cfg.dataset, cfg.model, cfg.seed))
+    batches = list(build_batches(parse(cfg).data, parse(cfg).model, cfg.seed))
     assert torch.equal(torch.cat([b.inputs for b in batches]), x[:3])
     assert torch.equal(torch.cat([b.targets for b in batches]), y[:3])
 

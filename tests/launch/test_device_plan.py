@@ -13,6 +13,7 @@ from hydra.errors import ConfigCompositionException
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from tests.helpers import cloned_outputs, run_probe
 
@@ -22,8 +23,8 @@ LAYERS = ["probes=all_convs", "probes.convs.layers=[conv1,layer2.*,layer4.1.conv
 
 def outputs_per_batch(cfg, names, autocast=None) -> dict:
     """Each named module's output over the dataset from a plain forward per batch."""
-    model = build_model(cfg.model, cfg.seed).eval()
-    batches = [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)]
+    model = build_model(parse(cfg).model, cfg.seed).eval()
+    batches = [b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)]
     return cloned_outputs(model, names, batches, autocast)
 
 

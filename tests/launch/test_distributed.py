@@ -150,6 +150,7 @@ def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path,
     import torch
 
     from probe.hooks.record import Record
+    from probe.plan import StoreSpec
     from probe.store.stitch import stitch
     from probe.store.writer import ProbeWriter
 
@@ -159,7 +160,7 @@ def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path,
     blocks, paths = [range(0, 6), range(6, 11)], []
     for rank, block in enumerate(blocks):
         paths.append(tmp_path / f"probe.rank{rank}.h5")
-        writer = ProbeWriter(paths[-1], mode=mode, index_offset=block.start)
+        writer = ProbeWriter(paths[-1], StoreSpec(mode=mode), index_offset=block.start)
         for index, lo in enumerate(range(block.start, block.stop, 4)):
             hi = min(lo + 4, block.stop)
             values = {("layer", "output"): data[lo:hi].clone()}

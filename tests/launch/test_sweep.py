@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from probe.data.batches import build_batches
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.read.summarize import sweep_table
 from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
@@ -65,9 +66,9 @@ def test_2x2_multirun_runs_four_complete_jobs(sequential_sweep):
                 a = f[f"layers/{row.layer}/{row.site}"][:].astype(np.float64)
                 np.testing.assert_allclose([row.mean, row.std], [a.mean(), a.std()], rtol=1e-6)
             if probes == "all_convs":  # the stored rows are the model's conv outputs
-                model_ = build_model(cfg.model, cfg.seed).eval()
+                model_ = build_model(parse(cfg).model, cfg.seed).eval()
                 inputs = torch.cat(
-                    [b.inputs for b in build_batches(cfg.dataset, cfg.model, cfg.seed)]
+                    [b.inputs for b in build_batches(parse(cfg).data, parse(cfg).model, cfg.seed)]
                 )
                 convs = [n for n, m in model_.named_modules() if isinstance(m, torch.nn.Conv2d)]
                 ref = cloned_outputs(model_, convs, [inputs])

@@ -11,6 +11,7 @@ import torch
 from probe.errors import CheckpointError, ConfigError
 from probe.models.build import build_model
 from probe.models.hub import pad_token_id, vocab_size
+from probe.plan import parse
 from probe.testing.compose import make_cfg
 from probe.testing.tokens import tiny_config
 from tests.helpers import cli
@@ -56,7 +57,7 @@ def ids(n: int = 2, t: int = 7) -> torch.Tensor:
 
 def hf_model(*overrides: str, seed: int = 0):
     cfg = make_cfg("model=hf", *overrides)
-    return build_model(cfg.model, seed)
+    return build_model(parse(cfg).model, seed)
 
 
 @pytest.mark.parametrize(
@@ -127,7 +128,7 @@ def test_shipped_configs_build_offline_with_the_real_architecture(model, layers,
     """model.pretrained=false builds the real model's architecture from the shipped config (its
     parameter count; built with one layer, as the layers are alike, to stay quick)."""
     cfg = make_cfg(f"model={model}", "model.pretrained=false", f"model.config.{layer_key}=1")
-    net = build_model(cfg.model, 0)
+    net = build_model(parse(cfg).model, 0)
     assert not net.training and net.config.use_cache is False
     layer = sum(p.numel() for p in net.get_submodule(LAYER[model]).parameters())
     assert sum(p.numel() for p in net.parameters()) + (layers - 1) * layer == total
@@ -154,7 +155,7 @@ def test_user_errors_name_the_value(tmp_path):
     with pytest.raises(ConfigError, match="model_type='gtp2'.*gpt2"):
         hf_model("model.name=x", "model.pretrained=false", "+model.config.model_type=gtp2")
     with pytest.raises(ConfigError, match="model.library='keras'.*hf"):
-        build_model(make_cfg("model=hf", "model.name=x", "model.library=keras").model, 0)
+        build_model(parse(make_cfg("model=hf", "model.name=x", "model.library=keras")).model, 0)
 
 
 def test_an_unreachable_hub_name_fails_fast_with_the_way_out(hub_online):
@@ -175,7 +176,7 @@ def test_cli_unknown_hf_name_exits_2_with_one_line(hub_online):
 
 def test_timm_model_equals_a_plain_create_model_with_the_same_seed():
     model = build_model(
-        make_cfg("model=timm", "model.name=resnet18", "model.num_classes=10").model, 3
+        parse(make_cfg("model=timm", "model.name=resnet18", "model.num_classes=10")).model, 3
     )
     torch.manual_seed(3)
     plain = timm.create_model("resnet18", pretrained=False, num_classes=10).eval()
@@ -187,4 +188,4 @@ def test_timm_model_equals_a_plain_create_model_with_the_same_seed():
 
 def test_timm_unknown_name_gives_close_matches():
     with pytest.raises(ConfigError, match="resnet18"):
-        build_model(make_cfg("model=timm", "model.name=resnet_18").model, 0)
+        build_model(parse(make_cfg("model=timm", "model.name=resnet_18")).model, 0)

@@ -15,6 +15,7 @@ from omegaconf import open_dict
 from probe.config import EditSpec
 from probe.launch.run import run
 from probe.models.build import build_model
+from probe.plan import parse
 from probe.testing.arrays import h5_arrays
 from probe.testing.compose import make_cfg
 from probe.testing.tokens import make_tiny
@@ -72,7 +73,7 @@ def test_an_offloaded_model_captures_and_differentiates_like_the_whole_one(
     blocks = FAMILIES[kind][1]
     assert sorted(f["layers"]) == [f"{blocks}.0", f"{blocks}.1"]
     assert any(f"{blocks}.0" in m and "weights kept on disk" in m for m in caplog.messages)
-    model = build_model(make_cfg(*args, split(kind), offload).model, 0)
+    model = build_model(parse(make_cfg(*args, split(kind), offload)).model, 0)
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     assert meta and all(n.startswith(f"{blocks}.0.") for n in meta)  # read from disk per call
     assert assert_same_arrays(whole.h5_path, placed.h5_path) >= 8
@@ -144,7 +145,9 @@ def test_bfloat16_weights_capture_what_a_bfloat16_forward_gives(tmp_path, tiny, 
         from probe.data.batches import build_batches
 
         cfg = make_cfg(*args)
-        inputs = [b.inputs.to(torch.bfloat16) for b in build_batches(cfg.dataset, cfg.model, 0)]
+        inputs = [
+            b.inputs.to(torch.bfloat16) for b in build_batches(parse(cfg).data, parse(cfg).model, 0)
+        ]
         names = ["conv1", "layer4.1.conv2"]
     _, f = run_probe(tmp_path, *args, "model.dtype=bfloat16")
     seen = {n: [] for n in names}

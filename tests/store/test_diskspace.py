@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from probe.hooks.record import Record
+from probe.plan import StoreSpec
 from probe.store.diskspace import METADATA_MARGIN, bytes_needed
 from probe.store.writer import ProbeWriter
 
 
 def test_estimate_covers_the_growth_of_the_file(tmp_path):
     path = tmp_path / "probe.h5"
-    writer = ProbeWriter(path, chunk_bytes=1 << 16, module_types={"conv": "Conv2d"})
+    writer = ProbeWriter(path, StoreSpec(chunk_bytes=1 << 16), module_types={"conv": "Conv2d"})
     try:
         for i in range(3):
             record = Record(

@@ -233,10 +233,13 @@ def test_statistics_count_only_the_batches_written(tmp_path):
     import torch
 
     from probe.hooks.record import Record
+    from probe.plan import StoreSpec
     from probe.store.writer import ProbeWriter
 
     key = ("conv", "output")
-    writer = ProbeWriter(tmp_path / "probe.h5", mode="stats", module_types={"conv": "Conv2d"})
+    writer = ProbeWriter(
+        tmp_path / "probe.h5", StoreSpec(mode="stats"), module_types={"conv": "Conv2d"}
+    )
     first, second = torch.randn(2, 3, 4), torch.randn(2, 3, 4) + 100
     record = Record(0, 2, 0, {key: first[:0]}, counted={key: writer.observe(key, first)})
     writer.put(record)

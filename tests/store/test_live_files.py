@@ -22,6 +22,7 @@ from probe.errors import ConfigError
 from probe.hooks.record import Record
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
+from probe.plan import StoreSpec
 from probe.read.summarize import summarize_file
 from probe.stats import backend
 from probe.stats.running import SCALARS, UNIT_FIELDS, stats_for
@@ -180,7 +181,7 @@ def test_a_kill_inside_a_stats_flush_leaves_the_previous_slot(tmp_path):
     writer_file = tmp_path / "probe.h5"
     key = ("conv", "output")
     x1 = torch.randn(4, 3, 2, 2)
-    w = ProbeWriter(writer_file, mode="stats", module_types={"conv": "Conv2d"})
+    w = ProbeWriter(writer_file, StoreSpec(mode="stats"), module_types={"conv": "Conv2d"})
     w.put(Record(0, 4, 0, {key: x1}))
     w.close(complete=False)
     with h5py.File(writer_file, "r+") as f:
