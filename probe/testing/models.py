@@ -87,18 +87,22 @@ class Tracked(nn.Module):
 
 
 class TinyNet(Tracked):
-    """3x8x8 inputs: conv, relu, linear; `delay` seconds of sleep per forward slows a run down."""
+    """3x8x8 inputs: conv, relu, linear; `delay` seconds of sleep per forward slows a run down, and
+    while a file named by `hold` exists every forward waits (a test holds a run mid-way)."""
 
-    def __init__(self, num_classes: int = 10, delay: float = 0.0):
+    def __init__(self, num_classes: int = 10, delay: float = 0.0, hold: str | None = None):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.relu = nn.ReLU()
         self.fc = nn.Linear(4 * 8 * 8, num_classes)
         self.delay = delay
+        self.hold = hold
 
     def forward(self, x):
         if self.delay:
             time.sleep(self.delay)
+        while self.hold and os.path.exists(self.hold):
+            time.sleep(0.05)
         return self.fc(self.relu(self.conv(x)).flatten(1))
 
 

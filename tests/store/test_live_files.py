@@ -54,7 +54,10 @@ def start(run_dir: Path, *extra: str) -> subprocess.Popen:
 def test_a_second_process_reads_every_flushed_batch_while_the_run_writes(tmp_path):
     """h5py (SWMR), probe.open_run with refresh() and probe.read.summarize, every few batches: what
     they see is the finished file's first rows, and the file is "in progress", never damaged."""
-    proc = start(tmp_path, "+model.kwargs.delay=0.6")
+    gate = (
+        tmp_path / "hold"
+    )  # while it exists the run waits: the summarizer surely reads it mid-way
+    proc = start(tmp_path, "+model.kwargs.delay=0.6", f"+model.kwargs.hold={gate}")
     h5 = tmp_path / "probe.h5"
     seen, summarized = [], None
     opened = None
@@ -76,6 +79,7 @@ def test_a_second_process_reads_every_flushed_batch_while_the_run_writes(tmp_pat
         with h5py.File(h5, "r", swmr=True) as f:  # plain h5py too, as the docs say
             assert read_progress(f).samples >= n
         if summarized is None and n >= 6:
+            gate.touch()
             summarized = subprocess.Popen(
                 [sys.executable, "-m", "probe.summarize", str(tmp_path)],
                 stdout=subprocess.PIPE,
@@ -84,9 +88,10 @@ def test_a_second_process_reads_every_flushed_batch_while_the_run_writes(tmp_pat
                 cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
             )
+            said, complaints = summarized.communicate(timeout=120)
+            gate.unlink()
     assert proc.wait(timeout=120) == 0, proc.stderr.read()
     assert summarized is not None
-    said, complaints = summarized.communicate(timeout=120)
     opened.close()
     assert len(seen) >= 2 and seen[0][0] < 36  # snapshots while it ran (a busy machine: few)
     with probe.open_run(tmp_path) as final:
