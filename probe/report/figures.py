@@ -2,12 +2,13 @@
 
     python -m probe.plot RUN_OR_SWEEP [--layer NAME] [--sample 0] [--site output]
 
-A run gets depth.png (output mean in its p01-p99 band, std, dead-unit fraction, gradient norm),
+A watched training (probe.watch) gets train_lines.png and train_heatmap.png (each statistic over
+steps per layer: probe.report.train_plots). A run gets depth.png (output mean in its p01-p99 band, std, dead-unit fraction, gradient norm),
 histograms.png (output sites), gradients.png (grad_output, grad_input, param_grad.* sites),
 features_<layer>_<site>_<sample>.png (a conv layer's maps) and linear.png (Linear layers, unit
 by sample), and for attribution sites attribution.png (by depth), cams.png (CAM maps over the
 inputs) and tokens_<layer>_<site>.png (token attributions as coloured text) where the run holds
-them; a sweep gets depth.png with one line per run.
+them; a figure with nothing to draw is left out. A sweep gets depth.png with one line per run.
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ def linear_layers(run) -> list[str]:
     ]
 
 
-def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "output") -> dict:
-    """{file name: Figure} of one open run; features only where tensors are stored."""
+def run_figures(
+    run, layer: str | None = None, sample: int = 0, site: str = "output", notes=None
+) -> dict:
+    """{file name: Figure} of one open run; features only where tensors are stored, and a figure
+    with nothing to draw left out (why, one line each, appended to `notes`). A watched training
+    gets its training figures (probe.report.train_plots)."""
     from probe.report.summary_plots import (
         GRADIENT_SITES,
         depth_figure,
@@ -84,9 +89,15 @@ def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "out
         units_figure,
     )
 
+    if run.watched:
+        return train_run_figures(run, notes)
     title = run_title(run.config, run.path.name)
     figures = {"depth.png": depth_figure(run.summary, title)}
     figures["histograms.png"] = histogram_figure(run, title=f"output histograms: {title}")
+    if figures["depth.png"] is None:
+        _note(notes, "no output or grad_output sites: no depth.png")
+    if figures["histograms.png"] is None:
+        _note(notes, "no output sites: no histograms.png")
     if site_keys(run, GRADIENT_SITES):
         figures["gradients.png"] = histogram_figure(
             run, GRADIENT_SITES, title=f"gradient histograms: {title}"
@@ -107,14 +118,39 @@ def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "out
     if linear:
         panels = [(f"{n} output", run.array(n)[:256]) for n in linear]
         figures["linear.png"] = units_figure(panels, f"Linear layers, unit by sample: {title}")
-    return figures
+    return {name: fig for name, fig in figures.items() if fig is not None}
+
+
+def _note(notes: list | None, line: str) -> None:
+    if notes is not None:
+        notes.append(line)
+
+
+def train_title(config, name: str = "") -> str:
+    """'training w | model SmallCNN | optimizer SGD | every 10' of a watched training."""
+    parts = [f"training {name}" if name else "training"]
+    for key in ("model", "optimizer", "every"):
+        if config.get(key) is not None:
+            parts.append(f"{key} {config.get(key)}")
+    return " | ".join(parts)
+
+
+def train_run_figures(run, notes: list | None = None) -> dict:
+    """{file name: Figure} of a watched training (probe.report.train_plots)."""
+    from probe.report.train_plots import train_figures
+
+    made = train_figures(run.train(), run.train_scalars(), train_title(run.config, run.path.name))
+    if not made:
+        _note(notes, "no recorded step yet: no figure of the training")
+    return made
 
 
 def sweep_figures(sweep) -> dict:
     """{file name: Figure} of a sweep: depth.png over every run."""
     from probe.report.summary_plots import depth_figure
 
-    return {"depth.png": depth_figure(sweep.table, sweep_title(sweep))}
+    depth = depth_figure(sweep.table, sweep_title(sweep))
+    return {} if depth is None else {"depth.png": depth}
 
 
 def figures(path: Path, layer: str | None = None, sample: int = 0, site: str = "output"):
