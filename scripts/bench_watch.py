@@ -285,7 +285,7 @@ def main() -> None:
 
     everies = [int(e) for e in args.every.split(",")]
     peers = [p for p in args.peers.split(",") if p]
-    variants = [("unwatched", None, 0)]
+    variants = [("unwatched", None, 0), ("unwatched again", None, 0)]  # (the noise floor)
     for kind in ["probe", *peers]:
         variants += [(f"{kind} every={e}", kind, e) for e in everies]
     lines = []
