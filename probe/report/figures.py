@@ -1,6 +1,7 @@
 """Write a run's or a sweep's figures next to its data (the `plot` extra: matplotlib).
 
     python -m probe.plot RUN_OR_SWEEP [--layer NAME] [--sample 0] [--site output]
+    python -m probe.plot SWEEP coord      # mup's coordinate check of a sweep over model.width
 
 A watched training (probe.watch) gets train_lines.png and train_heatmap.png (each statistic over
 steps per layer: probe.report.train_plots). A run gets depth.png (output mean in its p01-p99 band, std, dead-unit fraction, gradient norm),
@@ -176,6 +177,21 @@ def plot(path: Path, layer: str | None = None, sample: int = 0, site: str = "out
     return written
 
 
+def coord(sweep: Path) -> list[Path]:
+    """mup's coordinate check of a sweep of watched trainings over model.width: coord.csv (width,
+    layer, step, abs_mean) and coord.png in the sweep directory."""
+    import matplotlib.pyplot as plt
+
+    from probe.report.train_plots import coord_figure, coord_table
+
+    table = coord_table(sweep)
+    table.to_csv(sweep / "coord.csv", index=False)
+    fig = coord_figure(table, f"coordinate check: {sweep.name}")
+    fig.savefig(sweep / "coord.png", dpi=110)
+    plt.close(fig)
+    return [sweep / "coord.csv", sweep / "coord.png"]
+
+
 def have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -187,6 +203,9 @@ def have_matplotlib() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a run directory, its probe.h5, or a sweep")
+    parser.add_argument("view", nargs="?", choices=["coord"],
+                        help="coord: mup's coordinate check of a sweep of trainings over "
+                             "model.width (coord.png, coord.csv)")  # fmt: skip
     parser.add_argument("--layer", help="feature maps of this layer (default: the first conv)")
     parser.add_argument("--sample", type=int, default=0, help="row of the sample (default 0)")
     parser.add_argument("--site", default="output", help="dataset of the layer (default output)")
@@ -195,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {PLOT_EXTRA}", file=sys.stderr)
         return 2
     try:
-        for file in plot(args.path, args.layer, args.sample, args.site):
+        files = coord(args.path) if args.view == "coord" else None
+        for file in files or plot(args.path, args.layer, args.sample, args.site):
             print(file)
     except (ProbeError, KeyError, IndexError, FileNotFoundError) as e:
         print(f"probe.plot: error: {e}", file=sys.stderr)

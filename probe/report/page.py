@@ -40,7 +40,7 @@ def table(frame: pd.DataFrame | None, caption: str) -> str:
 def analyses(path: Path, mode: str, size: int) -> str:
     """Run the linear probes and CKA when asked, or when the data are small (mode auto); return a
     note saying what was done or how to do it. Linear probes on too few rows per class (they
-    would mean nothing) are left out, said in one line."""
+    would mean nothing) are left out, said in one line, unless asked for (mode yes)."""
     if (path / "linear_probes.csv").is_file() or (path / "cka.csv").is_file() or mode == "no":
         return ""
     how = f"python -m probe.analyze {path} all"
@@ -48,7 +48,7 @@ def analyses(path: Path, mode: str, size: int) -> str:
         return f"<p>No linear probes or CKA yet ({size / 2**20:.0f} MB of data): run <code>{html.escape(how)}</code>.</p>"
     from probe.analysis.analyze import analyze
 
-    why = None if is_sweep(path) else too_few_rows(path)
+    why = None if mode == "yes" or is_sweep(path) else too_few_rows(path)
     what = {"cka"} if why else "all"
     note = f"<p>No linear probes: {html.escape(why)}.</p>" if why else ""
     try:
@@ -80,7 +80,7 @@ def too_few_rows(path: Path) -> str | None:
     return (
         f"{rows} samples of {classes} classes are too few to fit them (at least "
         f"{MIN_ROWS_PER_CLASS} per class: {MIN_ROWS_PER_CLASS * classes}); python -m "
-        f"probe.analyze {path} linear fits them anyway"
+        f"probe.report --analyze yes or python -m probe.analyze {path} linear fits them anyway"
     )
 
 
@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "--analyze",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="run probe.analyze first where its tables are absent: auto (small data only), yes, no",
+        help="run probe.analyze first where its tables are absent: auto (small data only; no "
+        "linear probes on fewer than 4 samples a class), yes, no",
     )
     parser.add_argument("--layer", help="feature maps of this layer (default: the first conv)")
     parser.add_argument("--sample", type=int, default=0, help="row of the sample (default 0)")

@@ -181,3 +181,55 @@ def train_figures(table: pd.DataFrame, scalars: pd.DataFrame | None, title: str 
         "train_heatmap.png": heatmap_figure(stats, f"layer x step: {title}"),
     }
     return {k: v for k, v in made.items() if v is not None}
+
+
+def coord_table(sweep) -> pd.DataFrame:
+    """mup's coordinate-check table of a sweep of watched trainings over `model.width`
+    (`python -m probe.train -m model.width=64,128,...`): one row per (width, layer, step) with
+    `abs_mean`, the mean |x| of the layer's output (mup's `l1`)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from probe.errors import DataError
+
+    frames = []
+    for run in sorted(p for p in Path(sweep).iterdir() if (p / "train.csv").is_file()):
+        config = run / ".hydra" / "config.yaml"
+        width = OmegaConf.load(config).model.get("width") if config.is_file() else None
+        if width is None:
+            raise DataError(f"{run} has no model.width in .hydra/config.yaml: not a width sweep")
+        table = pd.read_csv(run / "train.csv")
+        rows = first_sites(table, "output")
+        frames.append(rows.assign(width=int(width))[["width", "layer", "step", "abs_mean"]])
+    if not frames:
+        raise DataError(
+            f"{sweep} holds no watched training (no */train.csv); make one with python -m "
+            "probe.train -m model.width=64,128,256 train.steps=5 watch.every=1 probes=all_linear"
+        )
+    return pd.concat(frames, ignore_index=True).sort_values(["layer", "step", "width"],
+                                                            kind="stable")  # fmt: skip
+
+
+def coord_figure(table: pd.DataFrame, title: str = "") -> plt.Figure:
+    """A panel per layer: abs_mean of its output against width (log-log), a line per step."""
+    layers = list(dict.fromkeys(table["layer"]))
+    cols = min(4, len(layers))
+    rows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows + 0.6), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    for ax in axes.flat[len(layers) :]:
+        ax.axis("off")
+    for ax, layer in zip(axes.flat, layers, strict=False):
+        part = table[table["layer"] == layer]
+        for step, line in part.groupby("step", sort=True):
+            ax.plot(line["width"], line["abs_mean"], marker="o", markersize=3, label=f"step {step}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(layer, fontsize=8)
+        ax.tick_params(which="both", labelsize=6)
+    axes[0, 0].legend(fontsize=6)
+    axes[-1, 0].set_xlabel("width", fontsize=8)
+    axes[0, 0].set_ylabel("abs_mean of output", fontsize=8)
+    fig.suptitle(title or "coordinate check: abs_mean against width, a line per step", fontsize=9)
+    return fig
