@@ -286,12 +286,19 @@ class RunningStats:
             b.l2_sum,
         )  # fmt: skip
         if b.hist is not None:
-            self.hist.merge(b.hist)
+            self.whole_histogram().merge(b.hist)
         if b.units is not None:
             if self.units is None:
                 self.units = b.units
             else:
                 self.units.merge(b.units)
+
+    def whole_histogram(self) -> LogHistogram:
+        """The histogram as all 65536 buckets, to merge into: one kept as a batch's own ranges
+        (`BucketSpans`), or none yet, becomes a LogHistogram first."""
+        if not isinstance(self.hist, LogHistogram):
+            self.hist = LogHistogram() if self.hist is None else self.hist.whole()
+        return self.hist
 
     def add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
         total = self.n + n

@@ -16,7 +16,7 @@ import torch
 
 from probe.stats import backend
 from probe.stats import torch_backend as torch_stats
-from probe.stats.running import LogHistogram, RunningStats
+from probe.stats.running import RunningStats
 
 Key = tuple[str, str]
 
@@ -51,9 +51,7 @@ class StepStats:
             )  # fmt: skip
             acc.hist, acc.units = batch.hist, batch.units
             return
-        if not isinstance(acc.hist, LogHistogram):  # a second micro-batch: all 65536 buckets
-            acc.hist = LogHistogram() if acc.hist is None else acc.hist.whole()
-        acc.merge(batch)
+        acc.merge(batch)  # (a second micro-batch: into all 65536 buckets)
 
     def settle(self, seen: Callable[[Key, RunningStats], None] | None = None) -> dict:
         """The step's statistics by key, GPU values' brought to the host (each passed to
