@@ -8,6 +8,7 @@ error a user sees (docs/errors.md holds the messages). The name lists are probe.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 from pathlib import Path
@@ -31,6 +32,7 @@ from probe.config import (
     METRICS,
     OBJECTIVES,
     OPS,
+    OPTIMIZERS,
     PATCH_SOURCES,
     REDUCTIONS,
     ROWS,
@@ -61,6 +63,25 @@ def at_least(key: str, value, least: int = 1, note: str = "") -> None:
     """A ConfigError naming `key` where `value` is below `least` (None: unset, accepted)."""
     if value is not None and value < least:
         raise ConfigError(f"{key}={value} must be at least {least}{note}")
+
+
+def check_training(train, watch, probes) -> None:
+    """`python -m probe.train`'s train.* and watch.* keys, and that it watches something."""
+    choice("train.optimizer", train.optimizer, OPTIMIZERS)
+    for key in ("lr", "momentum", "weight_decay"):
+        value = getattr(train, key)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"train.{key}={value!r}: give a finite number >= 0")
+    at_least("train.steps", train.steps, note=" (the optimizer steps to run)")
+    every = watch.every
+    if every != "log" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(
+            f"watch.every={every!r}: give an int >= 1 (record every N-th step; 1: every step) "
+            "or 'log' (steps 0, 1, 2, 4, 8, ...)"
+        )
+    at_least("watch.flush_every", watch.flush_every)
+    if not probes:
+        raise ConfigError("the training watches no probe; choose probes=all_linear or add one")
 
 
 def check_seed(key: str, seed) -> None:

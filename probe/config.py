@@ -99,6 +99,9 @@ class ModelConfig:
     # the transformer anatomy for a family probe.models.anatomy does not know: attn_out and
     # mlp_out (suffixes below each block), final_norm, unembed (names), heads
     anatomy: dict[str, Any] = field(default_factory=dict)
+    # the widths of a model that takes them (the shipped mlp: hidden units and hidden layers)
+    width: int | None = None
+    depth: int | None = None
 
 
 @dataclass
@@ -306,9 +309,49 @@ class Config:
     fail_on_nonfinite: bool = False  # stop at the first layer that produces NaN or Inf
 
 
+OPTIMIZERS = ("sgd", "adam", "adamw")  # python -m probe.train's train.optimizer
+
+
+@dataclass
+class TrainKeys:
+    """`python -m probe.train`'s training (probe.train.trainer turns it into a TrainSpec)."""
+
+    optimizer: str = "sgd"  # sgd, adam, adamw
+    lr: float = 0.1
+    steps: int = 5
+    momentum: float = 0.0  # sgd's
+    weight_decay: float = 0.0
+    fix_batch: bool = False  # every step on the dataset's first batch (mup's coordinate check)
+    seed: int = 0  # the model's init, the data and the training's random state
+
+
+@dataclass
+class WatchKeys:
+    """`python -m probe.train`'s watch: probe.watch's `every` and `flush_every`."""
+
+    every: Any = 1  # an int >= 1 or "log"
+    flush_every: int = 10
+
+
+@dataclass
+class TrainConfig:
+    """The root of `python -m probe.train` (conf/train.yaml): a run's model, dataset, probes and
+    objective (the loss), and the training and watch keys."""
+
+    model: ModelConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    probes: dict[str, Any] = field(default_factory=dict)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    train: TrainKeys = field(default_factory=TrainKeys)
+    watch: WatchKeys = field(default_factory=WatchKeys)
+    device: str = "cpu"
+    overwrite: bool = False
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    cs.store(name="train_config", node=TrainConfig)
     # typed edits in the intervene group: `defaults: [/schema/edit@NAME]` in its files
     cs.store(group="schema", name="edit", node=EditSpec)
     cs.store(group="schema", name="probe", node=ProbeSpec)

@@ -159,6 +159,10 @@ RunOptions = _mirror(
 )
 
 
+TrainSpec = _mirror(schema.TrainKeys, "TrainSpec")
+WatchSpec = _mirror(schema.WatchKeys, "WatchSpec")
+
+
 @dataclass(frozen=True)
 class InterventionSpec:
     """The intervene group: named edits (in config order), the metrics they are measured by and
@@ -218,6 +222,46 @@ def parse(cfg, *, in_hand: bool = False) -> RunPlan:
         in_hand=in_hand,
     )
     _check(plan)
+    return plan
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """Everything `python -m probe.train` is told (conf/train.yaml), parsed and checked: a run's
+    model, dataset, objective (the loss) and probes (their sites the watch's: probe.train.sites),
+    how to train and how to watch."""
+
+    model: ModelSpec
+    data: DataSpec
+    objective: ObjectiveSpec
+    probes: FrozenDict  # name -> ProbeSpec
+    train: TrainSpec
+    watch: WatchSpec
+    device: str = "cpu"
+    overwrite: bool = False
+
+
+def parse_training(cfg) -> TrainingPlan:
+    """The TrainingPlan of a composed `python -m probe.train` config (the TrainConfig schema),
+    every check the config alone decides passed; the same specs `parse` builds for a run."""
+    plan = TrainingPlan(
+        model=_group(ModelSpec, schema.ModelConfig, cfg.model),
+        data=_group(DataSpec, schema.DatasetConfig, cfg.dataset),
+        objective=_group(ObjectiveSpec, schema.ObjectiveConfig, cfg.objective),
+        probes=probe_specs(cfg.get("probes"), run_sites=False),
+        train=_group(TrainSpec, schema.TrainKeys, cfg.train),
+        watch=_group(WatchSpec, schema.WatchKeys, cfg.watch),
+        device=str(cfg.device),
+        overwrite=bool(cfg.overwrite),
+    )
+    checks.check_seed("train.seed", plan.train.seed)
+    model_checks.check_model(plan.model)
+    checks.check_data(plan.data)
+    m = plan.model
+    checks.check_objective(
+        plan.objective, m.num_classes if m.library in ("torchvision", "timm") else None
+    )
+    checks.check_training(plan.train, plan.watch, plan.probes)
     return plan
 
 

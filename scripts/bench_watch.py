@@ -1,102 +1,340 @@
-"""What watching a training costs: the same training unwatched and watched at several `every`,
-side by side in interleaved rounds of one process, as ratios to the unwatched one.
+"""What watching a training costs, beside its peers: the same training unwatched, watched by
+probe at each `every`, by `wandb.watch(log="all", log_freq=every)` offline and by a TensorBoard
+`add_histogram` loop over the tensors probe watches, as ratios to the unwatched one.
 
-The training: torchvision's resnet18 (or `--model cnn`: the tests' small CNN) on seeded random
-images, SGD with momentum; the watch: every convolution's output, grad_output and parameters
-(param, param_grad, param_update) and every block's output and grad_output.
+The trainings run in lockstep in one process: each variant has its own model and optimizer from
+the same seed, and every step runs once per variant in turn (the order rotating from step to
+step), so a change of the machine's load falls on all of them alike; a variant's time is the sum
+of its steps plus its start and close. Rounds repeat that; the ratios are medians over rounds.
 
-    python scripts/bench_watch.py [--model resnet18] [--size 32] [--batch 32] [--steps 20]
-                                  [--every 100,10,1] [--rounds 3] [--threads 2]
+The trainings (`--model`, comma-separated): `resnet18` (torchvision's, 64 px, batch 64, SGD with
+momentum; probe watches every convolution's output, grad_output and parameters: param,
+param_grad, param_update, and every block's output and grad_output), `gpt2` (a GPT-2-shaped
+model of 6 blocks of width 256, vocabulary 8192, 8 sequences of 128 tokens, AdamW; probe watches
+every block's output, grad_output and parameters), `cnn` (the tests' small CNN, 2 ms a step).
+`--rss` runs a watched training of the small CNN in a child process and prints its peak RSS after
+100 and after 1000 steps. docs/bench_watch.md holds a run's output.
+
+    python scripts/bench_watch.py [--model resnet18,gpt2] [--steps 100] [--every 100,1]
+                                  [--peers wandb,tensorboard] [--rounds 1] [--threads 1]
+                                  [--rss] [--out docs/bench_watch.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import bench_common
 
+SHAPES = {
+    "resnet18": "torchvision resnet18, 3x64x64, batch 64, SGD (momentum 0.9)",
+    "gpt2": "GPT-2-shaped, 6 blocks x 256, vocabulary 8192, 8 x 128 tokens, AdamW",
+    "cnn": "the tests' small CNN, 3x8x8, batch 32, SGD (momentum 0.9)",
+}
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["resnet18", "cnn"], default="resnet18")
-    parser.add_argument("--size", type=int, default=32, help="image size (resnet18)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--every", default="100,10,1", help="comma-separated every values")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
 
+def setup(name: str, steps: int):
+    """(make model, make optimizer, batches, loss, probes) of one training."""
     import torch
     import torch.nn.functional as F
 
-    import probe
+    g = torch.Generator().manual_seed(0)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.set_num_threads(args.threads)
-    if args.model == "cnn":
-        from probe.testing.trainings import SmallCNN
+        config = GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)
 
         def make():
-            return SmallCNN()
+            return GPT2LMHeadModel(config).train()
 
-        shape, classes = (3, 8, 8), 4
-        blocks = ["layer1", "layer2"]
+        batches = [torch.randint(0, 8192, (8, 128), generator=g) for _ in range(steps)]
+
+        def loss(model, batch):
+            return model(input_ids=batch, labels=batch).loss
+
+        probes = {"blocks": {"layers": ["@blocks"], "capture": [
+            "output", "grad_output", "param", "param_grad", "param_update"]}}  # fmt: skip
+        return make, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4), batches, loss, probes
+    if name == "cnn":
+        from probe.testing.trainings import SmallCNN
+
+        make, shape, classes, blocks = SmallCNN, (32, 3, 8, 8), 4, ["layer1", "layer2"]
     else:
         import torchvision
 
         def make():
             return torchvision.models.resnet18(num_classes=10)
 
-        shape, classes = (3, args.size, args.size), 10
-        blocks = ["@blocks"]
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(args.batch, *shape, generator=g),
-             torch.randint(0, classes, (args.batch,), generator=g)) for _ in range(args.steps)]  # fmt: skip
+        shape, classes, blocks = (64, 3, 64, 64), 10, ["@blocks"]
+    batches = [(torch.randn(*shape, generator=g), torch.randint(0, classes, shape[:1], generator=g))
+               for _ in range(steps)]  # fmt: skip
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
     probes = {
         "convs": {"layers": ["*"], "types": ["Conv2d"],
                   "capture": ["output", "grad_output", "param", "param_grad", "param_update"]},
         "blocks": {"layers": blocks, "capture": ["output", "grad_output"]},
     }  # fmt: skip
 
-    def training(every):
-        def run(out: Path):
-            torch.manual_seed(0)
-            model = make()
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            w = None
-            if every is not None:
-                w = probe.watch(model, probes, out=out, optimizer=opt, every=every).start()
-            try:
-                for x, y in data:
-                    opt.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
-                    opt.step()
-            finally:
-                if w is not None:
-                    w.close()
+    def optimizer(m):
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
-        return run
+    return make, optimizer, batches, loss, probes
 
-    everies = [int(e) if e.isdigit() else e for e in args.every.split(",")]
-    variants = {"unwatched": training(None)}
-    variants.update({f"every={e}": training(e) for e in everies})
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        bench_common.warm_up(variants, tmp)
-        got = bench_common.rounds(variants, args.rounds, tmp, threads=args.threads)
-    floor = got["unwatched"]
-    rows = []
-    for name, runs in got.items():
-        r = bench_common.ratios(runs, floor)
-        rows.append([name, f"{bench_common.median(runs):.2f}",
-                     f"{sorted(r)[len(r) // 2]:.2f}", f"{min(r):.2f}-{max(r):.2f}"])  # fmt: skip
-    head = [
-        f"{args.model} ({'x'.join(map(str, shape))}, batch {args.batch}), SGD, {args.steps} "
-        f"steps, {args.threads} threads, median of {args.rounds} interleaved rounds"
-    ]
-    print(bench_common.markdown(head, ["variant", "seconds", "ratio", "ratio range"], rows, []))
+
+class Training:
+    """One variant: its model, optimizer and observer, stepped one step at a time. `kind`:
+    None (unwatched), probe, wandb or tensorboard; `every` their frequency."""
+
+    def __init__(self, kind, every, make, optimizer, loss, probes, out: Path):
+        import torch
+
+        torch.manual_seed(0)
+        self.kind, self.every, self.loss_fn, self.probes = kind, every, loss, probes
+        self.model = make()
+        self.opt = optimizer(self.model)
+        self.out, self.seconds, self.step_no = out, 0.0, 0
+        t0 = time.perf_counter()
+        self._start()
+        self.seconds += time.perf_counter() - t0
+
+    def _start(self) -> None:
+        if self.kind == "probe":
+            import probe
+
+            self.watch = probe.watch(self.model, self.probes, out=self.out, optimizer=self.opt,
+                                     every=self.every).start()  # fmt: skip
+        elif self.kind == "wandb":
+            import wandb
+
+            self.run = wandb.run  # (its hooks log into the process's run: one for all variants)
+            self.run.watch(self.model, log="all", log_freq=self.every)
+        elif self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.out))
+            self.histograms = HistogramLoop(self.model, self.probes, self.writer)
+
+    def step(self, batch) -> None:
+        t0 = time.perf_counter()
+        recorded = self.step_no % self.every == 0 if self.every else False
+        if self.kind == "tensorboard":
+            self.histograms.recording = recorded
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        if self.kind == "probe":
+            self.watch.loss(loss)
+        elif self.kind == "tensorboard" and recorded:
+            self.writer.add_scalar("loss", loss.item(), self.step_no)
+            self.histograms.before_update(self.step_no)
+        elif self.kind == "wandb" and (self.step_no + 1) % self.every == 0:
+            self.run.log({"loss": loss.item()})  # commits what its hooks logged this step
+        self.opt.step()
+        if self.kind == "tensorboard" and recorded:
+            self.histograms.after_update(self.step_no)
+        self.step_no += 1
+        self.seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        t0 = time.perf_counter()
+        if self.kind == "probe":
+            self.watch.close()
+        elif self.kind == "wandb":
+            self.run.unwatch(self.model)
+        elif self.kind == "tensorboard":
+            self.histograms.remove()
+            self.writer.close()
+        self.seconds += time.perf_counter() - t0
+
+
+class HistogramLoop:
+    """TensorBoard's way to the same tensors: plain forward hooks and tensor hooks on the
+    modules probe watches (their outputs and gradients), and the watched parameters, their
+    gradients and updates around the optimizer step, each `add_histogram`ed at recorded steps."""
+
+    def __init__(self, model, probes, writer):
+        from probe.hooks.select import match_modules
+        from probe.hooks.sites import probe_specs
+
+        self.writer, self.recording, self.step, self.handles = writer, False, 0, []
+        self.params, self.before = {}, {}
+        for name, spec in probe_specs(probes).items():
+            for layer, module in match_modules(model, f"probe {name!r}", spec):
+                if "output" in spec.capture:
+                    grads = "grad_output" in spec.capture
+                    self.handles.append(module.register_forward_hook(self._hook(layer, grads)))
+                if any(str(c).startswith("param") for c in spec.capture):
+                    for pname, p in module.named_parameters():
+                        self.params[f"{layer}.{pname}"] = p
+
+    def _hook(self, layer, grads):
+        def hook(module, args, output):
+            if not self.recording:
+                return
+            outs = output if isinstance(output, tuple) else (output,)
+            for i, x in enumerate(o for o in outs if hasattr(o, "requires_grad")):
+                self.writer.add_histogram(f"{layer}/output.{i}", x.detach(), self.step)
+                if grads and x.requires_grad:
+                    x.register_hook(self._grad(f"{layer}/grad_output.{i}"))
+
+        return hook
+
+    def _grad(self, tag):
+        def hook(grad):
+            self.writer.add_histogram(tag, grad, self.step)
+
+        return hook
+
+    def before_update(self, step) -> None:
+        self.step = step
+        for name, p in self.params.items():
+            self.writer.add_histogram(f"{name}/param", p.detach(), step)
+            if p.grad is not None:
+                self.writer.add_histogram(f"{name}/param_grad", p.grad, step)
+            self.before[name] = p.detach().clone()
+
+    def after_update(self, step) -> None:
+        for name, p in self.params.items():
+            self.writer.add_histogram(f"{name}/param_update", p.detach() - self.before[name], step)
+        self.before.clear()
+        self.step = step + 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def lockstep(name: str, variants: list[tuple], steps: int, tmp: Path) -> dict[str, float]:
+    """One round: every variant trained over the same batches in lockstep; seconds by variant."""
+    make, optimizer, batches, loss, probes = setup(name, steps)
+    if any(kind == "wandb" for _, kind, _ in variants):
+        import wandb
+
+        wandb.init(mode="offline", dir=str(tmp), project="bench-watch")
+    trainings = {}
+    for label, kind, every in variants:
+        out = tmp / label.replace(" ", "_").replace("=", "")
+        trainings[label] = Training(kind, every, make, optimizer, loss, probes, out)
+    order = list(trainings.values())
+    for i, batch in enumerate(batches):
+        for t in order[i % len(order) :] + order[: i % len(order)]:
+            t.step(batch)
+    for t in order:
+        t.close()
+    if any(kind == "wandb" for _, kind, _ in variants):
+        wandb.finish()  # (its start and finish, once a process, are not timed)
+    return {label: t.seconds for label, t in trainings.items()}
+
+
+def rss_child(steps: list[int]) -> None:
+    """A watched training of the small CNN at every=1, printing its peak RSS (VmHWM, MB) after
+    each count of `steps` as JSON."""
+    import torch
+
+    import probe
+
+    torch.set_num_threads(1)
+    make, optimizer, batches, loss, probes = setup("cnn", 1)
+    model = make()
+    opt = optimizer(model)
+    peaks = {}
+    tmp = tempfile.TemporaryDirectory()
+    with tmp, probe.watch(model, probes, out=Path(tmp.name) / "w", optimizer=opt, every=1) as w:
+        for step in range(1, max(steps) + 1):
+            opt.zero_grad()
+            value = loss(model, batches[0])
+            value.backward()
+            w.loss(value)
+            opt.step()
+            if step in steps:
+                peaks[str(step)] = bench_common.peak_rss_mb()
+    print(json.dumps(peaks))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet18,gpt2")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", default="100,1", help="comma-separated every values")
+    parser.add_argument("--peers", default="wandb,tensorboard", help="'' for none")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rss", action="store_true", help="the peak RSS check as well")
+    parser.add_argument("--out", type=Path, help="write the tables there too (markdown)")
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_child:
+        rss_child([int(s) for s in args.rss_child.split(",")])
+        return
+
+    import torch
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    torch.set_num_threads(args.threads)
+    from probe.stats import backend
+
+    everies = [int(e) for e in args.every.split(",")]
+    peers = [p for p in args.peers.split(",") if p]
+    variants = [("unwatched", None, 0), ("unwatched again", None, 0)]  # (the noise floor)
+    for kind in ["probe", *peers]:
+        variants += [(f"{kind} every={e}", kind, e) for e in everies]
+    lines = []
+    for name in args.model.split(","):
+        got = {label: [] for label, _, _ in variants}
+        with tempfile.TemporaryDirectory() as tmp:  # imports, compiled kernels, first allocations
+            lockstep(name, variants, 2, Path(tmp))
+        for r in range(args.rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                seconds = lockstep(name, variants, args.steps, Path(tmp))
+            for label, s in seconds.items():
+                got[label].append(s)
+            print(f"  {name} round {r + 1}/{args.rounds}: "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), flush=True)  # fmt: skip
+        rows = []
+        for label, runs in got.items():
+            r = [a / b for a, b in zip(runs, got["unwatched"], strict=True)]
+            rows.append([label, f"{sorted(runs)[len(runs) // 2]:.1f}",
+                         f"{sorted(r)[len(r) // 2]:.3f}", f"{min(r):.3f}-{max(r):.3f}"])  # fmt: skip
+        head = [
+            f"### {name}: {SHAPES[name]}",
+            "",
+            f"{args.steps} steps in lockstep, {args.threads} torch thread(s), statistics backend "
+            f"{backend.cpu_stats().__module__.split('.')[-1].removesuffix('_backend')}, median of "
+            f"{args.rounds} round(s)",
+        ]
+        table = bench_common.markdown(head, ["variant", "seconds", "ratio", "ratio range"],
+                                      rows, [])  # fmt: skip
+        print(table, flush=True)
+        lines.append(table)
+    if args.rss:
+        steps = [100, 1000]
+        peaks = bench_common.child_json(
+            ["scripts/bench_watch.py", "--rss-child", ",".join(map(str, steps))]
+        )
+        table = bench_common.markdown(
+            ["### peak RSS of a watched training (the small CNN, every=1, 19 sites)"],
+            ["after steps", "peak RSS (MB)"], [[s, f"{peaks[str(s)]:.1f}"] for s in steps], [],
+        )  # fmt: skip
+        print(table, flush=True)
+        lines.append(table)
+    if args.out:
+        args.out.write_text(
+            "# bench_watch\n\n`python scripts/bench_watch.py "
+            + " ".join(sys.argv[1:])
+            + "`\n\n"
+            + "\n\n".join(lines)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -22,3 +22,26 @@ class LeNet(nn.Module):
         x = F.relu(self.fc1(x))
         x = F.relu(self.fc2(x))
         return self.fc3(x)
+
+
+class MLP(nn.Module):
+    """`depth` hidden Linear layers of `width` units, each followed by a ReLU, and a Linear
+    readout, on flattened inputs of `input_shape`: the model of mup's coordinate check (layers
+    `hidden.0`, `hidden.1`, ..., `readout`)."""
+
+    def __init__(self, width: int = 128, depth: int = 3, num_classes: int = 10,
+                 input_shape=(3, 8, 8)):  # fmt: skip
+        super().__init__()
+        features = 1
+        for size in input_shape:
+            features *= int(size)
+        self.hidden = nn.ModuleList(
+            nn.Linear(features if i == 0 else width, width) for i in range(depth)
+        )
+        self.readout = nn.Linear(width if depth else features, num_classes)
+
+    def forward(self, x):
+        x = x.reshape(len(x), -1)
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.readout(x)

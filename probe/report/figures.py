@@ -1,13 +1,15 @@
 """Write a run's or a sweep's figures next to its data (the `plot` extra: matplotlib).
 
     python -m probe.plot RUN_OR_SWEEP [--layer NAME] [--sample 0] [--site output]
+    python -m probe.plot SWEEP coord      # mup's coordinate check of a sweep over model.width
 
-A run gets depth.png (output mean in its p01-p99 band, std, dead-unit fraction, gradient norm),
+A watched training (probe.watch) gets train_lines.png and train_heatmap.png (each statistic over
+steps per layer: probe.report.train_plots). A run gets depth.png (output mean in its p01-p99 band, std, dead-unit fraction, gradient norm),
 histograms.png (output sites), gradients.png (grad_output, grad_input, param_grad.* sites),
 features_<layer>_<site>_<sample>.png (a conv layer's maps) and linear.png (Linear layers, unit
 by sample), and for attribution sites attribution.png (by depth), cams.png (CAM maps over the
 inputs) and tokens_<layer>_<site>.png (token attributions as coloured text) where the run holds
-them; a sweep gets depth.png with one line per run.
+them; a figure with nothing to draw is left out. A sweep gets depth.png with one line per run.
 """
 
 from __future__ import annotations
@@ -73,8 +75,12 @@ def linear_layers(run) -> list[str]:
     ]
 
 
-def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "output") -> dict:
-    """{file name: Figure} of one open run; features only where tensors are stored."""
+def run_figures(
+    run, layer: str | None = None, sample: int = 0, site: str = "output", notes=None
+) -> dict:
+    """{file name: Figure} of one open run; features only where tensors are stored, and a figure
+    with nothing to draw left out (why, one line each, appended to `notes`). A watched training
+    gets its training figures (probe.report.train_plots)."""
     from probe.report.summary_plots import (
         GRADIENT_SITES,
         depth_figure,
@@ -84,9 +90,15 @@ def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "out
         units_figure,
     )
 
+    if run.watched:
+        return train_run_figures(run, notes)
     title = run_title(run.config, run.path.name)
     figures = {"depth.png": depth_figure(run.summary, title)}
     figures["histograms.png"] = histogram_figure(run, title=f"output histograms: {title}")
+    if figures["depth.png"] is None:
+        _note(notes, "no output or grad_output sites: no depth.png")
+    if figures["histograms.png"] is None:
+        _note(notes, "no output sites: no histograms.png")
     if site_keys(run, GRADIENT_SITES):
         figures["gradients.png"] = histogram_figure(
             run, GRADIENT_SITES, title=f"gradient histograms: {title}"
@@ -107,14 +119,39 @@ def run_figures(run, layer: str | None = None, sample: int = 0, site: str = "out
     if linear:
         panels = [(f"{n} output", run.array(n)[:256]) for n in linear]
         figures["linear.png"] = units_figure(panels, f"Linear layers, unit by sample: {title}")
-    return figures
+    return {name: fig for name, fig in figures.items() if fig is not None}
+
+
+def _note(notes: list | None, line: str) -> None:
+    if notes is not None:
+        notes.append(line)
+
+
+def train_title(config, name: str = "") -> str:
+    """'training w | model SmallCNN | optimizer SGD | every 10' of a watched training."""
+    parts = [f"training {name}" if name else "training"]
+    for key in ("model", "optimizer", "every"):
+        if config.get(key) is not None:
+            parts.append(f"{key} {config.get(key)}")
+    return " | ".join(parts)
+
+
+def train_run_figures(run, notes: list | None = None) -> dict:
+    """{file name: Figure} of a watched training (probe.report.train_plots)."""
+    from probe.report.train_plots import train_figures
+
+    made = train_figures(run.train(), run.train_scalars(), train_title(run.config, run.path.name))
+    if not made:
+        _note(notes, "no recorded step yet: no figure of the training")
+    return made
 
 
 def sweep_figures(sweep) -> dict:
     """{file name: Figure} of a sweep: depth.png over every run."""
     from probe.report.summary_plots import depth_figure
 
-    return {"depth.png": depth_figure(sweep.table, sweep_title(sweep))}
+    depth = depth_figure(sweep.table, sweep_title(sweep))
+    return {} if depth is None else {"depth.png": depth}
 
 
 def figures(path: Path, layer: str | None = None, sample: int = 0, site: str = "output"):
@@ -140,6 +177,21 @@ def plot(path: Path, layer: str | None = None, sample: int = 0, site: str = "out
     return written
 
 
+def coord(sweep: Path) -> list[Path]:
+    """mup's coordinate check of a sweep of watched trainings over model.width: coord.csv (width,
+    layer, step, abs_mean) and coord.png in the sweep directory."""
+    import matplotlib.pyplot as plt
+
+    from probe.report.train_plots import coord_figure, coord_table
+
+    table = coord_table(sweep)
+    table.to_csv(sweep / "coord.csv", index=False)
+    fig = coord_figure(table, f"coordinate check: {sweep.name}")
+    fig.savefig(sweep / "coord.png", dpi=110)
+    plt.close(fig)
+    return [sweep / "coord.csv", sweep / "coord.png"]
+
+
 def have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -151,6 +203,9 @@ def have_matplotlib() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a run directory, its probe.h5, or a sweep")
+    parser.add_argument("view", nargs="?", choices=["coord"],
+                        help="coord: mup's coordinate check of a sweep of trainings over "
+                             "model.width (coord.png, coord.csv)")  # fmt: skip
     parser.add_argument("--layer", help="feature maps of this layer (default: the first conv)")
     parser.add_argument("--sample", type=int, default=0, help="row of the sample (default 0)")
     parser.add_argument("--site", default="output", help="dataset of the layer (default output)")
@@ -159,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {PLOT_EXTRA}", file=sys.stderr)
         return 2
     try:
-        for file in plot(args.path, args.layer, args.sample, args.site):
+        files = coord(args.path) if args.view == "coord" else None
+        for file in files or plot(args.path, args.layer, args.sample, args.site):
             print(file)
     except (ProbeError, KeyError, IndexError, FileNotFoundError) as e:
         print(f"probe.plot: error: {e}", file=sys.stderr)

@@ -2,7 +2,10 @@
 
 report.html holds the run's identity, summary table, the figures of probe.report.figures (base64 PNG data
 URIs), linear probes and the CKA heatmap, effects and the resolved config: no other file and no
-network is needed to read it, so it can be mailed or archived alone. A sweep's page holds the
+network is needed to read it, so it can be mailed or archived alone. A watched training's page
+holds its training section (the figures of probe.report.train_plots, scalars per step, the last
+step's table). A figure with nothing to draw, or linear probes on too few rows, are left out with
+one line saying why. A sweep's page holds the
 sweep table, its depth figure, gathered effects and one section per run (each run's own
 report.html is written too and linked).
 """
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from probe.errors import ProbeError
 from probe.read.runs import open_run, open_sweep
@@ -35,7 +39,8 @@ def table(frame: pd.DataFrame | None, caption: str) -> str:
 
 def analyses(path: Path, mode: str, size: int) -> str:
     """Run the linear probes and CKA when asked, or when the data are small (mode auto); return a
-    note saying what was done or how to do it."""
+    note saying what was done or how to do it. Linear probes on too few rows per class (they
+    would mean nothing) are left out, said in one line, unless asked for (mode yes)."""
     if (path / "linear_probes.csv").is_file() or (path / "cka.csv").is_file() or mode == "no":
         return ""
     how = f"python -m probe.analyze {path} all"
@@ -43,11 +48,40 @@ def analyses(path: Path, mode: str, size: int) -> str:
         return f"<p>No linear probes or CKA yet ({size / 2**20:.0f} MB of data): run <code>{html.escape(how)}</code>.</p>"
     from probe.analysis.analyze import analyze
 
+    why = None if mode == "yes" or is_sweep(path) else too_few_rows(path)
+    what = {"cka"} if why else "all"
+    note = f"<p>No linear probes: {html.escape(why)}.</p>" if why else ""
     try:
-        analyze(path, "all")
+        analyze(path, what)
     except ProbeError as e:
-        return f"<p>Analyses not run: {html.escape(str(e))}</p>"
-    return f"<p>Analyses run for this report (<code>{html.escape(how)}</code>).</p>"
+        return f"{note}<p>Analyses not run: {html.escape(str(e))}</p>"
+    done = "CKA" if why else "linear probes and CKA"
+    return f"{note}<p>{done} run for this report (<code>{html.escape(how)}</code>).</p>"
+
+
+MIN_ROWS_PER_CLASS = 4  # fewer: a linear probe's held-out accuracy says nothing
+
+
+def too_few_rows(path: Path) -> str | None:
+    """Why a run's samples are too few for linear probes (fewer than MIN_ROWS_PER_CLASS per
+    class of its targets), or None."""
+    from probe.analysis.linear_probe import class_labels
+
+    with open_run(path) as run:
+        if "samples/target" not in run.file:
+            return None
+        labels = class_labels(run.file["samples/target"][: run.num_samples])
+        rows = run.num_samples
+    if labels is None:
+        return None
+    classes = len(labels[1])
+    if rows >= MIN_ROWS_PER_CLASS * classes:
+        return None
+    return (
+        f"{rows} samples of {classes} classes are too few to fit them (at least "
+        f"{MIN_ROWS_PER_CLASS} per class: {MIN_ROWS_PER_CLASS * classes}); python -m "
+        f"probe.report --analyze yes or python -m probe.analyze {path} linear fits them anyway"
+    )
 
 
 def analysis_section(path: Path) -> str:
@@ -104,17 +138,21 @@ def feature_cards(run, sites: int = 3, cards: int = 4) -> str:
 
 def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> str:
     """The HTML sections of one run."""
-    from omegaconf import OmegaConf
-
     from probe.report.figures import run_figures
 
+    with open_run(path) as run:
+        watched = run.watched
+    if watched:
+        return training_body(path)
     size = (path / "probe.h5").stat().st_size if (path / "probe.h5").is_file() else 0
     note = analyses(path, analyze, size)
     with open_run(path) as run:
         parts = [table(identity(run), "Run"), table(run.summary, "Summary (summary.csv)")]
         parts.append("<h3>Figures</h3>")
-        for name, fig in run_figures(run, layer, sample).items():
+        left_out: list[str] = []
+        for name, fig in run_figures(run, layer, sample, notes=left_out).items():
             parts.append(img(figure_png(fig), name))
+        parts += [f"<p>{html.escape(line)}.</p>" for line in left_out]
         parts += [note, analysis_section(path), table(run.effects, "Effects (effects.csv)")]
         parts.append(table(run.attribution, "Attribution (attribution.csv)"))
         parts.append(table(run.lens, "Logit lens (lens.csv)"))
@@ -122,6 +160,37 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
         parts.append(feature_cards(run))
         config = OmegaConf.to_yaml(run.config, resolve=False)
     parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
+    return "".join(parts)
+
+
+def training_body(path: Path) -> str:
+    """The HTML sections of a watched training (probe.watch): its state, the training section
+    (its figures, the scalars per recorded step, the last step's table) and its settings; the
+    probe batch's sweep over steps, when there is one, gets its own report."""
+    import yaml
+
+    from probe.read.train_steps import last_step
+    from probe.report.figures import train_run_figures
+
+    with open_run(path) as run:
+        steps = run.train_scalars()
+        state = pd.DataFrame([{"directory": str(run.path), "state": run.state,
+                               "recorded steps": len(steps),
+                               "last step": int(steps["step"].max()) if len(steps) else None}])  # fmt: skip
+        parts = [table(state, "Watched training"), "<h2>Training</h2>"]
+        left_out: list[str] = []
+        for name, fig in train_run_figures(run, left_out).items():
+            parts.append(img(figure_png(fig), name))
+        parts += [f"<p>{html.escape(line)}.</p>" for line in left_out]
+        parts.append(table(steps.dropna(axis=1, how="all"), "Per recorded step (scalars)"))
+        parts.append(table(last_step(run.train()), "The last recorded step (train.csv)"))
+        config = yaml.safe_dump(OmegaConf.to_container(run.config), sort_keys=False)
+    batch = path / "probe_batch"
+    if batch.is_dir() and is_sweep(batch):
+        write(batch, "no")
+        parts.append('<p>The probe batch over steps: <a href="probe_batch/report.html">'
+                     "probe_batch/report.html</a></p>")  # fmt: skip
+    parts.append(f"<h3>Watch settings (watch.yaml)</h3><pre>{html.escape(config)}</pre>")
     return "".join(parts)
 
 
@@ -157,7 +226,7 @@ def sweep_body(path: Path, analyze: str = "auto") -> str:
 
 def write(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> Path:
     """Write report.html into a run or sweep directory (or beside a run's probe.h5)."""
-    from probe.report.figures import run_title, sweep_title
+    from probe.report.figures import run_title, sweep_title, train_title
 
     path = Path(path)
     path = path.parent if path.is_file() else path
@@ -166,7 +235,7 @@ def write(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> Pat
     else:
         body = run_body(path, analyze, layer, sample)
         with open_run(path) as run:
-            title = run_title(run.config, path.name)
+            title = (train_title if run.watched else run_title)(run.config, path.name)
     out = path / "report.html"
     out.write_text(page(title, body), encoding="utf-8")
     return out
@@ -181,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "--analyze",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="run probe.analyze first where its tables are absent: auto (small data only), yes, no",
+        help="run probe.analyze first where its tables are absent: auto (small data only; no "
+        "linear probes on fewer than 4 samples a class), yes, no",
     )
     parser.add_argument("--layer", help="feature maps of this layer (default: the first conv)")
     parser.add_argument("--sample", type=int, default=0, help="row of the sample (default 0)")

@@ -55,17 +55,20 @@ def run_label(part: pd.DataFrame, run, columns: list[str] | None = None) -> str:
     return " ".join([f"{run}:", *(f"{c}={values[c]}" for c in columns)])
 
 
-def depth_figure(table: pd.DataFrame, title: str = "") -> plt.Figure:
+def depth_figure(table: pd.DataFrame, title: str = "") -> plt.Figure | None:
     """Each layer's output mean inside its p01-p99 band, its std and dead-unit fraction, and the
     mean per-sample gradient norm against layer order. A sweep table (with a `run` column) gets
     one line per run, labelled by the overrides that differ, over relative depth (0 first layer,
-    1 last) when its runs hold different layers."""
-    panels = [*DEPTH_PANELS, GRAD_PANEL]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), squeeze=False)
+    1 last) when its runs hold different layers. Only panels with values are drawn; None when
+    the table has neither output nor grad_output sites."""
     groups = list(table.groupby("run", sort=False)) if "run" in table else [(None, table)]
+    panels = [(column, site) for column, site in (*DEPTH_PANELS, GRAD_PANEL)
+              if any(not depth_rows(part, site).empty for _, part in groups)]  # fmt: skip
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), squeeze=False)
     differ = differing_overrides(table)
-    where = "in this run" if len(groups) == 1 else "in these runs"
-    for i, (ax, (column, site)) in enumerate(zip(axes[:, 0], panels, strict=True)):
+    for ax, (column, site) in zip(axes[:, 0], panels, strict=True):
         names = {
             "l2_mean": "grad norm (l2_mean of grad_output)",
             "mean": "mean, p01-p99 band (output)",
@@ -73,16 +76,13 @@ def depth_figure(table: pd.DataFrame, title: str = "") -> plt.Figure:
         }
         ax.set_ylabel(names.get(column, f"{column} ({site})"), fontsize=8)
         lines = [(run, rows) for run, part in groups if not (rows := depth_rows(part, site)).empty]
-        if not lines:
-            ax.text(0.5, 0.5, f"no {site} sites {where}", ha="center", transform=ax.transAxes)
-            continue
         layers = [list(rows["layer"]) for _, rows in lines]
         shared = all(names == layers[0] for names in layers)
         for run, rows in lines:
             x = np.arange(len(rows)) if shared else np.linspace(0, 1, len(rows))
             label = None if run is None else run_label(rows, run, differ)
             (line,) = ax.plot(x, rows[column].to_numpy(dtype=float), marker="o", label=label)
-            if i == 0:
+            if column == "mean":
                 lo, hi = rows["p01"].to_numpy(dtype=float), rows["p99"].to_numpy(dtype=float)
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         if shared:
@@ -112,17 +112,17 @@ def site_keys(run, sites=OUTPUT_SITES) -> list[tuple[str, str]]:
 
 def histogram_figure(
     run, sites=OUTPUT_SITES, bins: int = 60, max_panels: int = 48, title: str = ""
-) -> plt.Figure:
+) -> plt.Figure | None:
     """One histogram per (layer, site) matching `sites` (fnmatch patterns), from the run's
-    quantile sketch (log y axis)."""
+    quantile sketch (log y axis); None when no site matches."""
     keys = site_keys(run, sites)[:max_panels]
+    if not keys:
+        return None
     cols = min(4, max(1, len(keys)))
     rows = max(1, math.ceil(len(keys) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows + 0.4), squeeze=False)
     for ax in axes.flat[len(keys) :]:
         ax.axis("off")
-    if not keys:
-        axes[0, 0].text(0.5, 0.5, f"no {', '.join(sites)} sites in this run", ha="center")
     for ax, (layer, site) in zip(axes.flat, keys, strict=False):
         stats = run.stats(layer, site)
         mids, counts = stats.hist.ordered()

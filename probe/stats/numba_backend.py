@@ -145,7 +145,7 @@ class Pending:
             u = s.units = UnitStats.empty(width)
         elif width != len(u.count):
             raise ValueError(f"unit counts differ: {u.count.shape} vs ({width},)")
-        fold_packed(packed, s.hist.counts, u.count, u.sum, u.min, u.max, u.positive)
+        fold_packed(packed, s.whole_histogram().counts, u.count, u.sum, u.min, u.max, u.positive)
 
     @property
     def nan_count(self) -> int:

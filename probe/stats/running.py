@@ -9,6 +9,7 @@ fixed buckets that merge exactly by adding counts. This module needs numpy alone
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,7 +70,13 @@ class LogHistogram:
         return bucket_midpoints(index), counts
 
     def quantiles(self, qs, lo: float, hi: float) -> list[float]:
-        """Value of rank floor(q*(n-1)) for each q, within QUANTILE_REL_ERROR of the true one."""
+        """Value of rank floor(q*(n-1)) for each q, within QUANTILE_REL_ERROR of the true one.
+        `lo` and `hi`, the values' min and max, bound the buckets read: only those between
+        their buckets (the whole histogram where they do not hold every count)."""
+        counts = self.counts
+        spans = [(start, counts[start : start + length]) for start, length in ranges(lo, hi)]
+        if spans and sum(int(c.sum()) for _, c in spans) == int(counts.sum()):
+            return ranked(spans, qs, lo, hi)
         mids, counts = self.ordered()
         n = int(counts.sum())
         if n == 0:
@@ -100,10 +107,91 @@ class BucketSpans:
         self.spans = counts  # int64 counts of the ranges, one after another
 
     def add_to(self, counts: np.ndarray) -> None:
-        offset = 0
+        for start, piece in self.pieces():
+            counts[start : start + len(piece)] += piece
+
+    def pieces(self) -> list[tuple[int, np.ndarray]]:
+        """(first bucket, counts) of each range."""
+        out, offset = [], 0
         for start, length in self.heads.tolist():
-            counts[start : start + length] += self.spans[offset : offset + length]
+            out.append((start, self.spans[offset : offset + length]))
             offset += length
+        return out
+
+    def quantiles(self, qs, lo: float, hi: float) -> list[float]:
+        """As `LogHistogram.quantiles`, read from the ranges alone (no 65536 buckets to fill)."""
+        return ranked(self.pieces(), qs, lo, hi)
+
+    def whole(self) -> LogHistogram:
+        """The same counts as a LogHistogram (to merge others into)."""
+        h = LogHistogram()
+        self.add_to(h.counts)
+        return h
+
+
+NEGATIVE = 1 << 15  # the first bucket of negative values (-0.0)
+
+
+def _magnitude_bucket(v: float) -> int:
+    """The bucket of |v| as a float32 (beyond float32's range: the Inf bucket)."""
+    with np.errstate(over="ignore"):
+        return int(np.array(abs(v), dtype=np.float32).view(np.int32)) >> 16
+
+
+def ranges(lo: float, hi: float) -> list[tuple[int, int]]:
+    """(first bucket, length) of the buckets values in [lo, hi] fall in, one range per sign
+    (both zero buckets where 0 is in [lo, hi]: a min or max of 0.0 may carry either sign); none
+    where lo > hi or either is not finite (no value)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+        return []
+    out = []
+    if hi >= 0.0:
+        first = _magnitude_bucket(max(lo, 0.0))
+        out.append((first, _magnitude_bucket(hi) + 1 - first))
+    if lo <= 0.0:
+        first = _magnitude_bucket(min(hi, 0.0))
+        out.append((NEGATIVE | first, _magnitude_bucket(lo) + 1 - first))
+    return out
+
+
+def ranked(pieces: list[tuple[int, np.ndarray]], qs, lo: float, hi: float) -> list[float]:
+    """The quantiles of `LogHistogram.quantiles` from counts given only over bucket ranges, at
+    most one per sign ((first bucket, counts) each) and every count in them: the negative range
+    read from its largest magnitude down, then the positive one up, as `occupied` orders."""
+    negative = [(start, c) for start, c in pieces if start >= NEGATIVE]
+    positive = [(start, c) for start, c in pieces if start < NEGATIVE]
+    if len(negative) > 1 or len(positive) > 1:
+        raise ValueError("ranked takes at most one range of buckets per sign")
+    down = np.cumsum(negative[0][1][::-1]) if negative else None
+    up = np.cumsum(positive[0][1]) if positive else None
+    below = int(down[-1]) if down is not None and len(down) else 0
+    n = below + (int(up[-1]) if up is not None and len(up) else 0)
+    if n == 0:
+        return [math.nan for _ in qs]
+    ranks = [math.floor(q * (n - 1)) for q in qs]
+    # the first bucket whose cumulated count passes each rank, in the range that holds it
+    neg = down.searchsorted([r for r in ranks if r < below], "right").tolist() if below else []
+    pos = [r - below for r in ranks if r >= below]
+    pos = up.searchsorted(pos, "right").tolist()[::-1] if pos else []
+    out = []
+    for rank in ranks:
+        if rank < below:
+            index = negative[0][0] + len(down) - 1 - neg.pop(0)
+        else:
+            index = positive[0][0] + pos.pop()
+        v = _midpoint(index)
+        out.append(v if lo < v < hi else float(np.clip(v, lo, hi)))
+    return out
+
+
+def _midpoint(index: int) -> float:
+    """`bucket_midpoints` of one bucket."""
+    magnitude = index - NEGATIVE if index >= NEGATIVE else index
+    if magnitude == 0:
+        return -0.0 if index >= NEGATIVE else 0.0
+    low, high = struct.unpack("<2f", struct.pack("<2I", magnitude << 16, (magnitude + 1) << 16))
+    mid = (low + high) / 2
+    return -mid if index >= NEGATIVE else mid
 
 
 def bucket_midpoints(index: np.ndarray) -> np.ndarray:
@@ -198,12 +286,19 @@ class RunningStats:
             b.l2_sum,
         )  # fmt: skip
         if b.hist is not None:
-            self.hist.merge(b.hist)
+            self.whole_histogram().merge(b.hist)
         if b.units is not None:
             if self.units is None:
                 self.units = b.units
             else:
                 self.units.merge(b.units)
+
+    def whole_histogram(self) -> LogHistogram:
+        """The histogram as all 65536 buckets, to merge into: one kept as a batch's own ranges
+        (`BucketSpans`), or none yet, becomes a LogHistogram first."""
+        if not isinstance(self.hist, LogHistogram):
+            self.hist = LogHistogram() if self.hist is None else self.hist.whole()
+        return self.hist
 
     def add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
         total = self.n + n
@@ -223,7 +318,8 @@ class RunningStats:
     def as_row(self) -> dict:
         n = self.n
         total = n + self.nan_count + self.inf_count
-        quantiles = self.hist.quantiles(list(QUANTILES.values()), self.min, self.max)
+        qs = list(QUANTILES.values())
+        quantiles = self.hist.quantiles(qs, self.min, self.max) if self.hist else [math.nan] * 3
         row = {
             "rows": self.rows,
             "n": n,

@@ -93,6 +93,7 @@ class StepFile:
         self.last_step = -1
         self.pending: list[tuple[int, dict[tuple[str, str], np.ndarray], np.ndarray]] = []
         self.pending_sites: dict[tuple[str, str], SiteInfo] = {}
+        self.handles: dict[tuple[str, str], h5py.Dataset] = {}  # the sites' datasets, once opened
         resuming = resume_at is not None and self.path.is_file()
         self.out = LiveFile(self.path, resume=resuming)
         try:
@@ -222,7 +223,9 @@ class StepFile:
             for i, (_, values, _) in enumerate(self.pending):
                 if key in values:
                     block[i] = values[key]
-            ds = f[site_path(*key)]
+            ds = self.handles.get(key)
+            if ds is None:  # (a lookup by path costs more than the write of a few rows)
+                ds = self.handles[key] = f[site_path(*key)]
             ds.resize(hi, axis=0)
             ds[lo:hi] = block
         self.written, self.last_step = hi, self.pending[-1][0]
@@ -251,7 +254,8 @@ class StepFile:
     def _create_sites(self) -> None:
         """Datasets for sites first seen since the last flush (the file leaves SWMR mode to make
         them); their rows before now read NaN."""
-        self.out.creating()
+        self.out.creating()  # (the file may be reopened: handles taken before are closed)
+        self.handles.clear()
         f = self.file
         for key, info in self.pending_sites.items():
             ds = f.create_dataset(

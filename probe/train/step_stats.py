@@ -4,7 +4,8 @@ Each value is reduced as a hook sees it (before a later in-place op can change i
 this process's statistics backend (`probe.stats.backend`), a GPU value by the torch backend on its
 own device, brought to the host once, at the step's end (`settle`). Micro-batches merge with the
 exact merges of `RunningStats` (Chan et al. for the moments, added counts and histograms), so a
-step's statistics do not depend on how its batch was split.
+step's statistics do not depend on how its batch was split. A site's first value keeps its own
+histogram (the few bucket ranges its values fill); a second one merges into all 65536 buckets.
 """
 
 from __future__ import annotations
@@ -40,11 +41,17 @@ class StepStats:
         self._fold(key, batch, bounds, unit_axis)
         return batch
 
-    def _fold(self, key: Key, batch, bounds, unit_axis: int) -> None:
+    def _fold(self, key: Key, batch: RunningStats, bounds, unit_axis: int) -> None:
         acc = self.stats.get(key)
-        if acc is None:
-            acc = self.stats[key] = RunningStats(bounds=bounds, unit_axis=unit_axis)
-        acc.merge(batch)
+        if acc is None:  # the step's first value: its own statistics, histogram and units kept
+            acc = self.stats[key] = RunningStats(bounds=bounds, unit_axis=unit_axis, hist=None)
+            acc.add(
+                batch.rows, batch.n, batch.mean, batch.m2, batch.min, batch.max, batch.abs_sum,
+                batch.zeros, batch.nan_count, batch.inf_count, batch.l2_sum,
+            )  # fmt: skip
+            acc.hist, acc.units = batch.hist, batch.units
+            return
+        acc.merge(batch)  # (a second micro-batch: into all 65536 buckets)
 
     def settle(self, seen: Callable[[Key, RunningStats], None] | None = None) -> dict:
         """The step's statistics by key, GPU values' brought to the host (each passed to

@@ -1,0 +1,60 @@
+"""A short declarative training, watched: what `python -m probe.train` runs.
+
+The model, dataset and objective are a run's (the objective, averaged over the batch, is the
+loss); `train.*` says how to train (optimizer sgd, adam or adamw, lr, steps, momentum,
+weight_decay, fix_batch, seed) and `watch.*` how to watch (every, flush_every), with the run's
+probes. It serves short trainings and sweeps over them (mup's coordinate check is one multirun
+over `model.width`), not full recipes.
+
+probe.plan.parse_training reads the composed config once into the TrainingPlan that
+`train(plan, out)` runs. docs/training.md is the guide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from probe.plan import TrainingPlan, TrainSpec
+
+
+def make_optimizer(spec: TrainSpec, params):
+    """The torch optimizer `spec` names, over `params`."""
+    import torch
+
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+        )
+    kind = torch.optim.Adam if spec.optimizer == "adam" else torch.optim.AdamW
+    return kind(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def train(plan: TrainingPlan, out: Path) -> list[float]:
+    """Train `plan` watched into the run directory `out`; the per-step losses."""
+    import torch
+
+    from probe.data.batches import build_batches
+    from probe.hooks.objective import build_objective, per_sample
+    from probe.models.build import build_model, model_input
+    from probe.train.watch import watch
+
+    t = plan.train
+    model = build_model(plan.model, t.seed).train()
+    batches = build_batches(plan.data, plan.model, t.seed, model)
+    objective = build_objective(plan.objective, batches.has_targets)
+    optimizer = make_optimizer(t, model.parameters())
+    data = list(batches)[:1] if t.fix_batch else list(batches)
+    torch.manual_seed(t.seed)
+    losses = []
+    with watch(model, plan.probes, out=out, optimizer=optimizer, every=plan.watch.every,
+               flush_every=plan.watch.flush_every, overwrite=plan.overwrite) as w:  # fmt: skip
+        for step in range(t.steps):
+            batch = data[step % len(data)]
+            optimizer.zero_grad()
+            output = model(model_input(model, batch.inputs, plan.device))
+            loss = per_sample(objective, output, batch.targets, batch.inputs).mean()
+            loss.backward()
+            w.loss(loss)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    return losses

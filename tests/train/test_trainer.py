@@ -1,0 +1,106 @@
+"""`python -m probe.train` against mup's coordinate check: `mup.coord_check.get_coord_data`
+(mup=False, SGD, 3 steps, the CPU) on MLPs of several widths gives per (width, module, t) the
+`l1` that the watched training of the same models and batch stores as abs_mean at step t-1, in
+process and through the CLI's multirun and `python -m probe.plot SWEEP coord`. Bad input is named,
+exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from probe.config import config_dir
+from probe.plan import parse_training
+from probe.train.trainer import train
+from tests.helpers import ROOT
+
+coord_check = pytest.importorskip("mup.coord_check")
+
+WIDTHS = (32, 64, 128)
+LR = 0.1
+ARGS = ["train.steps=3", "train.fix_batch=true", f"train.lr={LR}", "watch.every=1",
+        "probes=all_linear", "dataset.num_samples=16", "dataset.batch_size=8"]  # fmt: skip
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def mup_table():
+    """mup's (width, module, t, l1) of the Linear layers, on the models and first batch
+    probe.train builds."""
+    from probe.data.batches import build_batches
+    from probe.models.build import build_model
+
+    models, batch = {}, None
+    for width in WIDTHS:
+        plan = parse_training(compose_train(*ARGS, f"model.width={width}"))
+        models[width] = lambda plan=plan: build_model(plan.model, plan.train.seed)
+        if batch is None:
+            first = next(iter(build_batches(plan.data, plan.model, plan.train.seed)))
+            batch = (first.inputs, first.targets)
+    table = coord_check.get_coord_data(models, [batch], optimizer="sgd", lr=LR, mup=False,
+                                       nsteps=3, cuda=False, show_progress=False)  # fmt: skip
+    names = {"hidden.0", "hidden.1", "hidden.2", "readout"}
+    table = table[table.module.isin(names)]
+    return table.set_index(["width", "module", "t"])["l1"].sort_index()
+
+
+def as_mup(table: pd.DataFrame) -> pd.Series:
+    """probe's (width, layer, step, abs_mean) indexed as mup's (width, module, t)."""
+    table = table.assign(t=table["step"] + 1).rename(columns={"layer": "module"})
+    return table.set_index(["width", "module", "t"])["abs_mean"].sort_index()
+
+
+def test_watched_training_stores_mups_l1(mup_table, tmp_path):
+    from probe.report.train_plots import first_sites
+
+    rows = []
+    for width in WIDTHS:
+        plan = parse_training(compose_train(*ARGS, f"model.width={width}"))
+        train(plan, tmp_path / str(width))
+        out = first_sites(pd.read_csv(tmp_path / str(width) / "train.csv"), "output")
+        rows.append(out.assign(width=width))
+    got = as_mup(pd.concat(rows))
+    assert list(got.index) == list(mup_table.index) and len(got) == 3 * 4 * 3
+    np.testing.assert_allclose(got.to_numpy(), mup_table.to_numpy(), rtol=1e-5)
+
+
+def run_cli(module: str, *args: str, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=600)  # fmt: skip
+
+
+def test_cli_multirun_and_coord_plot_reproduce_mups_table(mup_table, tmp_path):
+    widths = ",".join(map(str, WIDTHS))
+    done = run_cli("probe.train", "-m", f"model.width={widths}", *ARGS,
+                   f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    done = run_cli("probe.plot", str(tmp_path), "coord")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "coord.png").is_file()
+    got = as_mup(pd.read_csv(tmp_path / "coord.csv"))
+    assert list(got.index) == list(mup_table.index)
+    np.testing.assert_allclose(got.to_numpy(), mup_table.to_numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("train.lr=-0.1", "train.lr=-0.1"), ("train.optimizer=rmsprop", "'rmsprop' is unknown"),
+     ("watch.every=0", "watch.every=0")],
+)  # fmt: skip
+def test_bad_input_is_named_with_exit_2(override, named, tmp_path):
+    done = run_cli("probe.train", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "probe.h5").exists()
