@@ -32,7 +32,7 @@ def faithfulness(values, full: float, empty: float) -> np.ndarray:
     span = full - empty
     if span == 0:
         return np.full(values.shape, np.nan)
-    return (values - empty) / span
+    return (values - empty) / span + 0.0  # (no -0.0)
 
 
 def curve_points(sizes, faithful) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +103,7 @@ class Plan:
                 tuple(float(v) for v in values[r]),
                 float(values[0]),
                 float(values[1]),
-            )  # fmt: skip
+            )
             for m, r in self.rows.items()
         }
 

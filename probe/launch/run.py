@@ -37,6 +37,13 @@ from probe.intervene.passes import Interventions
 from probe.intervene.splice import SpliceReport
 from probe.launch import distributed, size_plan
 from probe.launch.batch import BatchStep, run_batch
+from probe.launch.circuit_phase import (
+    CircuitPhase,
+    finish_circuits,
+    prepare_circuits,
+    reuse,
+    run_circuits,
+)
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.models import placement
 from probe.models.build import build_model
@@ -95,6 +102,7 @@ class Prepared:
     )
     integrated: Integrated | None = None  # made by the run (its baselines may need a pass)
     readout: object = None  # the lens or direct logit attribution (probe.attribute.readout)
+    circuit: CircuitPhase | None = None  # edge scores and circuits after the loop
 
 
 def build_run(cfg: DictConfig) -> Prepared:
@@ -161,6 +169,7 @@ def prepare(cfg: DictConfig, model: torch.nn.Module, every) -> Prepared:
         )
     prepared = Prepared(model, batches, selections, objective, device, edits, shard, stats_backend)
     prepared.readout = readout
+    prepared.circuit = prepare_circuits(cfg, model, every.dataset)
     return prepared
 
 
@@ -202,7 +211,11 @@ def _run(cfg: DictConfig, run_dir: Path, prepared: Prepared | None) -> RunResult
         writer.close(complete=complete)
     if stop.requested is not None:
         raise Interrupted(stop.requested, writer.num_samples, h5_path)
-    return _finish(cfg, run_dir, h5_path, shard, writer, interventions)
+    circuit = None
+    if p.circuit is not None:
+        circuit = cfg.resume and reuse(run_dir, h5_path, p.circuit)
+        circuit = circuit or run_circuits(p.circuit, p, shard, run_dir, bool(cfg.resume))
+    return _finish(cfg, run_dir, h5_path, shard, writer, interventions, circuit)
 
 
 def _open_writer(
@@ -319,9 +332,9 @@ def _loop(cfg, p: Prepared, shard, writer: ProbeWriter, interventions, stop: Sto
     return complete
 
 
-def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
+def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions, circuit=None):
     """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file),
-    the edits' effects, the log's summary."""
+    the edits' effects, the circuit's files, the log's summary; the RunResult."""
     counted = cfg.stats.during != "none"
     if counted:
         nonfinite.report(writer.datasets.values())
@@ -346,6 +359,8 @@ def _finish(cfg, run_dir: Path, h5_path: Path, shard, writer, interventions) -> 
         )
     if interventions is not None:
         interventions.report(h5_path, run_dir)
+    if circuit is not None:
+        finish_circuits(circuit, run_dir, h5_path, shard.world)
     if cfg.print_summary and counted:
         print_summary(summary)
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
