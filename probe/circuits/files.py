@@ -225,10 +225,16 @@ def write_h5(result: CircuitResult, h5_path: Path) -> None:
 
 
 def _write_means(g: h5py.Group, means: SenderStates) -> None:
-    g.create_dataset("input", data=means.input[0].detach().cpu().numpy())
+    """Each node's mean: (D,) or per position (T, D), without the broadcast row."""
+
+    def plain(t):
+        t = t[0, 0] if t.shape[1] == 1 else t[0]
+        return t.detach().cpu().numpy()
+
+    g.create_dataset("input", data=plain(means.input))
     for i, (h, m) in enumerate(zip(means.heads, means.mlp, strict=True)):
-        g.create_dataset(f"heads{i}", data=h[0].detach().cpu().numpy())
-        g.create_dataset(f"mlp{i}", data=m[0].detach().cpu().numpy())
+        g.create_dataset(f"heads{i}", data=plain(h))
+        g.create_dataset(f"mlp{i}", data=plain(m))
 
 
 def read(h5_path: Path) -> CircuitResult:

@@ -135,7 +135,7 @@ def sweep_figure(scores: pd.DataFrame, ranks: pd.DataFrame, top: int = 10, shown
     inside = ranks <= top
     first = inside.to_numpy().argmax(1).astype(float)
     first[~inside.to_numpy().any(1)] = np.inf
-    order = np.lexsort((ranks.min(1).to_numpy(), first))
+    order = np.lexsort((ranks.min(axis=1).to_numpy(), first))
     order = [i for i in order if np.isfinite(first[i])][:shown]
     values = scores.to_numpy(dtype=float)
     scale = np.nanmax(np.abs(values), axis=0)
