@@ -36,8 +36,8 @@ def receiver_node(graph: Graph, receiver: int) -> str:
 def circuit_figure(
     graph: Graph, scores: np.ndarray, rank: np.ndarray, title: str, edges=40, labels=8
 ):
-    """The `edges` best-ranked edges (rank 1 first) between nodes laid out by layer: colour by
-    the score's sign, width by its size, the `labels` best named."""
+    """The `edges` best-ranked edges (rank 1 first; those scoring 0 left out) between nodes laid
+    out by layer: colour by the score's sign, width by its size, the `labels` best named."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,9 +45,10 @@ def circuit_figure(
 
     where = node_positions(graph)
     chosen = np.argsort(rank, kind="stable")[: min(edges, graph.n_edges)]
+    chosen = chosen[scores[chosen] != 0]  # (an edge of no effect is not drawn)
     width = max(6.0, 1.1 * (2 * graph.layers + 2))
     fig, ax = plt.subplots(figsize=(width, max(3.5, 1.5 + 0.45 * graph.heads)))
-    biggest = float(np.abs(scores[chosen]).max()) or 1.0
+    biggest = float(np.abs(scores[chosen]).max()) if len(chosen) else 1.0
     used = set()
     for n, e in enumerate(chosen[::-1]):  # the best drawn last, on top
         sender = graph.senders[graph.edge_sender[e]]

@@ -124,6 +124,8 @@ def test_a_run_stopped_in_its_circuit_phase_resumes_to_the_same_files(tmp_path, 
         SIGNAL_AT[0] = None
     with np.load(tmp_path / "part" / "circuit_progress.npz") as z:
         assert int(z["scored"]) == 1 and int(z["eap.count"]) == 2
+    with pytest.raises(ConfigError, match="holds the circuit sums of other choices"):
+        run(make_cfg(*args, "resume=true", "circuit.steps=3"), run_dir=tmp_path / "part")
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
     assert not (tmp_path / "part" / "circuit_progress.npz").exists()
     with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(tmp_path / "whole" / "probe.h5") as b:  # fmt: skip
@@ -133,6 +135,15 @@ def test_a_run_stopped_in_its_circuit_phase_resumes_to_the_same_files(tmp_path, 
         pd.testing.assert_frame_equal(
             *(pd.read_csv(tmp_path / d / name) for d in ("part", "whole"))
         )
+    # resuming the finished run makes no forward: the files are rewritten from /circuit
+    (tmp_path / "part" / "circuit.csv").unlink()
+    SIGNAL_AT[0] = 0  # (any forward of this run would signal)
+    try:
+        run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
+    finally:
+        SIGNAL_AT[0] = None
+    again = [pd.read_csv(tmp_path / d / "circuit.csv") for d in ("part", "whole")]
+    pd.testing.assert_frame_equal(*again)
 
 
 def test_mean_ablation_over_the_pairs_and_from_an_earlier_run(tmp_path, llama):
@@ -244,6 +255,8 @@ def test_analyze_prints_the_best_edges_and_sites_the_graphs_counts(cli_runs, lla
     # signed: the edges whose ablation lowers the logit difference most come first
     eap = table[table.method == "eap"]
     assert list(eap.score) == sorted(eap.score)
+    assert analyze([str(root / "two" / "probe.rank0.h5"), "circuit"]) == 2  # a rank's file
+    assert "holds no circuit" in capsys.readouterr().err
     assert sites(args_of(llama), notes=circuit_counts) == 0
     counts = Graph(2, 4, 2).counts()
     assert (
