@@ -1,6 +1,7 @@
-"""`python -m probe.analyze RUN [linear|cka|all|topk]`: linear probes and CKA over a run or a
-sweep (probe.analysis.analyze); `topk` draws feature cards, with their own options
-(probe.report.cards)."""
+"""`python -m probe.analyze RUN [linear|cka|all|topk|circuit]`: linear probes and CKA over a run or
+a sweep (probe.analysis.analyze); `topk` draws feature cards, with their own options
+(probe.report.cards); `circuit` a run's best edges or a sweep's edge x run table
+(probe.report.circuits)."""
 
 import sys
 
@@ -11,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
         from probe.report.cards import main as cards
 
         return cards(argv)
+    if "circuit" in argv[1:2]:
+        from probe.report.circuits import main as circuits
+
+        return circuits(argv)
     from probe.analysis.analyze import main as analyses
 
     return analyses(argv)

@@ -17,6 +17,9 @@ from probe.choices import NUMBA_MISSING
 from probe.config import (
     ATTENTION_SITES,
     BACKWARD_SITES,
+    CIRCUIT_ABLATIONS,
+    CIRCUIT_METHODS,
+    CIRCUIT_SELECTS,
     DATA_FILES,
     DATASETS,
     DIRECTIONS,
@@ -82,6 +85,29 @@ def check_training(train, watch, probes) -> None:
     at_least("watch.flush_every", watch.flush_every)
     if not probes:
         raise ConfigError("the training watches no probe; choose probes=all_linear or add one")
+
+
+def check_circuit(c, options) -> None:
+    """circuit.* as far as the config decides (probe.launch.circuit_phase checks the rest on the
+    model and the pairs: the graph, the answers, exact's edges, the sizes, mean_source's file)."""
+    if not c.method:
+        return
+    for m in c.method:
+        choice("circuit.method", m, CIRCUIT_METHODS)
+    choice("circuit.ablation", c.ablation, CIRCUIT_ABLATIONS)
+    choice("circuit.select", c.select, CIRCUIT_SELECTS)
+    choice("circuit.metric", c.metric, METRICS)
+    at_least("circuit.steps", c.steps)
+    if c.mean_source and c.ablation != "mean":
+        raise ConfigError(
+            f"circuit.mean_source={c.mean_source!r} gives means for circuit.ablation=mean; "
+            f"the run asks circuit.ablation={c.ablation}: drop one of them"
+        )
+    if options.train_mode:
+        raise ConfigError(
+            "circuit.method needs train_mode=false: dropout would make the clean and the patched "
+            "forwards differ"
+        )
 
 
 def check_seed(key: str, seed) -> None:

@@ -248,6 +248,32 @@ class LensConfig:
     positions: str = "all"  # all real tokens, or last: each sample's answer position alone
 
 
+CIRCUIT_METHODS = ("eap", "eap_ig_inputs", "eap_ig_activations", "exact")  # in the order they run
+CIRCUIT_ABLATIONS = ("counterfactual", "mean", "zero")
+CIRCUIT_SELECTS = ("topn", "greedy")
+
+
+@dataclass
+class CircuitConfig:
+    """Edge scores and circuits over dataset=pairs (probe.circuits, docs/circuits.md): `method`
+    a list of eap, eap_ig_inputs, eap_ig_activations, exact (empty: no circuit); the ablation
+    (counterfactual, mean over the run's pairs or `mean_source` an earlier run's directory,
+    zero); circuits of `sizes` percent of the edges cut by `select` (topn, greedy) on absolute or
+    signed scores and evaluated for faithfulness (sizes empty: none); `metric` at `position` as
+    the patching metrics are named."""
+
+    method: list[str] = field(default_factory=list)
+    steps: int = 5  # eap_ig_*: integration steps
+    ablation: str = "counterfactual"
+    mean_source: str | None = None
+    sizes: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50])
+    select: str = "topn"
+    absolute: bool = True
+    max_exact: int | None = 10000  # exact patches one forward per edge: refuse more edges
+    metric: str = "logit_diff"
+    position: int | None = None  # None: each pair's last real token
+
+
 @dataclass
 class StoreConfig:
     """How captures are kept: `full` writes tensors, `stats` only streaming statistics."""
@@ -296,6 +322,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
     lens: LensConfig = field(default_factory=LensConfig)
+    circuit: CircuitConfig = field(default_factory=CircuitConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0

@@ -29,7 +29,7 @@ from probe.errors import ConfigError
 
 SELECTOR_KEYS = ("layers", "types", "exclude", "match")
 GROUPS = ("model", "dataset", "probes", "intervene", "objective", "attribution", "lens", "store",
-          "stats")  # fmt: skip
+          "stats", "circuit")  # fmt: skip
 SAE_KEYS = ("path", "dense", "splice", "error_term", "max_active")
 
 
@@ -150,6 +150,7 @@ AttributionSpec = _mirror(schema.AttributionConfig, "AttributionSpec")
 LensSpec = _mirror(schema.LensConfig, "LensSpec")
 StoreSpec = _mirror(schema.StoreConfig, "StoreSpec")
 StatsSpec = _mirror(schema.StatsConfig, "StatsSpec")
+CircuitSpec = _mirror(schema.CircuitConfig, "CircuitSpec")
 RunOptions = _mirror(
     schema.Config,
     "RunOptions",
@@ -193,6 +194,7 @@ class RunPlan:
     text: str = ""
     unread: tuple[str, ...] = ()
     in_hand: bool = False
+    circuit: CircuitSpec = CircuitSpec(method=())  # (method empty: no circuit phase)
 
 
 def parse(cfg, *, in_hand: bool = False) -> RunPlan:
@@ -216,6 +218,7 @@ def parse(cfg, *, in_hand: bool = False) -> RunPlan:
         lens=lens,
         store=_group(StoreSpec, schema.StoreConfig, cfg.store),
         stats=_group(StatsSpec, schema.StatsConfig, cfg.stats),
+        circuit=_group(CircuitSpec, schema.CircuitConfig, cfg.circuit),
         options=_build(RunOptions, schema.Config, _container(cfg, GROUPS)),
         text=_text(cfg, raw_probes),
         unread=tuple(unread_keys(cfg)),
@@ -281,6 +284,7 @@ def _check(plan: RunPlan) -> None:
     if any("ig_output" in p.capture for p in plan.probes.values()):
         checks.check_attribution(plan.attribution)
     checks.check_lens(plan.lens)
+    checks.check_circuit(plan.circuit, plan.options)
 
 
 def _container(node, skip=()) -> dict:

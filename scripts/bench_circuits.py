@@ -1,9 +1,12 @@
-"""Benchmark: EAP edge scores over every edge of the GPT-2-shaped model of the token benchmarks
-(6 layers, width 256, 4 heads, vocab 5000: 1,108 edges), against a plain forward + backward of
-the same batch and against the exact edge loop on the same pairs, and its peak memory.
+"""Benchmark: EAP edge scores over every edge of a GPT-2-shaped model, against a plain forward +
+backward of the same batch, against the exact edge loop on the same pairs, against a peer where
+one is installed, and its peak memory. Shapes (--shape): `bench`, the model of the token
+benchmarks (6 layers, width 256, 4 heads, vocab 5000: 1,108 edges); `gpt2-small`, GPT-2 small's
+(12 layers, width 768, 12 heads, vocab 50257: 32,491 edges), random weights.
 
     python scripts/bench_circuits.py                       # 16 pairs x 32 tokens a batch
     python scripts/bench_circuits.py --rounds 5 --threads 1 --out docs/bench_circuits.md
+    python scripts/bench_circuits.py --shape gpt2-small --pairs 8 --rounds 2
 
 - time per batch: probe.circuits' `eap` (the corrupt forward, the clean forward with gradients,
   one backward to the receivers, the products with the senders' writes) over a plain forward +
@@ -11,6 +14,13 @@ the same batch and against the exact edge loop on the same pairs, and its peak m
 - edges x pairs per second: `eap` against `exact` (one patched forward per edge, variants of
   16 edges a forward; timed on --exact-edges edges, its cost being linear in the edges); target
   >= 100x.
+- the peer (where TransformerLens is installed; --no-peers skips it): hannamw/EAP-IG's EAP
+  (`get_scores_eap`: every node's activation difference added by forward hooks on the corrupt
+  run and subtracted on the clean one, (batch, positions, nodes, width) at once, scored by
+  backward hooks at the split q/k/v inputs, `hook_mlp_in` and the last `hook_resid_post` into a
+  (nodes, receivers) matrix) on TransformerLens 4's TransformerBridge over the same weights and
+  batch: its time, and the largest difference of its scores from probe's per edge over the
+  largest |score|. (auto-circuit cannot run beside TransformerLens 4.)
 - peak memory above the loaded model (CUDA: allocated; CPU: the resident set, glibc told to
   hand freed blocks back), each in a fresh process: a plain forward + backward of one batch;
   `eap` over 1, 2 and 8 batches (flat in the pairs); `eap` on one batch with 1 MiB chunks
@@ -30,6 +40,10 @@ import sys
 import bench_common as bc  # first: it puts the repository root on sys.path
 
 EAP_TARGET, EXACT_TARGET = 3.0, 100.0  # eap <= 3x forward + backward; >= 100x the exact loop
+SHAPES = {  # layers, width, heads, vocab
+    "bench": (bc.LAYERS, bc.WIDTH, bc.HEADS, bc.VOCAB),
+    "gpt2-small": (12, 768, 12, 50257),
+}
 
 
 def parse_args(argv=None):
@@ -37,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--pairs", type=int, default=16, help="pairs a batch (default 16)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--exact-edges", type=int, default=64, help="edges the exact loop is timed on")
+    p.add_argument("--shape", choices=list(SHAPES), default="bench", help="the model's shape")
+    p.add_argument("--no-peers", action="store_true", help="leave out TransformerLens's EAP")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # BATCHES,BUDGET: one peak
     return p.parse_args(argv)
 
@@ -45,7 +61,8 @@ def assets(args, device):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=bc.LAYERS, n_embd=bc.WIDTH, n_head=bc.HEADS, vocab_size=bc.VOCAB,
+    layers, width, heads, vocab = SHAPES[args.shape]
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
                         n_positions=max(32, args.seq_len))  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
@@ -54,14 +71,14 @@ def assets(args, device):
 
     def batch():
         n, t = args.pairs, args.seq_len
-        clean = torch.randint(0, bc.VOCAB, (n, t), generator=g)
+        clean = torch.randint(0, vocab, (n, t), generator=g)
         corrupt = clean.clone()
         corrupt[:, : t // 2 : 3] = torch.randint(
-            0, bc.VOCAB, (n, len(range(0, t // 2, 3))), generator=g
+            0, vocab, (n, len(range(0, t // 2, 3))), generator=g
         )
         return {"input_ids": clean, "corrupt_ids": corrupt, "attention_mask": torch.ones_like(clean),
-                "answer": torch.randint(0, bc.VOCAB, (n, 1), generator=g),
-                "wrong": torch.randint(0, bc.VOCAB, (n, 1), generator=g)}  # fmt: skip
+                "answer": torch.randint(0, vocab, (n, 1), generator=g),
+                "wrong": torch.randint(0, vocab, (n, 1), generator=g)}  # fmt: skip
 
     return model, [batch() for _ in range(8)]
 
@@ -77,6 +94,87 @@ def forward_backward(model, batch, device) -> None:
     answer, wrong = batch["answer"][:, 0].to(device), batch["wrong"][:, 0].to(device)
     (logits[rows, answer] - logits[rows, wrong]).sum().backward()
     model.zero_grad(set_to_none=True)
+
+
+def peer(model, tmp):
+    """TransformerLens 4's TransformerBridge over a copy of `model` with EAP-IG's hooks on, and
+    EAP-IG's EAP on it: a function of a batch returning the (nodes, receivers) score matrix and
+    the receivers' names; None where TransformerLens is not installed."""
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from probe.testing.tokens import make_tokenizer
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    model.save_pretrained(f"{tmp}/model")
+    hf = AutoModelForCausalLM.from_pretrained(f"{tmp}/model", attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(make_tokenizer(f"{tmp}/tok"))
+    b = TransformerBridge.boot_transformers(f"{tmp}/model", hf_model=hf.eval().to(model.device),
+                                            tokenizer=tok, device=str(model.device))  # fmt: skip
+    b.enable_compatibility_mode(no_processing=True, disable_warnings=True)
+    b.set_use_split_qkv_input(True)
+    b.set_use_attn_result(True)
+    b.set_use_hook_mlp_in(True)
+    cfg = b.cfg
+    L, H, D = cfg.n_layers, cfg.n_heads, cfg.d_model
+    n_forward = 1 + L * (H + 1)
+    receivers = [n for j in range(L) for n in
+                 [f"a{j}.h{h}<{c}>" for c in "qkv" for h in range(H)] + [f"m{j}"]] + ["logits"]  # fmt: skip
+
+    def eap(batch):
+        ids = batch["input_ids"].to(model.device)
+        corrupt = batch["corrupt_ids"].to(model.device)
+        diff = torch.zeros(*ids.shape, n_forward, D, device=model.device)
+        scores = torch.zeros(n_forward, len(receivers), device=model.device)
+
+        def act(index, sign):
+            def hook(x, hook):
+                diff[:, :, index] += sign * x.detach()
+
+            return hook
+
+        def fwd(sign):
+            hooks = [("hook_embed", act(0, sign))]
+            for j in range(L):
+                first = 1 + j * (H + 1)
+                hooks.append((f"blocks.{j}.attn.hook_result", act(slice(first, first + H), sign)))
+                hooks.append((f"blocks.{j}.hook_mlp_out", act(first + H, sign)))
+            return hooks
+
+        def grad(columns, prev):
+            def hook(g, hook):
+                g = g.detach()
+                g = g if g.ndim == 4 else g[:, :, None]
+                scores[:prev, columns] += torch.einsum("ntfd,ntbd->fb", diff[:, :, :prev], g)
+
+            return hook
+
+        bwd = []
+        for j in range(L):
+            prev, base = 1 + j * (H + 1), j * (3 * H + 1)
+            for k, c in enumerate("qkv"):
+                cols = slice(base + k * H, base + (k + 1) * H)
+                bwd.append((f"blocks.{j}.hook_{c}_input", grad(cols, prev)))
+            bwd.append(
+                (f"blocks.{j}.hook_mlp_in", grad(slice(base + 3 * H, base + 3 * H + 1), prev + H))
+            )
+        bwd.append(
+            (f"blocks.{L - 1}.hook_resid_post", grad(slice(len(receivers) - 1, None), n_forward))
+        )
+        with torch.no_grad(), b.hooks(fwd_hooks=fwd(1)):
+            b(corrupt)
+        with b.hooks(fwd_hooks=fwd(-1), bwd_hooks=bwd):
+            logits = b(ids)[:, -1]
+            rows = torch.arange(len(ids), device=model.device)
+            a, w = batch["answer"][:, 0].to(model.device), batch["wrong"][:, 0].to(model.device)
+            (logits[rows, a] - logits[rows, w]).sum().backward()
+        return scores / len(ids), receivers
+
+    return eap
 
 
 def peak_mb(fn, device) -> float:
@@ -151,6 +249,25 @@ def main(argv=None) -> int:
         exact_edges(ctx, edges)
 
     fns = {"forward+backward": plain, "eap": lambda: attribute(parts, one, ["eap"]), "exact": exact}
+    agreement = None
+    if not args.no_peers:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            theirs = peer(model, tmp)
+        if theirs is not None:
+            fns["peer"] = lambda: theirs(one[0])
+            matrix, receivers = theirs(one[0])
+            column = {r: i for i, r in enumerate(receivers)}
+            mine = attribute(parts, one, ["eap"])["eap"].edges
+            other = (
+                matrix.double()
+                .cpu()
+                .numpy()[
+                    graph.edge_sender, [column[graph.receivers[r]] for r in graph.edge_receiver]
+                ]
+            )
+            agreement = float(np.abs(mine - other).max() / np.abs(other).max())
     for fn in fns.values():  # warm-up
         fn()
     times = {k: [] for k in fns}
@@ -171,7 +288,8 @@ def main(argv=None) -> int:
         for e, x in zip(times["eap"], times["exact"], strict=True)
     ]
     speedup = statistics.median(per_edge)  # per round, as the rates of one round compare
-    common = [__file__, f"--pairs={args.pairs}", f"--seq-len={args.seq_len}", f"--seed={args.seed}"]
+    common = [__file__, f"--pairs={args.pairs}", f"--seq-len={args.seq_len}", f"--seed={args.seed}",
+              f"--shape={args.shape}"]  # fmt: skip
     if args.threads:
         common.append(f"--threads={args.threads}")
     peaks = {}
@@ -183,15 +301,22 @@ def main(argv=None) -> int:
                         ("eap, 1 batch, 1 MiB chunks", f"1,{2**20}")):  # fmt: skip
         got = bc.child_json([*common, f"--child={spec}"])
         peaks[label] = got.get("peak", float("nan"))
-    dense = args.pairs * args.seq_len * graph.n_senders * bc.WIDTH * 4 / 2**20
+    dense = args.pairs * args.seq_len * graph.n_senders * parts.width * 4 / 2**20
     rows = [
         ["forward+backward", f"{med['forward+backward'] * 1e3:.1f}", "1.00", "-"],
         ["eap", f"{med['eap'] * 1e3:.1f}", f"{eap_ratio:.2f}", f"{rate['eap']:,.0f}"],
         [f"exact ({len(edges)} edges)", f"{med['exact'] * 1e3:.1f}", "-", f"{rate['exact']:,.0f}"],
     ]
+    if "peer" in med:
+        ratio = statistics.median(
+            [p / f for p, f in zip(times["peer"], times["forward+backward"], strict=True)]
+        )
+        rows.append(["peer: EAP-IG's EAP on TransformerLens", f"{med['peer'] * 1e3:.1f}",
+                     f"{ratio:.2f}", f"{graph.n_edges * args.pairs / med['peer']:,.0f}"])  # fmt: skip
     head = [
-        f"# bench_circuits: {graph.n_edges} edges, {args.pairs} pairs x {args.seq_len} tokens a "
-        f"batch, {device}, {torch.get_num_threads()} threads, {args.rounds} rounds",
+        f"# bench_circuits ({args.shape}): {graph.n_edges} edges, {args.pairs} pairs x "
+        f"{args.seq_len} tokens a batch, {device}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} rounds",
     ]
     notes = [
         f"eap per batch / forward+backward: {eap_ratio:.2f}x (target <= {EAP_TARGET:g}x): "
@@ -202,6 +327,14 @@ def main(argv=None) -> int:
         + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
         + f"; every sender's write of a batch would take {dense:.1f}",
     ]
+    if agreement is not None:
+        speed = med["peer"] / med["eap"]
+        notes.append(
+            f"peer: eap {speed:.2f}x faster than EAP-IG's EAP on TransformerLens; their scores "
+            f"differ per edge by at most {agreement:.1e} of the largest |score|"
+        )
+    elif not args.no_peers:
+        notes.append("peer: TransformerLens is not installed here")
     text = bc.markdown(head, ["variant", "ms a batch", "x forward+backward", "edges x pairs / s"],
                        rows, notes)  # fmt: skip
     print(text)

@@ -194,29 +194,26 @@ def contract(
     the receiver's input, summed over positions; other edges 0."""
     graph = parts.graph
     n, t = size
-    senders = np.arange(graph.n_senders) if senders is None else np.asarray(senders)
+    senders = np.arange(graph.n_senders) if senders is None else np.unique(senders)
     device = grads.final.device
     dtype = torch.promote_types(grads.final.dtype, torch.float32)
     out = torch.zeros(n, graph.n_edges, dtype=torch.float64, device=device)
-    plan = []  # per group: its senders among the chosen ones, and their edge indices
+    plan = []  # per group: how many of the chosen senders it reads (a prefix), their edges
     for g in graph.groups:
-        mine = np.nonzero(senders < g.senders)[0]
-        if len(mine):
+        k = int((senders < g.senders).sum())
+        if k:
             r = np.arange(len(g.receivers))[:, None]
-            index = g.edges.start + r * g.senders + senders[mine][None, :]
-            plan.append(
-                (
-                    g,
-                    torch.as_tensor(mine, device=device),
-                    torch.as_tensor(index.reshape(-1), device=device),
-                )
-            )
+            index = g.edges.start + r * g.senders + senders[:k][None, :]
+            plan.append((g, k, torch.as_tensor(index.reshape(-1), device=device)))
     widest = max(len(g.receivers) for g, _, _ in plan) if plan else 0
     per_token = 4 * parts.width * (len(senders) + 3 * widest) * max(1, dtype.itemsize // 4)
     for rows, positions in chunks(n, t, per_token, budget):
-        w = writes(parts, diff, senders, rows, positions, dtype)
-        for g, mine, index in plan:
-            received = grads.group(parts, g, rows, positions, dtype)
-            block = torch.einsum("ntsd,ntrd->nrs", w[:, :, mine], received)
+        # (n, senders, t x D): a group's senders are a prefix, so each product reads a view
+        w = writes(parts, diff, senders, rows, positions, dtype, senders_first=True)
+        w = w.reshape(*w.shape[:2], -1)
+        for g, k, index in plan:
+            received = grads.group(parts, g, rows, positions, dtype)  # (n, t, r, D)
+            received = received.permute(0, 2, 1, 3).reshape(len(received), len(g.receivers), -1)
+            block = torch.bmm(received, w[:, :k].transpose(1, 2))  # (n, r, k)
             out[rows].index_add_(1, index, block.reshape(len(block), -1).double())
     return out

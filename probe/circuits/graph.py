@@ -241,6 +241,26 @@ class Graph:
         g = self.heads // self.kv_heads
         return list(range(j * g, (j + 1) * g))
 
+    @cached_property
+    def feeds(self) -> np.ndarray:
+        """(receivers, senders + 1) bool: the node each receiver is an input of (the last
+        column: the logits); a key/value receiver feeds every query head of its group."""
+        out = np.zeros((self.n_receivers, self.n_senders + 1), dtype=bool)
+        out[-1, -1] = True
+        for g in self.groups[:-1]:
+            for r in g.receivers:
+                if g.kind == "mlp":
+                    out[r, self.mlp(g.layer)] = True
+                else:
+                    out[r, [self.head(g.layer, h) for h in self.query_heads(r)]] = True
+        return out
+
+    def receiver_edges(self, receiver: int) -> range:
+        """The edges into a receiver (contiguous: its senders in order)."""
+        g = self.group_of(receiver)
+        start = g.edges.start + (receiver - g.receivers.start) * g.senders
+        return range(start, start + g.senders)
+
     def counts(self) -> dict[str, int]:
         """Nodes, senders, receivers and edges."""
         return {

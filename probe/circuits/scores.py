@@ -29,9 +29,10 @@ from probe.circuits.graph import Graph
 from probe.circuits.parts import Parts
 from probe.circuits.patching import PER_FORWARD, check_exact, exact_edges, exact_nodes
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
+from probe.config import CIRCUIT_METHODS
 from probe.errors import ConfigError
 
-METHODS = ("eap", "eap_ig_inputs", "eap_ig_activations", "exact")
+METHODS = CIRCUIT_METHODS
 STEPS = 5
 
 
@@ -107,15 +108,19 @@ def node_sums(graph: Graph, edges: torch.Tensor) -> torch.Tensor:
     return out.index_add_(1, index, edges)
 
 
-def check_methods(methods: Sequence[str], ablation: Ablation) -> list[str]:
+def check_methods(methods: Sequence[str], ablation: Ablation | str) -> list[str]:
+    """The methods, known and fit for the ablation (or its kind), in the order they run."""
+    kind = ablation if isinstance(ablation, str) else ablation.kind
     methods = [methods] if isinstance(methods, str) else list(methods)
+    if not methods:
+        raise ConfigError(f"circuit.method is empty; give one or more of {', '.join(METHODS)}")
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"circuit.method={m!r} is unknown; choose from {', '.join(METHODS)}")
-    if "eap_ig_inputs" in methods and ablation.kind != "counterfactual":
+    if "eap_ig_inputs" in methods and kind != "counterfactual":
         raise ConfigError(
             "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
-            f"it needs circuit.ablation=counterfactual (got {ablation.kind}); use "
+            f"it needs circuit.ablation=counterfactual (got {kind}); use "
             "eap_ig_activations for mean or zero ablation"
         )
     return sorted(dict.fromkeys(methods), key=METHODS.index)  # eap's clean run serves the rest

@@ -72,9 +72,11 @@ def writes(
     rows: slice = slice(None),
     positions: slice = slice(None),
     dtype=torch.float32,
+    senders_first: bool = False,
 ) -> torch.Tensor:
     """(n, t, len(senders), D) writes of the chosen senders (graph indices, ascending) over
-    `rows` and `positions` of `states`."""
+    `rows` and `positions` of `states`; (n, len(senders), t, D), contiguous, if
+    `senders_first`."""
     graph = parts.graph
     pieces = []
     senders = np.asarray(senders)
@@ -92,11 +94,12 @@ def writes(
             pieces.append(_at(states.mlp[layer], rows, positions).to(dtype)[:, :, None])
     if not pieces:
         raise ValueError("writes: no sender chosen")
-    if len(pieces) == 1:
-        return pieces[0]
     n = max(p.shape[0] for p in pieces)
     t = max(p.shape[1] for p in pieces)
-    return torch.cat([p.expand(n, t, *p.shape[2:]) for p in pieces], 2)
+    pieces = [p.expand(n, t, *p.shape[2:]) for p in pieces]
+    if senders_first:  # one copy, straight into the layout
+        return torch.cat([p.permute(0, 2, 1, 3) for p in pieces], 1).contiguous()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2)
 
 
 class Recorder:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from probe.circuits.states import SenderStates
-from probe.config import METRICS
+from probe.config import CIRCUIT_ABLATIONS, METRICS
 from probe.errors import ConfigError
 from probe.hooks.forward import first_output, to_device
 from probe.intervene.metrics import NEEDS, at_position, value
 from probe.layout import TokenBatch
 
-ABLATIONS = ("counterfactual", "mean", "zero")
+ABLATIONS = CIRCUIT_ABLATIONS
 KEEP = "logits_to_keep"  # transformers' causal LMs: the positions to compute logits at
 
 

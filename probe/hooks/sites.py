@@ -131,9 +131,10 @@ def _moved(model: nn.Module, value, device):
     return model_input(model, value, device) if isinstance(value, torch.Tensor) else value
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, notes=None) -> int:
     """`python -m probe.sites [OVERRIDES]`: the table for the model, first batch and probes the
-    same overrides give `python -m probe` (no run directory is made)."""
+    same overrides give `python -m probe` (no run directory is made); `notes(model, inputs)`
+    gives lines printed after it (the entry point's: the circuit graph's counts)."""
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print(
@@ -157,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(plan.model, seed)
         batch = next(iter(build_batches(plan.data, plan.model, seed, model)))
         table = sites(model, batch.inputs, plan.probes)
+        lines = notes(model, batch.inputs) if notes is not None else []
     except (ProbeError, OmegaConfBaseException, HydraException) as e:
         message = str(e).split("Config search path:")[0].strip() or type(e).__name__
         print(f"probe.sites: error: {message}", file=sys.stderr)
         return 2
     with pd.option_context("display.width", 250, "display.max_colwidth", 120):
         print(table.to_string(index=False))
+    for line in lines:
+        print(line)
     for name, message in table.attrs["unmatched"].items():
         print(f"probe.sites: note: probe {name!r} selects nothing: {message}", file=sys.stderr)
     return 0

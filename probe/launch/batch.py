@@ -38,6 +38,7 @@ class Prepared:
     )
     integrated: Integrated | None = None  # made by the run (its baselines may need a pass)
     readout: object = None  # the lens or direct logit attribution (probe.attribute.readout)
+    circuit: object = None  # probe.launch.circuit_phase.CircuitPhase: edge scores after the loop
 
 
 @dataclass

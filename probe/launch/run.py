@@ -35,6 +35,7 @@ from probe.intervene.passes import Interventions
 from probe.intervene.splice import SpliceReport
 from probe.launch import distributed, size_plan
 from probe.launch.batch import BatchStep, Prepared, run_batch
+from probe.launch.circuit_phase import finish_circuits, prepare_circuits, reuse, run_circuits
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.models import placement
 from probe.models.build import build_model
@@ -145,7 +146,7 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
         )
     return Prepared(
         model, batches, selections, objective, device, edits, shard, stats_backend,
-        readout=readout,
+        readout=readout, circuit=prepare_circuits(plan, model, every.dataset),
     )  # fmt: skip
 
 
@@ -189,7 +190,12 @@ def _run(plan: RunPlan, run_dir: Path, prepared: Prepared | None) -> RunResult:
         writer.close(complete=complete)
     if stop.requested is not None:
         raise Interrupted(stop.requested, writer.num_samples, h5_path)
-    return _finish(plan, run_dir, h5_path, shard, writer, interventions)
+    circuit = None
+    if p.circuit is not None:
+        resume = plan.options.resume
+        circuit = resume and reuse(run_dir, h5_path, p.circuit)
+        circuit = circuit or run_circuits(p.circuit, p, shard, run_dir, bool(resume))
+    return _finish(plan, run_dir, h5_path, shard, writer, interventions, circuit)
 
 
 def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend, interventions):
@@ -288,10 +294,12 @@ def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions,
     return complete
 
 
-def _finish(plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interventions) -> RunResult:
+def _finish(
+    plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interventions, circuit=None
+) -> RunResult:
     """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file;
     none when no probe was asked for or stats.during=none), the lens's and the edits' tables,
-    the log's summary."""
+    the circuit's files, the log's summary."""
     counted = plan.stats.during != "none"
     if counted:
         nonfinite.report(writer.datasets.values())
@@ -317,6 +325,8 @@ def _finish(plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interven
         write_readout_tables(h5_path, run_dir)
     if interventions is not None:
         interventions.report(h5_path, run_dir)
+    if circuit is not None:
+        finish_circuits(circuit, run_dir, h5_path, shard.world)
     if plan.options.print_summary and tables:
         print_summary(summary)
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples

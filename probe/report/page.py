@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from probe.errors import ProbeError
 from probe.read.runs import open_run, open_sweep
 from probe.read.summarize import is_sweep
+from probe.report.circuits import section as circuit_section
 from probe.report.html_parts import figure_png, img, page
 
 CHEAP_BYTES = 64 * 2**20  # analyses run by the report itself only for files this small
@@ -158,6 +159,7 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
         parts.append(table(run.lens, "Logit lens (lens.csv)"))
         parts.append(table(run.dla, "Direct logit attribution (dla.csv)"))
         parts.append(feature_cards(run))
+        parts.append(circuit_section(path))
         config = OmegaConf.to_yaml(run.config, resolve=False)
     parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
     return "".join(parts)
@@ -209,6 +211,10 @@ def sweep_body(path: Path, analyze: str = "auto") -> str:
     parts += [table(sweep.table, "Sweep table (summary.csv)"), note, analysis_section(path)]
     parts.append(table(sweep.effects, "Effects of every run"))
     parts.append(table(sweep.attribution, "Attribution of every run"))
+    for png in sorted(path.glob("circuit_sweep_*.png")):
+        parts.append(
+            f"<h3>Circuits across the runs ({png.name})</h3>" + img(png.read_bytes(), png.name)
+        )
     for run_dir in sweep.run_dirs:
         name = html.escape(run_dir.name)
         if not (run_dir / "probe.h5").is_file():
