@@ -54,13 +54,22 @@ def assert_no_hooks(model: nn.Module, *tensors: torch.Tensor) -> None:
     assert not left, f"global hooks left: {left}"
 
 
+EVERY_REGISTRATION = (  # and what a watched training hangs on parameters and its optimizer
+    *REGISTRATIONS,
+    (nn.Module, "register_full_backward_hook"),
+    (torch.Tensor, "register_post_accumulate_grad_hook"),
+    (torch.optim.Optimizer, "register_step_pre_hook"),
+    (torch.optim.Optimizer, "register_step_post_hook"),
+)
+
+
 @contextmanager
-def registrations(refuse: int | None = None):
-    """Counts the hook registrations made inside (REGISTRATIONS, all kinds together); the
-    `refuse`-th raises RuntimeError('registration K refused'). Yields the list of calls so far
-    (one None each), so `len()` of it is the count."""
+def registrations(refuse: int | None = None, kinds=REGISTRATIONS):
+    """Counts the hook registrations made inside (`kinds`, all together); the `refuse`-th raises
+    RuntimeError('registration K refused'). Yields the list of calls so far (one None each), so
+    `len()` of it is the count."""
     calls: list = []
-    saved = [(owner, name, owner.__dict__[name]) for owner, name in REGISTRATIONS]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in kinds]
 
     def counted(original):
         def register(*args, **kwargs):
