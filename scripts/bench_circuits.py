@@ -97,84 +97,28 @@ def forward_backward(model, batch, device) -> None:
 
 
 def peer(model, tmp):
-    """TransformerLens 4's TransformerBridge over a copy of `model` with EAP-IG's hooks on, and
-    EAP-IG's EAP on it: a function of a batch returning the (nodes, receivers) score matrix and
-    the receivers' names; None where TransformerLens is not installed."""
+    """probe.testing.peers' EAP-IG EAP on TransformerLens 4's TransformerBridge over a copy of
+    `model`: a function of a batch returning the (senders, receivers) score matrix and the
+    receivers' names; None where TransformerLens is not installed."""
     try:
-        from transformer_lens.model_bridge import TransformerBridge
+        import transformer_lens  # noqa: F401
     except ImportError:
         return None
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from probe.testing.tokens import make_tokenizer
+    from probe.testing.peers import bridge, eap_scores, node_names
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    model.save_pretrained(f"{tmp}/model")
-    hf = AutoModelForCausalLM.from_pretrained(f"{tmp}/model", attn_implementation="eager")
-    tok = AutoTokenizer.from_pretrained(make_tokenizer(f"{tmp}/tok"))
-    b = TransformerBridge.boot_transformers(f"{tmp}/model", hf_model=hf.eval().to(model.device),
-                                            tokenizer=tok, device=str(model.device))  # fmt: skip
-    b.enable_compatibility_mode(no_processing=True, disable_warnings=True)
-    b.set_use_split_qkv_input(True)
-    b.set_use_attn_result(True)
-    b.set_use_hook_mlp_in(True)
-    cfg = b.cfg
-    L, H, D = cfg.n_layers, cfg.n_heads, cfg.d_model
-    n_forward = 1 + L * (H + 1)
-    receivers = [n for j in range(L) for n in
-                 [f"a{j}.h{h}<{c}>" for c in "qkv" for h in range(H)] + [f"m{j}"]] + ["logits"]  # fmt: skip
+    b = bridge(model, tmp, str(model.device))
+    receivers = node_names(b)[1]
 
-    def eap(batch):
-        ids = batch["input_ids"].to(model.device)
-        corrupt = batch["corrupt_ids"].to(model.device)
-        diff = torch.zeros(*ids.shape, n_forward, D, device=model.device)
-        scores = torch.zeros(n_forward, len(receivers), device=model.device)
+    def logit_diff(logits, batch):
+        last = logits[:, -1]
+        rows = torch.arange(len(last), device=last.device)
+        a, w = batch["answer"][:, 0].to(last.device), batch["wrong"][:, 0].to(last.device)
+        return last[rows, a] - last[rows, w]
 
-        def act(index, sign):
-            def hook(x, hook):
-                diff[:, :, index] += sign * x.detach()
-
-            return hook
-
-        def fwd(sign):
-            hooks = [("hook_embed", act(0, sign))]
-            for j in range(L):
-                first = 1 + j * (H + 1)
-                hooks.append((f"blocks.{j}.attn.hook_result", act(slice(first, first + H), sign)))
-                hooks.append((f"blocks.{j}.hook_mlp_out", act(first + H, sign)))
-            return hooks
-
-        def grad(columns, prev):
-            def hook(g, hook):
-                g = g.detach()
-                g = g if g.ndim == 4 else g[:, :, None]
-                scores[:prev, columns] += torch.einsum("ntfd,ntbd->fb", diff[:, :, :prev], g)
-
-            return hook
-
-        bwd = []
-        for j in range(L):
-            prev, base = 1 + j * (H + 1), j * (3 * H + 1)
-            for k, c in enumerate("qkv"):
-                cols = slice(base + k * H, base + (k + 1) * H)
-                bwd.append((f"blocks.{j}.hook_{c}_input", grad(cols, prev)))
-            bwd.append(
-                (f"blocks.{j}.hook_mlp_in", grad(slice(base + 3 * H, base + 3 * H + 1), prev + H))
-            )
-        bwd.append(
-            (f"blocks.{L - 1}.hook_resid_post", grad(slice(len(receivers) - 1, None), n_forward))
-        )
-        with torch.no_grad(), b.hooks(fwd_hooks=fwd(1)):
-            b(corrupt)
-        with b.hooks(fwd_hooks=fwd(-1), bwd_hooks=bwd):
-            logits = b(ids)[:, -1]
-            rows = torch.arange(len(ids), device=model.device)
-            a, w = batch["answer"][:, 0].to(model.device), batch["wrong"][:, 0].to(model.device)
-            (logits[rows, a] - logits[rows, w]).sum().backward()
-        return scores / len(ids), receivers
-
-    return eap
+    return lambda batch: (eap_scores(b, batch, logit_diff), receivers)
 
 
 def peak_mb(fn, device) -> float:
