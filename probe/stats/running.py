@@ -353,7 +353,7 @@ class RunningStats:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """`hist` (2, k): index and count of the non-empty buckets; `units` (UNIT_FIELDS, units)."""
-        out = {"hist": occupied(self.hist.counts, False)}
+        out = {"hist": occupied(self.whole_histogram().counts, False)}
         if self.units is not None:
             out["units"] = self.units.packed()
         return out

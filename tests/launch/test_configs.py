@@ -12,6 +12,7 @@ from PIL import Image
 
 from probe.config import config_dir
 from probe.data.batches import build_batches
+from probe.errors import SelectionError
 from probe.hooks.select import select_modules
 from probe.models.build import build_model
 from probe.plan import parse
@@ -27,6 +28,8 @@ TOKEN_MODELS = {"gpt2": 12, "bert-base-uncased": 12, "smollm2-135m": 30}  # thei
 IMAGE_MODELS = [m for m in MODELS if m not in TOKEN_MODELS and m not in NAMED_BY_USER]
 PROBES = sorted(p.stem for p in (CONF / "probes").glob("*.yaml"))
 TOKEN_PROBES = ("residual", "attn_mlp")  # the blocks of a transformer's stack
+CONV_PROBES = ("all_convs", "grads_all_convs")
+NO_CONVS = ("mlp",)  # (a conv probe file refuses it by name: tested below)
 
 
 @pytest.mark.parametrize("model", IMAGE_MODELS)
@@ -38,13 +41,20 @@ def test_every_model_config_builds_and_every_probe_file_selects(model):
     with torch.no_grad():
         assert net(x).shape == (1, cfg.model.num_classes)
     for probes in PROBES:
-        if probes in TOKEN_PROBES:
+        if probes in TOKEN_PROBES or (model in NO_CONVS and probes in CONV_PROBES):
             continue
         selections = select_modules(
             net, parse(make_cfg(f"model={model}", f"probes={probes}")).probes
         )
         for sel in selections:
             assert dict(net.named_modules())[sel.name] is sel.module
+
+
+@pytest.mark.parametrize("probes", CONV_PROBES)
+def test_a_conv_probe_file_on_a_model_without_convolutions_names_it(probes):
+    net = build_model(parse(make_cfg("model=mlp")).model, 0)
+    with pytest.raises(SelectionError, match="selects no module of MLP.*Conv2d"):
+        select_modules(net, parse(make_cfg("model=mlp", f"probes={probes}")).probes)
 
 
 @pytest.mark.parametrize("model", sorted(TOKEN_MODELS))
