@@ -128,11 +128,15 @@ def check_run_options(options, store, stats) -> None:
     check_store(store, stats.during)
     for key in ("topk", "bottomk", "topk_quantiles"):
         at_least(f"stats.{key}", getattr(stats, key), 0, " (0: off)")
-    name = options.device
-    if name != "auto" and not DEVICE.match(str(name)):
-        raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
+    check_device(options.device)
     if stats.backend == "numba" and importlib.util.find_spec("numba") is None:
         raise ConfigError(NUMBA_MISSING)
+
+
+def check_device(name) -> None:
+    """`device` names a torch device (cpu, cuda, cuda:N, ...) or auto."""
+    if name != "auto" and not DEVICE.match(str(name)):
+        raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
 
 
 def check_store(s, during: str = "run") -> None:

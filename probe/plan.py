@@ -240,7 +240,7 @@ class TrainingPlan:
     probes: FrozenDict  # name -> ProbeSpec
     train: TrainSpec
     watch: WatchSpec
-    device: str = "cpu"
+    device: str = "cpu"  # or cuda, cuda:N, auto (the GPU where there is one)
     overwrite: bool = False
 
 
@@ -258,6 +258,7 @@ def parse_training(cfg) -> TrainingPlan:
         overwrite=bool(cfg.overwrite),
     )
     checks.check_seed("train.seed", plan.train.seed)
+    checks.check_device(plan.device)
     model_checks.check_model(plan.model)
     checks.check_data(plan.data)
     m = plan.model

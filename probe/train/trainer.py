@@ -35,11 +35,13 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
 
     from probe.data.batches import build_batches
     from probe.hooks.objective import build_objective, per_sample
+    from probe.launch.run import resolve_device
     from probe.models.build import build_model, model_input
     from probe.train.watch import watch
 
     t = plan.train
-    model = build_model(plan.model, t.seed).train()
+    device = resolve_device(plan.device)
+    model = build_model(plan.model, t.seed).train().to(device)
     batches = build_batches(plan.data, plan.model, t.seed, model)
     objective = build_objective(plan.objective, batches.has_targets)
     optimizer = make_optimizer(t, model.parameters())
@@ -51,7 +53,7 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
         for step in range(t.steps):
             batch = data[step % len(data)]
             optimizer.zero_grad()
-            output = model(model_input(model, batch.inputs, plan.device))
+            output = model(model_input(model, batch.inputs, device))
             loss = per_sample(objective, output, batch.targets, batch.inputs).mean()
             loss.backward()
             w.loss(loss)

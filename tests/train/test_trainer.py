@@ -16,6 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from probe.config import config_dir
+from probe.errors import ConfigError
 from probe.plan import parse_training
 from probe.train.trainer import train
 from tests.helpers import ROOT
@@ -104,3 +105,8 @@ def test_bad_input_is_named_with_exit_2(override, named, tmp_path):
     assert done.returncode == 2, done.stderr
     assert named in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "probe.h5").exists()
+
+
+def test_a_bad_device_is_named_before_anything_trains():
+    with pytest.raises(ConfigError, match="device='gpu0' is not a torch device"):
+        parse_training(compose_train(*ARGS, "device=gpu0"))
