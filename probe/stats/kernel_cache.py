@@ -119,9 +119,10 @@ def compile_in_background() -> int | None:
 def _exercise() -> None:
     """Call every kernel with each kind of argument the statistics pass it: float32 and float64
     batches, by segment, by column and one value a row, with NaN, into a running int64 histogram
-    and into the int32 scratch, on torch's team and on threads of our own."""
+    and into the int32 scratch, on torch's team (of at least two, whatever the caller's count)
+    and on threads of our own."""
     import numpy as np
-    import torch  # noqa: F401 - the team needs torch's OpenMP runtime loaded
+    import torch  # (the team is torch's OpenMP runtime)
 
     from probe.stats import numba_backend as numba_stats
     from probe.stats import team
@@ -136,6 +137,8 @@ def _exercise() -> None:
     ]
     batches[3][1, 2, 3] = np.nan
     real_entry = team.entry
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # (a team of one takes no team kernel: compile them too)
     try:
         for entry in (real_entry, lambda: (0, 0)):
             team.entry = entry
@@ -150,6 +153,7 @@ def _exercise() -> None:
                     RunningStats().merge(hook(torch.from_numpy(x)))
     finally:
         team.entry = real_entry
+        torch.set_num_threads(threads)
 
 
 def _index_files() -> list[str]:
