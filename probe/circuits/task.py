@@ -21,7 +21,7 @@ from probe.circuits.states import SenderStates
 from probe.config import CIRCUIT_ABLATIONS, METRICS
 from probe.errors import ConfigError
 from probe.hooks.forward import first_output, to_device
-from probe.intervene.metrics import NEEDS, at_position, value
+from probe.intervene.metrics import NEEDS, at_position, position_index, value
 from probe.layout import TokenBatch
 
 ABLATIONS = CIRCUIT_ABLATIONS
@@ -42,26 +42,17 @@ class AnswerMetric:
                 f"circuit.metric={self.name!r} is unknown; choose from {', '.join(METRICS)}"
             )
 
-    def index(self, tokens: TokenBatch, n: int) -> torch.Tensor:
+    def index(self, tokens: TokenBatch) -> torch.Tensor:
         """(N,) each sample's position the metric reads."""
-        t = tokens.length
-        last = tokens.last.cpu()
-        p = self.position
-        index = last if p is None else (last + 1 + p if p < 0 else torch.full_like(last, p))
-        if bool(((index < 0) | (index >= t)).any()):
-            raise ConfigError(
-                f"circuit.position={p} is outside the {t} tokens of a sample; give a position in "
-                f"[-{t}, {t}) or leave it unset for the last real token"
-            )
-        return index
+        return position_index(tokens.last.cpu(), tokens.length, self.position, "circuit.position")
 
     def logits(self, output, tokens: TokenBatch, kept: torch.Tensor | None = None) -> torch.Tensor:
         """(N, V) float64 logits at the metric's position; `kept`: the positions a model gave
         logits for (transformers' logits_to_keep), in order."""
         out = first_output(output)
         if kept is None or out.ndim != 3 or out.shape[1] != len(kept):
-            return at_position(out, tokens, self.position)
-        index = self.index(tokens, len(out))
+            return at_position(out, tokens, self.position, "circuit.position")
+        index = self.index(tokens)
         column = torch.searchsorted(kept.cpu(), index).to(out.device)
         return out[torch.arange(len(out), device=out.device), column].double()
 
@@ -151,7 +142,7 @@ def pair_batch(model, batch: dict, metric: AnswerMetric, device=None) -> PairBat
     tokens = TokenBatch.of(clean["input_ids"], clean.get("attention_mask"))
     kept = None
     if KEEP in _parameters(model):  # logits at the metric's positions alone
-        kept = metric.index(tokens, len(clean["input_ids"])).unique().to(device)
+        kept = metric.index(tokens).unique().to(device)
         clean[KEEP] = corrupt[KEEP] = kept
     return PairBatch(clean, corrupt, tokens, side, kept)
 

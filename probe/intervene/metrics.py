@@ -40,13 +40,9 @@ def check_metrics(names, has: set[str]) -> list[str]:
     return names
 
 
-def at_position(logits: torch.Tensor, tokens: TokenBatch | None, position: int | None):
-    """(N, V) float64 logits at `position` (negative: from each sample's last real token; None:
-    the last real token) of (N, T, V) logits; (N, V) logits as they are."""
-    if logits.ndim == 2:
-        return logits.double()
-    n, t = logits.shape[:2]
-    last = tokens.last.to(logits.device) if tokens is not None else torch.full((n,), t - 1)
+def position_index(last: torch.Tensor, t: int, position: int | None, key: str) -> torch.Tensor:
+    """(N,) each sample's position: `position` (negative: from its last real token `last`; None:
+    that token) among `t` tokens; a ConfigError naming `key` where it falls outside."""
     if position is None:
         index = last
     elif position < 0:
@@ -55,9 +51,26 @@ def at_position(logits: torch.Tensor, tokens: TokenBatch | None, position: int |
         index = torch.full_like(last, position)
     if bool(((index < 0) | (index >= t)).any()):
         raise ConfigError(
-            f"intervene.position={position} is outside the {t} tokens of a sample; give a "
-            f"position in [-{t}, {t}) or leave it unset for the last real token"
+            f"{key}={position} is outside the {t} tokens of a sample; give a position in "
+            f"[-{t}, {t}) or leave it unset for the last real token"
         )
+    return index
+
+
+def at_position(
+    logits: torch.Tensor,
+    tokens: TokenBatch | None,
+    position: int | None,
+    key: str = "intervene.position",
+):
+    """(N, V) float64 logits at `position` (negative: from each sample's last real token; None:
+    the last real token) of (N, T, V) logits; (N, V) logits as they are. `key` names the
+    position in an error."""
+    if logits.ndim == 2:
+        return logits.double()
+    n, t = logits.shape[:2]
+    last = tokens.last.to(logits.device) if tokens is not None else torch.full((n,), t - 1)
+    index = position_index(last, t, position, key)
     return logits[torch.arange(n, device=logits.device), index.to(logits.device)].double()
 
 

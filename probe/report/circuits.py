@@ -22,6 +22,7 @@ import pandas as pd
 
 from probe.circuits.files import CircuitResult, edge_table, read
 from probe.errors import DataError, ProbeError
+from probe.intervene.patching import run_file
 from probe.read.summarize import is_sweep, read_overrides, sweep_runs
 
 log = logging.getLogger("probe")
@@ -90,15 +91,10 @@ def section(run_dir: Path, top: int = 20) -> str:
 
 def run_top(run_dir: Path, top: int) -> pd.DataFrame:
     """Each method's `top` best edges; written to circuit_top.csv."""
-    result = read(_h5(run_dir))
+    result = read(run_file(str(run_dir), "probe.analyze RUN circuit"))
     table = edge_table(result, top)
     table.to_csv(Path(run_dir) / "circuit_top.csv", index=False)
     return table
-
-
-def _h5(path: Path) -> Path:
-    path = Path(path)
-    return path / "probe.h5" if path.is_dir() else path
 
 
 def labels(runs: list[Path]) -> list[str]:

@@ -257,6 +257,8 @@ def test_analyze_prints_the_best_edges_and_sites_the_graphs_counts(cli_runs, lla
     assert list(eap.score) == sorted(eap.score)
     assert analyze([str(root / "two" / "probe.rank0.h5"), "circuit"]) == 2  # a rank's file
     assert "holds no circuit" in capsys.readouterr().err
+    assert analyze([str(root / "missing"), "circuit"]) == 2  # no run there: named
+    assert f"{str(root / 'missing')!r} is neither a run directory" in capsys.readouterr().err
     assert sites(args_of(llama), notes=circuit_counts) == 0
     counts = Graph(2, 4, 2).counts()
     assert (
@@ -297,4 +299,6 @@ def test_a_sweep_over_checkpoints_gathers_each_runs_scores(tmp_path, llama):
         own = pd.read_csv(tmp_path / "sweep" / str(i) / "circuit.csv").set_index("edge")
         got = table.set_index("edge")[f"step{i}.pt"]
         np.testing.assert_array_equal(got.loc[own.index].to_numpy(), own.score.to_numpy())
+    first = table["step0.pt"].to_numpy()  # each run read its own checkpoint
+    assert all(not np.allclose(first, table[f"step{i}.pt"].to_numpy()) for i in (1, 2))
     assert [p.name for p in written] == ["circuit_sweep.csv", "circuit_sweep_eap.png"]

@@ -103,3 +103,24 @@ def test_exact_edge_and_path_patching_equal_hand_patching(family):
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6) and abs(want) > 1e-4
     # frozen, not patched edge by edge: m1 does not see what a1.h0's patched value changed
     assert abs(hand.patched(batch, "a0.h1", route) - want) > 1e-6
+
+
+def test_the_metric_reads_circuit_position_and_names_it_when_outside():
+    """circuit.position: the logits at that position (negative: from the last real token), with
+    or without transformers' logits_to_keep; one outside the tokens named as circuit.position."""
+    from probe.errors import ConfigError
+    from probe.layout import TokenBatch
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    tokens = TokenBatch.of(torch.zeros(2, 5, dtype=torch.long), mask)
+    for position, want in ((None, [4, 2]), (-2, [3, 1]), (1, [1, 1])):
+        metric = AnswerMetric("kl", position)
+        rows = logits[torch.arange(2), torch.tensor(want)].double()
+        torch.testing.assert_close(metric.logits(logits, tokens), rows)
+        kept = torch.tensor(sorted(set(want)))
+        torch.testing.assert_close(metric.logits(logits[:, kept], tokens, kept), rows)
+    for kept in (None, torch.tensor([4])):
+        with pytest.raises(ConfigError, match=r"circuit.position=7 is outside the 5 tokens"):
+            AnswerMetric("kl", 7).logits(logits if kept is None else logits[:, kept], tokens, kept)
