@@ -59,6 +59,22 @@ def check_model(model: nn.Module, specs) -> None:
         )
 
 
+def check_probe_batch(model: nn.Module, world: int) -> None:
+    """A probe batch is evaluated by rank 0 alone: a sharded model (FSDP2's fully_shard, or the
+    FSDP1 wrapper) needs every rank in each forward, so rank 0's would wait for the others."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    sharded = any(is_dtensor(p) for p in model.parameters())
+    if world > 1 and (
+        sharded or any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    ):
+        raise ConfigError(
+            "probe_batch is evaluated by rank 0 alone, and this model is sharded over the ranks "
+            "(FSDP): its forward needs every rank, so rank 0 would wait for them forever; drop "
+            "probe_batch under FSDP, or evaluate the batch in the training loop on every rank"
+        )
+
+
 def check_params_current(model: nn.Module, watched) -> None:
     """The watch reads the parameters it found when it was made: a model sharded (fully_shard)
     after that trains other ones."""

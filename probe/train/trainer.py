@@ -12,6 +12,7 @@ probe.plan.parse_training reads the composed config once into the TrainingPlan t
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from probe.plan import TrainingPlan, TrainSpec
@@ -45,7 +46,7 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
     batches = build_batches(plan.data, plan.model, t.seed, model)
     objective = build_objective(plan.objective, batches.has_targets)
     optimizer = make_optimizer(t, model.parameters())
-    data = list(batches)[:1] if t.fix_batch else list(batches)
+    data = list(itertools.islice(batches, 1)) if t.fix_batch else list(batches)
     torch.manual_seed(t.seed)
     losses = []
     with watch(model, plan.probes, out=out, optimizer=optimizer, every=plan.watch.every,

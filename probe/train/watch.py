@@ -146,6 +146,7 @@ class Watch:
         self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
         self.probe_batch = None
         if probe_batch is not None:
+            ranks.check_probe_batch(model, self.world)
             schedule = Schedule(every if probe_every is None else probe_every, "probe_every")
             self.probe_batch = ProbeBatch(
                 model, self.specs, probe_batch, self.out / FOLDER, schedule, probe_stats

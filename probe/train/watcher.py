@@ -283,7 +283,8 @@ class Watcher:
                     self._observe_param(h, f"param_grad.{name}", local(p.grad))
         grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
         if grads:
-            self.scalars["grad_norm"] = float(torch.nn.utils.get_total_norm(grads))
+            norms = torch.stack([torch.linalg.vector_norm(g).to(grads[0].device) for g in grads])
+            self.scalars["grad_norm"] = float(torch.linalg.vector_norm(norms))  # (get_total_norm's)
         if optimizer is not None:
             for i, group in enumerate(optimizer.param_groups):
                 self.scalars[f"lr.{i}"] = float(group["lr"])

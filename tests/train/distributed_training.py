@@ -83,6 +83,10 @@ def ranks(mode: str, out: Path) -> None:
             early.start()
         except ConfigError as e:
             (out / f"early{rank}.txt").write_text(str(e))
+        try:  # rank 0 alone would evaluate it, and a sharded forward needs every rank
+            probe.watch(model, PROBES, out=out / "probed", probe_batch=torch.randn(2, 6))
+        except ConfigError as e:
+            (out / f"probe_batch{rank}.txt").write_text(str(e))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with probe.watch(model, PROBES, out=out / "watch", optimizer=opt) as w:
         for x, y in batches():

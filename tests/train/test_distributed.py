@@ -107,3 +107,7 @@ def test_fsdp2_on_two_ranks_equals_the_unsharded_model(single, tmp_path):
         said = (tmp_path / f"early{rank}.txt").read_text()
         assert "layer '0' parameter 'weight' is no longer one of the model's" in said, said
     assert not (tmp_path / "early").exists()
+    # a probe batch, evaluated by rank 0 alone, would wait forever on the other rank: refused
+    for rank in (0, 1):
+        said = (tmp_path / f"probe_batch{rank}.txt").read_text()
+        assert "probe_batch is evaluated by rank 0 alone" in said and "FSDP" in said, said

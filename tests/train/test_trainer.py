@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from probe.config import config_dir
@@ -24,7 +25,7 @@ from tests.helpers import ROOT
 coord_check = pytest.importorskip("mup.coord_check")
 
 WIDTHS = (32, 64, 128)
-LR = 0.1
+LR = 0.05  # (not conf/train.yaml's default: the key must be read)
 ARGS = ["train.steps=3", "train.fix_batch=true", f"train.lr={LR}", "watch.every=1",
         "probes=all_linear", "dataset.num_samples=16", "dataset.batch_size=8"]  # fmt: skip
 
@@ -110,3 +111,38 @@ def test_bad_input_is_named_with_exit_2(override, named, tmp_path):
 def test_a_bad_device_is_named_before_anything_trains():
     with pytest.raises(ConfigError, match="device='gpu0' is not a torch device"):
         parse_training(compose_train(*ARGS, "device=gpu0"))
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [["train.optimizer=adamw", "train.lr=0.003", "train.weight_decay=0.01"],
+     ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9"]],
+    ids=["adamw", "sgd-momentum"],
+)  # fmt: skip
+def test_the_trainer_equals_a_hand_loop_of_the_keys_it_is_given(tmp_path, optimizer):
+    """model.width, model.depth, train.seed, train.optimizer, lr, momentum, weight_decay,
+    train.steps and watch.every: probe.train's losses and train.csv equal a hand loop's (the
+    MLP built by hand with that seed, torch's optimizer with those settings, probe.watch at that
+    every) over the same batches."""
+    from probe.data.batches import build_batches
+    from probe.models.zoo import MLP
+    from probe.testing.trainings import image_loss
+    from probe.testing.trainings import train as hand_train
+
+    keys = ["model.width=48", "model.depth=2", "train.seed=3", "train.steps=5", "watch.every=2",
+            "probes=all_linear", "dataset.num_samples=16", "dataset.batch_size=8", *optimizer]  # fmt: skip
+    plan = parse_training(compose_train(*keys))
+    losses = train(plan, tmp_path / "probe")
+    batches = [(b.inputs, b.targets) for b in build_batches(plan.data, plan.model, 3)]
+    torch.manual_seed(3)
+    model = MLP(width=48, depth=2).train()
+    kind, settings = optimizer[0].split("=")[1], dict(k.split("=") for k in optimizer[1:])
+    hyper = {k.split(".")[1]: float(v) for k, v in settings.items()}
+    opt = (torch.optim.AdamW if kind == "adamw" else torch.optim.SGD)(model.parameters(), **hyper)
+    watch = {"probes": "all_linear", "out": tmp_path / "hand", "every": 2}
+    want = hand_train(model, opt, [batches[s % 2] for s in range(5)], image_loss, watch, seed=3)
+    np.testing.assert_allclose(losses, want, rtol=1e-6)  # (a mean of per-sample losses)
+    got, hand = (pd.read_csv(tmp_path / d / "train.csv") for d in ("probe", "hand"))
+    assert sorted(got["step"].unique()) == [0, 2, 4]
+    assert set(got["layer"]) == {"hidden.0", "hidden.1", "readout"}
+    pd.testing.assert_frame_equal(got, hand, rtol=1e-5)
