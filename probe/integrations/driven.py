@@ -39,6 +39,7 @@ class Driven:
             )
         self.probes, self.out, self.every, self.options = probes, out, every, dict(options)
         self.watch: Watch | None = None
+        self.restored: dict = {}  # a trainer checkpoint's state of the watch (its state_dict)
 
     def start(self, model, optimizer, step: int, scaler=None) -> Watch:
         """Make and start the watch on the trainer's model; a training resumed at `step` > 0
@@ -48,7 +49,8 @@ class Driven:
         w = Watch(model, self.probes, out=self.out, every=self.every, optimizer=optimizer,
                   hook_optimizer=False, scaler=scaler, **self.options)  # fmt: skip
         if step > 0:
-            w.load_state_dict({"version": STATE_VERSION, "step": int(step)})
+            state = self.restored if self.restored.get("step") == step else {}
+            w.load_state_dict({"version": STATE_VERSION, **state, "step": int(step)})
         self.watch = w.start()
         return w
 

@@ -92,6 +92,11 @@ class ProbeCallback(Callback):
         w = self.watch
         return w.state_dict() if w is not None and not w.closed else {}
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A checkpoint's state, restored by Lightning before the training starts: the watch
+        made then resumes with it (the step, and the edits' sample count)."""
+        self.driven.restored = dict(state_dict or {})
+
     def _send(self, trainer, step: int, rows: dict) -> None:
         metrics = self.driven.metrics(rows)
         for logger in trainer.loggers:

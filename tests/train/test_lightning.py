@@ -23,6 +23,7 @@ from probe.testing.trainings import (
 )
 
 L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from probe.integrations.lightning import ProbeCallback  # noqa: E402
@@ -121,3 +122,39 @@ def test_lightning_callback_writes_the_hand_loops_file(tmp_path, accumulate):
     want = a[(a.layer == "net.layer1") & (a.site == "output")].set_index("step")["abs_mean"]
     pd.testing.assert_series_equal(got, want, check_names=False)
     assert "probe/net.fc/param_grad.weight/norm" in logged.columns
+
+
+def test_a_resumed_lightning_training_keeps_the_watchs_state(tmp_path):
+    """Lightning restores the callback's state from its checkpoint before the training starts:
+    the resumed watch appends from the checkpoint's step and counts the samples the edits have
+    seen (rows_seen) as the uninterrupted training does."""
+
+    edits = {
+        "scale": {"layers": ["net.layer1"], "site": "grad_output", "op": "scale", "factor": 0.5}
+    }
+
+    def fit(out, ckpt=None, save=None):
+        cb = ProbeCallback(PROBES, out=out, every=EVERY, edits=edits)
+        saving = (
+            [] if save is None else [ModelCheckpoint(save, every_n_train_steps=3, save_top_k=-1)]
+        )
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+            enable_checkpointing=save is not None, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[cb, *saving],
+        )  # fmt: skip
+        loader = torch.utils.data.DataLoader(image_batches(STEPS), batch_size=None)
+        trainer.fit(LitCNN(), loader, ckpt_path=ckpt)
+        return cb
+
+    with one_thread():
+        torch.manual_seed(0)
+        whole = fit(tmp_path / "whole", save=tmp_path / "ckpt")  # (a checkpoint after step 3)
+        (checkpoint,) = (tmp_path / "ckpt").glob("*step=3.ckpt")
+        resumed = fit(tmp_path / "whole", ckpt=checkpoint)
+    assert whole.watch.watcher.rows_seen == 8 * STEPS
+    assert resumed.watch.watcher.rows_seen == whole.watch.watcher.rows_seen
+    cut = pd.read_csv(tmp_path / "whole" / "train.csv")
+    assert (
+        sorted(set(cut.step)) == [0, 2, 4] and not cut.duplicated(["step", "layer", "site"]).any()
+    )
