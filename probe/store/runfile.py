@@ -8,6 +8,7 @@ directory: its rows grow) or *partial* (stopped early); the valid rows of the la
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import h5py
@@ -34,7 +35,7 @@ def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
     if p.is_dir():
         raise DataError(f"{str(p)!r} is a directory; give the probe.h5 inside it")
     try:
-        f = _open(p, mode)
+        f = _open_settled(p, mode)
     except NothingFlushed:
         raise
     except OSError as e:
@@ -57,6 +58,24 @@ def open_probe_file(path, mode: str = "r", ours_only: bool = True) -> h5py.File:
             "attribute); give the probe.h5 of a run directory"
         )
     return f
+
+
+SETTLE_SECONDS = 2.0  # how long a live writer's file may look cut short while it grows or closes
+
+
+def _open_settled(p: Path, mode: str) -> h5py.File:
+    """`_open`; a file that looks cut short while a live run holds its directory (its writer
+    extending or closing it between a reader's two reads of the header) is tried again for
+    up to SETTLE_SECONDS: a file really cut short stays so, and its error follows."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        try:
+            return _open(p, mode)
+        except OSError as e:
+            live = "truncated" in str(e) and runlock.holder(p.parent) is not None
+            if not live or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _open(p: Path, mode: str) -> h5py.File:

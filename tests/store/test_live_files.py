@@ -493,3 +493,33 @@ def test_a_resume_killed_before_its_first_batch_leaves_a_readable_file(tmp_path)
         got, want = file_arrays(a), file_arrays(b)
     for name, array in want.items():
         np.testing.assert_array_equal(got[name], array, err_msg=name)
+
+
+def test_a_live_runs_file_that_looks_cut_short_is_read_once_its_writer_settles(tmp_path):
+    """While a live run holds the directory, a file that looks cut short (its writer extending
+    or closing it) is tried again: read once whole; one that stays cut short is named so, after
+    SETTLE_SECONDS; without a live run at once."""
+    import threading
+
+    from probe.store import runfile, runlock
+
+    cfg = make_cfg("dataset.num_samples=4", "dataset.batch_size=2")
+    run(cfg, run_dir=tmp_path / "done")
+    whole = (tmp_path / "done" / "probe.h5").read_bytes()
+    live = tmp_path / "live"
+    live.mkdir()
+    h5 = live / "probe.h5"
+    h5.write_bytes(whole[: len(whole) // 2])
+    with runlock.hold(live):
+        threading.Timer(0.3, h5.write_bytes, [whole]).start()  # the writer settles
+        with runfile.open_probe_file(h5) as f:
+            assert f.attrs["complete"] and int(f.attrs["num_samples"]) == 4
+        h5.write_bytes(whole[: len(whole) // 2])
+        started = time.monotonic()
+        with pytest.raises(probe.DataError, match="cut short"):
+            runfile.open_probe_file(h5)
+        assert time.monotonic() - started >= runfile.SETTLE_SECONDS
+    started = time.monotonic()
+    with pytest.raises(probe.DataError, match="cut short"):
+        runfile.open_probe_file(h5)
+    assert time.monotonic() - started < runfile.SETTLE_SECONDS
