@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 _API = {
     "run": ("probe.launch.api", "run"),
     "capture": ("probe.hooks.memory", "capture"),
-    "sites": ("probe.hooks.sites", "sites"),
+    "sites": ("probe.hooks.site_table", "sites"),
     "open_run": ("probe.read.runs", "open_run"),
     "open_sweep": ("probe.read.runs", "open_sweep"),
-    "watch": ("probe.train.watch", "watch"),
+    "watch": ("probe.train.watched_run", "watch"),
     "ProbeError": ("probe.errors", "ProbeError"),
     "ConfigError": ("probe.errors", "ConfigError"),
     "DataError": ("probe.errors", "DataError"),

@@ -1,5 +1,5 @@
 """`python -m probe.analyze RUN [linear|cka|all|topk|circuit]`: linear probes and CKA over a run or
-a sweep (probe.analysis.analyze); `topk` draws feature cards, with their own options
+a sweep (probe.analysis.streamed_analyses); `topk` draws feature cards, with their own options
 (probe.report.cards); `circuit` a run's best edges or a sweep's edge x run table
 (probe.report.circuits)."""
 
@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         from probe.report.circuits import main as circuits
 
         return circuits(argv)
-    from probe.analysis.analyze import main as analyses
+    from probe.analysis.streamed_analyses import main as analyses
 
     return analyses(argv)
 

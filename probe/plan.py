@@ -231,7 +231,7 @@ def parse(cfg, *, in_hand: bool = False) -> RunPlan:
 @dataclass(frozen=True)
 class TrainingPlan:
     """Everything `python -m probe.train` is told (conf/train.yaml), parsed and checked: a run's
-    model, dataset, objective (the loss) and probes (their sites the watch's: probe.train.sites),
+    model, dataset, objective (the loss) and probes (their sites the watch's: probe.train.watched_sites),
     how to train and how to watch."""
 
     model: ModelSpec
@@ -305,7 +305,7 @@ def probe_specs(probes, *, run_sites: bool = True) -> FrozenDict:
     """Probes typed and checked, name -> ProbeSpec. `probes` is a mapping name -> spec (a probe
     file's content, the composed config's probes, a plan's probes) or the name of a shipped
     probe file. `run_sites=False` leaves the capture sites to the caller (a watched training
-    has sites of its own: probe.train.sites)."""
+    has sites of its own: probe.train.watched_sites)."""
     if isinstance(probes, Mapping) and all(isinstance(p, ProbeSpec) for p in probes.values()):
         return FrozenDict(probes)  # (parsed already)
     return FrozenDict(

@@ -1,4 +1,4 @@
-"""`python -m probe.sites OVERRIDES`: the table of modules a probe can name (probe.hooks.sites),
+"""`python -m probe.sites OVERRIDES`: the table of modules a probe can name (probe.hooks.site_table),
 and for a token model the node and edge counts of its circuit graph (probe.circuits.graph).
 
 Made callable, so that `probe.sites(model)` still calls the function once this module has been
@@ -8,9 +8,9 @@ imported (an import binds the package's `sites` attribute to the module).
 import sys
 
 from probe.callable import make_callable
-from probe.hooks.sites import main
+from probe.hooks.site_table import main
 
-make_callable(__name__, "probe.hooks.sites", "sites")
+make_callable(__name__, "probe.hooks.site_table", "sites")
 
 
 def circuit_counts(model, inputs) -> list[str]:

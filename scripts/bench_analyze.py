@@ -23,13 +23,13 @@ from bench_common import ROOT  # the repository root, put on sys.path there
 HWM = """
 print([int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0])
 """
-CHILD_IMPORT = "import probe.analysis.analyze\nprint(0.0)\n" + HWM
+CHILD_IMPORT = "import probe.analysis.streamed_analyses\nprint(0.0)\n" + HWM
 LINEAR = ["layer", "features", "source_features", "accuracy", "chance", "samples_train"]
 CKA = ["layer_a", "layer_b", "cka", "method"]
 CHILD_ANALYZE = (
     """
 import sys, time
-from probe.analysis.analyze import main
+from probe.analysis.streamed_analyses import main
 t = time.perf_counter()
 assert main([sys.argv[1], "all", "--memory", sys.argv[2], "--max-features", sys.argv[3]]) == 0
 assert "torch" not in sys.modules

@@ -166,9 +166,9 @@ def main(argv=None) -> int:
     import torch
 
     from probe.circuits.context import BatchContext
-    from probe.circuits.gradients import CHUNK_BYTES
+    from probe.circuits.exact import exact_edges
     from probe.circuits.parts import parts_of
-    from probe.circuits.patching import exact_edges
+    from probe.circuits.receiver_grads import CHUNK_BYTES
     from probe.circuits.scores import attribute
     from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 

@@ -249,7 +249,7 @@ PARTS = [  # (label, file suffix, function name): where a pipeline run spends it
     for part in (
         "model forwards (GPT2LMHeadModel) @ transformers/models/gpt2/modeling_gpt2.py @ forward",
         "grid hook: Grid._patched @ probe/intervene/grid.py @ _patched",
-        "  Region.mask @ probe/intervene/patching.py @ mask",
+        "  Region.mask @ probe/intervene/patch_steer.py @ mask",
         "metrics.value (per cell) @ probe/intervene/metrics.py @ value",
         "Interventions._cells @ probe/intervene/passes.py @ _cells",
         "Grid.run_cells @ probe/intervene/grid.py @ run_cells",
@@ -259,7 +259,7 @@ PARTS = [  # (label, file suffix, function name): where a pipeline run spends it
         "ProbeWriter() @ probe/store/writer.py @ __init__",
         "report: patching_table @ probe/intervene/grid.py @ patching_table",
         "report: heatmap @ probe/intervene/grid.py @ heatmap",
-        "summary_frame @ probe/read/summarize.py @ summary_frame",
+        "summary_frame @ probe/read/summaries.py @ summary_frame",
     )
 ]
 

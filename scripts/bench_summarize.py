@@ -6,7 +6,7 @@ raw h5py chunked read of the same file, measured side by side.
 
 Writes a complete probe.h5 of about GB gigabytes (by default conv-like float32 datasets; per-sample
 shapes from --shapes; post-ReLU values, chunked as the writer chunks them), then in child
-processes: a raw read of every dataset in chunk-aligned slabs, and `probe.read.summarize` on the run
+processes: a raw read of every dataset in chunk-aligned slabs, and `probe.read.summaries` on the run
 directory, each twice and timed the second time (the first warms the page cache, and may compile
 the statistics kernels into numba's disk cache). Targets: summarize peak RSS under 500 MB,
 throughput within 2x of the raw read.
@@ -52,7 +52,7 @@ CHILD_IMPORT = (
     """
 import time
 t = time.perf_counter()
-import probe.read.summarize  # numpy, numba, h5py, pandas: the floor of any summarize process
+import probe.read.summaries  # numpy, numba, h5py, pandas: the floor of any summarize process
 print(0, time.perf_counter() - t)
 """
     + HWM
@@ -61,7 +61,7 @@ print(0, time.perf_counter() - t)
 CHILD_SUMMARIZE = (
     """
 import sys, time
-from probe.read.summarize import main
+from probe.read.summaries import main
 t = time.perf_counter()
 code = main([sys.argv[1]])
 print(-1, time.perf_counter() - t)

@@ -78,7 +78,7 @@ def posthoc(h5: Path):
     import numpy as np
     import torch
 
-    from probe.hooks.examples import POSITION_BITS, TopKSpec, partial, stored_keys
+    from probe.hooks.batch_topk import POSITION_BITS, TopKSpec, partial, stored_keys
     from probe.stats.topk import TopKState
 
     spec = TopKSpec(top=K)

@@ -162,8 +162,8 @@ class HistogramLoop:
     gradients and updates around the optimizer step, each `add_histogram`ed at recorded steps."""
 
     def __init__(self, model, probes, writer):
-        from probe.hooks.select import match_modules
-        from probe.hooks.sites import probe_specs
+        from probe.hooks.module_select import match_modules
+        from probe.hooks.site_table import probe_specs
 
         self.writer, self.recording, self.step, self.handles = writer, False, 0, []
         self.params, self.before = {}, {}

@@ -10,7 +10,7 @@ import torch
 
 from probe.stats.parallel import usable_cores
 from probe.testing.compose import QUIET
-from probe.testing.tokens import make_tiny, make_tokenizer
+from probe.testing.tiny_lms import make_tiny, make_tokenizer
 
 # Nothing is downloaded: the HuggingFace hub answers at once that it is offline (a name it would
 # look up, such as a custom model's as a tokenizer, otherwise waits out its retries), here and in
@@ -134,7 +134,7 @@ def resnet():
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-    """A tiny tokenizer saved with save_pretrained (see probe.testing.tokens.make_tokenizer)."""
+    """A tiny tokenizer saved with save_pretrained (see probe.testing.tiny_lms.make_tokenizer)."""
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 

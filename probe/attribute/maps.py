@@ -62,7 +62,7 @@ def cam(site: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def attribution_maps(item, tokens) -> dict[str, tuple[torch.Tensor, object]]:
     """{dataset name: (values, the selection to keep them by)} for what `item` (a
-    probe.hooks.gradients.Attributed) explains, except ig_output (probe.attribute.integrated)."""
+    probe.hooks.backward.Attributed) explains, except ig_output (probe.attribute.integrated)."""
     a, g, sel = item.value.float(), item.grad.float(), item.selection
     where = f"probe {sel.probe!r} layer {item.layer!r}"
     suffix = item.name[len(item.site) :]  # the tuple path and call (`.0`, `@1`) of the value

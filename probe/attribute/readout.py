@@ -11,7 +11,7 @@ import pandas as pd
 from probe.attribute.dla import DirectLogit
 from probe.attribute.lens import ANSWER, PER_TOKEN, Lens
 from probe.errors import ConfigError
-from probe.hooks.select import block_names, match_modules, warn_nested
+from probe.hooks.module_select import block_names, match_modules, warn_nested
 from probe.models.anatomy import anatomy
 from probe.plan import LensSpec, Selector
 

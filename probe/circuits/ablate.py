@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from probe.circuits.gradients import CHUNK_BYTES, chunks
 from probe.circuits.parts import Parts
+from probe.circuits.receiver_grads import CHUNK_BYTES, chunks
 from probe.circuits.states import Recorder, SenderStates, writes
 from probe.errors import ConfigError
 from probe.hooks.forward import call

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from probe.circuits.context import BatchContext
-from probe.circuits.gradients import CHUNK_BYTES, contract, gradient_run
+from probe.circuits.receiver_grads import CHUNK_BYTES, contract, gradient_run
 from probe.errors import ConfigError
 
 GRADIENT_METHODS = ("eap", "eap_ig_inputs", "eap_ig_activations")

@@ -1,7 +1,7 @@
 """How much of the model's behaviour a circuit keeps, as MIB measures it
 (hannamw/MIB-circuit-track, `MIB_circuit_track/evaluation.py`, `evaluate_area_under_curve`).
 
-A circuit's metric m(C) is the metric with every edge outside it ablated (probe.circuits.patching
+A circuit's metric m(C) is the metric with every edge outside it ablated (probe.circuits.exact
 .evaluate), averaged over the pairs. Its faithfulness is normalised between the empty circuit
 (every edge ablated) and the full one (no edge ablated: the clean model):
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from probe.circuits.select import check_sizes, circuits, edge_counts, importance
+from probe.circuits.cut import check_sizes, circuits, edge_counts, importance
 
 FULL = 100.0
 
@@ -110,7 +110,7 @@ class Plan:
 
 def plan(graph, scores: dict[str, np.ndarray], sizes, how: str, absolute: bool, metric: str):
     """The circuits of every method's edge `scores` at `sizes` (percent), cut by `how` (topn,
-    greedy) on absolute or signed scores for `metric` (probe.circuits.select), each distinct
+    greedy) on absolute or signed scores for `metric` (probe.circuits.cut), each distinct
     circuit once, after the full and the empty one."""
     sizes = check_sizes(sizes)
     full, empty = np.ones(graph.n_edges, dtype=bool), np.zeros(graph.n_edges, dtype=bool)

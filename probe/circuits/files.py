@@ -20,10 +20,10 @@ import h5py
 import numpy as np
 import pandas as pd
 
+from probe.circuits.cut import RISES_WITH_ANSWER, importance
 from probe.circuits.faithfulness import Curve
 from probe.circuits.graph import Graph
 from probe.circuits.scores import EdgeScores
-from probe.circuits.select import RISES_WITH_ANSWER, importance
 from probe.circuits.states import SenderStates
 from probe.errors import DataError
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from probe.circuits.graph import Graph
 from probe.errors import ConfigError
-from probe.hooks.select import block_names
+from probe.hooks.module_select import block_names
 from probe.models.anatomy import QKV_LAYOUTS, Anatomy, anatomy
 
 KEYS = (

@@ -24,10 +24,10 @@ import torch
 
 from probe.circuits import eap as gradient
 from probe.circuits.context import BatchContext
-from probe.circuits.gradients import CHUNK_BYTES
+from probe.circuits.exact import PER_FORWARD, check_exact, exact_edges, exact_nodes
 from probe.circuits.graph import Graph
 from probe.circuits.parts import Parts
-from probe.circuits.patching import PER_FORWARD, check_exact, exact_edges, exact_nodes
+from probe.circuits.receiver_grads import CHUNK_BYTES
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.config import CIRCUIT_METHODS
 from probe.errors import ConfigError

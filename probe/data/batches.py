@@ -1,5 +1,5 @@
 """Build the ordered batch iterator a dataset config names: images, tensors or tokens
-(`probe.data.tokens`; a token batch's inputs are a dict of `input_ids` and `attention_mask`)."""
+(`probe.data.token_sets`; a token batch's inputs are a dict of `input_ids` and `attention_mask`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from probe.config import TOKEN_DATASETS, TOKEN_REDUCTIONS
-from probe.data.tokens import token_dataset
+from probe.data.token_sets import token_dataset
 from probe.errors import DataError
 from probe.plan import DataSpec, ModelSpec
 

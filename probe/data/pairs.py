@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from probe.data import text as tx  # its record and tokenizer helpers
-from probe.data import tokens as tk  # its file and id helpers, private or not
+from probe.data import token_sets as tk  # its file and id helpers, private or not
 from probe.errors import DataError
 
 _KEYS = ("clean_ids", "corrupt_ids", "attention_mask", "answer", "wrong")

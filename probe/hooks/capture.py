@@ -20,13 +20,13 @@ from torch.autograd.graph import get_gradient_edge
 
 from probe.config import ATTRIBUTION_SITES
 from probe.errors import ConfigError, ModelError
+from probe.hooks.backward import DTYPES, Attributed, PendingGrad
+from probe.hooks.batch_topk import TopKSpec, partial, row_keys
 from probe.hooks.buffers import AlignedPool, aligned_empty
-from probe.hooks.examples import TopKSpec, partial, row_keys
-from probe.hooks.gradients import DTYPES, Attributed, PendingGrad
 from probe.hooks.hookset import HookSet
+from probe.hooks.module_select import Selection
 from probe.hooks.names import dataset_name, flatten, replace_tensors
 from probe.hooks.sae_site import SaeSite, sae_site, take_sae
-from probe.hooks.select import Selection
 from probe.layout import TokenBatch, reduced, token_rows, unit_axis
 
 # the attribution sites that explain a module's output, and its input

@@ -3,7 +3,7 @@
 The small-data path: for a notebook or a test, where a run directory and an HDF5 file are more
 than the question needs. Everything captured stays in memory, so keep it to a few batches;
 `probe.launch.run` and `python -m probe` stream to HDF5 with bounded memory instead. The hooks are
-probe.hooks.capture.Capture's, with the selection of probe.hooks.select, so names, copies, reductions and dtypes
+probe.hooks.capture.Capture's, with the selection of probe.hooks.module_select, so names, copies, reductions and dtypes
 are those of a run.
 """
 
@@ -16,11 +16,11 @@ from torch import nn
 
 from probe.config import GRAD_SITES
 from probe.errors import ConfigError, ModelError, ProbeError
+from probe.hooks.backward import resolve_grads
 from probe.hooks.capture import BatchCapture, Capture
-from probe.hooks.gradients import resolve_grads
 from probe.hooks.hookset import HookSet
+from probe.hooks.module_select import select_modules
 from probe.hooks.names import flatten
-from probe.hooks.select import select_modules
 from probe.layout import TokenBatch
 from probe.plan import probe_specs
 

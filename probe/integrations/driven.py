@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from probe.errors import ConfigError
 from probe.store.steps_file import STAT_COLUMNS
 from probe.train.schedule import Schedule
-from probe.train.watch import STATE_VERSION, Watch
+from probe.train.watched_run import STATE_VERSION, Watch
 
 # what the callbacks set themselves
 OWN = {"model", "probes", "out", "every", "optimizer", "hook_optimizer", "scaler"}

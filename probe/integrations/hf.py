@@ -59,7 +59,7 @@ class ProbeCallback(TrainerCallback):
 
     @property
     def watch(self):
-        """The watch (probe.train.watch.Watch) while the training runs."""
+        """The watch (probe.train.watched_run.Watch) while the training runs."""
         return self.driven.watch
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

@@ -50,7 +50,7 @@ class ProbeCallback(Callback):
 
     @property
     def watch(self):
-        """The watch (probe.train.watch.Watch) while the training runs."""
+        """The watch (probe.train.watched_run.Watch) while the training runs."""
         return self.driven.watch
 
     def on_train_start(self, trainer, pl_module) -> None:

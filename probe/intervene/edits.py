@@ -17,8 +17,8 @@ from torch import nn
 
 from probe.config import import_target
 from probe.errors import ConfigError, DataError
-from probe.hooks.select import match_modules
-from probe.intervene.patching import Patch, Region, Steer, load_vector, mean_diff
+from probe.hooks.module_select import match_modules
+from probe.intervene.patch_steer import Patch, Region, Steer, load_vector, mean_diff
 from probe.layout import class_axis
 from probe.plan import EditSpec
 from probe.store import swmr
@@ -247,7 +247,7 @@ def first_pass_means(model: nn.Module, batches, edits: list[Edit], device) -> No
     """op=mean with source=first_pass: one clean pass over the dataset summing each edited site."""
     from probe.hooks.capture import Capture
     from probe.hooks.forward import call, to_device, token_batch
-    from probe.hooks.select import Selection
+    from probe.hooks.module_select import Selection
 
     sources = [e.fn for e in edits if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass]
     if not sources:

@@ -24,9 +24,9 @@ from probe.config import ATTENTION_SITES, GRID_AXES, PATCH_SOURCES
 from probe.errors import ConfigError
 from probe.hooks.forward import call
 from probe.hooks.hookset import HookSet
-from probe.hooks.select import match_modules, warn_nested
+from probe.hooks.module_select import match_modules, warn_nested
 from probe.intervene.attention import AttentionSites
-from probe.intervene.patching import Region, read_rows, run_file
+from probe.intervene.patch_steer import Region, read_rows, run_file
 from probe.layout import TokenBatch, class_axis
 from probe.plan import GridSpec
 from probe.store.fileformat import read_progress

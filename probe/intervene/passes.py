@@ -25,12 +25,12 @@ from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.capture import Capture
 from probe.hooks.forward import answer, call, first_output, output_rows, to_device
-from probe.hooks.select import Selection
+from probe.hooks.module_select import Selection
 from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
 from probe.intervene.grid import Grid, heatmap, patching_table
 from probe.intervene.metrics import at_position, check_metrics, per_sample, summary, value
-from probe.intervene.patching import SOURCES, Patch
+from probe.intervene.patch_steer import SOURCES, Patch
 from probe.layout import TokenBatch
 from probe.plan import InterventionSpec
 from probe.store.fileformat import read_progress

@@ -12,9 +12,9 @@ import torch
 from probe.attribute.integrated import Integrated
 from probe.attribute.maps import take_maps
 from probe.hooks import device as devices
+from probe.hooks.backward import resolve_grads
 from probe.hooks.capture import Capture
 from probe.hooks.forward import call, first_output, output_rows, to_device, token_batch
-from probe.hooks.gradients import resolve_grads
 from probe.hooks.objective import per_sample
 from probe.hooks.record import Record
 from probe.intervene.passes import Interventions, split_pair

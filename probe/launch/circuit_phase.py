@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from probe.circuits.context import BatchContext
+from probe.circuits.cut import check_sizes
+from probe.circuits.exact import check_exact, evaluate
 from probe.circuits.faithfulness import plan
 from probe.circuits.files import CircuitResult, read, read_means
 from probe.circuits.parts import Parts, parts_of
-from probe.circuits.patching import check_exact, evaluate
 from probe.circuits.scores import EdgeScores, check_methods, score_batch
-from probe.circuits.select import check_sizes
 from probe.circuits.states import SenderStates, mean_states
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.data.batches import OrderedBatches

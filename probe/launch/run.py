@@ -25,11 +25,11 @@ from probe.data.batches import build_batches, check_token_data
 from probe.data.provenance import describe as describe_dataset
 from probe.errors import ConfigError
 from probe.hooks import nonfinite
+from probe.hooks.batch_topk import TopKSpec
 from probe.hooks.capture import Capture
-from probe.hooks.examples import TopKSpec
+from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
 from probe.hooks.sae_site import load_saes
-from probe.hooks.select import select_modules
 from probe.intervene.edits import build_edits, first_pass_means
 from probe.intervene.passes import Interventions
 from probe.intervene.splice import SpliceReport

@@ -23,7 +23,7 @@ from probe.attribute.table import attribution_table
 from probe.errors import DataError
 from probe.read.latents import SparseLatents
 from probe.read.lazy import LazyArray
-from probe.read.summarize import (
+from probe.read.summaries import (
     dataset_keys,
     gather_tables,
     read_overrides,
@@ -169,7 +169,7 @@ class Run:
         """The examples the run kept of `unit` (int, list, None: all) with stats.topk (kind
         top, bottom or quantiles): value, sample, position, and what the sample is (its path,
         document, or tokens with `context` tokens around); docs/features.md."""
-        from probe.read.examples import examples_table
+        from probe.read.example_rows import examples_table
 
         return examples_table(self, layer, site, unit, kind, context, tokenizer)
 
@@ -314,7 +314,7 @@ class Sweep:
     @cached_property
     def effects(self) -> pd.DataFrame | None:
         """Every run's effects.csv in one table, with the run and its override columns first
-        (the sweep's effects.csv when `probe.read.summarize` wrote it); None when no run made one."""
+        (the sweep's effects.csv when `probe.read.summaries` wrote it); None when no run made one."""
         csv = self.path / "effects.csv"
         if csv.is_file():
             return pd.read_csv(csv, dtype={"run": str})

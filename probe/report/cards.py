@@ -171,7 +171,7 @@ def _promoted(run, layer: str):
         if f"{layer}/ids" not in found:
             return None
         ids = found[f"{layer}/ids"]
-    from probe.read.examples import _decoder
+    from probe.read.example_rows import _decoder
 
     decode = _decoder(run, None)
     return [[decode([int(i)]) for i in row] for row in ids]

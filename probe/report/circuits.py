@@ -22,8 +22,8 @@ import pandas as pd
 
 from probe.circuits.files import CircuitResult, edge_table, read
 from probe.errors import DataError, ProbeError
-from probe.intervene.patching import run_file
-from probe.read.summarize import is_sweep, read_overrides, sweep_runs
+from probe.intervene.patch_steer import run_file
+from probe.read.summaries import is_sweep, read_overrides, sweep_runs
 
 log = logging.getLogger("probe")
 TOP = 200

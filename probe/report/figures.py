@@ -20,7 +20,7 @@ from pathlib import Path
 
 from probe.errors import ProbeError
 from probe.read.runs import open_run, open_sweep
-from probe.read.summarize import is_sweep
+from probe.read.summaries import is_sweep
 
 MAX_LINEAR = 8
 PLOT_EXTRA = "probe.plot needs matplotlib: pip install 'probe[plot]' (or pip install matplotlib)"

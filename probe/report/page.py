@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from probe.errors import ProbeError
 from probe.read.runs import open_run, open_sweep
-from probe.read.summarize import is_sweep
+from probe.read.summaries import is_sweep
 from probe.report.circuits import section as circuit_section
 from probe.report.html_parts import figure_png, img, page
 
@@ -47,7 +47,7 @@ def analyses(path: Path, mode: str, size: int) -> str:
     how = f"python -m probe.analyze {path} all"
     if mode == "auto" and size > CHEAP_BYTES:
         return f"<p>No linear probes or CKA yet ({size / 2**20:.0f} MB of data): run <code>{html.escape(how)}</code>.</p>"
-    from probe.analysis.analyze import analyze
+    from probe.analysis.streamed_analyses import analyze
 
     why = None if mode == "yes" or is_sweep(path) else too_few_rows(path)
     what = {"cka"} if why else "all"

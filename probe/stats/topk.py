@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probe.hooks.examples import POSITION_BITS, TopKSpec, priority  # noqa: F401
+from probe.hooks.batch_topk import POSITION_BITS, TopKSpec, priority  # noqa: F401
 
 KINDS = ("top", "bottom", "sample")
 

@@ -246,7 +246,7 @@ def _fold_examples(writer, info, block: np.ndarray, lo: int) -> None:
     (a capture of token positions per sample cannot tell its padding apart: rows: tokens can)."""
     import torch
 
-    from probe.hooks.examples import POSITION_BITS, partial, stored_keys
+    from probe.hooks.batch_topk import POSITION_BITS, partial, stored_keys
 
     f, n = writer.file, len(block)
     if info.rows == "tokens":

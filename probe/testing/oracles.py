@@ -25,8 +25,8 @@ from torch.nn import functional as F
 
 from probe.config import BACKWARD_SITES
 from probe.hooks.hookset import HookSet
+from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
-from probe.hooks.select import select_modules
 from probe.launch.run import Prepared, build_run, run
 from probe.models.placement import is_placed
 from probe.plan import RunPlan, parse

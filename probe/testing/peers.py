@@ -21,7 +21,7 @@ def bridge(model, folder, device: str = "cpu"):
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from probe.testing.tokens import make_tokenizer
+    from probe.testing.tiny_lms import make_tokenizer
 
     folder = Path(folder)
     model.save_pretrained(folder / "model")

@@ -58,11 +58,11 @@ def cnn(seed: int = 0) -> SmallCNN:
 
 
 def gpt2(seed: int = 0) -> nn.Module:
-    """A 2-layer width-32 GPT2LMHeadModel (probe.testing.tokens' config, vocabulary 40) in
+    """A 2-layer width-32 GPT2LMHeadModel (probe.testing.tiny_lms' config, vocabulary 40) in
     train mode, its dropout on."""
     from transformers import GPT2LMHeadModel
 
-    from probe.testing.tokens import tiny_config
+    from probe.testing.tiny_lms import tiny_config
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)

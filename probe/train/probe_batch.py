@@ -31,7 +31,7 @@ from probe.launch.run import run as run_config
 from probe.plan import probe_specs
 from probe.store.steps_file import PROBE_BATCH
 from probe.train.schedule import Schedule
-from probe.train.sites import value_probes
+from probe.train.watched_sites import value_probes
 
 log = logging.getLogger("probe")
 FOLDER = PROBE_BATCH

@@ -30,8 +30,8 @@ from torch import nn
 
 from probe.errors import ConfigError, ProbeError
 from probe.stats.running import RunningStats, UnitStats
-from probe.train.sites import PARAM_SITES, split_site
-from probe.train.watcher import StepRecord, is_dtensor
+from probe.train.step_hooks import StepRecord, is_dtensor
+from probe.train.watched_sites import PARAM_SITES, split_site
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -38,7 +38,7 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
     from probe.hooks.objective import build_objective, per_sample
     from probe.launch.run import resolve_device
     from probe.models.build import build_model, model_input
-    from probe.train.watch import watch
+    from probe.train.watched_run import watch
 
     t = plan.train
     device = resolve_device(plan.device)

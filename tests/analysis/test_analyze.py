@@ -1,4 +1,4 @@
-"""`probe.analysis.analyze`: linear probes and CKA over a real run, each value checked against the same
+"""`probe.analysis.streamed_analyses`: linear probes and CKA over a real run, each value checked against the same
 value computed in memory another way (numpy closed forms, the sample-Gram CKA formula)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import probe
-from probe.analysis.analyze import Options, RunFeatures, analyze
 from probe.analysis.cka import CountSketch, Features, cka_pairs, linear_cka, sketch_seed
 from probe.analysis.linear_probe import RidgeFit, split
+from probe.analysis.streamed_analyses import Options, RunFeatures, analyze
 from probe.store.runfile import open_probe_file
 from tests.helpers import ROOT, cli
 
@@ -307,7 +307,7 @@ def test_token_rows_are_skipped_and_token_layouts_pooled_per_sample(tmp_path):
     stored whole (N, T, C) and averaged over its tokens by the analysis."""
     from transformers import AutoModelForCausalLM
 
-    from probe.testing.tokens import make_tiny
+    from probe.testing.tiny_lms import make_tiny
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny("gpt2", tmp_path / "gpt2", 40))
     ids = torch.randint(1, 40, (24, 6), generator=torch.Generator().manual_seed(0))

@@ -12,7 +12,7 @@ from probe.data.batches import build_batches
 from probe.models.build import build_model
 from probe.plan import parse
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import tiny_config
+from probe.testing.tiny_lms import tiny_config
 from tests.helpers import run_probe
 
 captum_attr = pytest.importorskip("captum.attr")

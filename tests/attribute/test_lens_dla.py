@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probe.plan import parse
-from probe.testing.tokens import make_tiny
+from probe.testing.tiny_lms import make_tiny
 from tests.helpers import run_probe
 
 N, T = 5, 6
@@ -50,7 +50,7 @@ def by_hand(path, ids):
     """(each block's lens logits (L, N, T, V), final logits, the model) from plain hooks."""
     from transformers import AutoModelForCausalLM
 
-    from probe.hooks.select import block_names
+    from probe.hooks.module_select import block_names
     from probe.models.anatomy import anatomy
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -213,7 +213,7 @@ def test_bad_lens_input_is_a_named_error(tmp_path, models, extra, words, cli_in_
 def test_dla_refuses_a_post_norm_model(tmp_path, cli_in_process):
     from transformers import BertForMaskedLM
 
-    from probe.testing.tokens import tiny_config
+    from probe.testing.tiny_lms import tiny_config
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -243,7 +243,7 @@ def test_lens_at_the_last_position_reads_that_position_alone(tmp_path, models):
 def test_an_unknown_family_names_the_aliases_and_the_keys(tmp_path, lm, cli_in_process):
     """A model of a family the anatomy does not know: the alias is refused, naming the keys;
     given by hand (model.anatomy.mlp_out), it resolves below each block."""
-    from probe.hooks.select import select_modules
+    from probe.hooks.module_select import select_modules
     from probe.models.build import build_model
     from probe.testing.compose import make_cfg
 

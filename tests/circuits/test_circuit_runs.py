@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.circuits.exact import evaluate_dataset
 from probe.circuits.faithfulness import areas, plan
 from probe.circuits.graph import Graph
 from probe.circuits.parts import parts_of
-from probe.circuits.patching import evaluate_dataset
 from probe.circuits.scores import attribute
 from probe.circuits.states import mean_states
 from probe.circuits.task import Ablation
@@ -168,7 +168,7 @@ def test_mean_ablation_over_the_pairs_and_from_an_earlier_run(tmp_path, llama):
 
 
 def bert_dir(root):
-    from probe.testing.tokens import make_tiny
+    from probe.testing.tiny_lms import make_tiny
 
     return make_tiny("bert", root / "bert", vocab_size=50)
 
@@ -241,7 +241,7 @@ def test_two_ranks_merge_into_the_one_process_circuit(cli_runs):
 
 def test_analyze_prints_the_best_edges_and_sites_the_graphs_counts(cli_runs, llama, capsys):
     from probe.analyze import main as analyze
-    from probe.hooks.sites import main as sites
+    from probe.hooks.site_table import main as sites
     from probe.sites import circuit_counts
 
     root, _ = cli_runs

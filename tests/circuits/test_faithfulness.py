@@ -12,12 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.circuits.faithfulness import Curve, areas, faithfulness, plan
-from probe.circuits.graph import Graph
-from probe.circuits.parts import parts_of
-from probe.circuits.patching import evaluate_dataset
-from probe.circuits.scores import attribute
-from probe.circuits.select import (
+from probe.circuits.cut import (
     SIZES,
     check_sizes,
     edge_counts,
@@ -27,6 +22,11 @@ from probe.circuits.select import (
     select,
     topn,
 )
+from probe.circuits.exact import evaluate_dataset
+from probe.circuits.faithfulness import Curve, areas, faithfulness, plan
+from probe.circuits.graph import Graph
+from probe.circuits.parts import parts_of
+from probe.circuits.scores import attribute
 from probe.errors import ConfigError
 from tests.circuits.test_hand import build
 from tests.circuits.test_planted import EDGES, HEADS, batch, planted

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from probe.circuits.context import BatchContext
+from probe.circuits.exact import exact_edges, path_patch
 from probe.circuits.parts import parts_of
-from probe.circuits.patching import exact_edges, path_patch
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
-from probe.testing.tokens import tiny_config
+from probe.testing.tiny_lms import tiny_config
 from tests.circuits.hand import Hand
 from tests.circuits.toy import pairs
 

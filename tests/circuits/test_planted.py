@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from probe.circuits.context import BatchContext
+from probe.circuits.exact import evaluate, evaluate_dataset
 from probe.circuits.parts import parts_of
-from probe.circuits.patching import evaluate, evaluate_dataset
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from tests.circuits.toy import Toy, overrides

@@ -12,7 +12,7 @@ from probe.data.pairs import pair_dataset
 from probe.errors import ConfigError, DataError
 from probe.plan import parse
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import make_tokenizer
+from probe.testing.tiny_lms import make_tokenizer
 from tests.helpers import padded
 
 VOCAB = 32  # 4 specials + 28 words

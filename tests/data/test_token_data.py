@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from probe.data.tokens import token_dataset
+from probe.data.token_sets import token_dataset
 from probe.errors import ConfigError, DataError
 from probe.plan import DataSpec, ModelSpec, parse
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import make_tokenizer
+from probe.testing.tiny_lms import make_tokenizer
 from tests.helpers import padded
 
 DOCS = ["the cat sat on the mat", "a dog ran", "big red hat and then it was one two three four"]

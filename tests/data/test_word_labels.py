@@ -13,7 +13,7 @@ import torch
 
 import probe
 from probe.errors import ConfigError, DataError
-from probe.testing.tokens import make_tiny_gpt2
+from probe.testing.tiny_lms import make_tiny_gpt2
 from tests.helpers import run_probe
 
 DOCS = [
@@ -138,7 +138,7 @@ def test_token_labels_of_a_pt_file_with_padding_on_either_side(tmp_path):
 
 
 def test_label_errors_name_the_record_and_the_way_out(labelled_docs, tmp_path):
-    from probe.data.tokens import token_dataset
+    from probe.data.token_sets import token_dataset
     from probe.plan import parse
     from probe.testing.compose import make_cfg
 

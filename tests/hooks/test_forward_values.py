@@ -11,7 +11,7 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 from probe.data.batches import build_batches
 from probe.hooks.capture import Capture
-from probe.hooks.select import select_modules
+from probe.hooks.module_select import select_modules
 from probe.models.build import build_model
 from probe.plan import parse
 from probe.testing.compose import make_cfg

@@ -10,7 +10,7 @@ import torchvision
 from torch import nn
 
 from probe.errors import ConfigError, SelectionError
-from probe.hooks.select import block_names, select_modules
+from probe.hooks.module_select import block_names, select_modules
 from probe.layout import class_axis, unit_axis
 from probe.models.zoo import LeNet
 from probe.plan import probe_specs

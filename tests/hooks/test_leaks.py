@@ -17,11 +17,11 @@ import torch
 
 import probe
 from probe.errors import ModelError
+from probe.hooks.backward import resolve_grads
 from probe.hooks.capture import Capture
-from probe.hooks.gradients import resolve_grads
 from probe.hooks.hookset import HookSet
-from probe.hooks.select import select_modules
-from probe.hooks.sites import probe_specs
+from probe.hooks.module_select import select_modules
+from probe.hooks.site_table import probe_specs
 from probe.intervene.edits import Edit
 from probe.launch.run import run
 from probe.testing.arrays import file_arrays

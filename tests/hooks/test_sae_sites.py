@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import probe
-from probe.testing.tokens import make_tiny
+from probe.testing.tiny_lms import make_tiny
 from tests.helpers import run_probe
 from tests.models.test_sae_loading import reference, write_sae
 

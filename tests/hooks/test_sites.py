@@ -1,4 +1,4 @@
-"""probe.hooks.sites: the module table against named_modules, plain hooks of our own and probe.hooks.select."""
+"""probe.hooks.site_table: the module table against named_modules, plain hooks of our own and probe.hooks.module_select."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 
 import probe
 from probe.errors import ConfigError, ModelError
-from probe.hooks.select import select_modules
-from probe.hooks.sites import main
+from probe.hooks.module_select import select_modules
+from probe.hooks.site_table import main
 from probe.plan import probe_specs
 from probe.testing.models import Raises, TinyLM, TinyNet, assert_no_hooks, registrations
 from tests.helpers import ROOT

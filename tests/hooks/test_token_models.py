@@ -16,9 +16,9 @@ from probe.data.batches import build_batches
 from probe.launch.run import run
 from probe.models.build import build_model
 from probe.plan import parse
-from probe.read.summarize import summarize_file
+from probe.read.summaries import summarize_file
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import make_tiny
+from probe.testing.tiny_lms import make_tiny
 from tests.helpers import assert_same_arrays, cloned_outputs, run_probe
 
 LAYERS = {"gpt2": "transformer.h", "bert": "bert.encoder.layer", "llama": "model.layers"}
@@ -332,7 +332,7 @@ def test_torchvision_vit_blocks_probe_averages_tokens_into_features(tmp_path):
 def test_random_tokens_are_all_tokens_even_the_pad_id(tmp_path, saved):
     """dataset=random_tokens (vocabulary 3: the pad id 0 is drawn too) on a model with a pad
     token: every id is a token row, in order, equal to the dataset's seeded ids."""
-    from probe.data.tokens import RandomTokens
+    from probe.data.token_sets import RandomTokens
 
     directory, _ = saved["gpt2"]
     args = ["model=hf", f"model.name={directory}", "model.task=causal_lm", "dataset=random_tokens",

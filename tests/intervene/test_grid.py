@@ -231,7 +231,7 @@ def test_bad_grids_are_named(tmp_path, lm, extra, words):
 
 
 def test_a_sweep_of_grids_gathers_its_patching_tables(tmp_path, lm):
-    """-m over direction: one grid per job; probe.read.summarize of the sweep writes one
+    """-m over direction: one grid per job; probe.read.summaries of the sweep writes one
     patching.csv with the run and the override beside each job's rows."""
     import subprocess
     import sys

@@ -14,7 +14,7 @@ from probe.config import EditSpec
 from probe.errors import ConfigError, DataError
 from probe.launch.run import run
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import make_tiny
+from probe.testing.tiny_lms import make_tiny
 from tests.helpers import hf
 
 N, T = 5, 6

@@ -18,7 +18,7 @@ from probe.models.build import build_model
 from probe.plan import parse
 from probe.testing.compose import make_cfg
 from probe.testing.models import assert_no_hooks
-from probe.testing.tokens import make_tiny
+from probe.testing.tiny_lms import make_tiny
 from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

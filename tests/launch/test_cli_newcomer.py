@@ -22,7 +22,7 @@ from probe import plan as plans
 from probe.config import ProbeSpec
 from probe.data.batches import SyntheticImages, build_batches
 from probe.errors import CheckpointError, ProbeError
-from probe.hooks.select import select_modules
+from probe.hooks.module_select import select_modules
 from probe.models.build import build_model, key_prefix
 from probe.plan import parse, unread_keys
 from probe.testing.compose import make_cfg

@@ -13,7 +13,7 @@ from PIL import Image
 from probe.config import config_dir
 from probe.data.batches import build_batches
 from probe.errors import SelectionError
-from probe.hooks.select import select_modules
+from probe.hooks.module_select import select_modules
 from probe.models.build import build_model
 from probe.plan import parse
 from probe.testing.compose import make_cfg

@@ -17,7 +17,7 @@ import torch
 import probe
 from probe.errors import DataError
 from probe.launch.run import run
-from probe.read.summarize import summarize_file
+from probe.read.summaries import summarize_file
 from probe.store.stitch import IncompleteFileError, is_complete, open_checked, read_stats
 from probe.testing.compose import QUIET, make_cfg
 from tests.helpers import ROOT, assert_same_arrays

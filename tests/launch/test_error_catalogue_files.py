@@ -14,7 +14,7 @@ import pytest
 
 import probe
 from probe.launch.run import run
-from probe.read.summarize import summarize_file
+from probe.read.summaries import summarize_file
 from probe.store.runfile import NothingFlushed, open_probe_file
 from probe.testing.compose import QUIET, make_cfg
 from probe.testing.models import SignalsItself

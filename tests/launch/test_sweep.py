@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from probe.data.batches import build_batches
 from probe.models.build import build_model
 from probe.plan import parse
-from probe.read.summarize import sweep_table
+from probe.read.summaries import sweep_table
 from tests.helpers import assert_same_arrays, cli, cloned_outputs
 
 TINY = ["dataset.image_size=32", "dataset.num_samples=3", "dataset.batch_size=2"]

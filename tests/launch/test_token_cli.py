@@ -97,7 +97,7 @@ def test_a_text_run_tokenizes_with_the_named_tokenizer(tiny_gpt2, tmp_path):
 
 
 def test_a_sweep_of_token_runs_summarizes_into_one_table(tiny_gpt2, tmp_path):
-    """-m over rows: samples,tokens: probe.read.summarize gives one table whose rows count samples in
+    """-m over rows: samples,tokens: probe.read.summaries gives one table whose rows count samples in
     one run and tokens in the other, each equal to its run's summary.csv."""
     import subprocess
     import sys

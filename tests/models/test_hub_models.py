@@ -13,7 +13,7 @@ from probe.models.build import build_model
 from probe.models.hub import pad_token_id, vocab_size
 from probe.plan import parse
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import tiny_config
+from probe.testing.tiny_lms import tiny_config
 from tests.helpers import cli
 
 transformers = pytest.importorskip("transformers")

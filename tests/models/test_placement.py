@@ -18,7 +18,7 @@ from probe.models.build import build_model
 from probe.plan import parse
 from probe.testing.arrays import h5_arrays
 from probe.testing.compose import make_cfg
-from probe.testing.tokens import make_tiny
+from probe.testing.tiny_lms import make_tiny
 from tests.helpers import assert_same_arrays, run_probe
 
 CUDA = pytest.mark.cuda

@@ -11,7 +11,7 @@ import pytest
 
 from probe.read.mapped import mapped_slabs
 from probe.read.slabs import slabs
-from probe.read.summarize import summarize_file
+from probe.read.summaries import summarize_file
 
 A = np.random.default_rng(0).standard_normal((23, 3, 5)).astype(np.float32)
 ROW = 3 * 5 * 4  # bytes of a row

@@ -13,7 +13,7 @@ import pytest
 
 from probe.read.runs import open_sweep
 from probe.read.slabs import read_slabs
-from probe.read.summarize import summarize_file
+from probe.read.summaries import summarize_file
 from probe.read.tables import COLUMNS
 from probe.report.summary_plots import depth_figure
 from probe.store.fileformat import read_progress

@@ -114,7 +114,7 @@ def test_without_torchs_openmp_team_the_values_are_the_same(tmp_path, compiled):
 
 def test_importing_probe_compiles_and_imports_no_numba():
     code = (
-        "import sys, probe, probe.launch.run, probe.read.summarize, probe.__main__, probe.read.runs\n"
+        "import sys, probe, probe.launch.run, probe.read.summaries, probe.__main__, probe.read.runs\n"
         "print('numba' in sys.modules, 'probe.stats.kernels' in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

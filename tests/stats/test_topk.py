@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import probe
-from probe.hooks.examples import POSITION_BITS, TopKSpec, partial, priority, row_keys
+from probe.hooks.batch_topk import POSITION_BITS, TopKSpec, partial, priority, row_keys
 from probe.launch.run import run
 from probe.stats.topk import TopKState, best
 from probe.store import stats_file

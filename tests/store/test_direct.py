@@ -13,8 +13,8 @@ from torchvision.models.feature_extraction import create_feature_extractor
 
 from probe.hooks import buffers as host_buffers
 from probe.hooks.capture import keep
+from probe.hooks.module_select import Selection
 from probe.hooks.record import Record
-from probe.hooks.select import Selection
 from probe.plan import StoreSpec
 from probe.store import direct
 from probe.store.chunks import chunk_rows

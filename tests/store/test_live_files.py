@@ -23,7 +23,7 @@ from probe.hooks.record import Record
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.plan import StoreSpec
-from probe.read.summarize import summarize_file
+from probe.read.summaries import summarize_file
 from probe.stats import backend
 from probe.stats.running import SCALARS, UNIT_FIELDS, stats_for
 from probe.store import stats_file
@@ -52,7 +52,7 @@ def start(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 def test_a_second_process_reads_every_flushed_batch_while_the_run_writes(tmp_path):
-    """h5py (SWMR), probe.open_run with refresh() and probe.read.summarize, every few batches: what
+    """h5py (SWMR), probe.open_run with refresh() and probe.read.summaries, every few batches: what
     they see is the finished file's first rows, and the file is "in progress", never damaged."""
     gate = (
         tmp_path / "hold"

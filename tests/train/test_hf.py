@@ -16,7 +16,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArgu
 import probe
 from probe.errors import ConfigError
 from probe.integrations.hf import ProbeCallback
-from probe.testing.tokens import tiny_config
+from probe.testing.tiny_lms import tiny_config
 from probe.testing.trainings import assert_bitwise_equal, one_thread, state_of
 
 PROBES = {

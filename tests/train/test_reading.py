@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 import probe
-from probe.read.summarize import main as summarize_main
+from probe.read.summaries import main as summarize_main
 from probe.store.steps_file import CSV_COLUMNS, STAT_COLUMNS
 from probe.testing.trainings import cnn, image_batches, image_loss
 from tests.helpers import ROOT

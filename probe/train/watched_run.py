@@ -8,7 +8,7 @@
             w.loss(loss)            # optional: the step's loss in the file
             opt.step()              # the optimizer's step hooks count the steps
 
-No extra forward or backward: the hooks watch the user's own (probe.train.watcher). Without
+No extra forward or backward: the hooks watch the user's own (probe.train.step_hooks). Without
 `optimizer=`, the loop calls `w.step(loss=loss)` after each optimizer step (before zero_grad).
 The run directory holds probe.h5 with the per-step statistics (probe.store.steps_file),
 train.csv, probe.log, watch.yaml and, with a `probe_batch`, its evaluations
@@ -39,8 +39,8 @@ from probe.store.steps_file import SCALAR_COLUMNS, StepFile
 from probe.train import ranks
 from probe.train.probe_batch import FOLDER, ProbeBatch
 from probe.train.schedule import Schedule
-from probe.train.sites import resolve
-from probe.train.watcher import COMPILED_WAY_OUT, Watcher
+from probe.train.step_hooks import COMPILED_WAY_OUT, Watcher
+from probe.train.watched_sites import resolve
 
 log = logging.getLogger("probe")
 STATE_VERSION = 1

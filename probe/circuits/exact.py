@@ -20,7 +20,7 @@ import torch
 
 from probe.circuits.ablate import Table, edge_masks, kept_masks, node_masks, rewritten
 from probe.circuits.context import BatchContext
-from probe.circuits.gradients import CHUNK_BYTES
+from probe.circuits.receiver_grads import CHUNK_BYTES
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.errors import ConfigError
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge
 
-from probe.hooks.select import Selection
+from probe.hooks.module_select import Selection
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 

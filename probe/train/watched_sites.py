@@ -11,7 +11,7 @@ A probe's `capture` lists, per selected module:
   `param.<glob>` (`param.weight`, `param_grad.*.bias`) only those whose name matches
   (fnmatchcase). Gradients and updates are of trainable parameters only.
 
-Modules are selected as a run selects them (`probe.hooks.select.match_modules`: globs, types,
+Modules are selected as a run selects them (`probe.hooks.module_select.match_modules`: globs, types,
 `@blocks` aliases, exclude), from the probe specs `probe.plan.probe_specs` parses.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from probe.errors import ConfigError
-from probe.hooks.select import match_modules
+from probe.hooks.module_select import match_modules
 from probe.layout import class_axis
 from probe.plan import probe_specs, spec_config
 

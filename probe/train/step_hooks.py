@@ -35,8 +35,8 @@ from probe.layout import unit_axis
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
-from probe.train.sites import GRAD_SITES, WatchedModule, class_name
 from probe.train.step_stats import Key, StepStats
+from probe.train.watched_sites import GRAD_SITES, WatchedModule, class_name
 
 log = logging.getLogger("probe")
 

@@ -3,10 +3,10 @@
 Layer globs are written against names one cannot see without printing the model; this table lists
 every module with its class and parameters, and with an example input what each produced on its
 first call and how often it ran (call k>0 is stored as `output@k`). With `probes` it says which
-probe selects each module, by probe.hooks.select's own `select_modules`, so what it shows is what a run
+probe selects each module, by probe.hooks.module_select's own `select_modules`, so what it shows is what a run
 hooks. `python -m probe.sites OVERRIDES` prints it for the model and data a run would use.
 
-`probe.hooks.sites` is this module, made callable, so `probe.sites(model)` works even once the module
+`probe.hooks.site_table` is this module, made callable, so `probe.sites(model)` works even once the module
 is imported (an import sets the package's `sites` attribute to the module).
 """
 
@@ -23,8 +23,8 @@ from probe.config import config_dir
 from probe.errors import ModelError, ProbeError, SelectionError
 from probe.hooks.forward import call, to_device
 from probe.hooks.hookset import HookSet
+from probe.hooks.module_select import select_modules
 from probe.hooks.names import dataset_name, flatten
-from probe.hooks.select import select_modules
 from probe.models.build import model_input
 from probe.plan import probe_specs
 

@@ -34,7 +34,7 @@ from probe.analysis.linear_probe import LINEAR_COLUMNS, run_table
 from probe.errors import ConfigError, DataError, ProbeError
 from probe.read import slabs as slab_reads
 from probe.read.runs import open_run
-from probe.read.summarize import is_sweep, read_overrides, sweep_runs, write_table
+from probe.read.summaries import is_sweep, read_overrides, sweep_runs, write_table
 from probe.read.train_steps import is_watched_run, probe_batch_sweep
 from probe.store.fileformat import is_per_batch, layer_path
 
