@@ -11,6 +11,7 @@ import importlib.util
 import math
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from probe.choices import NUMBA_MISSING
@@ -45,6 +46,22 @@ from probe.config import (
     require_target,
 )
 from probe.errors import ConfigError, DataError
+from probe.specs import (
+    AttributionSpec,
+    CircuitSpec,
+    DataSpec,
+    EditSpec,
+    GridSpec,
+    InterventionSpec,
+    LensSpec,
+    ObjectiveSpec,
+    ProbeSpec,
+    RunOptions,
+    StatsSpec,
+    StoreSpec,
+    TrainSpec,
+    WatchSpec,
+)
 
 SEED_LIMIT = 1 << 40
 # the device types torch.device parses (the pinned torch's list; `auto` is probe's own)
@@ -68,7 +85,7 @@ def at_least(key: str, value, least: int = 1, note: str = "") -> None:
         raise ConfigError(f"{key}={value} must be at least {least}{note}")
 
 
-def check_training(train, watch, probes) -> None:
+def check_training(train: TrainSpec, watch: WatchSpec, probes: Mapping[str, ProbeSpec]) -> None:
     """`python -m probe.train`'s train.* and watch.* keys, and that it watches something."""
     choice("train.optimizer", train.optimizer, OPTIMIZERS)
     for key in ("lr", "momentum", "weight_decay"):
@@ -87,7 +104,7 @@ def check_training(train, watch, probes) -> None:
         raise ConfigError("the training watches no probe; choose probes=all_linear or add one")
 
 
-def check_circuit(c, options) -> None:
+def check_circuit(c: CircuitSpec, options: RunOptions) -> None:
     """circuit.* as far as the config decides (probe.launch.circuit_phase checks the rest on the
     model and the pairs: the graph, the answers, exact's edges, the sizes, mean_source's file)."""
     if not c.method:
@@ -121,7 +138,7 @@ def check_seed(key: str, seed) -> None:
 
 
 # -- how the run runs ----------------------------------------------------------------------------
-def check_run_options(options, store, stats) -> None:
+def check_run_options(options: RunOptions, store: StoreSpec, stats: StatsSpec) -> None:
     """The device, the statistics (stats.*, and the numba backend installed) and store.*.
     precision, store.model_output, stats.backend, store.mode and store.compression are Choices of
     the schema: Hydra refused any other value when it composed the config."""
@@ -139,7 +156,7 @@ def check_device(name) -> None:
         raise ConfigError(f"device={name!r} is not a torch device; use cpu, cuda, cuda:N or auto")
 
 
-def check_store(s, during: str = "run") -> None:
+def check_store(s: StoreSpec, during: str = "run") -> None:
     """store.* (and stats.during, which needs stored rows): the writer takes them as they are."""
     at_least("store.queue_batches", s.queue_batches)
     if s.mode == "stats" and during != "run":
@@ -165,7 +182,7 @@ def check_store(s, during: str = "run") -> None:
 
 
 # -- the dataset ---------------------------------------------------------------------------------
-def check_data(d) -> None:
+def check_data(d: DataSpec) -> None:
     """The dataset's sizes and name, and the files and folders its kind reads."""
     at_least("dataset.batch_size", d.batch_size)
     at_least("dataset.num_samples", d.num_samples, note=" (or null for all)")
@@ -203,7 +220,7 @@ def check_data(d) -> None:
         _check_labels(d)
 
 
-def _check_file_kind(d) -> None:
+def _check_file_kind(d: DataSpec) -> None:
     """The suffixes dataset=text and dataset=pairs read."""
     suffix = Path(str(d.path)).suffix
     if d.name == "text" and suffix.lower() not in TEXT_SUFFIXES:
@@ -218,7 +235,7 @@ def _check_file_kind(d) -> None:
         )
 
 
-def _check_labels(d) -> None:
+def _check_labels(d: DataSpec) -> None:
     """dataset=text's labels: a way to put word labels on sub-tokens, and no packing."""
     names = [n for n in (d.label_field, d.word_labels_field) if n]
     if names and d.pack:
@@ -256,7 +273,7 @@ def check_data_file(path, what: str, fix: str = "") -> Path:
 
 
 # -- probes --------------------------------------------------------------------------------------
-def check_probe(name: str, spec, sites: bool = True) -> None:
+def check_probe(name: str, spec: ProbeSpec, sites: bool = True) -> None:
     """A probe's sites (unless `sites` is False: a caller with sites of its own checks them),
     reduction, dtype, rows, unit axis and layer matching."""
     for site in spec.capture if sites else ():
@@ -297,7 +314,7 @@ def check_match(label: str, match: str) -> None:
 
 
 # -- edits, grid, metrics ------------------------------------------------------------------------
-def check_interventions(iv) -> None:
+def check_interventions(iv: InterventionSpec) -> None:
     """The edits, the grid, the metrics and where they read; the patches' direction (the run
     feeds one half of each pair)."""
     for name, spec in iv.edits.items():
@@ -323,7 +340,7 @@ def check_interventions(iv) -> None:
         )
 
 
-def check_edit(name: str, spec) -> None:
+def check_edit(name: str, spec: EditSpec) -> None:
     """An edit's site, op and the op's arguments."""
     choice(f"intervene {name!r}: site", spec.site, EDIT_SITES)
     choice(f"intervene {name!r}: op", spec.op, OPS)
@@ -341,7 +358,7 @@ def check_edit(name: str, spec) -> None:
         _check_patch(name, spec)
 
 
-def _check_mean(name: str, spec) -> None:
+def _check_mean(name: str, spec: EditSpec) -> None:
     if spec.site not in ("input", "output"):
         raise ConfigError(
             f"intervene {name!r}: op=mean applies to input/output sites, not {spec.site}"
@@ -358,7 +375,7 @@ def _check_mean(name: str, spec) -> None:
         )
 
 
-def _check_patch(name: str, spec) -> None:
+def _check_patch(name: str, spec: EditSpec) -> None:
     """op=patch, or op=add with a steering vector."""
     if spec.site not in ("input", "output"):
         raise ConfigError(
@@ -389,7 +406,7 @@ def _check_patch(name: str, spec) -> None:
         )
 
 
-def check_grid(spec, label: str = "intervene.grid") -> None:
+def check_grid(spec: GridSpec, label: str = "intervene.grid") -> None:
     """A patching grid's axes, site, direction, source, cells per forward and methods."""
     over = list(spec.over)
     if "layer" not in over or any(a not in GRID_AXES for a in over) or len(set(over)) != len(over):
@@ -428,7 +445,7 @@ def check_grid(spec, label: str = "intervene.grid") -> None:
 
 
 # -- the objective, integrated gradients, the lens -----------------------------------------------
-def wants_gradients(probes, edits) -> bool:
+def wants_gradients(probes: Mapping[str, ProbeSpec], edits: Mapping[str, EditSpec]) -> bool:
     """Whether the run differentiates: a gradient site of a probe that must select something, or
     a gradient edit."""
     return any(
@@ -436,7 +453,7 @@ def wants_gradients(probes, edits) -> bool:
     ) or any(e.site in GRAD_EDIT_SITES for e in edits.values())
 
 
-def check_objective(o, num_outputs: int | None) -> None:
+def check_objective(o: ObjectiveSpec, num_outputs: int | None) -> None:
     """The objective's name, a logit's index (below `num_outputs` where it is known) and a custom
     one's `_target_`."""
     if o.name not in OBJECTIVES:
@@ -465,7 +482,7 @@ def check_objective(o, num_outputs: int | None) -> None:
         require_target("objective._target_", o._target_)
 
 
-def check_attribution(a) -> None:
+def check_attribution(a: AttributionSpec) -> None:
     """attribution.* of integrated gradients (ig_output)."""
     if a.steps < 2:
         raise ConfigError(
@@ -483,7 +500,7 @@ def check_attribution(a) -> None:
         )
 
 
-def check_lens(lens) -> None:
+def check_lens(lens: LensSpec) -> None:
     """Which reader of the residual stream the run has."""
     if lens.name not in LENSES:
         raise ConfigError(f"lens={lens.name!r} is unknown; choose from {', '.join(LENSES)}")

@@ -12,18 +12,50 @@ class Choice(str, Enum):
     and the choices. It is its string everywhere else (compared, formatted, hashed, dumped)."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
     def __hash__(self) -> int:
         return str.__hash__(self)
 
 
-Precision = Choice("Precision", [(n, n) for n in ("fp32", "bf16", "fp16")])
-ModelOutput = Choice("ModelOutput", [(n, n) for n in ("auto", "full", "last", "none")])
-StatsBackend = Choice("StatsBackend", [(n, n) for n in ("auto", "torch", "numba")])
-StatsDuring = Choice("StatsDuring", [(n, n) for n in ("run", "close", "none")])
-StoreMode = Choice("StoreMode", [(n, n) for n in ("full", "stats")])
-Compression = Choice("Compression", [(n, n) for n in ("none", "lzf", "gzip")])
+class Precision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ModelOutput(Choice):
+    auto = "auto"
+    full = "full"
+    last = "last"
+    none = "none"
+
+
+class StatsBackend(Choice):
+    auto = "auto"
+    torch = "torch"
+    numba = "numba"
+
+
+class StatsDuring(Choice):
+    run = "run"
+    close = "close"
+    none = "none"
+
+
+class StoreMode(Choice):
+    full = "full"
+    stats = "stats"
+
+
+class Compression(Choice):
+    none = "none"
+    lzf = "lzf"
+    gzip = "gzip"
+
+
 PRECISIONS = tuple(m.value for m in Precision)  # probe.hooks.device maps them to torch dtypes
 STATS_BACKENDS = tuple(m.value for m in StatsBackend)
 # said where numba is asked for and not installed (probe.checks for the config's stats.backend,

@@ -17,9 +17,10 @@ from probe.config import (
     require_target,
 )
 from probe.errors import CheckpointError, ConfigError
+from probe.specs import ModelSpec
 
 
-def check_library(m) -> str:
+def check_library(m: ModelSpec) -> str:
     """The library that builds model spec `m` (probe.config.library_of); a custom model must name
     its class in `_target_`."""
     if (m.library or "torchvision") not in LIBRARIES:
@@ -47,7 +48,7 @@ def check_checkpoint(path) -> Path:
     return p
 
 
-def check_model(m) -> None:
+def check_model(m: ModelSpec) -> None:
     """The model config's values: library, task, classes, checkpoint, placement."""
     library = check_library(m)
     if library == "hf" and m.task not in HF_TASKS:
@@ -59,7 +60,7 @@ def check_model(m) -> None:
     check_placement(m, library)
 
 
-def check_placement(m, library: str) -> None:
+def check_placement(m: ModelSpec, library: str) -> None:
     """model.dtype, device_map, max_memory, offload_folder and low_cpu_mem_usage, as far as the
     config decides them (probe.models.placement checks the map's modules against the model)."""
     choice("model.dtype", m.dtype or "float32", WEIGHT_DTYPES)

@@ -4,10 +4,11 @@ objects, and runs every check the config alone decides, once (probe.checks, prob
 Nothing below this module reads the raw config: the builders, the writer, the loop and the finish
 take these objects. What needs the model or torch is checked where the model is, on them.
 
-Each spec is the frozen form of its schema dataclass in probe.config, field by field (ModelConfig
--> ModelSpec, DatasetConfig -> DataSpec, ...): lists become tuples, mappings read-only FrozenDicts
-(`plain` gives a library the dicts and lists it takes), an unset `???` None. Probes, edits and the
-grid keep their layer selection (layers, types, exclude, match) in one Selector, `where`.
+The specs (probe.specs, named here too) are the frozen form of their schema dataclasses in
+probe.config, field by field (ModelConfig -> ModelSpec, DatasetConfig -> DataSpec, ...): lists
+become tuples, mappings read-only FrozenDicts (`plain` gives a library the dicts and lists it
+takes), an unset `???` None. Probes, edits and the grid keep their layer selection (layers,
+types, exclude, match) in one Selector, `where`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import dataclasses
 import difflib
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from enum import Enum
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -26,27 +28,35 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from probe import checks, model_checks
 from probe import config as schema
 from probe.errors import ConfigError
+from probe.specs import (  # (named here too: callers import the specs from probe.plan)
+    AttributionSpec,
+    CircuitSpec,
+    DataSpec,
+    EditSpec,
+    FrozenDict,
+    GridSpec,
+    InterventionSpec,
+    LensSpec,
+    ModelSpec,
+    ObjectiveSpec,
+    ProbeSpec,
+    RunOptions,
+    SaeSpec,
+    Selector,
+    StatsSpec,
+    StoreSpec,
+    TrainSpec,
+    WatchSpec,
+)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 SELECTOR_KEYS = ("layers", "types", "exclude", "match")
 GROUPS = ("model", "dataset", "probes", "intervene", "objective", "attribution", "lens", "store",
           "stats", "circuit")  # fmt: skip
 SAE_KEYS = ("path", "dense", "splice", "error_term", "max_active")
-
-
-class FrozenDict(dict):
-    """A read-only mapping of the plan (a dict to json, isinstance and printing)."""
-
-    def _read_only(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is read-only")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only
-    __ior__ = _read_only
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self.items(), key=repr)))
-
-    def __reduce__(self):
-        return (FrozenDict, (dict(self),))
+Spec = TypeVar("Spec", bound="DataclassInstance")
 
 
 def frozen(value):
@@ -70,109 +80,19 @@ def plain(value):
     return value
 
 
-@dataclass(frozen=True)
-class Selector:
-    """Which modules a probe, an edit, the grid or the lens takes: fnmatch globs over qualified
-    module names (`@blocks` and the anatomy's aliases expanded), class names (base classes count
-    too), globs to leave out, and whether every layer pattern must match (all) or one (any)."""
-
-    layers: tuple[str, ...] = ("*",)
-    types: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    match: str = "all"
-
-
-@dataclass(frozen=True)
-class SaeSpec:
-    """A probe's `sae`: the SAE's folder and how it acts on the layer (probe.hooks.sae_site)."""
-
-    path: str
-    dense: bool = False
-    splice: bool = False
-    error_term: bool = False
-    max_active: int = 0  # 0: the SAE's k (TopK), else probe.hooks.sae_site.MAX_ACTIVE
-
-
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-def _values(schema_cls, container: Mapping) -> dict:
+def _values(schema_cls: type, container: Mapping[str, Any]) -> dict[str, Any]:
     """The schema's fields found in `container` (a `+key` nothing reads is left out), frozen."""
     names = {f.name for f in fields(schema_cls)}
     return {k: frozen(v) for k, v in container.items() if k in names}
 
 
-def _mirror(schema_cls, name: str, *, select: bool = False, skip=(), doc: str = "") -> type:
-    """A frozen dataclass with the fields of `schema_cls` (their defaults frozen); with `select`,
-    the layer selection keys gathered into `where`, a Selector."""
-    own, where = [], {}
-    for f in fields(schema_cls):
-        if f.name in skip:
-            continue
-        value = frozen(_default(f))
-        if select and f.name in SELECTOR_KEYS:
-            where[f.name] = value
-        else:
-            own.append((f.name, f.type, field(default=value)))
-    if select:
-        own.insert(0, ("where", Selector, field(default=Selector(**where))))
-    cls = dataclasses.make_dataclass(name, own, frozen=True)
-    cls.__module__ = __name__  # (pickled and printed as probe.plan's)
-    cls.__doc__ = (
-        f"probe.config.{schema_cls.__name__} parsed: frozen, checked"
-        + (", the layer selection in `where`" if select else "")
-        + f". {doc or schema_cls.__doc__.strip()}"
-    )
-    return cls
-
-
-def _build(cls, schema_cls, container: Mapping):
-    """`cls` (a mirror of `schema_cls`) from a typed node's container."""
+def _build(cls: type[Spec], schema_cls: type, container: Mapping[str, Any]) -> Spec:
+    """`cls` (the spec of `schema_cls`) from a typed node's container."""
     values = _values(schema_cls, container)
     if any(f.name == "where" for f in fields(cls)):
         where = {k: values.pop(k) for k in SELECTOR_KEYS if k in values}
         values["where"] = Selector(**where)
     return cls(**values)
-
-
-ModelSpec = _mirror(schema.ModelConfig, "ModelSpec")
-DataSpec = _mirror(schema.DatasetConfig, "DataSpec")
-ProbeSpec = _mirror(schema.ProbeSpec, "ProbeSpec", select=True)
-EditSpec = _mirror(schema.EditSpec, "EditSpec", select=True)
-GridSpec = _mirror(schema.GridSpec, "GridSpec", select=True)
-ObjectiveSpec = _mirror(schema.ObjectiveConfig, "ObjectiveSpec")
-AttributionSpec = _mirror(schema.AttributionConfig, "AttributionSpec")
-LensSpec = _mirror(schema.LensConfig, "LensSpec")
-StoreSpec = _mirror(schema.StoreConfig, "StoreSpec")
-StatsSpec = _mirror(schema.StatsConfig, "StatsSpec")
-CircuitSpec = _mirror(schema.CircuitConfig, "CircuitSpec")
-RunOptions = _mirror(
-    schema.Config,
-    "RunOptions",
-    skip=GROUPS,
-    doc="The top-level keys that are no config group: seed, device, precision, train_mode, "
-    "print_summary, progress, resume, overwrite, fail_on_nonfinite.",
-)
-
-
-TrainSpec = _mirror(schema.TrainKeys, "TrainSpec")
-WatchSpec = _mirror(schema.WatchKeys, "WatchSpec")
-
-
-@dataclass(frozen=True)
-class InterventionSpec:
-    """The intervene group: named edits (in config order), the metrics they are measured by and
-    the token position they are read at, and a patching grid."""
-
-    edits: FrozenDict = FrozenDict()  # name -> EditSpec
-    metrics: tuple[str, ...] = ()
-    position: int | None = None
-    grid: GridSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -183,7 +103,7 @@ class RunPlan:
 
     model: ModelSpec
     data: DataSpec
-    probes: FrozenDict  # name -> ProbeSpec, in config order
+    probes: FrozenDict[str, ProbeSpec]  # name -> spec, in config order
     intervene: InterventionSpec
     objective: ObjectiveSpec
     attribution: AttributionSpec
@@ -237,7 +157,7 @@ class TrainingPlan:
     model: ModelSpec
     data: DataSpec
     objective: ObjectiveSpec
-    probes: FrozenDict  # name -> ProbeSpec
+    probes: FrozenDict[str, ProbeSpec]
     train: TrainSpec
     watch: WatchSpec
     device: str = "cpu"  # or cuda, cuda:N, auto (the GPU where there is one)
@@ -288,20 +208,17 @@ def _check(plan: RunPlan) -> None:
     checks.check_circuit(plan.circuit, plan.options)
 
 
-def _container(node, skip=()) -> dict:
-    return {
-        k: v
-        for k, v in OmegaConf.to_container(node, resolve=True, enum_to_str=True).items()
-        if k not in skip
-    }
+def _container(node: DictConfig, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    values = cast("dict[str, Any]", OmegaConf.to_container(node, resolve=True, enum_to_str=True))
+    return {k: v for k, v in values.items() if k not in skip}
 
 
-def _group(cls, schema_cls, node):
+def _group(cls: type[Spec], schema_cls: type, node: DictConfig) -> Spec:
     return _build(cls, schema_cls, _container(node))
 
 
 # -- probes --------------------------------------------------------------------------------------
-def probe_specs(probes, *, run_sites: bool = True) -> FrozenDict:
+def probe_specs(probes, *, run_sites: bool = True) -> FrozenDict[str, ProbeSpec]:
     """Probes typed and checked, name -> ProbeSpec. `probes` is a mapping name -> spec (a probe
     file's content, the composed config's probes, a plan's probes) or the name of a shipped
     probe file. `run_sites=False` leaves the capture sites to the caller (a watched training
@@ -313,7 +230,7 @@ def probe_specs(probes, *, run_sites: bool = True) -> FrozenDict:
     )
 
 
-def spec_config(spec) -> dict:
+def spec_config(spec: ProbeSpec | EditSpec | GridSpec) -> dict[str, Any]:
     """A parsed ProbeSpec (or EditSpec, GridSpec) as a probe file writes it: plain values, the
     layer selection's keys at the top level."""
     out = {}
@@ -354,7 +271,7 @@ def _typed_probes(probes) -> dict[str, DictConfig]:
     }
 
 
-def _probe(name: str, node: DictConfig, run_sites: bool = True):
+def _probe(name: str, node: DictConfig, run_sites: bool = True) -> ProbeSpec:
     spec = _build(ProbeSpec, schema.ProbeSpec, _container(node))
     checks.check_probe(name, spec, sites=run_sites)
     return dataclasses.replace(spec, sae=sae_spec(spec.sae, name))
@@ -379,12 +296,12 @@ def sae_spec(value, probe: str) -> SaeSpec | None:
             f"probe {probe!r}: sae.max_active={slots!r} is not a whole number >= 0 (the active "
             "latents kept a row; 0: the SAE's k, or 128)"
         )
-    flags = (bool(value.get(k, False)) for k in SAE_KEYS[1:4])
-    return SaeSpec(str(value["path"]), *flags, max_active=slots)
+    dense, splice, error_term = (bool(value.get(k, False)) for k in SAE_KEYS[1:4])
+    return SaeSpec(str(value["path"]), dense, splice, error_term, max_active=slots)
 
 
 # -- the intervene group -------------------------------------------------------------------------
-def edit_specs(edits) -> FrozenDict:
+def edit_specs(edits) -> FrozenDict[str, EditSpec]:
     """Named edits (a mapping name -> edit spec, as the intervene group holds them beside its
     own keys), each typed as an EditSpec; the intervene group's checks run on them in the parse
     (probe.checks.check_edit), and here for a caller's own mapping (probe.watch's edits)."""
@@ -398,7 +315,7 @@ def edit_specs(edits) -> FrozenDict:
     return FrozenDict(out)
 
 
-def checked_edits(edits) -> FrozenDict:
+def checked_edits(edits) -> FrozenDict[str, EditSpec]:
     """`edit_specs`, each edit checked as the parse checks the intervene group's (a caller's
     own mapping: probe.watch's edits)."""
     specs = edit_specs(edits)
@@ -457,10 +374,10 @@ def _text(cfg, probes: dict[str, DictConfig]) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def config_values(text: str) -> dict:
+def config_values(text: str) -> dict[str, Any]:
     """The values of a config's YAML text (the file's `config` attribute, a plan's `text`), as
     OmegaConf reads it."""
-    return OmegaConf.to_container(OmegaConf.create(text))
+    return cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.create(text)))
 
 
 def unread_keys(cfg) -> list[str]:

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import probe
-from probe import checks, model_checks
+from probe import checks, model_checks, specs
+from probe import config as schema
+from probe import plan as plans
 from probe.__main__ import main
 from probe.data.user_batches import UserBatches
 from probe.launch.api import run_plan
-from probe.plan import FrozenDict, RunPlan, parse, plain
+from probe.plan import GROUPS, SELECTOR_KEYS, FrozenDict, RunPlan, frozen, parse, plain
 from probe.testing.compose import QUIET, make_cfg
 from probe.testing.models import TinyNet
 
@@ -141,3 +143,65 @@ def test_the_config_text_is_the_composed_config_with_added_probes_typed():
     expected = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     expected["probes"]["head"] = dataclasses.asdict(ProbeSpec(layers=["fc"]))
     assert OmegaConf.to_container(OmegaConf.create(parse(cfg).text)) == expected
+
+
+# each spec of probe.specs, the schema dataclass in probe.config it is the frozen form of, and
+# the schema's fields the parse leaves out of it (RunOptions: Config less its groups)
+MIRRORS = [
+    (specs.ModelSpec, schema.ModelConfig, ()),
+    (specs.DataSpec, schema.DatasetConfig, ()),
+    (specs.ProbeSpec, schema.ProbeSpec, ()),
+    (specs.EditSpec, schema.EditSpec, ()),
+    (specs.GridSpec, schema.GridSpec, ()),
+    (specs.ObjectiveSpec, schema.ObjectiveConfig, ()),
+    (specs.AttributionSpec, schema.AttributionConfig, ()),
+    (specs.LensSpec, schema.LensConfig, ()),
+    (specs.StoreSpec, schema.StoreConfig, ()),
+    (specs.StatsSpec, schema.StatsConfig, ()),
+    (specs.CircuitSpec, schema.CircuitConfig, ()),
+    (specs.RunOptions, schema.Config, GROUPS),
+    (specs.TrainSpec, schema.TrainKeys, ()),
+    (specs.WatchSpec, schema.WatchKeys, ()),
+]
+NOT_MIRRORS = {specs.Selector, specs.SaeSpec, specs.InterventionSpec}  # (the parse's own)
+
+
+def _schema_default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+@pytest.mark.parametrize(("spec", "config", "skip"), MIRRORS, ids=[m[0].__name__ for m in MIRRORS])
+def test_each_spec_has_its_schemas_fields_in_order_with_their_defaults(spec, config, skip):
+    """The spec written out in probe.specs and its schema cannot drift: the same names in the
+    same order (a probe's, an edit's and the grid's selector keys gathered into `where`, first),
+    each default the schema's frozen (a list a tuple, `???` None, a Choice its name)."""
+    expected, where = {}, {}
+    has_where = "where" in {f.name for f in dataclasses.fields(spec)}
+    for f in dataclasses.fields(config):
+        if f.name in skip:
+            continue
+        value = frozen(_schema_default(f))
+        if has_where and f.name in SELECTOR_KEYS:
+            where[f.name] = value
+        else:
+            expected[f.name] = value
+    if has_where:
+        expected = {"where": specs.Selector(**where), **expected}
+    got = {f.name: f.default for f in dataclasses.fields(spec)}
+    assert list(got) == list(expected)
+    assert repr(got) == repr(expected)  # (the values and their types: 1 and 1.0 apart)
+
+
+def test_every_spec_of_the_plan_is_held_to_its_schema():
+    written = {
+        cls
+        for cls in vars(specs).values()
+        if isinstance(cls, type)
+        and dataclasses.is_dataclass(cls)
+        and cls.__module__ == specs.__name__
+    }
+    assert written - NOT_MIRRORS == {m[0] for m in MIRRORS}
+    for spec, _, _ in MIRRORS:  # frozen, and named from probe.plan as before
+        assert spec.__dataclass_params__.frozen and getattr(plans, spec.__name__) is spec

@@ -27,6 +27,7 @@ held for a whole run does not grow batch by batch.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,7 +115,8 @@ class HookSet:
             try:  # the level being registered: all or none
                 self._remove_from(self._level)
             except BaseException as also:  # noqa: BLE001 - the registration's error goes on
-                error.add_note(f"{self.label}: removing the hooks also raised {also!r}")
+                if sys.version_info >= (3, 11):  # (notes are 3.11's; 3.10 raises the error bare)
+                    error.add_note(f"{self.label}: removing the hooks also raised {also!r}")
             raise
         self._held.append(Held(kind, target, self._level, handle))
         return handle
