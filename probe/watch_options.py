@@ -116,12 +116,12 @@ class WatchOptions:
             check_option(f, f.name, getattr(self, f.name))
 
     @property
-    def hooks_optimizer(self) -> bool:
+    def optimizer_hooked(self) -> bool:
         """Whether the optimizer's step hooks end the steps (an optimizer, not declined)."""
         return self.optimizer is not None and bool(self.hook_optimizer)
 
 
-def check_option(f: Field, key: str, value: Any) -> None:
+def check_option(f: Field[Any], key: str, value: Any) -> None:
     """Field `f`'s check of `value`, its messages naming `key`."""
     check = f.metadata.get("check")
     if check is not None:

@@ -113,7 +113,7 @@ class Watch:
         self.writes = self.rank == 0  # (rank 0 alone writes the run directory)
         self.model, self.out = model, Path(o.out)
         self.optimizer, self.scaler, self.flush_every = o.optimizer, o.scaler, o.flush_every
-        self.hook_optimizer = o.hooks_optimizer
+        self.hook_optimizer = o.optimizer_hooked
         self.overwrite = bool(o.overwrite)
         self.specs = probe_specs(probes, run_sites=False)
         ranks.check_model(model, self.specs)
