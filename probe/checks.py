@@ -7,6 +7,7 @@ error a user sees (docs/errors.md holds the messages). The name lists are probe.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -62,6 +63,7 @@ from probe.specs import (
     TrainSpec,
     WatchSpec,
 )
+from probe.watch_options import check_keys
 
 SEED_LIMIT = 1 << 40
 # the device types torch.device parses (the pinned torch's list; `auto` is probe's own)
@@ -86,20 +88,15 @@ def at_least(key: str, value, least: int = 1, note: str = "") -> None:
 
 
 def check_training(train: TrainSpec, watch: WatchSpec, probes: Mapping[str, ProbeSpec]) -> None:
-    """`python -m probe.train`'s train.* and watch.* keys, and that it watches something."""
+    """`python -m probe.train`'s train.* and watch.* keys (those by the watch's option
+    declaration, probe.watch_options), and that it watches something."""
     choice("train.optimizer", train.optimizer, OPTIMIZERS)
     for key in ("lr", "momentum", "weight_decay"):
         value = getattr(train, key)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"train.{key}={value!r}: give a finite number >= 0")
     at_least("train.steps", train.steps, note=" (the optimizer steps to run)")
-    every = watch.every
-    if every != "log" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ConfigError(
-            f"watch.every={every!r}: give an int >= 1 (record every N-th step; 1: every step) "
-            "or 'log' (steps 0, 1, 2, 4, 8, ...)"
-        )
-    at_least("watch.flush_every", watch.flush_every)
+    check_keys(dataclasses.asdict(watch), "watch.")  # (each as probe.watch checks its keyword)
     if not probes:
         raise ConfigError("the training watches no probe; choose probes=all_linear or add one")
 

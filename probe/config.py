@@ -354,7 +354,9 @@ class TrainKeys:
 
 @dataclass
 class WatchKeys:
-    """`python -m probe.train`'s watch: probe.watch's `every` and `flush_every`."""
+    """`python -m probe.train`'s watch: probe.watch's `every` and `flush_every`, each a field of
+    probe.watch_options.WatchOptions of the same name and default, checked by its check
+    (tests/train/test_watch_options.py holds them to it)."""
 
     every: Any = 1  # an int >= 1 or "log"
     flush_every: int = 10

@@ -26,6 +26,7 @@ Exit status 1 when a check or the tests fail.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -43,6 +44,7 @@ import h5py
 import numpy as np
 import torch
 
+import probe
 from probe.testing import oracles
 
 COLS = ["group", "case", "median_s", "ratio", "to", "peak_gpu_mib", "check", "result"]
@@ -54,7 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes (a dry run of the script)")
     p.add_argument("--skip-tests", action="store_true", help="leave out pytest -m cuda")
-    p.add_argument("--groups", default="image,tokens,grid", help="which groups (default: all)")
+    p.add_argument(
+        "--groups", default="image,tokens,grid,watch", help="which groups (default: all)"
+    )
     p.add_argument("--out", default=None, help="also write the table as markdown to OUT")
     return p.parse_args(argv)
 
@@ -87,11 +91,11 @@ def rows_of(group, times, peaks, floor: str, checks: dict[str, tuple[bool, str]]
     return rows
 
 
-def plain(model, batches, device, **kw) -> Callable:
+def plain(model, batches, device, grad: bool = False, **kw) -> Callable:
     def case(out):
-        with torch.inference_mode():
+        with torch.inference_mode() if not grad else contextlib.nullcontext():
             for b in batches:
-                x = b.inputs
+                x = b.inputs if hasattr(b, "inputs") else b[0]
                 if isinstance(x, dict):
                     model(**{k: v.to(device, non_blocking=True) for k, v in x.items()}, **kw)
                 else:
@@ -100,8 +104,10 @@ def plain(model, batches, device, **kw) -> Callable:
     return case
 
 
-def hooked_outputs(model, names, batches, device, rows: bool = False) -> dict[str, np.ndarray]:
-    """What plain forward hooks see at `names` (token models: one row per token), on the host."""
+def hooked_outputs(model, names, batches, device, rows: bool = False, grad: bool = False
+                   ) -> dict[str, np.ndarray]:  # fmt: skip
+    """What plain forward hooks see at `names` (token models: one row per token), on the host;
+    `grad`: forwards with gradients enabled (a training's)."""
     seen = {n: [] for n in names}
 
     def keep(n):
@@ -114,7 +120,8 @@ def hooked_outputs(model, names, batches, device, rows: bool = False) -> dict[st
 
     handles = [model.get_submodule(n).register_forward_hook(keep(n)) for n in names]
     try:
-        plain(model, batches, device)(None)
+        with torch.enable_grad() if grad else contextlib.nullcontext():
+            plain(model, batches, device, grad=grad)(None)
     finally:
         for h in handles:
             h.remove()
@@ -150,8 +157,6 @@ def reference_reduction(case: Callable) -> Callable:
 
 def stats_equal(a: Path, b: Path, what: str = "device stats = host stats") -> tuple[bool, str]:
     """The /stats of two runs over the same values: counts and extremes equal, moments to 1e-9."""
-    import probe
-
     with probe.open_run(a) as left, probe.open_run(b) as right:
         for key in left.keys:
             s, t = left.stats(*key), right.stats(*key)
@@ -319,6 +324,71 @@ def grid_group(args, tmp: Path) -> list[list]:
     return rows
 
 
+def watch_group(args, tmp: Path) -> list[list]:
+    """bench_watch.py's training (resnet18; the tests' small CNN with --quick) watched at
+    every=1 against the same training unwatched. Both run deterministic kernels (cuDNN's), so the
+    watched one must end with bitwise the unwatched one's weights, buffers and optimizer state;
+    train.csv's step-0 values of the first convolution's output equal a plain forward hook's on
+    the first batch of a fresh model of the same seed."""
+    import bench_watch
+    import torch.nn.functional as F
+
+    from probe.testing.trainings import one_thread, state_of, train
+
+    name, steps = ("cnn", 4) if args.quick else ("resnet18", 30)
+    make, optimizer, batches, _, probes = bench_watch.setup(name, steps)
+    batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
+    first = next(n for n, m in make().named_modules() if isinstance(m, torch.nn.Conv2d))
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    def training(watched: bool) -> Callable:
+        def case(out):
+            torch.manual_seed(0)
+            model = make().to(args.device)
+            opt = optimizer(model)
+            watch = {"probes": probes, "out": out / "run", "every": 1} if watched else None
+            train(model, opt, batches, loss, watch)
+            return out / "run", state_of(model, opt)
+
+        return case
+
+    variants = {"unwatched": training(False), "watched_every_1": training(True)}
+    deterministic = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with one_thread() if args.device == "cpu" else contextlib.nullcontext():
+            times, peaks, out = measure(variants, tmp / "watch", args.rounds)
+            torch.manual_seed(0)
+            hooked = hooked_outputs(make().to(args.device).train(), [first], batches[:1],
+                                    args.device, grad=True)[first]  # fmt: skip
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic
+    (_, plain_state), (run, watched_state) = out["unwatched"], out["watched_every_1"]
+    same = plain_state.keys() == watched_state.keys() and all(
+        torch.equal(plain_state[k], watched_state[k]) for k in plain_state
+    )
+    with probe.open_run(run) as r:
+        rows = r.train()
+    row = rows[(rows.step == 0) & (rows.layer == first) & (rows.site == "output")].iloc[0]
+    want = {"max": float(hooked.max()), "mean": float(hooked.astype(np.float64).mean())}
+    csv_ok = (
+        row["max"] == want["max"]
+        and np.isclose(row["mean"], want["mean"], rtol=1e-6, atol=0)
+        and len(rows[rows.step == steps - 1]) > 0
+    )
+    checks = {
+        "watched_every_1": (
+            same and csv_ok,
+            ("weights bitwise = unwatched" if same else "weights differ from unwatched")
+            + f"; train.csv {first} output max {row['max']:.6g} "
+            + ("= hook's" if csv_ok else f"!= hook's {want['max']:.6g} (or mean differs)"),
+        )
+    }
+    return rows_of("watch", times, peaks, "unwatched", checks)
+
+
 class _HostLogits:
     """The model with its logits handed back on the host (the hand loop reads them with numpy)."""
 
@@ -348,7 +418,7 @@ def cuda_tests() -> list[list]:
              tail.strip("= "), "pass" if ok else "FAIL"]]  # fmt: skip
 
 
-GROUPS = {"image": image_group, "tokens": token_group, "grid": grid_group}
+GROUPS = {"image": image_group, "tokens": token_group, "grid": grid_group, "watch": watch_group}
 
 
 def main(argv=None) -> int:

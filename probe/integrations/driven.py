@@ -5,17 +5,17 @@ loggers."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 
 from probe.errors import ConfigError
 from probe.store.steps_file import STAT_COLUMNS
-from probe.train.schedule import Schedule
 from probe.train.watched_run import STATE_VERSION, Watch
+from probe.watch_options import WatchOptions, user_options
 
-# what the callbacks set themselves
-OWN = {"model", "probes", "out", "every", "optimizer", "hook_optimizer", "scaler"}
-OPTIONS = sorted(set(inspect.signature(Watch.__init__).parameters) - OWN - {"self"})
+# the options a callback takes beside probes, out, every and log_stats (the others are the
+# trainer's: its optimizer, its grad scaler, its own step hooks)
+OPTIONS = sorted(set(user_options()) - {"out", "every"})
 
 
 class Driven:
@@ -28,7 +28,8 @@ class Driven:
                 f"ProbeCallback got {', '.join(unknown)}; it takes probes, out, every, "
                 f"log_stats and probe.watch's {', '.join(OPTIONS)}"
             )
-        Schedule(every)  # (a bad `every` is said now, not when the training starts)
+        # (bad options are said now, not when the training starts)
+        self.options = WatchOptions(out=out, every=every, **options)
         if isinstance(log_stats, str):
             log_stats = [log_stats]
         self.log_stats = list(log_stats or ())
@@ -37,17 +38,21 @@ class Driven:
             raise ConfigError(
                 f"log_stats names {', '.join(map(repr, bad))}; choose from {', '.join(STAT_COLUMNS)}"
             )
-        self.probes, self.out, self.every, self.options = probes, out, every, dict(options)
+        self.probes = probes
         self.watch: Watch | None = None
         self.restored: dict = {}  # a trainer checkpoint's state of the watch (its state_dict)
 
-    def start(self, model, optimizer, step: int, scaler=None) -> Watch:
-        """Make and start the watch on the trainer's model; a training resumed at `step` > 0
+    def start(self, model, optimizer, step: int, scaler=None,
+              on_record: Callable[[int, dict, dict], None] | None = None) -> Watch:  # fmt: skip
+        """Make and start the watch on the trainer's model, its optimizer and grad scaler (the
+        callbacks end the steps: hook_optimizer=False); a training resumed at `step` > 0
         (optimizer steps completed) appends to the file in `out` from that step."""
         if self.watch is not None and not self.watch.closed:
             self.watch.close(complete=False, raising=False)  # (a train() that raised)
-        w = Watch(model, self.probes, out=self.out, every=self.every, optimizer=optimizer,
-                  hook_optimizer=False, scaler=scaler, **self.options)  # fmt: skip
+        options = dataclasses.replace(
+            self.options, optimizer=optimizer, scaler=scaler, hook_optimizer=False
+        )
+        w = Watch(model, self.probes, options, on_record=on_record)
         if step > 0:
             state = self.restored if self.restored.get("step") == step else {}
             w.load_state_dict({"version": STATE_VERSION, **state, "step": int(step)})

@@ -70,9 +70,8 @@ class ProbeCallback(TrainerCallback):
             )
         self.hooks.remove()
         inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
-        w = self.driven.start(model, inner, state.global_step)
-        if self.driven.log_stats:
-            w.on_record = self._keep
+        self.driven.start(model, inner, state.global_step,
+                          on_record=self._keep if self.driven.log_stats else None)  # fmt: skip
         self.hooks.forward(model, self._loss_hook(), name="<model> loss")
 
     def _loss_hook(self):

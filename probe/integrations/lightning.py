@@ -62,10 +62,11 @@ class ProbeCallback(Callback):
             )
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.global_step = trainer.global_step
-        w = self.driven.start(pl_module, optimizers[0] if optimizers else None,
-                              trainer.global_step, scaler)  # fmt: skip
+        send = None
         if self.driven.log_stats:
-            w.on_record = lambda step, rows, scalars: self._send(trainer, step, rows)
+            send = lambda step, rows, scalars: self._send(trainer, step, rows)  # noqa: E731
+        self.driven.start(pl_module, optimizers[0] if optimizers else None,
+                          trainer.global_step, scaler, on_record=send)  # fmt: skip
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.watch.before_update(optimizer)

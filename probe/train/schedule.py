@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from probe.errors import ConfigError
-
-LOG = "log"
+from probe.watch_options import LOG, check_every
 
 
 @dataclass(frozen=True)
@@ -17,14 +15,7 @@ class Schedule:
     name: str = "every"
 
     def __post_init__(self):
-        every = self.every
-        if every == LOG:
-            return
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(
-                f"{self.name}={every!r}: give an int >= 1 (record every N-th step; 1: every "
-                f"step) or {LOG!r} (steps 0, 1, 2, 4, 8, ...)"
-            )
+        check_every(self.name, self.every)
 
     def records(self, step: int) -> bool:
         """Whether step `step` (0-based) is recorded."""

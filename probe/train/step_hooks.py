@@ -14,11 +14,12 @@ A step goes through, in order:
 Only recorded steps (the schedule's) reduce anything; on the others the hooks return at once,
 except where a gradient edit acts: edits act at every step. Statistics are taken only in
 forwards run with gradients enabled (a validation pass under no_grad inside the loop is not the
-training's); the probe batch runs with the watch `paused`.
+training's); the probe batch runs with the watch `paused()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
 from probe.train.step_stats import Key, StepStats
 from probe.train.watched_sites import GRAD_SITES, WatchedModule, class_name
+from probe.watch_options import WatchOptions
 
 log = logging.getLogger("probe")
 
@@ -86,32 +88,37 @@ class Hooked:
 class Watcher:
     """Hooks and per-step statistics of one watched model.
 
-    `sink(step, rows, scalars)` takes each recorded step: rows {(layer, site): (SiteInfo,
-    STAT_COLUMNS row)}, scalars {name: float}. `merge_ranks(record)` turns this process's
-    StepRecord into the training's, or None where this process writes nothing (identity here;
-    probe.train.ranks merges the ranks of a distributed training there: activation sites over
-    the ranks' batches, sharded parameters' pieces, `SiteInfo.kind` says which). Parameters
-    are read through `to_local()` where they are DTensors (FSDP2's shards). `failing(message)`
-    runs before a fatal non-finite value raises (the file is flushed there)."""
+    From `options` (probe.watch_options.WatchOptions) it takes the schedule (`every`),
+    `fail_on_nonfinite`, and whether an optimizer's step hook reads the parameters (without one
+    they are read at a step's first forward). `sink(step, rows, scalars)` takes each recorded
+    step: rows {(layer, site): (SiteInfo, STAT_COLUMNS row)}, scalars {name: float}.
+    `merge_ranks(record)` turns this process's StepRecord into the training's, or None where
+    this process writes nothing (None: this process's is the training's; probe.train.ranks
+    merges the ranks of a distributed training: activation sites over the ranks' batches,
+    sharded parameters' pieces, `SiteInfo.kind` says which). Parameters are read through
+    `to_local()` where they are DTensors (FSDP2's shards). `failing(message)` runs before a
+    fatal non-finite value raises (the file is flushed there)."""
 
     def __init__(
         self,
         model: nn.Module,
         watched: list[WatchedModule],
         edits: list,
-        schedule: Schedule,
+        options: WatchOptions,
         sink: Callable[[int, dict, dict], None],
         *,
-        fail_on_nonfinite: bool = False,
         failing: Callable[[str], None] | None = None,
+        merge_ranks: Callable[[StepRecord], StepRecord | None] | None = None,
     ):
         self.model = model
         self.watched = watched
-        self.schedule = schedule
+        self.schedule = Schedule(options.every)
         self.sink = sink
-        self.fail_on_nonfinite = fail_on_nonfinite
+        self.fail_on_nonfinite = bool(options.fail_on_nonfinite)
         self.failing = failing
-        self.merge_ranks: Callable[[StepRecord], StepRecord | None] = lambda record: record
+        self.merge_ranks: Callable[[StepRecord], StepRecord | None] = (
+            merge_ranks if merge_ranks is not None else lambda record: record
+        )
         hooked = {w.name: Hooked(w.name, w.module, w) for w in watched}
         for e in edits:
             if e.module_name not in hooked:
@@ -128,11 +135,11 @@ class Watcher:
         self.layouts: dict[Key, tuple] = {}  # (saturation bounds, unit axis) by site
         self.reported: set[Key] = set()  # sites whose non-finite values were logged
         self.missing: set[tuple[str, str]] = set()  # gradient sites said to get nothing
-        self.paused = False
+        self.is_paused = False  # (while the probe batch runs: see paused())
         self.rows_seen = 0  # rows of the training's forwards: the noise edits' sample index
         self.forwards = 0  # training forwards while watched
         self.grads_seen = 0  # gradient values recorded while watched
-        self.params_at_forward = False  # take_params at a step's first forward (no optimizer)
+        self.params_at_forward = options.optimizer is None  # take_params at the first forward
         self.sharded = any(is_dtensor(p) for p in model.parameters())
         self.needs_forwards = bool(edits) or any(w.sites for w in watched)
         self.begin(0)
@@ -156,7 +163,16 @@ class Watcher:
             self.hooks.remove()
 
     def _active(self) -> bool:
-        return not self.paused and torch.is_grad_enabled()
+        return not self.is_paused and torch.is_grad_enabled()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The hooks do nothing inside (the probe batch's forwards are not the training's)."""
+        self.is_paused = True
+        try:
+            yield
+        finally:
+            self.is_paused = False
 
     # Hooks are closures, not bound methods: copy.deepcopy(model) (an EMA copy) copies a
     # module's hooks, and a bound method would drag the watch and its open file along.
@@ -243,6 +259,12 @@ class Watcher:
         self.params_taken = False
         self.grads_at_begin = self.grads_seen
         self.grads_expected = 0  # gradient values this step's forwards wait for
+
+    def resume(self, step: int, rows_seen: int) -> None:
+        """A training resumed at `step` whose forwards had seen `rows_seen` rows (a
+        checkpoint's: the noise edits go on from that sample)."""
+        self.begin(step)
+        self.rows_seen = rows_seen
 
     def forward_begins(self, args=(), kwargs=None) -> None:
         """A training forward of the model starts (call counts restart: `output@1` is the

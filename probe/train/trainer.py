@@ -2,9 +2,9 @@
 
 The model, dataset and objective are a run's (the objective, averaged over the batch, is the
 loss); `train.*` says how to train (optimizer sgd, adam or adamw, lr, steps, momentum,
-weight_decay, fix_batch, seed) and `watch.*` how to watch (every, flush_every), with the run's
-probes. It serves short trainings and sweeps over them (mup's coordinate check is one multirun
-over `model.width`), not full recipes.
+weight_decay, fix_batch, seed) and `watch.*` how to watch (every, flush_every: options of
+probe.watch_options.WatchOptions), with the run's probes. It serves short trainings and sweeps
+over them (mup's coordinate check is one multirun over `model.width`), not full recipes.
 
 probe.plan.parse_training reads the composed config once into the TrainingPlan that
 `train(plan, out)` runs. docs/training.md is the guide.
@@ -12,10 +12,12 @@ probe.plan.parse_training reads the composed config once into the TrainingPlan t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
 from probe.plan import TrainingPlan, TrainSpec
+from probe.watch_options import WatchOptions
 
 
 def make_optimizer(spec: TrainSpec, params):
@@ -30,6 +32,13 @@ def make_optimizer(spec: TrainSpec, params):
     return kind(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
+def watch_options(plan: TrainingPlan, out: Path, optimizer) -> WatchOptions:
+    """The watch of `plan`: its watch.* keys (each an option of the same name), the run
+    directory `out`, the training's optimizer and the top-level `overwrite`."""
+    keys = dataclasses.asdict(plan.watch)
+    return WatchOptions(out=out, optimizer=optimizer, overwrite=plan.overwrite, **keys)
+
+
 def train(plan: TrainingPlan, out: Path) -> list[float]:
     """Train `plan` watched into the run directory `out`; the per-step losses."""
     import torch
@@ -38,7 +47,7 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
     from probe.hooks.objective import build_objective, per_sample
     from probe.launch.run import resolve_device
     from probe.models.build import build_model, model_input
-    from probe.train.watched_run import watch
+    from probe.train.watched_run import Watch
 
     t = plan.train
     device = resolve_device(plan.device)
@@ -49,8 +58,7 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
     data = list(itertools.islice(batches, 1)) if t.fix_batch else list(batches)
     torch.manual_seed(t.seed)
     losses = []
-    with watch(model, plan.probes, out=out, optimizer=optimizer, every=plan.watch.every,
-               flush_every=plan.watch.flush_every, overwrite=plan.overwrite) as w:  # fmt: skip
+    with Watch(model, plan.probes, watch_options(plan, out, optimizer)) as w:
         for step in range(t.steps):
             batch = data[step % len(data)]
             optimizer.zero_grad()

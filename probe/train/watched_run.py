@@ -41,6 +41,7 @@ from probe.train.probe_batch import FOLDER, ProbeBatch
 from probe.train.schedule import Schedule
 from probe.train.step_hooks import COMPILED_WAY_OUT, Watcher
 from probe.train.watched_sites import resolve
+from probe.watch_options import WatchOptions
 
 log = logging.getLogger("probe")
 STATE_VERSION = 1
@@ -84,88 +85,67 @@ def watch(
 
     In a process group (DDP, FSDP2 under torchrun) every rank makes the same watch; rank 0
     writes the one run directory (probe.train.ranks)."""
-    return Watch(
-        model, probes, out=out, every=every, optimizer=optimizer, scaler=scaler,
-        probe_batch=probe_batch, probe_every=probe_every, probe_stats=probe_stats, edits=edits,
-        flush_every=flush_every, fail_on_nonfinite=fail_on_nonfinite, seed=seed,
-        overwrite=overwrite, hook_optimizer=hook_optimizer,
+    options = WatchOptions(
+        out=out, every=every, optimizer=optimizer, scaler=scaler, probe_batch=probe_batch,
+        probe_every=probe_every, probe_stats=probe_stats, edits=edits, flush_every=flush_every,
+        fail_on_nonfinite=fail_on_nonfinite, seed=seed, overwrite=overwrite,
+        hook_optimizer=hook_optimizer,
     )  # fmt: skip
+    return Watch(model, probes, options)
 
 
 class Watch:
-    """A watched training: `start()`/`close()` or a `with` block. Every argument is checked
-    here, before the training runs; the hooks exist from `start()` to `close()`.
+    """A watched training: `start()`/`close()` or a `with` block. `options` has passed its own
+    checks; those that need the model run here, before the training runs; the hooks exist from
+    `start()` to `close()`. `on_record(step, rows, scalars)`, where given, runs after each
+    recorded step is written (a trainer's callback sends statistics to its loggers).
 
     Entry points for what drives the steps: `before_update(optimizer)` and `after_update()` (the
     optimizer's step hooks call them; a trainer's callbacks can), or `step(loss=...)` in a plain
     loop without `optimizer=`."""
 
-    def __init__(self, model, probes, *, out, every=1, optimizer=None, scaler=None,
-                 probe_batch=None, probe_every=None, probe_stats=None, edits=None,
-                 flush_every=10, fail_on_nonfinite=False, seed=0, overwrite=False,
-                 hook_optimizer=True):  # fmt: skip
+    def __init__(self, model: nn.Module, probes, options: WatchOptions, on_record=None):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"probe.watch takes an nn.Module, not a {type(model).__name__}")
         model = trained_module(model)
+        self.options = o = options
         self.rank, self.world = ranks.rank_and_world()
         self.writes = self.rank == 0  # (rank 0 alone writes the run directory)
-        self.model, self.out = model, Path(out)
-        if self.out.exists() and not self.out.is_dir():
-            raise ConfigError(f"out={str(self.out)!r} is a file; give a directory for the run")
-        self.schedule = Schedule(every)
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise ConfigError(
-                f"flush_every={flush_every!r}: give an int >= 1, the recorded steps between "
-                "flushes of the file (a kill loses at most the steps after the last flush)"
-            )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer; pass "
-                "the optimizer whose step() ends each training step, or leave it out and call "
-                "w.step() after each step"
-            )
-        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
-            raise ConfigError(
-                f"scaler is a {type(scaler).__name__}, not AMP's GradScaler (no get_scale)"
-            )
-        self.optimizer, self.scaler, self.flush_every = optimizer, scaler, flush_every
-        self.hook_optimizer = optimizer is not None and bool(hook_optimizer)
-        self.overwrite = bool(overwrite)
+        self.model, self.out = model, Path(o.out)
+        self.optimizer, self.scaler, self.flush_every = o.optimizer, o.scaler, o.flush_every
+        self.hook_optimizer = o.optimizer_hooked
+        self.overwrite = bool(o.overwrite)
         self.specs = probe_specs(probes, run_sites=False)
         ranks.check_model(model, self.specs)
         watched = resolve(model, self.specs)
-        self.edits = _grad_edits(model, edits, seed)
-        self.watcher = Watcher(
-            model, watched, self.edits, self.schedule, self._record,
-            fail_on_nonfinite=bool(fail_on_nonfinite), failing=self._failing,
-        )  # fmt: skip
-        self.watcher.params_at_forward = optimizer is None
-        if self.world > 1:
-            self.watcher.merge_ranks = ranks.RankMerge(model, self.rank, self.world)
-        groups = len(optimizer.param_groups) if optimizer is not None else 0
+        self.edits = _grad_edits(model, o.edits, o.seed)
+        merge = ranks.RankMerge(model, self.rank, self.world) if self.world > 1 else None
+        self.watcher = Watcher(model, watched, self.edits, o, self._record,
+                               failing=self._failing, merge_ranks=merge)  # fmt: skip
+        self.schedule = self.watcher.schedule
+        groups = len(o.optimizer.param_groups) if o.optimizer is not None else 0
         self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
         self.probe_batch = None
-        if probe_batch is not None:
+        if o.probe_batch is not None:
             ranks.check_probe_batch(model, self.world)
-            schedule = Schedule(every if probe_every is None else probe_every, "probe_every")
-            self.probe_batch = ProbeBatch(
-                model, self.specs, probe_batch, self.out / FOLDER, schedule, probe_stats
-            )
+            every = o.every if o.probe_every is None else o.probe_every
+            self.probe_batch = ProbeBatch(model, self.specs, o.probe_batch, self.out / FOLDER,
+                                          Schedule(every, "probe_every"), o.probe_stats)  # fmt: skip
         self.settings = {
             "probes": {n: spec_config(s) for n, s in self.specs.items()},
-            "every": every,
+            "every": o.every,
             "edits": [e.describe for e in self.edits],
             "probe_every": None if self.probe_batch is None else self.probe_batch.schedule.every,
         }
         self.config = {
             **self.settings,
             "model": type(model).__name__,
-            "optimizer": None if optimizer is None else type(optimizer).__name__,
+            "optimizer": None if o.optimizer is None else type(o.optimizer).__name__,
             "param_groups": groups,
-            "scaler": scaler is not None,
-            "flush_every": flush_every,
-            "fail_on_nonfinite": bool(fail_on_nonfinite),
-            "seed": seed,
+            "scaler": o.scaler is not None,
+            "flush_every": o.flush_every,
+            "fail_on_nonfinite": bool(o.fail_on_nonfinite),
+            "seed": o.seed,
             "world_size": self.world,
             "modules": {w.name: sorted(w.sites) + sorted(
                 f"{k}.{n}" for k, ps in w.params.items() for n in ps) for w in watched},
@@ -174,7 +154,7 @@ class Watch:
         self.resume_at: int | None = None
         self.started = self.closed = self.locked = False
         self.log_handler: logging.Handler | None = None
-        self.on_record = None  # callable(step, rows, scalars) after each recorded step is written
+        self.on_record = on_record
 
     # -- life --------------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -383,11 +363,8 @@ class Watch:
             self._evaluate(self.watcher.step)
 
     def _evaluate(self, step: int) -> None:
-        self.watcher.paused = True
-        try:
+        with self.watcher.paused():
             self.probe_batch.evaluate(step)
-        finally:
-            self.watcher.paused = False
 
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
         values = [scalars.get(c, math.nan) for c in self.scalar_columns]
@@ -429,8 +406,7 @@ class Watch:
         ):
             raise ConfigError(f"w.load_state_dict got {state!r}; give what w.state_dict() returned")
         self.resume_at = int(state["step"])
-        self.watcher.begin(self.resume_at)
-        self.watcher.rows_seen = int(state.get("rows_seen", 0))
+        self.watcher.resume(self.resume_at, rows_seen=int(state.get("rows_seen", 0)))
 
 
 def trained_module(model: nn.Module) -> nn.Module:
@@ -445,15 +421,11 @@ def trained_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _grad_edits(model: nn.Module, edits, seed: int) -> list:
-    """The declared edits, each on a gradient site, resolved onto the modules they select."""
+def _grad_edits(model: nn.Module, edits: Mapping | None, seed: int) -> list:
+    """The declared edits (a mapping: WatchOptions checked it), each on a gradient site,
+    resolved onto the modules they select."""
     if not edits:
         return []
-    if not isinstance(edits, Mapping):
-        raise ConfigError(
-            f"edits is a {type(edits).__name__}; give a mapping name -> edit spec, e.g. "
-            "{'freeze': {'layers': ['layer3.*'], 'site': 'grad_output', 'op': 'zero'}}"
-        )
     specs = checked_edits(dict(edits))
     for name, spec in specs.items():
         if spec.site not in GRAD_EDIT_SITES:
