@@ -46,8 +46,8 @@ def interpreter_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def test_there_are_three_tutorials_each_with_a_figure_and_a_check():
-    assert [p.stem for p in TUTORIALS] == ["circuit", "watch_training", "your_model"]
+def test_the_tutorials_are_there_each_with_a_figure_and_a_check():
+    assert {"circuit", "watch_training", "your_model"} <= {p.stem for p in TUTORIALS}
     for path in TUTORIALS:
         text = path.read_text()
         assert FIGURE.findall(text), path.name
