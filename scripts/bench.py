@@ -157,7 +157,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default="", help="comma-separated subset (default: all)")
     p.add_argument("--no-rss", action="store_true", help="skip the per-case RSS subprocesses")
-    p.add_argument("--out", default=str(bc.ROOT / "docs" / "bench"), help="writes OUT.csv, OUT.md")
+    p.add_argument(
+        "--out", default=str(bc.ROOT / "docs" / "bench" / "pipeline"), help="writes OUT.csv, OUT.md"
+    )
     p.add_argument("--tmp", default=None, help="where cases write their files")
     p.add_argument("--one", help=argparse.SUPPRESS)  # subprocess: run one case once, print RSS
     p.add_argument("--isolated", help=argparse.SUPPRESS)  # subprocess: time a peer vs forward

@@ -5,7 +5,7 @@ benchmarks (6 layers, width 256, 4 heads, vocab 5000: 1,108 edges); `gpt2-small`
 (12 layers, width 768, 12 heads, vocab 50257: 32,491 edges), random weights.
 
     python scripts/bench_circuits.py                       # 16 pairs x 32 tokens a batch
-    python scripts/bench_circuits.py --rounds 5 --threads 1 --out docs/bench_circuits.md
+    python scripts/bench_circuits.py --rounds 5 --threads 1 --out docs/bench/circuits.md
     python scripts/bench_circuits.py --shape gpt2-small --pairs 8 --rounds 2
 
 - time per batch: probe.circuits' `eap` (the corrupt forward, the clean forward with gradients,

@@ -1,6 +1,6 @@
 """A fresh install's first run against a warm one: the default job's whole process.
 
-    python scripts/bench_first_run.py [--rounds 3] [--out docs/bench_first_run.md]
+    python scripts/bench_first_run.py [--rounds 3] [--out docs/bench/first_run.md]
 
 Each round times, interleaved, `python -m probe` (the default job) with empty caches (numba's and
 the kernel stamp's: a fresh install, where stats.backend=auto runs on torch while a background

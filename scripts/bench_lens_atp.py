@@ -2,7 +2,7 @@
 plain forward, on the GPT-2-shaped model of bench_patching.py (6 layers, width 256, vocab 5000).
 
     python scripts/bench_lens_atp.py                      # 64 pairs x 32 tokens, 3 rounds
-    python scripts/bench_lens_atp.py --rounds 5 --threads 1 --out docs/bench_lens_atp.md
+    python scripts/bench_lens_atp.py --rounds 5 --threads 1 --out docs/bench/lens_atp.md
 
 Grid: every block's output at every position (6 x 32 = 192 cells), logit difference at the last
 position; the pipeline with intervene.grid.method exact, then atp, cells x pairs per second; the

@@ -1,7 +1,7 @@
 """Benchmark: an activation-patching grid (every block's output at every position) against a hand loop.
 
     python scripts/bench_patching.py                       # 64 pairs x 32 tokens, 3 rounds
-    python scripts/bench_patching.py --rounds 5 --threads 1 --out docs/bench_patching.md
+    python scripts/bench_patching.py --rounds 5 --threads 1 --out docs/bench/patching.md
 
 A GPT-2-shaped model (6 layers, width 256, 4 heads, vocab 5000, seeded random init, written with
 save_pretrained) and seeded clean/corrupt pairs (a pairs .pt, all pairs in one batch); a 6 x T grid

@@ -1,7 +1,7 @@
 """Benchmark: reading a run's token rows for training, shuffled, against a plain sequential read.
 
     python scripts/bench_stream.py                       # 2048 x 128 tokens of width 256 (256 MB)
-    python scripts/bench_stream.py --samples 512 --rounds 3 --out docs/bench_stream.md
+    python scripts/bench_stream.py --samples 512 --rounds 3 --out docs/bench/stream.md
 
 A GPT-2-shaped model (bench_common) runs over seeded random ids through the pipeline (probes:
 residual of one block, rows: tokens) into probe.h5. Then, each in a fresh subprocess, interleaved

@@ -1,7 +1,7 @@
 """Benchmark: caching a causal LM's residual stream (every block output, one row per token).
 
     python scripts/bench_tokens.py                              # 512 x 128 tokens, batch 32, 5 rounds
-    python scripts/bench_tokens.py --rounds 3 --samples 128 --threads 1 --out docs/bench_tokens.md
+    python scripts/bench_tokens.py --rounds 3 --samples 128 --threads 1 --out docs/bench/tokens.md
 
 A GPT-2-shaped model (6 layers, width 256, 4 heads, vocab 5000, seeded random init, written with
 save_pretrained and loaded by `model=hf model.name=DIR`) runs over seeded random token ids given as

@@ -1,7 +1,7 @@
 """Benchmark: examples per unit (stats.topk) and SAE latents, against a statistics-only run.
 
     python scripts/bench_topk.py                       # 256 x 128 tokens, batch 32, 3 rounds
-    python scripts/bench_topk.py --samples 128 --rounds 2 --out docs/bench_topk.md
+    python scripts/bench_topk.py --samples 128 --rounds 2 --out docs/bench/topk.md
 
 The GPT-2-shaped model of the token benchmarks (6 blocks, width 256) over seeded random ids,
 interleaved per round after one warm-up each, over the same materialised batches: a plain forward;

@@ -13,11 +13,11 @@ param_grad, param_update, and every block's output and grad_output), `gpt2` (a G
 model of 6 blocks of width 256, vocabulary 8192, 8 sequences of 128 tokens, AdamW; probe watches
 every block's output, grad_output and parameters), `cnn` (the tests' small CNN, 2 ms a step).
 `--rss` runs a watched training of the small CNN in a child process and prints its peak RSS after
-100 and after 1000 steps. docs/bench_watch.md holds a run's output.
+100 and after 1000 steps. docs/bench/watch.md holds a run's output.
 
     python scripts/bench_watch.py [--model resnet18,gpt2] [--steps 100] [--every 100,1]
                                   [--peers wandb,tensorboard] [--rounds 1] [--threads 1]
-                                  [--rss] [--out docs/bench_watch.md]
+                                  [--rss] [--out docs/bench/watch.md]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 one table of ratios, peak device memory and pass/fail.
 
     python scripts/device_check.py                       # on a machine with a GPU (a few minutes)
-    python scripts/device_check.py --out docs/device_check.md
+    python scripts/device_check.py --out docs/bench/device_check.md
     python scripts/device_check.py --device cpu --quick --skip-tests   # the script itself, on a CPU
 
 Groups, each timed in interleaved rounds after one warm-up run per variant (whose files serve the

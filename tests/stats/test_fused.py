@@ -84,7 +84,7 @@ def test_a_batch_takes_at_most_a_dozen_operations(name, hist):
 
 def test_the_counted_reduction_is_the_one_off_the_host(monkeypatch):
     """auto reduces a GPU batch with the fused path and a CPU batch with the reference, which is
-    faster there (docs/performance.md); float64 always with the reference."""
+    faster there (docs/engineering/performance_internals.md); float64 always with the reference."""
     x = torch.randn(4, 3, 5)
     assert not torch_stats.takes_fused(x)
     monkeypatch.setattr(torch_stats, "_host", lambda device: False)
