@@ -2,8 +2,8 @@
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, plan,
-choices, errors, checks, model_checks, shipped, callable, layout) import no stage; the entry
-points at the top (`__main__`, the `python -m` modules, a stage's own `__main__`) may import
+choices, errors, checks, model_checks, shared_checks, shipped, callable, layout) import no
+stage; the entry points at the top (`__main__`, the `python -m` modules, a stage's own `__main__`) may import
 anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
 share) comes last: nothing in the pipeline imports it. The scripts import nothing from the test
 package.
@@ -25,6 +25,7 @@ CORE = {
     "probe.plan",
     "probe.errors",
     "probe.checks",
+    "probe.shared_checks",
     "probe.callable",
     "probe.shipped",
     "probe.choices",
