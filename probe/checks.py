@@ -20,7 +20,6 @@ from probe.config import (
     ATTENTION_SITES,
     BACKWARD_SITES,
     CIRCUIT_ABLATIONS,
-    CIRCUIT_METHODS,
     CIRCUIT_SELECTS,
     DATA_FILES,
     DATASETS,
@@ -47,6 +46,7 @@ from probe.config import (
     require_target,
 )
 from probe.errors import ConfigError, DataError
+from probe.shared_checks import check_steps, choice, circuit_methods
 from probe.specs import (
     AttributionSpec,
     CircuitSpec,
@@ -75,12 +75,7 @@ DEVICE = re.compile(rf"^(?:{'|'.join(DEVICE_TYPES)})(?::(?:0|[1-9][0-9]*))?$")
 
 
 # -- the words every check is made of ------------------------------------------------------------
-def choice(key: str, value, known) -> None:
-    """A ConfigError naming `key` where `value` is not one of `known`."""
-    if value not in known:
-        raise ConfigError(f"{key}={value!r} is unknown; choose from {', '.join(known)}")
-
-
+# (`choice` is probe.shared_checks', where the checks the library functions share live)
 def at_least(key: str, value, least: int = 1, note: str = "") -> None:
     """A ConfigError naming `key` where `value` is below `least` (None: unset, accepted)."""
     if value is not None and value < least:
@@ -106,12 +101,11 @@ def check_circuit(c: CircuitSpec, options: RunOptions) -> None:
     model and the pairs: the graph, the answers, exact's edges, the sizes, mean_source's file)."""
     if not c.method:
         return
-    for m in c.method:
-        choice("circuit.method", m, CIRCUIT_METHODS)
     choice("circuit.ablation", c.ablation, CIRCUIT_ABLATIONS)
+    circuit_methods(c.method, c.ablation)
     choice("circuit.select", c.select, CIRCUIT_SELECTS)
     choice("circuit.metric", c.metric, METRICS)
-    at_least("circuit.steps", c.steps)
+    check_steps(c.steps)
     if c.mean_source and c.ablation != "mean":
         raise ConfigError(
             f"circuit.mean_source={c.mean_source!r} gives means for circuit.ablation=mean; "

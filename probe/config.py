@@ -256,13 +256,14 @@ CIRCUIT_SELECTS = ("topn", "greedy")
 @dataclass
 class CircuitConfig:
     """Edge scores and circuits over dataset=pairs (probe.circuits, docs/circuits.md): `method`
-    a list of eap, eap_ig_inputs, eap_ig_activations, exact (empty: no circuit); the ablation
+    one of eap, eap_ig_inputs, eap_ig_activations, exact or a list of them (empty: no circuit;
+    probe.shared_checks.circuit_methods reads either form); the ablation
     (counterfactual, mean over the run's pairs or `mean_source` an earlier run's directory,
     zero); circuits of `sizes` percent of the edges cut by `select` (topn, greedy) on absolute or
     signed scores and evaluated for faithfulness (sizes empty: none); `metric` at `position` as
     the patching metrics are named."""
 
-    method: list[str] = field(default_factory=list)
+    method: Any = field(default_factory=list)  # a list, or one method (circuit.method=eap)
     steps: int = 5  # eap_ig_*: integration steps
     ablation: str = "counterfactual"
     mean_source: str | None = None

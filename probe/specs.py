@@ -248,13 +248,13 @@ class StatsSpec:
 class CircuitSpec:
     """probe.config.CircuitConfig parsed: frozen, checked. Edge scores and circuits over
     dataset=pairs (probe.circuits, docs/circuits.md): `method` a list of eap, eap_ig_inputs,
-    eap_ig_activations, exact (empty: no circuit); the ablation (counterfactual, mean over the
+    eap_ig_activations, exact, or one of them alone (empty: no circuit); the ablation (counterfactual, mean over the
     run's pairs or `mean_source` an earlier run's directory, zero); circuits of `sizes` percent
     of the edges cut by `select` (topn, greedy) on absolute or signed scores and evaluated for
     faithfulness (sizes empty: none); `metric` at `position` as the patching metrics are
     named."""
 
-    method: tuple[str, ...] = ()
+    method: str | tuple[str, ...] = ()
     steps: int = 5
     ablation: str = "counterfactual"
     mean_source: str | None = None

@@ -2,9 +2,9 @@
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, plan,
-specs, choices, errors, checks, model_checks, shipped, callable, layout, watch_options) import no
-stage; the entry points at the top (`__main__`, the `python -m` modules, a stage's own
-`__main__`) may import anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
+specs, choices, errors, checks, model_checks, shared_checks, shipped, callable, layout,
+watch_options) import no stage; the entry points at the top (`__main__`, the `python -m` modules,
+a stage's own `__main__`) may import anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
 share) comes last: nothing in the pipeline imports it. The scripts import nothing from the test
 package.
 """
@@ -26,6 +26,7 @@ CORE = {
     "probe.specs",
     "probe.errors",
     "probe.checks",
+    "probe.shared_checks",
     "probe.callable",
     "probe.shipped",
     "probe.choices",

@@ -27,7 +27,6 @@ import torch
 
 from probe.circuits.context import BatchContext
 from probe.circuits.receiver_grads import CHUNK_BYTES, contract, gradient_run
-from probe.errors import ConfigError
 
 GRADIENT_METHODS = ("eap", "eap_ig_inputs", "eap_ig_activations")
 
@@ -59,14 +58,8 @@ def _interpolate(source: torch.Tensor, clean: torch.Tensor, alpha: float):
 
 
 def eap_ig_inputs(ctx: BatchContext, steps: int, budget: int = CHUNK_BYTES) -> torch.Tensor:
-    """(N, E) per-sample EAP-IG scores, integrating along the input's path."""
-    if ctx.ablation.kind != "counterfactual":
-        raise ConfigError(
-            f"circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
-            f"it needs circuit.ablation=counterfactual (got {ctx.ablation.kind}); use "
-            "eap_ig_activations for mean or zero ablation"
-        )
-    _steps(steps)
+    """(N, E) per-sample EAP-IG scores, integrating along the input's path (counterfactual
+    ablation only: probe.shared_checks.circuit_methods refuses the others before the batches)."""
     clean, sources = ctx.clean_states, ctx.sources
     diff = sources.minus(clean)
     total = 0
@@ -97,7 +90,6 @@ def _state(states, key: str) -> torch.Tensor:
 
 def eap_ig_activations(ctx: BatchContext, steps: int, budget: int = CHUNK_BYTES) -> torch.Tensor:
     """(N, E) per-sample EAP-IG scores, integrating along each sender group's own path."""
-    _steps(steps)
     clean, sources = ctx.clean_states, ctx.sources
     diff = sources.minus(clean)
     total = 0
@@ -108,8 +100,3 @@ def eap_ig_activations(ctx: BatchContext, steps: int, budget: int = CHUNK_BYTES)
             _, grads, _ = gradient_run(ctx.parts, ctx.batch.clean, ctx.score, replace)
             total = total + contract(ctx.parts, diff, grads, _size(ctx), senders, budget)
     return total / steps
-
-
-def _steps(steps: int) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ConfigError(f"circuit.steps={steps!r} must be a whole number of at least 1")

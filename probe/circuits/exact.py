@@ -23,6 +23,7 @@ from probe.circuits.context import BatchContext
 from probe.circuits.receiver_grads import CHUNK_BYTES
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.errors import ConfigError
+from probe.shared_checks import check_exact
 
 PER_FORWARD = 16
 
@@ -47,15 +48,6 @@ def _looped(ctx, count: int, make_masks, tables_of, per_forward: int, budget: in
 
 def _ablated(ctx: BatchContext):
     return lambda masks: [Table(ctx.sources, masks.to(ctx.reference.device))]
-
-
-def check_exact(count: int, max_exact: int | None, what: str = "edges") -> None:
-    if max_exact is not None and count > max_exact:
-        raise ConfigError(
-            f"circuit.method=exact patches {count} {what}, one forward each, more than "
-            f"circuit.max_exact={max_exact}; raise circuit.max_exact, or score with eap / "
-            "eap_ig_* and patch the top edges exactly"
-        )
 
 
 def exact_edges(

@@ -24,15 +24,15 @@ import torch
 
 from probe.circuits import eap as gradient
 from probe.circuits.context import BatchContext
-from probe.circuits.exact import PER_FORWARD, check_exact, exact_edges, exact_nodes
+from probe.circuits.exact import PER_FORWARD, exact_edges, exact_nodes
 from probe.circuits.graph import Graph
 from probe.circuits.parts import Parts
 from probe.circuits.receiver_grads import CHUNK_BYTES
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
-from probe.config import CIRCUIT_METHODS
 from probe.errors import ConfigError
+from probe.intervene.metrics import check_logits
+from probe.shared_checks import check_exact, check_steps, circuit_methods
 
-METHODS = CIRCUIT_METHODS
 STEPS = 5
 
 
@@ -108,36 +108,18 @@ def node_sums(graph: Graph, edges: torch.Tensor) -> torch.Tensor:
     return out.index_add_(1, index, edges)
 
 
-def check_methods(methods: Sequence[str], ablation: Ablation | str) -> list[str]:
-    """The methods, known and fit for the ablation (or its kind), in the order they run."""
-    kind = ablation if isinstance(ablation, str) else ablation.kind
-    methods = [methods] if isinstance(methods, str) else list(methods)
-    if not methods:
-        raise ConfigError(f"circuit.method is empty; give one or more of {', '.join(METHODS)}")
-    for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"circuit.method={m!r} is unknown; choose from {', '.join(METHODS)}")
-    if "eap_ig_inputs" in methods and kind != "counterfactual":
-        raise ConfigError(
-            "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
-            f"it needs circuit.ablation=counterfactual (got {kind}); use "
-            "eap_ig_activations for mean or zero ablation"
-        )
-    return sorted(dict.fromkeys(methods), key=METHODS.index)  # eap's clean run serves the rest
-
-
 def score_batch(
     ctx: BatchContext,
     method: str,
     steps: int = STEPS,
-    max_exact: int | None = None,
     per_forward: int = PER_FORWARD,
     budget: int = CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One method's per-sample (edges (N, E), nodes (N, S)) scores on one batch."""
+    """One method's per-sample (edges (N, E), nodes (N, S)) scores on one batch. The method, the
+    steps and circuit.max_exact are checked once before the batches (`attribute`, the run's
+    start-up): nothing a batch holds changes them."""
     graph = ctx.parts.graph
     if method == "exact":
-        check_exact(graph.n_edges, max_exact)
         edges = exact_edges(ctx, per_forward=per_forward, budget=budget)
         return edges, exact_nodes(ctx, per_forward, budget)
     if method == "eap":
@@ -152,7 +134,7 @@ def score_batch(
 def attribute(
     parts: Parts,
     batches: Iterable[dict],
-    methods: Sequence[str] = ("eap",),
+    methods: Sequence[str] | str = ("eap",),
     metric: AnswerMetric | None = None,
     ablation: Ablation | None = None,
     steps: int = STEPS,
@@ -166,13 +148,15 @@ def attribute(
     `budget`: bytes of a chunk of writes and gradients."""
     metric = metric or AnswerMetric()
     ablation = ablation or Ablation()
-    methods = check_methods(methods, ablation)
+    methods = circuit_methods(methods, ablation.kind)  # (one method as a string too)
+    check_steps(steps)
     if "exact" in methods:
         check_exact(parts.graph.n_edges, max_exact)
+    check_logits(parts.model, f"circuit.metric={metric.name}")
     out = {m: EdgeScores(parts.graph, m) for m in methods}
     for batch in batches:
         ctx = BatchContext(parts, pair_batch(parts.model, batch, metric), metric, ablation)
         ctx.check()  # the first batch's clean run checks the residual sum
         for m in methods:
-            out[m].add(*score_batch(ctx, m, steps, max_exact, per_forward, budget))
+            out[m].add(*score_batch(ctx, m, steps, per_forward, budget))
     return out

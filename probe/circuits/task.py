@@ -21,8 +21,9 @@ from probe.circuits.states import SenderStates
 from probe.config import CIRCUIT_ABLATIONS, METRICS
 from probe.errors import ConfigError
 from probe.hooks.forward import first_output, to_device
-from probe.intervene.metrics import NEEDS, at_position, position_index, value
+from probe.intervene.metrics import at_position, position_index, value
 from probe.layout import TokenBatch
+from probe.shared_checks import check_answers, choice
 
 ABLATIONS = CIRCUIT_ABLATIONS
 KEEP = "logits_to_keep"  # transformers' causal LMs: the positions to compute logits at
@@ -37,10 +38,7 @@ class AnswerMetric:
     position: int | None = None
 
     def __post_init__(self):
-        if self.name not in METRICS:
-            raise ConfigError(
-                f"circuit.metric={self.name!r} is unknown; choose from {', '.join(METRICS)}"
-            )
+        choice("circuit.metric", self.name, METRICS)
 
     def index(self, tokens: TokenBatch) -> torch.Tensor:
         """(N,) each sample's position the metric reads."""
@@ -70,10 +68,7 @@ class Ablation:
     means: SenderStates | None = None
 
     def __post_init__(self):
-        if self.kind not in ABLATIONS:
-            raise ConfigError(
-                f"circuit.ablation={self.kind!r} is unknown; choose from {', '.join(ABLATIONS)}"
-            )
+        choice("circuit.ablation", self.kind, ABLATIONS)
         if self.kind == "mean" and self.means is None:
             raise ConfigError(
                 "circuit.ablation=mean needs the nodes' means over a dataset: give a dataset (or an "
@@ -116,12 +111,9 @@ def pair_batch(model, batch: dict, metric: AnswerMetric, device=None) -> PairBat
         raise ConfigError(
             "circuits need clean/corrupt pairs (dataset=pairs): the batch has no corrupt_ids"
         )
-    missing = [k for k in NEEDS.get(metric.name, ()) if batch.get(k) is None]
-    if missing:
-        raise ConfigError(
-            f"circuit.metric={metric.name} reads the {' and '.join(missing)} tokens, which the "
-            "pairs do not give; add them to the pairs file, or use the metric kl"
-        )
+    check_answers(
+        f"circuit.metric={metric.name}", metric.name, {k for k, v in batch.items() if v is not None}
+    )
     device = device or next(model.parameters()).device
     mask = batch.get("attention_mask")
     clean = {"input_ids": batch["input_ids"]}

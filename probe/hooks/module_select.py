@@ -22,6 +22,8 @@ log = logging.getLogger("probe")
 BLOCKS = "@blocks"  # in a layer pattern: each block of the model's stacks (`block_names`)
 # Classes of optional libraries that shipped probes name (accepted when not imported).
 ELSEWHERE = {"Conv1D"}
+# The classes the image probes select (probes=all_convs, the default, and grads_all_convs).
+CONVOLUTIONS = {"Conv1d", "Conv2d", "Conv3d"}
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,14 @@ def match_modules(
         and not (leaves_only and next(m.children(), None) is not None)
     ]
     if not chosen and not allow_empty:
+        if set(where.types) & CONVOLUTIONS and any(isinstance(m, nn.Embedding) for _, m in modules):
+            raise SelectionError(
+                f"{label} selects no module of {type(model).__name__}: it takes convolutions "
+                f"({', '.join(where.types)}), as the default probes (probes=all_convs) do, which "
+                "are for image models; on a token model give probes=none (circuits, the patching "
+                "grid and the lenses need no probe) or a token probe: probes=residual, "
+                "probes=attn_mlp"
+            )
         raise SelectionError(
             f"{label} selects no module of {type(model).__name__} "
             f"(layers {list(where.layers)}, types {list(where.types)}, exclude {list(where.exclude)}); "

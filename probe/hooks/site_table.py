@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None, notes=None) -> int:
         seed = plan.options.seed
         torch.manual_seed(seed)
         model = build_model(plan.model, seed)
-        batch = next(iter(build_batches(plan.data, plan.model, seed, model)))
+        data = _example_data(plan.data, model)
+        batch = next(iter(build_batches(data, plan.model, seed, model)))
         table = sites(model, batch.inputs, plan.probes)
         lines = notes(model, batch.inputs) if notes is not None else []
     except (ProbeError, OmegaConfBaseException, HydraException) as e:
@@ -170,6 +171,27 @@ def main(argv: list[str] | None = None, notes=None) -> int:
     for name, message in table.attrs["unmatched"].items():
         print(f"probe.sites: note: probe {name!r} selects nothing: {message}", file=sys.stderr)
     return 0
+
+
+def _example_data(data, model: nn.Module):
+    """The dataset whose first batch is the example: the plan's, except that a token model (one
+    with a vocabulary) given image data (dataset=synthetic, the default) gets random token ids
+    of its vocabulary (dataset=random_tokens), as `python -m probe.sites model=gpt2` means."""
+    import dataclasses
+
+    from probe.config import TOKEN_DATASETS
+    from probe.models.hub import vocab_size
+
+    vocabulary = vocab_size(model)
+    if data.name in (*TOKEN_DATASETS, "pairs") or vocabulary is None:
+        return data
+    print(
+        f"probe.sites: note: {type(model).__name__} takes token ids; the example is a batch of "
+        f"dataset=random_tokens ({data.batch_size} x {data.seq_len} ids below {vocabulary}), "
+        f"not dataset={data.name}",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(data, name="random_tokens")
 
 
 if __name__ == "__main__":

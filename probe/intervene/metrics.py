@@ -17,27 +17,34 @@ import torch
 from probe.errors import ConfigError
 from probe.hooks.objective import logit_difference, picked
 from probe.layout import TokenBatch
+from probe.shared_checks import check_answers
 
-NEEDS = {
-    "logit_diff": ("answer", "wrong"),
-    "answer_logprob": ("answer",),
-    "answer_prob": ("answer",),
-}
 COLUMNS = ["metric", "n", "target", "source", "edited", "normalized"]
 
 
-def check_metrics(names, has: set[str]) -> list[str]:
-    """The asked metrics (a run plan's), each with the answer tokens it reads in the data."""
+def check_metrics(names, has: set[str], model=None) -> list[str]:
+    """The asked metrics (a run plan's), each with the answer tokens it reads in the data, and
+    (given the `model`) the logits they read."""
     names = list(names)
     for name in names:
-        missing = [k for k in NEEDS.get(name, ()) if k not in has]
-        if missing:
-            raise ConfigError(
-                f"intervene.metrics: {name} reads the {' and '.join(missing)} tokens, which the "
-                "dataset does not give; use dataset=pairs with answer and wrong, or the metrics "
-                "kl and output_change"
-            )
+        check_answers(f"intervene.metrics: {name}", name, has)
+    if names and model is not None:
+        check_logits(model, f"intervene.metrics={names}")
     return names
+
+
+def check_logits(model, label: str) -> None:
+    """Every metric reads the model's vocabulary logits: refuse a transformers model loaded
+    without its language-model head (model.task=base), whose output is its hidden states.
+    `label` names what asked for the metric (circuit.metric=logit_diff, intervene.metrics=...)."""
+    heads = getattr(model, "get_output_embeddings", None)
+    if getattr(model, "base_model", None) is model and callable(heads) and heads() is None:
+        raise ConfigError(
+            f"{label} reads the model's vocabulary logits, but this {type(model).__name__} has "
+            "no language-model head: model.task=base (the default of model=hf) loads the bare "
+            "model, whose output is its hidden states; load it with its head: "
+            "model.task=causal_lm"
+        )
 
 
 def position_index(last: torch.Tensor, t: int, position: int | None, key: str) -> torch.Tensor:

@@ -97,7 +97,7 @@ class Interventions:
             return None
         while isinstance(dataset, Subset):  # (a torchrun shard, a resumed run)
             dataset = dataset.dataset
-        metrics = check_metrics(spec.metrics, side_keys(dataset))
+        metrics = check_metrics(spec.metrics, side_keys(dataset), model)
         ids = getattr(dataset, "input_ids", None)
         length = ids.shape[1] if ids is not None else None
         grid = Grid(model, spec.grid, length) if spec.grid is not None else None

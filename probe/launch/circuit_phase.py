@@ -6,9 +6,10 @@ probe.report.circuits).
 
 circuit.* is parsed and its values checked with the run's config (probe.plan's CircuitSpec,
 probe.checks.check_circuit); what needs the model and the pairs is checked before the run's loop
-(`prepare_circuits`): the dataset, the metric's answers, the methods' order, the sizes, the
-graph of the model (an unknown family, a post-norm model), `circuit.max_exact` and the means of
-`circuit.mean_source`.
+(`prepare_circuits`): the dataset, the metric's answers and the model's language-model head,
+the methods' order, the sizes, the graph of the model (an unknown family, a post-norm model),
+`circuit.max_exact` and the means of `circuit.mean_source`; each check is probe.shared_checks'
+or the library's own, so a run and a call from Python say the same.
 
 Scores and evaluations accumulate as float64 sums and counts, saved after every batch to
 `circuit_progress.npz` (`circuit_progress.rankR.npz` per rank under torchrun) by an atomic
@@ -33,18 +34,19 @@ import torch
 
 from probe.circuits.context import BatchContext
 from probe.circuits.cut import check_sizes
-from probe.circuits.exact import check_exact, evaluate
+from probe.circuits.exact import evaluate
 from probe.circuits.faithfulness import plan
 from probe.circuits.files import CircuitResult, read, read_means
 from probe.circuits.parts import Parts, parts_of
-from probe.circuits.scores import EdgeScores, check_methods, score_batch
+from probe.circuits.scores import EdgeScores, score_batch
 from probe.circuits.states import SenderStates, mean_states
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.data.batches import OrderedBatches
 from probe.errors import ConfigError, DataError
-from probe.intervene.metrics import NEEDS
+from probe.intervene.metrics import check_logits
 from probe.launch.interrupt import Interrupted, StopFlag
 from probe.plan import CircuitSpec, RunPlan
+from probe.shared_checks import check_answers, check_exact, circuit_methods
 
 log = logging.getLogger("probe")
 SUMS = ("edge_sum", "edge_sumsq", "node_sum", "node_sumsq")
@@ -97,24 +99,20 @@ def prepare_circuits(plan: RunPlan, model: torch.nn.Module, dataset) -> CircuitP
     spec = plan.circuit
     if not spec.method:
         return None
+    methods = circuit_methods(spec.method, spec.ablation)  # (circuit.method=eap: [eap])
     if "corrupt_ids" not in _fields(dataset):
         raise ConfigError(
-            f"circuit.method={list(spec.method)} scores edges over clean/corrupt pairs: give "
+            f"circuit.method={methods} scores edges over clean/corrupt pairs: give "
             "dataset=pairs dataset.path=PAIRS, or leave circuit.method empty"
         )
     metric = AnswerMetric(spec.metric, spec.position)
-    missing = [k for k in NEEDS.get(metric.name, ()) if getattr(dataset, k, None) is None]
-    if missing:
-        raise ConfigError(
-            f"circuit.metric={metric.name} reads the {' and '.join(missing)} tokens, which the "
-            "pairs do not give; add them to the pairs file, or use circuit.metric=kl"
-        )
-    methods = check_methods(spec.method, spec.ablation)
+    check_answers(f"circuit.metric={metric.name}", metric.name, _fields(dataset))
+    check_logits(model, f"circuit.metric={metric.name}")
     if spec.sizes:
         check_sizes(spec.sizes)
     parts = parts_of(model)  # an unknown family or a post-norm model is named here
     if "exact" in methods:
-        check_exact(parts.graph.n_edges, spec.max_exact)
+        check_exact(parts.graph.n_edges, spec.max_exact)  # (once: no batch changes the edges)
     means = _source_means(spec.mean_source, parts) if spec.mean_source else None
     return CircuitPhase(spec, parts, methods, metric, means)
 
@@ -248,7 +246,7 @@ def run_circuits(phase: CircuitPhase, p, shard, run_dir: Path, resume: bool) -> 
         for i, batch in _batches(p, state.scored):
             ctx = _context(phase, p, batch, ablation)
             for m in phase.methods:
-                edges, nodes = score_batch(ctx, m, phase.spec.steps, phase.spec.max_exact)
+                edges, nodes = score_batch(ctx, m, phase.spec.steps)
                 state.scores[m].add(edges, nodes)
             state.scored = i + 1
             state.save(path)
@@ -386,7 +384,8 @@ def finish_circuits(result: CircuitResult, run_dir: Path, h5_path: Path, world: 
             cmd,
             ", ".join(f"{s:g}%" for s in curve.sizes),
         )
-    log.info("wrote /circuit in %s and %s", h5_path.name, ", ".join(p.name for p in written))
+    named = ", ".join(p.relative_to(run_dir).as_posix() for p in written)  # (mib/METHOD/...)
+    log.info("wrote /circuit in %s and %s", h5_path.name, named)
     for r in range(world):
         progress_path(run_dir, r, world).unlink(missing_ok=True)
 
