@@ -25,7 +25,7 @@ from probe.stats.running import (
     UnitStats,
     as_array,
 )
-from probe.stats.stat_columns import PACKED_AT, PACKED_HEAD, batch_values
+from probe.stats.stat_columns import PACKED_AT, PACKED_HEAD, batch_values, by_name
 from probe.stats.units import row_l2_sum, units_view
 
 PARALLEL_MIN_VALUES = 1 << 18  # below this a batch is reduced on the calling thread alone
@@ -94,7 +94,7 @@ def batch_stats(
 def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
     """RunningStats of a batch from the array `packing.finish` packed it into."""
     width, k, o = _layout(packed)
-    s = RunningStats(rows, **batch_values(packed[:PACKED_HEAD].tolist()), hist=None)
+    s = RunningStats(rows, **by_name(batch_values(packed[:PACKED_HEAD].tolist())), hist=None)
     if spans:
         heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
         s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))

@@ -9,13 +9,15 @@ fixed buckets that merge exactly by adding counts. This module needs numpy alone
 from __future__ import annotations
 
 import math
+import operator
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from probe.stats import stat_columns
-from probe.stats.stat_columns import BATCH, INTEGER_SCALARS, SCALARS
+from probe.stats.stat_columns import BATCH, BATCH_AT, BATCH_NAMES, INTEGER_SCALARS, SCALARS
 
 QUANTILE_REL_ERROR = 2.0**-8
 # Output range of bounded activations (defaults of their torch constructors).
@@ -298,29 +300,30 @@ class RunningStats:
             self.hist = LogHistogram() if self.hist is None else self.hist.whole()
         return self.hist
 
-    def accumulator(self) -> dict:
-        """Its batch accumulator (`stat_columns.BATCH`: every slot but `rows`), by name."""
-        return {name: getattr(self, name) for name in _BATCH_NAMES}
+    def accumulator(self) -> tuple:
+        """Its batch accumulator: every slot but `rows`, in `stat_columns.BATCH` order."""
+        return _ACCUMULATOR(self)
 
-    def add(self, rows: int, batch: dict) -> None:
-        """Merge a batch's accumulator (`stat_columns.BATCH`, by name) of `rows` rows, each slot
+    def add(self, rows: int, batch: Sequence) -> None:
+        """Merge a batch's accumulator (in `stat_columns.BATCH` order) of `rows` rows, each slot
         as declared: the moments by Chan's formula, the extremes (of a batch with finite values)
         by comparing, the rest by adding."""
-        n = batch["n"]
-        total = self.n + n
+        d = self.__dict__  # (a hook's batch merges here: dict lookups cost less than getattr)
+        n = batch[_N]
+        total = d["n"] + n
         if n:
-            mean = batch["mean"]
-            d = mean - self.mean
-            self.mean += d * n / total
-            self.m2 += batch["m2"] + d * d * self.n * n / total
-            for name in _LOWEST:
-                setattr(self, name, min(getattr(self, name), batch[name]))
-            for name in _HIGHEST:
-                setattr(self, name, max(getattr(self, name), batch[name]))
-        self.n = total
-        self.rows += rows
-        for name in _ADDED:
-            setattr(self, name, getattr(self, name) + batch[name])
+            mean = batch[_MEAN]
+            delta = mean - d["mean"]
+            d["mean"] += delta * n / total
+            d["m2"] += batch[_M2] + delta * delta * d["n"] * n / total
+            for name, i in _LOWEST:
+                d[name] = min(d[name], batch[i])
+            for name, i in _HIGHEST:
+                d[name] = max(d[name], batch[i])
+        d["n"] = total
+        d["rows"] += rows
+        for name, i in _ADDED:
+            d[name] += batch[i]
 
     def as_row(self) -> dict:
         """summary.csv's statistics of this state (`stat_columns.summary_columns`), by name."""
@@ -365,10 +368,11 @@ class RunningStats:
         return s
 
 
-_BATCH_NAMES = tuple(s.name for s in BATCH)
-_ADDED = tuple(s.name for s in BATCH if s.merge == "sum")
-_LOWEST = tuple(s.name for s in BATCH if s.merge == "min")
-_HIGHEST = tuple(s.name for s in BATCH if s.merge == "max")
+_ACCUMULATOR = operator.attrgetter(*BATCH_NAMES)
+_N, _MEAN, _M2 = BATCH_AT["n"], BATCH_AT["mean"], BATCH_AT["m2"]
+_ADDED = tuple((s.name, BATCH_AT[s.name]) for s in BATCH if s.merge == "sum")
+_LOWEST = tuple((s.name, BATCH_AT[s.name]) for s in BATCH if s.merge == "min")
+_HIGHEST = tuple((s.name, BATCH_AT[s.name]) for s in BATCH if s.merge == "max")
 
 
 def counts_agree(s: RunningStats, dtype: str) -> bool:

@@ -63,10 +63,20 @@ SMALLEST_AT = PACKED_FIRST + len(BATCH)
 PACKED_HEAD = SMALLEST_AT + 1
 
 
-def batch_values(packed: Sequence[float]) -> dict[str, Any]:
-    """The BATCH slots of a packed batch by name, integers as int."""
+_INTEGER_AT = tuple(i for i, s in enumerate(BATCH) if s.integer)
+
+
+def batch_values(packed: Sequence[float]) -> list[Any]:
+    """The BATCH slots of a packed batch (a list of floats), in BATCH order, integers as int."""
     values = list(packed[PACKED_FIRST:SMALLEST_AT])
-    return {s.name: int(v) if s.integer else v for s, v in zip(BATCH, values, strict=True)}
+    for i in _INTEGER_AT:
+        values[i] = int(values[i])
+    return values
+
+
+def by_name(values: Sequence[Any]) -> dict[str, Any]:
+    """A batch accumulator in BATCH order, by name (RunningStats' keywords)."""
+    return dict(zip(BATCH_NAMES, values, strict=True))
 
 
 Source = Literal["sum", "moments", "min", "max", "histogram", "units"]

@@ -26,9 +26,17 @@ import torch
 from probe.errors import ConfigError
 from probe.stats import fused
 from probe.stats.running import SATURATION_TOL, LogHistogram, RunningStats, UnitStats
-from probe.stats.stat_columns import BATCH_NAMES, PACKED_AT, PACKED_HEAD, batch_values
+from probe.stats.stat_columns import (
+    BATCH_AT,
+    BATCH_NAMES,
+    PACKED_AT,
+    PACKED_HEAD,
+    batch_values,
+    by_name,
+)
 
 _FIRST, _END = PACKED_AT[BATCH_NAMES[0]], PACKED_AT[BATCH_NAMES[-1]] + 1  # the accumulator
+_N, _NANS, _INFS = BATCH_AT["n"], BATCH_AT["nan_count"], BATCH_AT["inf_count"]
 UNIT_ROWS = 6
 BINS = 1 << 16
 SLAB_HOST = 1 << 19  # values per slab on the CPU: its float64 copies stay in L3 (fastest there)
@@ -132,7 +140,7 @@ def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
     p = np.asarray(packed, dtype=np.float64)
     width, tracked = int(p[0]), bool(p[1])
     batch = batch_values(p[:PACKED_HEAD].tolist())
-    if batch["n"] + batch["nan_count"] + batch["inf_count"] == 0:
+    if batch[_N] + batch[_NANS] + batch[_INFS] == 0:
         return RunningStats(rows=rows, hist=None, unit_axis=unit_axis)
     units = None
     if width:
@@ -148,7 +156,7 @@ def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
             saturated.astype(np.int64) if tracked else None,
         )
     hist = LogHistogram(p[PACKED_HEAD + UNIT_ROWS * width :].astype(np.int64))
-    return RunningStats(rows, **batch, hist=hist, units=units, unit_axis=unit_axis)
+    return RunningStats(rows, **by_name(batch), hist=hist, units=units, unit_axis=unit_axis)
 
 
 REDUCTION_ENV = "PROBE_TORCH_REDUCTION"

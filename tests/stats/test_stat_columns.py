@@ -70,9 +70,9 @@ def test_each_backend_packs_the_accumulator_where_the_declaration_says():
     want = _expected(a)
     packed = torch_stats.reduce(torch.from_numpy(a)).numpy()
     _check({name: packed[at] for name, at in PACKED_AT.items()}, want)
-    _check(stat_columns.batch_values(packed[:PACKED_HEAD]), want)
+    _check(stat_columns.by_name(stat_columns.batch_values(packed[:PACKED_HEAD])), want)
     p, layout = fused.reduce(torch.from_numpy(a))
-    _check(layout.unpack(p.numpy()).accumulator(), want)
+    _check(stat_columns.by_name(layout.unpack(p.numpy()).accumulator()), want)
 
 
 def test_the_numba_passes_pack_the_accumulator_where_the_declaration_says():
@@ -97,10 +97,10 @@ def test_the_numba_passes_pack_the_accumulator_where_the_declaration_says():
 def test_the_state_merges_each_slot_as_declared():
     a, b = _batch(), _batch()[:2] * 3
     s = RunningStats(rows=len(a), **_expected(a))
-    s.add(len(b), _expected(b))
+    s.add(len(b), [_expected(b)[name] for name in stat_columns.BATCH_NAMES])
     whole = _expected(np.concatenate([a.reshape(-1), b.reshape(-1)])[None])
     whole["l2_sum"] = _expected(a)["l2_sum"] + _expected(b)["l2_sum"]  # (a sum over rows)
-    _check(s.accumulator(), whole)
+    _check(stat_columns.by_name(s.accumulator()), whole)
     assert s.rows == len(a) + len(b)
     assert {s.merge for s in SLOTS} == {"sum", "min", "max", "moments"}
 
