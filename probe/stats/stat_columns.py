@@ -61,8 +61,6 @@ PACKED_FIRST = 2
 PACKED_AT: dict[str, int] = {name: PACKED_FIRST + i for name, i in BATCH_AT.items()}
 SMALLEST_AT = PACKED_FIRST + len(BATCH)
 PACKED_HEAD = SMALLEST_AT + 1
-
-
 _INTEGER_AT = tuple(i for i, s in enumerate(BATCH) if s.integer)
 
 
@@ -87,8 +85,8 @@ class Column:
     """One statistic of the tables: its name, integer or float, what it is derived from, and its
     value from a state and the state's quantiles (by column name). `source` says how it merges:
     from slots that add up (`sum`), from the `moments`, the extremes, the histogram's counts or the
-    per-unit statistics. `quantile` marks a column read
-    off the histogram at that rank; `per_step` one of train.csv's alone."""
+    per-unit statistics. `quantile` marks a column read off the histogram at that rank;
+    `per_step` one of train.csv's alone."""
 
     name: str
     integer: bool
@@ -96,11 +94,6 @@ class Column:
     value: Callable[[Any, Mapping[str, float]], float]
     quantile: float | None = None
     per_step: bool = False
-
-
-def _per_value(total: Callable[[Any], float]) -> Callable[[Any, Mapping[str, float]], float]:
-    """A sum divided by the count of finite values (NaN without one)."""
-    return lambda s, q: total(s) / s.n if s.n else math.nan
 
 
 def _quantile(name: str) -> Callable[[Any, Mapping[str, float]], float]:
@@ -127,22 +120,28 @@ def _norm(s: Any, q: Mapping[str, float]) -> float:
     return math.sqrt(max(s.m2 + n * s.mean * s.mean, 0.0)) if n else math.nan
 
 
+def _std(s: Any, q: Mapping[str, float]) -> float:
+    return math.sqrt(max(s.m2, 0.0) / s.n) if s.n else math.nan
+
+
+def _rms(s: Any, q: Mapping[str, float]) -> float:
+    return math.sqrt((s.m2 + s.n * s.mean**2) / s.n) if s.n else math.nan
+
+
+def _dead_frac(s: Any, q: Mapping[str, float]) -> float:
+    """The fraction of units never above zero (of those that saw a finite value)."""
+    return float(s.units.dead().mean()) if _units(s) else math.nan
+
+
 COLUMNS: tuple[Column, ...] = (
     Column("rows", True, "sum", lambda s, q: s.rows),
     Column("n", True, "moments", lambda s, q: s.n),
     Column("mean", False, "moments", lambda s, q: s.mean if s.n else math.nan),
-    Column(
-        "std", False, "moments", lambda s, q: math.sqrt(max(s.m2, 0.0) / s.n) if s.n else math.nan
-    ),  # fmt: skip
+    Column("std", False, "moments", _std),
     Column("min", False, "min", lambda s, q: s.min if s.n else math.nan),
     Column("max", False, "max", lambda s, q: s.max if s.n else math.nan),
-    Column("abs_mean", False, "sum", _per_value(lambda s: s.abs_sum)),
-    Column(
-        "rms",
-        False,
-        "moments",
-        lambda s, q: math.sqrt((s.m2 + s.n * s.mean**2) / s.n) if s.n else math.nan,
-    ),  # fmt: skip
+    Column("abs_mean", False, "sum", lambda s, q: s.abs_sum / s.n if s.n else math.nan),
+    Column("rms", False, "moments", _rms),
     Column("frac_zero", False, "sum", _frac_zero),
     Column("nan_count", True, "sum", lambda s, q: s.nan_count),
     Column("inf_count", True, "sum", lambda s, q: s.inf_count),
@@ -151,12 +150,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("p50", False, "histogram", _quantile("p50"), 0.5),
     Column("p99", False, "histogram", _quantile("p99"), 0.99),
     Column("units", True, "units", lambda s, q: len(s.units.count) if _units(s) else 0),
-    Column(
-        "dead_frac",
-        False,
-        "units",
-        lambda s, q: float(s.units.dead().mean()) if _units(s) else math.nan,
-    ),  # fmt: skip
+    Column("dead_frac", False, "units", _dead_frac),
     Column("saturated_frac", False, "units", _saturated_frac),
     Column("norm", False, "moments", _norm, per_step=True),
 )
