@@ -26,7 +26,7 @@ import yaml
 
 from probe.errors import DataError, ProbeError
 from probe.read import slabs as slab_reads
-from probe.read.tables import COLUMNS, INTEGER_COLUMNS, summary_frame, units_frame
+from probe.read.tables import integer_columns, summary_columns, summary_frame, units_frame
 from probe.stats import backend, parallel
 from probe.stats.running import stats_for
 from probe.store import stats_file
@@ -217,13 +217,14 @@ def sweep_table(path: Path, from_stats: bool = False) -> tuple[pd.DataFrame, lis
         if table.empty:
             table = pd.DataFrame([{"run": run_dir.name, "status": s.state, **overrides}])
         frames.append(table)
+    columns = summary_columns()
     if not frames:
-        return pd.DataFrame(columns=["run", "status", *COLUMNS]), summaries
+        return pd.DataFrame(columns=["run", "status", *columns]), summaries
     table = pd.concat(frames, ignore_index=True)
-    for column in INTEGER_COLUMNS & set(table.columns):  # a run without rows made them float
+    for column in integer_columns() & set(table.columns):  # a run without rows made them float
         table[column] = table[column].astype("Int64")
-    override_cols = [c for c in table.columns if c not in ("run", "status", *COLUMNS)]
-    return table[["run", "status", *override_cols, *[c for c in COLUMNS if c in table]]], summaries
+    override_cols = [c for c in table.columns if c not in ("run", "status", *columns)]
+    return table[["run", "status", *override_cols, *[c for c in columns if c in table]]], summaries
 
 
 def gather_tables(path: Path, name: str) -> pd.DataFrame | None:

@@ -8,32 +8,21 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-COLUMNS = [
-    "layer",
-    "site",
-    "module_type",
-    "shape",
-    "dtype",
-    "rows",
-    "n",
-    "mean",
-    "std",
-    "min",
-    "max",
-    "abs_mean",
-    "rms",
-    "frac_zero",
-    "nan_count",
-    "inf_count",
-    "l2_mean",
-    "p01",
-    "p50",
-    "p99",
-    "units",
-    "dead_frac",
-    "saturated_frac",
-]
-INTEGER_COLUMNS = {"rows", "n", "nan_count", "inf_count", "units"}
+from probe.stats import stat_columns
+
+
+def summary_columns() -> list[str]:
+    """summary.csv's header: what each row is of, then the statistics (`stat_columns`)."""
+    return [*stat_columns.SITE_COLUMNS, *stat_columns.summary_names()]
+
+
+def integer_columns() -> set[str]:
+    """The columns of summary.csv that hold integers."""
+    return set(stat_columns.integer_names()) & set(summary_columns())
+
+
+COLUMNS = summary_columns()
+INTEGER_COLUMNS = integer_columns()
 UNIT_COLUMNS = ["layer", "site", "unit", "count", "mean", "min", "max", "frac_positive", "dead"]
 
 
@@ -50,7 +39,7 @@ def summary_frame(datasets: Iterable) -> pd.DataFrame:
         }
         row.update(info.stats.as_row())
         rows.append(row)
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=summary_columns())
 
 
 def units_frame(datasets: Iterable) -> pd.DataFrame:

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from probe.read.tables import COLUMNS  # noqa: E402
+from probe.read.tables import summary_columns  # noqa: E402
 
 # (column, site) per panel; the first is drawn as a p01-p99 band around the mean
 DEPTH_PANELS = (("mean", "output"), ("std", "output"), ("dead_frac", "output"))
@@ -32,7 +32,8 @@ def depth_rows(table: pd.DataFrame, site: str) -> pd.DataFrame:
 
 def override_columns(table: pd.DataFrame) -> list[str]:
     """The override columns of a sweep table (everything not a summary column)."""
-    return [c for c in table.columns if c not in (*LABEL_COLUMNS, *COLUMNS)]
+    known = {*LABEL_COLUMNS, *summary_columns()}
+    return [c for c in table.columns if c not in known]
 
 
 def differing_overrides(table: pd.DataFrame) -> list[str]:

@@ -174,8 +174,11 @@ class Layout:
                 saturated = (below + above).astype(np.int64)
             units = UnitStats(fin.astype(np.int64), value_sums.copy(), lows, highs,
                               positive.astype(np.int64), saturated)  # fmt: skip
-        scalars = (int(total), mean_all, m2, lo, hi, abs_sum, zeros, nans, infs, l2)
-        return RunningStats(rows, *scalars, hist=hist, units=units, unit_axis=self.unit_axis)
+        # the batch's accumulator (`stat_columns.BATCH`), by name
+        batch = {"n": int(total), "mean": mean_all, "m2": m2, "min": lo, "max": hi,
+                 "abs_sum": abs_sum, "zeros": zeros, "nan_count": nans, "inf_count": infs,
+                 "l2_sum": l2}  # fmt: skip
+        return RunningStats(rows, **batch, hist=hist, units=units, unit_axis=self.unit_axis)
 
     def _extremes(self, ext: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per unit the lowest and highest finite value (+inf and -inf where there is none)."""

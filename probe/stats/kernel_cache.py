@@ -22,6 +22,7 @@ from pathlib import Path
 EXPECTED = "15-60 s"
 LOCK_STALE_SECONDS = 900.0  # a lock older than this belongs to a compile that died
 KERNELS = Path(__file__).with_name("kernels")  # the package; read here, never imported
+COMPILED_IN = Path(__file__).with_name("stat_columns.py")  # the slot offsets the kernels compile in
 
 
 def cache_dir() -> Path:
@@ -44,7 +45,7 @@ def _key() -> str:
     except importlib.metadata.PackageNotFoundError:
         numba_version = "absent"
     parts = []
-    for path in kernel_files():  # each one's name, hash, mtime and size
+    for path in [*kernel_files(), COMPILED_IN]:  # each one's name, hash, mtime and size
         stat = path.stat()
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         parts += [path.name, digest, str(stat.st_mtime_ns), str(stat.st_size)]

@@ -14,7 +14,7 @@ import numpy as np
 
 from probe.stats import team
 from probe.stats.kernels.gomp import WORK, team_batch
-from probe.stats.kernels.packing import PACKED_HEAD, finish, fold_packed
+from probe.stats.kernels.packing import finish, fold_packed
 from probe.stats.kernels.rows import reduce_rows
 from probe.stats.parallel import threads
 from probe.stats.running import (
@@ -25,6 +25,7 @@ from probe.stats.running import (
     UnitStats,
     as_array,
 )
+from probe.stats.stat_columns import PACKED_AT, PACKED_HEAD, batch_values, by_name
 from probe.stats.units import row_l2_sum, units_view
 
 PARALLEL_MIN_VALUES = 1 << 18  # below this a batch is reduced on the calling thread alone
@@ -93,7 +94,7 @@ def batch_stats(
 def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) -> RunningStats:
     """RunningStats of a batch from the array `packing.finish` packed it into."""
     width, k, o = _layout(packed)
-    s = RunningStats(rows, *_scalars(packed), hist=None)
+    s = RunningStats(rows, **by_name(batch_values(packed[:PACKED_HEAD].tolist())), hist=None)
     if spans:
         heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
         s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
@@ -111,19 +112,13 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
 
 def _layout(packed: np.ndarray) -> tuple[int, int, int]:
     """(units' width, histogram spans k, where the span heads start) of a `packing.finish` result:
-    the 11 scalars from 2, then 5 arrays of `width`, then 2k heads, then the spans' counts."""
+    PACKED_HEAD scalars (`stat_columns.PACKED_AT`), then 5 arrays of `width`, then 2k heads, then
+    the spans' counts."""
     width = int(packed[0])
     return width, int(packed[1]), PACKED_HEAD + 5 * width
 
 
-def _scalars(packed: np.ndarray) -> tuple:
-    """(n, mean, m2, min, max, abs_sum, zeros, nan_count, inf_count, l2_sum) of a packed result,
-    counts as ints: RunningStats' fields after `rows`."""
-    n, mean, m2, lo, hi, absolute, zeros, nans, infs, l2, _ = packed[2:PACKED_HEAD].tolist()
-    return int(n), mean, m2, lo, hi, absolute, int(zeros), int(nans), int(infs), l2
-
-
-L2_AT = 2 + 9  # where a packed result holds l2_sum, after nan_count and inf_count (`_scalars`)
+L2_AT, NANS_AT, INFS_AT = PACKED_AT["l2_sum"], PACKED_AT["nan_count"], PACKED_AT["inf_count"]
 
 
 class Pending:
@@ -139,7 +134,7 @@ class Pending:
         """Merge into running statistics: the scalars there, the units and histogram spans in
         one compiled call."""
         packed = self.packed
-        s.add(self.rows, *_scalars(packed))
+        s.add(self.rows, batch_values(packed[:PACKED_HEAD].tolist()))
         u, width = s.units, int(packed[0])
         if u is None:
             u = s.units = UnitStats.empty(width)
@@ -149,11 +144,11 @@ class Pending:
 
     @property
     def nan_count(self) -> int:
-        return int(self.packed[2 + 7])  # (the scalars start at 2; see `_scalars`)
+        return int(self.packed[NANS_AT])
 
     @property
     def inf_count(self) -> int:
-        return int(self.packed[2 + 8])
+        return int(self.packed[INFS_AT])
 
     @property
     def buckets(self) -> int:
@@ -203,7 +198,7 @@ class HookStats:
                     lanes[:] = 0
                     raise
                 if regrouped:  # (see batch_stats)
-                    packed[L2_AT] = row_l2_sum(a, bool(packed[L2_AT - 2] or packed[L2_AT - 1]))
+                    packed[L2_AT] = row_l2_sum(a, bool(packed[NANS_AT] or packed[INFS_AT]))
                 return Pending(len(a), packed)
         return batch_stats(x, bounds, unit_axis=unit_axis)
 

@@ -9,13 +9,17 @@ fixed buckets that merge exactly by adding counts. This module needs numpy alone
 from __future__ import annotations
 
 import math
+import operator
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from probe.stats import stat_columns
+from probe.stats.stat_columns import BATCH, BATCH_AT, BATCH_NAMES, INTEGER_SCALARS, SCALARS
+
 QUANTILE_REL_ERROR = 2.0**-8
-QUANTILES = {"p01": 0.01, "p50": 0.5, "p99": 0.99}
 # Output range of bounded activations (defaults of their torch constructors).
 SATURATING = {
     "Sigmoid": (0.0, 1.0),
@@ -25,10 +29,6 @@ SATURATING = {
     "ReLU6": (0.0, 6.0),
 }
 SATURATION_TOL = 0.01  # a value is saturated within 1% of the range from a bound
-SCALARS = (
-    "rows", "n", "mean", "m2", "min", "max", "abs_sum", "zeros", "nan_count", "inf_count", "l2_sum",
-)  # fmt: skip
-INTEGER_SCALARS = {"rows", "n", "zeros", "nan_count", "inf_count"}
 UNIT_FIELDS = ("count", "sum", "min", "max", "positive", "saturated")  # rows of a saved `units`
 
 
@@ -258,6 +258,9 @@ class UnitStats:
 
 @dataclass
 class RunningStats:
+    """One dataset's statistics: the slots of `stat_columns.SLOTS` (in that order, each starting
+    at its `empty` value), the histogram of its finite values and its per-unit statistics."""
+
     rows: int = 0
     n: int = 0
     mean: float = 0.0
@@ -281,10 +284,7 @@ class RunningStats:
         if fold is not None:
             fold(self)
             return
-        self.add(
-            b.rows, b.n, b.mean, b.m2, b.min, b.max, b.abs_sum, b.zeros, b.nan_count, b.inf_count,
-            b.l2_sum,
-        )  # fmt: skip
+        self.add(b.rows, b.accumulator())
         if b.hist is not None:
             self.whole_histogram().merge(b.hist)
         if b.units is not None:
@@ -300,51 +300,34 @@ class RunningStats:
             self.hist = LogHistogram() if self.hist is None else self.hist.whole()
         return self.hist
 
-    def add(self, rows, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2_sum) -> None:
-        total = self.n + n
+    def accumulator(self) -> tuple:
+        """Its batch accumulator: every slot but `rows`, in `stat_columns.BATCH` order."""
+        return _ACCUMULATOR(self)
+
+    def add(self, rows: int, batch: Sequence) -> None:
+        """Merge a batch's accumulator (in `stat_columns.BATCH` order) of `rows` rows, each slot
+        as declared: the moments by Chan's formula, the extremes (of a batch with finite values)
+        by comparing, the rest by adding."""
+        d = self.__dict__  # (a hook's batch merges here: dict lookups cost less than getattr)
+        n = batch[_N]
+        total = d["n"] + n
         if n:
-            d = mean - self.mean
-            self.mean += d * n / total
-            self.m2 += m2 + d * d * self.n * n / total
-            self.min, self.max = min(self.min, lo), max(self.max, hi)
-        self.n = total
-        self.rows += rows
-        self.abs_sum += abs_sum
-        self.zeros += zeros
-        self.nan_count += nans
-        self.inf_count += infs
-        self.l2_sum += l2_sum
+            mean = batch[_MEAN]
+            delta = mean - d["mean"]
+            d["mean"] += delta * n / total
+            d["m2"] += batch[_M2] + delta * delta * d["n"] * n / total
+            for name, i in _LOWEST:
+                d[name] = min(d[name], batch[i])
+            for name, i in _HIGHEST:
+                d[name] = max(d[name], batch[i])
+        d["n"] = total
+        d["rows"] += rows
+        for name, i in _ADDED:
+            d[name] += batch[i]
 
     def as_row(self) -> dict:
-        n = self.n
-        total = n + self.nan_count + self.inf_count
-        qs = list(QUANTILES.values())
-        quantiles = self.hist.quantiles(qs, self.min, self.max) if self.hist else [math.nan] * 3
-        row = {
-            "rows": self.rows,
-            "n": n,
-            "mean": self.mean if n else math.nan,
-            "std": math.sqrt(max(self.m2, 0.0) / n) if n else math.nan,
-            "min": self.min if n else math.nan,
-            "max": self.max if n else math.nan,
-            "abs_mean": self.abs_sum / n if n else math.nan,
-            "rms": math.sqrt((self.m2 + n * self.mean**2) / n) if n else math.nan,
-            "frac_zero": self.zeros / total if total else math.nan,
-            "nan_count": self.nan_count,
-            "inf_count": self.inf_count,
-            "l2_mean": self.l2_sum / self.rows if self.rows else math.nan,
-            **dict(zip(QUANTILES, quantiles, strict=True)),
-            "units": 0,
-            "dead_frac": math.nan,
-            "saturated_frac": math.nan,
-        }
-        if self.units is not None and len(self.units.count):
-            row["units"] = len(self.units.count)
-            row["dead_frac"] = float(self.units.dead().mean())
-            saturated = self.units.saturated_units()
-            if saturated is not None:
-                row["saturated_frac"] = float(saturated.mean())
-        return row
+        """summary.csv's statistics of this state (`stat_columns.summary_columns`), by name."""
+        return stat_columns.values(self, stat_columns.summary_columns())
 
     def state(self) -> dict:
         """The `state` attribute: the SCALARS as one float64 vector (one HDF5 attribute is much
@@ -383,6 +366,13 @@ class RunningStats:
             fields = [f for f in UNIT_FIELDS if f"unit_{f}" in arrays]
             s.units = UnitStats.unpacked(np.stack([arrays[f"unit_{f}"][()] for f in fields]))
         return s
+
+
+_ACCUMULATOR = operator.attrgetter(*BATCH_NAMES)
+_N, _MEAN, _M2 = BATCH_AT["n"], BATCH_AT["mean"], BATCH_AT["m2"]
+_ADDED = tuple((s.name, BATCH_AT[s.name]) for s in BATCH if s.merge == "sum")
+_LOWEST = tuple((s.name, BATCH_AT[s.name]) for s in BATCH if s.merge == "min")
+_HIGHEST = tuple((s.name, BATCH_AT[s.name]) for s in BATCH if s.merge == "max")
 
 
 def counts_agree(s: RunningStats, dtype: str) -> bool:

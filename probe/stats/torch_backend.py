@@ -2,9 +2,9 @@
 and the path that picks between it and the fused reduction (`probe.stats.fused`).
 
 The same quantities as `probe.stats.backend.batch_stats`. `reduce` packs a batch into one float64
-vector (HEAD scalars, UNIT_ROWS rows of per-unit values, BINS histogram counts) without syncing with
-the host on CUDA, so a caller can queue it and copy it back when it likes; `unpack` turns the host
-copy into a `RunningStats`. Rows are reduced in slabs, merged exactly, to keep temporaries small.
+vector (PACKED_HEAD scalars, the batch accumulator at `stat_columns.PACKED_AT`; UNIT_ROWS rows of
+per-unit values; BINS histogram counts) without syncing with the host on CUDA, so a caller can
+queue it and copy it back when it likes; `unpack` turns the host copy into a `RunningStats`. Rows are reduced in slabs, merged exactly, to keep temporaries small.
 
 `on_device` and `batch_stats` take the fused reduction (a dozen operations a batch) off the host
 and this reference (dozens of short operations, faster on a CPU) on it; `PROBE_TORCH_REDUCTION`
@@ -26,8 +26,17 @@ import torch
 from probe.errors import ConfigError
 from probe.stats import fused
 from probe.stats.running import SATURATION_TOL, LogHistogram, RunningStats, UnitStats
+from probe.stats.stat_columns import (
+    BATCH_AT,
+    BATCH_NAMES,
+    PACKED_AT,
+    PACKED_HEAD,
+    batch_values,
+    by_name,
+)
 
-HEAD = 13
+_FIRST, _END = PACKED_AT[BATCH_NAMES[0]], PACKED_AT[BATCH_NAMES[-1]] + 1  # the accumulator
+_N, _NANS, _INFS = BATCH_AT["n"], BATCH_AT["nan_count"], BATCH_AT["inf_count"]
 UNIT_ROWS = 6
 BINS = 1 << 16
 SLAB_HOST = 1 << 19  # values per slab on the CPU: its float64 copies stay in L3 (fastest there)
@@ -82,14 +91,15 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
         x = x.float()
     width = _width(x.shape, unit_axis)
     tracked = bounds is not None and width > 0
-    out = torch.zeros(HEAD + UNIT_ROWS * width + BINS, dtype=torch.float64, device=x.device)
+    out = torch.zeros(PACKED_HEAD + UNIT_ROWS * width + BINS, dtype=torch.float64, device=x.device)
     # fill_ with a Python number launches a kernel; `out[0] = n` copies a host scalar (a sync)
     out[0:1].fill_(width)
     out[1:2].fill_(float(tracked))
-    units = out[HEAD : HEAD + UNIT_ROWS * width].view(UNIT_ROWS, width)
+    units = out[PACKED_HEAD : PACKED_HEAD + UNIT_ROWS * width].view(UNIT_ROWS, width)
     if x.numel() == 0:
-        for row, value in ((out[5:6], torch.inf), (out[6:7], -torch.inf), (units[2], torch.inf),
-                           (units[3], -torch.inf)):  # fmt: skip
+        low, high = PACKED_AT["min"], PACKED_AT["max"]
+        for row, value in ((out[low : low + 1], torch.inf), (out[high : high + 1], -torch.inf),
+                           (units[2], torch.inf), (units[3], -torch.inf)):  # fmt: skip
             row.fill_(value)
         return out
     near = _thresholds(bounds, x.dtype) if tracked else None
@@ -111,14 +121,16 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
     lows = torch.where(count > 0, _value(acc.low, x.dtype), torch.inf)
     highs = torch.where(count > 0, _value(acc.high, x.dtype), -torch.inf)
     infs = x.numel() - n - acc.nans
-    scalars = [n, mean, m2, _first(lows, lows.amin()), _first(highs, highs.amax())]
-    out[2:12] = torch.stack([*scalars, acc.abs_sum, acc.zeros, acc.nans, infs, acc.l2])
+    batch = {"n": n, "mean": mean, "m2": m2, "min": _first(lows, lows.amin()),
+             "max": _first(highs, highs.amax()), "abs_sum": acc.abs_sum, "zeros": acc.zeros,
+             "nan_count": acc.nans, "inf_count": infs, "l2_sum": acc.l2}  # fmt: skip
+    out[_FIRST:_END] = torch.stack([batch[name] for name in BATCH_NAMES])
     if width:
         saturated = acc.saturated if tracked else torch.zeros_like(count)
         torch.stack([count, acc.sums, lows, highs, acc.positive, saturated], out=units)
     for lo, hi in _CLEARED:
         acc.hist[lo:hi].fill_(0)
-    out[HEAD + UNIT_ROWS * width :] = acc.hist
+    out[PACKED_HEAD + UNIT_ROWS * width :] = acc.hist
     return out
 
 
@@ -127,14 +139,14 @@ def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
     has no histogram, as `probe.stats.backend.batch_stats` gives it."""
     p = np.asarray(packed, dtype=np.float64)
     width, tracked = int(p[0]), bool(p[1])
-    n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2 = p[2:12].tolist()
-    if n + nans + infs == 0:
+    batch = batch_values(p[:PACKED_HEAD].tolist())
+    if batch[_N] + batch[_NANS] + batch[_INFS] == 0:
         return RunningStats(rows=rows, hist=None, unit_axis=unit_axis)
     units = None
     if width:
-        count, sums, lows, highs, positive, saturated = p[HEAD : HEAD + UNIT_ROWS * width].reshape(
-            UNIT_ROWS, width
-        )
+        count, sums, lows, highs, positive, saturated = p[
+            PACKED_HEAD : PACKED_HEAD + UNIT_ROWS * width
+        ].reshape(UNIT_ROWS, width)
         units = UnitStats(
             count.astype(np.int64),
             sums.copy(),
@@ -143,9 +155,8 @@ def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
             positive.astype(np.int64),
             saturated.astype(np.int64) if tracked else None,
         )
-    hist = LogHistogram(p[HEAD + UNIT_ROWS * width :].astype(np.int64))
-    scalars = (int(n), mean, m2, lo, hi, abs_sum, int(zeros), int(nans), int(infs), l2)
-    return RunningStats(rows, *scalars, hist=hist, units=units, unit_axis=unit_axis)
+    hist = LogHistogram(p[PACKED_HEAD + UNIT_ROWS * width :].astype(np.int64))
+    return RunningStats(rows, **by_name(batch), hist=hist, units=units, unit_axis=unit_axis)
 
 
 REDUCTION_ENV = "PROBE_TORCH_REDUCTION"

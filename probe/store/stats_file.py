@@ -1,8 +1,8 @@
 """`/stats` in probe.h5: one group per (layer, site) with labelled statistics in two slots.
 
-Each group holds `scalars` (a compound record per slot, one named field per SCALARS entry and
-`buckets`), `units` (a compound record per unit and slot: UNIT_FIELDS) and `hist` (bucket, count
-of the quantile sketch's non-empty buckets, per slot). A flush writes the slot `/progress` does not
+Each group holds `scalars` (a compound record per slot, one named field per number of the running
+state, `probe.stats.stat_columns.SLOTS`, and `buckets`), `units` (a compound record per unit and
+slot: UNIT_FIELDS) and `hist` (bucket, count of the quantile sketch's non-empty buckets, per slot). A flush writes the slot `/progress` does not
 point at, then points at it: a kill leaves one whole slot, never a mix. The slots are made before
 the writer enters SWMR mode, where only writes into existing datasets are allowed; `hist` grows
 along its second axis. Version 1 files (a `state` attribute and plain `hist`/`units` arrays) are
@@ -17,8 +17,6 @@ import h5py
 import numpy as np
 
 from probe.stats.running import (
-    INTEGER_SCALARS,
-    SCALARS,
     UNIT_FIELDS,
     LogHistogram,
     RunningStats,
@@ -27,6 +25,7 @@ from probe.stats.running import (
     occupied,
     stats_for,
 )
+from probe.stats.stat_columns import INTEGER_SCALARS, SCALARS
 from probe.stats.topk import TopKState
 from probe.store import topk_file
 from probe.store.fileformat import captured, encode, is_per_batch, read_progress

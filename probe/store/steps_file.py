@@ -6,7 +6,9 @@ Row i of every dataset under `/train` is the recorded step `/train/step[i]`:
     /train/scalars               (S, K) float64: loss, grad_norm, grad_scale, lr.<group>, ...
                                  (attribute `columns`)
     /train/sites/<layer>/<site>  (S, len(STAT_COLUMNS)) float64: the statistics of one site at
-                                 each recorded step; NaN at steps where it had no value
+                                 each recorded step (attribute `columns`; the columns of
+                                 `probe.stats.stat_columns.step_names`); NaN at steps where it
+                                 had no value
     /progress                    rows valid (`steps`), the last complete step (`last_step`),
                                  `complete`; beside the counts of a probing run's /progress
 
@@ -29,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from probe.errors import ConfigError
+from probe.stats import stat_columns
 from probe.store.fileformat import FORMAT_VERSION, PROGRESS, decode, encode
 from probe.store.livefile import LiveFile
 
@@ -37,13 +40,28 @@ PROBE_BATCH = "probe_batch"  # the run directory's folder of probe-batch runs, o
 TRAIN = "train"
 SITES = f"{TRAIN}/sites"
 CHUNK_ROWS = 64  # rows per chunk: a flush rewrites at most one partial chunk per dataset
-STAT_COLUMNS = (
-    "rows", "n", "mean", "std", "min", "max", "abs_mean", "rms", "frac_zero", "nan_count",
-    "inf_count", "l2_mean", "p01", "p50", "p99", "units", "dead_frac", "saturated_frac", "norm",
-)  # fmt: skip
-INTEGER_COLUMNS = ("rows", "n", "nan_count", "inf_count", "units")
-SITE_COLUMNS = ("layer", "site", "module_type", "shape", "dtype")
-CSV_COLUMNS = ("step", *SITE_COLUMNS, *STAT_COLUMNS)  # train.csv
+SITE_COLUMNS = stat_columns.SITE_COLUMNS
+
+
+def step_stat_columns() -> tuple[str, ...]:
+    """The statistics of a step's row: summary.csv's, then the per-step ones (`norm`)."""
+    return tuple(stat_columns.step_names())
+
+
+def csv_columns() -> tuple[str, ...]:
+    """train.csv's header: the step, what the row is of, then its statistics."""
+    return ("step", *SITE_COLUMNS, *step_stat_columns())
+
+
+def step_integer_columns() -> tuple[str, ...]:
+    """The statistics of a step's row that hold integers."""
+    columns = step_stat_columns()
+    return tuple(c for c in stat_columns.integer_names() if c in columns)
+
+
+STAT_COLUMNS = step_stat_columns()
+INTEGER_COLUMNS = step_integer_columns()
+CSV_COLUMNS = csv_columns()  # train.csv
 SCALAR_COLUMNS = ("loss", "grad_norm", "grad_scale")  # then lr.<group> per param group
 STEP_PROGRESS = np.dtype(
     PROGRESS.descr + [("steps", "<i8"), ("last_step", "<i8")]  # (a probing run's fields kept)
@@ -217,7 +235,7 @@ class StepFile:
         scalars.resize(hi, axis=0)
         if scalars.shape[1]:
             scalars[lo:hi] = np.stack([v for _, _, v in self.pending])
-        block = np.full((hi - lo, len(STAT_COLUMNS)), np.nan)
+        block = np.full((hi - lo, len(step_stat_columns())), np.nan)
         for key in self.sites:
             block.fill(np.nan)
             for i, (_, values, _) in enumerate(self.pending):
@@ -238,15 +256,18 @@ class StepFile:
     def _append_csv(self) -> None:
         """The pending steps' rows at the end of train.csv, as `step_frame` orders and pandas
         writes them (floats as repr, integers plain, NaN empty), without pandas' cost."""
-        lines = [] if self.csv.exists() else [",".join(CSV_COLUMNS)]
+        lines = [] if self.csv.exists() else [",".join(csv_columns())]
+        columns = step_stat_columns()
+        at_rows = columns.index("rows")
+        integers = {columns.index(c) for c in step_integer_columns()}
         for step, values, _ in self.pending:
             for key, info in self.sites.items():
                 row = values.get(key)
-                if row is None or math.isnan(row[_ROWS]):
+                if row is None or math.isnan(row[at_rows]):
                     continue
                 head = [str(step), _csv_text(info.layer), _csv_text(info.site),
                         _csv_text(info.module_type), "x".join(map(str, info.shape)), info.dtype]  # fmt: skip
-                cells = [_cell(v, i in _INTEGERS) for i, v in enumerate(row.tolist())]
+                cells = [_cell(v, i in integers) for i, v in enumerate(row.tolist())]
                 lines.append(",".join(head + cells))
         with open(self.csv, "a", newline="") as fh:
             fh.write("".join(line + "\n" for line in lines))
@@ -257,16 +278,17 @@ class StepFile:
         self.out.creating()  # (the file may be reopened: handles taken before are closed)
         self.handles.clear()
         f = self.file
+        columns = step_stat_columns()
         for key, info in self.pending_sites.items():
             ds = f.create_dataset(
-                site_path(*key), (self.written, len(STAT_COLUMNS)), "<f8",
-                maxshape=(None, len(STAT_COLUMNS)), chunks=(CHUNK_ROWS, len(STAT_COLUMNS)),
+                site_path(*key), (self.written, len(columns)), "<f8",
+                maxshape=(None, len(columns)), chunks=(CHUNK_ROWS, len(columns)),
                 fillvalue=np.nan,
             )  # fmt: skip
             ds.attrs.update(
                 name=info.layer, site=info.site, module_type=info.module_type,
                 shape=list(info.shape), dtype=info.dtype, kind=info.kind,
-                order=len(self.sites), columns=list(STAT_COLUMNS),
+                order=len(self.sites), columns=list(columns),
             )  # fmt: skip
             f[site_path(*key)].parent.attrs["name"] = info.layer
             self.sites[key] = info
@@ -294,10 +316,6 @@ class StepFile:
         )
 
 
-_ROWS = STAT_COLUMNS.index("rows")
-_INTEGERS = {STAT_COLUMNS.index(c) for c in INTEGER_COLUMNS}
-
-
 def _cell(v: float, integer: bool) -> str:
     if math.isnan(v):
         return ""
@@ -312,25 +330,24 @@ def _csv_text(text: str) -> str:
 
 
 def step_row(stats) -> np.ndarray:
-    """A RunningStats as one STAT_COLUMNS row: the columns of summary.csv, then `norm`, the L2
-    norm of the finite values (sqrt of m2 + n mean^2, their sum of squares)."""
-    row = stats.as_row()
-    n = stats.n
-    norm = math.sqrt(max(stats.m2 + n * stats.mean * stats.mean, 0.0)) if n else math.nan
-    return np.array([*(float(row[c]) for c in STAT_COLUMNS[:-1]), norm], dtype=np.float64)
+    """A RunningStats as one row of `step_stat_columns`: the columns of summary.csv, then `norm`,
+    the L2 norm of the finite values."""
+    row = stat_columns.values(stats, stat_columns.step_columns())
+    return np.array([float(v) for v in row.values()], dtype=np.float64)
 
 
 def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
     """train.csv's rows, one per (step, layer, site) holding a value, steps in order and sites
     in order of first appearance: `values[(layer, site)]` is (steps, STAT_COLUMNS)."""
     steps = np.asarray(steps, dtype=np.int64)
+    columns = list(step_stat_columns())
     frames = []
     for info in infos:
         block = values[(info.layer, info.site)]
-        held = ~np.isnan(block[:, STAT_COLUMNS.index("rows")])
+        held = ~np.isnan(block[:, columns.index("rows")])
         if not held.any():
             continue
-        frame = pd.DataFrame(block[held], columns=list(STAT_COLUMNS))
+        frame = pd.DataFrame(block[held], columns=columns)
         frame.insert(0, "step", steps[held])
         frame.insert(1, "layer", info.layer)
         frame.insert(2, "site", info.site)
@@ -340,12 +357,12 @@ def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
         frame["_order"] = len(frames)
         frames.append(frame)
     if not frames:
-        return pd.DataFrame(columns=list(CSV_COLUMNS))
+        return pd.DataFrame(columns=list(csv_columns()))
     table = pd.concat(frames, ignore_index=True).sort_values(["step", "_order"], kind="stable")
     table = table.drop(columns="_order").reset_index(drop=True)
-    for column in INTEGER_COLUMNS:
+    for column in step_integer_columns():
         table[column] = table[column].astype("Int64")
-    return table[list(CSV_COLUMNS)]
+    return table[list(csv_columns())]
 
 
 def read_sites(f: h5py.File) -> list[SiteInfo]:

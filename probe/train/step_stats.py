@@ -45,10 +45,7 @@ class StepStats:
         acc = self.stats.get(key)
         if acc is None:  # the step's first value: its own statistics, histogram and units kept
             acc = self.stats[key] = RunningStats(bounds=bounds, unit_axis=unit_axis, hist=None)
-            acc.add(
-                batch.rows, batch.n, batch.mean, batch.m2, batch.min, batch.max, batch.abs_sum,
-                batch.zeros, batch.nan_count, batch.inf_count, batch.l2_sum,
-            )  # fmt: skip
+            acc.add(batch.rows, batch.accumulator())
             acc.hist, acc.units = batch.hist, batch.units
             return
         acc.merge(batch)  # (a second micro-batch: into all 65536 buckets)

@@ -16,6 +16,7 @@ import torch
 
 from probe.stats import torch_backend as torch_stats
 from probe.stats.running import SATURATION_TOL, RunningStats
+from probe.stats.stat_columns import PACKED_HEAD
 
 RTOL = 1e-9
 CANCEL = 1e-12  # absolute tolerance of a signed sum, relative to its sum of magnitudes
@@ -298,7 +299,7 @@ def test_packed_layout():
     """The packed vector's head and unit rows, read by position."""
     x = torch.tensor([[[-1.0, 0.0], [2.0, 0.5]], [[3.0, -0.0], [float("nan"), 4.0]]])
     p = torch_stats.reduce(x, bounds=(0.0, 4.0)).numpy()
-    assert len(p) == torch_stats.HEAD + 6 * 2 + (1 << 16)
+    assert len(p) == PACKED_HEAD + 6 * 2 + (1 << 16)
     width, tracked, n, mean, m2, lo, hi, abs_sum, zeros, nans, infs, l2, pad = p[:13]
     assert (width, tracked, n, nans, infs, zeros, pad) == (2, 1, 7, 1, 0, 2, 0)
     assert (lo, hi, abs_sum, mean) == (-1.0, 4.0, 10.5, 8.5 / 7)

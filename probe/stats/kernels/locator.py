@@ -4,7 +4,8 @@ numba checks a function's cached machine code against the file the function is d
 but a caller's code has its callees compiled in: with the passes in several modules, a change to
 one (say `segments`) would leave the old pass cached inside its callers (`rows.reduce_rows`,
 `gomp.team_batch`). The locators here give every function defined in this package one source
-stamp, the hash of every module's contents, so a change to any module recompiles them all. They
+stamp, the hash of every module's contents and of the statistics' declaration (`COMPILED_IN`,
+whose slot offsets the passes compile in), so a change to any of them recompiles them all. They
 are put ahead of numba's own (`install`, run by the package's `__init__` before any module here
 compiles) and decline every file outside this package. Where NUMBA_CACHE_LOCATOR_CLASSES names
 numba's locators instead, they are not used.
@@ -20,25 +21,26 @@ from pathlib import Path
 from numba.core import caching
 
 HERE = Path(__file__).resolve().parent
+COMPILED_IN = (HERE.parent / "stat_columns.py",)  # read by the passes outside the package
 
 
 def modules() -> list[Path]:
-    """The package's modules, in a fixed order."""
-    return sorted(HERE.glob("*.py"))
+    """The package's modules in a fixed order, then COMPILED_IN."""
+    return sorted(HERE.glob("*.py")) + list(COMPILED_IN)
 
 
 def package_stamp() -> str:
     """The hash of every module's name and contents (hashed again only when one's mtime or size
     changes)."""
-    return _digest(tuple((p.name, s.st_mtime_ns, s.st_size) for p in modules() for s in [p.stat()]))
+    return _digest(tuple((str(p), s.st_mtime_ns, s.st_size) for p in modules() for s in [p.stat()]))
 
 
 @functools.lru_cache(maxsize=8)
 def _digest(signature: tuple[tuple[str, int, int], ...]) -> str:
     h = hashlib.sha256()
-    for name, _, _ in signature:
-        h.update(name.encode() + b"\0")
-        h.update(hashlib.sha256((HERE / name).read_bytes()).digest())
+    for path, _, _ in signature:
+        h.update(Path(path).name.encode() + b"\0")
+        h.update(hashlib.sha256(Path(path).read_bytes()).digest())
     return h.hexdigest()
 
 
