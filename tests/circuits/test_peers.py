@@ -20,9 +20,8 @@ from tests.circuits.hand import logit_diff
 from tests.circuits.test_hand import build
 from tests.circuits.toy import pairs
 
-pytest.importorskip(
-    "transformer_lens"
-)  # (its skip reads "could not import": device_check.py counts it a missing library, not a CUDA test left out)
+# (importorskip's own reason, "could not import": device_check.py reads it as a missing library)
+pytest.importorskip("transformer_lens")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
