@@ -148,7 +148,10 @@ def all_peers(model, args, device):
         got, skipped = own_copy(model, tmp)
     real, more = circuit_peers.peers(model, device)
     got.update(real)
-    return got, [f"peer skipped: {label}: {why}" for label, why in skipped + more]
+    return got, [
+        f"peer skipped: {label}: {why} (the peers' venv: this script's docstring)"
+        for label, why in skipped + more
+    ]
 
 
 def peak_mb(fn, device) -> float:
