@@ -1,6 +1,6 @@
 """Benchmark: EAP edge scores over every edge of a GPT-2-shaped model, against a plain forward +
-backward of the same batch, against the exact edge loop on the same pairs, against a peer where
-one is installed, and its peak memory. Shapes (--shape): `bench`, the model of the token
+backward of the same batch, against the exact edge loop on the same pairs, against the peers
+that are installed, and its peak memory. Shapes (--shape): `bench`, the model of the token
 benchmarks (6 layers, width 256, 4 heads, vocab 5000: 1,108 edges); `gpt2-small`, GPT-2 small's
 (12 layers, width 768, 12 heads, vocab 50257: 32,491 edges), random weights.
 
@@ -14,13 +14,27 @@ benchmarks (6 layers, width 256, 4 heads, vocab 5000: 1,108 edges); `gpt2-small`
 - edges x pairs per second: `eap` against `exact` (one patched forward per edge, variants of
   16 edges a forward; timed on --exact-edges edges, its cost being linear in the edges); target
   >= 100x.
-- the peer (where TransformerLens is installed; --no-peers skips it): hannamw/EAP-IG's EAP
-  (`get_scores_eap`: every node's activation difference added by forward hooks on the corrupt
-  run and subtracted on the clean one, (batch, positions, nodes, width) at once, scored by
-  backward hooks at the split q/k/v inputs, `hook_mlp_in` and the last `hook_resid_post` into a
-  (nodes, receivers) matrix) on TransformerLens 4's TransformerBridge over the same weights and
-  batch: its time, and the largest difference of its scores from probe's per edge over the
-  largest |score|. (auto-circuit cannot run beside TransformerLens 4.)
+- the peers (--no-peers leaves them out), each timed on the same weights and batch, interleaved
+  with the rest, with `eap`'s speed-up over it (the median of the per-round ratios) and the
+  largest difference of its per-edge scores from probe's over the largest |score|; a line names
+  each one skipped and why:
+  - probe.testing.peers, the project's own copy of hannamw/EAP-IG's EAP (`get_scores_eap`
+    rewritten for TransformerLens 4's TransformerBridge), wherever TransformerLens is installed;
+  - hannamw/EAP-IG's own code (`eap.attribute.attribute(..., method="EAP")` on its `Graph`)
+    and auto-circuit's edge attribution patching (its registry's "EAP": mask gradients at mask
+    0 on the logit difference), both on a HookedTransformer with `use_attn_result`, which
+    TransformerLens 4 no longer has (scripts/circuit_peers.py; auto-circuit 1.0.1 imports
+    TransformerLens 2's KV cache module besides). They run in a venv of their own, e.g.:
+
+        python3 -m venv /work/venv-peers
+        /work/venv-peers/bin/pip install torch==2.14.1 torchvision==0.29.1 \
+            transformer-lens==3.9.0 auto-circuit==1.0.1 attrs matplotlib \
+            "hydra-core>=1.3.2,<1.4" h5py     # attrs: auto-circuit's undeclared import
+        git clone https://github.com/hannamw/EAP-IG /work/peers-src/EAP-IG  # not on PyPI
+        PYTHONPATH=$PWD:/work/peers-src/EAP-IG/src /work/venv-peers/bin/python \
+            scripts/bench_circuits.py --threads 2
+
+    (transformer-lens 3.9 brings transformers 5, as probe's own venv has.)
 - peak memory above the loaded model (CUDA: allocated; CPU: the resident set, glibc told to
   hand freed blocks back), each in a fresh process: a plain forward + backward of one batch;
   `eap` over 1, 2 and 8 batches (flat in the pairs); `eap` on one batch with 1 MiB chunks
@@ -52,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--exact-edges", type=int, default=64, help="edges the exact loop is timed on")
     p.add_argument("--shape", choices=list(SHAPES), default="bench", help="the model's shape")
-    p.add_argument("--no-peers", action="store_true", help="leave out TransformerLens's EAP")
+    p.add_argument("--no-peers", action="store_true", help="leave out the peers' EAP")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # BATCHES,BUDGET: one peak
     return p.parse_args(argv)
 
@@ -96,21 +110,20 @@ def forward_backward(model, batch, device) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def peer(model, tmp):
-    """probe.testing.peers' EAP-IG EAP on TransformerLens 4's TransformerBridge over a copy of
-    `model`: a function of a batch returning the (senders, receivers) score matrix and the
-    receivers' names; None where TransformerLens is not installed."""
+def own_copy(model, tmp):
+    """probe.testing.peers, the project's copy of EAP-IG's EAP, on a TransformerLens
+    TransformerBridge over a copy of `model`: {label: (run, scores)} (run(batch) the timed call,
+    scores(batch) by edge name), empty where it cannot run, and [(label, why)] skipped."""
+    label = "probe.testing.peers' copy of EAP-IG's EAP"
     try:
-        import transformer_lens  # noqa: F401
-    except ImportError:
-        return None
+        from probe.testing.peers import bridge, eap_scores, edge_scores
+
+        b = bridge(model, tmp, str(model.device))
+    except (ImportError, AttributeError) as e:
+        return {}, [(label, f"{type(e).__name__}: {e}")]
+    from importlib.metadata import version
+
     import torch
-
-    from probe.testing.peers import bridge, eap_scores, node_names
-
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    b = bridge(model, tmp, str(model.device))
-    receivers = node_names(b)[1]
 
     def logit_diff(logits, batch):
         last = logits[:, -1]
@@ -118,7 +131,27 @@ def peer(model, tmp):
         a, w = batch["answer"][:, 0].to(last.device), batch["wrong"][:, 0].to(last.device)
         return last[rows, a] - last[rows, w]
 
-    return lambda batch: (eap_scores(b, batch, logit_diff), receivers)
+    name = f"{label} (TransformerLens {version('transformer-lens')}'s TransformerBridge)"
+    return {name: (lambda batch: eap_scores(b, batch, logit_diff),
+                   lambda batch: edge_scores(b, batch, logit_diff))}, []  # fmt: skip
+
+
+def all_peers(model, args, device):
+    """The own copy and the published peers (scripts/circuit_peers.py) that run here:
+    {label: (run, scores)}, and the lines naming those skipped and why."""
+    import tempfile
+
+    import circuit_peers
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        got, skipped = own_copy(model, tmp)
+    real, more = circuit_peers.peers(model, device)
+    got.update(real)
+    return got, [
+        f"peer skipped: {label}: {why} (the peers' venv: this script's docstring)"
+        for label, why in skipped + more
+    ]
 
 
 def peak_mb(fn, device) -> float:
@@ -193,25 +226,15 @@ def main(argv=None) -> int:
         exact_edges(ctx, edges)
 
     fns = {"forward+backward": plain, "eap": lambda: attribute(parts, one, ["eap"]), "exact": exact}
-    agreement = None
+    agreement, skipped = {}, []
     if not args.no_peers:
-        import tempfile
-
-        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-            theirs = peer(model, tmp)
-        if theirs is not None:
-            fns["peer"] = lambda: theirs(one[0])
-            matrix, receivers = theirs(one[0])
-            column = {r: i for i, r in enumerate(receivers)}
-            mine = attribute(parts, one, ["eap"])["eap"].edges
-            other = (
-                matrix.double()
-                .cpu()
-                .numpy()[
-                    graph.edge_sender, [column[graph.receivers[r]] for r in graph.edge_receiver]
-                ]
-            )
-            agreement = float(np.abs(mine - other).max() / np.abs(other).max())
+        peers, skipped = all_peers(model, args, device)
+        mine = attribute(parts, one, ["eap"])["eap"].edges
+        for label, (run, scores) in peers.items():
+            fns[label] = lambda run=run: run(one[0])
+            theirs = scores(one[0])
+            other = np.array([theirs[name] for name in graph.edges])
+            agreement[label] = float(np.abs(mine - other).max() / np.abs(other).max())
     for fn in fns.values():  # warm-up
         fn()
     times = {k: [] for k in fns}
@@ -251,12 +274,16 @@ def main(argv=None) -> int:
         ["eap", f"{med['eap'] * 1e3:.1f}", f"{eap_ratio:.2f}", f"{rate['eap']:,.0f}"],
         [f"exact ({len(edges)} edges)", f"{med['exact'] * 1e3:.1f}", "-", f"{rate['exact']:,.0f}"],
     ]
-    if "peer" in med:
+    faster = {}
+    for label in agreement:
         ratio = statistics.median(
-            [p / f for p, f in zip(times["peer"], times["forward+backward"], strict=True)]
+            [p / f for p, f in zip(times[label], times["forward+backward"], strict=True)]
         )
-        rows.append(["peer: EAP-IG's EAP on TransformerLens", f"{med['peer'] * 1e3:.1f}",
-                     f"{ratio:.2f}", f"{graph.n_edges * args.pairs / med['peer']:,.0f}"])  # fmt: skip
+        faster[label] = statistics.median(
+            [p / e for p, e in zip(times[label], times["eap"], strict=True)]
+        )
+        rows.append([f"peer: {label}", f"{med[label] * 1e3:.1f}", f"{ratio:.2f}",
+                     f"{graph.n_edges * args.pairs / med[label]:,.0f}"])  # fmt: skip
     head = [
         f"# bench_circuits ({args.shape}): {graph.n_edges} edges, {args.pairs} pairs x "
         f"{args.seq_len} tokens a batch, {device}, {torch.get_num_threads()} threads, "
@@ -271,14 +298,12 @@ def main(argv=None) -> int:
         + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
         + f"; every sender's write of a batch would take {dense:.1f}",
     ]
-    if agreement is not None:
-        speed = med["peer"] / med["eap"]
+    for label, worst in agreement.items():
         notes.append(
-            f"peer: eap {speed:.2f}x faster than EAP-IG's EAP on TransformerLens; their scores "
-            f"differ per edge by at most {agreement:.1e} of the largest |score|"
+            f"peer: eap {faster[label]:.2f}x faster than {label} (per round); their scores "
+            f"differ per edge by at most {worst:.1e} of the largest |score|"
         )
-    elif not args.no_peers:
-        notes.append("peer: TransformerLens is not installed here")
+    notes += skipped
     text = bc.markdown(head, ["variant", "ms a batch", "x forward+backward", "edges x pairs / s"],
                        rows, notes)  # fmt: skip
     print(text)
