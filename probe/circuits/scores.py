@@ -16,7 +16,7 @@ patched forward for `exact`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,10 +29,8 @@ from probe.circuits.graph import Graph
 from probe.circuits.parts import Parts
 from probe.circuits.receiver_grads import CHUNK_BYTES
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
-from probe.config import CIRCUIT_METHODS
 from probe.errors import ConfigError
 
-METHODS = CIRCUIT_METHODS
 STEPS = 5
 
 
@@ -108,6 +106,78 @@ def node_sums(graph: Graph, edges: torch.Tensor) -> torch.Tensor:
     return out.index_add_(1, index, edges)
 
 
+@dataclass(frozen=True)
+class ScoreOptions:
+    """What a scoring method may be tuned by: `steps` of the integrated-gradient methods,
+    `max_exact` edges at most for `exact`, `per_forward` patched variants per forward, and
+    `budget` bytes of a chunk of writes and gradients."""
+
+    steps: int = STEPS
+    max_exact: int | None = None
+    per_forward: int = PER_FORWARD
+    budget: int = CHUNK_BYTES
+
+
+Scores = tuple[torch.Tensor, torch.Tensor]  # per sample: edges (N, E), nodes (N, S)
+
+
+@dataclass(frozen=True)
+class CircuitMethod:
+    """One way of scoring a graph's edges on a batch of pairs: `score(ctx, options)` gives the
+    per-sample (edges, nodes) scores; `fits(ablation)` refuses an ablation kind it cannot serve
+    (ConfigError); `check(graph, options)` refuses a graph before the first batch."""
+
+    score: Callable[[BatchContext, ScoreOptions], Scores]
+    fits: Callable[[str], None] | None = None
+    check: Callable[[Graph, ScoreOptions], None] | None = None
+
+
+def _from_edges(edges: Callable[[BatchContext, ScoreOptions], torch.Tensor]) -> Callable:
+    """A gradient method's score: its edges, and per sender the sum of its out-edges."""
+
+    def score(ctx: BatchContext, o: ScoreOptions) -> Scores:
+        found = edges(ctx, o)
+        return found, node_sums(ctx.parts.graph, found)
+
+    return score
+
+
+def _exact(ctx: BatchContext, o: ScoreOptions) -> Scores:
+    check_exact(ctx.parts.graph.n_edges, o.max_exact)
+    edges = exact_edges(ctx, per_forward=o.per_forward, budget=o.budget)
+    return edges, exact_nodes(ctx, o.per_forward, o.budget)
+
+
+def _counterfactual_only(kind: str) -> None:
+    if kind != "counterfactual":
+        raise ConfigError(
+            "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
+            f"it needs circuit.ablation=counterfactual (got {kind}); use "
+            "eap_ig_activations for mean or zero ablation"
+        )
+
+
+# name -> method, in the order they run (eap's clean run serves the rest); the config's
+# circuit.method names them (probe.config.CIRCUIT_METHODS)
+METHODS: dict[str, CircuitMethod] = {
+    "eap": CircuitMethod(_from_edges(lambda ctx, o: gradient.eap(ctx, o.budget))),
+    "eap_ig_inputs": CircuitMethod(
+        _from_edges(lambda ctx, o: gradient.eap_ig_inputs(ctx, o.steps, o.budget)),
+        fits=_counterfactual_only,
+    ),
+    "eap_ig_activations": CircuitMethod(
+        _from_edges(lambda ctx, o: gradient.eap_ig_activations(ctx, o.steps, o.budget))
+    ),
+    "exact": CircuitMethod(_exact, check=lambda graph, o: check_exact(graph.n_edges, o.max_exact)),
+}
+
+
+def register_method(name: str, method: CircuitMethod) -> CircuitMethod:
+    """Add a scoring method under `name` (run after those before it); returns it."""
+    METHODS[name] = method
+    return method
+
+
 def check_methods(methods: Sequence[str], ablation: Ablation | str) -> list[str]:
     """The methods, known and fit for the ablation (or its kind), in the order they run."""
     kind = ablation if isinstance(ablation, str) else ablation.kind
@@ -117,13 +187,19 @@ def check_methods(methods: Sequence[str], ablation: Ablation | str) -> list[str]
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"circuit.method={m!r} is unknown; choose from {', '.join(METHODS)}")
-    if "eap_ig_inputs" in methods and kind != "counterfactual":
-        raise ConfigError(
-            "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
-            f"it needs circuit.ablation=counterfactual (got {kind}); use "
-            "eap_ig_activations for mean or zero ablation"
-        )
-    return sorted(dict.fromkeys(methods), key=METHODS.index)  # eap's clean run serves the rest
+    for m in methods:
+        if METHODS[m].fits is not None:
+            METHODS[m].fits(kind)
+    order = list(METHODS)
+    return sorted(dict.fromkeys(methods), key=order.index)
+
+
+def check_graph(methods: Sequence[str], graph: Graph, options: ScoreOptions) -> None:
+    """Each method's refusal of `graph` before the first batch (`exact` over more edges than
+    `circuit.max_exact`)."""
+    for m in methods:
+        if METHODS[m].check is not None:
+            METHODS[m].check(graph, options)
 
 
 def score_batch(
@@ -133,20 +209,9 @@ def score_batch(
     max_exact: int | None = None,
     per_forward: int = PER_FORWARD,
     budget: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Scores:
     """One method's per-sample (edges (N, E), nodes (N, S)) scores on one batch."""
-    graph = ctx.parts.graph
-    if method == "exact":
-        check_exact(graph.n_edges, max_exact)
-        edges = exact_edges(ctx, per_forward=per_forward, budget=budget)
-        return edges, exact_nodes(ctx, per_forward, budget)
-    if method == "eap":
-        edges = gradient.eap(ctx, budget)
-    elif method == "eap_ig_inputs":
-        edges = gradient.eap_ig_inputs(ctx, steps, budget)
-    else:
-        edges = gradient.eap_ig_activations(ctx, steps, budget)
-    return edges, node_sums(graph, edges)
+    return METHODS[method].score(ctx, ScoreOptions(steps, max_exact, per_forward, budget))
 
 
 def attribute(
@@ -167,12 +232,12 @@ def attribute(
     metric = metric or AnswerMetric()
     ablation = ablation or Ablation()
     methods = check_methods(methods, ablation)
-    if "exact" in methods:
-        check_exact(parts.graph.n_edges, max_exact)
+    options = ScoreOptions(steps, max_exact, per_forward, budget)
+    check_graph(methods, parts.graph, options)
     out = {m: EdgeScores(parts.graph, m) for m in methods}
     for batch in batches:
         ctx = BatchContext(parts, pair_batch(parts.model, batch, metric), metric, ablation)
         ctx.check()  # the first batch's clean run checks the residual sum
         for m in methods:
-            out[m].add(*score_batch(ctx, m, steps, max_exact, per_forward, budget))
+            out[m].add(*METHODS[m].score(ctx, options))
     return out

@@ -33,11 +33,17 @@ import torch
 
 from probe.circuits.context import BatchContext
 from probe.circuits.cut import check_sizes
-from probe.circuits.exact import check_exact, evaluate
+from probe.circuits.exact import evaluate
 from probe.circuits.faithfulness import plan
 from probe.circuits.files import CircuitResult, read, read_means
 from probe.circuits.parts import Parts, parts_of
-from probe.circuits.scores import EdgeScores, check_methods, score_batch
+from probe.circuits.scores import (
+    EdgeScores,
+    ScoreOptions,
+    check_graph,
+    check_methods,
+    score_batch,
+)
 from probe.circuits.states import SenderStates, mean_states
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.data.batches import OrderedBatches
@@ -113,8 +119,7 @@ def prepare_circuits(plan: RunPlan, model: torch.nn.Module, dataset) -> CircuitP
     if spec.sizes:
         check_sizes(spec.sizes)
     parts = parts_of(model)  # an unknown family or a post-norm model is named here
-    if "exact" in methods:
-        check_exact(parts.graph.n_edges, spec.max_exact)
+    check_graph(methods, parts.graph, ScoreOptions(spec.steps, spec.max_exact))
     means = _source_means(spec.mean_source, parts) if spec.mean_source else None
     return CircuitPhase(spec, parts, methods, metric, means)
 
