@@ -9,6 +9,8 @@ is built.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from probe.config import CIRCUIT_METHODS
 from probe.errors import ConfigError
 
@@ -27,23 +29,22 @@ def choice(key: str, value, known) -> None:
         raise ConfigError(f"{key}={value!r} is unknown; choose from {', '.join(known)}")
 
 
-def circuit_methods(methods, ablation: str) -> list[str]:
-    """circuit.method (one method or a list), each known and fit for the `ablation` kind, in the
-    order they run (eap's clean run serves the rest)."""
+def circuit_methods(methods, ablation: str, known: Sequence[str] = CIRCUIT_METHODS) -> list[str]:
+    """circuit.method (one method or a list), each `known` (the config's names; the library's
+    registry, probe.circuits.scores.METHODS, adds any registered there) and fit for the
+    `ablation` kind, in the order they run (eap's clean run serves the rest)."""
     methods = [methods] if isinstance(methods, str) else list(methods)
     if not methods:
-        raise ConfigError(
-            f"circuit.method is empty; give one or more of {', '.join(CIRCUIT_METHODS)}"
-        )
+        raise ConfigError(f"circuit.method is empty; give one or more of {', '.join(known)}")
     for m in methods:
-        choice("circuit.method", m, CIRCUIT_METHODS)
+        choice("circuit.method", m, known)
     if "eap_ig_inputs" in methods and ablation != "counterfactual":
         raise ConfigError(
             "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
             f"it needs circuit.ablation=counterfactual (got {ablation}); use "
             "eap_ig_activations for mean or zero ablation"
         )
-    return sorted(dict.fromkeys(methods), key=CIRCUIT_METHODS.index)
+    return sorted(dict.fromkeys(methods), key=list(known).index)
 
 
 def check_steps(steps) -> None:

@@ -62,20 +62,49 @@ def cases(fx: Path) -> dict[str, list[str]]:
              f"dataset.path={fx / 'pairs.pt'}", "dataset.batch_size=2", "probes=none"]  # fmt: skip
     return {
         "default": ["probe", "dataset.num_samples=8", "dataset.batch_size=4"],
-        "stats": ["probe", "dataset.num_samples=8", "dataset.batch_size=4", "store=stats",
-                  "stats.topk=3"],  # fmt: skip
-        "tokens": ["probe", "model=hf", gpt2, "model.task=causal_lm", "dataset=random_tokens",
-                   "dataset.num_samples=6", "dataset.seq_len=8", "dataset.batch_size=3",
-                   "probes=residual"],  # fmt: skip
-        "grid": ["probe", *pairs, "intervene=patch_grid", "intervene.grid.method=[exact,atp]",
-                 "intervene.metrics=[logit_diff,kl]"],  # fmt: skip
-        "cams": ["probe", "probes=cams", "objective=logit", "objective.index=predicted",
-                 "dataset.num_samples=4", "dataset.batch_size=2"],  # fmt: skip
+        "stats": [
+            "probe",
+            "dataset.num_samples=8",
+            "dataset.batch_size=4",
+            "store=stats",
+            "stats.topk=3",
+        ],  # fmt: skip
+        "tokens": [
+            "probe",
+            "model=hf",
+            gpt2,
+            "model.task=causal_lm",
+            "dataset=random_tokens",
+            "dataset.num_samples=6",
+            "dataset.seq_len=8",
+            "dataset.batch_size=3",
+            "probes=residual",
+        ],  # fmt: skip
+        "grid": [
+            "probe",
+            *pairs,
+            "intervene=patch_grid",
+            "intervene.grid.method=[exact,atp]",
+            "intervene.metrics=[logit_diff,kl]",
+        ],  # fmt: skip
+        "cams": [
+            "probe",
+            "probes=cams",
+            "objective=logit",
+            "objective.index=predicted",
+            "dataset.num_samples=4",
+            "dataset.batch_size=2",
+        ],  # fmt: skip
         "lens": ["probe", *pairs, "lens=logit"],
         "dla": ["probe", *pairs, "lens=dla"],
         "circuit": ["probe", *pairs, "circuit.method=[eap,exact]", "circuit.sizes=[10,50]"],
-        "watch": ["probe.train", "train.steps=4", "watch.every=1", "dataset.num_samples=16",
-                  "dataset.batch_size=4"],  # fmt: skip
+        "watch": [
+            "probe.train",
+            "train.steps=4",
+            "watch.every=1",
+            "dataset.num_samples=16",
+            "dataset.batch_size=4",
+        ],  # fmt: skip
     }
 
 
@@ -162,9 +191,7 @@ def compare_h5(a: Path, b: Path) -> list[str]:
                     diffs.append(f"{a.name}:/{name} attribute {k}: {at_a[k]!r} != {at_b[k]!r}")
             if isinstance(oa, h5py.Dataset):
                 if oa.dtype != ob.dtype or oa.shape != ob.shape:
-                    diffs.append(
-                        f"{a.name}:/{name} {oa.dtype}{oa.shape} != {ob.dtype}{ob.shape}"
-                    )
+                    diffs.append(f"{a.name}:/{name} {oa.dtype}{oa.shape} != {ob.dtype}{ob.shape}")
                 elif oa.dtype == object or oa.dtype.names or h5py.check_string_dtype(oa.dtype):
                     if _plain(oa[()], fa) != _plain(ob[()], fb):
                         diffs.append(f"{a.name}:/{name} values differ")

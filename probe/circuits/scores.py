@@ -16,7 +16,7 @@ patched forward for `exact`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,27 +108,99 @@ def node_sums(graph: Graph, edges: torch.Tensor) -> torch.Tensor:
     return out.index_add_(1, index, edges)
 
 
+@dataclass(frozen=True)
+class ScoreOptions:
+    """What a scoring method may be tuned by: `steps` of the integrated-gradient methods,
+    `max_exact` edges at most for `exact`, `per_forward` patched variants per forward, and
+    `budget` bytes of a chunk of writes and gradients."""
+
+    steps: int = STEPS
+    max_exact: int | None = None
+    per_forward: int = PER_FORWARD
+    budget: int = CHUNK_BYTES
+
+
+Scores = tuple[torch.Tensor, torch.Tensor]  # per sample: edges (N, E), nodes (N, S)
+
+
+@dataclass(frozen=True)
+class CircuitMethod:
+    """One way of scoring a graph's edges on a batch of pairs: `score(ctx, options)` gives the
+    per-sample (edges, nodes) scores; `fits(ablation)` refuses an ablation kind it cannot serve
+    (ConfigError); `check(graph, options)` refuses a graph before the first batch."""
+
+    score: Callable[[BatchContext, ScoreOptions], Scores]
+    fits: Callable[[str], None] | None = None
+    check: Callable[[Graph, ScoreOptions], None] | None = None
+
+
+def _from_edges(edges: Callable[[BatchContext, ScoreOptions], torch.Tensor]) -> Callable:
+    """A gradient method's score: its edges, and per sender the sum of its out-edges."""
+
+    def score(ctx: BatchContext, o: ScoreOptions) -> Scores:
+        found = edges(ctx, o)
+        return found, node_sums(ctx.parts.graph, found)
+
+    return score
+
+
+def _exact(ctx: BatchContext, o: ScoreOptions) -> Scores:
+    edges = exact_edges(ctx, per_forward=o.per_forward, budget=o.budget)
+    return edges, exact_nodes(ctx, o.per_forward, o.budget)
+
+
+# name -> method, in the order they run (eap's clean run serves the rest); the config's
+# circuit.method names them (probe.config.CIRCUIT_METHODS)
+METHODS: dict[str, CircuitMethod] = {
+    "eap": CircuitMethod(_from_edges(lambda ctx, o: gradient.eap(ctx, o.budget))),
+    "eap_ig_inputs": CircuitMethod(
+        _from_edges(lambda ctx, o: gradient.eap_ig_inputs(ctx, o.steps, o.budget)),
+    ),
+    "eap_ig_activations": CircuitMethod(
+        _from_edges(lambda ctx, o: gradient.eap_ig_activations(ctx, o.steps, o.budget))
+    ),
+    "exact": CircuitMethod(_exact, check=lambda graph, o: check_exact(graph.n_edges, o.max_exact)),
+}
+
+
+def register_method(name: str, method: CircuitMethod) -> CircuitMethod:
+    """Add a scoring method under `name` (run after those before it); returns it."""
+    METHODS[name] = method
+    return method
+
+
+def check_methods(methods: str | Sequence[str], ablation: Ablation | str) -> list[str]:
+    """The methods (one or a list), known to the registry and fit for the ablation (or its
+    kind), in the order they run: probe.shared_checks.circuit_methods' checks, the ones the
+    run's parse makes, then each registered method's own `fits`."""
+    kind = ablation if isinstance(ablation, str) else ablation.kind
+    methods = circuit_methods(methods, kind, known=tuple(METHODS))
+    for m in methods:
+        fits = METHODS[m].fits
+        if fits is not None:
+            fits(kind)
+    return methods
+
+
+def check_graph(methods: Sequence[str], graph: Graph, options: ScoreOptions) -> None:
+    """Each method's refusal of `graph` before the first batch (`exact` over more edges than
+    `circuit.max_exact`)."""
+    for m in methods:
+        if METHODS[m].check is not None:
+            METHODS[m].check(graph, options)
+
+
 def score_batch(
     ctx: BatchContext,
     method: str,
     steps: int = STEPS,
     per_forward: int = PER_FORWARD,
     budget: int = CHUNK_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Scores:
     """One method's per-sample (edges (N, E), nodes (N, S)) scores on one batch. The method, the
     steps and circuit.max_exact are checked once before the batches (`attribute`, the run's
     start-up): nothing a batch holds changes them."""
-    graph = ctx.parts.graph
-    if method == "exact":
-        edges = exact_edges(ctx, per_forward=per_forward, budget=budget)
-        return edges, exact_nodes(ctx, per_forward, budget)
-    if method == "eap":
-        edges = gradient.eap(ctx, budget)
-    elif method == "eap_ig_inputs":
-        edges = gradient.eap_ig_inputs(ctx, steps, budget)
-    else:
-        edges = gradient.eap_ig_activations(ctx, steps, budget)
-    return edges, node_sums(graph, edges)
+    return METHODS[method].score(ctx, ScoreOptions(steps, None, per_forward, budget))
 
 
 def attribute(
@@ -148,15 +220,15 @@ def attribute(
     `budget`: bytes of a chunk of writes and gradients."""
     metric = metric or AnswerMetric()
     ablation = ablation or Ablation()
-    methods = circuit_methods(methods, ablation.kind)  # (one method as a string too)
+    methods = check_methods(methods, ablation)  # (one method as a string too)
     check_steps(steps)
-    if "exact" in methods:
-        check_exact(parts.graph.n_edges, max_exact)
+    options = ScoreOptions(steps, max_exact, per_forward, budget)
+    check_graph(methods, parts.graph, options)  # (once: no batch changes the edges)
     check_logits(parts.model, f"circuit.metric={metric.name}")
     out = {m: EdgeScores(parts.graph, m) for m in methods}
     for batch in batches:
         ctx = BatchContext(parts, pair_batch(parts.model, batch, metric), metric, ablation)
         ctx.check()  # the first batch's clean run checks the residual sum
         for m in methods:
-            out[m].add(*score_batch(ctx, m, steps, per_forward, budget))
+            out[m].add(*METHODS[m].score(ctx, options))
     return out

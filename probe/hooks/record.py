@@ -1,4 +1,5 @@
-"""What one batch hands the writer: its captures, per-sample and per-batch, and what goes with them."""
+"""What one batch hands the writer: its captures, per-sample and per-batch, and the features'
+named outputs (probe.hooks.run_feature.Outputs)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from probe.hooks.run_feature import Outputs
 
 
 @dataclass
@@ -20,7 +23,7 @@ class Record:
     values: dict[tuple[str, str], torch.Tensor]
     per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     targets: torch.Tensor | None = None
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample, own path
+    outputs: Outputs = field(default_factory=Outputs)  # the features' rows, by dataset name
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
     # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
     counted: dict[tuple[str, str], Any] = field(default_factory=dict)  # RunningStats or packed
@@ -29,11 +32,7 @@ class Record:
     axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis by dataset
     # a token batch's /tokens/{sample,position,id} rows (the rows of the `token_keys` datasets)
     tokens: dict[str, np.ndarray] | None = None
-    batch_rows: dict[str, np.ndarray] = field(default_factory=dict)  # one row for this batch
     token_keys: set[tuple[str, str]] = field(default_factory=set)  # values of one row per token
-    once: dict[str, np.ndarray] = field(default_factory=dict)  # written whole if not yet there
-    # this batch's examples per unit by dataset and kind: (values, keys) (probe.stats.topk)
-    topk: dict[tuple[str, str], dict[str, tuple]] = field(default_factory=dict)
     unstored: set[tuple[str, str]] = field(default_factory=set)  # statistics only, no dataset
     plain: dict[tuple[str, str], dict] = field(default_factory=dict)  # no statistics: attrs
 

@@ -26,6 +26,7 @@ from probe.hooks import device as devices
 from probe.hooks.capture import Capture
 from probe.hooks.forward import answer, call, first_output, output_rows, to_device
 from probe.hooks.module_select import Selection
+from probe.hooks.run_feature import StepContext
 from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
 from probe.intervene.grid import Grid, heatmap, patching_table
@@ -140,10 +141,18 @@ class Interventions:
         if entered is not None:
             entered.__exit__(*exc)
 
-    def before(self, model, batch: Batch, inputs, source, tokens, device, precision) -> dict:
+    def before(self, ctx: StepContext) -> dict:
         """The target (own input, unedited; a grid's target is the run's own forward) and the
-        source passes, recording the sites patches and the grid read."""
-        run = (model, batch, tokens, device, precision)
+        source passes of the batch `ctx` holds, recording the sites patches and the grid read."""
+        model, batch, inputs, source, tokens = (
+            ctx.model,
+            ctx.batch,
+            ctx.inputs,
+            ctx.source,
+            ctx.tokens,
+        )
+        device = ctx.device
+        run = (model, batch, tokens, device, ctx.precision)
         out = {}
         sites = self.grid.attention if self.grid is not None else None
         self.grid_tokens(tokens)
@@ -182,10 +191,13 @@ class Interventions:
                 p.recorded.values = captured.values
         return output
 
-    def after(self, passes, output, batch: Batch, inputs, tokens, model_output: str, run):
-        """Per-sample rows for the file, from the passes and the edited `output`: single edits'
-        target outputs (/model/output_clean) and metrics (/effects/<metric>: target, source,
-        edited), or each grid cell's metrics (/patching/<metric>: a column per cell)."""
+    def after(self, passes: dict, ctx: StepContext) -> dict:
+        """Per-sample rows for the file, from the passes and the edited output `ctx` holds:
+        single edits' target outputs (/model/output_clean) and metrics (/effects/<metric>:
+        target, source, edited), or each grid cell's metrics (/patching/<metric>: a column per
+        cell)."""
+        output, batch, inputs, tokens = ctx.output, ctx.batch, ctx.inputs, ctx.tokens
+        model_output, run = ctx.model_output, (ctx.model, ctx.device, ctx.precision, ctx.capture)
         if self.grid is not None:
             if batch.start == 0 and isinstance(batch.inputs, dict):
                 self.labels = batch.inputs["input_ids"][0].tolist()

@@ -38,7 +38,7 @@ from probe.circuits.exact import evaluate
 from probe.circuits.faithfulness import plan
 from probe.circuits.files import CircuitResult, read, read_means
 from probe.circuits.parts import Parts, parts_of
-from probe.circuits.scores import EdgeScores, score_batch
+from probe.circuits.scores import EdgeScores, ScoreOptions, check_graph, check_methods, score_batch
 from probe.circuits.states import SenderStates, mean_states
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.data.batches import OrderedBatches
@@ -46,7 +46,7 @@ from probe.errors import ConfigError, DataError
 from probe.intervene.metrics import check_logits
 from probe.launch.interrupt import Interrupted, StopFlag
 from probe.plan import CircuitSpec, RunPlan
-from probe.shared_checks import check_answers, check_exact, circuit_methods
+from probe.shared_checks import check_answers
 
 log = logging.getLogger("probe")
 SUMS = ("edge_sum", "edge_sumsq", "node_sum", "node_sumsq")
@@ -99,7 +99,7 @@ def prepare_circuits(plan: RunPlan, model: torch.nn.Module, dataset) -> CircuitP
     spec = plan.circuit
     if not spec.method:
         return None
-    methods = circuit_methods(spec.method, spec.ablation)  # (circuit.method=eap: [eap])
+    methods = check_methods(spec.method, spec.ablation)  # (circuit.method=eap: [eap])
     if "corrupt_ids" not in _fields(dataset):
         raise ConfigError(
             f"circuit.method={methods} scores edges over clean/corrupt pairs: give "
@@ -111,8 +111,9 @@ def prepare_circuits(plan: RunPlan, model: torch.nn.Module, dataset) -> CircuitP
     if spec.sizes:
         check_sizes(spec.sizes)
     parts = parts_of(model)  # an unknown family or a post-norm model is named here
-    if "exact" in methods:
-        check_exact(parts.graph.n_edges, spec.max_exact)  # (once: no batch changes the edges)
+    check_graph(
+        methods, parts.graph, ScoreOptions(spec.steps, spec.max_exact)
+    )  # (once: no batch changes the edges)
     means = _source_means(spec.mean_source, parts) if spec.mean_source else None
     return CircuitPhase(spec, parts, methods, metric, means)
 

@@ -11,31 +11,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pandas as pd
 import torch
 import torchvision
 from tqdm.auto import tqdm
 
-from probe.attribute.integrated import Integrated, baselines, check_attribution_run
-from probe.attribute.readout import build_readout, write_readout_tables
-from probe.attribute.table import attribution_table
+from probe.attribute.integrated import check_attribution_run
 from probe.config import BACKWARD_SITES, GRAD_EDIT_SITES
 from probe.data.batches import build_batches, check_token_data
 from probe.data.provenance import describe as describe_dataset
 from probe.errors import ConfigError
 from probe.hooks import nonfinite
-from probe.hooks.batch_topk import TopKSpec
 from probe.hooks.capture import Capture
 from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
+from probe.hooks.run_feature import Finished, RunFeature, RunSetup
 from probe.hooks.sae_site import load_saes
 from probe.intervene.edits import build_edits, first_pass_means
-from probe.intervene.passes import Interventions
-from probe.intervene.splice import SpliceReport
+from probe.intervene.passes import direction_of
 from probe.launch import distributed, size_plan
 from probe.launch.batch import BatchStep, Prepared, run_batch
-from probe.launch.circuit_phase import finish_circuits, prepare_circuits, reuse, run_circuits
+from probe.launch.features import FEATURES
+from probe.launch.features.topk_examples import examples_spec
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.models import placement
 from probe.models.build import build_model
@@ -124,7 +121,9 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
     if wants_grad:
         objective = build_objective(plan.objective, batches.has_targets, answers)
     check_attribution_run(model, selections, edits, options.train_mode)
-    readout = build_readout(plan.lens, model, "answer" in answers)
+    features = prepare_features(
+        RunSetup(plan, model, batches, every.dataset, selections, edits, device, objective)
+    )
     for sel in selections:
         log.info(
             "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
@@ -145,9 +144,14 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
             plan.store.filename,
         )
     return Prepared(
-        model, batches, selections, objective, device, edits, shard, stats_backend,
-        readout=readout, circuit=prepare_circuits(plan, model, every.dataset),
-    )  # fmt: skip
+        model, batches, selections, objective, device, edits, shard, stats_backend, features
+    )
+
+
+def prepare_features(setup: RunSetup) -> list[RunFeature]:
+    """The registered features (probe.launch.features) the plan asks for, each checked against
+    the model and the data."""
+    return [f for f in (kind.prepare(setup) for kind in FEATURES) if f is not None]
 
 
 def run(plan: RunPlan, run_dir: Path | None = None, prepared: Prepared | None = None) -> RunResult:
@@ -170,35 +174,30 @@ def _run(plan: RunPlan, run_dir: Path, prepared: Prepared | None) -> RunResult:
     train_mode = plan.options.train_mode
     buffers = {k: v.clone() for k, v in p.model.state_dict().items()} if train_mode else None
     p.model.train(train_mode)
-    tokenizer = plan.data.tokenizer or plan.model.name
-    is_pairs = plan.data.name == "pairs"
-    interventions = Interventions.of(
-        p.model, p.edits, plan.intervene, p.batches.dataset, is_pairs, tokenizer
-    )
-    if any("ig_output" in s.sites for s in p.selections):
-        a = plan.attribution
-        base = baselines(a, p.model, p.batches, p.selections, p.device, plan.options.precision)
-        p.integrated = Integrated(a.steps, a.method, a.internal_batch_size, base)
     h5_path = run_dir / plan.store.filename
-    writer = _open_writer(plan, p, shard, h5_path, stats_backend, interventions)
+    setup = RunSetup(plan, p.model, p.batches, p.batches.dataset, p.selections, p.edits,
+                     p.device, p.objective, shard, run_dir, h5_path)  # fmt: skip
+    if p.features is None:  # (a Prepared made by hand: the registry's features, checked now)
+        p.features = prepare_features(setup)
+    for f in p.features:
+        f.start(setup)
+    writer = _open_writer(plan, p, shard, h5_path, stats_backend)
     complete, stop = False, StopFlag()
     try:
-        complete = _loop(plan, p, shard, writer, interventions, stop)
+        complete = _loop(plan, p, shard, writer, stop)
     finally:
         if buffers is not None:
             p.model.load_state_dict(buffers)
         writer.close(complete=complete)
     if stop.requested is not None:
         raise Interrupted(stop.requested, writer.num_samples, h5_path)
-    circuit = None
-    if p.circuit is not None:
-        resume = plan.options.resume
-        circuit = resume and reuse(run_dir, h5_path, p.circuit)
-        circuit = circuit or run_circuits(p.circuit, p, shard, run_dir, bool(resume))
-    return _finish(plan, run_dir, h5_path, shard, writer, interventions, circuit)
+    done = Finished(plan, run_dir, h5_path, shard, counted=plan.stats.during != "none")
+    for f in p.features:
+        f.after_run(done)
+    return _finish(p, done, writer)
 
 
-def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend, interventions):
+def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend):
     """The run's writer on a new file, or on the file it resumes once that file is checked to
     be this run's (config, dataset, checkpoint)."""
     path, options = shard.path(h5_path), plan.options
@@ -228,7 +227,7 @@ def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend
             "edits": json.dumps([e.describe for e in p.edits]),
             "stats_backend": stats_backend,
             **identity,
-            **(interventions.attrs() if interventions is not None else {}),
+            **{k: v for f in p.features for k, v in f.attrs().items()},
         },
         resume=resuming,
         batch_rows=plan.data.batch_size,
@@ -244,14 +243,7 @@ def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend
     return writer
 
 
-def examples_spec(plan: RunPlan) -> TopKSpec | None:
-    """What stats.topk, stats.bottomk and stats.topk_quantiles ask to keep (None: nothing)."""
-    s = plan.stats
-    spec = TopKSpec(s.topk, s.bottomk, s.topk_quantiles, plan.options.seed)
-    return spec if spec.sizes() and s.during != "none" else None
-
-
-def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions, stop) -> bool:
+def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, stop) -> bool:
     """Every batch through the hooks into the writer; whether the run is whole (a signal stops
     it after the batch in flight)."""
     on_device = writer.observes_device
@@ -261,11 +253,14 @@ def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions,
     keep_values = plan.store.mode == "full"
     capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device,
                       writer.topk if during == "run" else None, shard.dataset_samples)  # fmt: skip
-    splice = SpliceReport(capture) if any(t.sae is not None for t in capture.hooked) else None
-    step = BatchStep(p, capture, plan, interventions, splice)
+    is_pairs = plan.data.name == "pairs"  # (which half of a pair is the run's own input)
+    step = BatchStep(p, capture, plan, direction_of(plan.intervene, is_pairs))
     fail_on_nonfinite = plan.options.fail_on_nonfinite  # read once
-    readout = p.readout or contextlib.nullcontext()
-    with capture, stop, interventions or contextlib.nullcontext(), readout:
+    with contextlib.ExitStack() as hooks:
+        hooks.enter_context(capture)
+        hooks.enter_context(stop)
+        for f in p.features:
+            hooks.enter_context(f.loop(capture))
         bar = tqdm(p.batches, desc="probe", unit="batch", disable=not plan.options.progress,
                    leave=False)  # fmt: skip
         first = index = writer.num_batches  # (a resumed run starts after its last batch)
@@ -280,13 +275,6 @@ def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions,
                 nonfinite.check_batch(record)
             if stop.requested is not None:
                 break
-    if step.splice is not None:  # (each rank its own: a torchrun job's are not merged)
-        table = step.splice.table()
-        table.to_csv(writer.path.parent / "sae.csv", index=False)
-        log.info("wrote %s (%d layers with an SAE)", writer.path.parent / "sae.csv", len(table))
-        promoted = step.splice.promoted(p.model)
-        if promoted:  # (feature cards show them: probe.report.cards)
-            np.savez(writer.path.parent / "sae_tokens.npz", **promoted)
     # a signal during the last batch stops nothing: the run is whole, so it says so
     complete = stop.requested is None or index + 1 - first >= remaining_batches(p.batches)
     if complete:
@@ -294,44 +282,24 @@ def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, interventions,
     return complete
 
 
-def _finish(
-    plan: RunPlan, run_dir: Path, h5_path: Path, shard, writer, interventions, circuit=None
-) -> RunResult:
-    """The files after the file: summary.csv (rank 0 of a torchrun job, on the stitched file;
-    none when no probe was asked for or stats.during=none), the lens's and the edits' tables,
-    the circuit's files, the log's summary."""
-    counted = plan.stats.during != "none"
-    if counted:
+def _finish(p: Prepared, done: Finished, writer: ProbeWriter) -> RunResult:
+    """The files after the file: each feature's (rank 0 of a torchrun job, on the stitched
+    file: summary.csv, none when no probe was asked for or stats.during=none; the lens's, the
+    edits', the circuit's tables), the log's summary."""
+    shard, h5_path = done.shard, done.h5_path
+    if done.counted:
         nonfinite.report(writer.datasets.values())
     datasets = distributed.finish(shard, h5_path, writer.datasets)
     if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files
         summary = summary_frame(writer.datasets.values())
-        return RunResult(run_dir, shard.path(h5_path), summary, writer.num_samples)
-    summary = summary_frame(datasets) if counted else summary_frame([])
-    tables = counted and bool(plan.probes)  # (probes=none asks for no layer: no table of them)
-    if tables:
-        summary.to_csv(run_dir / "summary.csv", index=False)
-        attributions = attribution_table(datasets)
-        if len(attributions):
-            attributions.to_csv(run_dir / "attribution.csv", index=False)
-            log.info("wrote %s (%d sites)", run_dir / "attribution.csv", len(attributions))
-    elif not counted:
-        log.info(
-            "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "
-            "%s computes them from the rows",
-            run_dir,
-        )
-    if plan.lens.name != "none":
-        write_readout_tables(h5_path, run_dir)
-    if interventions is not None:
-        interventions.report(h5_path, run_dir)
-    if circuit is not None:
-        finish_circuits(circuit, run_dir, h5_path, shard.world)
-    if plan.options.print_summary and tables:
-        print_summary(summary)
+        return RunResult(done.run_dir, shard.path(h5_path), summary, writer.num_samples)
+    done.datasets = datasets
+    done.summary = summary_frame(datasets) if done.counted else summary_frame([])
+    for f in p.features:
+        f.finish(done)
     num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
     log.info("wrote %s (%d samples)", h5_path, num_samples)
-    return RunResult(run_dir, h5_path, summary, num_samples)
+    return RunResult(done.run_dir, h5_path, done.summary, num_samples)
 
 
 def remaining_batches(batches) -> int | float:
@@ -364,14 +332,3 @@ def model_library_version(library: str) -> dict:
     if module is None:
         return {}
     return {f"{module}_version": str(importlib.import_module(module).__version__)}
-
-
-def print_summary(summary: pd.DataFrame) -> None:
-    """The summary table through the `probe` logger (the console under the CLI, a notebook's
-    log handler under the API)."""
-    if summary.empty:
-        log.info("summary: no rows (no module was selected)")
-        return
-    cols = ["layer", "site", "module_type", "shape", "mean", "std", "min", "max", "frac_zero"]
-    with pd.option_context("display.max_rows", 200, "display.width", 160, "display.precision", 4):
-        log.info("summary:\n%s", summary[cols].to_string(index=False))

@@ -101,7 +101,7 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
         per_batch += row_bytes(t)
         if full:
             rows.append((row_bytes(t), "batch"))
-    for t in record.extra.values():  # /model/output and, with edits, /model/output_clean
+    for t in record.outputs.samples.values():  # /model/output and, with edits, /model/output_clean
         rows.append((row_bytes(t), "sample"))
     if full:
         rows.append((8, "sample"))  # samples/index

@@ -45,7 +45,7 @@ def bytes_needed(writer, record) -> int:
     """What writing `record` can add to the file: the chunks it allocates plus a metadata margin."""
     need = METADATA_MARGIN
     tokens = writer.token_layers  # their rows are tokens, after the writer's num_tokens
-    arrays = [(name, t, record.start, "sample") for name, t in record.extra.items()]
+    arrays = [(name, t, record.start, "sample") for name, t in record.outputs.samples.items()]
     if writer.mode == "full":
         for key, t in record.values.items():
             if key in record.unstored:

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -50,6 +51,19 @@ ROW_DIMS = ("sample", "token", "batch")
 STATS_FLUSH_SECONDS = 10.0
 DEFAULT_STORE, DEFAULT_STATS = StoreSpec(), StatsSpec()  # the schema's defaults
 HELD_BYTES = 64 << 20  # ... or sooner when the extras it holds until then reach this size
+
+
+class Placement(NamedTuple):
+    """Where one capture's rows go: rows lo..hi of its dataset (per batch: one row), its unit
+    axis, and whether its rows are tokens."""
+
+    key: tuple[str, str]
+    t: torch.Tensor
+    lo: int
+    hi: int
+    per_batch: bool
+    axis: int
+    by_token: bool
 
 
 class ProbeWriter:
@@ -356,11 +370,11 @@ class ProbeWriter:
             self.coverage.needs_dataset(self.file, key, lo)
             for key, _, lo, *_ in self._placements(r, r.start + r.size)
         )
-        if any(n not in self.known for n in [*r.batch_rows, *r.once]):
+        if any(n not in self.known for n in [*r.outputs.batches, *r.outputs.once]):
             return True
         if gaps or self.mode != "full":
             return gaps
-        names = [*r.extra, *(r.tokens or {})] + (
+        names = [*r.outputs.samples, *(r.tokens or {})] + (
             ["samples/target"] if r.targets is not None else []
         )
         return any(n not in self.known for n in names)
@@ -403,49 +417,31 @@ class ProbeWriter:
                 stats_file.create(self.file, info, order)
                 self.known.add(paths[key])
 
-    def _placements(self, r: Record, end: int) -> list[tuple]:
-        """(key, tensor, lo, hi, per_batch, unit axis, by token) of each capture of `r`: where
-        its rows go."""
+    def _placements(self, r: Record, end: int) -> list[Placement]:
+        """Where the rows of each capture of `r` go."""
         tokens = (self.num_tokens, self.num_tokens + r.token_count)
         out = []
         for key, t in r.values.items():
             by_token = key in r.token_keys
             lo, hi = tokens if by_token else (r.start, end)
-            out.append((key, t, lo, hi, False, r.axes.get(key, 1), by_token))
+            out.append(Placement(key, t, lo, hi, False, r.axes.get(key, 1), by_token))
         for key, t in r.per_batch.items():
-            out.append((key, t, r.batch_index, r.batch_index + 1, True, 1, False))
+            out.append(Placement(key, t, r.batch_index, r.batch_index + 1, True, 1, False))
         return out
 
     def _append_batch(self, r: Record, end: int) -> None:
-        for key, t, lo, hi, per_batch, axis, by_token in self._placements(r, end):
-            if key in r.plain:
-                self._append_unstated(
-                    key, t.numpy(), lo, hi, by_token, {**r.plain[key], "unit_axis": axis}
-                )
+        for place in self._placements(r, end):
+            if place.key in r.plain:
+                attrs = {**r.plain[place.key], "unit_axis": place.axis}
+                self._append_unstated(place, place.t.numpy(), attrs)
                 continue
-            self._append(
-                key, t, lo, hi, per_batch, r.counted.get(key), axis, by_token, r.topk.get(key),
-                store=key not in r.unstored,
-            )  # fmt: skip
+            self._append(place, r)
         tokens = (self.num_tokens, self.num_tokens + r.token_count)
         if self.mode == "full" and self.token_layers and r.tokens is not None:
             for name, a in r.tokens.items():  # samples as in samples/index: dataset-wide
                 offset = self.index_offset if name == "tokens/sample" else 0
                 self._append_plain(name, a + offset if offset else a, *tokens, kind="token")
-        for name, t in r.extra.items():
-            if self.mode == "stats":  # written with the statistics, at the flush
-                self.held.append((name, t.numpy(), r.start, end))
-                self.held_bytes += self.held[-1][1].nbytes
-            else:
-                self._append_plain(name, t.numpy(), r.start, end)
-        for name, a in r.once.items():  # (a lens's first samples: written with the first batch)
-            if name not in self.known:
-                self._write_once(name, np.asarray(a))
-        for name, a in r.batch_rows.items():
-            new = name not in self.known
-            self._append_plain(name, a, r.batch_index, r.batch_index + 1, kind="batch")
-            if new:  # (which rows are valid: batches)
-                self.chunked[name].ds.attrs["per_batch"] = True
+        self._append_outputs(r, end)
         if self.mode == "full":
             self._append_plain(
                 "samples/index",
@@ -459,6 +455,24 @@ class ProbeWriter:
                 index = np.arange(r.start, end, dtype=np.int64) + self.index_offset
                 for name, values in self.provenance.samples(index).items():
                     self._append_plain(f"samples/{name}", values, r.start, end)
+
+    def _append_outputs(self, r: Record, end: int) -> None:
+        """The features' named outputs: rows per sample, arrays written once, a row per batch."""
+        out = r.outputs
+        for name, t in out.samples.items():
+            if self.mode == "stats":  # written with the statistics, at the flush
+                self.held.append((name, t.numpy(), r.start, end))
+                self.held_bytes += self.held[-1][1].nbytes
+            else:
+                self._append_plain(name, t.numpy(), r.start, end)
+        for name, a in out.once.items():  # (a lens's first samples: written with the first batch)
+            if name not in self.known:
+                self._write_once(name, np.asarray(a))
+        for name, a in out.batches.items():
+            new = name not in self.known
+            self._append_plain(name, a, r.batch_index, r.batch_index + 1, kind="batch")
+            if new:  # (which rows are valid: batches)
+                self.chunked[name].ds.attrs["per_batch"] = True
 
     def _write_once(self, name: str, a: np.ndarray) -> None:
         if name not in self.file:
@@ -485,19 +499,11 @@ class ProbeWriter:
         self.held.clear()
         self.held_bytes = 0
 
-    def _append(
-        self,
-        key: tuple[str, str],
-        t: torch.Tensor,
-        lo: int,
-        hi: int,
-        per_batch: bool,
-        counted=None,
-        unit_axis: int = 1,
-        by_token: bool = False,
-        examples: dict | None = None,
-        store: bool = True,
-    ) -> None:
+    def _append(self, place: Placement, r: Record) -> None:
+        """One capture of `r`: its statistics and examples folded in, its rows written."""
+        key, t, lo, hi, per_batch, unit_axis, by_token = place
+        counted, examples = r.counted.get(key), r.outputs.examples.get(key)
+        store = key not in r.unstored
         info = self.datasets.get(key)
         if info is None:
             module_type = self.module_types.get(key[0], "")
@@ -534,9 +540,9 @@ class ProbeWriter:
             self.chunked[name].fill(*gap)
         self._append_plain(name, t.numpy(), lo, hi)  # created above, by its kind
 
-    def _append_unstated(self, key: tuple[str, str], a: np.ndarray, lo: int, hi: int,
-                         by_token: bool, attrs: dict) -> None:  # fmt: skip
+    def _append_unstated(self, place: Placement, a: np.ndarray, attrs: dict) -> None:
         """A dataset of the layer's rows with no statistics (an SAE's sparse latents)."""
+        key, lo, hi, by_token = place.key, place.lo, place.hi, place.by_token
         if self.mode != "full":
             return
         name = layer_path(*key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from probe.hooks.record import Record
+from probe.hooks.run_feature import Outputs
 from probe.plan import StoreSpec
 from probe.store.diskspace import METADATA_MARGIN, bytes_needed
 from probe.store.writer import ProbeWriter
@@ -22,7 +23,7 @@ def test_estimate_covers_the_growth_of_the_file(tmp_path):
                 values={("conv", "output"): torch.randn(4, 8, 16, 16)},
                 per_batch={("conv", "param_grad.weight"): torch.randn(1, 8, 3, 3, 3)},
                 targets=torch.arange(4),
-                extra={"model/output": torch.randn(4, 10)},
+                outputs=Outputs(samples={"model/output": torch.randn(4, 10)}),
             )
             before = path.stat().st_size
             need = bytes_needed(writer, record)

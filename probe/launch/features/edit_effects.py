@@ -1,0 +1,54 @@
+"""Edits and their effects, the patching grid and attribution patching as a run feature: the
+passes before each edited forward and what they measure (probe.intervene.passes), effects.csv
+or patching.csv at the finish."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from probe.hooks.capture import Capture
+from probe.hooks.run_feature import Finished, RunFeature, RunSetup, StepContext
+from probe.intervene.passes import Interventions
+
+
+class EditEffects(RunFeature):
+    """A run with edits or a patching grid (`intervene.*`)."""
+
+    name = "interventions"
+    interventions: Interventions  # this run's, made by `start`
+
+    @classmethod
+    def prepare(cls, setup: RunSetup) -> EditEffects | None:
+        return cls() if setup.edits or setup.plan.intervene.grid is not None else None
+
+    def start(self, setup: RunSetup) -> None:
+        """The passes of this run (their state is the run's: made again for each)."""
+        plan = setup.plan
+        tokenizer = plan.data.tokenizer or plan.model.name
+        is_pairs = plan.data.name == "pairs"
+        found = Interventions.of(
+            setup.model, setup.edits, plan.intervene, setup.dataset, is_pairs, tokenizer
+        )
+        if found is None:  # (prepare asked for edits or a grid: `of` makes one)
+            raise RuntimeError("intervene: edits or a grid were asked for and none was made")
+        self.interventions = found
+
+    def attrs(self) -> dict[str, Any]:
+        return self.interventions.attrs()
+
+    def loop(self, capture: Capture) -> AbstractContextManager:
+        return self.interventions
+
+    def before_forward(self, ctx: StepContext) -> None:
+        ctx.state[self.name] = self.interventions.before(ctx)
+
+    def after_forward(self, ctx: StepContext) -> None:
+        interventions = self.interventions
+        ctx.outputs.samples.update(interventions.after(ctx.state[self.name], ctx))
+        ctx.outputs.batches.update(interventions.batch_rows)
+        interventions.batch_rows = {}
+        interventions.release()
+
+    def finish(self, done: Finished) -> None:
+        self.interventions.report(done.h5_path, done.run_dir)

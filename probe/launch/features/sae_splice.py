@@ -1,0 +1,58 @@
+"""SAE splices as a run feature: each spliced SAE's extra forwards per batch
+(probe.intervene.splice), sae.csv and sae_tokens.npz once the loop is done."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from probe.hooks import device as devices
+from probe.hooks.capture import Capture
+from probe.hooks.run_feature import RunFeature, RunSetup, StepContext
+from probe.hooks.sae_site import sae_site
+from probe.intervene.splice import SpliceReport
+
+log = logging.getLogger("probe")
+
+
+class SaeSplice(RunFeature):
+    """A run whose probes load SAEs (`probes.<name>.sae`)."""
+
+    name = "sae"
+
+    report: SpliceReport  # this loop's, made by `loop`
+    model: torch.nn.Module
+    folder: Path  # the run file's folder (a torchrun rank's too)
+
+    @classmethod
+    def prepare(cls, setup: RunSetup) -> SaeSplice | None:
+        return cls() if any(sae_site(s) is not None for s in setup.selections) else None
+
+    def start(self, setup: RunSetup) -> None:
+        self.model = setup.model
+        self.folder = setup.h5_path.parent if setup.h5_path is not None else Path(".")
+
+    @contextlib.contextmanager
+    def loop(self, capture: Capture) -> Iterator[None]:
+        """The report of this run's SAEs; once the loop is done (a signal's stop too) sae.csv
+        and the promoted examples, each rank its own (a torchrun job's are not merged)."""
+        self.report = SpliceReport(capture)
+        yield
+        table = self.report.table()
+        table.to_csv(self.folder / "sae.csv", index=False)
+        log.info("wrote %s (%d layers with an SAE)", self.folder / "sae.csv", len(table))
+        promoted = self.report.promoted(self.model)
+        if promoted:  # (feature cards show them: probe.report.cards)
+            np.savez(self.folder / "sae_tokens.npz", **promoted)
+
+    def after_forward(self, ctx: StepContext) -> None:
+        """More forwards, recording nothing: each spliced SAE alone, its layer zeroed, clean."""
+        precision = functools.partial(devices.autocast, ctx.device, ctx.precision)
+        b = ctx.batch
+        self.report.measure(ctx.model, ctx.inputs, ctx.tokens, b.size, b.start, precision)
