@@ -2,9 +2,9 @@
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, plan,
-choices, errors, checks, model_checks, shipped, callable, layout) import no stage; the entry
-points at the top (`__main__`, the `python -m` modules, a stage's own `__main__`) may import
-anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
+choices, errors, checks, model_checks, shipped, callable, layout, site_keys) import no stage;
+the entry points at the top (`__main__`, the `python -m` modules, a stage's own `__main__`) may
+import anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
 share) comes last: nothing in the pipeline imports it. The scripts import nothing from the test
 package.
 """
@@ -30,6 +30,7 @@ CORE = {
     "probe.choices",
     "probe.model_checks",
     "probe.layout",
+    "probe.site_keys",
 }
 PACKAGE = Path(probe.__file__).parent
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from probe.site_keys import family_of
+
 QUANTILE_REL_ERROR = 2.0**-8
 QUANTILES = {"p01": 0.01, "p50": 0.5, "p99": 0.99}
 # Output range of bounded activations (defaults of their torch constructors).
@@ -418,7 +420,7 @@ def as_array(x) -> np.ndarray:
 
 def bounds_for(module_type: str, site: str) -> tuple[float, float] | None:
     """The output range whose saturation a dataset tracks: output sites of bounded activations."""
-    return SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
+    return SATURATING.get(module_type) if family_of(site) == "output" else None
 
 
 def stats_for(module_type: str, site: str, unit_axis: int = 1) -> RunningStats:
