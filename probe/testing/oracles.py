@@ -23,14 +23,13 @@ import torch
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from probe.config import BACKWARD_SITES
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
 from probe.launch.run import Prepared, build_run, run
 from probe.models.placement import is_placed
 from probe.plan import RunPlan, parse
-from probe.site_keys import VALUE_GRAD_SITES, family_of
+from probe.site_keys import BACKWARD_SITES, VALUE_GRAD_SITES, family_of
 from probe.testing.compose import make_cfg
 
 
