@@ -64,7 +64,3 @@ NUMBA_MISSING = (
     "stats.backend=numba needs numba, which is not installed: pip install -e '.[fast]', or use "
     "stats.backend=torch"
 )
-
-# the attribution sites (probe.attribute), named here so readers need neither Hydra nor torch
-CAM_SITES = ("gradcam", "hirescam", "gradcam_pp", "layercam", "xgradcam")
-ATTRIBUTION_SITES = ("grad_x_output", "grad_x_input", *CAM_SITES, "ig_output")

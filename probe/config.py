@@ -16,7 +16,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from probe.choices import (
-    ATTRIBUTION_SITES,
     Compression,
     ModelOutput,
     Precision,
@@ -25,9 +24,14 @@ from probe.choices import (
     StoreMode,
 )
 
-SITES = ("output", "input", "grad_output", "grad_input", "param_grad", *ATTRIBUTION_SITES)
-GRAD_SITES = ("grad_output", "grad_input", "param_grad")
-BACKWARD_SITES = (*GRAD_SITES, *ATTRIBUTION_SITES)  # the sites that need the objective's backward
+# the site families are defined in probe.site_keys; the checks take them from here
+from probe.site_keys import BACKWARD_SITES as BACKWARD_SITES
+from probe.site_keys import EDIT_SITES as EDIT_SITES
+from probe.site_keys import GRAD_EDIT_SITES as GRAD_EDIT_SITES
+from probe.site_keys import PROBE_SITES
+
+SITES = PROBE_SITES  # what a probe captures (probes.<name>.capture)
+
 IG_METHODS = ("riemann_trapezoid", "gausslegendre")
 LOGIT_INDICES = ("target", "predicted")  # objective.index besides a class number
 REDUCTIONS = ("none", "spatial_mean", "token_mean", "first_token", "last_token")
@@ -41,8 +45,6 @@ HF_TASKS = ("base", "causal_lm", "masked_lm", "sequence_classification", "token_
 TOKEN_DATASETS = ("tokens", "text", "random_tokens")
 DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", *TOKEN_DATASETS, "pairs")
 OBJECTIVES = ("cross_entropy", "logit", "logprob", "logit_diff", "output_sum", "lm_loss", "custom")
-EDIT_SITES = ("input", "output", "grad_output", "grad_input")
-GRAD_EDIT_SITES = ("grad_output", "grad_input")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
 PATCH_SOURCES = ("pair", "clean")  # a patch's source besides an earlier run's directory
 DIRECTIONS = ("denoise", "noise")  # which half of a pair the run feeds (patches, grids)

@@ -2,7 +2,7 @@
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
 dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, plan,
-specs, choices, errors, checks, model_checks, shared_checks, shipped, callable, layout,
+specs, choices, site_keys, errors, checks, model_checks, shared_checks, shipped, callable, layout,
 watch_options) import no stage; the entry points at the top (`__main__`, the `python -m` modules,
 a stage's own `__main__`) may import anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
 share) comes last: nothing in the pipeline imports it. The scripts import nothing from the test
@@ -33,6 +33,7 @@ CORE = {
     "probe.model_checks",
     "probe.layout",
     "probe.watch_options",
+    "probe.site_keys",
 }
 PACKAGE = Path(probe.__file__).parent
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from probe.attribute.maps import with_totals
-from probe.config import ATTRIBUTION_SITES
 from probe.errors import ConfigError
 from probe.hooks import device as devices
 from probe.hooks.forward import call, to_device
@@ -27,6 +26,7 @@ from probe.hooks.names import flatten, replace_tensors
 from probe.hooks.objective import per_sample
 from probe.layout import TokenBatch
 from probe.plan import AttributionSpec
+from probe.site_keys import ATTRIBUTION_SITES, SiteKey
 from probe.store.fileformat import layer_path
 
 log = logging.getLogger("probe")
@@ -44,11 +44,10 @@ def points(method: str, steps: int) -> tuple[list[float], list[float]]:
 
 
 @contextmanager
-def replaced(module, name: str, value: torch.Tensor):
-    """The module's output (the tensor its dataset `name` names: `output`, `output.0`,
+def replaced(module, key: SiteKey, value: torch.Tensor):
+    """The module's output (the tensor its dataset's site `key` names: `output`, `output.0`,
     `output@1` for its 2nd call) replaced by `value` while inside."""
-    path, _, call_at = name[len("output") :].partition("@")
-    target, calls = int(call_at or 0), [0]
+    path, target, calls = key.path, key.call, [0]
 
     def hook(m, args, output):
         calls[0] += 1
@@ -85,13 +84,13 @@ class Integrated:
                 continue
             attr, gap = self.integrate(item, step, inputs, targets, tokens, side, f_x)
             where = f"probe {item.selection.probe!r} layer {item.layer!r}"
-            name = "ig_output" + item.name[len("output") :]
+            ig = dataclasses.replace(item.key, family="ig_output")  # at the output's path and call
             for key, (values, sel) in with_totals(
-                name, attr, item.selection, tokens, False, where
+                ig, attr, item.selection, tokens, False, where
             ).items():
                 batch.take((item.layer, key), values, sel)
             flat = dataclasses.replace(item.selection, reduce="none", rows="samples")
-            batch.take((item.layer, f"{name}.gap"), gap, flat)
+            batch.take((item.layer, str(dataclasses.replace(ig, derived="gap"))), gap, flat)
 
     def integrate(self, item, step, inputs, targets, tokens, side, f_x):
         a = item.value
@@ -113,7 +112,7 @@ class Integrated:
             ids = more.get("input_ids") if isinstance(more, dict) else None
             layout = None if tokens is None else TokenBatch.of(ids, more.get("attention_mask"))
             autocast = devices.autocast(step.device, step.precision)
-            with replaced(module, item.name, scaled), torch.enable_grad(), autocast:
+            with replaced(module, item.key, scaled), torch.enable_grad(), autocast:
                 out = call(step.model, more)
                 values = per_sample(
                     step.objective, out, _repeat(targets, k), more, layout, _repeat(side, k)
@@ -123,7 +122,7 @@ class Integrated:
                 total += w * g[j * n : (j + 1) * n].float()
         attr = (a - base).float() * total
         autocast = devices.autocast(step.device, step.precision)
-        with replaced(module, item.name, base.expand_as(a)), torch.no_grad(), autocast:
+        with replaced(module, item.key, base.expand_as(a)), torch.no_grad(), autocast:
             out = call(step.model, inputs)
             f_base = per_sample(step.objective, out, targets, inputs, tokens, side)
         gap = attr.reshape(n, -1).sum(1) - (f_x.detach().float() - f_base.float())

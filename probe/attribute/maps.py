@@ -15,9 +15,9 @@ import dataclasses
 
 import torch
 
-from probe.choices import CAM_SITES
 from probe.errors import ConfigError
 from probe.layout import unit_axis
+from probe.site_keys import CAM_SITES, SiteKey
 
 EPS_PP, EPS_X = 1e-6, 1e-7  # pytorch-grad-cam's GradCAM++ and XGradCAM epsilons
 
@@ -65,33 +65,36 @@ def attribution_maps(item, tokens) -> dict[str, tuple[torch.Tensor, object]]:
     probe.hooks.backward.Attributed) explains, except ig_output (probe.attribute.integrated)."""
     a, g, sel = item.value.float(), item.grad.float(), item.selection
     where = f"probe {sel.probe!r} layer {item.layer!r}"
-    suffix = item.name[len(item.site) :]  # the tuple path and call (`.0`, `@1`) of the value
     out = {}
     for site in item.sites:
         if site == "ig_output":
             continue
         is_cam = site in CAM_SITES
         values = cam(site, grid(a, sel, where), grid(g, sel, where)) if is_cam else g * a
-        out.update(with_totals(site + suffix, values, sel, tokens, is_cam, where))
+        key = dataclasses.replace(item.key, family=site)  # at the value's path and call
+        out.update(with_totals(key, values, sel, tokens, is_cam, where))
     return out
 
 
-def with_totals(name: str, values, sel, tokens, is_map: bool, where: str) -> dict:
+def with_totals(key: SiteKey, values, sel, tokens, is_map: bool, where: str) -> dict:
     """The values, each sample's total and, for channel layouts, each sample's |values| per unit;
     padding left out of both."""
     flat = dataclasses.replace(sel, reduce="none", rows="samples", unit_axis=1)
-    out = {name: (values, flat if is_map else sel)}
+    out = {str(key): (values, flat if is_map else sel)}
     masked = values
     padded = tokens is not None and tokens.mask is not None
     if padded and values.ndim >= 2 and not is_map and values.shape[1] == tokens.length:
         shape = (*tokens.mask.shape, *([1] * (values.ndim - 2)))
         masked = values * tokens.mask.to(values.device).view(shape)
-    out[f"{name}.sum"] = (masked.reshape(len(masked), -1).sum(1), flat)
+    out[str(dataclasses.replace(key, derived="sum"))] = (
+        masked.reshape(len(masked), -1).sum(1),
+        flat,
+    )
     if not is_map and values.ndim >= 2:
         axis = unit_axis(sel.unit_axis, sel.class_axis, values.ndim, where)
         rest = [d for d in range(1, values.ndim) if d != axis]
         units = masked.abs().sum(rest) if rest else masked.abs()
-        out[f"{name}.units"] = (units, flat)
+        out[str(dataclasses.replace(key, derived="units"))] = (units, flat)
     return out
 
 

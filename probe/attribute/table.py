@@ -14,9 +14,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from probe.choices import ATTRIBUTION_SITES
+from probe.site_keys import ATTRIBUTION_SITES, SiteKey, family_of
 
-AUX = (".sum", ".units", ".gap")
 TOP = 5  # units named in top_units
 COLUMNS = [
     "layer", "site", "module_type", "shape", "n", "mean", "abs_mean", "frac_positive",
@@ -27,12 +26,13 @@ COLUMNS = [
 
 def base_site(site: str) -> str:
     """`gradcam.0@1` -> gradcam: the attribution site a dataset name holds, else ''."""
-    head = site.split("@")[0].split(".")[0]
-    return head if head in ATTRIBUTION_SITES else ""
+    family = family_of(site)
+    return family if family in ATTRIBUTION_SITES else ""
 
 
 def is_attribution(site: str) -> bool:
-    return bool(base_site(site)) and not site.endswith(AUX)
+    """Whether a dataset holds an attribution map itself (not a total derived from one)."""
+    return bool(base_site(site)) and not SiteKey.parse(site).derived
 
 
 def positive_fraction(stats) -> float:

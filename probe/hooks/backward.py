@@ -13,6 +13,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from probe.hooks.module_select import Selection
+from probe.site_keys import SiteKey
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -32,8 +33,7 @@ class Attributed:
     and, once the backward ran, its gradient."""
 
     layer: str
-    site: str  # output or input
-    name: str  # its dataset name (output, output.0, input@1, ...)
+    key: SiteKey  # its dataset's site (output, output.0, input@1, ...)
     value: torch.Tensor
     edge: GradientEdge | None
     selection: Selection
@@ -77,7 +77,7 @@ def resolve_grads(batch, loss: torch.Tensor, selections: list[Selection]) -> dic
         if key in batch.values:  # an edit hook stored the edited gradient; this is the one before
             if not pg.selection.unedited:
                 continue
-            key = (key[0], "unedited_" + key[1])
+            key = (key[0], str(SiteKey.parse(key[1]).unedited()))
         batch.take(key, g, pg.selection)
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from probe.config import ATTRIBUTION_SITES
 from probe.errors import ConfigError, ModelError
 from probe.hooks.backward import DTYPES, Attributed, PendingGrad
 from probe.hooks.batch_topk import TopKSpec, partial, row_keys
@@ -28,6 +27,7 @@ from probe.hooks.module_select import Selection
 from probe.hooks.names import dataset_name, flatten, replace_tensors
 from probe.hooks.sae_site import SaeSite, sae_site, take_sae
 from probe.layout import TokenBatch, reduced, token_rows, unit_axis
+from probe.site_keys import ATTRIBUTION_SITES, SiteKey
 
 # the attribution sites that explain a module's output, and its input
 ATTRIBUTED = {
@@ -281,7 +281,8 @@ class Capture:
     ) -> torch.Tensor:
         """Edit then capture one tensor at one site; returns the tensor the model goes on with."""
         batch = self.batch
-        key = dataset_name(site, path, call)
+        site_key = SiteKey(site, path, call)
+        key = str(site_key)
         sel = t.selection
         edited = x
         for e in t.edits.get(site, []):
@@ -295,7 +296,7 @@ class Capture:
             onward = take_sae(batch, t.name, t.sae, edited, sel)
         captured = site in t.captured and batch.recording
         if captured and edited is not x and sel.unedited:
-            batch.take((t.name, "unedited_" + key), x, sel)
+            batch.take((t.name, str(site_key.unedited())), x, sel)
         if captured:
             batch.take((t.name, key), edited, sel)
         if onward is not edited:  # spliced: the model goes on with the SAE's reconstruction
@@ -309,7 +310,7 @@ class Capture:
             check_batch_axis(edited, batch.size, (t.name, key))
             edge = get_gradient_edge(edited) if explains != ("ig_output",) else None
             held = edited.detach().clone()  # (a later in-place op would change it)
-            batch.attributed.append(Attributed(t.name, site, key, held, edge, sel, explains))
+            batch.attributed.append(Attributed(t.name, site_key, held, edge, sel, explains))
         if not t.wants(grad_site):
             return edited
         gkey = (t.name, dataset_name(grad_site, path, call))

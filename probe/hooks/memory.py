@@ -14,7 +14,6 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from probe.config import GRAD_SITES
 from probe.errors import ConfigError, ModelError, ProbeError
 from probe.hooks.backward import resolve_grads
 from probe.hooks.capture import BatchCapture, Capture
@@ -23,6 +22,7 @@ from probe.hooks.module_select import select_modules
 from probe.hooks.names import flatten
 from probe.layout import TokenBatch
 from probe.plan import probe_specs
+from probe.site_keys import VALUE_AND_PARAM_GRAD_SITES, family_of
 
 NOT_RESOLVED = (
     "gradient sites ({sites}) were recorded in a forward but never resolved; call "
@@ -43,7 +43,9 @@ class MemoryCapture:
     def __init__(self, model: nn.Module, probes, *, to=None, batch_size: int | None = None):
         self.model, self.to, self.batch_size = model, to, batch_size
         self.selections = select_modules(model, probe_specs(probes))
-        self.grad_sites = sorted({s for sel in self.selections for s in sel.sites} & {*GRAD_SITES})
+        self.grad_sites = sorted(
+            {s for sel in self.selections for s in sel.sites} & {*VALUE_AND_PARAM_GRAD_SITES}
+        )
         self.param_grads = any("param_grad" in sel.sites for sel in self.selections)
         self.capture = Capture(self.selections)  # observe=None, keep_values=True: plain copies
         self.forwards = 0
@@ -156,7 +158,7 @@ class MemoryCapture:
     def _known(self, key: tuple[str, str]) -> tuple[str, str]:
         if key in self._parts:
             return key
-        if self._unresolved and key[1].startswith(GRAD_SITES):
+        if self._unresolved and family_of(key[1]) in VALUE_AND_PARAM_GRAD_SITES:
             raise ProbeError(NOT_RESOLVED.format(sites=", ".join(self.grad_sites)))
         keys = ", ".join(map(str, list(self._parts)[:12])) or "nothing yet"
         raise KeyError(

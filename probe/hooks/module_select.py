@@ -12,11 +12,11 @@ from typing import Any
 
 from torch import nn
 
-from probe.config import SITES
 from probe.errors import ConfigError, SelectionError
 from probe.layout import class_axis
 from probe.models.anatomy import ALIASES, resolve
 from probe.plan import ProbeSpec, Selector
+from probe.site_keys import PROBE_SITES
 
 log = logging.getLogger("probe")
 BLOCKS = "@blocks"  # in a layer pattern: each block of the model's stacks (`block_names`)
@@ -220,7 +220,7 @@ def select_modules(model: nn.Module, probes: Mapping[str, ProbeSpec]) -> list[Se
         Selection(
             n,
             e["module"],
-            tuple(s for s in SITES if s in e["sites"]),
+            tuple(s for s in PROBE_SITES if s in e["sites"]),
             e["reduce"],
             e["dtype"],
             e["probe"],

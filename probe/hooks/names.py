@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from probe.site_keys import SiteKey
+
 
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) pairs of a nested output: '' for a tensor, '.0', '.logits', '.0.aux' below it."""
@@ -29,8 +31,9 @@ def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def dataset_name(site: str, path: str, call: int) -> str:
-    """Stable name of one captured tensor: `output`, `output.1` (tuple item), `output@1` (2nd call)."""
-    return f"{site}{path}{'' if call == 0 else f'@{call}'}"
+    """Stable name of one captured tensor: `output`, `output.1` (tuple item), `output@1` (2nd
+    call); probe.site_keys.SiteKey parses it back."""
+    return str(SiteKey(site, path, call))
 
 
 def replace_tensors(value: Any, fn, prefix: str = "") -> Any:

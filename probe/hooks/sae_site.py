@@ -37,7 +37,7 @@ def load_saes(selections: list) -> list:
     """The selections with their SAEs loaded (errors name the file). A spliced SAE is refused
     beside gradient sites: the reconstruction is made from the detached output, so no
     gradient would flow back through the spliced layer."""
-    from probe.config import BACKWARD_SITES
+    from probe.site_keys import BACKWARD_SITES
 
     selections = [dataclasses.replace(s, sae=sae_site(s)) for s in selections]
     spliced = [s for s in selections if s.sae is not None and s.sae.spec.splice]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from probe.hooks.module_select import match_modules
 from probe.intervene.patch_steer import Patch, Region, Steer, load_vector, mean_diff
 from probe.layout import class_axis
 from probe.plan import EditSpec
+from probe.site_keys import SiteKey
 from probe.store import swmr
 from probe.store.fileformat import layer_path, read_progress
 
@@ -226,7 +227,7 @@ class MeanSource:
                 if ds is None:
                     raise DataError(
                         f"intervene {self.name!r}: source={str(path)!r} has no dataset {name!r}; run a probe "
-                        f"capturing {key.split('@')[0]} of {self.module_name!r} first (reduce: none)"
+                        f"capturing {replace(SiteKey.parse(key), call=0)} of {self.module_name!r} first (reduce: none)"
                     )
                 rows = read_progress(f).valid_rows(ds, key)
                 total = torch.zeros(ds.shape[1:], dtype=torch.float64)

@@ -17,14 +17,16 @@ import torch
 from probe.config import PATCH_SOURCES as SOURCES  # else the path of an earlier run
 from probe.errors import ConfigError, DataError
 from probe.layout import TokenBatch, unit_axis
+from probe.site_keys import SiteKey
 from probe.store import stats_file, swmr
 from probe.store.fileformat import layer_path, read_progress
 
 
 def first_item(key: str, site: str) -> bool:
-    """Whether dataset `key` is the site's tensor or the first element of its tuple: the one a
-    patch or a steering vector edits."""
-    return key.split("@")[0] in (site, f"{site}.0")
+    """Whether dataset `key` is the site's tensor or the first element of its tuple (at any
+    call): the one a patch or a steering vector edits."""
+    parsed = SiteKey.parse(key)
+    return parsed.family == site and parsed.path in ("", ".0")
 
 
 def run_file(path: str, label: str) -> Path:

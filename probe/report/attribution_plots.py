@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from probe.attribute.table import base_site, is_attribution  # noqa: E402
-from probe.choices import CAM_SITES  # noqa: E402
+from probe.site_keys import CAM_SITES  # noqa: E402
 
 SAMPLES = 6  # first samples drawn
 MAX_MAPS = 4  # CAM (layer, site) columns

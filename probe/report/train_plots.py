@@ -25,19 +25,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from probe.site_keys import parse_or_none  # noqa: E402
+
 MAX_LEGEND = 8  # more layers than this: colour by depth and a colour bar, not a legend
 LOG_PANELS = ("grad norm (grad_output)", "grad norm (param_grad)", "update / weight")
 
 
-def family(site: str) -> str:
-    """`output.0@1` -> `output`; `param_grad.conv.weight` -> `param_grad`."""
-    return site.split("@")[0].split(".")[0]
+def site_keys(table: pd.DataFrame) -> pd.Series:
+    """The SiteKey of each row's site (None for a name that is no site's), parsed once a name."""
+    keys = {name: parse_or_none(name) for name in table["site"].unique()}
+    return table["site"].map(keys)
 
 
 def first_sites(table: pd.DataFrame, kind: str) -> pd.DataFrame:
-    """The rows of each layer's first site of `kind` (output, grad_output) called once (no @):
-    `output`, or a tuple output's first tensor `output.0`."""
-    rows = table[(table["site"].map(family) == kind) & ~table["site"].str.contains("@")]
+    """The rows of each layer's first site of `kind` (output, grad_output) at its first call
+    (no @): `output`, or a tuple output's first tensor `output.0`."""
+    keys = site_keys(table)
+    rows = table[
+        keys.map(lambda k: k is not None and k.family == kind and k.call == 0).astype(bool)
+    ]
     if rows.empty:
         return rows
     first = rows.groupby("layer", sort=False)["site"].first()
@@ -54,8 +60,10 @@ def wide(rows: pd.DataFrame, values: pd.Series, layers: list[str]) -> pd.DataFra
 
 def param_norms(table: pd.DataFrame, kind: str) -> pd.DataFrame:
     """Per (step, layer, parameter name) the norm of a parameter site of `kind`."""
-    rows = table[table["site"].map(family) == kind]
-    names = rows["site"].map(lambda s: s.partition(".")[2])
+    keys = site_keys(table)
+    wanted = keys.map(lambda k: k is not None and k.family == kind).astype(bool)
+    rows = table[wanted]
+    names = keys[wanted].map(lambda k: k.parameter)
     return rows.assign(param=names)[["step", "layer", "param", "norm"]]
 
 

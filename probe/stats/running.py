@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from probe.site_keys import family_of
 from probe.stats import stat_columns
 from probe.stats.stat_columns import BATCH, BATCH_AT, BATCH_NAMES, INTEGER_SCALARS, SCALARS
 
@@ -408,7 +409,7 @@ def as_array(x) -> np.ndarray:
 
 def bounds_for(module_type: str, site: str) -> tuple[float, float] | None:
     """The output range whose saturation a dataset tracks: output sites of bounded activations."""
-    return SATURATING.get(module_type) if site.split(".")[0].split("@")[0] == "output" else None
+    return SATURATING.get(module_type) if family_of(site) == "output" else None
 
 
 def stats_for(module_type: str, site: str, unit_axis: int = 1) -> RunningStats:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from probe.choices import CAM_SITES
+from probe.site_keys import CAM_SITES, family_of
 
 FORMAT_VERSION = 2
 LIBVER = ("v110", "v110")  # SWMR needs the 1.10 format; HDF5 1.10 and later read it
@@ -54,7 +54,7 @@ def layer_path(layer: str, site: str, top: str = "layers") -> str:
 def is_per_batch(attrs, site: str) -> bool:
     """Whether a dataset (by its attributes) holds one row per batch: its `per_batch` attribute,
     or in files written before it existed, a parameter gradient's site name."""
-    return bool(attrs.get("per_batch", site.startswith("param_grad")))
+    return bool(attrs.get("per_batch", family_of(site) == "param_grad"))
 
 
 def row_unit(attrs, name: str = "") -> str:
@@ -130,7 +130,7 @@ def axis_names(
     axis of the capture is (channel, height, width; token, feature; a CAM map's height, width)."""
     first = BATCH_DIM if per_batch else TOKEN_DIM if rows == "tokens" else SAMPLE_DIM
     rest = len(shape) - 1
-    if site.split(".")[0].split("@")[0] in CAM_SITES and rest == 2:
+    if family_of(site) in CAM_SITES and rest == 2:
         return [first, "height", "width"]
     if per_batch:
         return [first, *(f"param_{i}" for i in range(1, rest + 1))]

@@ -23,13 +23,13 @@ import torch
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
-from probe.config import BACKWARD_SITES
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
 from probe.launch.run import Prepared, build_run, run
 from probe.models.placement import is_placed
 from probe.plan import RunPlan, parse
+from probe.site_keys import BACKWARD_SITES, VALUE_GRAD_SITES, family_of
 from probe.testing.compose import make_cfg
 
 
@@ -168,7 +168,11 @@ def stored_values_match(
             want = ref.astype(dtype) if dtype else ref
             if got.shape != want.shape or got.dtype != want.dtype:
                 return False, f"{name}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
-            scale = max(float(np.abs(want).max()), 1e-30) if site.startswith("grad") else 1.0
+            scale = (
+                max(float(np.abs(want).max()), 1e-30)
+                if family_of(site) in VALUE_GRAD_SITES
+                else 1.0
+            )
             if not np.allclose(got, want, rtol=rtol, atol=atol * scale):
                 worst = float(np.abs(got.astype(np.float64) - want).max())
                 return False, f"{name}: max |diff| {worst:.3g}"

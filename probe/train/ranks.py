@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from probe.errors import ConfigError, ProbeError
+from probe.site_keys import PARAM_SITES, family_of
 from probe.stats.running import RunningStats, UnitStats
 from probe.train.step_hooks import StepRecord, is_dtensor
-from probe.train.watched_sites import PARAM_SITES, split_site
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -45,7 +45,7 @@ def check_model(model: nn.Module, specs) -> None:
     """Parameter sites need the model's own parameters: the FullyShardedDataParallel wrapper
     (FSDP1) replaces them by flat shards, so it is refused there."""
     wanted = [n for n, spec in specs.items()
-              if any(split_site(c)[0] in PARAM_SITES for c in spec.capture)]  # fmt: skip
+              if any(family_of(str(c)) in PARAM_SITES for c in spec.capture)]  # fmt: skip
     if not wanted:
         return
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -33,11 +33,12 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten
 from probe.layout import unit_axis
+from probe.site_keys import VALUE_GRAD_SITES, SiteKey
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
 from probe.train.step_stats import Key, StepStats
-from probe.train.watched_sites import GRAD_SITES, WatchedModule, class_name
+from probe.train.watched_sites import WatchedModule, class_name
 from probe.watch_options import WatchOptions
 
 log = logging.getLogger("probe")
@@ -402,7 +403,9 @@ class Watcher:
         training without loss.backward(); a gradient site that gets none is said once."""
         got_any = self.grads_seen > self.grads_at_begin
         if self.grads_expected and not got_any:
-            wanted = [f"{w.name} {s}" for w in self.watched for s in GRAD_SITES if s in w.sites]
+            wanted = [
+                f"{w.name} {s}" for w in self.watched for s in VALUE_GRAD_SITES if s in w.sites
+            ]
             raise ConfigError(
                 f"step {self.step}: no gradient reached the gradient sites ({', '.join(wanted[:4])}"
                 f"{', ...' if len(wanted) > 4 else ''}): the step ended without a backward "
@@ -411,10 +414,10 @@ class Watcher:
             )
         if not got_any:
             return
-        got = {(layer, site.split(".")[0].split("@")[0]) for layer, site in self.stats.stats}
-        got |= {(layer, site.split(".")[0].split("@")[0]) for layer, site in self.stats.on_device}
+        keys = [*self.stats.stats, *self.stats.on_device]
+        got = {(layer, SiteKey.parse(site).family) for layer, site in keys}
         for w in self.watched:
-            for site in GRAD_SITES:
+            for site in VALUE_GRAD_SITES:
                 if site in w.sites and (w.name, site) not in got | self.missing:
                     self.missing.add((w.name, site))
                     log.warning(
@@ -437,7 +440,7 @@ class Watcher:
     def check_close(self) -> None:
         """At the end of the watch: gradient sites asked for in a training that never ran a
         backward are an error (said here when no step ended to say it)."""
-        wanted = any(s in w.sites for w in self.watched for s in GRAD_SITES)
+        wanted = any(s in w.sites for w in self.watched for s in VALUE_GRAD_SITES)
         if wanted and self.forwards and not self.grads_seen:
             raise ConfigError(
                 "the probes watch gradient sites (grad_output, grad_input), but no gradient "

@@ -27,11 +27,7 @@ from probe.errors import ConfigError
 from probe.hooks.module_select import match_modules
 from probe.layout import class_axis
 from probe.plan import probe_specs, spec_config
-
-VALUE_SITES = ("output", "input")
-GRAD_SITES = ("grad_output", "grad_input")
-PARAM_SITES = ("param", "param_grad", "param_update")
-KNOWN = (*VALUE_SITES, *GRAD_SITES, *PARAM_SITES)
+from probe.site_keys import PARAM_SITES, VALUE_SITES, WATCH_SITES, SiteKey, parse_or_none
 
 
 @dataclass
@@ -68,28 +64,34 @@ def class_name(module: nn.Module) -> str:
     return cls.__name__
 
 
-def split_site(entry: str) -> tuple[str, str | None]:
-    """`param_grad.*.bias` -> ("param_grad", "*.bias"); `output` -> ("output", None)."""
-    kind, dot, pattern = str(entry).partition(".")
-    return kind, (pattern if dot else None)
+def watched_site(entry) -> SiteKey | None:
+    """A capture entry as the site it watches: a watch site's family alone, or a parameter
+    family with a glob over parameter names as its path (`param_grad.*.bias`); None for any
+    other entry."""
+    key = parse_or_none(str(entry))
+    if key is None or key.family not in WATCH_SITES:
+        return None
+    if key.family not in PARAM_SITES and key != SiteKey(key.family):
+        return None
+    return key
 
 
 def check_capture(probe: str, capture) -> None:
     if not capture:
         raise ConfigError(
-            f"probe {probe!r}: capture is empty; list sites from {', '.join(KNOWN)} "
+            f"probe {probe!r}: capture is empty; list sites from {', '.join(WATCH_SITES)} "
             "(param sites take a glob: param.weight, param_grad.*)"
         )
     for entry in capture:
-        kind, pattern = split_site(entry)
-        if kind not in KNOWN or (pattern is not None and kind not in PARAM_SITES):
+        key = watched_site(entry)
+        if key is None:
             raise ConfigError(
                 f"probe {probe!r}: capture site {entry!r} is not one a watched training records; "
-                f"choose from {', '.join(KNOWN)} (param, param_grad and param_update take a "
+                f"choose from {', '.join(WATCH_SITES)} (param, param_grad and param_update take a "
                 "glob over the module's parameter names: param.weight, param_grad.*)"
             )
-        if pattern == "":
-            raise ConfigError(f"probe {probe!r}: {entry!r} names no parameter; give {kind}.*")
+        if key.path == ".":
+            raise ConfigError(f"probe {probe!r}: {entry!r} names no parameter; give {key.family}.*")
 
 
 def resolve(model: nn.Module, probes) -> list[WatchedModule]:
@@ -113,16 +115,16 @@ def resolve(model: nn.Module, probes) -> list[WatchedModule]:
         for name, module in matched:
             w = merged.setdefault(name, WatchedModule(name, module, probe, spec.unit_axis))
             for entry in spec.capture:
-                kind, pattern = split_site(entry)
-                if kind not in PARAM_SITES:
-                    w.sites.add(kind)
+                key = SiteKey.parse(str(entry))  # (checked above)
+                if key.family not in PARAM_SITES:
+                    w.sites.add(key.family)
                     continue
-                chosen = params_of(module, kind, pattern or "*")
+                chosen = params_of(module, key.family, key.parameter or "*")
                 globs[entry] = globs.get(entry, False) or bool(chosen)
-                w.params.setdefault(kind, {}).update(chosen)
+                w.params.setdefault(key.family, {}).update(chosen)
         for entry, found in globs.items():
             if not found:
-                kind, pattern = split_site(entry)
+                kind = SiteKey.parse(str(entry)).family
                 raise ConfigError(
                     f"probe {probe!r}: {entry!r} matches no "
                     f"{'trainable ' if kind != 'param' else ''}parameter of its "
