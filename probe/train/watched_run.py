@@ -109,6 +109,8 @@ class Watch:
             raise ConfigError(f"probe.watch takes an nn.Module, not a {type(model).__name__}")
         model = trained_module(model)
         self.options = o = options
+        if o.optimizer is not None:
+            _check_optimizer_trains(o.optimizer, model)
         self.rank, self.world = ranks.rank_and_world()
         self.writes = self.rank == 0  # (rank 0 alone writes the run directory)
         self.model, self.out = model, Path(o.out)
@@ -440,3 +442,17 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:8])) + (
         f", ... ({len(steps)} in all)" if len(steps) > 8 else ""
     )
+
+
+def _check_optimizer_trains(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """An optimizer that steps none of the watched model's parameters would have its steps
+    counted and every update read 0: refused. One shared parameter is enough (a frozen part of
+    the model, or a second model beside it, may be left out)."""
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    own = {id(p) for p in model.parameters()}
+    if stepped and not any(id(p) in own for p in stepped):
+        raise ConfigError(
+            f"optimizer= steps none of the watched {type(model).__name__}'s "
+            f"{len(own)} parameters: its {len(stepped)} parameters belong to another model. "
+            "Give the optimizer that trains the model you watch (or watch the model it trains)"
+        )

@@ -54,6 +54,19 @@ def test_an_optimizer_that_is_no_torch_optimizer(tmp_path):
         probe.watch(cnn(), CONVS, out=tmp_path, optimizer="sgd")
 
 
+def test_an_optimizer_over_another_models_parameters(tmp_path):
+    """Its steps would count, its updates read 0 at every step: refused, the model unhooked."""
+    model, other = cnn(), cnn()
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"optimizer= steps none of the watched SmallCNN's 11 "
+                       r"parameters: its 11 parameters belong to another model"):  # fmt: skip
+        probe.watch(model, CONVS, out=tmp_path, optimizer=opt)
+    assert_no_hooks(model)
+    some = torch.optim.SGD([*model.parameters()][:1] + [*other.parameters()][:1], lr=0.1)
+    with probe.watch(model, CONVS, out=tmp_path / "some", optimizer=some):
+        pass  # (one of the model's parameters is enough: a frozen part may be left out)
+
+
 @pytest.mark.parametrize("flush_every", [0, -1, 1.5])
 def test_flush_every_must_be_a_positive_int(tmp_path, flush_every):
     with pytest.raises(ConfigError, match=re.escape(f"flush_every={flush_every!r}: give an int")):
