@@ -253,7 +253,11 @@ class Watch:
                     runlock.release(self.out)
 
     def _open_log(self) -> None:
-        self.log_handler = logging.FileHandler(self.out / "probe.log", mode="a")
+        """probe.log is the log of the training probe.h5 holds: continued on a resume, begun
+        anew when overwrite=True replaces the file (a refused directory's log is kept)."""
+        replaces = self.overwrite and self.resume_at is None
+        mode = "w" if replaces and (self.out / FILENAME).exists() else "a"
+        self.log_handler = logging.FileHandler(self.out / "probe.log", mode=mode)
         self.log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
         log.addHandler(self.log_handler)
 

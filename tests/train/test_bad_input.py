@@ -118,6 +118,24 @@ def test_gradient_sites_in_a_training_that_never_goes_backward(tmp_path):
     assert_no_hooks(model)
 
 
+def test_overwrite_starts_a_new_log_and_a_refused_start_keeps_the_old(tmp_path):
+    """probe.log is the log of the training probe.h5 holds: replaced with it, kept when the
+    directory is refused (before, overwrite=True appended to the old training's lines)."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt, image_batches(2), image_loss, {"probes": CONVS, "out": tmp_path})
+    first = (tmp_path / "probe.log").read_text()
+    assert first.count("watching ") == 1 and "2 recorded steps" in first
+    with pytest.raises(ConfigError, match="already holds a run"):
+        probe.watch(model, CONVS, out=tmp_path, optimizer=opt).start()
+    assert (tmp_path / "probe.log").read_text() == first
+    train(model, opt, image_batches(3), image_loss,
+          {"probes": CONVS, "out": tmp_path, "overwrite": True})  # fmt: skip
+    second = (tmp_path / "probe.log").read_text()
+    assert second.count("watching ") == 1 and "3 recorded steps" in second
+    assert "2 recorded steps" not in second
+
+
 def test_a_run_directory_that_holds_a_run_and_calls_out_of_order(tmp_path):
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
