@@ -17,7 +17,7 @@ from pathlib import Path
 import probe
 
 STAGES = [
-    "models", "data", "hooks", "stats", "store", "attribute", "intervene", "circuits", "read",
+    "models", "data", "hooks", "stats", "store", "attribute", "intervene", "circuits", "graphs", "read",
     "analysis", "report", "launch", "train", "integrations", "testing",
 ]  # fmt: skip
 CORE = {

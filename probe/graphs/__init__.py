@@ -1,0 +1,1 @@
+"""Attribution graphs: feature circuits through transcoders (docs/graphs.md)."""
