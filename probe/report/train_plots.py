@@ -263,7 +263,7 @@ def lines_figure(stats: dict[str, pd.DataFrame], scalars: pd.DataFrame | None = 
     fig = plt.figure(figsize=(max(9.0, 3.4 * wide_as + 1.2), 2.1 * len(lengths) + 0.6),
                      layout="constrained")  # fmt: skip
     grid = _grid(fig, lengths)
-    if training:
+    if training and scalars is not None:
         for ax, columns in zip(grid.pop(0), training, strict=True):
             for c in columns:
                 ax.plot(scalars["step"], scalars[c], marker=".", label=c)

@@ -29,11 +29,11 @@ BLOCK, ATTENTION, MLP, OTHER = "block outputs", "attention", "MLP", "other"
 KINDS = (BLOCK, ATTENTION, MLP, OTHER)  # the output panels' order
 WITHIN = {ATTENTION: 0, OTHER: 1, MLP: 2, BLOCK: 3}  # the order inside one block
 ATTENTION_NAMES = {
-    *(str(f["attn"]).split(".")[0] for f in FAMILIES.values()),
+    *(str(f["attn"]).split(".")[0] for f in FAMILIES.values() if isinstance(f, dict)),
     "self_attention", "selfattention", "cross_attn", "crossattention", "attn_layer",
 }  # fmt: skip
 MLP_NAMES = {
-    *(str(f["mlp_out"]) for f in FAMILIES.values()),
+    *(str(f["mlp_out"]) for f in FAMILIES.values() if isinstance(f, dict)),
     "mlp", "ffn", "feed_forward", "feedforward", "intermediate",
 }  # fmt: skip
 BLOCK_TYPE = re.compile(r"(Block|Layer)$")
@@ -98,17 +98,16 @@ def places(order: list[str], types: dict[str, str] | None = None) -> dict[str, P
     blocks = start  # the blocks the names reveal (0 .. blocks - 1)
     kinds = {name: kind_of(name, types.get(name, "")) for name in order}
     out: dict[str, Place] = {}
-    members: dict[str, list[str]] = {}
+    members: dict[tuple[str, int], list[str]] = {}
     for name in order:
         inside = split_block(name)
         if inside:
-            members.setdefault(f"{inside[0]}.{inside[1]}", []).append(name)
-    for block, names in members.items():
+            members.setdefault(inside[:2], []).append(name)
+    for (holder, index), names in members.items():
         names = sorted(names, key=lambda n: (WITHIN[kinds[n]], at[n]))
-        holder, index, _ = split_block(names[0])
         for i, name in enumerate(names):
             depth = offset[holder] + index + (i + 0.5) / len(names)
-            out[name] = Place(name, kinds[name], block, depth)
+            out[name] = Place(name, kinds[name], f"{holder}.{index}", depth)
     outside = [n for n in order if n not in out]
     first_block = next((i for i, n in enumerate(order) if n in out), len(order))
     before = [n for n in outside if at[n] < first_block]
@@ -123,12 +122,13 @@ def places(order: list[str], types: dict[str, str] | None = None) -> dict[str, P
 def block_ticks(found: dict[str, Place]) -> tuple[list[float], list[str], str]:
     """Ticks, their labels and the axis label of a depth colour bar over `found`: the blocks
     by index (about 8 ticks, each at its block's middle), the modules outside them by name."""
-    blocks = {}
+    blocks: dict[int, tuple[str, int]] = {}
     for p in found.values():
-        if p.block is not None:
-            holder, index, _ = split_block(p.name)
-            blocks.setdefault(int(p.depth), (holder, index))
-    ticks, labels = [], []
+        inside = split_block(p.name) if p.block is not None else None
+        if inside:
+            blocks.setdefault(int(p.depth), inside[:2])
+    ticks: list[float] = []
+    labels: list[str] = []
     holders = list(dict.fromkeys(h for h, _ in blocks.values()))
     one_list = len(holders) == 1
     if blocks:
