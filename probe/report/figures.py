@@ -140,7 +140,9 @@ def train_run_figures(run, notes: list | None = None) -> dict:
     """{file name: Figure} of a watched training (probe.report.train_plots)."""
     from probe.report.train_plots import train_figures
 
-    made = train_figures(run.train(), run.train_scalars(), train_title(run.config, run.path.name))
+    modules = run.config.get("modules") if run.config is not None else None
+    made = train_figures(run.train(), run.train_scalars(), train_title(run.config, run.path.name),
+                         list(modules or []))  # fmt: skip
     if not made:
         _note(notes, "no recorded step yet: no figure of the training")
     return made

@@ -139,3 +139,34 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+DEEP_BLOCKS = 30  # SmolLM2-135M's depth
+DEEP_PROBES = {  # ~100 sites of a Llama: each block's output, attention and MLP, a few parameters
+    "blocks": {"layers": ["model.layers.*"], "types": ["LlamaDecoderLayer"],
+               "capture": ["output", "grad_output"]},
+    "attn": {"layers": ["model.layers.*.self_attn"], "capture": ["output"]},
+    "mlp": {"layers": ["model.layers.*.mlp"], "capture": ["output"]},
+    "final": {"layers": ["model.norm"], "capture": ["output"]},
+    "params": {"layers": ["model.layers.0.self_attn.q_proj", "model.layers.15.mlp.down_proj",
+                          "lm_head"], "capture": ["param", "param_grad", "param_update"]},
+}  # fmt: skip
+
+
+def deep_llama(blocks: int = DEEP_BLOCKS, width: int = 16, seed: int = 0) -> nn.Module:
+    """A Llama-shaped causal LM (LlamaForCausalLM, vocabulary 40) of `blocks` decoder blocks at
+    width `width`, in train mode: a real model's depth at a tiny size (DEEP_PROBES watch it)."""
+    from transformers import LlamaForCausalLM
+
+    from probe.testing.tiny_lms import tiny_config
+
+    config = tiny_config("llama", 40)
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = (
+        blocks,
+        width,
+        2 * width,
+    )
+    config.num_attention_heads, config.num_key_value_heads = 2, 1
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).train()

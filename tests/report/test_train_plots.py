@@ -4,9 +4,11 @@ run has no empty panel and no linear probes on too few rows."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import matplotlib
 import numpy as np
 import pandas as pd
 import pytest
@@ -19,8 +21,19 @@ pytest.importorskip("matplotlib")
 from probe.launch.run import run  # noqa: E402
 from probe.report.figures import figures  # noqa: E402
 from probe.report.page import write  # noqa: E402
-from probe.report.train_plots import lines_figure, series  # noqa: E402
-from probe.testing.trainings import cnn, image_batches, image_loss, one_thread, train  # noqa: E402
+from probe.report.train_plots import heatmap_figure, lines_figure, series, train_figures  # noqa: E402
+from probe.report.train_sites import kind_of, places  # noqa: E402
+from probe.testing.trainings import (  # noqa: E402
+    DEEP_PROBES,
+    cnn,
+    deep_llama,
+    image_batches,
+    image_loss,
+    one_thread,
+    token_batches,
+    token_loss,
+    train,
+)
 from tests.helpers import ROOT, make_cfg  # noqa: E402
 
 PROBES = {"net": {"layers": ["conv1", "layer1", "layer2", "fc"],
@@ -38,8 +51,15 @@ def watched(tmp_path_factory):
 
 
 def panel(fig, label: str):
-    (ax,) = [ax for ax in fig.axes if ax.get_ylabel() == label or ax.get_title().endswith(label)]
+    """The axes named `label` ("std (output) | attention", "training | loss")."""
+    (ax,) = [ax for ax in fig.axes if ax.get_label() == label]
     return ax
+
+
+def kinds_of(fig, stat: str) -> dict:
+    """{kind: axes} of a statistic's panels."""
+    return {ax.get_label().split(" | ")[1]: ax for ax in fig.axes
+            if ax.get_label().startswith(f"{stat} | ")}  # fmt: skip
 
 
 def test_lines_and_heatmap_hold_train_csv(watched):
@@ -48,14 +68,18 @@ def test_lines_and_heatmap_hold_train_csv(watched):
     assert set(made) == {"train_lines.png", "train_heatmap.png"}
     lines, heat = made["train_lines.png"], made["train_heatmap.png"]
     out = table[table.site == "output"]
-    ax = panel(lines, "abs_mean (output)")
-    for line in ax.get_lines():
-        rows = out[out.layer == line.get_label()]
-        np.testing.assert_array_equal(line.get_xdata(), rows.step)
-        np.testing.assert_array_equal(line.get_ydata(), rows.abs_mean)
-    assert [ln.get_label() for ln in ax.get_lines()] == PROBES["net"]["layers"]
+    # a panel per kind: the residual blocks (type Block), the rest (conv1, fc)
+    panels = kinds_of(lines, "abs_mean (output)")
+    assert {k: [ln.get_label() for ln in ax.get_lines()] for k, ax in panels.items()} == {
+        "block outputs": ["layer1", "layer2"], "other": ["conv1", "fc"]}  # fmt: skip
+    for ax in panels.values():
+        for line in ax.get_lines():
+            rows = out[out.layer == line.get_label()]
+            np.testing.assert_array_equal(line.get_xdata(), rows.step)
+            np.testing.assert_array_equal(line.get_ydata(), rows.abs_mean)
     # update/weight of a layer: its parameters' update norms over their weights', together
-    ax = panel(lines, "update / weight")
+    ax = panel(lines, "update / weight | parameters")
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "update / weight (log)"
     for line in ax.get_lines():
         rows = table[table.layer == line.get_label()]
         for step, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
@@ -63,16 +87,21 @@ def test_lines_and_heatmap_hold_train_csv(watched):
             upd = at[at.site.str.startswith("param_update.")].norm
             wgt = at[at.site.str.startswith("param.")].norm
             np.testing.assert_allclose(y, np.sqrt((upd**2).sum() / (wgt**2).sum()), rtol=1e-12)
-    # the heatmap: layers down, steps across, log10 of the grad_output norms
+    # the heatmaps: layers down, steps across, log10 of the grad_output norms
     grads = table[table.site == "grad_output"].pivot(index="layer", columns="step", values="norm")
-    image = panel(heat, "grad norm (grad_output)").get_images()[0]
-    want = np.log10(grads.loc[PROBES["net"]["layers"]].to_numpy())
-    np.testing.assert_allclose(np.asarray(image.get_array()), want, rtol=1e-12)
+    for kind, layers in (("block outputs", ["layer1", "layer2"]), ("other", ["conv1", "fc"])):
+        ax = panel(heat, f"grad norm (grad_output) | {kind}")
+        assert [t.get_text() for t in ax.get_yticklabels()] == layers
+        want = np.log10(grads.loc[layers].to_numpy())
+        np.testing.assert_allclose(np.asarray(ax.get_images()[0].get_array()), want, rtol=1e-12)
     # the loss panel holds the scalars
     scalars = probe.open_run(watched).train_scalars()
-    loss = panel(lines, "training").get_lines()[0]
+    loss = panel(lines, "training | loss").get_lines()[0]
     np.testing.assert_array_equal(loss.get_ydata(), scalars["loss"])
-    # one legend, beside the panels and smaller than one of them
+    norm = panel(lines, "training | global grad norm").get_lines()
+    assert [ln.get_label() for ln in norm] == ["grad_norm"]
+    np.testing.assert_array_equal(norm[0].get_ydata(), scalars["grad_norm"])
+    # one legend, beside the panels and smaller than one of them, the layers by depth
     (legend,) = lines.legends
     lines.canvas.draw()
     box, plot = legend.get_window_extent(), ax.get_window_extent()
@@ -84,7 +113,7 @@ def test_many_layers_get_a_depth_colour_bar_not_a_legend():
     steps = np.arange(3)
     frame = pd.DataFrame({f"l{i}": steps * i for i in range(12)}, index=steps)
     fig = lines_figure({"abs_mean (output)": frame})
-    assert not fig.legends and len(fig.axes) == 2  # the panel and its colour bar
+    assert not fig.legends and len(fig.axes) == 2  # the panel ("other" modules), its colour bar
     ys = [line.get_ydata() for line in fig.axes[0].get_lines()]
     np.testing.assert_array_equal(ys, frame.to_numpy().T)
 
@@ -123,3 +152,170 @@ def test_cam_only_report_has_no_empty_panel_and_no_probes_on_too_few_rows(tmp_pa
     assert "No linear probes: 16 samples of" in html and "too few" in html
     assert not (tmp_path / "linear_probes.csv").exists() and "Linear probes (" not in html
     assert "no output sites: no histograms.png" in html
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A 30-block Llama (width 8) watched for 3 clipped AdamW steps over DEEP_PROBES: each
+    block's output and output gradient, its attention and MLP outputs, the final norm, and the
+    parameters of block 0's q_proj (watched for nothing else), block 15's down_proj and lm_head.
+    Block 20's MLP writes 1000x its weight (a massive activation: the residual's std jumps), and
+    the global norm before clipping is kept by hand."""
+    out = tmp_path_factory.mktemp("deep") / "w"
+    model = deep_llama(width=8)
+    with torch.no_grad():
+        model.model.layers[20].mlp.down_proj.weight.mul_(1000.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    preclip = []
+    with one_thread(), probe.watch(model, DEEP_PROBES, out=out, optimizer=opt) as w:
+        for batch in token_batches(3):
+            opt.zero_grad()
+            loss = token_loss(model, batch)
+            loss.backward()
+            w.loss(loss)
+            preclip.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+    return out, preclip
+
+
+BLOCK = re.compile(r"^model\.layers\.(\d+)")
+KINDS = {"block outputs": r"^model\.layers\.\d+$", "attention": r"^model\.layers\.\d+\.self_attn$",
+         "MLP": r"^model\.layers\.\d+\.mlp$", "other": r"^model\.norm$"}  # fmt: skip
+OUTPUT_STATS = ("abs_mean (output)", "std (output)", "dead_frac (output)")
+
+
+def depth_of(colour, bar) -> float:
+    """The depth a colour says on the figure's colour bar (the nearest of 4096 colours)."""
+    ts = np.linspace(0, 1, 4096)
+    nearest = ts[np.abs(bar.cmap(ts)[:, :3] - np.asarray(colour)[:3]).sum(axis=1).argmin()]
+    return float(bar.norm.inverse(nearest))
+
+
+def test_a_30_block_model_reads_by_kind_scale_and_depth(deep):
+    out, preclip = deep
+    run = probe.open_run(out)
+    table = pd.read_csv(out / "train.csv")
+    assert table.layer.nunique() == 94  # 30 x (block, attention, MLP), the final norm, 3 params
+    scalars = run.train_scalars()
+    if "grad_norm_preclip" not in scalars:  # the norm before clipping, where the file lacks it
+        scalars = scalars.assign(grad_norm_preclip=preclip)
+    order = list(run.config["modules"])
+    made = train_figures(run.train(), scalars, "deep", order)
+    lines, heat = made["train_lines.png"], made["train_heatmap.png"]
+    outputs = table[table.site.isin(["output", "output.0"])]
+    (bar,) = [ax._colorbar for ax in lines.axes if hasattr(ax, "_colorbar")]
+    scales = set()
+    for stat in OUTPUT_STATS:
+        panels = kinds_of(lines, stat)
+        assert set(panels) == set(KINDS)  # a panel per kind, each of its kind alone
+        for kind, ax in panels.items():
+            names = [ln.get_label() for ln in ax.get_lines()]
+            assert names and all(re.match(KINDS[kind], n) for n in names), (stat, kind)
+            column = stat.split(" ")[0]
+            want = outputs[outputs.layer.isin(names)]
+            for line in ax.get_lines():  # drawn values: train.csv's
+                rows = want[want.layer == line.get_label()].sort_values("step")
+                np.testing.assert_array_equal(line.get_xdata(), rows.step)
+                np.testing.assert_array_equal(line.get_ydata(), rows[column])
+            v = want[column].to_numpy()
+            spans = (v > 0).all() and v.max() > 100 * v.min() and column != "dead_frac"
+            assert ax.get_yscale() == ("log" if spans else "linear"), (stat, kind)
+            assert ax.get_ylabel().endswith(" (log)") == spans
+            scales.add(ax.get_yscale())
+        assert len(panels["block outputs"].get_lines()) == 30
+    assert scales == {"log", "linear"}  # the massive activation's std is drawn on a log scale
+    # the parameters: one panel, the three modules
+    ax = panel(lines, "grad norm (param_grad) | parameters")
+    params = ["model.layers.0.self_attn.q_proj", "model.layers.15.mlp.down_proj", "lm_head"]
+    assert [ln.get_label() for ln in ax.get_lines()] == params
+    # every line's colour says its module's depth: its block's index; the final norm and
+    # lm_head after the last block, lm_head deepest and darkest
+    depths, lightness = {}, {}
+    for ax in lines.axes:
+        if " | " in ax.get_label() and not ax.get_label().startswith("training"):
+            for line in ax.get_lines():
+                depths[line.get_label()] = depth_of(line.get_color(), bar)
+                rgb = np.asarray(matplotlib.colors.to_rgb(line.get_color()))
+                lightness[line.get_label()] = rgb @ [0.2126, 0.7152, 0.0722]
+    assert len(depths) == 94
+    for name, d in depths.items():
+        block = BLOCK.match(name)
+        if block:
+            assert int(block.group(1)) < d < int(block.group(1)) + 1, (name, d)
+        else:
+            assert d >= 30, (name, d)
+    assert max(depths, key=depths.get) == "lm_head" == min(lightness, key=lightness.get)
+    assert depths["model.layers.0.self_attn.q_proj"] < depths["model.layers.1.self_attn"]
+    for i in range(30):  # within a block: attention, MLP, the block's output
+        a, m, b = (depths[f"model.layers.{i}{s}"] for s in (".self_attn", ".mlp", ""))
+        assert a < m < b
+    # the colour bar: its numbered ticks at their blocks, the modules after them by name
+    ticks = dict(zip(bar.get_ticks(), [t.get_text() for t in bar.ax.get_yticklabels()],
+                     strict=True))  # fmt: skip
+    assert "block index" in bar.ax.get_ylabel()
+    assert all(float(label) + 0.5 == t for t, label in ticks.items() if label.isdigit())
+    assert {"0", "model.norm", "lm_head"} <= set(ticks.values())
+    assert depths["lm_head"] == pytest.approx(max(ticks), abs=0.1)
+    # the training panel: the norm after clipping and before it
+    ax = panel(lines, "training | global grad norm")
+    drawn = {ln.get_label(): ln.get_ydata() for ln in ax.get_lines()}
+    assert set(drawn) == {"grad_norm", "grad_norm_preclip"}
+    np.testing.assert_array_equal(drawn["grad_norm"], scalars["grad_norm"])
+    np.testing.assert_allclose(drawn["grad_norm_preclip"], preclip, rtol=1e-5)
+    # the heatmaps: every row labelled, rows by depth, the values train.csv's (log10 where
+    # the panel is log)
+    for ax in heat.axes:
+        if " | " not in ax.get_label():
+            continue  # a colour bar
+        stat, kind = ax.get_label().split(" | ")
+        title = ax.get_title()
+        pattern = title.split(": ")[1] if ": " in title else ""
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        values = np.asarray(ax.get_images()[0].get_array())
+        assert list(ax.get_yticks()) == list(range(values.shape[0])) and all(labels)
+        names = [pattern.replace("*", lb) if pattern else lb for lb in labels]
+        if kind in KINDS:
+            assert all(re.match(KINDS[kind], n) for n in names)
+        else:
+            assert names == params
+        blocks = [int(BLOCK.match(n).group(1)) if BLOCK.match(n) else 99 for n in names]
+        assert blocks == sorted(blocks)
+        if stat in OUTPUT_STATS:
+            rows = outputs.pivot(index="layer", columns="step", values=stat.split(" ")[0])
+            want = rows.loc[names].to_numpy()
+            if title.startswith("log10"):
+                want = np.log10(want)
+            np.testing.assert_allclose(values, want, rtol=1e-12)
+
+
+def test_past_48_rows_a_heatmap_labels_each_block_once():
+    names = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(30) for p in "qkvo"]
+    frame = pd.DataFrame(np.ones((2, len(names))), columns=names)
+    fig = heatmap_figure({"std (output)": frame})
+    (ax,) = [ax for ax in fig.axes if ax.get_label() == "std (output) | attention"]
+    assert list(ax.get_yticks()) == list(range(0, 120, 4))
+    assert [t.get_text() for t in ax.get_yticklabels()] == [str(i) for i in range(30)]
+    assert ax.get_title().endswith(": model.layers.*")
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("transformer.h.3", "block outputs"), ("transformer.h.3.attn", "attention"),
+    ("transformer.h.3.attn.c_proj", "attention"), ("transformer.h.3.mlp", "MLP"),
+    ("transformer.h.3.ln_1", "other"), ("transformer.ln_f", "other"), ("lm_head", "other"),
+    ("bert.encoder.layer.2.attention.self", "attention"),
+    ("bert.encoder.layer.2.attention.output.dense", "attention"),
+    ("bert.encoder.layer.2.intermediate", "MLP"), ("bert.encoder.layer.2.output.dense", "MLP"),
+    ("gpt_neox.layers.1.attention", "attention"), ("layer1.0", "block outputs"),
+])  # fmt: skip
+def test_kinds_by_name(name, kind):
+    assert kind_of(name) == kind
+
+
+def test_depth_counts_on_across_lists_of_blocks_and_types_name_a_block():
+    order = ["conv1", "layer1.0", "layer1.1", "layer2.0", "layer2.0.conv1", "fc"]
+    found = places(order)
+    deep = ["conv1", "layer1.0", "layer1.1", "layer2.0.conv1", "layer2.0", "fc"]  # a block last
+    assert sorted(order, key=lambda n: found[n].depth) == deep
+    assert [found[n].depth for n in ("layer1.0", "layer1.1", "layer2.0")] == [0.5, 1.5, 2.75]
+    assert kind_of("encoder", "T5Block") == "block outputs"
+    assert kind_of("blocks.0.attn_thing", "MyAttention") == "attention"
