@@ -112,7 +112,7 @@ def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
         assert (fit["l0"] <= 8).all()
 
 
-def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypatch):
+def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypatch, capsys):
     args = ["--steps", "30", "--checkpoint-every", "10", *FAST]
     assert main([str(lm_run), "--out", str(tmp_path / "whole"), *args]) == 0
     calls = {"n": 0}
@@ -129,6 +129,10 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
         main([str(lm_run), "--out", str(tmp_path / "cut"), *args])
     monkeypatch.setattr(transcoder_fit, "train_step", real)
     assert main([str(lm_run), "--out", str(tmp_path / "cut"), *args]) == 2  # not without --resume
+    assert (
+        "already holds a fit (2 layer checkpoints): --resume continues it"
+        in capsys.readouterr().err
+    )
     assert main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", *args]) == 0
     for layer in (0, 1):
         name = f"layer_{layer}.safetensors"
@@ -137,8 +141,13 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
         pd.read_csv(tmp_path / d / "fit.csv").drop(columns="seconds") for d in ("whole", "cut")
     )
     pd.testing.assert_frame_equal(whole, cut)
-    assert main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", "--lr", "1e-2",
-                 "--steps", "30", "--checkpoint-every", "10"]) == 2  # fmt: skip
+    assert (
+        main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", *args, "--lr", "1e-2"]) == 2
+    )
+    assert (
+        "other options than layer_0.pt was fitted with: lr=0.003 (now 0.01);"
+        in capsys.readouterr().err
+    )
 
 
 def test_the_trainer_is_its_loss_under_adam():
