@@ -15,6 +15,7 @@ at the node's position, or the logit's token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -129,3 +130,10 @@ class AttributionGraph:
         )
         table = pd.DataFrame({"target": target, "source": source, "weight": weight, "kept": kept})
         return table[table["kept"]].reset_index(drop=True) if kept_only else table
+
+    def save(self, path) -> Path:
+        """This graph in a new HDF5 file at `path` (the /graph layout of probe.graphs.graph_h5);
+        `probe.graphs.graph_files.load_graph(path)` reads it back. Returns the path."""
+        from probe.graphs.graph_h5 import write_graph
+
+        return write_graph(self, path)
