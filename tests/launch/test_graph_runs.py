@@ -241,3 +241,44 @@ def test_a_missing_transcoder_set_is_named_by_the_command(tiny_gpt2, prompts, tm
     assert f"graph.transcoders='{missing}' does not exist" in done.stderr
     assert "a folder holding one" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+STAND_IN = """
+import sys
+from probe.__main__ import main
+from probe.launch.features import attribution_graphs as ag
+from probe.testing.toy_graphs import toy_graph, toy_prune
+
+ag.load_transcoder_set = lambda path, model: "a transcoder set"
+ag.attribute_prompt = lambda model, tokens, tc, spec, tok: toy_graph(tokens)
+ag.prune_graph = lambda g, spec: toy_prune(g, spec.node_threshold, spec.edge_threshold)
+sys.argv = ["probe", *sys.argv[1:]]
+main()
+"""
+
+
+def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, stand_in, tmp_path):
+    """torchrun, 2 CPU ranks (gloo): rank 0 attributes prompts 0-3, rank 1 prompt 4, each into
+    its own file; the run's /graph and tables equal a single process's."""
+    root, _ = prompts
+    args = graph_args(tiny_gpt2, root)
+    assert cli_here(*args, run_dir=tmp_path / "one")[0] == 0
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    two = tmp_path / "two"
+    done = subprocess.run(
+        [*command, str(script), *QUIET, *args, f"hydra.run.dir={two}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    with h5py.File(two / "probe.rank1.h5") as f:
+        assert list(f["graph/prompts/prompt"][:]) == [4]
+    for name in FILES:
+        pd.testing.assert_frame_equal(read(two, name), read(tmp_path / "one", name))
+    a, b = graph_file(tmp_path / "one"), graph_file(two)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
