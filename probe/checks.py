@@ -162,7 +162,7 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
             "null: the attribution's default)"
         )
     choice("graph.edges", g.edges, GRAPH_EDGES)
-    if not Path(g.transcoders).expanduser().exists():
+    if not Path(str(g.transcoders)).expanduser().exists():
         raise ConfigError(
             f"graph.transcoders={g.transcoders!r} does not exist; give a transcoder set's YAML "
             "(circuit-tracer's: feature_input_hook, feature_output_hook, transcoders) or a folder "
