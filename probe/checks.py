@@ -156,10 +156,11 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
     at_least("graph.max_logits", g.max_logits, 1)
     at_least("graph.max_feature_nodes", g.max_feature_nodes, 1, " (null: every active feature)")
     at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
-    if g.floor is not None and not (math.isfinite(g.floor) and g.floor >= 0):
+    if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
         raise ConfigError(
-            f"graph.floor={g.floor} must be a finite |weight| of 0 or more (0: every edge kept; "
-            "null: the attribution's default)"
+            f"graph.floor={g.floor} must be a fraction in [0, 1): an edge is kept when its "
+            "|weight| reaches that fraction of the largest in its row (0: every edge; null: 0 for "
+            "small graphs, else the attribution's default)"
         )
     choice("graph.edges", g.edges, GRAPH_EDGES)
     if not Path(str(g.transcoders)).expanduser().exists():

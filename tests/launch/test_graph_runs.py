@@ -214,7 +214,8 @@ def test_a_stopped_run_resumes_to_the_files_of_an_uninterrupted_one(
         (["graph.max_logits=0"], ["graph.max_logits=0 must be at least 1"]),
         (["graph.max_feature_nodes=0"], ["graph.max_feature_nodes=0 must be at least 1"]),
         (["graph.edges=some"], ["graph.edges='some' is unknown", "pruned, all"]),
-        (["graph.floor=-1"], ["graph.floor=-1.0 must be a finite |weight| of 0 or more"]),
+        (["graph.floor=-1"], ["graph.floor=-1.0 must be a fraction in [0, 1)"]),
+        (["graph.floor=1"], ["graph.floor=1.0 must be a fraction in [0, 1)", "largest in its row"]),
         (["train_mode=true"], ["graph.transcoders needs train_mode=false"]),
     ],
 )  # fmt: skip

@@ -35,7 +35,6 @@ from probe.plan import RunPlan
 from probe.specs import GraphSpec
 
 log = logging.getLogger("probe")
-GRAPH_OPTIONS = ("logit_prob", "max_logits", "max_feature_nodes", "batch_size", "floor")
 
 
 class GraphInterrupted(Interrupted):
@@ -80,14 +79,17 @@ def _attribution():
 
 
 def graph_options(spec: GraphSpec):
-    """probe.graphs.attribution's GraphOptions from graph.* (None: its default)."""
+    """probe.graphs.attribution's GraphOptions from the graph.* keys it has (a key left null
+    where its own default is not null: that default)."""
     GraphOptions = _attribution().GraphOptions  # noqa: N806 - a class
 
-    names = {f.name for f in dataclasses.fields(GraphOptions)}
-    values = {k: getattr(spec, k) for k in GRAPH_OPTIONS if k in names}
-    return GraphOptions(
-        **{k: v for k, v in values.items() if v is not None or k == "max_feature_nodes"}
-    )
+    values = {}
+    for f in dataclasses.fields(GraphOptions):
+        value = getattr(spec, f.name, dataclasses.MISSING)
+        if value is dataclasses.MISSING or (value is None and f.default is not None):
+            continue
+        values[f.name] = value
+    return GraphOptions(**values)
 
 
 def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, tokenizer):
@@ -129,11 +131,12 @@ class AttributionGraphs(RunFeature):
     def group_attrs(self) -> dict[str, str]:
         """/graph's attributes: graph.* (checked on resume), the transcoders' source and ids."""
         source = getattr(self.transcoders, "source", None) or self.spec.transcoders
-        scan = getattr(self.transcoders, "ids", None)
+        ids = getattr(self.transcoders, "ids", None)  # {layer: id}
+        scan = [ids[k] for k in sorted(ids)] if isinstance(ids, dict) and ids else None
         return {
             "options": json.dumps(dataclasses.asdict(self.spec), sort_keys=True),
             "transcoders": str(source),
-            "scan": json.dumps(list(scan) if isinstance(scan, list | tuple) else scan),
+            "scan": json.dumps(scan),
         }
 
     def after_run(self, done: Finished) -> None:
