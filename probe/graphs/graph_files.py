@@ -57,6 +57,7 @@ def graph_of(row: dict, nodes: dict, edges: dict, scan=None) -> AttributionGraph
         check_invariants=True,  # (read from a file: indices checked against the node count)
     ).coalesce()
     pruned = bool(row["pruned"])
+    cumulative = pruned and "cumulative" in nodes and not np.isnan(nodes["cumulative"]).all()
     return AttributionGraph(
         tokens=torch.from_numpy(nodes["token_id"][token].astype(np.int64)),
         token_strings=[str(s) for s in nodes["token"][token]],
@@ -72,6 +73,7 @@ def graph_of(row: dict, nodes: dict, edges: dict, scan=None) -> AttributionGraph
         scan=scan,
         active_features=int(row["active_features"]),
         influence=torch.from_numpy(nodes["influence"].astype(np.float64)) if pruned else None,
+        cumulative=torch.from_numpy(nodes["cumulative"].astype(np.float64)) if cumulative else None,
         node_kept=torch.from_numpy(nodes["kept"].astype(bool)) if pruned else None,
         edge_kept=torch.from_numpy(edges["kept"].astype(bool)) if pruned else None,
         scores=json.loads(str(row["scores"])),

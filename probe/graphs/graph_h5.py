@@ -10,7 +10,8 @@ Layout (every dataset one column, chunked and resizable along its rows):
                           floor, replacement, completeness, pruned, scores (JSON), text
     /graph/nodes/*        one row per node: prompt, node, kind (0 feature, 1 error, 2 token,
                           3 logit: the `kinds` attribute), layer, pos, feature, token_id, token,
-                          activation, influence, kept
+                          activation, influence, cumulative (pruning's cumulative influence),
+                          kept
     /graph/edges/*        one row per stored edge of the attributed graph: prompt, target,
                           source, weight, kept
 
@@ -48,7 +49,7 @@ PROMPT_COLUMNS = {
 NODE_COLUMNS = {
     "prompt": np.int64, "node": np.int64, "kind": np.int8, "layer": np.int64, "pos": np.int64,
     "feature": np.int64, "token_id": np.int64, "token": STR, "activation": np.float64,
-    "influence": np.float64, "kept": np.bool_,
+    "influence": np.float64, "cumulative": np.float64, "kept": np.bool_,
 }  # fmt: skip
 EDGE_COLUMNS = {
     "prompt": np.int64, "target": np.int64, "source": np.int64, "weight": np.float32,
@@ -174,6 +175,7 @@ def graph_rows(graph: Any, prompt: int) -> tuple[dict, dict]:
         "token": np.array(table["token"].tolist(), dtype=object),
         "activation": table["activation"].to_numpy(np.float64),
         "influence": table["influence"].to_numpy(np.float64),
+        "cumulative": _per_node(getattr(graph, "cumulative", None), n),
         "kept": table["kept"].to_numpy(bool),
     }
     e = graph.edges(kept_only=False)
@@ -185,6 +187,13 @@ def graph_rows(graph: Any, prompt: int) -> tuple[dict, dict]:
         "kept": e["kept"].to_numpy(bool),
     }
     return nodes, edges
+
+
+def _per_node(values, n: int) -> np.ndarray:
+    """A per-node tensor as float64 (NaN where the graph has none)."""
+    if values is None:
+        return np.full(n, np.nan)
+    return values.double().cpu().numpy()
 
 
 def prompt_row(graph: Any, prompt: int) -> dict:

@@ -27,6 +27,11 @@ def same_graph(a, b) -> None:
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logit_tokens, b.logit_tokens)
     assert a.scores == b.scores and a.floor == b.floor and a.prompt == b.prompt
     assert a.active_features == b.active_features and a.n_layers == b.n_layers
+    for name in ("influence", "cumulative", "node_kept", "edge_kept"):
+        x, y = getattr(a, name, None), getattr(b, name, None)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("pruned", [True, False])

@@ -73,12 +73,13 @@ def stand_in(monkeypatch):
     """The attribution and the pruning stood in for; returns the token ids each call saw."""
     seen: list[list[int]] = []
 
-    def attribute(model, tokens, transcoders, spec, tokenizer):
+    def attribute(model, tokens, transcoders, spec, tokenizer, overrides=None):
         assert transcoders == "a transcoder set"
         seen.append(tokens.tolist())
         return toy_graph(tokens)
 
     monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: "a transcoder set")
+    monkeypatch.setattr(attribution_graphs, "check_transcoders", lambda m, t, o: None)
     monkeypatch.setattr(attribution_graphs, "attribute_prompt", attribute)
     monkeypatch.setattr(
         attribution_graphs, "prune_graph",
@@ -251,7 +252,8 @@ from probe.launch.features import attribution_graphs as ag
 from probe.testing.toy_graphs import toy_graph, toy_prune
 
 ag.load_transcoder_set = lambda path, model: "a transcoder set"
-ag.attribute_prompt = lambda model, tokens, tc, spec, tok: toy_graph(tokens)
+ag.check_transcoders = lambda model, tc, overrides: None
+ag.attribute_prompt = lambda model, tokens, *rest: toy_graph(tokens)
 ag.prune_graph = lambda g, spec: toy_prune(g, spec.node_threshold, spec.edge_threshold)
 sys.argv = ["probe", *sys.argv[1:]]
 main()
@@ -283,3 +285,69 @@ def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, 
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def random_transcoders(width: int = 32, d_tc: int = 24, seed: int = 0):
+    """A transcoder set for the tiny GPT-2 (2 blocks): random encoders with a positive bias, so
+    that some features are active at every position."""
+    from probe.models.transcoder import Transcoder, TranscoderSet
+
+    g = torch.Generator().manual_seed(seed)
+    layers = {
+        layer: Transcoder(
+            torch.randn(width, d_tc, generator=g) * 0.3,
+            torch.full((d_tc,), 0.05),
+            torch.randn(d_tc, width, generator=g) * 0.1,
+            torch.zeros(width),
+            layer=layer,
+        )  # fmt: skip
+        for layer in range(2)
+    }
+    return TranscoderSet(layers, ids={i: f"tc{i}" for i in layers}, source="random")
+
+
+def test_a_run_writes_the_graphs_the_attribution_gives_on_a_tiny_gpt2(
+    cli_here, tiny_gpt2, prompts, tmp_path, monkeypatch
+):
+    """End to end with the real attribution and pruning: each prompt's rows equal the graph
+    `attribute` and `prune` give for the same tokens outside the run."""
+    from transformers import AutoModelForCausalLM
+
+    from probe.graphs.attribution import GraphOptions, attribute
+    from probe.graphs.pruning import prune
+
+    root, tokens = prompts
+    transcoders = random_transcoders()
+    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
+    code, text = cli_here(*graph_args(tiny_gpt2, root, "graph.edges=all"))
+    assert code == 0, text
+    run_dir = tmp_path / "run"
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2[0]).eval()
+    nodes, edges, scores = (read(run_dir, n) for n in FILES[:3])
+    for i, t in enumerate(tokens):
+        graph = prune(attribute(model, t, transcoders, GraphOptions()), 0.8, 0.98)
+        assert graph.n_features > 0
+        want = graph.nodes()
+        want["token"] = want["token"].astype(str)
+        got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-5)
+        got_edges = edges[edges["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
+        pd.testing.assert_frame_equal(got_edges, graph.edges(kept_only=False),
+                                      check_dtype=False, rtol=1e-5, atol=1e-7)  # fmt: skip
+        assert scores.loc[i, "replacement"] == pytest.approx(graph.scores["replacement"])
+        assert scores.loc[i, "completeness"] == pytest.approx(graph.scores["completeness"])
+        back = load_graph(run_dir, i)
+        torch.testing.assert_close(back.cumulative, graph.cumulative, equal_nan=True)
+        assert back.scan == ["tc0", "tc1"]
+
+
+def test_a_transcoder_set_of_another_width_is_refused_before_the_loop(
+    cli_here, tiny_gpt2, prompts, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(
+        attribution_graphs, "load_transcoder_set", lambda p, m: random_transcoders(width=16)
+    )
+    code, text = cli_here(*graph_args(tiny_gpt2, prompts[0]))
+    assert code == 2, text
+    assert_words(text, "the transcoder of layer 0 reads 16", "residual stream is 32 wide")
+    assert not (tmp_path / "run" / "probe.h5").exists()

@@ -24,10 +24,14 @@ from pathlib import Path
 import torch
 
 from probe.data.batches import OrderedBatches
+from probe.data.text import TOKENIZER_FILES
 from probe.errors import ConfigError
+from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.graph_data import AttributionGraph
 from probe.graphs.graph_h5 import GraphFile, copy_graphs
 from probe.graphs.graph_tables import write_graph_tables
+from probe.graphs.pruning import prune
+from probe.graphs.replacement import check_widths, replacement_parts
 from probe.hooks.run_feature import Finished, RunFeature, RunSetup
 from probe.launch.distributed import shard_path
 from probe.launch.interrupt import Interrupted, StopFlag
@@ -63,26 +67,9 @@ def load_transcoder_set(path: str, model: torch.nn.Module):
     return load_transcoders(path)
 
 
-def _module(name: str):
-    """A module of the graph computation, imported by name (a build without it says so)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        raise ConfigError(
-            f"graph.transcoders is set but this build of probe has no {name}; install a release "
-            "that computes attribution graphs"
-        ) from None
-
-
-def _attribution():
-    return _module("probe.graphs.attribution")
-
-
 def graph_options(spec: GraphSpec):
     """probe.graphs.attribution's GraphOptions from the graph.* keys it has (a key left null
     where its own default is not null: that default)."""
-    GraphOptions = _attribution().GraphOptions  # noqa: N806 - a class
-
     values = {}
     for f in dataclasses.fields(GraphOptions):
         value = getattr(spec, f.name, dataclasses.MISSING)
@@ -92,16 +79,21 @@ def graph_options(spec: GraphSpec):
     return GraphOptions(**values)
 
 
-def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, tokenizer):
+def check_transcoders(model: torch.nn.Module, transcoders, overrides: dict | None) -> None:
+    """Before the loop: the model's replacement parts (a post-norm model or a family the
+    anatomy does not know refused by name) and the set's layers and widths against it."""
+    check_widths(replacement_parts(model, overrides), transcoders)
+
+
+def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, tokenizer,
+                     overrides: dict | None = None):  # fmt: skip
     """One prompt's attributed graph (probe.graphs.attribution.attribute)."""
-    return _attribution().attribute(
-        model, tokens, transcoders, graph_options(spec), tokenizer=tokenizer
-    )
+    return attribute(model, tokens, transcoders, graph_options(spec), tokenizer=tokenizer)
 
 
 def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
     """`graph` pruned at graph.node_threshold and graph.edge_threshold."""
-    return _module("probe.graphs.pruning").prune(graph, spec.node_threshold, spec.edge_threshold)
+    return prune(graph, spec.node_threshold, spec.edge_threshold)
 
 
 # -- the feature ---------------------------------------------------------------------------------
@@ -112,18 +104,22 @@ class AttributionGraphs(RunFeature):
 
     setup: RunSetup  # this run's, given by `start`
 
-    def __init__(self, spec: GraphSpec, transcoders, tokenizer) -> None:
+    def __init__(self, spec: GraphSpec, transcoders, tokenizer, overrides=None) -> None:
         self.spec, self.transcoders, self.tokenizer = spec, transcoders, tokenizer
+        self.overrides = overrides  # model.anatomy
 
     @classmethod
     def prepare(cls, setup: RunSetup) -> AttributionGraphs | None:
-        """The transcoder set read (a bad file is named before the loop), the tokenizer that
-        names the tokens (None: token ids as names)."""
+        """The transcoder set read and checked against the model (a bad file, a post-norm model,
+        a set of other layers or widths named before the loop), the tokenizer that names the
+        tokens (None: token ids as names)."""
         spec = setup.plan.graph
         if not spec.on:
             return None
         transcoders = load_transcoder_set(str(spec.transcoders), setup.model)
-        return cls(spec, transcoders, _tokenizer(setup.plan))
+        overrides = _overrides(setup.plan)
+        check_transcoders(setup.model, transcoders, overrides)
+        return cls(spec, transcoders, _tokenizer(setup.plan), overrides)
 
     def start(self, setup: RunSetup) -> None:
         self.setup = setup
@@ -176,7 +172,7 @@ class AttributionGraphs(RunFeature):
         """One prompt's graph, attributed and pruned, its text decoded."""
         graph = attribute_prompt(
             self.setup.model, tokens.to(self.setup.device), self.transcoders, self.spec,
-            self.tokenizer,
+            self.tokenizer, self.overrides,
         )  # fmt: skip
         graph = prune_graph(graph, self.spec)
         if graph.prompt is None and self.tokenizer is not None:
@@ -210,11 +206,20 @@ class AttributionGraphs(RunFeature):
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
 
 
+def _overrides(plan: RunPlan) -> dict | None:
+    """model.anatomy's keys (None: the anatomy's own)."""
+    anatomy = getattr(plan.model, "anatomy", None)
+    return dict(anatomy) if anatomy else None
+
+
 def _tokenizer(plan: RunPlan):
     """The tokenizer of dataset.tokenizer or model.name, where one loads (None: none)."""
     name = getattr(plan.data, "tokenizer", None) or plan.model.name
     if not name:
         return None
+    folder = Path(str(name)).expanduser()
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None  # (transformers would build an empty tokenizer from a config.json alone)
     try:
         from transformers import AutoTokenizer
 
