@@ -351,3 +351,42 @@ def test_a_transcoder_set_of_another_width_is_refused_before_the_loop(
     assert code == 2, text
     assert_words(text, "the transcoder of layer 0 reads 16", "residual stream is 32 wide")
     assert not (tmp_path / "run" / "probe.h5").exists()
+
+
+def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, monkeypatch):
+    """dataset=text: each packed row a prompt, its tokens and logits named and its text decoded
+    by dataset.tokenizer, as `attribute` names them given the same tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from probe.graphs.attribution import GraphOptions, attribute
+    from probe.graphs.pruning import prune
+
+    (tmp_path / "docs.txt").write_text("the cat sat on the mat\na dog ran\nthe cat ran on a mat\n")
+    (tmp_path / "transcoders.yaml").write_text("transcoders: []\n")
+    transcoders = random_transcoders()
+    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
+    args = [
+        "model=hf", f"model.name={tiny_gpt2[0]}", "model.task=causal_lm", "probes=none",
+        "dataset=text", f"dataset.path={tmp_path / 'docs.txt'}", f"dataset.tokenizer={tiny_gpt2[1]}",
+        "dataset.seq_len=5", f"graph.transcoders={tmp_path / 'transcoders.yaml'}",
+    ]  # fmt: skip
+    code, text = cli_here(*args)
+    assert code == 0, text
+    tok = AutoTokenizer.from_pretrained(tiny_gpt2[1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2[0]).eval()
+    run_dir = tmp_path / "run"
+    with h5py.File(run_dir / "probe.h5") as f:
+        count = int(f.attrs["num_samples"])
+        texts = list(f["graph/prompts/text"].asstr()[:])
+    nodes = read(run_dir, "graph_nodes.csv")
+    assert count >= 2 and sorted(set(nodes["prompt"])) == list(range(count))
+    for i in range(count):
+        graph = load_graph(run_dir, i)
+        ids = graph.tokens
+        assert 0 < len(ids) <= 5 and texts[i] == tok.decode(ids.tolist())
+        want = prune(attribute(model, ids, transcoders, GraphOptions(), tokenizer=tok))
+        assert graph.token_strings == want.token_strings == [tok.decode([t]) for t in ids.tolist()]
+        assert graph.logit_strings == want.logit_strings
+        got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
+        table = want.nodes()
+        assert got["token"].tolist() == table["token"].tolist()
