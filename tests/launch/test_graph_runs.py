@@ -390,3 +390,35 @@ def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, 
         got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
         table = want.nodes()
         assert got["token"].tolist() == table["token"].tolist()
+
+
+def test_the_command_reads_a_saved_transcoder_set_and_writes_its_graphs(
+    tiny_gpt2, prompts, tmp_path
+):
+    """`python -m probe ... graph.transcoders=FOLDER` in its own process, the set saved as
+    circuit-tracer's YAML and files: graph_nodes.csv equals `attribute` and `prune` on the set
+    read back."""
+    files = pytest.importorskip("probe.models.transcoder_files")
+    from transformers import AutoModelForCausalLM
+
+    from probe.graphs.attribution import GraphOptions, attribute
+    from probe.graphs.pruning import prune
+
+    root, tokens = prompts
+    files.save_transcoders(random_transcoders(), tmp_path / "set")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [*graph_args(tiny_gpt2, root), f"graph.transcoders={tmp_path / 'set'}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "probe", *QUIET, *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    transcoders = files.load_transcoders(tmp_path / "set")
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2[0]).eval()
+    nodes = read(tmp_path / "run", "graph_nodes.csv")
+    for i in (0, 3):
+        want = prune(attribute(model, tokens[i], transcoders, GraphOptions())).nodes()
+        want["token"] = want["token"].astype(str)
+        got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-5)
