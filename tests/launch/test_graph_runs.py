@@ -422,3 +422,19 @@ def test_the_command_reads_a_saved_transcoder_set_and_writes_its_graphs(
         want["token"] = want["token"].astype(str)
         got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
         pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-5)
+
+
+def test_the_graph_keys_become_the_attributions_options():
+    """Every graph.* key GraphOptions has is passed on; a null where its default is not null
+    leaves that default."""
+    from probe.graphs.attribution import GraphOptions
+    from probe.specs import GraphSpec
+
+    spec = GraphSpec(transcoders="t.yaml", logit_prob=0.5, max_logits=3, max_feature_nodes=7,
+                     node_threshold=0.6, edge_threshold=0.9, edges="all", floor=0.01)  # fmt: skip
+    got = attribution_graphs.graph_options(spec)
+    assert got == GraphOptions(logit_prob=0.5, max_logits=3, max_feature_nodes=7,
+                               node_threshold=0.6, edge_threshold=0.9, edges="all",
+                               floor=0.01)  # fmt: skip
+    assert got.batch_size == GraphOptions().batch_size  # (graph.batch_size null)
+    assert attribution_graphs.graph_options(GraphSpec(batch_size=8)).batch_size == 8
