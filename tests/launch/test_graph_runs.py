@@ -22,6 +22,7 @@ from probe.__main__ import main
 from probe.graphs.graph_files import load_graph
 from probe.launch.features import attribution_graphs
 from probe.testing.compose import QUIET
+from probe.testing.random_transcoders import random_transcoders
 from probe.testing.toy_graphs import toy_graph, toy_prune
 from tests.graphs.test_graph_files import same_graph
 from tests.helpers import ROOT
@@ -287,23 +288,12 @@ def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, 
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-def random_transcoders(width: int = 32, d_tc: int = 24, seed: int = 0):
-    """A transcoder set for the tiny GPT-2 (2 blocks): random encoders with a positive bias, so
-    that some features are active at every position."""
-    from probe.models.transcoder import Transcoder, TranscoderSet
-
-    g = torch.Generator().manual_seed(seed)
-    layers = {
-        layer: Transcoder(
-            torch.randn(width, d_tc, generator=g) * 0.3,
-            torch.full((d_tc,), 0.05),
-            torch.randn(d_tc, width, generator=g) * 0.1,
-            torch.zeros(width),
-            layer=layer,
-        )  # fmt: skip
-        for layer in range(2)
-    }
-    return TranscoderSet(layers, ids={i: f"tc{i}" for i in layers}, source="random")
+def named_transcoders(width: int = 32):
+    """A random transcoder set for the tiny GPT-2 (2 blocks, as many features as its width),
+    its transcoders named tc0 and tc1."""
+    transcoders = random_transcoders(width, expansion=1)
+    transcoders.ids = {0: "tc0", 1: "tc1"}
+    return transcoders
 
 
 def test_a_run_writes_the_graphs_the_attribution_gives_on_a_tiny_gpt2(
@@ -317,7 +307,7 @@ def test_a_run_writes_the_graphs_the_attribution_gives_on_a_tiny_gpt2(
     from probe.graphs.pruning import prune
 
     root, tokens = prompts
-    transcoders = random_transcoders()
+    transcoders = named_transcoders()
     monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
     code, text = cli_here(*graph_args(tiny_gpt2, root, "graph.edges=all"))
     assert code == 0, text
@@ -345,7 +335,7 @@ def test_a_transcoder_set_of_another_width_is_refused_before_the_loop(
     cli_here, tiny_gpt2, prompts, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(
-        attribution_graphs, "load_transcoder_set", lambda p, m: random_transcoders(width=16)
+        attribution_graphs, "load_transcoder_set", lambda p, m: named_transcoders(width=16)
     )
     code, text = cli_here(*graph_args(tiny_gpt2, prompts[0]))
     assert code == 2, text
@@ -363,7 +353,7 @@ def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, 
 
     (tmp_path / "docs.txt").write_text("the cat sat on the mat\na dog ran\nthe cat ran on a mat\n")
     (tmp_path / "transcoders.yaml").write_text("transcoders: []\n")
-    transcoders = random_transcoders()
+    transcoders = named_transcoders()
     monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
     args = [
         "model=hf", f"model.name={tiny_gpt2[0]}", "model.task=causal_lm", "probes=none",
@@ -405,7 +395,7 @@ def test_the_command_reads_a_saved_transcoder_set_and_writes_its_graphs(
     from probe.graphs.pruning import prune
 
     root, tokens = prompts
-    files.save_transcoders(random_transcoders(), tmp_path / "set")
+    files.save_transcoders(named_transcoders(), tmp_path / "set")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
     args = [*graph_args(tiny_gpt2, root), f"graph.transcoders={tmp_path / 'set'}"]
