@@ -27,6 +27,7 @@ from probe.config import (
     DTYPES,
     EDIT_SITES,
     GRAD_EDIT_SITES,
+    GRAPH_EDGES,
     GRID_AXES,
     GRID_METHODS,
     IG_METHODS,
@@ -52,9 +53,11 @@ from probe.specs import (
     CircuitSpec,
     DataSpec,
     EditSpec,
+    GraphSpec,
     GridSpec,
     InterventionSpec,
     LensSpec,
+    ModelSpec,
     ObjectiveSpec,
     ProbeSpec,
     RunOptions,
@@ -115,6 +118,61 @@ def check_circuit(c: CircuitSpec, options: RunOptions) -> None:
         raise ConfigError(
             "circuit.method needs train_mode=false: dropout would make the clean and the patched "
             "forwards differ"
+        )
+
+
+GRAPH_DATA = ("text", "tokens")
+
+
+def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOptions) -> None:
+    """graph.* as far as the config decides (probe.launch.features.attribution_graphs reads
+    the transcoders and checks them against the model): a language model of model=hf over
+    dataset=text|tokens, the thresholds and the probability in [0, 1], the counts positive, the
+    transcoder set's path there."""
+    if not g.on:
+        return
+    if model.library != "hf":
+        raise ConfigError(
+            f"graph.transcoders={g.transcoders!r} traces a language model's features, and "
+            f"model.library={model.library!r} is not one; use model=hf with a causal language "
+            "model, or leave graph.transcoders unset"
+        )
+    if model.task != "causal_lm":
+        raise ConfigError(
+            f"graph.transcoders attributes the next token's logits, and model.task={model.task!r} "
+            "has no language-model head; give model.task=causal_lm"
+        )
+    if data.name not in GRAPH_DATA:
+        raise ConfigError(
+            f"graph.transcoders computes one graph per prompt of dataset=text or dataset=tokens; "
+            f"the run has dataset={data.name}: choose one of them, or leave graph.transcoders unset"
+        )
+    for key in ("logit_prob", "node_threshold", "edge_threshold"):
+        value = getattr(g, key)
+        if not (isinstance(value, int | float) and 0 <= value <= 1):
+            raise ConfigError(f"graph.{key}={value} must lie in [0, 1], e.g. graph.{key}=0.8")
+    if g.logit_prob == 0:
+        raise ConfigError("graph.logit_prob=0 chooses no logit; give a probability in (0, 1]")
+    at_least("graph.max_logits", g.max_logits, 1)
+    at_least("graph.max_feature_nodes", g.max_feature_nodes, 1, " (null: every active feature)")
+    at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
+    if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
+        raise ConfigError(
+            f"graph.floor={g.floor} must be a fraction in [0, 1): an edge is kept when its "
+            "|weight| reaches that fraction of the largest in its row (0: every edge; null: 0 for "
+            "small graphs, else the attribution's default)"
+        )
+    choice("graph.edges", g.edges, GRAPH_EDGES)
+    if not Path(str(g.transcoders)).expanduser().exists():
+        raise ConfigError(
+            f"graph.transcoders={g.transcoders!r} does not exist; give a transcoder set's YAML "
+            "(circuit-tracer's: feature_input_hook, feature_output_hook, transcoders) or a folder "
+            "holding one"
+        )
+    if options.train_mode:
+        raise ConfigError(
+            "graph.transcoders needs train_mode=false: dropout would make the replacement model "
+            "differ from the model's forward"
         )
 
 

@@ -277,6 +277,31 @@ class CircuitConfig:
     position: int | None = None  # None: each pair's last real token
 
 
+GRAPH_EDGES = ("pruned", "all")
+
+
+@dataclass
+class GraphConfig:
+    """Attribution graphs through transcoders (probe.graphs, docs/graphs.md): one graph per
+    prompt of dataset=text|tokens when `transcoders` names a transcoder set (its YAML, or a
+    folder holding one; null or empty: off). The salient logits are the fewest top tokens whose
+    probability sums to `logit_prob`, at most `max_logits`; `max_feature_nodes` caps the features
+    attributed (null: all active ones); pruning keeps `node_threshold` of the node influence and
+    `edge_threshold` of the edge influence; graph_edges.csv holds the pruned graph's edges or
+    `all` of them; `batch_size` target rows per backward pass and `floor` the |weight| below
+    which an edge is not kept (null: the attribution's defaults)."""
+
+    transcoders: str | None = None
+    logit_prob: float = 0.95
+    max_logits: int = 10
+    max_feature_nodes: int | None = None
+    node_threshold: float = 0.8
+    edge_threshold: float = 0.98
+    edges: str = "pruned"
+    batch_size: int | None = None
+    floor: float | None = None
+
+
 @dataclass
 class StoreConfig:
     """How captures are kept: `full` writes tensors, `stats` only streaming statistics."""
@@ -326,6 +351,7 @@ class Config:
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
     lens: LensConfig = field(default_factory=LensConfig)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0

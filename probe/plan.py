@@ -34,6 +34,7 @@ from probe.specs import (  # (named here too: callers import the specs from prob
     DataSpec,
     EditSpec,
     FrozenDict,
+    GraphSpec,
     GridSpec,
     InterventionSpec,
     LensSpec,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 SELECTOR_KEYS = ("layers", "types", "exclude", "match")
 GROUPS = ("model", "dataset", "probes", "intervene", "objective", "attribution", "lens", "store",
-          "stats", "circuit")  # fmt: skip
+          "stats", "circuit", "graph")  # fmt: skip
 SAE_KEYS = ("path", "dense", "splice", "error_term", "max_active")
 Spec = TypeVar("Spec", bound="DataclassInstance")
 
@@ -115,6 +116,7 @@ class RunPlan:
     unread: tuple[str, ...] = ()
     in_hand: bool = False
     circuit: CircuitSpec = CircuitSpec(method=())  # (method empty: no circuit phase)
+    graph: GraphSpec = GraphSpec()  # (transcoders unset: no attribution graphs)
 
 
 def parse(cfg, *, in_hand: bool = False) -> RunPlan:
@@ -139,6 +141,7 @@ def parse(cfg, *, in_hand: bool = False) -> RunPlan:
         store=_group(StoreSpec, schema.StoreConfig, cfg.store),
         stats=_group(StatsSpec, schema.StatsConfig, cfg.stats),
         circuit=_group(CircuitSpec, schema.CircuitConfig, cfg.circuit),
+        graph=_group(GraphSpec, schema.GraphConfig, cfg.graph),
         options=_build(RunOptions, schema.Config, _container(cfg, GROUPS)),
         text=_text(cfg, raw_probes),
         unread=tuple(unread_keys(cfg)),
@@ -206,6 +209,7 @@ def _check(plan: RunPlan) -> None:
         checks.check_attribution(plan.attribution)
     checks.check_lens(plan.lens)
     checks.check_circuit(plan.circuit, plan.options)
+    checks.check_graphs(plan.graph, plan.model, plan.data, plan.options)
 
 
 def _container(node: DictConfig, skip: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -267,6 +267,31 @@ class CircuitSpec:
 
 
 @dataclass(frozen=True)
+class GraphSpec:
+    """probe.config.GraphConfig parsed: frozen, checked. Attribution graphs through transcoders
+    (probe.graphs, docs/graphs.md), one per prompt of dataset=text|tokens, when `transcoders`
+    names a transcoder set (None: off); the salient logits (`logit_prob`, `max_logits`), the
+    features attributed (`max_feature_nodes`, None: all), pruning's thresholds, which edges
+    graph_edges.csv holds (pruned, all), and the attribution's `batch_size` and `floor` (None:
+    its defaults)."""
+
+    transcoders: str | None = None
+    logit_prob: float = 0.95
+    max_logits: int = 10
+    max_feature_nodes: int | None = None
+    node_threshold: float = 0.8
+    edge_threshold: float = 0.98
+    edges: str = "pruned"
+    batch_size: int | None = None
+    floor: float | None = None
+
+    @property
+    def on(self) -> bool:
+        """Whether the run computes graphs."""
+        return bool(self.transcoders)
+
+
+@dataclass(frozen=True)
 class RunOptions:
     """probe.config.Config parsed: frozen, checked. The top-level keys that are no config group:
     seed, device, precision, train_mode, print_summary, progress, resume, overwrite,

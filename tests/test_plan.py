@@ -159,6 +159,7 @@ MIRRORS = [
     (specs.StoreSpec, schema.StoreConfig, ()),
     (specs.StatsSpec, schema.StatsConfig, ()),
     (specs.CircuitSpec, schema.CircuitConfig, ()),
+    (specs.GraphSpec, schema.GraphConfig, ()),
     (specs.RunOptions, schema.Config, GROUPS),
     (specs.TrainSpec, schema.TrainKeys, ()),
     (specs.WatchSpec, schema.WatchKeys, ()),

@@ -5,7 +5,8 @@ feature), the error nodes (layer-major: `layer * n_pos + pos`), the input tokens
 per position), the logit nodes (most probable first). The adjacency is sparse, [target, source]:
 the weight of edge s -> t is the direct effect of s on t in the local replacement model (on a
 feature, its encoder's pre-activation; on a logit, the logit minus the mean logit). Edges whose
-|weight| fell below `floor` were not kept (0: every edge of the attributed graph).
+|weight| fell below `floor` times the largest |weight| of their row were not kept (0: every edge
+of the attributed graph).
 
 In the node table a token node's layer is -1 and a logit node's is n_layers; `activation` is a
 feature's activation and a logit's probability (NaN for errors and tokens); `token` is the token
@@ -15,6 +16,7 @@ at the node's position, or the logit's token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -49,14 +51,24 @@ class AttributionGraph:
     logit_probs: torch.Tensor  # (n_logits,) float32
     logit_strings: list[str]
     adjacency: torch.Tensor  # sparse COO (n_nodes, n_nodes) float32, [target, source], coalesced
-    floor: float = 0.0  # |weight| < floor was dropped while attributing (0: all kept)
+    floor: float = 0.0  # |weight| < floor x its row's largest |weight| was dropped (0: all kept)
     prompt: str | None = None
     scan: list[str] | str | None = None  # the transcoders' ids (circuit-tracer's scan)
     active_features: int = 0  # active features before max_feature_nodes chose among them
-    influence: torch.Tensor | None = None  # (n_nodes,) float64
+    influence: torch.Tensor | None = None  # (n_nodes,) float64: each node's influence on the logits
+    cumulative: torch.Tensor | None = (
+        None  # (n_nodes,) float64: circuit-tracer's cumulative influence
+    )
     node_kept: torch.Tensor | None = None  # (n_nodes,) bool
     edge_kept: torch.Tensor | None = None  # (nnz,) bool, aligned with adjacency's indices
     scores: dict[str, float] = field(default_factory=dict)  # replacement, completeness
+
+    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> AttributionGraph:
+        """Fill the pruning fields (influence, cumulative, node_kept, edge_kept, scores) by
+        probe.graphs.pruning.prune; returns self."""
+        from probe.graphs.pruning import prune
+
+        return prune(self, node_threshold, edge_threshold)
 
     @property
     def n_pos(self) -> int:
@@ -129,3 +141,10 @@ class AttributionGraph:
         )
         table = pd.DataFrame({"target": target, "source": source, "weight": weight, "kept": kept})
         return table[table["kept"]].reset_index(drop=True) if kept_only else table
+
+    def save(self, path) -> Path:
+        """This graph in a new HDF5 file at `path` (the /graph layout of probe.graphs.graph_h5);
+        `probe.graphs.graph_files.load_graph(path)` reads it back. Returns the path."""
+        from probe.graphs.graph_h5 import write_graph
+
+        return write_graph(self, path)

@@ -6,6 +6,7 @@ an entry in FEATURES, or `register(MyFeature)` from anywhere before the run star
 from __future__ import annotations
 
 from probe.hooks.run_feature import RunFeature
+from probe.launch.features.attribution_graphs import AttributionGraphs
 from probe.launch.features.attribution_maps import AttributionMaps
 from probe.launch.features.capture_stats import CaptureStats
 from probe.launch.features.circuit_scores import CircuitScores
@@ -22,6 +23,7 @@ FEATURES: list[type[RunFeature]] = [
     LensReadout,  # the lens and direct logit attribution: lens.csv, dla.csv
     TopkExamples,  # the top-k examples per unit, kept with the statistics
     CircuitScores,  # circuits: edge scores after the loop, /circuit, circuit.csv
+    AttributionGraphs,  # attribution graphs after the loop: /graph, graph_*.csv
 ]
 
 

@@ -1,0 +1,424 @@
+"""One prompt's attribution graph: the direct effects between features, errors, tokens and logits
+in the local replacement model (probe.graphs.replacement), computed in chunks of target rows and
+kept sparse.
+
+One forward runs `batch_size` copies of the prompt under the replacement model. Each backward then
+computes `batch_size` target rows at once: batch row b is seeded with its target's direction at
+its target's place (a feature: its encoder column at its position at the transcoder's input; a
+logit: the demeaned unembedding row at the last position at the final norm's output), and tensor
+hooks read the gradient at every MLP output (contracted with the active features' activation x
+decoder rows and with the error vectors) and at the embeddings' output (contracted with the token
+embeddings). The rows in flight are dense (batch_size x columns); what is kept of them is sparse:
+entries whose |weight| reaches `floor` times the largest |weight| of their row.
+
+Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
+influential ones, ranked every `update_interval` batches by the influence the rows so far give
+(circuit-tracer's order). As in circuit-tracer, position 0's features and error are not nodes
+(`zero_bos`: the first token is a special token whose activations are outliers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from probe.errors import ConfigError
+from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.replacement import LocalReplacement, check_interface
+from probe.hooks.hookset import HookSet
+from probe.models.transcoder import TranscoderSet
+
+EDGES = ("pruned", "all")
+EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (floor 0)
+DEFAULT_FLOOR = 1e-4  # larger graphs: an edge under this fraction of its row's largest is dropped
+PIECE = 1 << 24  # elements of a gathered gradient per contraction (bounds the rows' scratch)
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How a graph is attributed and pruned (the `graph.*` keys).
+
+    logit_prob, max_logits: the logit nodes, the fewest top tokens at the last position whose
+    probabilities sum to logit_prob, at most max_logits. max_feature_nodes: the features
+    attributed (None: every active one). node_threshold, edge_threshold: pruning's cumulative
+    influence kept. batch_size: target rows per backward (and copies of the prompt in the
+    forward). floor: an edge is kept when |weight| >= floor x the largest |weight| of its row;
+    None: 0 for graphs of up to EXACT_NODES nodes, else DEFAULT_FLOOR. edges: which edges the
+    files hold (pruned | all). zero_bos: position 0's features and error are not nodes.
+    update_interval: batches between re-rankings of the features by influence."""
+
+    logit_prob: float = 0.95
+    max_logits: int = 10
+    max_feature_nodes: int | None = None
+    node_threshold: float = 0.8
+    edge_threshold: float = 0.98
+    batch_size: int = 64
+    floor: float | None = None
+    edges: str = "pruned"
+    zero_bos: bool = True
+    update_interval: int = 4
+
+    def __post_init__(self) -> None:
+        def bad(key, value, want):
+            raise ConfigError(f"graph.{key}={value!r}: {want}")
+
+        if not (0 < self.logit_prob <= 1):
+            bad("logit_prob", self.logit_prob, "a probability in (0, 1]")
+        if not _is_int(self.max_logits) or self.max_logits < 1:
+            bad("max_logits", self.max_logits, "at least 1 logit node")
+        if self.max_feature_nodes is not None and (
+            not _is_int(self.max_feature_nodes) or self.max_feature_nodes < 1
+        ):
+            bad("max_feature_nodes", self.max_feature_nodes, "at least 1, or null for all")
+        for key in ("node_threshold", "edge_threshold"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                bad(key, value, "a fraction of the influence in [0, 1]")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            bad("batch_size", self.batch_size, "at least 1 target row per backward")
+        if self.floor is not None and (
+            isinstance(self.floor, bool)
+            or not isinstance(self.floor, int | float)
+            or not 0 <= self.floor < 1
+            or math.isnan(self.floor)
+        ):
+            bad("floor", self.floor, "a fraction of a row's largest |weight| in [0, 1), or null")
+        if self.edges not in EDGES:
+            bad("edges", self.edges, f"choose from {', '.join(EDGES)}")
+        if not _is_int(self.update_interval) or self.update_interval < 1:
+            bad("update_interval", self.update_interval, "at least 1 batch")
+
+    @classmethod
+    def of(cls, **options) -> GraphOptions:
+        """Options from keywords, an unknown one refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"graph option(s) {', '.join(unknown)} unknown; choose from {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def floor_for(self, n_nodes: int) -> float:
+        """The floor used for a graph of `n_nodes` nodes (the default rule when floor is None)."""
+        if self.floor is not None:
+            return float(self.floor)
+        return 0.0 if n_nodes <= EXACT_NODES else DEFAULT_FLOOR
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class _Nodes:
+    """The prompt's active features (in (layer, pos, feature) order), their writes and
+    encoder directions, the error vectors and the token embeddings."""
+
+    layer: torch.Tensor  # (n_active,)
+    pos: torch.Tensor
+    feature: torch.Tensor
+    activation: torch.Tensor  # float32
+    starts: list[int]  # first active index of each layer, and n_active
+    decoders: list[torch.Tensor]  # per layer (k_l, d) float32: activation x decoder row
+    encoders: list[torch.Tensor]  # per layer (k_l, d_in): encoder columns
+    errors: torch.Tensor  # (n_layers, n_pos, d) float32
+    tokens: torch.Tensor  # (n_pos, d) float32
+
+    @property
+    def n_active(self) -> int:
+        return int(self.layer.shape[0])
+
+
+def attribute(
+    model: torch.nn.Module,
+    tokens,
+    transcoders: TranscoderSet,
+    options: GraphOptions | None = None,
+    *,
+    tokenizer=None,
+    overrides: dict | None = None,
+    prompt: str | None = None,
+) -> AttributionGraph:
+    """The attribution graph of `tokens` (a prompt's ids, 1-D) through `transcoders` on `model`
+    (unpruned; probe.graphs.pruning fills the pruning fields). `tokenizer` names the tokens;
+    `overrides` are `model.anatomy` keys."""
+    options = options or GraphOptions()
+    ids = _token_ids(tokens)
+    _check_context(model, ids)
+    device = next(model.parameters()).device
+    transcoders.to(device=device)
+    n_layers, n_pos, B = len(transcoders), int(ids.shape[0]), options.batch_size
+    with LocalReplacement(model, transcoders, overrides, mode="attribute") as rep:
+        with torch.enable_grad():
+            out = model(ids[None].expand(B, -1).to(device))
+        check_interface(rep)
+        logits = _logits_of(out)[0, -1].detach().float()
+        nodes = _nodes(rep, transcoders, options.zero_bos)
+        logit_ids, logit_probs, logit_vecs = _salient_logits(logits, rep.parts.unembed, options)
+        n_active, n_logits = nodes.n_active, int(logit_ids.shape[0])
+        n_cols = n_active + (n_layers + 1) * n_pos
+        rows = _Rows(n_cols, n_logits, logit_probs)
+        n_max = min(options.max_feature_nodes or n_active, n_active)
+        floor = options.floor_for(n_max + (n_layers + 1) * n_pos + n_logits)
+        reader = _Reader(rep, nodes, n_cols, B)
+        with reader.hooks:
+            reader.register()
+            for i in range(0, n_logits, B):
+                idx = torch.arange(i, min(i + B, n_logits))
+                seeds = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
+                rows.add(n_cols + idx, reader.rows(seeds), floor)
+            visited = torch.zeros(n_active, dtype=torch.bool)
+            while int(visited.sum()) < n_max:
+                if n_max == n_active:
+                    pending = torch.arange(n_active)
+                else:
+                    rank = torch.argsort(rows.influence()[:n_active], descending=True)
+                    size = min(options.update_interval * B, n_max - int(visited.sum()))
+                    pending = rank[~visited[rank]][:size]
+                for j in range(0, len(pending), B):
+                    batch = pending[j : j + B]
+                    seeds = [
+                        (int(nodes.layer[a]), int(nodes.pos[a]), _encoder(nodes, int(a)))
+                        for a in batch.tolist()
+                    ]
+                    rows.add(batch, reader.rows(seeds), floor)
+                    visited[batch] = True
+        del out, reader
+    selected = torch.where(visited)[0]
+    adjacency = rows.assemble(selected, n_active, n_layers, n_pos)
+    name = _namer(tokenizer)
+    return AttributionGraph(
+        tokens=ids.cpu(),
+        token_strings=[name(t) for t in ids.tolist()],
+        n_layers=n_layers,
+        features=torch.stack([nodes.layer, nodes.pos, nodes.feature], 1)[selected].reshape(-1, 3),
+        activations=nodes.activation[selected],
+        logit_tokens=logit_ids.cpu(),
+        logit_probs=logit_probs.cpu(),
+        logit_strings=[name(t) for t in logit_ids.tolist()],
+        adjacency=adjacency,
+        floor=floor,
+        prompt=prompt,
+        scan=[transcoders.ids[k] for k in sorted(transcoders.ids)] or None,
+        active_features=n_active,
+    )
+
+
+def _token_ids(tokens) -> torch.Tensor:
+    ids = torch.as_tensor(tokens)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:
+        raise ConfigError(
+            f"graphs: a prompt is one sequence of token ids; got shape {tuple(ids.shape)} "
+            f"({ids.dtype})"
+        )
+    return ids.long()
+
+
+def _check_context(model, ids: torch.Tensor) -> None:
+    config = getattr(model, "config", None)
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and ids.shape[0] > limit:
+        raise ConfigError(
+            f"graphs: the prompt has {ids.shape[0]} tokens, longer than the model's context of "
+            f"{limit}; shorten it"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        raise ConfigError(
+            f"graphs: token id {int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())} "
+            f"is outside the model's vocabulary of {vocab}"
+        )
+
+
+def _logits_of(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def _nodes(rep: LocalReplacement, transcoders: TranscoderSet, zero_bos: bool) -> _Nodes:
+    layers, poss, feats, acts, decoders, encoders, errors, starts = [], [], [], [], [], [], [], []
+    start = 0
+    for layer in range(len(transcoders)):
+        t = transcoders[layer]
+        x = rep.captured.inputs[layer][0]
+        a = t.encode(x)
+        if zero_bos:
+            a[0] = 0
+        pos, feat = torch.nonzero(a, as_tuple=True)
+        values = a[pos, feat]
+        recon = t.decode(a) + t.skip(x)
+        error = rep.captured.mlp_values[layer][0].float() - recon.float()
+        if zero_bos:
+            error[0] = 0
+        starts.append(start)
+        start += int(pos.shape[0])
+        layers.append(torch.full_like(pos, layer))
+        poss.append(pos)
+        feats.append(feat)
+        acts.append(values.float())
+        decoders.append((values[:, None] * t.W_dec[feat]).float())
+        encoders.append(t.W_enc[:, feat].T)
+        errors.append(error)
+    starts.append(start)
+    embed = rep.captured.embed[0].detach().float()
+    return _Nodes(
+        torch.cat(layers).cpu(), torch.cat(poss).cpu(), torch.cat(feats).cpu(),
+        torch.cat(acts).cpu(), starts, decoders, encoders, torch.stack(errors), embed,
+    )  # fmt: skip
+
+
+def _encoder(nodes: _Nodes, active: int) -> torch.Tensor:
+    layer = int(nodes.layer[active])
+    return nodes.encoders[layer][active - nodes.starts[layer]]
+
+
+def _salient_logits(logits: torch.Tensor, unembed: torch.Tensor, options: GraphOptions):
+    """circuit-tracer's logit nodes: the fewest top tokens whose probabilities reach
+    logit_prob, at most max_logits; their probabilities and demeaned unembedding rows."""
+    probs = torch.softmax(logits, dim=-1)
+    top_p, top_idx = torch.topk(probs, min(options.max_logits, probs.shape[0]))
+    cutoff = int(torch.searchsorted(torch.cumsum(top_p, 0), options.logit_prob)) + 1
+    ids = top_idx[:cutoff]
+    w = unembed.detach()
+    vecs = w[ids].float() - w.float().mean(0, keepdim=True)
+    return ids, probs[ids], vecs
+
+
+class _Reader:
+    """Seeds one backward with up to B targets and reads their rows (B, n_cols) from the
+    gradients at the MLP outputs and the embeddings."""
+
+    def __init__(self, rep: LocalReplacement, nodes: _Nodes, n_cols: int, batch: int):
+        self.rep, self.nodes, self.n_cols, self.batch = rep, nodes, n_cols, batch
+        self.hooks = HookSet("attribution rows")
+        self.buffer: torch.Tensor | None = None
+        n_pos = nodes.tokens.shape[0]
+        self.error_start = nodes.n_active
+        self.token_start = nodes.n_active + len(nodes.decoders) * n_pos
+        self.n_pos = n_pos
+
+    def register(self) -> None:
+        cap = self.rep.captured
+        for layer, out in cap.outputs.items():
+            self.hooks.tensor(out, self._mlp_reader(layer), name=f"mlp {layer} output")
+        self.hooks.tensor(cap.embed, self._embed_reader, name="embeddings")
+
+    def _mlp_reader(self, layer: int):
+        nodes, n_pos = self.nodes, self.n_pos
+        lo, hi = nodes.starts[layer], nodes.starts[layer + 1]
+        pos = nodes.pos[lo:hi].to(nodes.errors.device)
+        cols = torch.arange(n_pos) + self.error_start + layer * n_pos
+
+        def read(grad):
+            g = grad.float()
+            buf = self.buffer
+            step = max(1, PIECE // max(1, g.shape[0] * g.shape[-1]))
+            for s in range(0, hi - lo, step):
+                part = g[:, pos[s : s + step]]
+                buf[:, lo + s : lo + s + part.shape[1]] += torch.einsum(
+                    "bkd,kd->bk", part, nodes.decoders[layer][s : s + step]
+                )
+            buf[:, cols] += torch.einsum("bpd,pd->bp", g, nodes.errors[layer])
+
+        return read
+
+    def _embed_reader(self, grad):
+        cols = torch.arange(self.n_pos) + self.token_start
+        self.buffer[:, cols] += torch.einsum("bpd,pd->bp", grad.float(), self.nodes.tokens)
+
+    def rows(self, seeds: list[tuple]) -> torch.Tensor:
+        """The rows (len(seeds), n_cols) of targets `seeds`: (layer or "final", pos, vector)."""
+        cap = self.rep.captured
+        roots: dict = {}
+        for b, (where, pos, vec) in enumerate(seeds):
+            root = cap.final if where == "final" else cap.inputs[where]
+            if where not in roots:
+                roots[where] = (root, torch.zeros_like(root))
+            roots[where][1][b, pos] = vec.to(root.dtype)
+        device = cap.final.device
+        self.buffer = torch.zeros(self.batch, self.n_cols, device=device)
+        tensors = [r for r, _ in roots.values()]
+        grads = [g for _, g in roots.values()]
+        torch.autograd.backward(tensors, grads, retain_graph=True)
+        buf, self.buffer = self.buffer, None
+        return buf[: len(seeds)].cpu()
+
+
+class _Rows:
+    """The sparse rows attributed so far: entries (row, column, weight) with each row's node
+    (an active feature's index, or n_cols + logit index)."""
+
+    def __init__(self, n_cols: int, n_logits: int, logit_probs: torch.Tensor):
+        self.n_cols, self.n_logits = n_cols, n_logits
+        self.logit_probs = logit_probs.float().cpu()
+        self.nodes: list[torch.Tensor] = []
+        self.r: list[torch.Tensor] = []
+        self.c: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.count = 0
+
+    def add(self, nodes: torch.Tensor, dense: torch.Tensor, floor: float) -> None:
+        keep = dense != 0
+        if floor > 0:
+            keep &= dense.abs() >= floor * dense.abs().amax(1, keepdim=True)
+        r, c = torch.nonzero(keep, as_tuple=True)
+        self.nodes.append(nodes.long())
+        self.r.append(r + self.count)
+        self.c.append(c)
+        self.v.append(dense[r, c])
+        self.count += int(dense.shape[0])
+
+    def influence(self, max_iter: int = 128) -> torch.Tensor:
+        """circuit-tracer's partial influences of every node on the logits, from the rows so far
+        (row-normalised |weights|, the power series seeded with the logit probabilities)."""
+        row_node = torch.cat(self.nodes)
+        r, c, v = torch.cat(self.r), torch.cat(self.c), torch.cat(self.v).abs()
+        sums = torch.zeros(self.count).index_add_(0, r, v).clamp(min=1e-8)
+        v = v / sums[r]
+        total = self.n_cols + self.n_logits
+        prod = torch.zeros(total)
+        prod[-self.n_logits :] = self.logit_probs
+        influence = torch.zeros(total)
+        for _ in range(max_iter):
+            prod = torch.zeros(total).index_add_(0, c, v * prod[row_node][r])
+            if not prod.any():
+                break
+            influence += prod
+        return influence
+
+    def assemble(self, selected: torch.Tensor, n_active: int, n_layers: int, n_pos: int):
+        """The adjacency in node order [selected features | errors | tokens | logits], sparse
+        COO (target, source), coalesced."""
+        n_sel = int(selected.shape[0])
+        n_nodes = n_sel + (n_layers + 1) * n_pos + self.n_logits
+        col_map = torch.full((self.n_cols,), -1, dtype=torch.long)
+        col_map[selected] = torch.arange(n_sel)
+        col_map[n_active:] = torch.arange(n_sel, n_sel + (n_layers + 1) * n_pos)
+        if not self.r:
+            empty = torch.zeros(2, 0, dtype=torch.long)
+            return torch.sparse_coo_tensor(
+                empty, torch.zeros(0), (n_nodes, n_nodes), check_invariants=False
+            ).coalesce()
+        row_node = torch.cat(self.nodes)
+        row_map = torch.full((n_active + self.n_logits,), -1, dtype=torch.long)
+        row_map[selected] = torch.arange(n_sel)
+        row_map[n_active:] = torch.arange(n_nodes - self.n_logits, n_nodes)
+        node = torch.where(row_node >= self.n_cols, row_node - self.n_cols + n_active, row_node)
+        r, c, v = torch.cat(self.r), torch.cat(self.c), torch.cat(self.v)
+        target, source = row_map[node][r], col_map[c]
+        keep = source >= 0
+        indices = torch.stack([target[keep], source[keep]])
+        return torch.sparse_coo_tensor(
+            indices, v[keep], (n_nodes, n_nodes), check_invariants=False
+        ).coalesce()
+
+
+def _namer(tokenizer):
+    if tokenizer is None:
+        return str
+    return lambda t: tokenizer.decode([int(t)])

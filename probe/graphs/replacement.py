@@ -1,0 +1,444 @@
+"""The local replacement model on a HuggingFace model as it is: the model linear in its residual
+stream for the attribution's backward passes, its forward value unchanged.
+
+While a `LocalReplacement` is entered, three things are frozen at their values on the prompt
+(Ameisen et al. 2025; circuit-tracer's ReplacementModel does the same on TransformerLens):
+
+- every attention pattern: the attention runs through an attention function registered with
+  transformers' attention interface whose value is the model's own implementation's and whose
+  gradient is that of `pattern.detach() @ V` (the pattern from the family's eager function);
+- every norm's scale (LayerNorm's 1/std, RMSNorm's 1/rms): the norm's output keeps its value and
+  its gradient is that of `centre(x) * scale.detach() * weight` (centring stays linear);
+- every MLP: its output keeps its value and its gradient is that of its transcoder's skip path
+  alone (`x @ W_skip.T`, nothing without a skip matrix), where x is what the transcoder reads
+  (`mlp_in`: the MLP's input; `resid_mid`: the MLP norm's input). The MLP's output is, by
+  definition, the transcoder's active features' writes plus an error (the real output minus the
+  transcoder's), so the paths through other features are cut: what flows back is direct.
+
+Each trick is `value.detach() + (linear - linear.detach())`: the forward is bitwise the model's.
+`mode="replay"` instead recomputes every frozen piece from what a `mode="record"` pass saw
+(patterns, scales, MLP outputs), so a perturbed input moves the output by the frozen linear map:
+the forward-mode twin of the backward, used to check edge weights by intervention.
+
+Token nodes are the token embeddings (the input embeddings module's output); GPT-2's position
+embedding is not a node, as in circuit-tracer. Post-norm models (BERT) and families whose anatomy
+is unknown are refused by name; so is an attention that does not go through transformers'
+attention interface (its pattern could not be frozen).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from probe.errors import ConfigError, ModelError
+from probe.hooks.hookset import HookSet
+from probe.hooks.module_select import block_names
+from probe.models.anatomy import anatomy
+from probe.models.transcoder import TranscoderSet
+
+MODES = ("attribute", "record", "replay")
+KEYS = (
+    "model.anatomy.mlp_out=SUFFIX (each block's MLP), mlp_norm=SUFFIX and attn_norm=SUFFIX (the "
+    "norms before the MLP and the attention), final_norm=NAME, unembed=NAME"
+)
+ATTENTION_NAME = "probe_frozen_patterns"
+
+
+@dataclass
+class Parts:
+    """The modules the replacement model hooks: per block its attention norm, MLP norm and MLP;
+    the final norm, the input embeddings and the unembedding weight (vocab, width)."""
+
+    family: str
+    attn_norms: list[nn.Module]
+    mlp_norms: list[nn.Module]
+    mlps: list[nn.Module]
+    final_norm: nn.Module
+    embed: nn.Module
+    unembed: torch.Tensor
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.mlps)
+
+
+def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
+    """The parts of `model` (its anatomy with `model.anatomy` overrides), or a ConfigError naming
+    a post-norm model, or what the anatomy lacks and the keys that set it."""
+    body = anatomy(model, block_names(model), overrides)
+    if body.post_norm:
+        raise ConfigError(
+            f"graphs: {body.family!r} is a post-norm model (each block normalises its residual "
+            "stream), so no local replacement model is linear in the residual stream and no "
+            "attribution graph can be built; use a pre-norm model (GPT-2, Llama, Mistral, Qwen, "
+            "GPT-NeoX)"
+        )
+    n = len(body.blocks)
+    missing = [
+        key
+        for key, got in (
+            ("mlp_out", len(body.mlp_out) == n),
+            ("mlp_norm", len(body.mlp_norm) == n),
+            ("attn_norm", len(body.attn_norm) == n),
+            ("final_norm", body.final_norm is not None),
+            ("unembed", body.unembed is not None),
+        )
+        if not got
+    ]
+    if n == 0:
+        missing.insert(0, "blocks (no stack of layers found)")
+    if missing:
+        raise ConfigError(
+            f"graphs: the local replacement model of a {body.family!r} model cannot be built: "
+            f"probe does not know its {', '.join(missing)}. Set them by hand: {KEYS}"
+        )
+    modules = dict(model.named_modules())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is None:
+        raise ConfigError(
+            f"graphs: the {body.family!r} model has no input embeddings "
+            "(get_input_embeddings()); token nodes need them"
+        )
+    unembed = getattr(modules[body.unembed], "weight", None)
+    if not isinstance(unembed, torch.Tensor) or unembed.dim() != 2:
+        raise ConfigError(
+            f"graphs: the unembedding {body.unembed!r} has no (vocab, width) weight; set "
+            "model.anatomy.unembed=NAME to the module that makes the logits"
+        )
+    return Parts(
+        body.family,
+        [modules[m] for m in body.attn_norm],
+        [modules[m] for m in body.mlp_norm],
+        [modules[m] for m in body.mlp_out],
+        modules[body.final_norm],
+        embed,
+        unembed,
+    )
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def norm_kind(module: nn.Module) -> tuple[bool, float]:
+    """(centres, eps) of a norm: LayerNorm centres, RMSNorm does not; another kind is refused."""
+    if isinstance(module, nn.LayerNorm):
+        return True, float(module.eps)
+    if "RMSNorm" in type(module).__name__:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is not None:
+            return False, float(eps)
+    raise ConfigError(
+        f"graphs: cannot freeze the scale of a {type(module).__name__}; the local replacement "
+        "model knows torch's LayerNorm and the RMSNorms of Llama, Mistral and Qwen"
+    )
+
+
+def _norm_parts(module: nn.Module, x: torch.Tensor, scale: torch.Tensor | None = None):
+    """(centred x, scale) in the compute dtype; the scale (detached) from x unless given."""
+    centres, eps = norm_kind(module)
+    xf = x.to(_compute_dtype(x))
+    xc = xf - xf.mean(-1, keepdim=True) if centres else xf
+    if scale is None:
+        with torch.no_grad():
+            scale = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return xc, scale
+
+
+def _norm_linear(module: nn.Module, xc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = xc * scale
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        out = out * weight.to(out.dtype)
+    return out
+
+
+@dataclass
+class Captured:
+    """What one forward under the replacement model saw: per layer the transcoder's input and
+    the MLP's (replaced) output tensors, the embeddings' output and the final norm's output."""
+
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp_values: dict[int, torch.Tensor] = field(default_factory=dict)  # the MLPs' real outputs
+    embed: torch.Tensor | None = None
+    final: torch.Tensor | None = None
+    attention_calls: int = 0
+
+
+class LocalReplacement:
+    """A context manager making `model` the local replacement model of `transcoders` (see the
+    module docstring). `mode`: attribute (value-preserving freezes for the backward), record
+    (a plain forward that saves patterns, scales and MLP outputs) or replay (the frozen forward
+    of what record saved). `captured` holds the latest forward's tensors."""
+
+    _active: LocalReplacement | None = None  # the one the registered attention function serves
+
+    def __init__(
+        self,
+        model: nn.Module,
+        transcoders: TranscoderSet,
+        overrides: dict | None = None,
+        mode: str = "attribute",
+    ):
+        if mode not in MODES:
+            raise ConfigError(f"replacement mode {mode!r}; choose from {', '.join(MODES)}")
+        self.model, self.transcoders, self.mode = model, transcoders, mode
+        self.parts = replacement_parts(model, overrides)
+        check_widths(self.parts, transcoders)
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation"):
+            raise ConfigError(
+                "graphs: the model has no transformers config (_attn_implementation), so its "
+                "attention patterns cannot be frozen; pass a transformers model"
+            )
+        if getattr(config, "reorder_and_upcast_attn", False):
+            raise ConfigError(
+                "graphs: GPT-2's reorder_and_upcast_attn bypasses the attention interface, so "
+                "its patterns cannot be frozen; load the model with reorder_and_upcast_attn=False"
+            )
+        self.captured = Captured()
+        self.saved: dict = {"patterns": [], "scales": {}, "mlp": {}, "inputs": {}}
+        self._hooks = HookSet("local replacement")
+        self._where: dict[int, tuple[str, int]] = {}
+        for i, m in enumerate(self.parts.attn_norms):
+            self._where[id(m)] = ("attn_norm", i)
+        for i, m in enumerate(self.parts.mlp_norms):
+            self._where[id(m)] = ("mlp_norm", i)
+        self._where[id(self.parts.final_norm)] = ("final_norm", self.parts.n_layers)
+        self._resid_mid: dict[int, torch.Tensor] = {}
+        self._grad_flags: list[tuple[torch.Tensor, bool]] = []
+
+    # -- entering ------------------------------------------------------------------------------
+    def __enter__(self) -> LocalReplacement:
+        if LocalReplacement._active is not None:
+            raise ModelError("graphs: a local replacement model is already active")
+        self._hooks.enter(self._register)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            config = self.model.config
+            config._attn_implementation = self._original
+            for p, flag in self._grad_flags:
+                p.requires_grad_(flag)
+            self._grad_flags = []
+            LocalReplacement._active = None
+
+    def _register(self) -> None:
+        params = [*self.model.parameters(), *self.transcoders_parameters()]
+        self._grad_flags = [(p, p.requires_grad) for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        self._original = self.model.config._attn_implementation or "eager"
+        _register_attention(self._original)
+        self.model.config._attn_implementation = f"{ATTENTION_NAME}_{self._original}"
+        LocalReplacement._active = self
+        for m in [*self.parts.attn_norms, *self.parts.mlp_norms, self.parts.final_norm]:
+            self._hooks.forward(m, self._norm_hook, name="norm")
+        for layer, m in enumerate(self.parts.mlps):
+            self._hooks.forward(m, self._mlp_hook(layer), name=f"mlp {layer}")
+        self._hooks.forward(self.parts.embed, self._embed_hook, name="embed")
+        self._hooks.forward_pre(self.model, self._begin, name="model")
+
+    def transcoders_parameters(self) -> list[torch.Tensor]:
+        return [p for t in self.transcoders.transcoders.values() for p in t.parameters()]
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _begin(self, module, args):
+        self.captured = Captured()
+        self._resid_mid = {}
+        self._pattern_index = 0
+        if self.mode == "record":
+            self.saved = {"patterns": [], "scales": {}, "mlp": {}, "inputs": {}}
+
+    def _embed_hook(self, module, args, out):
+        if self.mode == "attribute":
+            out = out.detach().requires_grad_(True)
+        self.captured.embed = out
+        return out
+
+    def _norm_hook(self, module, args, out):
+        kind, layer = self._where[id(module)]
+        x = args[0]
+        if kind == "mlp_norm":
+            self._resid_mid[layer] = x
+        key = (kind, layer)
+        if self.mode == "replay":
+            xc, scale = _norm_parts(module, x, self.saved["scales"][key])
+            new = _norm_linear(module, xc, scale)
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                new = new + bias.to(new.dtype)
+            out = new.to(out.dtype)
+        else:
+            xc, scale = _norm_parts(module, x)
+            if self.mode == "record":
+                self.saved["scales"][key] = scale
+            else:
+                lin = _norm_linear(module, xc, scale)
+                out = out.detach() + (lin - lin.detach()).to(out.dtype)
+        if kind == "final_norm":
+            self.captured.final = out
+        return out
+
+    def _mlp_hook(self, layer: int):
+        transcoder = self.transcoders[layer]
+
+        def hook(module, args, out):
+            x = args[0] if self.transcoders.reads == "mlp_in" else self._resid_mid[layer]
+            self.captured.inputs[layer] = x
+            self.captured.mlp_values[layer] = out.detach()
+            if self.mode == "record":
+                self.saved["mlp"][layer] = out.detach()
+                self.saved["inputs"][layer] = x.detach()
+                return out
+            skip = _skip(transcoder, x)
+            if self.mode == "replay":
+                before = _skip(transcoder, self.saved["inputs"][layer])
+                new = self.saved["mlp"][layer] + (skip - before).to(out.dtype)
+            else:
+                new = out.detach() + (skip - skip.detach()).to(out.dtype)
+            self.captured.outputs[layer] = new
+            return new
+
+        return hook
+
+    # -- attention (called by the registered attention function) ------------------------------
+    def attend(self, module, query, key, value, attention_mask, **kwargs):
+        self.captured.attention_calls += 1
+        eager = _eager_of(module)
+        original = self._original
+        if self.mode == "replay":
+            pattern = self.saved["patterns"][self._pattern_index]
+            self._pattern_index += 1
+            return _apply(pattern, value), pattern
+        with torch.no_grad():
+            if original == "eager":
+                out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+            else:
+                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+                impl = ALL_ATTENTION_FUNCTIONS.get_interface(original, eager)
+                out, weights = impl(module, query, key, value, attention_mask, **kwargs)
+            rows = 1 if self.mode == "attribute" else query.shape[0]
+            mask = _additive(attention_mask, query, key, rows)
+            _, pattern = eager(
+                module, query[:rows], key[:rows], value[:rows], mask,
+                **{k: v for k, v in kwargs.items() if k != "dropout"},
+            )  # fmt: skip
+        if self.mode == "record":
+            self.saved["patterns"].append(pattern)
+            return out, weights
+        lin = _apply(pattern, value)
+        return out.detach() + (lin - lin.detach()).to(out.dtype), weights
+
+
+def _skip(transcoder, x: torch.Tensor) -> torch.Tensor:
+    """The transcoder's skip path; without a skip matrix a zero that still depends on x (so the
+    transcoder's input stays on the backward's path, as circuit-tracer's `x * 0`)."""
+    if transcoder.W_skip is None:
+        return x[..., :1] * 0
+    return transcoder.skip(x)
+
+
+def _apply(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`pattern @ V` as the attention interface returns it: (batch, pos, heads, head_dim); keys
+    and values repeated for grouped-query attention."""
+    heads, kv = pattern.shape[1], value.shape[1]
+    if heads != kv:
+        value = value.repeat_interleave(heads // kv, dim=1)
+    return torch.matmul(pattern.to(value.dtype), value).transpose(1, 2)
+
+
+def _additive(mask, query: torch.Tensor, key: torch.Tensor, rows: int):
+    """The mask in the eager function's additive form: sdpa's boolean masks converted, a skipped
+    causal mask (None) made causal."""
+    dtype = query.dtype
+    small = torch.finfo(dtype).min
+    if mask is None:
+        q, k = query.shape[-2], key.shape[-2]
+        allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+        return torch.zeros(1, 1, q, k, dtype=dtype, device=query.device).masked_fill(
+            ~allowed, small
+        )
+    if mask.dim() != 4:
+        raise ModelError(
+            f"graphs: the attention got a {mask.dim()}-d mask; freezing patterns needs the eager "
+            "or sdpa attention (load the model with attn_implementation='sdpa' or 'eager')"
+        )
+    mask = mask[:rows] if mask.shape[0] > 1 else mask
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, small)
+    return mask
+
+
+def _eager_of(module: nn.Module):
+    """The family's own eager attention function (its modeling module's)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ModelError(
+            f"graphs: {type(module).__name__}'s module has no eager_attention_forward, so its "
+            "attention patterns cannot be frozen"
+        )
+    return eager
+
+
+def _frozen_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function registered under ATTENTION_NAME: the active replacement's."""
+    active = LocalReplacement._active
+    if active is None:
+        raise ModelError(
+            f"graphs: attention implementation {ATTENTION_NAME!r} called outside a local "
+            "replacement model"
+        )
+    return active.attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention(original: str) -> None:
+    """Register the frozen attention (and, for its masks, the original's mask function) under
+    `ATTENTION_NAME_original` with transformers' interfaces."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    name = f"{ATTENTION_NAME}_{original}"
+    AttentionInterface.register(name, _frozen_attention)
+    if original not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        raise ModelError(
+            f"graphs: attention implementation {original!r} has no mask function; load the "
+            "model with attn_implementation='sdpa' or 'eager'"
+        )
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[original])
+
+
+def check_widths(parts: Parts, transcoders: TranscoderSet) -> None:
+    """Refuse, by name, a set whose layers or widths do not fit the model."""
+    width = parts.unembed.shape[1]
+    if len(transcoders) != parts.n_layers:
+        raise ConfigError(
+            f"graphs: the transcoder set {transcoders.source or ''} has {len(transcoders)} "
+            f"layers, the model {parts.n_layers}; a graph needs one transcoder per block"
+        )
+    for layer, t in transcoders.transcoders.items():
+        if t.d_in != width or t.d_out != width:
+            raise ConfigError(
+                f"graphs: the transcoder of layer {layer} reads {t.d_in} and writes {t.d_out}, "
+                f"the model's residual stream is {width} wide"
+            )
+
+
+def check_interface(replacement: LocalReplacement) -> None:
+    """After a forward: every block's attention went through the frozen attention function,
+    or the family's attention bypasses transformers' attention interface (refused)."""
+    calls, n = replacement.captured.attention_calls, replacement.parts.n_layers
+    if calls != n:
+        raise ModelError(
+            f"graphs: {calls} of the {replacement.parts.family!r} model's {n} attention layers "
+            "called transformers' attention interface, so their patterns could not be frozen"
+        )

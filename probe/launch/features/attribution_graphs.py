@@ -1,0 +1,250 @@
+"""Attribution graphs as a run feature (`graph.transcoders` set): once the run's loop is done,
+one graph per prompt of the dataset (each sample of dataset=text|tokens, its padding dropped),
+attributed through the transcoder set (probe.graphs.attribution), pruned (probe.graphs.pruning)
+and appended to `/graph` of the run's file as it is made (probe.graphs.graph_h5), so memory
+holds one prompt's graph; at the finish the tables (probe.graphs.graph_tables).
+
+A prompt is in the file once its row of /graph/prompts is, so a stop (SIGINT, SIGTERM: after
+the prompt in flight) or a kill loses at most that prompt, and `resume=true` continues after the
+last whole one (graph.* must be the same). Under torchrun each rank attributes the prompts of
+its block of batches into its own file (probe.rankR.h5); rank 0 copies them, in rank order,
+into the run's probe.h5 and writes the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from probe.data.batches import OrderedBatches
+from probe.data.text import TOKENIZER_FILES
+from probe.errors import ConfigError
+from probe.graphs.attribution import GraphOptions, attribute
+from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.graph_h5 import GraphFile, copy_graphs
+from probe.graphs.graph_tables import write_graph_tables
+from probe.graphs.pruning import prune
+from probe.graphs.replacement import check_widths, replacement_parts
+from probe.hooks.run_feature import Finished, RunFeature, RunSetup
+from probe.launch.distributed import shard_path
+from probe.launch.interrupt import Interrupted, StopFlag
+from probe.plan import RunPlan
+from probe.specs import GraphSpec
+
+log = logging.getLogger("probe")
+
+
+class GraphInterrupted(Interrupted):
+    """The graphs were stopped by a signal after `done` of this rank's prompts."""
+
+    def __init__(self, signum: int, done: int, total: int, path: Path):
+        self.signum, self.num_samples, self.path = signum, done, path
+        Exception.__init__(
+            self,
+            f"stopped by {signal.Signals(signum).name} after the attribution graphs of {done} of "
+            f"{total} prompts; {path.name} holds them under /graph. Run again with resume=true "
+            "and the same hydra.run.dir to continue",
+        )
+
+
+# -- the computation (one place each, so a test can stand in for them) ---------------------------
+def load_transcoder_set(path: str, model: torch.nn.Module):
+    """The transcoder set of graph.transcoders (probe.models.transcoder_files); `model` the
+    run's (the set is checked against it by `check_transcoders`)."""
+    try:  # (imported by name: a build without the readers of transcoder sets says so)
+        load_transcoders = importlib.import_module("probe.models.transcoder_files").load_transcoders
+    except ImportError:
+        raise ConfigError(
+            f"graph.transcoders={path!r}: this build of probe cannot read transcoder sets "
+            "(probe.models.transcoder_files is missing); install a release that has it"
+        ) from None
+    return load_transcoders(path)
+
+
+def graph_options(spec: GraphSpec):
+    """probe.graphs.attribution's GraphOptions from the graph.* keys it has (a key left null
+    where its own default is not null: that default)."""
+    values = {}
+    for f in dataclasses.fields(GraphOptions):
+        value = getattr(spec, f.name, dataclasses.MISSING)
+        if value is dataclasses.MISSING or (value is None and f.default is not None):
+            continue
+        values[f.name] = value
+    return GraphOptions(**values)
+
+
+def check_transcoders(model: torch.nn.Module, transcoders, overrides: dict | None) -> None:
+    """Before the loop: the model's replacement parts (a post-norm model or a family the
+    anatomy does not know refused by name) and the set's layers and widths against it."""
+    check_widths(replacement_parts(model, overrides), transcoders)
+
+
+def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, tokenizer,
+                     overrides: dict | None = None):  # fmt: skip
+    """One prompt's attributed graph (probe.graphs.attribution.attribute); `overrides` the
+    model.anatomy keys."""
+    return attribute(
+        model, tokens, transcoders, graph_options(spec), tokenizer=tokenizer, overrides=overrides
+    )
+
+
+def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
+    """`graph` pruned at graph.node_threshold and graph.edge_threshold."""
+    return prune(graph, spec.node_threshold, spec.edge_threshold)
+
+
+# -- the feature ---------------------------------------------------------------------------------
+class AttributionGraphs(RunFeature):
+    """`graph.transcoders` set (with dataset=text|tokens and a causal language model)."""
+
+    name = "graph"
+
+    setup: RunSetup  # this run's, given by `start`
+
+    def __init__(self, spec: GraphSpec, transcoders, tokenizer, overrides=None) -> None:
+        self.spec, self.transcoders, self.tokenizer = spec, transcoders, tokenizer
+        self.overrides = overrides  # model.anatomy
+
+    @classmethod
+    def prepare(cls, setup: RunSetup) -> AttributionGraphs | None:
+        """The transcoder set read and checked against the model (a bad file, a post-norm model,
+        a set of other layers or widths named before the loop), the tokenizer that names the
+        tokens (None: token ids as names)."""
+        spec = setup.plan.graph
+        if not spec.on:
+            return None
+        transcoders = load_transcoder_set(str(spec.transcoders), setup.model)
+        overrides = _overrides(setup.plan)
+        check_transcoders(setup.model, transcoders, overrides)
+        return cls(spec, transcoders, _tokenizer(setup.plan), overrides)
+
+    def start(self, setup: RunSetup) -> None:
+        self.setup = setup
+
+    def group_attrs(self) -> dict[str, str]:
+        """/graph's attributes: graph.* (checked on resume), the transcoders' source and ids."""
+        source = getattr(self.transcoders, "source", None) or self.spec.transcoders
+        ids = getattr(self.transcoders, "ids", None)  # {layer: id}
+        scan = [ids[k] for k in sorted(ids)] if isinstance(ids, dict) and ids else None
+        return {
+            "options": json.dumps(dataclasses.asdict(self.spec), sort_keys=True),
+            "transcoders": str(source),
+            "scan": json.dumps(scan),
+        }
+
+    def after_run(self, done: Finished) -> None:
+        """Every rank: a graph per prompt of its block into its file's /graph (a resumed run
+        keeps the whole prompts there and continues after them)."""
+        shard, resume = done.shard, bool(done.plan.options.resume)
+        path = shard.path(done.h5_path)
+        attrs = self.group_attrs()
+        with GraphFile(path, attrs, keep=resume) as out:
+            _check_same_options(out, attrs, path)
+            have = set(out.prompts)
+            total = len(shard.samples)
+            if have:
+                log.info("graph: resuming after %d prompts", len(have))
+            with StopFlag() as stop:
+                count = 0
+                for prompt, tokens in self.prompts(shard):
+                    count += 1
+                    if prompt in have:
+                        continue
+                    graph = self.graph_of(tokens)
+                    out.append(prompt, graph)
+                    _log_graph(prompt, graph)
+                    if stop.requested is not None and count < total:
+                        raise GraphInterrupted(stop.requested, count, total, path)
+            out.close(complete=True)
+
+    def graph_of(self, tokens: torch.Tensor) -> AttributionGraph:
+        """One prompt's graph, attributed and pruned, its text decoded."""
+        graph = attribute_prompt(
+            self.setup.model, tokens.to(self.setup.device), self.transcoders, self.spec,
+            self.tokenizer, self.overrides,
+        )  # fmt: skip
+        graph = prune_graph(graph, self.spec)
+        if graph.prompt is None and self.tokenizer is not None:
+            graph.prompt = self.tokenizer.decode(tokens.tolist())
+        return graph
+
+    def prompts(self, shard) -> Iterator[tuple[int, torch.Tensor]]:
+        """(the dataset's sample index, its token ids without padding) of this rank's samples."""
+        b = self.setup.batches
+        again = (
+            OrderedBatches(b.dataset, b.batch_size, b.loader.num_workers, b.has_targets)
+            if isinstance(b, OrderedBatches)
+            else b
+        )
+        index = shard.samples.start
+        for batch in again:
+            inputs = getattr(batch, "inputs", batch)
+            ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
+            mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+            for row in range(len(ids)):
+                tokens = ids[row] if mask is None else ids[row][mask[row].bool()]
+                yield index, tokens.long().cpu()
+                index += 1
+
+    def finish(self, done: Finished) -> None:
+        """Rank 0: the ranks' graphs into probe.h5 (torchrun), then the tables."""
+        if done.shard.world > 1:
+            ranks = [shard_path(done.h5_path, r) for r in range(done.shard.world)]
+            copy_graphs(done.h5_path, ranks, self.group_attrs())
+        written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
+        log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
+
+
+def _check_same_options(out: GraphFile, attrs: dict[str, str], path: Path) -> None:
+    """A resumed /graph must hold graphs of the same graph.* settings."""
+    old = json.loads(str(out.group.attrs.get("options", "{}")))
+    new = json.loads(attrs["options"])
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise ConfigError(
+            f"resume=true but {path.name} holds the attribution graphs of other graph.* settings "
+            f"({', '.join(f'graph.{k}' for k in changed)}); resume with the same settings, or "
+            "start a new run (overwrite=true or a new hydra.run.dir)"
+        )
+
+
+def _overrides(plan: RunPlan) -> dict | None:
+    """model.anatomy's keys (None: the anatomy's own)."""
+    anatomy = getattr(plan.model, "anatomy", None)
+    return dict(anatomy) if anatomy else None
+
+
+def _tokenizer(plan: RunPlan):
+    """The tokenizer of dataset.tokenizer or model.name, where one loads (None: none)."""
+    name = getattr(plan.data, "tokenizer", None) or plan.model.name
+    if not name:
+        return None
+    folder = Path(str(name)).expanduser()
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None  # (transformers would build an empty tokenizer from a config.json alone)
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(name))
+    except Exception:  # noqa: BLE001 - a model without tokenizer files: ids name the tokens
+        log.info("graph: no tokenizer at %s; tokens are named by their ids", name)
+        return None
+
+
+def _log_graph(prompt: int, graph: AttributionGraph) -> None:
+    kept_nodes = int(graph.node_kept.sum()) if graph.node_kept is not None else graph.n_nodes
+    kept_edges = int(graph.edge_kept.sum()) if graph.edge_kept is not None else -1
+    log.info(
+        "graph: prompt %d, %d tokens: %d nodes (%d kept), %d edges (%d kept), replacement "
+        "%.3f, completeness %.3f",
+        prompt, graph.n_pos, graph.n_nodes, kept_nodes, int(graph.adjacency._nnz()), kept_edges,
+        graph.scores.get("replacement", float("nan")),
+        graph.scores.get("completeness", float("nan")),
+    )  # fmt: skip
