@@ -20,11 +20,14 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from probe.errors import ConfigError
-from probe.graphs.graph_data import AttributionGraph
+
+if TYPE_CHECKING:
+    from probe.graphs.graph_data import AttributionGraph
 
 log = logging.getLogger("probe")
 
