@@ -145,7 +145,14 @@ def test_no_cycle():
 
 def test_every_module_has_a_place():
     """A module is a stage's, core, or an entry point at the top; no stray flat module."""
-    entry = {"probe", "probe.__main__", "probe.summarize", "probe.analyze", "probe.plot"}
+    entry = {
+        "probe",
+        "probe.__main__",
+        "probe.summarize",
+        "probe.analyze",
+        "probe.plot",
+        "probe.fit",
+    }
     entry |= {"probe.sites", *(f"probe.{s}" for s in STAGES)}
     entry |= {m for m in modules() if m.endswith(".__main__")}
     assert [m for m in modules() if stage(m) is None and m not in CORE | entry] == []

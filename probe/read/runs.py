@@ -156,13 +156,15 @@ class Run:
 
         return data_array(self, layer, site, rows)
 
-    def dataset(self, layer: str, site: str = "output", **options):
+    def dataset(self, layer: str, site: str = "output", pair: tuple[str, str] | None = None,
+                **options):  # fmt: skip
         """The valid rows of one (layer, site) as a shuffled torch IterableDataset of
         `(rows, labels)` batches (docs/training_data.md): batch_size=4096, shuffle=True, seed=0,
-        buffer_rows, drop_last, with_index, dtype, device."""
+        buffer_rows, drop_last, with_index, dtype, device; `pair=(layer, site)` adds, last in
+        each batch, that site's rows of the same tokens (an MLP's input and output)."""
         from probe.read.stream import RowStream, sources_of
 
-        return RowStream(sources_of(self, layer, site), **options)
+        return RowStream(sources_of(self, layer, site, pair), **options)
 
     def topk(self, layer: str, site: str = "output", unit=None, kind: str = "top",
              context: tuple[int, int] = (8, 4), tokenizer=None) -> pd.DataFrame:  # fmt: skip
@@ -323,15 +325,17 @@ class Sweep:
     def run(self, name: str | int) -> Run:
         return Run(self.path / str(name))
 
-    def dataset(self, layer: str, site: str = "output", **options):
-        """Run.dataset over every run of the sweep that stored (layer, site), one stream."""
+    def dataset(self, layer: str, site: str = "output", pair: tuple[str, str] | None = None,
+                **options):  # fmt: skip
+        """Run.dataset over every run of the sweep that stored (layer, site) (and `pair`), one
+        stream."""
         from probe.read.stream import RowStream, sources_of
 
         sources = []
         for d in self.run_dirs:
             with Run(d) as run:
-                if (layer, site) in run.keys:
-                    sources += sources_of(run, layer, site)
+                if (layer, site) in run.keys and (pair is None or tuple(pair) in run.keys):
+                    sources += sources_of(run, layer, site, pair)
         if not sources:
             raise KeyError(f"no run of {str(self.path)!r} stored {layer!r} {site!r}")
         return RowStream(sources, **options)

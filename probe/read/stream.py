@@ -40,6 +40,8 @@ class Source:
     index: dict[str, str] = field(default_factory=dict)  # with_index: name -> HDF5 path
     row_bytes: int = 0
     shape: tuple = ()  # one row's shape
+    paired: str | None = None  # HDF5 path of a second site's rows of the same tokens (`pair`)
+    paired_shape: tuple = ()
 
 
 class RowStream(IterableDataset):
@@ -55,7 +57,7 @@ class RowStream(IterableDataset):
                  world_size: int | None = None):  # fmt: skip
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
-        shapes = {s.shape for s in sources}
+        shapes = {(s.shape, s.paired_shape) for s in sources}
         if len(shapes) > 1:
             raise DataError(
                 f"the runs' rows differ in shape ({', '.join(map(str, sorted(shapes)))}); stream "
@@ -190,12 +192,16 @@ class RowStream(IterableDataset):
         if self.dtype is not None:
             rows = rows.to(self.dtype)
         labels = torch.from_numpy(data["labels"]) if "labels" in data else None
+        paired = torch.from_numpy(data["paired"]) if "paired" in data else None
+        if paired is not None and self.dtype is not None:
+            paired = paired.to(self.dtype)
         if self.device is not None:
-            rows, labels = (_to(t, self.device) for t in (rows, labels))
-        if not self.with_index:
-            return rows, labels
-        index = {k: torch.from_numpy(v) for k, v in data.items() if k not in ("rows", "labels")}
-        return rows, labels, index
+            rows, labels, paired = (_to(t, self.device) for t in (rows, labels, paired))
+        out = (rows, labels)
+        if self.with_index:
+            skip = ("rows", "labels", "paired")
+            out += ({k: torch.from_numpy(v) for k, v in data.items() if k not in skip},)
+        return out if paired is None else (*out, paired)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -244,6 +250,8 @@ class Buffer:
             names = {"rows": s.name}
             if s.labels is not None:
                 names["labels"] = s.labels
+            if s.paired is not None:
+                names["paired"] = s.paired
             if self.stream.with_index:
                 names.update(s.index)
             plain = self.plain_files[s.h5_path]
@@ -345,17 +353,19 @@ def _uncached(f, name: str):
     return h5py.Dataset(h5py.h5d.open(f.id, name.encode(), dapl=dapl))
 
 
-def sources_of(run, layer: str, site: str) -> list[Source]:
+def sources_of(run, layer: str, site: str, pair: tuple[str, str] | None = None) -> list[Source]:
     """The Source of one (layer, site) of an open Run: its valid rows (what /progress counts,
-    less the coverage gaps), its chunking, and its labels and index datasets."""
+    less the coverage gaps), its chunking, and its labels and index datasets; with `pair`, a
+    second (layer, site) of the same rows (its valid rows too)."""
     from probe.store.coverage import seen_ranges
     from probe.store.fileformat import is_per_batch, layer_path
 
     f, name = run.file, layer_path(layer, site)
-    if name not in f:
-        raise KeyError(
-            f"no stored rows of {layer!r} {site!r} in {run.h5_path}; run.keys lists them"
-        )
+    for lay, sit in ((layer, site), *([pair] if pair else [])):
+        if layer_path(lay, sit) not in f:
+            raise KeyError(
+                f"no stored rows of {lay!r} {sit!r} in {run.h5_path}; run.keys lists them"
+            )
     ds = f[name]
     tokens = ds.attrs.get("row_unit") == "tokens"
     if is_per_batch(ds.attrs, site):
@@ -372,5 +382,26 @@ def sources_of(run, layer: str, site: str) -> list[Source]:
         labels = "samples/target" if "samples/target" in f else None
         index = {"sample": "samples/index"}
     ranges = seen_ranges(f, layer, site, valid)
-    return [Source(str(run.h5_path), name, ranges, chunk, labels, index, row_bytes,
-                   tuple(ds.shape[1:]))]  # fmt: skip
+    source = Source(str(run.h5_path), name, ranges, chunk, labels, index, row_bytes,
+                    tuple(ds.shape[1:]))  # fmt: skip
+    if pair is None:
+        return [source]
+    other = f[layer_path(*pair)]
+    unit = lambda d: d.attrs.get("row_unit")  # noqa: E731
+    if unit(other) != unit(ds) or is_per_batch(other.attrs, pair[1]) != is_per_batch(
+        ds.attrs, site
+    ):
+        raise DataError(
+            f"{pair[0]!r} {pair[1]!r} has rows of {unit(other) or 'samples'} but {layer!r} "
+            f"{site!r} of {unit(ds) or 'samples'}: pair two sites of the same probe's rows"
+        )
+    both = _intersect(ranges, seen_ranges(f, *pair, min(valid, len(other))))
+    paired_bytes = int(np.prod(other.shape[1:], dtype=np.int64)) * other.dtype.itemsize
+    return [replace(source, ranges=both, paired=layer_path(*pair), row_bytes=row_bytes + paired_bytes,
+                    paired_shape=tuple(other.shape[1:]))]  # fmt: skip
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The rows in both lists of [start, stop) ranges."""
+    out = [(max(x0, y0), min(x1, y1)) for x0, x1 in a for y0, y1 in b]
+    return sorted((lo, hi) for lo, hi in out if hi > lo)

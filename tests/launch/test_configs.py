@@ -27,7 +27,7 @@ NAMED_BY_USER = ("hf", "timm")  # name: ??? (tests/models/test_hub_models.py bui
 TOKEN_MODELS = {"gpt2": 12, "bert-base-uncased": 12, "smollm2-135m": 30}  # their blocks
 IMAGE_MODELS = [m for m in MODELS if m not in TOKEN_MODELS and m not in NAMED_BY_USER]
 PROBES = sorted(p.stem for p in (CONF / "probes").glob("*.yaml"))
-TOKEN_PROBES = ("residual", "attn_mlp")  # the blocks of a transformer's stack
+TOKEN_PROBES = ("residual", "attn_mlp", "mlp_io")  # the blocks of a transformer's stack
 CONV_PROBES = ("all_convs", "grads_all_convs")
 NO_CONVS = ("mlp",)  # (a conv probe file refuses it by name: tested below)
 

@@ -1,0 +1,74 @@
+"""`python -m probe.fit RUN`: one transcoder per block from a run's captures of each MLP's input
+and output (probe.analysis.transcoder_fit), written as circuit-tracer's transcoder set (config.yaml,
+layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features per layer)."""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m probe.fit", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("run", type=Path, help="a run directory (or its probe.h5) of token rows")
+    parser.add_argument("--layers", nargs="*", type=int, default=None, help="blocks (default: all)")
+    parser.add_argument("--activation", default="relu", help="relu (default), jumprelu or topk")
+    parser.add_argument("--k", type=int, default=16, help="topk: active features per row (16)")
+    parser.add_argument("--width", type=int, default=None, help="features (default 8 x d_model)")
+    parser.add_argument("--reads", default="mlp_in", help="mlp_in (default) or resid_mid")
+    parser.add_argument("--skip", action="store_true", help="a skip matrix W_skip too")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, help="optimizer steps per layer")
+    length.add_argument("--epochs", type=float, default=1.0, help="passes over the rows (1)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (1e-3)")
+    parser.add_argument(
+        "--sparsity", "--l1", type=float, default=None,
+        help="penalty coefficient: L1 x decoder norm (relu), L0 (jumprelu); default 1e-2",
+    )  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=1024, help="rows per step (1024)")
+    parser.add_argument("--test-fraction", type=float, default=0.1, help="held-out samples (0.1)")
+    parser.add_argument("--seed", type=int, default=0, help="init, stream order, held-out split")
+    parser.add_argument(
+        "--threshold", type=float, default=0.1, help="jumprelu: initial threshold (0.1)"
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, default=0.05, help="jumprelu: STE kernel width (0.05)"
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
+    parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
+    parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
+    parser.add_argument("--out", type=Path, default=None, help="default: RUN/transcoders")
+    parser.add_argument("--resume", action="store_true", help="continue the fit in --out")
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
+    from probe.analysis.transcoder_fit import Fit, FitOptions
+    from probe.errors import ProbeError
+
+    run = args.run.parent if args.run.is_file() else args.run
+    options = FitOptions(
+        activation=args.activation, width=args.width, k=args.k, reads=args.reads, skip=args.skip,
+        steps=args.steps, epochs=args.epochs, lr=args.lr, sparsity=args.sparsity,
+        batch_size=args.batch_size, test_fraction=args.test_fraction, seed=args.seed,
+        threshold=args.threshold, bandwidth=args.bandwidth, checkpoint_every=args.checkpoint_every,
+    )  # fmt: skip
+    try:
+        if not (run / "probe.h5").is_file():
+            from probe.errors import DataError
+
+            raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
+        fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
+        table = fit.run()
+    except ProbeError as e:
+        print(f"probe.fit: error: {e}", file=sys.stderr)
+        return 2
+    print(table.to_string(index=False))
+    print(f"{fit.out / 'config.yaml'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""python -m probe.fit: transcoders trained on a tiny GPT-2's captured MLP inputs and outputs
+explain most of the held-out variance (FVU well under predicting the mean's 1.0); fit.csv's FVU
+and L0 equal a plain-torch recomputation from the saved files over the run's rows; an
+interrupted fit resumed gives the uninterrupted one's files bit for bit; the trainer equals a
+hand loop of its loss; the paired stream pairs rows of the same token; bad input exits 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import probe
+from probe.analysis import transcoder_fit
+from probe.analysis.transcoder_fit import FitOptions, TrainingTranscoder, held_out, train_step
+from probe.fit import main
+from probe.models.transcoder_files import load_transcoders
+from probe.testing.tiny_lms import make_tiny
+from tests.helpers import run_probe
+
+WIDTH = 32  # the tiny GPT-2's hidden size
+FAST = ["--width", "128", "--batch-size", "256", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A tiny GPT-2's MLP inputs and outputs and ln_2 inputs, 128 x 32 token rows."""
+    root = tmp_path_factory.mktemp("fit")
+    model = make_tiny("gpt2", root / "gpt2", vocab_size=50)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (128, 32), generator=g)
+    torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
+    _, f = run_probe(root / "run", "model=hf", f"model.name={model}", "model.task=causal_lm",
+                     "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=64",
+                     "probes=none", "+probes.tc.layers=[@blocks.mlp,@blocks.ln_2]",
+                     "+probes.tc.capture=[input,output]", "+probes.tc.rows=tokens",
+                     "+probes.tc.match=any")  # fmt: skip
+    f.close()
+    return root / "run"
+
+
+def recompute(run_dir, out, reads="mlp_in", test_fraction=0.1, seed=0) -> pd.DataFrame:
+    """FVU and L0 of the saved set over the run's held-out rows, float64 plain torch."""
+    tset = load_transcoders(out)
+    rows = []
+    with probe.open_run(run_dir) as run:
+        samples = run.tokens()["sample"].to_numpy()
+        held = held_out(samples, run.num_samples, test_fraction, seed)
+        for layer, t in tset.transcoders.items():
+            source = (
+                f"transformer.h.{layer}.mlp" if reads == "mlp_in" else f"transformer.h.{layer}.ln_2"
+            )
+            x = torch.from_numpy(run.array(source, "input")[:][held]).double()
+            y = torch.from_numpy(
+                run.array(f"transformer.h.{layer}.mlp", "output")[:][held]
+            ).double()
+            W_enc, b_enc, W_dec, b_dec = (
+                getattr(t, n).detach().double() for n in ("W_enc", "b_enc", "W_dec", "b_dec")
+            )
+            pre = x @ W_enc + b_enc
+            if t.activation == "relu":
+                acts = pre.clamp_min(0)
+            elif t.activation == "jumprelu":
+                acts = pre * (pre > t.threshold.detach().double())
+            else:
+                top = pre.topk(t.k, dim=1)
+                acts = torch.zeros_like(pre).scatter(1, top.indices, top.values.clamp_min(0))
+            pred = acts @ W_dec + b_dec
+            if t.W_skip is not None:
+                pred = pred + x @ t.W_skip.detach().double().T
+            fvu = float((y - pred).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+            rows.append({"layer": layer, "fvu": fvu, "l0": float((acts != 0).sum(1).double().mean()),
+                         "held_out_rows": int(held.sum())})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_fitted_transcoders_explain_the_mlp_and_fit_csv_is_what_the_files_give(lm_run, tmp_path):
+    out = tmp_path / "tc"
+    assert main([str(lm_run), "--steps", "150", "--out", str(out), *FAST]) == 0
+    fit = pd.read_csv(out / "fit.csv")
+    assert fit["layer"].tolist() == [0, 1] and (fit["width"] == 4 * WIDTH).all()
+    assert (fit["fvu"] < 0.5).all(), fit  # predicting the mean: 1.0
+    assert (fit["l0"] < 128).all() and (fit["steps"] == 150).all()
+    again = recompute(lm_run, out)
+    np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-9)
+    np.testing.assert_allclose(fit["l0"], again["l0"], rtol=1e-12)
+    assert fit["held_out_rows"].tolist() == again["held_out_rows"].tolist()
+    curve = pd.read_csv(out / "fit_curve.csv")
+    for _, c in curve.groupby("layer"):
+        assert c["fvu"].iloc[-10:].mean() < 0.5 * c["fvu"].iloc[:10].mean()  # it learnt
+
+
+@pytest.mark.parametrize(("activation", "extra"), [
+    ("jumprelu", ["--reads", "resid_mid", "--skip"]),
+    ("topk", ["--k", "8"]),
+])  # fmt: skip
+def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
+    out = tmp_path / activation
+    assert main([str(lm_run), "--steps", "60", "--activation", activation, "--out", str(out),
+                 *FAST, *extra]) == 0  # fmt: skip
+    fit = pd.read_csv(out / "fit.csv")
+    reads = "resid_mid" if "resid_mid" in extra else "mlp_in"
+    tset = load_transcoders(out)
+    assert tset.reads == reads and tset[0].activation == activation
+    assert (tset[0].W_skip is not None) == ("--skip" in extra)
+    again = recompute(lm_run, out, reads)
+    np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-9)
+    np.testing.assert_allclose(fit["l0"], again["l0"], rtol=1e-12)
+    assert (fit["fvu"] < 1).all()
+    if activation == "topk":
+        assert (fit["l0"] <= 8).all()
+
+
+def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypatch):
+    args = ["--steps", "30", "--checkpoint-every", "10", *FAST]
+    assert main([str(lm_run), "--out", str(tmp_path / "whole"), *args]) == 0
+    calls = {"n": 0}
+    real = transcoder_fit.train_step
+
+    def dies(*a):
+        calls["n"] += 1
+        if calls["n"] == 45:  # layer 1's 15th step: its checkpoint is step 10's
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(transcoder_fit, "train_step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        main([str(lm_run), "--out", str(tmp_path / "cut"), *args])
+    monkeypatch.setattr(transcoder_fit, "train_step", real)
+    assert main([str(lm_run), "--out", str(tmp_path / "cut"), *args]) == 2  # not without --resume
+    assert main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", *args]) == 0
+    for layer in (0, 1):
+        name = f"layer_{layer}.safetensors"
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes()
+    whole, cut = (
+        pd.read_csv(tmp_path / d / "fit.csv").drop(columns="seconds") for d in ("whole", "cut")
+    )
+    pd.testing.assert_frame_equal(whole, cut)
+    assert main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", "--lr", "1e-2",
+                 "--steps", "30", "--checkpoint-every", "10"]) == 2  # fmt: skip
+
+
+def test_the_trainer_is_its_loss_under_adam():
+    """Five steps of train_step equal a hand loop: scaled rows, mse + sparsity x sum of acts x
+    decoder row norms (relu), Adam."""
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(64, 6, generator=g), torch.randn(64, 6, generator=g) * 3) for _ in range(5)
+    ]
+    options = FitOptions(width=12, lr=1e-2, sparsity=0.05)
+    model = TrainingTranscoder(6, 6, options, seed=3)
+    model.start(*batches[0])
+    hand = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    a, c = float(model.x_scale), float(model.y_scale)
+    x0, y0 = batches[0]
+    assert np.isclose(a, (6 / x0.pow(2).sum(1).mean()) ** 0.5) and np.isclose(
+        c, (6 / y0.pow(2).sum(1).mean()) ** 0.5
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hand_opt = torch.optim.Adam(list(hand.values()), lr=1e-2)
+    for x, y in batches:
+        train_step(model, opt, x, y)
+        hand_opt.zero_grad()
+        acts = torch.relu(a * x @ hand["W_enc"] + hand["b_enc"])
+        pred = acts @ hand["W_dec"] + hand["b_dec"]
+        loss = (pred - c * y).pow(2).mean() + 0.05 * (acts * hand["W_dec"].norm(dim=1)).sum(
+            1
+        ).mean()
+        loss.backward()
+        hand_opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, hand[n], rtol=1e-5, atol=1e-6)
+
+
+def test_the_paired_stream_pairs_rows_of_one_token(lm_run):
+    with probe.open_run(lm_run) as run:
+        x = run.array("transformer.h.1.ln_2", "input")[:]
+        y = run.array("transformer.h.1.mlp", "output")[:]
+        tokens = run.tokens()
+        row = {
+            (s, p): i
+            for i, (s, p) in enumerate(zip(tokens["sample"], tokens["position"], strict=True))
+        }
+        stream = run.dataset("transformer.h.1.ln_2", "input", pair=("transformer.h.1.mlp", "output"),
+                             batch_size=100, seed=2, buffer_rows=400, with_index=True)  # fmt: skip
+        seen = []
+        for rows, _, index, paired in stream:
+            at = [
+                row[(s, p)]
+                for s, p in zip(index["sample"].tolist(), index["position"].tolist(), strict=True)
+            ]
+            np.testing.assert_array_equal(rows.numpy(), x[at])
+            np.testing.assert_array_equal(paired.numpy(), y[at])
+            seen += at
+    assert sorted(seen) == list(range(len(x)))
+    assert seen != sorted(seen)  # shuffled
+
+
+def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
+    def refused(*args) -> str:
+        assert main([str(lm_run), "--out", str(tmp_path / "bad"), *args]) == 2
+        return capsys.readouterr().err
+
+    assert "--activation 'gelu'; choose relu, jumprelu, topk" in refused("--activation", "gelu")
+    assert "--layers [7]: the run holds mlp_in pairs of blocks [0, 1] only" in refused(
+        "--layers", "7"
+    )
+    assert "--test-fraction 1.5" in refused("--test-fraction", "1.5")
+    assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
+    assert "not a run directory" in (
+        main([str(tmp_path), "--steps", "1"]) == 2 and capsys.readouterr().err
+    )
+
+
+def test_jumprelu_thresholds_learn_through_the_straight_through_kernel():
+    """The threshold's gradient is the pseudo-derivative: for the output, -(theta / eps) K((pre -
+    theta) / eps) times the output's gradient; for L0, -(1 / eps) K(...) per row, averaged; K the
+    unit rectangle. The pre-activations' gradient is the plain one (pre > theta)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(200, 6, generator=g), torch.randn(200, 6, generator=g)
+    options = FitOptions(
+        activation="jumprelu", width=10, sparsity=0.3, threshold=0.2, bandwidth=0.5
+    )
+    model = TrainingTranscoder(6, 6, options, seed=0)
+    model.start(x, y)
+    loss, _ = model.loss(x, y)
+    loss.backward()
+    with torch.no_grad():
+        xs, ys = x * model.x_scale, y * model.y_scale
+        pre = xs @ model.W_enc + model.b_enc
+        theta, eps = model.log_threshold.exp(), 0.5
+        acts = pre * (pre > theta)
+        d_pred = 2 * (acts @ model.W_dec + model.b_dec - ys) / ys.numel()
+        d_acts = d_pred @ model.W_dec.T
+        kernel = ((pre - theta).abs() < eps / 2).double()
+        d_theta = (-(theta / eps) * kernel * d_acts).sum(0) + 0.3 * (-(1 / eps) * kernel).sum(
+            0
+        ) / len(x)
+        d_b_enc = (d_acts * (pre > theta)).sum(0)
+    assert kernel.sum() > 20  # the kernel sees rows
+    torch.testing.assert_close(
+        model.log_threshold.grad, (d_theta * theta).float(), rtol=1e-4, atol=1e-7
+    )
+    torch.testing.assert_close(model.b_enc.grad, d_b_enc, rtol=1e-4, atol=1e-7)
