@@ -68,7 +68,7 @@ def active_feature(model, tset, layer, pos) -> int:
         x = {}
         hooks = HookSet("read")
         with hooks:
-            hooks.forward(model.transformer.h[layer].mlp, lambda m, a, o: x.setdefault("x", a[0]))
+            hooks.forward(model.transformer.h[layer].mlp, lambda m, a, o: x.update(x=a[0]))
             model(PROMPT)
         return int(tset.transcoders[layer].encode(x["x"])[0, pos].argmax())
 
