@@ -1,7 +1,7 @@
 """probe: declarative model probing for PyTorch, streamed into chunked HDF5.
 
 The public API, imported on first use so that `import probe` stays light: `run`, `capture`,
-`sites`, `open_run`, `open_sweep`, `watch` and the error types. Everything else lives in the stage
+`sites`, `open_run`, `open_sweep`, `watch`, `attribution_graph` and the error types. Everything else lives in the stage
 subpackages, in the order data flows (docs/architecture.md): models, data, hooks, stats, store,
 attribute, intervene, read, analysis, report, launch, train.
 """
@@ -15,6 +15,7 @@ _API = {
     "open_run": ("probe.read.runs", "open_run"),
     "open_sweep": ("probe.read.runs", "open_sweep"),
     "watch": ("probe.train.watched_run", "watch"),
+    "attribution_graph": ("probe.graphs.prompt_graph", "attribution_graph"),
     "ProbeError": ("probe.errors", "ProbeError"),
     "ConfigError": ("probe.errors", "ConfigError"),
     "DataError": ("probe.errors", "DataError"),

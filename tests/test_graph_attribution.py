@@ -14,7 +14,8 @@ from probe.errors import ConfigError
 from probe.graphs.attribution import DEFAULT_FLOOR, GraphOptions, attribute
 from probe.graphs.replacement import LocalReplacement
 from probe.hooks.hookset import HookSet
-from probe.models.transcoder import Transcoder, TranscoderSet
+from probe.models.transcoder import TranscoderSet
+from probe.testing.random_transcoders import random_transcoders as transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
 
 PROMPT = torch.tensor([3, 7, 12, 9, 20, 5, 14])
@@ -27,26 +28,6 @@ def models(tmp_path_factory):
         folder = make_tiny(kind, tmp_path_factory.mktemp(kind))
         out[kind] = getattr(transformers, TASK_CLASSES[kind]).from_pretrained(folder).eval()
     return out
-
-
-def transcoders(width=32, layers=2, *, reads="mlp_in", activation="relu", skip=False, seed=0,
-                dtype=torch.float32) -> TranscoderSet:  # fmt: skip
-    """Random transcoders of 4 x width features, about half active at each position."""
-    g = torch.Generator().manual_seed(seed)
-    d_tc = 4 * width
-    sets = {}
-    for layer in range(layers):
-        sets[layer] = Transcoder(
-            torch.randn(width, d_tc, generator=g) / width**0.5,
-            torch.randn(d_tc, generator=g) * 0.2,
-            torch.randn(d_tc, width, generator=g) / d_tc**0.5,
-            torch.randn(width, generator=g) * 0.1,
-            layer=layer, activation=activation,
-            threshold=torch.rand(d_tc, generator=g) * 0.3 if activation == "jumprelu" else None,
-            k=12 if activation == "topk" else None,
-            W_skip=torch.randn(width, width, generator=g) / width**0.5 if skip else None,
-        )  # fmt: skip
-    return TranscoderSet(sets, reads=reads).to(dtype=dtype)
 
 
 def error_vectors(rep: LocalReplacement, ts: TranscoderSet) -> dict[int, torch.Tensor]:

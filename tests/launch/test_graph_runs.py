@@ -22,6 +22,7 @@ from probe.__main__ import main
 from probe.graphs.graph_files import load_graph
 from probe.launch.features import attribution_graphs
 from probe.testing.compose import QUIET
+from probe.testing.random_transcoders import random_transcoders
 from probe.testing.toy_graphs import toy_graph, toy_prune
 from tests.graphs.test_graph_files import same_graph
 from tests.helpers import ROOT
@@ -287,23 +288,12 @@ def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, 
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-def random_transcoders(width: int = 32, d_tc: int = 24, seed: int = 0):
-    """A transcoder set for the tiny GPT-2 (2 blocks): random encoders with a positive bias, so
-    that some features are active at every position."""
-    from probe.models.transcoder import Transcoder, TranscoderSet
-
-    g = torch.Generator().manual_seed(seed)
-    layers = {
-        layer: Transcoder(
-            torch.randn(width, d_tc, generator=g) * 0.3,
-            torch.full((d_tc,), 0.05),
-            torch.randn(d_tc, width, generator=g) * 0.1,
-            torch.zeros(width),
-            layer=layer,
-        )  # fmt: skip
-        for layer in range(2)
-    }
-    return TranscoderSet(layers, ids={i: f"tc{i}" for i in layers}, source="random")
+def named_transcoders(width: int = 32):
+    """A random transcoder set for the tiny GPT-2 (2 blocks, as many features as its width),
+    its transcoders named tc0 and tc1."""
+    transcoders = random_transcoders(width, expansion=1)
+    transcoders.ids = {0: "tc0", 1: "tc1"}
+    return transcoders
 
 
 def test_a_run_writes_the_graphs_the_attribution_gives_on_a_tiny_gpt2(
@@ -317,7 +307,7 @@ def test_a_run_writes_the_graphs_the_attribution_gives_on_a_tiny_gpt2(
     from probe.graphs.pruning import prune
 
     root, tokens = prompts
-    transcoders = random_transcoders()
+    transcoders = named_transcoders()
     monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
     code, text = cli_here(*graph_args(tiny_gpt2, root, "graph.edges=all"))
     assert code == 0, text
@@ -345,7 +335,7 @@ def test_a_transcoder_set_of_another_width_is_refused_before_the_loop(
     cli_here, tiny_gpt2, prompts, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(
-        attribution_graphs, "load_transcoder_set", lambda p, m: random_transcoders(width=16)
+        attribution_graphs, "load_transcoder_set", lambda p, m: named_transcoders(width=16)
     )
     code, text = cli_here(*graph_args(tiny_gpt2, prompts[0]))
     assert code == 2, text
@@ -363,7 +353,7 @@ def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, 
 
     (tmp_path / "docs.txt").write_text("the cat sat on the mat\na dog ran\nthe cat ran on a mat\n")
     (tmp_path / "transcoders.yaml").write_text("transcoders: []\n")
-    transcoders = random_transcoders()
+    transcoders = named_transcoders()
     monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
     args = [
         "model=hf", f"model.name={tiny_gpt2[0]}", "model.task=causal_lm", "probes=none",
@@ -390,3 +380,51 @@ def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, 
         got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
         table = want.nodes()
         assert got["token"].tolist() == table["token"].tolist()
+
+
+def test_the_command_reads_a_saved_transcoder_set_and_writes_its_graphs(
+    tiny_gpt2, prompts, tmp_path
+):
+    """`python -m probe ... graph.transcoders=FOLDER` in its own process, the set saved as
+    circuit-tracer's YAML and files: graph_nodes.csv equals `attribute` and `prune` on the set
+    read back."""
+    files = pytest.importorskip("probe.models.transcoder_files")
+    from transformers import AutoModelForCausalLM
+
+    from probe.graphs.attribution import GraphOptions, attribute
+    from probe.graphs.pruning import prune
+
+    root, tokens = prompts
+    files.save_transcoders(named_transcoders(), tmp_path / "set")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [*graph_args(tiny_gpt2, root), f"graph.transcoders={tmp_path / 'set'}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "probe", *QUIET, *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    transcoders = files.load_transcoders(tmp_path / "set")
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2[0]).eval()
+    nodes = read(tmp_path / "run", "graph_nodes.csv")
+    for i in (0, 3):
+        want = prune(attribute(model, tokens[i], transcoders, GraphOptions())).nodes()
+        want["token"] = want["token"].astype(str)
+        got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-5)
+
+
+def test_the_graph_keys_become_the_attributions_options():
+    """Every graph.* key GraphOptions has is passed on; a null where its default is not null
+    leaves that default."""
+    from probe.graphs.attribution import GraphOptions
+    from probe.specs import GraphSpec
+
+    spec = GraphSpec(transcoders="t.yaml", logit_prob=0.5, max_logits=3, max_feature_nodes=7,
+                     node_threshold=0.6, edge_threshold=0.9, edges="all", floor=0.01)  # fmt: skip
+    got = attribution_graphs.graph_options(spec)
+    assert got == GraphOptions(logit_prob=0.5, max_logits=3, max_feature_nodes=7,
+                               node_threshold=0.6, edge_threshold=0.9, edges="all",
+                               floor=0.01)  # fmt: skip
+    assert got.batch_size == GraphOptions().batch_size  # (graph.batch_size null)
+    assert attribution_graphs.graph_options(GraphSpec(batch_size=8)).batch_size == 8

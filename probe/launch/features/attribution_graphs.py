@@ -1,7 +1,7 @@
 """Attribution graphs as a run feature (`graph.transcoders` set): once the run's loop is done,
 one graph per prompt of the dataset (each sample of dataset=text|tokens, its padding dropped),
 attributed through the transcoder set (probe.graphs.attribution), pruned (probe.graphs.pruning)
-and appended to `/graph` of the run's file as it is made (probe.graphs.graph_files), so memory
+and appended to `/graph` of the run's file as it is made (probe.graphs.graph_h5), so memory
 holds one prompt's graph; at the finish the tables (probe.graphs.graph_tables).
 
 A prompt is in the file once its row of /graph/prompts is, so a stop (SIGINT, SIGTERM: after
@@ -56,8 +56,9 @@ class GraphInterrupted(Interrupted):
 
 # -- the computation (one place each, so a test can stand in for them) ---------------------------
 def load_transcoder_set(path: str, model: torch.nn.Module):
-    """The transcoder set of graph.transcoders (probe.models.transcoder_files)."""
-    try:  # (by name: the readers of transcoder sets come with their own module)
+    """The transcoder set of graph.transcoders (probe.models.transcoder_files); `model` the
+    run's (the set is checked against it by `check_transcoders`)."""
+    try:  # (imported by name: a build without the readers of transcoder sets says so)
         load_transcoders = importlib.import_module("probe.models.transcoder_files").load_transcoders
     except ImportError:
         raise ConfigError(
@@ -87,8 +88,11 @@ def check_transcoders(model: torch.nn.Module, transcoders, overrides: dict | Non
 
 def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, tokenizer,
                      overrides: dict | None = None):  # fmt: skip
-    """One prompt's attributed graph (probe.graphs.attribution.attribute)."""
-    return attribute(model, tokens, transcoders, graph_options(spec), tokenizer=tokenizer)
+    """One prompt's attributed graph (probe.graphs.attribution.attribute); `overrides` the
+    model.anatomy keys."""
+    return attribute(
+        model, tokens, transcoders, graph_options(spec), tokenizer=tokenizer, overrides=overrides
+    )
 
 
 def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
@@ -142,15 +146,7 @@ class AttributionGraphs(RunFeature):
         path = shard.path(done.h5_path)
         attrs = self.group_attrs()
         with GraphFile(path, attrs, keep=resume) as out:
-            stored = json.loads(str(out.group.attrs.get("options", "{}")))
-            if stored != json.loads(attrs["options"]):
-                changed = sorted(k for k in stored.keys() | json.loads(attrs["options"]).keys()
-                                 if stored.get(k) != json.loads(attrs["options"]).get(k))  # fmt: skip
-                raise ConfigError(
-                    f"resume=true but {path.name} holds the attribution graphs of other graph.* "
-                    f"settings ({', '.join(f'graph.{k}' for k in changed)}); resume with the same "
-                    "settings, or start a new run (overwrite=true or a new hydra.run.dir)"
-                )
+            _check_same_options(out, attrs, path)
             have = set(out.prompts)
             total = len(shard.samples)
             if have:
@@ -204,6 +200,19 @@ class AttributionGraphs(RunFeature):
             copy_graphs(done.h5_path, ranks, self.group_attrs())
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
+
+
+def _check_same_options(out: GraphFile, attrs: dict[str, str], path: Path) -> None:
+    """A resumed /graph must hold graphs of the same graph.* settings."""
+    old = json.loads(str(out.group.attrs.get("options", "{}")))
+    new = json.loads(attrs["options"])
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise ConfigError(
+            f"resume=true but {path.name} holds the attribution graphs of other graph.* settings "
+            f"({', '.join(f'graph.{k}' for k in changed)}); resume with the same settings, or "
+            "start a new run (overwrite=true or a new hydra.run.dir)"
+        )
 
 
 def _overrides(plan: RunPlan) -> dict | None:

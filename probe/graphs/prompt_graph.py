@@ -1,0 +1,95 @@
+"""`probe.attribution_graph(model, prompt, transcoders, tokenizer=None, **options)`: one prompt's
+attribution graph, attributed and pruned, for a notebook.
+
+The prompt is text (tokenized without the tokenizer's own special tokens) or token ids; with a
+tokenizer, a prompt that does not begin with a special token gets one prepended, as circuit-tracer
+does (position 0's activations are outliers; its features and error are not nodes). `transcoders`
+is a TranscoderSet, or the path of a circuit-tracer YAML or of a folder holding one. `options` are
+GraphOptions' fields (logit_prob, max_logits, max_feature_nodes, node_threshold, edge_threshold,
+batch_size, floor, edges, zero_bos, update_interval).
+
+    graph = probe.attribution_graph(model, "the cat sat on the", "transcoders/", tokenizer=tok)
+    graph.nodes()            # DataFrame: node, kind, layer, pos, feature, token, activation, ...
+    graph.edges()            # the pruned graph's edges; graph.edges(kept_only=False): all stored
+    graph.adjacency          # sparse COO (target, source)
+    graph.scores             # replacement, completeness
+    graph.prune(node_threshold=0.6)  # pruned again
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from probe.errors import ConfigError
+from probe.graphs.attribution import GraphOptions, attribute
+from probe.graphs.graph_data import AttributionGraph
+from probe.models.transcoder import TranscoderSet
+
+
+def attribution_graph(
+    model: torch.nn.Module,
+    prompt,
+    transcoders,
+    tokenizer=None,
+    *,
+    overrides: dict | None = None,
+    **options,
+) -> AttributionGraph:
+    """The pruned attribution graph of `prompt` through `transcoders` on `model` (see the module
+    docstring); `overrides` are `model.anatomy` keys for a family probe does not know."""
+    opts = GraphOptions.of(**options)
+    ids = prompt_tokens(prompt, tokenizer)
+    graph = attribute(
+        model, ids, transcoder_set(transcoders), opts, tokenizer=tokenizer, overrides=overrides,
+        prompt=prompt if isinstance(prompt, str) else None,
+    )  # fmt: skip
+    return graph.prune(opts.node_threshold, opts.edge_threshold)
+
+
+def transcoder_set(transcoders) -> TranscoderSet:
+    """A TranscoderSet as given, or loaded from a YAML path or a folder holding one."""
+    if isinstance(transcoders, TranscoderSet):
+        return transcoders
+    if isinstance(transcoders, str | Path):
+        try:  # the loader of circuit-tracer's YAML and its file layouts
+            files = importlib.import_module("probe.models.transcoder_files")
+        except ImportError as error:
+            raise ConfigError(
+                f"graphs: cannot load transcoders from {str(transcoders)!r}: this install has no "
+                "transcoder file loader (probe.models.transcoder_files); pass a TranscoderSet"
+            ) from error
+        return files.load_transcoders(transcoders)
+    raise ConfigError(
+        f"graphs: transcoders is a {type(transcoders).__name__}; pass a TranscoderSet, or the path "
+        "of a transcoder-set YAML or of a folder holding one"
+    )
+
+
+def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
+    """The prompt's token ids (1-D); with a tokenizer, a special token first (circuit-tracer's
+    ensure_tokenized)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ConfigError(
+                "graphs: a text prompt needs its tokenizer (tokenizer=...); or pass token ids"
+            )
+        ids = torch.as_tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    else:
+        ids = torch.as_tensor(prompt)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:
+        raise ConfigError(
+            f"graphs: a prompt is text or one sequence of token ids; got shape {tuple(ids.shape)}"
+        )
+    ids = ids.long()
+    if tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
+        return ids
+    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id]
+    first = next((t for t in [*candidates, *tokenizer.all_special_ids] if t is not None), None)
+    if first is None:
+        return ids
+    return torch.cat([torch.tensor([first]), ids])
