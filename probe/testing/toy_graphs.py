@@ -64,27 +64,3 @@ def toy_prune(graph: AttributionGraph, node_threshold: float = 0.8,
     graph.scores = {"replacement": float(kept.double().mean()),
                     "completeness": float(edge_kept.double().mean())}  # fmt: skip
     return graph
-
-
-def random_transcoders(width: int = 32, layers: int = 2, *, reads: str = "mlp_in",
-                       activation: str = "relu", skip: bool = False, seed: int = 0,
-                       dtype: torch.dtype = torch.float32):  # fmt: skip
-    """A TranscoderSet of seeded random transcoders, 4 x `width` features per layer, about half
-    of them active at each position of a tiny model's prompt."""
-    from probe.models.transcoder import Transcoder, TranscoderSet
-
-    g = torch.Generator().manual_seed(seed)
-    d_tc = 4 * width
-    sets = {}
-    for layer in range(layers):
-        sets[layer] = Transcoder(
-            torch.randn(width, d_tc, generator=g) / width**0.5,
-            torch.randn(d_tc, generator=g) * 0.2,
-            torch.randn(d_tc, width, generator=g) / d_tc**0.5,
-            torch.randn(width, generator=g) * 0.1,
-            layer=layer, activation=activation,
-            threshold=torch.rand(d_tc, generator=g) * 0.3 if activation == "jumprelu" else None,
-            k=12 if activation == "topk" else None,
-            W_skip=torch.randn(width, width, generator=g) / width**0.5 if skip else None,
-        )  # fmt: skip
-    return TranscoderSet(sets, reads=reads).to(dtype=dtype)

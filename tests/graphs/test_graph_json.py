@@ -18,8 +18,8 @@ from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.graph_json import graph_model, write_graph_json
 from probe.graphs.pruning import prune
+from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
-from probe.testing.toy_graphs import random_transcoders
 
 PEER = Path("/tmp/ctdl/ct")  # circuit-tracer 0.5.0's source, where unpacked
 PROMPT = torch.tensor([3, 7, 12, 9, 20, 5, 14])

@@ -21,8 +21,8 @@ from probe.intervene.edits import build_edits
 from probe.layout import TokenBatch
 from probe.models.transcoder_files import save_transcoders
 from probe.plan import checked_edits
+from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
-from probe.testing.toy_graphs import random_transcoders
 
 PROMPT = torch.tensor([[3, 7, 12, 9, 20, 5, 14]])
 

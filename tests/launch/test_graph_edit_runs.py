@@ -14,7 +14,7 @@ import torch
 
 from probe.models.transcoder_files import save_transcoders
 from probe.testing.compose import QUIET
-from probe.testing.toy_graphs import random_transcoders
+from probe.testing.random_transcoders import random_transcoders
 
 pytest.importorskip("matplotlib")
 

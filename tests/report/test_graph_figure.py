@@ -13,8 +13,8 @@ from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.graph_files import save_graph
 from probe.graphs.pruning import prune
 from probe.report.graph_figure import graph_figure, graph_figures, section
+from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
-from probe.testing.toy_graphs import random_transcoders
 
 pytest.importorskip("matplotlib")
 PROMPT = torch.tensor([3, 7, 12, 9, 20, 5, 14])
