@@ -1,10 +1,11 @@
-"""A run's graphs drawn and reported, and a feature edit in a run: python -m probe.plot writes
-graph_<prompt>.png for the first prompts of a run with graph.transcoders, report.html has its
-graphs section, and a run with a site=feature edit measures in effects.csv the change a hand
+"""A run's graphs drawn and reported, and a feature edit in a run: a run with graph.transcoders
+writes each prompt's graph as circuit-tracer's JSON in graph_json/, python -m probe.plot writes
+graph_<prompt>.png for its first prompts, report.html has its graphs section, and a run with a site=feature edit measures in effects.csv the change a hand
 forward gives."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.graphs.graph_files import load_graph
+from probe.graphs.graph_json import graph_model
 from probe.models.transcoder_files import save_transcoders
 from probe.testing.compose import QUIET
 from probe.testing.random_transcoders import random_transcoders
@@ -52,6 +55,13 @@ def test_a_graph_runs_pictures_and_report(tiny_gpt2, files, tmp_path):
     page = write(run).read_text()
     assert "<h3>Attribution graphs</h3>" in page and 'alt="graph_2.png"' in page
     assert "graph_features.csv" in page and page.count('alt="graph_') == 3
+    # each prompt's graph as circuit-tracer's JSON, the folder's index listing them all
+    index = json.loads((run / "graph_json" / "graph-metadata.json").read_text())
+    assert [g["slug"] for g in index["graphs"]] == [f"prompt_{i}" for i in range(len(ids))]
+    for i in range(len(ids)):
+        got = json.loads((run / "graph_json" / f"prompt_{i}.json").read_text())
+        assert got == json.loads(json.dumps(graph_model(load_graph(run, i), f"prompt_{i}",
+                                                        node_threshold=0.8)))  # fmt: skip
 
 
 def test_a_feature_edit_runs_effects_equal_a_hand_forward(tiny_gpt2, files, tmp_path):
