@@ -8,7 +8,8 @@ width grows with |weight| and whose colour is its sign (blue positive, red negat
 
 `python -m probe.plot RUN` draws graph_<prompt>.png for the first GRAPH_FIGURES prompts of a
 run holding /graph; report.html's graphs section shows them with graph_scores.csv and the
-top of graph_features.csv.
+top of graph_features.csv, each feature with its top activating examples among the run's
+prompts (from graph_nodes.csv: the tokens before the position where it was most active).
 """
 
 from __future__ import annotations
@@ -128,11 +129,47 @@ def section(run_dir: Path, figures: dict | None = None, top: int = 20) -> str:
              f"first {min(len(prompts), GRAPH_FIGURES)}.</p>"]  # fmt: skip
     for name, fig in (graph_figures(run_dir) if figures is None else figures).items():
         parts.append(img(figure_png(fig), name))
-    for csv, caption in (("graph_scores.csv", "Scores per prompt (graph_scores.csv)"),
-                         ("graph_features.csv", f"Features in most pruned graphs, the first "
-                                                f"{top} (graph_features.csv)")):  # fmt: skip
-        path = run_dir / csv
-        if path.is_file():
-            frame = pd.read_csv(path).head(top)
-            parts.append(f"<h4>{html.escape(caption)}</h4>{frame.to_html(index=False, border=0)}")
+    scores = run_dir / "graph_scores.csv"
+    if scores.is_file():
+        frame = pd.read_csv(scores).head(top)
+        parts.append("<h4>Scores per prompt (graph_scores.csv)</h4>"
+                     + frame.to_html(index=False, border=0))  # fmt: skip
+    features = run_dir / "graph_features.csv"
+    if features.is_file():
+        frame = pd.read_csv(features).head(top)
+        nodes = run_dir / "graph_nodes.csv"
+        if nodes.is_file() and len(frame):
+            found = feature_examples(pd.read_csv(nodes, keep_default_na=False,
+                                                 na_values={"activation": [""]}), frame)  # fmt: skip
+            frame["top examples"] = [found.get((int(a), int(b)), "") for a, b in
+                                     zip(frame["layer"], frame["feature"], strict=True)]  # fmt: skip
+        parts.append(f"<h4>Features in most pruned graphs, the first {top} (graph_features.csv; "
+                     "top examples: the prompts' tokens where each was most active, the token "
+                     "in bold)</h4>" + frame.to_html(index=False, border=0, escape=False))  # fmt: skip
     return "".join(parts)
+
+
+def feature_examples(nodes: pd.DataFrame, features: pd.DataFrame, k: int = 3,
+                     context: int = 6) -> dict[tuple[int, int], str]:  # fmt: skip
+    """{(layer, feature): HTML} of each feature's `k` largest activations among the run's
+    attributed feature nodes (graph_nodes.csv): the `context` tokens before the position and
+    the token itself in bold, with the activation."""
+    wanted = set(zip(features["layer"].astype(int), features["feature"].astype(int), strict=True))
+    feats = nodes[nodes["kind"] == "feature"]
+    keys = list(zip(feats["layer"].astype(int), feats["feature"].astype(int), strict=True))
+    feats = feats[[key in wanted for key in keys]]
+    tokens = nodes[nodes["kind"] == "token"].sort_values(["prompt", "pos"])
+    text = {p: [str(t) for t in group["token"]] for p, group in tokens.groupby("prompt")}
+    out: dict[tuple[int, int], str] = {}
+    for (layer, feature), rows in feats.groupby(["layer", "feature"]):
+        best = rows.sort_values("activation", ascending=False).head(k)
+        shown = []
+        for row in best.itertuples():
+            words = text.get(row.prompt, [])
+            pos = int(row.pos)
+            joiner = " " if all(w.isdigit() for w in words) else ""
+            before = html.escape(joiner.join(words[max(0, pos - context) : pos]))
+            at = html.escape(words[pos] if pos < len(words) else "?")
+            shown.append(f"{before}<b>{at}</b> ({row.activation:.2f}, prompt {row.prompt})")
+        out[(int(layer), int(feature))] = "<br>".join(shown)
+    return out

@@ -55,6 +55,7 @@ def test_a_graph_runs_pictures_and_report(tiny_gpt2, files, tmp_path):
     page = write(run).read_text()
     assert "<h3>Attribution graphs</h3>" in page and 'alt="graph_2.png"' in page
     assert "graph_features.csv" in page and page.count('alt="graph_') == 3
+    assert "top examples" in page and "<b>" in page
     # each prompt's graph as circuit-tracer's JSON, the folder's index listing them all
     index = json.loads((run / "graph_json" / "graph-metadata.json").read_text())
     assert [g["slug"] for g in index["graphs"]] == [f"prompt_{i}" for i in range(len(ids))]

@@ -5,6 +5,7 @@ python -m probe.plot's figures and the report section of a file holding /graph d
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import transformers
@@ -12,7 +13,7 @@ import transformers
 from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.graph_files import save_graph
 from probe.graphs.pruning import prune
-from probe.report.graph_figure import graph_figure, graph_figures, section
+from probe.report.graph_figure import feature_examples, graph_figure, graph_figures, section
 from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
 
@@ -74,3 +75,18 @@ def test_a_files_graphs_are_drawn_and_reported(graph, tmp_path):
     assert "Attribution graphs" in page and "graph_0.png" in page and "graph_scores.csv" in page
     assert graph_scores.is_file()
     assert section(tmp_path / "nothing") == ""
+
+
+def test_top_examples_are_the_largest_activations_with_their_tokens():
+    nodes = pd.DataFrame({
+        "prompt": [0, 0, 0, 1, 1, 1, 0, 1, 1],
+        "kind": ["token", "token", "token", "token", "token", "token", "feature", "feature",
+                 "feature"],
+        "layer": [-1, -1, -1, -1, -1, -1, 1, 1, 1],
+        "pos": [0, 1, 2, 0, 1, 2, 1, 2, 0],
+        "feature": [-1, -1, -1, -1, -1, -1, 7, 7, 7],
+        "token": ["a", " cat", " sat", "the", " dog", " ran", "", "", ""],
+        "activation": [np.nan] * 6 + [2.0, 3.5, 1.0],
+    })  # fmt: skip
+    found = feature_examples(nodes, pd.DataFrame({"layer": [1], "feature": [7]}), k=2)
+    assert found == {(1, 7): "the dog<b> ran</b> (3.50, prompt 1)<br>a<b> cat</b> (2.00, prompt 0)"}
