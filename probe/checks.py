@@ -26,6 +26,8 @@ from probe.config import (
     DIRECTIONS,
     DTYPES,
     EDIT_SITES,
+    FEATURE_OPS,
+    FEATURE_SITE,
     GRAD_EDIT_SITES,
     GRAPH_EDGES,
     GRID_AXES,
@@ -391,7 +393,10 @@ def check_interventions(iv: InterventionSpec) -> None:
 
 def check_edit(name: str, spec: EditSpec) -> None:
     """An edit's site, op and the op's arguments."""
-    choice(f"intervene {name!r}: site", spec.site, EDIT_SITES)
+    choice(f"intervene {name!r}: site", spec.site, (*EDIT_SITES, FEATURE_SITE))
+    if spec.site == FEATURE_SITE:
+        _check_feature_edit(name, spec)
+        return
     choice(f"intervene {name!r}: op", spec.op, OPS)
     check_match(f"intervene {name!r}", spec.where.match)
     if spec.op == "clamp" and spec.min is None and spec.max is None:
@@ -405,6 +410,26 @@ def check_edit(name: str, spec: EditSpec) -> None:
         _check_mean(name, spec)
     if spec.op == "patch" or (spec.op == "add" and spec.vector):
         _check_patch(name, spec)
+
+
+def _check_feature_edit(name: str, spec: EditSpec) -> None:
+    """site=feature: op zero|scale|clamp, a block `layer` and a `feature` index; no keys of the
+    other sites' ops."""
+    choice(f"intervene {name!r}: op (site=feature)", spec.op, FEATURE_OPS)
+    for key in ("layer", "feature"):
+        value = getattr(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"intervene {name!r}: site=feature needs {key}, an index >= 0 (got {value!r}), "
+                f"e.g. +intervene.{name}.layer=1 +intervene.{name}.feature=42"
+            )
+    other = [k for k in ("min", "max", "channels", "units", "heads", "source", "vector")
+             if getattr(spec, k) is not None]  # fmt: skip
+    if other:
+        raise ConfigError(
+            f"intervene {name!r}: site=feature takes layer, feature, positions, op (zero, scale "
+            f"with factor, clamp with value) and transcoders, not {', '.join(other)}"
+        )
 
 
 def _check_mean(name: str, spec: EditSpec) -> None:

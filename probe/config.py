@@ -46,6 +46,8 @@ TOKEN_DATASETS = ("tokens", "text", "random_tokens")
 DATASETS = ("synthetic", "fakedata", "imagefolder", "tensors", *TOKEN_DATASETS, "pairs")
 OBJECTIVES = ("cross_entropy", "logit", "logprob", "logit_diff", "output_sum", "lm_loss", "custom")
 OPS = ("zero", "scale", "add", "clamp", "noise", "mean", "custom", "patch")
+FEATURE_SITE = "feature"  # an edit of one transcoder feature (probe.intervene.feature_edit)
+FEATURE_OPS = ("zero", "scale", "clamp")  # its ops: clamp sets the activation to `value`
 PATCH_SOURCES = ("pair", "clean")  # a patch's source besides an earlier run's directory
 DIRECTIONS = ("denoise", "noise")  # which half of a pair the run feeds (patches, grids)
 ATTENTION_SITES = ("query", "key")  # grid sites inside attention modules ('@attn')
@@ -185,6 +187,11 @@ class EditSpec:
     vector: str | None = None  # op=add: a .pt/.npy file, or mean_diff (of runs plus and minus)
     plus: str | None = None
     minus: str | None = None
+    # site=feature: a transcoder feature (probe.intervene.feature_edit): the block `layer` and
+    # the `feature` index; `transcoders` the set's YAML or folder (None: graph.transcoders)
+    layer: int | None = None
+    feature: int | None = None
+    transcoders: str | None = None
 
 
 @dataclass

@@ -155,6 +155,9 @@ class EditSpec:
     vector: str | None = None
     plus: str | None = None
     minus: str | None = None
+    layer: int | None = None
+    feature: int | None = None
+    transcoders: str | None = None
 
 
 @dataclass(frozen=True)

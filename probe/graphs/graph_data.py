@@ -148,3 +148,10 @@ class AttributionGraph:
         from probe.graphs.graph_h5 import write_graph
 
         return write_graph(self, path)
+
+    def to_json(self, path, slug: str | None = None, **options) -> Path:
+        """This graph as circuit-tracer's frontend JSON at `path` (slug: the file's stem; options:
+        scan, node_threshold, clerps), by probe.graphs.graph_json.to_json. Returns the path."""
+        from probe.graphs.graph_json import to_json
+
+        return to_json(self, path, slug, **options)

@@ -18,6 +18,14 @@ from torch import nn
 from probe.config import import_target
 from probe.errors import ConfigError, DataError
 from probe.hooks.module_select import match_modules
+from probe.intervene.feature_edit import (
+    FEATURE_SITE,
+    FeatureRead,
+    FeatureWrite,
+    check_feature,
+    feature_modules,
+    load_set,
+)
 from probe.intervene.patch_steer import Patch, Region, Steer, load_vector, mean_diff
 from probe.layout import class_axis
 from probe.plan import EditSpec
@@ -42,7 +50,7 @@ class Edit:
     def apply(self, x: torch.Tensor, start: int, key: str, tokens=None) -> torch.Tensor:
         """`start` is the dataset index of the batch's first sample, `key` the dataset-style name,
         `tokens` a token batch's layout (patches and steering vectors at token positions)."""
-        if isinstance(self.fn, Patch | Steer):
+        if isinstance(self.fn, Patch | Steer | FeatureWrite):
             return self.fn(x, start, key, None, tokens)
         if self.channels is None:
             return self.fn(x, start, key, None)
@@ -58,11 +66,18 @@ class Edit:
         return out
 
 
-def build_edits(model: nn.Module, specs: Mapping[str, EditSpec], seed: int) -> list[Edit]:
+def build_edits(
+    model: nn.Module, specs: Mapping[str, EditSpec], seed: int, transcoders: str | None = None
+) -> list[Edit]:
     """Every named edit (a run plan's, probe.checks took their values) bound to the modules it
-    selects; errors before any work."""
+    selects; errors before any work. `transcoders`: the set a feature edit without its own
+    `transcoders` key uses (the run's graph.transcoders)."""
     edits = []
+    sets: dict = {}
     for name, spec in specs.items():
+        if spec.site == FEATURE_SITE:
+            edits += feature_edits(model, name, spec, spec.transcoders or transcoders, sets)
+            continue
         for module_name, module in match_modules(model, f"intervene {name!r}", spec.where):
             fn = _op(name, spec, module_name, seed, region(model, module, module_name, spec))
             channels = list(spec.channels) if spec.channels is not None else None
@@ -79,6 +94,38 @@ def build_edits(model: nn.Module, specs: Mapping[str, EditSpec], seed: int) -> l
                 )
             )
     return edits
+
+
+def feature_edits(model: nn.Module, name: str, spec, path: str | None, sets: dict) -> list[Edit]:
+    """site=feature: the identity edit that keeps the transcoder's input and the edit of the
+    MLP's output (probe.intervene.feature_edit)."""
+    label = f"intervene {name!r}"
+    if not path:
+        raise ConfigError(
+            f"{label}: site=feature needs a transcoder set: +intervene.{name}.transcoders=PATH "
+            "(its YAML or folder) or graph.transcoders=PATH"
+        )
+    tset = load_set(str(path), label, sets)
+    check_feature(label, tset, int(spec.layer), int(spec.feature))
+    (read_name, read_module), (mlp_name, mlp) = feature_modules(
+        model, int(spec.layer), tset.reads, label
+    )
+    read = FeatureRead()
+    positions = list(spec.positions) if spec.positions is not None else None
+    where = Region(f"{label} at {mlp_name!r}", None, positions)
+    write = FeatureWrite(label, tset.transcoders[int(spec.layer)], int(spec.feature), spec.op,
+                         spec.value, spec.factor, where, read)  # fmt: skip
+    describe = {"edit": name, "layer": mlp_name, "site": FEATURE_SITE, "op": spec.op,
+                "transcoder_layer": int(spec.layer), "feature": int(spec.feature),
+                "transcoders": str(path)}  # fmt: skip
+    describe.update({"factor": spec.factor} if spec.op == "scale" else {})
+    describe.update({"value": spec.value} if spec.op == "clamp" else {})
+    if positions is not None:
+        describe["positions"] = positions
+    return [
+        Edit(name, read_name, read_module, "input", "feature_read", read, None, {}),
+        Edit(name, mlp_name, mlp, "output", spec.op, write, None, describe),
+    ]
 
 
 def _describe(name: str, spec, module_name: str) -> dict:

@@ -110,7 +110,7 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
         placement.describe(model, selections)
         placement.check_param_grads(selections)
     check_token_data(every.dataset, selections, model)
-    edits = build_edits(model, plan.intervene.edits, options.seed)
+    edits = build_edits(model, plan.intervene.edits, options.seed, plan.graph.transcoders)
     wants_grad = any(s in BACKWARD_SITES for sel in selections for s in sel.sites) or any(
         e.site in GRAD_EDIT_SITES for e in edits
     )
@@ -224,7 +224,7 @@ def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend
         attrs={
             **file_attrs(plan),
             **shard.attrs(),
-            "edits": json.dumps([e.describe for e in p.edits]),
+            "edits": json.dumps([e.describe for e in p.edits if e.describe]),
             "stats_backend": stats_backend,
             **identity,
             **{k: v for f in p.features for k, v in f.attrs().items()},

@@ -9,7 +9,8 @@ histograms.png (output sites), gradients.png (grad_output, grad_input, param_gra
 features_<layer>_<site>_<sample>.png (a conv layer's maps) and linear.png (Linear layers, unit
 by sample), and for attribution sites attribution.png (by depth), cams.png (CAM maps over the
 inputs) and tokens_<layer>_<site>.png (token attributions as coloured text) where the run holds
-them; a figure with nothing to draw is left out. A sweep gets depth.png with one line per run.
+them, and graph_<prompt>.png (the first prompts' pruned attribution graphs:
+probe.report.graph_figure) where it holds /graph; a figure with nothing to draw is left out. A sweep gets depth.png with one line per run.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ def run_figures(
         name = f"features_{layer.replace('/', '_')}_{site}_{sample}.png"
         figures[name] = features_figure(array[sample], f"{layer} {site}, sample {sample}\n{title}")
     from probe.report.attribution_plots import attribution_figures
+    from probe.report.graph_figure import graph_figures
     from probe.report.lens_plots import lens_figures
 
     figures.update(attribution_figures(run, run.attribution, title))
+    figures.update(graph_figures(run.path, title))
     figures.update(lens_figures(run, title))
     linear = linear_layers(run)[:MAX_LINEAR]
     if linear:

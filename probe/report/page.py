@@ -24,6 +24,7 @@ from probe.errors import ProbeError
 from probe.read.runs import open_run, open_sweep
 from probe.read.summaries import is_sweep
 from probe.report.circuits import section as circuit_section
+from probe.report.graph_figure import section as graph_section
 from probe.report.html_parts import figure_png, img, page
 
 CHEAP_BYTES = 64 * 2**20  # analyses run by the report itself only for files this small
@@ -151,7 +152,9 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
         parts = [table(identity(run), "Run"), table(run.summary, "Summary (summary.csv)")]
         parts.append("<h3>Figures</h3>")
         left_out: list[str] = []
-        for name, fig in run_figures(run, layer, sample, notes=left_out).items():
+        made = run_figures(run, layer, sample, notes=left_out)
+        graphs = {n: made.pop(n) for n in list(made) if n.startswith("graph_")}
+        for name, fig in made.items():
             parts.append(img(figure_png(fig), name))
         parts += [f"<p>{html.escape(line)}.</p>" for line in left_out]
         parts += [note, analysis_section(path), table(run.effects, "Effects (effects.csv)")]
@@ -160,6 +163,7 @@ def run_body(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> 
         parts.append(table(run.dla, "Direct logit attribution (dla.csv)"))
         parts.append(feature_cards(run))
         parts.append(circuit_section(path))
+        parts.append(graph_section(path, graphs))
         config = OmegaConf.to_yaml(run.config, resolve=False)
     parts.append(f"<h3>Config</h3><pre>{html.escape(config)}</pre>")
     return "".join(parts)

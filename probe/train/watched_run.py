@@ -136,7 +136,7 @@ class Watch:
         self.settings = {
             "probes": {n: spec_config(s) for n, s in self.specs.items()},
             "every": o.every,
-            "edits": [e.describe for e in self.edits],
+            "edits": [e.describe for e in self.edits if e.describe],
             "probe_every": None if self.probe_batch is None else self.probe_batch.schedule.every,
         }
         self.config = {

@@ -6,7 +6,9 @@ holds one prompt's graph; at the finish the tables (probe.graphs.graph_tables).
 
 A prompt is in the file once its row of /graph/prompts is, so a stop (SIGINT, SIGTERM: after
 the prompt in flight) or a kill loses at most that prompt, and `resume=true` continues after the
-last whole one (graph.* must be the same). Under torchrun each rank attributes the prompts of
+last whole one (graph.* must be the same). At the finish, each prompt's pruned graph also goes
+into graph_json/ as circuit-tracer's frontend JSON (probe.graphs.graph_json), the folder its
+viewer serves. Under torchrun each rank attributes the prompts of
 its block of batches into its own file (probe.rankR.h5); rank 0 copies them, in rank order,
 into the run's probe.h5 and writes the tables.
 """
@@ -32,6 +34,7 @@ from probe.graphs.graph_h5 import GraphFile, copy_graphs
 from probe.graphs.graph_tables import write_graph_tables
 from probe.graphs.pruning import prune
 from probe.graphs.replacement import check_widths, replacement_parts
+from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
 from probe.hooks.run_feature import Finished, RunFeature, RunSetup
 from probe.launch.distributed import shard_path
 from probe.launch.interrupt import Interrupted, StopFlag
@@ -199,6 +202,7 @@ class AttributionGraphs(RunFeature):
             ranks = [shard_path(done.h5_path, r) for r in range(done.shard.world)]
             copy_graphs(done.h5_path, ranks, self.group_attrs())
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
+        written.append(write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR))
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
 
 
