@@ -4,7 +4,8 @@ callbacks).
 
 A step goes through, in order:
 
-    forward_begins()      each forward of the model (its root pre-hook calls it)
+    forward_begins()      each training forward (the root's, or the loop's first call of a
+                          watched module: see Watcher._opener_hook)
       module hooks         values, and tensor hooks for the gradients of the user's backward
     take_params()         the parameters before the update (and a copy for param_update)
     take_grads(opt)       the gradients the optimizer sees, the global grad norm, the lrs
@@ -147,9 +148,20 @@ class Watcher:
 
     # -- hooks -------------------------------------------------------------------------------
     def attach(self) -> None:
-        """Register every hook (all or none), each refusing to run in compiled code."""
-        root = uncompiled(self._root_hook())
-        self.hooks.forward_pre(self.model, root, name="<model>", with_kwargs=True)
+        """Register every hook (all or none), each refusing to run in compiled code. The
+        forward detection comes first: on the root, on each hooked module and on the modules
+        between them (see `_opener_hook`)."""
+        names = dict(self.model.named_modules())
+        openers = {"": self.model}
+        for h in self.hooked:
+            parts = h.name.split(".")
+            for i in range(1, len(parts) + 1):
+                name = ".".join(parts[:i])
+                if name in names:
+                    openers.setdefault(name, names[name])
+        for name, module in openers.items():
+            hook = uncompiled(self._opener_hook(root=module is self.model))
+            self.hooks.forward_pre(module, hook, name=name or "<model>", with_kwargs=True)
         for h in self.hooked:
             if h.before:
                 self.hooks.forward_pre(h.module, uncompiled(self._pre_hook(h)), name=h.name)
@@ -177,9 +189,18 @@ class Watcher:
 
     # Hooks are closures, not bound methods: copy.deepcopy(model) (an EMA copy) copies a
     # module's hooks, and a bound method would drag the watch and its open file along.
-    def _root_hook(self):
+    def _opener_hook(self, root: bool):
+        """Where a training forward begins: the root's forward, or, where the loop calls
+        submodules (a LightningModule's training_step calling self.net, a loop calling
+        model.model and model.lm_head), the first watched module (or module above one) called
+        since the step began; the same module called again begins the next forward (the next
+        micro-batch). Modules called while a forward is open belong to it."""
+
         def hook(module, args, kwargs):
-            if self._active():
+            if not self._active():
+                return
+            if root or self.opener is None or module is self.opener:
+                self.opener = module
                 self.forward_begins(args, kwargs)
 
         return hook
@@ -260,6 +281,7 @@ class Watcher:
         self.params_taken = False
         self.grads_at_begin = self.grads_seen
         self.grads_expected = 0  # gradient values this step's forwards wait for
+        self.opener: nn.Module | None = None  # the module whose call began the open forward
 
     def resume(self, step: int, rows_seen: int) -> None:
         """A training resumed at `step` whose forwards had seen `rows_seen` rows (a
@@ -268,8 +290,8 @@ class Watcher:
         self.rows_seen = rows_seen
 
     def forward_begins(self, args=(), kwargs=None) -> None:
-        """A training forward of the model starts (call counts restart: `output@1` is the
-        second call of a module in one forward)."""
+        """A training forward starts (call counts restart: `output@1` is the second call of a
+        module in one forward); `args`, `kwargs`: the call that began it (its batch rows)."""
         self.forwards += 1
         self.in_calls.clear()
         self.out_calls.clear()
@@ -427,15 +449,27 @@ class Watcher:
                     )  # fmt: skip
 
     def _check_hooks_ran(self) -> None:
-        """A step that ends with gradients but without one forward through the hooks trained a
-        model whose compiled code runs without them (torch.compile ignores hooks added after
-        it compiled)."""
-        if any(p.grad is not None for p in self.model.parameters()):
+        """A step that ends with gradients but without one forward through the hooks trained
+        modules the watch never saw run: a model compiled before the watch was made (its
+        compiled code runs without hooks added later), or a loop whose forwards bypass every
+        watched module. Compiled code is named only where this process compiled some."""
+        if not any(p.grad is not None for p in self.model.parameters()):
+            return
+        watched = ", ".join(h.name for h in self.hooked[:3]) + (
+            ", ..." if len(self.hooked) > 3 else ""
+        )
+        if compiled_any():
             raise ConfigError(
                 f"step {self.step} ended with gradients, but no forward of "
                 f"{type(self.model).__name__} passed through the watch's hooks: a model "
                 f"compiled before the watch was made runs without them. {COMPILED_WAY_OUT}"
             )
+        raise ConfigError(
+            f"step {self.step} ended with gradients of {type(self.model).__name__}, but none of "
+            f"the watched modules ({watched}) ran a forward with gradients enabled in it: the "
+            "loop trains modules the probes do not select. Select the modules the loop calls, "
+            "or watch the model it trains"
+        )
 
     def check_close(self) -> None:
         """At the end of the watch: gradient sites asked for in a training that never ran a
@@ -481,6 +515,15 @@ def uncompiled(hook):
         return inner(*args)
 
     return outer
+
+
+def compiled_any() -> bool:
+    """Whether torch.compile has compiled a graph in this process (dynamo's own counter)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # (a build without dynamo)
+        return False
+    return bool(counters["stats"].get("unique_graphs"))
 
 
 def is_dtensor(t) -> bool:
