@@ -29,7 +29,7 @@ shows what `ln2.hook_normalized` would give.
 
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py compare
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py memory --lengths 64 256 1024
-    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py all --doc docs/bench/graphs.md
+    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py all  # both, one run
 
 Set up circuit-tracer's venv (torch first, from the same wheel as probe's, so pip keeps it):
 `python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.14.1 &&
@@ -325,9 +325,12 @@ def ours(model, ids, tset, batch_size, max_feature_nodes=None, floor=0.0):
     return graph.prune(0.8, 0.98)
 
 
-def peer_call(python, role_args, threads=2) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # circuit-tracer's venv imports nothing of probe
+def peer_call(python, role_args, threads=2, env=None) -> subprocess.CompletedProcess:
+    """This script's `role_args` run by `python` (circuit-tracer's venv: without PYTHONPATH, so
+    it imports nothing of probe)."""
+    env = dict(env or os.environ)
+    if python == PEER_PYTHON or "venv-ct" in python:
+        env.pop("PYTHONPATH", None)
     env |= {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
     cmd = [python, str(Path(__file__).resolve()), *role_args]
@@ -484,14 +487,15 @@ def run_mem(args) -> None:
     if args.side == "peer":
         prune_graph(attribute(warm, model, batch_size=args.batch_size))
     else:
-        attribute(model, warm, tset, GraphOptions(batch_size=args.batch_size)).prune()
+        options = GraphOptions(batch_size=args.batch_size, floor=args.floor)
+        attribute(model, warm, tset, options).prune()
     gc.collect()
     base, start = rss_mb(), time.perf_counter()
     if args.side == "peer":
         graph = attribute(ids, model, batch_size=args.batch_size)
         n_nodes, stored = graph.adjacency_matrix.shape[0], graph.adjacency_matrix.numel()
     else:
-        graph = attribute(model, ids, tset, GraphOptions(batch_size=args.batch_size))
+        graph = attribute(model, ids, tset, options)
         n_nodes, stored = graph.n_nodes, graph.adjacency._nnz()
     t_attr, p_attr = time.perf_counter() - start, peak_mb()
     if args.side == "peer":
@@ -516,13 +520,23 @@ def run_mem(args) -> None:
     }))  # fmt: skip
 
 
+VARIANTS = (  # (label, side, floor for probe: None = its default rule)
+    ("circuit-tracer", "peer", None),
+    ("probe, default floor", "ours", None),
+    ("probe, floor 0", "ours", 0.0),
+)
+
+
 def memory(args) -> list[dict]:
-    """Both sides at each length, fresh processes, one after the other."""
+    """Every variant at each length, each in a fresh process, one after the other."""
     model_dir = WORK / "model-gpt2"
     if not (model_dir / "config.json").exists():
         build_model("gpt2", model_dir)
     tset = make_transcoders(64, 2, "mlp_in", "relu", False, l0=args.l0, seed=5)
     tc_dir = save_ct_transcoders(tset, WORK / "tc-memory", "mlp.hook_in")
+    env = dict(os.environ) | {"OMP_NUM_THREADS": str(args.threads)}
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     rows = []
     for length in args.lengths:
         tokens = WORK / f"tokens-{length}.json"
@@ -530,29 +544,24 @@ def memory(args) -> list[dict]:
         role = ["mem", "--model", str(model_dir), "--transcoders", str(tc_dir), "--tokens",
                 str(tokens), "--batch-size", str(args.batch_size), "--threads",
                 str(args.threads)]  # fmt: skip
-        row = {"tokens": length}
-        for side, python in (("ours", sys.executable), ("peer", args.peer_python)):
-            role_side = [*role, "--out", str(WORK / f"mem-{side}-{length}.npz")]
-            if side == "ours":
-                env = dict(os.environ) | {"OMP_NUM_THREADS": str(args.threads)}
-                cmd = [python, str(Path(__file__).resolve()), *role_side, "--side", side]
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            else:
-                done = peer_call(python, [*role_side, "--side", side], args.threads)
+        peer_file = WORK / f"mem-peer-{length}.npz"
+        for i, (label, side, floor) in enumerate(VARIANTS):
+            out = peer_file if side == "peer" else WORK / f"mem-ours{i}-{length}.npz"
+            call = [*role, "--out", str(out), "--side", side]
+            if floor is not None:
+                call += ["--floor", str(floor)]
+            python = args.peer_python if side == "peer" else sys.executable
+            done = peer_call(python, call, args.threads, env=env)
+            row = {"tokens": length, "variant": label}
             if done.returncode != 0:
-                row[side] = {"error": done.stderr[-2000:]}
-                print(f"{length} tokens, {side}: failed\n{done.stderr[-2000:]}", flush=True)
-                continue
-            row[side] = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"{length} tokens, {side}: {row[side]}", flush=True)
-        if "error" not in row.get("ours", {"error": 1}) and "error" not in row.get(
-            "peer", {"error": 1}
-        ):
-            row["same"] = same_pruning(
-                WORK / f"mem-ours-{length}.npz", WORK / f"mem-peer-{length}.npz"
-            )
-            print(f"{length} tokens, pruned graphs: {row['same']}", flush=True)
-        rows.append(row)
+                row["error"] = done.stderr[-2000:]
+                print(f"{length} tokens, {label}: failed\n{row['error']}", flush=True)
+            else:
+                row |= json.loads(done.stdout.strip().splitlines()[-1])
+                if side == "ours" and peer_file.exists():
+                    row["same"] = same_pruning(out, peer_file)
+                print(f"{length} tokens, {label}: {json.dumps(row)}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -570,27 +579,28 @@ def same_pruning(ours_file: Path, peer_file: Path) -> dict:
 
 
 def memory_table(rows) -> str:
-    head = ("tokens", "nodes", "dense matrix MB", "probe edges kept", "floor",
-            "circuit-tracer peak MB (attribute / +prune)", "probe peak MB (attribute / +prune)",
-            "peak ratio ct/probe (attribute / +prune)", "circuit-tracer s", "probe s",
-            "pruned: nodes, edges kept (ct)", "nodes, edges kept by one side only",
-            "largest score gap")  # fmt: skip
+    head = ("tokens", "nodes", "variant", "entries stored", "floor",
+            "peak MB: attribute", "peak MB: + prune and scores", "circuit-tracer's peak / this",
+            "s", "pruned nodes, edges differing from circuit-tracer's", "largest score gap")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    peers = {r["tokens"]: r for r in rows if r["variant"] == "circuit-tracer" and "error" not in r}
     for r in rows:
-        o, p = r.get("ours", {}), r.get("peer", {})
-        if "error" in o or "error" in p or not o or not p:
-            lines.append(f"| {r['tokens']} | failed: see the run's output |" + " |" * 11)
+        if "error" in r:
+            lines.append(f"| {r['tokens']} | - | {r['variant']} | failed |" + " |" * 7)
             continue
-        dense = p["nodes"] ** 2 * 4 / 2**20
-        ratio_a = p["attribute_mb"] / max(o["attribute_mb"], 0.1)
-        ratio_b = p["all_mb"] / max(o["all_mb"], 0.1)
+        p = peers.get(r["tokens"])
+        ratio = (
+            f"{p['all_mb'] / max(r['all_mb'], 0.1):.1f}x"
+            if p and r["variant"] != "circuit-tracer"
+            else "-"
+        )
+        same = r.get("same")
+        differ = f"{same['node masks']}, {same['edge masks']}" if same else "-"
+        gap = f"{same['scores']:.1e}" if same else "-"
         lines.append(
-            f"| {r['tokens']} | {o['nodes']:,} | {dense:,.1f} | {o['stored']:,} | {o['floor']:g} "
-            f"| {p['attribute_mb']:,.1f} / {p['all_mb']:,.1f} "
-            f"| {o['attribute_mb']:,.1f} / {o['all_mb']:,.1f} | {ratio_a:.1f}x / {ratio_b:.1f}x "
-            f"| {p['all_s']:.1f} | {o['all_s']:.1f} "
-            f"| {r['same']['nodes kept']:,}, {r['same']['edges kept']:,} "
-            f"| {r['same']['node masks']}, {r['same']['edge masks']} | {r['same']['scores']:.1e} |"
+            f"| {r['tokens']} | {r['nodes']:,} | {r['variant']} | {r['stored']:,} | {r['floor']:g} "
+            f"| {r['attribute_mb']:,.0f} | {r['all_mb']:,.0f} | {ratio} | {r['all_s']:.1f} "
+            f"| {differ} | {gap} |"
         )
     return "\n".join(lines)
 
@@ -605,7 +615,6 @@ def main(argv=None) -> None:
     parser.add_argument("--l0", type=float, default=4.0, help="memory runs: features a position")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cases", type=int, nargs="+", help="compare: these of CASES only")
-    parser.add_argument("--doc", help="write the tables into this markdown file")
     # the subprocess roles
     parser.add_argument("--model")
     parser.add_argument("--transcoders")
@@ -613,6 +622,12 @@ def main(argv=None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--side", choices=("ours", "peer"))
     parser.add_argument("--max-feature-nodes", type=int)
+    parser.add_argument("--floor", type=float, help="mem, probe: the floor (default: its rule)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        help="memory: MALLOC_MMAP_THRESHOLD_ for every run (glibc's default: dynamic)",
+    )
     args = parser.parse_args(argv)
     if args.role == "peer":
         return run_peer(args)
@@ -622,17 +637,12 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     WORK.mkdir(parents=True, exist_ok=True)
-    parts = []
     if args.role in ("compare", "all"):
         table = compare_table(compare(args), args)
         print(table)
-        parts.append(("compare", table))
     if args.role in ("memory", "all"):
         table = memory_table(memory(args))
         print(table)
-        parts.append(("memory", table))
-    if args.doc:
-        Path(WORK / "tables.json").write_text(json.dumps(dict(parts)))
 
 
 if __name__ == "__main__":
