@@ -67,6 +67,10 @@ CASES = [
         "gpt2 mlp_in vs ct ln2.hook_normalized",
         "gpt2", "mlp_in", "relu", False, "ln2.hook_normalized", None,
     ),
+    (
+        "gpt2 with ln_2 weight 1, bias 0: mlp_in vs ct ln2.hook_normalized",
+        "gpt2-unit-ln2", "mlp_in", "relu", False, "ln2.hook_normalized", None,
+    ),
 ]  # fmt: skip
 
 
@@ -75,13 +79,13 @@ CASES = [
 # ---------------------------------------------------------------------------------------------
 def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> Path:
     """A tiny random `family` (gpt2 | llama) model with random norm weights, saved with its
-    tokenizer in `folder`."""
+    tokenizer in `folder`; gpt2-unit-ln2: the gpt2 one with its MLP norms' weight 1, bias 0."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    if family == "gpt2":
+    if family.startswith("gpt2"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
@@ -107,6 +111,10 @@ def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> 
                     p.copy_(1 + 0.3 * torch.randn_like(p))
                 else:
                     p.copy_(0.1 * torch.randn_like(p))
+        if family == "gpt2-unit-ln2":
+            for block in model.transformer.h:
+                block.ln_2.weight.fill_(1.0)
+                block.ln_2.bias.zero_()
     model.eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
