@@ -150,9 +150,8 @@ def make_transcoders(width, layers, reads, activation, skip, *, l0=None, seed=0)
         width, layers, reads=reads, activation=activation, skip=skip, seed=seed
     )
     if l0 is not None:
-        from scipy.stats import norm
-
-        shift = float(norm.isf(l0 / (4 * width)))
+        share = torch.tensor(l0 / (4 * width), dtype=torch.float64)
+        shift = float(2**0.5 * torch.erfinv(1 - 2 * share))  # N(0, 1)'s upper `share` quantile
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for t in tset.transcoders.values():
