@@ -137,6 +137,10 @@ class Watcher:
         self.layouts: dict[Key, tuple] = {}  # (saturation bounds, unit axis) by site
         self.reported: set[Key] = set()  # sites whose non-finite values were logged
         self.missing: set[tuple[str, str]] = set()  # gradient sites said to get nothing
+        # the names an asked value site became (a tuple's items, a second call), by (layer, site
+        # asked), and those not yet said in the log (Watch notes them: `renamed()`)
+        self.names_of: dict[tuple[str, str], list[str]] = {}
+        self.unsaid: set[tuple[str, str]] = set()
         self.is_paused = False  # (while the probe batch runs: see paused())
         self.rows_seen = 0  # rows of the training's forwards: the noise edits' sample index
         self.forwards = 0  # training forwards while watched
@@ -388,6 +392,8 @@ class Watcher:
                 h.name, site, h.module_type, tuple(x.shape), str(x.dtype).removeprefix("torch."),
                 kind,
             )  # fmt: skip
+            if kind == "activation":
+                self._name_taken(h.name, site)
             if kind == "parameter":
                 axis = 1 if x.dim() >= 2 else 0  # a parameter's first axis (its output units)
             else:
@@ -398,6 +404,25 @@ class Watcher:
         batch = self.stats.add(key, x, *layout)
         if batch is not None and (batch.nan_count or batch.inf_count):
             self._check_finite(key, batch)
+
+    def _name_taken(self, layer: str, site: str) -> None:
+        """Note the name a value site is recorded under; one other than the asked site's own
+        (`output.0` of a tuple output, `output@1` of a second call) is said once in the log."""
+        asked = SiteKey.parse(site).family
+        names = self.names_of.setdefault((layer, asked), [])
+        names.append(site)
+        if names != [asked]:
+            self.unsaid.add((layer, asked))
+
+    def renamed(self) -> list[str]:
+        """Lines for the log: each asked site recorded under other names since the last call
+        ("layer 'attn' output -> output.0, output.1")."""
+        lines = [
+            f"layer {layer!r} {asked} -> {', '.join(self.names_of[(layer, asked)])}"
+            for layer, asked in sorted(self.unsaid)
+        ]
+        self.unsaid.clear()
+        return lines
 
     def _check_finite(self, key: Key, batch: RunningStats) -> None:
         """Log the first non-finite values of each site (with fail_on_nonfinite: the first of

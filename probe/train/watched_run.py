@@ -379,6 +379,12 @@ class Watch:
             self.on_record(step, rows, scalars)
         said = ", ".join(f"{k} {scalars[k]:.6g}" for k in ("loss", "grad_norm") if k in scalars)
         self._note(f"step {step}: {len(rows)} sites recorded{'; ' + said if said else ''}")
+        renamed = self.watcher.renamed()
+        if renamed:
+            self._note(
+                "sites recorded under the names a run gives them (a tuple output's items, a "
+                "module's later calls: docs/format.md#names): " + "; ".join(renamed)
+            )
 
     def _failing(self, message: str) -> None:
         if self.file is not None:

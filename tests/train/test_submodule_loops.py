@@ -148,3 +148,32 @@ def test_a_loop_training_modules_the_probes_do_not_select_is_named(tmp_path):
         model["b"](torch.randn(2, 3)).sum().backward()
         opt.step()
     assert "compile" not in str(e.value)
+
+
+def test_a_tuple_output_is_named_as_a_run_names_it_and_the_log_says_so(tmp_path):
+    """An attention module returns (output, weights): asked for `output`, the watch records
+    `output.0` as a run does (format.md's names) and probe.log names what `output` became."""
+    from transformers import LlamaForCausalLM
+
+    from probe.testing.tiny_lms import tiny_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama", 40)).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probes = {"attn": {"layers": ["model.layers.0.self_attn"], "capture": ["output"]}}
+    ids = torch.randint(3, 40, (2, 5), generator=torch.Generator().manual_seed(1))
+    with probe.watch(model, probes, out=tmp_path / "w", optimizer=opt):
+        for _ in range(2):
+            opt.zero_grad()
+            out = model(input_ids=ids)
+            lm_loss(out.logits, ids).backward()
+            opt.step()
+    with probe.capture(model, probes) as cap:  # what a run of the same module records
+        model(input_ids=ids)
+    got = pd.read_csv(tmp_path / "w" / "train.csv")
+    names = sorted(set(got.site))
+    assert names[0] == "output.0"
+    assert names == sorted(site for _, site in cap)
+    log = (tmp_path / "w" / "probe.log").read_text()
+    assert f"layer 'model.layers.0.self_attn' output -> {', '.join(names)}" in log
+    assert log.count("output -> ") == 1  # said once, at the first step that recorded them
