@@ -68,6 +68,7 @@ SCALAR_COLUMNS = (
     "grad_norm_preclip",
     "grad_scale",
 )  # then lr.<group> per param group
+ADDED_SCALARS = ("grad_norm_preclip",)  # scalars a resumed older file goes on without
 STEP_PROGRESS = np.dtype(
     PROGRESS.descr + [("steps", "<i8"), ("last_step", "<i8")]  # (a probing run's fields kept)
 )
@@ -172,7 +173,10 @@ class StepFile:
                 f"the training resumed into {str(self.path.parent)!r} is watched differently "
                 f"({said}); resume with the same settings, or watch into a new out= directory"
             )
-        if tuple(f[f"{TRAIN}/scalars"].attrs["columns"]) != self.scalar_columns:
+        held = tuple(f[f"{TRAIN}/scalars"].attrs["columns"])
+        if held == tuple(c for c in self.scalar_columns if c not in ADDED_SCALARS):
+            self.scalar_columns = held  # (a file written before a scalar was added: kept as is)
+        if held != self.scalar_columns:
             raise ConfigError(
                 f"the resumed training's scalars {list(self.scalar_columns)} differ from the "
                 f"file's {list(f[f'{TRAIN}/scalars'].attrs['columns'])} (another optimizer or "

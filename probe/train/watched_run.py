@@ -376,7 +376,7 @@ class Watch:
             self.probe_batch.evaluate(step)
 
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
-        values = [scalars.get(c, math.nan) for c in self.scalar_columns]
+        values = [scalars.get(c, math.nan) for c in self.file.scalar_columns]
         self.file.append(step, rows, values)
         if self.on_record is not None:
             self.on_record(step, rows, scalars)

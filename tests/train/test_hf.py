@@ -210,3 +210,20 @@ def test_hf_trainer_keeps_its_logs_and_its_loss_and_clipped_gradient(tmp_path, c
 
 def plain_losses(trainer):
     return [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+
+
+def test_hf_statistics_wait_for_the_trainers_next_log(tmp_path):
+    """logging_steps=2: each recorded step's statistics go with the Trainer's next log, the
+    latest recorded step's (its values), beside the Trainer's loss."""
+    with one_thread():
+        model = llama()
+        trainer = llama_trainer(tmp_path, model, logging_steps=2)
+        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
+        ProbeCallback(probes, out=tmp_path / "w", log_stats=["norm"]).attach(trainer)
+        trainer.train()
+    key = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    norms = table[table.site == "param_grad.weight"].norm.tolist()
+    logged = [h for h in trainer.state.log_history if key in h]
+    assert [h["step"] for h in logged] == [2, 4] and all("loss" in h for h in logged)
+    assert [h[key] for h in logged] == [norms[1], norms[3]]

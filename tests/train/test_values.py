@@ -276,3 +276,37 @@ def test_two_watches_of_one_training_record_at_their_own_steps(tmp_path):
     assert sorted(third["step"].unique()) == [0, 3]
     mine = third[third["site"] == "output"].reset_index(drop=True)
     pd.testing.assert_frame_equal(mine, every[every["step"] % 3 == 0].reset_index(drop=True))
+
+
+def test_a_file_written_before_grad_norm_preclip_resumes_without_it(tmp_path, monkeypatch):
+    """A training resumed into a file whose scalars lack grad_norm_preclip (written before it
+    was added) appends the file's own scalars, the same values at the same steps."""
+    from probe.train import watched_run
+
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probes = {"fc": {"layers": ["fc"]}}
+    batches = image_batches(4)
+    old = tuple(c for c in watched_run.SCALAR_COLUMNS if c != "grad_norm_preclip")
+    with monkeypatch.context() as m:
+        m.setattr(watched_run, "SCALAR_COLUMNS", old)
+        with probe.watch(model, probes, out=tmp_path / "run", optimizer=opt) as w:
+            for batch in batches[:2]:
+                opt.zero_grad()
+                image_loss(model, batch).backward()
+                opt.step()
+            state = w.state_dict()
+    w = probe.watch(model, probes, out=tmp_path / "run", optimizer=opt)
+    w.load_state_dict(state)
+    norms = []
+    with w:
+        for batch in batches[2:]:
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            params = list(model.parameters())
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad.double() for p in params])))
+            opt.step()
+    with probe.open_run(tmp_path / "run") as run:
+        scalars = run.train_scalars()
+    assert list(scalars.columns) == ["step", *old, "lr.0"] and list(scalars.step) == [0, 1, 2, 3]
+    np.testing.assert_allclose(scalars.grad_norm[2:], norms, rtol=1e-12)
