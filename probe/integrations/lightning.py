@@ -13,7 +13,8 @@ Lightning divides it by `accumulate_grad_batches`; the step's is their mean). Th
 (`param_grad`, `grad_norm`) are read after the optimizer step, before the next step's
 `zero_grad`: after Lightning clips them (`gradient_clip_val`), as the optimizer stepped on
 them; `on_before_optimizer_step` (after the backward and AMP's unscale, before the clip) gives
-the parameters, the learning rates and `grad_norm_preclip`. `log_stats`
+the parameters, the learning rates and `grad_norm_preclip` (under manual optimization, where
+the module clips before `opt.step()`, the gradients too). `log_stats`
 sends the chosen statistics of every recorded site to the trainer's loggers
 (`probe/<layer>/<site>/<statistic>`, at the watch's step). A training resumed from a Lightning
 checkpoint appends to the same file from the checkpoint's step. docs/training.md has the rest.
@@ -74,6 +75,9 @@ class ProbeCallback(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         watcher = self.watch.watcher
         watcher.take_params()
+        if not pl_module.automatic_optimization:  # (the module clips, if at all, before this)
+            watcher.take_grads(optimizer)
+            return
         watcher.take_preclip_norm()  # (Lightning clips after this hook)
         watcher.take_lrs(optimizer)  # (its schedulers step before on_train_batch_end)
 
@@ -85,7 +89,8 @@ class ProbeCallback(Callback):
             self.watch.loss(loss)
         if trainer.global_step != self.global_step:  # an optimizer step ran
             self.global_step = trainer.global_step
-            self.watch.watcher.take_grads(None)  # (clipped; zero_grad comes in the next step)
+            if pl_module.automatic_optimization:  # (clipped; zero_grad comes in the next step)
+                self.watch.watcher.take_grads(None)
             self.watch.after_update()
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -205,3 +205,49 @@ def test_lightning_gradients_are_the_clipped_ones(tmp_path):
     np.testing.assert_allclose(scalars.grad_norm_preclip, pre, rtol=1e-12)
     np.testing.assert_allclose(scalars.grad_norm, post, rtol=1e-12)
     np.testing.assert_allclose(grads, conv1, rtol=1e-12)
+
+
+class ManualCNN(LitCNN):
+    """Manual optimization: the module clips before its optimizer's step and zeroes the
+    gradients after it."""
+
+    def __init__(self, clip):
+        super().__init__()
+        self.automatic_optimization, self.clip = False, clip
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = image_loss(self, batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()  # (after the step: the gradients are gone at on_train_batch_end)
+        return loss
+
+
+def test_lightning_manual_optimization_records_the_gradients_the_module_clipped(tmp_path):
+    clip, steps = 0.02, 2
+    batches = image_batches(steps)
+    with one_thread():
+        torch.manual_seed(0)
+        model = LitCNN()
+        opt = model.configure_optimizers()
+        post = []
+        for batch in batches:
+            opt.zero_grad()
+            model.training_step(batch, 0).backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+            post.append(float(model.net.conv1.weight.grad.double().norm()))
+            opt.step()
+        torch.manual_seed(0)
+        lit = ManualCNN(clip)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ProbeCallback({"c": {"layers": ["net.conv1"], "capture": ["param_grad"]}},
+                                     out=tmp_path / "w")],
+        )  # fmt: skip
+        trainer.fit(lit, torch.utils.data.DataLoader(batches, batch_size=None))
+    assert_bitwise_equal(state_of(lit, trainer.optimizers[0]), state_of(model, opt))
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    np.testing.assert_allclose(table.norm, post, rtol=1e-12)
