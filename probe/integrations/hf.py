@@ -9,12 +9,17 @@ ends each step around the Trainer's optimizer step, and closes the file when the
 
 The watch hooks the Trainer's model and records its optimizer's learning rates (before the
 scheduler's step). The gradients are read in `on_pre_optimizer_step`: after the Trainer clips
-them (`max_grad_norm`), as the optimizer sees them; the updates in `on_optimizer_step`. The
-step's loss is the mean of the losses the model returns (`output.loss`) in the step's forwards.
-`log_stats` sends the chosen statistics of every recorded site through `trainer.log`, so every
-`report_to` integration (TensorBoard, W&B, MLflow, ...) gets them as
-`probe/<layer>/<site>/<statistic>` at the Trainer's global step; that needs the Trainer:
-add the callback with `cb.attach(trainer)`. `trainer.train(resume_from_checkpoint=...)`
+them (`max_grad_norm`), as the optimizer sees them (`grad_norm`); the norm before clipping,
+the one the Trainer logs as `grad_norm`, is train.csv's `grad_norm_preclip` (taken at the end
+of the step's last backward); the updates in `on_optimizer_step`. The step's loss is the
+Trainer's: the sum of the micro-batches' `output.loss` where the Trainer passes the model
+`num_items_in_batch` (each is a partial sum of the step's), else their mean. `log_stats` adds
+the chosen statistics of every recorded site, as `probe/<layer>/<site>/<statistic>`, to the
+Trainer's own next log (its `loss`, `grad_norm`, `learning_rate` are kept), so `log_history`
+and every `report_to` integration (TensorBoard, W&B, MLflow, ...) get them beside the
+Trainer's values, and the console does not print them; with `logging_steps` > 1 a recorded
+step's statistics wait for the Trainer's next log (a later recorded step's replace them).
+That needs the Trainer: add the callback with `cb.attach(trainer)`. `trainer.train(resume_from_checkpoint=...)`
 appends to the same file from the checkpoint's step (each checkpoint's save flushes the file).
 An exception inside `trainer.train()` leaves the watch open: `cb.close()` closes it (the next
 `train()` does too). docs/training.md has the rest.
@@ -32,6 +37,7 @@ from probe.integrations.driven import Driven
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 except ImportError as e:
     raise ImportError("probe.integrations.hf needs transformers: pip install 'probe[hf]'") from e
 
@@ -52,8 +58,19 @@ class ProbeCallback(TrainerCallback):
         self.hooks = HookSet("probe.integrations.hf: the model's loss")
 
     def attach(self, trainer) -> ProbeCallback:
-        """Add this callback to `trainer` and keep it, to send `log_stats` through its log."""
+        """Add this callback to `trainer` and keep it, to add `log_stats` to its logs: first
+        of its callbacks, so the `report_to` integrations' `on_log` see them, and hidden from
+        the callbacks that print the logs."""
         trainer.add_callback(self)
+        callbacks = trainer.callback_handler.callbacks
+        callbacks.remove(self)
+        callbacks.insert(0, self)
+        if self.driven.log_stats:
+            for printer in [c for c in callbacks if is_printer(c)]:
+                hidden: dict[str, float] = {}
+                at = callbacks.index(printer)
+                callbacks.insert(at + 1, _Unhide(hidden))
+                callbacks.insert(at, _Hide(hidden))
         self.trainer = trainer
         return self
 
@@ -72,15 +89,18 @@ class ProbeCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
         self.driven.start(model, inner, state.global_step,
                           on_record=self._keep if self.driven.log_stats else None)  # fmt: skip
-        self.hooks.forward(model, self._loss_hook(), name="<model> loss")
+        self.hooks.forward(model, self._loss_hook(), name="<model> loss", with_kwargs=True)
 
     def _loss_hook(self):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             loss = getattr(output, "loss", None)
             if loss is None and isinstance(output, dict):
                 loss = output.get("loss")
             if isinstance(loss, torch.Tensor) and torch.is_grad_enabled():
-                self.watch.loss(loss)
+                # (given num_items_in_batch, the model's loss is the micro-batch's partial sum
+                # of the step's mean, and the Trainer logs their sum)
+                summed = kwargs.get("num_items_in_batch") is not None
+                self.watch.loss(loss, summed=summed)
 
         return hook
 
@@ -90,10 +110,12 @@ class ProbeCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.watch.after_update()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.pending:
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.pending and logs is not None:
             metrics, self.pending = self.pending, {}
-            self.trainer.log(metrics)
+            logs.update(metrics)
+            if state.log_history:  # (the Trainer's copy of this log, appended before on_log)
+                state.log_history[-1].update(metrics)
 
     def on_save(self, args, state, control, **kwargs):
         w = self.watch
@@ -112,3 +134,32 @@ class ProbeCallback(TrainerCallback):
 
     def _keep(self, step: int, rows: dict, scalars: dict) -> None:
         self.pending = self.driven.metrics(rows)
+
+
+def is_printer(callback) -> bool:
+    """Whether `callback` prints the Trainer's logs (its progress bar, its printer, the
+    notebook's)."""
+    return isinstance(callback, (PrinterCallback, ProgressCallback)) or type(
+        callback
+    ).__name__.endswith("ProgressCallback")
+
+
+class _Hide(TrainerCallback):
+    """Takes the `probe/` statistics out of a log before a callback that prints it."""
+
+    def __init__(self, hidden: dict):
+        self.hidden = hidden
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            for key in [k for k in logs if k.startswith("probe/")]:
+                self.hidden[key] = logs.pop(key)
+
+
+class _Unhide(_Hide):
+    """Puts them back after it (the callbacks after it see the whole log)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None:
+            logs.update(self.hidden)
+        self.hidden.clear()

@@ -9,8 +9,12 @@ ends each step after Lightning's optimizer step, and closes the file when the tr
 The watch hooks the LightningModule (layer names are its own: `net.conv1` for a network kept in
 `self.net`), records the first optimizer's learning rates and the precision plugin's grad scale,
 and takes the step's loss from `training_step`'s output (the micro-batch's loss, before
-Lightning divides it by `accumulate_grad_batches`). The gradients are read in
-`on_before_optimizer_step`: after the backward and before Lightning clips them. `log_stats`
+Lightning divides it by `accumulate_grad_batches`; the step's is their mean). The gradients
+(`param_grad`, `grad_norm`) are read after the optimizer step, before the next step's
+`zero_grad`: after Lightning clips them (`gradient_clip_val`), as the optimizer stepped on
+them; `on_before_optimizer_step` (after the backward and AMP's unscale, before the clip) gives
+the parameters, the learning rates and `grad_norm_preclip` (under manual optimization, where
+the module clips before `opt.step()`, the gradients too). `log_stats`
 sends the chosen statistics of every recorded site to the trainer's loggers
 (`probe/<layer>/<site>/<statistic>`, at the watch's step). A training resumed from a Lightning
 checkpoint appends to the same file from the checkpoint's step. docs/training.md has the rest.
@@ -69,7 +73,13 @@ class ProbeCallback(Callback):
                           trainer.global_step, scaler, on_record=send)  # fmt: skip
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.watch.before_update(optimizer)
+        watcher = self.watch.watcher
+        watcher.take_params()
+        if not pl_module.automatic_optimization:  # (the module clips, if at all, before this)
+            watcher.take_grads(optimizer)
+            return
+        watcher.take_preclip_norm()  # (Lightning clips after this hook)
+        watcher.take_lrs(optimizer)  # (its schedulers step before on_train_batch_end)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -79,6 +89,8 @@ class ProbeCallback(Callback):
             self.watch.loss(loss)
         if trainer.global_step != self.global_step:  # an optimizer step ran
             self.global_step = trainer.global_step
+            if pl_module.automatic_optimization:  # (clipped; zero_grad comes in the next step)
+                self.watch.watcher.take_grads(None)
             self.watch.after_update()
 
     def on_train_end(self, trainer, pl_module) -> None:

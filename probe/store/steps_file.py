@@ -3,7 +3,7 @@
 Row i of every dataset under `/train` is the recorded step `/train/step[i]`:
 
     /train/step                  (S,) int64: the training step of each row, increasing
-    /train/scalars               (S, K) float64: loss, grad_norm, grad_scale, lr.<group>, ...
+    /train/scalars               (S, K) float64: loss, grad_norm, grad_norm_preclip, grad_scale, lr.*
                                  (attribute `columns`)
     /train/sites/<layer>/<site>  (S, len(STAT_COLUMNS)) float64: the statistics of one site at
                                  each recorded step (attribute `columns`; the columns of
@@ -62,7 +62,13 @@ def step_integer_columns() -> tuple[str, ...]:
 STAT_COLUMNS = step_stat_columns()
 INTEGER_COLUMNS = step_integer_columns()
 CSV_COLUMNS = csv_columns()  # train.csv
-SCALAR_COLUMNS = ("loss", "grad_norm", "grad_scale")  # then lr.<group> per param group
+SCALAR_COLUMNS = (
+    "loss",
+    "grad_norm",
+    "grad_norm_preclip",
+    "grad_scale",
+)  # then lr.<group> per param group
+ADDED_SCALARS = ("grad_norm_preclip",)  # scalars a resumed older file goes on without
 STEP_PROGRESS = np.dtype(
     PROGRESS.descr + [("steps", "<i8"), ("last_step", "<i8")]  # (a probing run's fields kept)
 )
@@ -167,7 +173,10 @@ class StepFile:
                 f"the training resumed into {str(self.path.parent)!r} is watched differently "
                 f"({said}); resume with the same settings, or watch into a new out= directory"
             )
-        if tuple(f[f"{TRAIN}/scalars"].attrs["columns"]) != self.scalar_columns:
+        held = tuple(f[f"{TRAIN}/scalars"].attrs["columns"])
+        if held == tuple(c for c in self.scalar_columns if c not in ADDED_SCALARS):
+            self.scalar_columns = held  # (a file written before a scalar was added: kept as is)
+        if held != self.scalar_columns:
             raise ConfigError(
                 f"the resumed training's scalars {list(self.scalar_columns)} differ from the "
                 f"file's {list(f[f'{TRAIN}/scalars'].attrs['columns'])} (another optimizer or "
@@ -406,7 +415,8 @@ def read_frame(f: h5py.File, rows: int | None = None) -> pd.DataFrame:
 
 
 def read_scalars(f: h5py.File, rows: int | None = None) -> pd.DataFrame:
-    """One row per recorded step: `step`, then the scalars (loss, grad_norm, grad_scale, lr.*)."""
+    """One row per recorded step: `step`, then the scalars (loss, grad_norm,
+    grad_norm_preclip, grad_scale, lr.*)."""
     rows = valid_steps(f) if rows is None else rows
     ds, steps = f[f"{TRAIN}/scalars"], f[f"{TRAIN}/step"]
     if f.swmr_mode:

@@ -119,7 +119,8 @@ class RankMerge:
             for key, s in record.stats.items()
             if self.sharded or record.infos[key].kind != "parameter" or self.rank == 0
         }
-        mine = (sent, record.losses, record.scalars.get("grad_norm"))
+        norms = {k: record.scalars.get(k) for k in ("grad_norm", "grad_norm_preclip")}
+        mine = (sent, record.losses, norms)
         parts = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
         if self.rank != 0:
@@ -145,9 +146,10 @@ class RankMerge:
                     merged.merge(piece)
                 stats[key], infos[key] = merged, info
         scalars = dict(record.scalars)
-        norms = [n for _, _, n in parts if n is not None]
-        if self.sharded and norms:
-            scalars["grad_norm"] = math.sqrt(sum(n * n for n in norms))
+        for name in ("grad_norm", "grad_norm_preclip"):
+            norms = [n[name] for _, _, n in parts if n.get(name) is not None]
+            if self.sharded and norms:
+                scalars[name] = math.sqrt(sum(n * n for n in norms))
         losses = [x for _, ls, _ in parts for x in ls]
         return StepRecord(record.step, stats, infos, scalars, losses)
 

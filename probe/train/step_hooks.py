@@ -48,7 +48,8 @@ log = logging.getLogger("probe")
 @dataclass
 class StepRecord:
     """What one recorded step gives the sink: statistics and SiteInfo by (layer, site), the
-    step's scalars (grad_norm, lr.<group>, grad_scale) and the losses given during it."""
+    step's scalars (grad_norm, grad_norm_preclip, lr.<group>, grad_scale) and the step's
+    loss (one value; several where the micro-batches' losses are averaged)."""
 
     step: int
     stats: dict[Key, RunningStats]
@@ -148,6 +149,9 @@ class Watcher:
         self.params_at_forward = options.optimizer is None  # take_params at the first forward
         self.sharded = any(is_dtensor(p) for p in model.parameters())
         self.needs_forwards = bool(edits) or any(w.sites for w in watched)
+        self.norm_hooks = HookSet("watch: the gradient norm at the end of each backward")
+        self.grad_scale: Callable[[], float] | None = None  # a GradScaler's scale, if any
+        self.norm_queued = False
         self.begin(0)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -171,11 +175,41 @@ class Watcher:
                 self.hooks.forward_pre(h.module, uncompiled(self._pre_hook(h)), name=h.name)
             if h.after:
                 self.hooks.forward(h.module, uncompiled(self._post_hook(h)), name=h.name)
+        self._attach_backward_norm()
+
+    def _attach_backward_norm(self) -> None:
+        """At a recorded step, the global gradient norm at the end of each backward (an
+        autograd engine callback queued by the first parameter's post-accumulate hook, after
+        the other callbacks of that backward): the
+        last backward's is the norm before any clipping (`grad_norm_preclip`), divided by the
+        grad scaler's scale where one scales the loss."""
+
+        def measure():
+            self.norm_queued = False
+            norm = self.global_grad_norm()
+            if norm is not None:
+                scale = self.grad_scale() if self.grad_scale is not None else 1.0
+                self.scalars["grad_norm_preclip"] = norm / scale if scale else norm
+
+        def queue(fn):
+            torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+        def hook(param):
+            if self.recording and not self.norm_queued and not self.is_paused:
+                self.norm_queued = True
+                # queued again when it runs: after the callbacks queued in this backward
+                # (DDP's, which puts the all-reduced gradients in place)
+                queue(lambda: queue(measure))
+
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                self.norm_hooks.post_accumulate_grad(p, hook, name=name)
 
     def detach(self) -> None:
         """Remove every hook (the step's gradient hooks too)."""
         try:
             self.grad_hooks.remove()
+            self.norm_hooks.remove()
         finally:
             self.hooks.remove()
 
@@ -280,6 +314,8 @@ class Watcher:
         self.in_calls: Counter[str] = Counter()
         self.out_calls: Counter[str] = Counter()
         self.losses: list[float] = []
+        self.loss_summed = False  # the micro-batches' losses are partial sums (see add_loss)
+        self.norm_queued = False
         self.scalars: dict[str, float] = {}
         self.before: dict[int, torch.Tensor] = {}  # id(parameter) -> its value before the update
         self.params_taken = False
@@ -320,9 +356,9 @@ class Watcher:
                     self.before[id(p)] = local(p).clone()
 
     def take_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """The gradients as the optimizer sees them (after accumulation, and under DDP after
-        the all-reduce), the global grad norm over every gradient of the model, and each param
-        group's learning rate."""
+        """The gradients as the optimizer sees them (after accumulation, clipping, and under
+        DDP the all-reduce), the global grad norm over every gradient of the model (float64),
+        and each param group's learning rate (with `optimizer`)."""
         if not self.recording:
             return
         for w in self.watched:
@@ -330,13 +366,33 @@ class Watcher:
             for name, p in w.params.get("param_grad", {}).items():
                 if p.grad is not None:
                     self._observe_param(h, f"param_grad.{name}", local(p.grad))
-        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g).to(grads[0].device) for g in grads])
-            self.scalars["grad_norm"] = float(torch.linalg.vector_norm(norms))  # (get_total_norm's)
-        if optimizer is not None:
+        norm = self.global_grad_norm()
+        if norm is not None:
+            self.scalars["grad_norm"] = norm
+        self.take_lrs(optimizer)
+
+    def take_lrs(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Each param group's learning rate (`lr.<group>`), as the optimizer step uses it."""
+        if self.recording and optimizer is not None:
             for i, group in enumerate(optimizer.param_groups):
                 self.scalars[f"lr.{i}"] = float(group["lr"])
+
+    def take_preclip_norm(self) -> None:
+        """The global grad norm now, as `grad_norm_preclip` (a trainer's hook that runs before
+        it clips, after it unscales)."""
+        if self.recording:
+            norm = self.global_grad_norm()
+            if norm is not None:
+                self.scalars["grad_norm_preclip"] = norm
+
+    def global_grad_norm(self) -> float | None:
+        """The 2-norm of every gradient of the model together, in float64 (None: none)."""
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        device = grads[0].device
+        squares = [torch.linalg.vector_norm(g, dtype=torch.float64).to(device) ** 2 for g in grads]
+        return float(torch.stack(squares).sum().sqrt())
 
     def take_updates(self) -> None:
         """What the optimizer step changed (`param_update.*`): the weights after minus before."""
@@ -350,9 +406,12 @@ class Watcher:
                     self._observe_param(h, f"param_update.{name}", local(p) - before)
         self.before.clear()
 
-    def add_loss(self, loss) -> None:
-        """A micro-batch's loss (a tensor or a number); the step's is their mean."""
+    def add_loss(self, loss, summed: bool = False) -> None:
+        """A micro-batch's loss (a tensor or a number). The step's loss is their mean, or their
+        sum where the micro-batches' losses are partial sums (`summed`: transformers' Trainer
+        divides each micro-batch's summed loss by the whole step's item count)."""
         if self.recording and loss is not None:
+            self.loss_summed = self.loss_summed or summed
             self.losses.append(
                 float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             )
@@ -368,7 +427,8 @@ class Watcher:
             values = dict(self.scalars)
             values.update({k: v for k, v in scalars.items() if v is not None})
             infos = {key: self.infos[key] for key in stats}
-            record = self.merge_ranks(StepRecord(self.step, stats, infos, values, self.losses))
+            losses = [float(np.sum(self.losses))] if self.loss_summed else self.losses
+            record = self.merge_ranks(StepRecord(self.step, stats, infos, values, losses))
             if record is not None:
                 rows = {key: (record.infos[key], step_row(s)) for key, s in record.stats.items()}
                 if record.losses:

@@ -124,6 +124,8 @@ class Watch:
         merge = ranks.RankMerge(model, self.rank, self.world) if self.world > 1 else None
         self.watcher = Watcher(model, watched, self.edits, o, self._record,
                                failing=self._failing, merge_ranks=merge)  # fmt: skip
+        if o.scaler is not None:
+            self.watcher.grad_scale = lambda: float(o.scaler.get_scale())
         self.schedule = self.watcher.schedule
         groups = len(o.optimizer.param_groups) if o.optimizer is not None else 0
         self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
@@ -348,9 +350,10 @@ class Watch:
         self.watcher.take_updates()
         self._end_step()
 
-    def loss(self, loss) -> None:
-        """The loss of the current step (of each micro-batch: the step's is their mean)."""
-        self.watcher.add_loss(loss)
+    def loss(self, loss, summed: bool = False) -> None:
+        """The loss of the current step: of each micro-batch, the step's is their mean, or their
+        sum with `summed=True` (micro-batch losses that are partial sums of the step's)."""
+        self.watcher.add_loss(loss, summed)
 
     @property
     def step_count(self) -> int:
@@ -373,7 +376,7 @@ class Watch:
             self.probe_batch.evaluate(step)
 
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
-        values = [scalars.get(c, math.nan) for c in self.scalar_columns]
+        values = [scalars.get(c, math.nan) for c in self.file.scalar_columns]
         self.file.append(step, rows, values)
         if self.on_record is not None:
             self.on_record(step, rows, scalars)

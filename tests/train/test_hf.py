@@ -74,7 +74,7 @@ def trainer_for(out, model, opt, **callback):
     args = TrainingArguments(
         output_dir=str(out / "trainer"), use_cpu=True, report_to=[], max_steps=STEPS,
         per_device_train_batch_size=ROWS, train_sampling_strategy="sequential",
-        lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1000, save_strategy="no",
+        lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, save_strategy="no",
         disable_tqdm=True, seed=0,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=samples(), optimizers=(opt, None))
@@ -117,9 +117,10 @@ def test_hf_trainer_callback_writes_the_hand_loops_file(tmp_path):
                 np.testing.assert_array_equal(f[name][:], g[name][:])
     scalars = probe.open_run(tmp_path / "watch").train_scalars()
     assert scalars["lr.0"].tolist() == [LR, LR] and not scalars["loss"].isna().any()
-    # the statistics went through the Trainer's log at each recorded step (global step = the
+    # the statistics went with the Trainer's log of each recorded step (global step = the
     # optimizer steps done: the watch's step + 1, where the Trainer logs that step's loss)
     sent = [(s, v) for s, v in logs.seen if "probe/transformer.h.1/output/abs_mean" in v]
+    assert all("loss" in v and "grad_norm" in v for _, v in sent)
     assert [s for s, _ in sent] == [1, 3]
     want = a[(a.layer == "transformer.h.1") & (a.site == "output")]["abs_mean"].tolist()
     assert [v["probe/transformer.h.1/output/abs_mean"] for _, v in sent] == want
@@ -135,3 +136,94 @@ def test_hf_log_stats_need_the_trainer(tmp_path):
         ProbeCallback(PROBES, out=tmp_path / "w", log_stats=["abs"])
     with pytest.raises(ConfigError, match="ProbeCallback got optimizer"):
         ProbeCallback(PROBES, out=tmp_path / "w", optimizer=None)
+
+
+def llama():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config("llama", 40)).train()
+
+
+class Grads(TrainerCallback):
+    """An unwatched training's gradients as the optimizer steps on them (the Trainer's
+    on_pre_optimizer_step comes after its clip)."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        p = self.model.model.layers[0].mlp.up_proj.weight
+        grads = [q.grad.double() for q in self.model.parameters() if q.grad is not None]
+        total = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        self.seen.append((float(p.grad.double().norm()), total))
+
+
+def llama_trainer(out, model, logging_steps=1):
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), use_cpu=True, report_to=[], max_steps=STEPS,
+        per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        train_sampling_strategy="sequential", learning_rate=1e-3, warmup_steps=2,
+        max_grad_norm=0.5, logging_steps=logging_steps, save_strategy="no", seed=0,
+    )  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=samples())
+
+
+def test_hf_trainer_keeps_its_logs_and_its_loss_and_clipped_gradient(tmp_path, capsys):
+    """Gradient accumulation 2 (the Trainer passes num_items_in_batch, so each micro-batch's
+    loss is a partial sum), clipping active: train.csv's loss and grad_norm_preclip are the
+    Trainer's logged loss and grad_norm, grad_norm and param_grad the clipped gradient; the
+    Trainer's own logs stay, with the statistics, and the console does not print them."""
+    with one_thread():
+        plain = llama()
+        grads = Grads(plain)
+        trainer = llama_trainer(tmp_path / "plain", plain)
+        trainer.add_callback(grads)
+        trainer.train()
+        model = llama()
+        watched = llama_trainer(tmp_path, model)
+        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
+        ProbeCallback(probes, out=tmp_path / "w", log_stats=["norm"]).attach(watched)
+        watched.train()
+    assert_bitwise_equal(state_of(model, watched.optimizer), state_of(plain, trainer.optimizer))
+    printed = capsys.readouterr()
+    assert "probe/" not in printed.out + printed.err
+    history = [h for h in watched.state.log_history if "loss" in h and "train_loss" not in h]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert all({"loss", "grad_norm", "learning_rate"} <= set(h) for h in history)
+    key = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
+    run = probe.open_run(tmp_path / "w")
+    scalars = run.train_scalars()
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    rows = table[table.site == "param_grad.weight"]
+    np.testing.assert_allclose(rows.norm, [g for g, _ in grads.seen], rtol=1e-12)
+    assert [h[key] for h in history] == rows.norm.tolist()
+    np.testing.assert_allclose(scalars.grad_norm, [t for _, t in grads.seen], rtol=1e-12)
+    np.testing.assert_allclose(scalars.grad_norm, 0.5, rtol=1e-6)  # clipped
+    # the Trainer logs the pre-clip norm as grad_norm (float32), and the step's loss
+    np.testing.assert_allclose(scalars.grad_norm_preclip, [h["grad_norm"] for h in history],
+                               rtol=1e-6)  # fmt: skip
+    assert (scalars.grad_norm_preclip > 0.5).all()
+    np.testing.assert_allclose(scalars.loss, [h["loss"] for h in plain_losses(trainer)], rtol=1e-6)
+    np.testing.assert_allclose(scalars.loss, [h["loss"] for h in history], rtol=1e-6)
+
+
+def plain_losses(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+
+
+def test_hf_statistics_wait_for_the_trainers_next_log(tmp_path):
+    """logging_steps=2: each recorded step's statistics go with the Trainer's next log, the
+    latest recorded step's (its values), beside the Trainer's loss."""
+    with one_thread():
+        model = llama()
+        trainer = llama_trainer(tmp_path, model, logging_steps=2)
+        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
+        ProbeCallback(probes, out=tmp_path / "w", log_stats=["norm"]).attach(trainer)
+        trainer.train()
+    key = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    norms = table[table.site == "param_grad.weight"].norm.tolist()
+    logged = [h for h in trainer.state.log_history if key in h]
+    assert [h["step"] for h in logged] == [2, 4] and all("loss" in h for h in logged)
+    assert [h[key] for h in logged] == [norms[1], norms[3]]

@@ -113,7 +113,13 @@ def test_lightning_callback_writes_the_hand_loops_file(tmp_path, accumulate):
                 f["train/sites"][name][:], g["train/sites"][name][:], name
             )
     scalars = probe.open_run(tmp_path / "lit").train_scalars()
-    assert list(scalars.columns[:4]) == ["step", "loss", "grad_norm", "grad_scale"]
+    assert list(scalars.columns[:5]) == [
+        "step",
+        "loss",
+        "grad_norm",
+        "grad_norm_preclip",
+        "grad_scale",
+    ]
     assert scalars["lr.0"].tolist() == [0.05] * 3 and not scalars["loss"].isna().any()
     # the logger's metrics: abs_mean and norm of each recorded site at the watch's steps
     logged = pd.read_csv(next((tmp_path / "logs").rglob("metrics.csv")))
@@ -158,3 +164,90 @@ def test_a_resumed_lightning_training_keeps_the_watchs_state(tmp_path):
     assert (
         sorted(set(cut.step)) == [0, 2, 4] and not cut.duplicated(["step", "layer", "site"]).any()
     )
+
+
+def test_lightning_gradients_are_the_clipped_ones(tmp_path):
+    """With gradient_clip_val clipping every step: param_grad and grad_norm are the gradients
+    the optimizer stepped on (after the clip), grad_norm_preclip the total norm before it, as
+    an unwatched loop clipping with torch.nn.utils.clip_grad_norm_ reads them."""
+    clip, steps = 0.02, 3
+    probes = {"conv1": {"layers": ["net.conv1"], "capture": ["param_grad"]}}
+    batches = image_batches(steps)
+    with one_thread():
+        torch.manual_seed(0)
+        model = LitCNN()
+        opt = model.configure_optimizers()
+        seen = []
+        for batch in batches:
+            opt.zero_grad()
+            model.training_step(batch, 0).backward()
+            params = list(model.parameters())
+            pre = float(torch.nn.utils.get_total_norm([p.grad.double() for p in params]))
+            torch.nn.utils.clip_grad_norm_(params, clip)
+            post = float(torch.nn.utils.get_total_norm([p.grad.double() for p in params]))
+            seen.append((pre, post, float(model.net.conv1.weight.grad.double().norm())))
+            opt.step()
+        hand = state_of(model, opt)
+        torch.manual_seed(0)
+        lit = LitCNN()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=clip, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ProbeCallback(probes, out=tmp_path / "w")],
+        )  # fmt: skip
+        trainer.fit(lit, torch.utils.data.DataLoader(batches, batch_size=None))
+    assert_bitwise_equal(state_of(lit, trainer.optimizers[0]), hand)
+    scalars = probe.open_run(tmp_path / "w").train_scalars()
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    grads = table[table.site == "param_grad.weight"].norm.tolist()
+    pre, post, conv1 = zip(*seen, strict=True)
+    assert min(pre) > 10 * clip  # (every step clipped)
+    np.testing.assert_allclose(scalars.grad_norm_preclip, pre, rtol=1e-12)
+    np.testing.assert_allclose(scalars.grad_norm, post, rtol=1e-12)
+    np.testing.assert_allclose(grads, conv1, rtol=1e-12)
+
+
+class ManualCNN(LitCNN):
+    """Manual optimization: the module clips before its optimizer's step and zeroes the
+    gradients after it."""
+
+    def __init__(self, clip):
+        super().__init__()
+        self.automatic_optimization, self.clip = False, clip
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = image_loss(self, batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()  # (after the step: the gradients are gone at on_train_batch_end)
+        return loss
+
+
+def test_lightning_manual_optimization_records_the_gradients_the_module_clipped(tmp_path):
+    clip, steps = 0.02, 2
+    batches = image_batches(steps)
+    with one_thread():
+        torch.manual_seed(0)
+        model = LitCNN()
+        opt = model.configure_optimizers()
+        post = []
+        for batch in batches:
+            opt.zero_grad()
+            model.training_step(batch, 0).backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+            post.append(float(model.net.conv1.weight.grad.double().norm()))
+            opt.step()
+        torch.manual_seed(0)
+        lit = ManualCNN(clip)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ProbeCallback({"c": {"layers": ["net.conv1"], "capture": ["param_grad"]}},
+                                     out=tmp_path / "w")],
+        )  # fmt: skip
+        trainer.fit(lit, torch.utils.data.DataLoader(batches, batch_size=None))
+    assert_bitwise_equal(state_of(lit, trainer.optimizers[0]), state_of(model, opt))
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    np.testing.assert_allclose(table.norm, post, rtol=1e-12)

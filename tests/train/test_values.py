@@ -201,25 +201,58 @@ def test_every_records_the_steps_it_names(tmp_path, every, recorded):
 
 
 def test_the_gradients_recorded_are_those_the_optimizer_sees_under_a_grad_scaler(tmp_path):
-    """With AMP's GradScaler the optimizer steps on unscaled gradients: param_grad is those,
-    and the file holds the scale of each step."""
+    """With AMP's GradScaler and clip_grad_norm_ the optimizer steps on unscaled, clipped
+    gradients: param_grad and grad_norm are those, grad_norm_preclip the unscaled norm before
+    the clip, and the file holds the scale of each step."""
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     probes = {"fc": {"layers": ["fc"], "capture": ["param_grad.weight"]}}
-    norms, scales = [], []
+    norms, scales, pre, post = [], [], [], []
     with probe.watch(model, probes, out=tmp_path / "run", optimizer=opt, scaler=scaler):
         for x, y in image_batches(2):
             opt.zero_grad()
             scaler.scale(F.cross_entropy(model(x), y)).backward()
             scaler.unscale_(opt)
+            params = list(model.parameters())
+            pre.append(float(torch.nn.utils.get_total_norm([p.grad.double() for p in params])))
+            torch.nn.utils.clip_grad_norm_(params, 0.01)
+            post.append(float(torch.nn.utils.get_total_norm([p.grad.double() for p in params])))
             norms.append(float(model.fc.weight.grad.norm()))
             scales.append(scaler.get_scale())
             scaler.step(opt)
             scaler.update()
+    assert min(pre) > 0.1
     with probe.open_run(tmp_path / "run") as run:
         np.testing.assert_allclose(run.train()["norm"], norms, rtol=1e-6)
-        assert list(run.train_scalars()["grad_scale"]) == scales
+        scalars = run.train_scalars()
+        assert list(scalars["grad_scale"]) == scales
+        np.testing.assert_allclose(scalars["grad_norm"], post, rtol=1e-12)
+        np.testing.assert_allclose(scalars["grad_norm_preclip"], pre, rtol=1e-6)
+
+
+def test_a_loop_ending_its_steps_with_w_step_records_the_clipped_gradient(tmp_path):
+    """A loop without optimizer= that clips, then w.step(loss=...): grad_norm is the clipped
+    gradients' norm, grad_norm_preclip the norm before, both float64."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre, post, losses = [], [], []
+    with probe.watch(model, {"fc": {"layers": ["fc"]}}, out=tmp_path / "run") as w:
+        for batch in image_batches(2):
+            opt.zero_grad()
+            loss = image_loss(model, batch)
+            loss.backward()
+            params = list(model.parameters())
+            pre.append(float(torch.nn.utils.clip_grad_norm_(params, 0.01).double()))
+            post.append(float(torch.nn.utils.get_total_norm([p.grad.double() for p in params])))
+            opt.step()
+            w.step(loss=loss)
+            losses.append(float(loss))
+    with probe.open_run(tmp_path / "run") as run:
+        scalars = run.train_scalars()
+    np.testing.assert_allclose(scalars["grad_norm"], post, rtol=1e-12)
+    np.testing.assert_allclose(scalars["grad_norm_preclip"], pre, rtol=1e-6)
+    assert list(scalars["loss"]) == losses
 
 
 def test_two_watches_of_one_training_record_at_their_own_steps(tmp_path):
@@ -243,3 +276,37 @@ def test_two_watches_of_one_training_record_at_their_own_steps(tmp_path):
     assert sorted(third["step"].unique()) == [0, 3]
     mine = third[third["site"] == "output"].reset_index(drop=True)
     pd.testing.assert_frame_equal(mine, every[every["step"] % 3 == 0].reset_index(drop=True))
+
+
+def test_a_file_written_before_grad_norm_preclip_resumes_without_it(tmp_path, monkeypatch):
+    """A training resumed into a file whose scalars lack grad_norm_preclip (written before it
+    was added) appends the file's own scalars, the same values at the same steps."""
+    from probe.train import watched_run
+
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probes = {"fc": {"layers": ["fc"]}}
+    batches = image_batches(4)
+    old = tuple(c for c in watched_run.SCALAR_COLUMNS if c != "grad_norm_preclip")
+    with monkeypatch.context() as m:
+        m.setattr(watched_run, "SCALAR_COLUMNS", old)
+        with probe.watch(model, probes, out=tmp_path / "run", optimizer=opt) as w:
+            for batch in batches[:2]:
+                opt.zero_grad()
+                image_loss(model, batch).backward()
+                opt.step()
+            state = w.state_dict()
+    w = probe.watch(model, probes, out=tmp_path / "run", optimizer=opt)
+    w.load_state_dict(state)
+    norms = []
+    with w:
+        for batch in batches[2:]:
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            params = list(model.parameters())
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad.double() for p in params])))
+            opt.step()
+    with probe.open_run(tmp_path / "run") as run:
+        scalars = run.train_scalars()
+    assert list(scalars.columns) == ["step", *old, "lr.0"] and list(scalars.step) == [0, 1, 2, 3]
+    np.testing.assert_allclose(scalars.grad_norm[2:], norms, rtol=1e-12)
