@@ -99,8 +99,9 @@ def test_lines_and_heatmap_hold_train_csv(watched):
     loss = panel(lines, "training | loss").get_lines()[0]
     np.testing.assert_array_equal(loss.get_ydata(), scalars["loss"])
     norm = panel(lines, "training | global grad norm").get_lines()
-    assert [ln.get_label() for ln in norm] == ["grad_norm"]
-    np.testing.assert_array_equal(norm[0].get_ydata(), scalars["grad_norm"])
+    assert [ln.get_label() for ln in norm] == ["grad_norm", "grad_norm_preclip"]
+    for ln in norm:
+        np.testing.assert_array_equal(ln.get_ydata(), scalars[ln.get_label()])
     # one legend, beside the panels and smaller than one of them, the layers by depth
     (legend,) = lines.legends
     lines.canvas.draw()
