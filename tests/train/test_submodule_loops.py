@@ -6,6 +6,7 @@ micro-batch, call counts per forward)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -58,7 +59,7 @@ def fit(cls, out, accumulate):
     cb = ProbeCallback(AE_PROBES, out=out, edits=EDITS)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=accumulate,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        gradient_clip_val=0.05, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[cb],
     )  # fmt: skip
     g = torch.Generator().manual_seed(1)
@@ -78,6 +79,10 @@ def test_a_lightning_module_without_forward_is_watched_as_one_with(tmp_path, acc
     assert rows_parts == rows_whole == 5 * STEPS * accumulate  # each micro-batch's rows once
     assert sorted(set(a.step)) == list(range(STEPS))
     assert set(a.loc[a.site == "output", "rows"]) == {5 * accumulate}
+    # the clip acted, and both read the gradient after it (the same file says so)
+    scalars = probe.open_run(tmp_path / "parts").train_scalars()
+    assert (scalars["grad_norm_preclip"] > scalars["grad_norm"]).all()
+    np.testing.assert_allclose(scalars["grad_norm"], 0.05, rtol=1e-5)
 
 
 LM_PROBES = {
