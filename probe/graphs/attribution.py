@@ -19,6 +19,7 @@ influential ones, ranked every `update_interval` batches by the influence the ro
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, fields
 
@@ -153,7 +154,7 @@ def attribute(
     n_layers, n_pos, B = len(transcoders), int(ids.shape[0]), options.batch_size
     with LocalReplacement(model, transcoders, overrides, mode="attribute") as rep:
         with torch.enable_grad():
-            out = model(ids[None].expand(B, -1).to(device))
+            out = model(ids[None].expand(B, -1).to(device), **_lean(model))
         check_interface(rep)
         logits = _logits_of(out)[0, -1].detach().float()
         nodes = _nodes(rep, transcoders, options.zero_bos)
@@ -233,6 +234,14 @@ def _check_context(model, ids: torch.Tensor) -> None:
             f"graphs: token id {int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())} "
             f"is outside the model's vocabulary of {vocab}"
         )
+
+
+def _lean(model) -> dict:
+    """Keywords that spare the forward what a graph does not read: the logits of every position
+    but the last (batch x positions x vocabulary floats) and the key/value cache."""
+    params = inspect.signature(model.forward).parameters
+    lean = {"logits_to_keep": 1, "use_cache": False}
+    return {k: v for k, v in lean.items() if k in params}
 
 
 def _logits_of(out) -> torch.Tensor:

@@ -226,12 +226,14 @@ class LocalReplacement:
         finally:
             config = self.model.config
             config._attn_implementation = self._original
+            torch.set_grad_enabled(self._grad_mode)
             for p, flag in self._grad_flags:
                 p.requires_grad_(flag)
             self._grad_flags = []
             LocalReplacement._active = None
 
     def _register(self) -> None:
+        self._grad_mode = torch.is_grad_enabled()
         params = [*self.model.parameters(), *self.transcoders_parameters()]
         self._grad_flags = [(p, p.requires_grad) for p in params]
         for p in params:
@@ -243,6 +245,7 @@ class LocalReplacement:
         for m in [*self.parts.attn_norms, *self.parts.mlp_norms, self.parts.final_norm]:
             self._hooks.forward(m, self._norm_hook, name="norm")
         for layer, m in enumerate(self.parts.mlps):
+            self._hooks.forward_pre(m, self._mlp_begins, name=f"mlp {layer}")
             self._hooks.forward(m, self._mlp_hook(layer), name=f"mlp {layer}")
         self._hooks.forward(self.parts.embed, self._embed_hook, name="embed")
         self._hooks.forward_pre(self.model, self._begin, name="model")
@@ -288,10 +291,17 @@ class LocalReplacement:
             self.captured.final = out
         return out
 
+    def _mlp_begins(self, module, args):
+        """The MLP's own computation needs no backward (only the skip path flows back): it runs
+        without autograd, the grad mode restored by the MLP's forward hook."""
+        self._mlp_grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+
     def _mlp_hook(self, layer: int):
         transcoder = self.transcoders[layer]
 
         def hook(module, args, out):
+            torch.set_grad_enabled(self._mlp_grad)
             x = args[0] if self.transcoders.reads == "mlp_in" else self._resid_mid[layer]
             self.captured.inputs[layer] = x
             self.captured.mlp_values[layer] = out.detach()
@@ -354,7 +364,15 @@ def _apply(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     heads, kv = pattern.shape[1], value.shape[1]
     if heads != kv:
         value = value.repeat_interleave(heads // kv, dim=1)
-    return torch.matmul(pattern.to(value.dtype), value).transpose(1, 2)
+    pattern = pattern.to(value.dtype)
+    if pattern.shape[0] == value.shape[0]:
+        return torch.matmul(pattern, value).transpose(1, 2)
+    # one pattern for every copy of the prompt: the copies side by side in the last dimension,
+    # so neither the forward nor the backward expands the pattern batch-fold
+    b, h, n, d = value.shape
+    side = value.permute(1, 2, 0, 3).reshape(h, n, b * d)
+    out = torch.matmul(pattern[0], side).reshape(h, pattern.shape[2], b, d)
+    return out.permute(2, 1, 0, 3)
 
 
 def _additive(mask, query: torch.Tensor, key: torch.Tensor, rows: int):
