@@ -75,6 +75,8 @@ CASES = [
     ("gpt2", "resid_mid", "jumprelu", False),
     ("llama", "mlp_in", "topk", False),
     ("llama", "resid_mid", "relu", True),
+    ("gpt2", "mlp_normalized", "relu", True),
+    ("llama", "mlp_normalized", "jumprelu", False),
 ]
 
 
@@ -86,9 +88,21 @@ def test_edge_weights_equal_a_hand_perturbation_in_the_frozen_model(models, kind
         graph = attribute(model, PROMPT, ts, GraphOptions(batch_size=32, floor=0.0))
         assert graph.n_features > 20 and graph.n_logits >= 1
         rep = LocalReplacement(model, ts, mode="record")
-        with torch.no_grad(), rep:
+        seen, hooks = {}, HookSet("norm inputs")
+        with torch.no_grad(), rep, hooks:
+            for layer, norm in enumerate(rep.parts.mlp_norms):
+                hooks.forward_pre(norm, lambda m, a, i=layer: seen.update({i: a[0]}))
             model(PROMPT[None])
         rep.mode = "replay"
+        if reads == "mlp_normalized":  # the norm's output before its weight and bias, by hand
+            for layer, x in seen.items():
+                eps = getattr(rep.parts.mlp_norms[layer], "variance_epsilon", None)
+                want = (
+                    torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
+                    if eps is None
+                    else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+                )
+                torch.testing.assert_close(rep.saved["inputs"][layer], want)
         errors = error_vectors(rep, ts)
         clean = frozen_targets(model, rep, ts, graph)
         dense = graph.adjacency.to_dense().double()
