@@ -9,7 +9,7 @@ transcoders (k=4 of 512 features, a skip matrix) are built, one short graph warm
 is reset, and the graph is attributed (floor 0: every edge kept) and pruned. The table gives the
 peak RSS the attribution and pruning added, the sparse adjacency's bytes (indices and values),
 the dense matrix's bytes (nodes^2 x 4; circuit-tracer holds it and its rows at once, so about
-twice that), their ratios, and how many edges the default floor for large graphs would keep.
+twice that) and their ratios.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ LAYERS, WIDTH, HEADS, VOCAB = 2, 64, 2, 200
 def child(length: int, batch: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from probe.graphs.attribution import DEFAULT_FLOOR, GraphOptions, attribute
+    from probe.graphs.attribution import GraphOptions, attribute
     from probe.testing.random_transcoders import random_transcoders
 
     torch.manual_seed(0)
@@ -49,16 +49,12 @@ def child(length: int, batch: int) -> dict:
     seconds = time.perf_counter() - start
     peak = bc.peak_rss_mb() - before
     a = graph.adjacency
-    values = a.values().abs()
-    rows = a.indices()[0]
-    row_max = torch.zeros(graph.n_nodes).index_reduce_(0, rows, values, "amax")
-    kept_at_floor = int((values >= DEFAULT_FLOOR * row_max[rows]).sum())
     n = graph.n_nodes
     return {
         "tokens": length, "nodes": n, "features": graph.n_features, "nnz": a._nnz(),
         "sparse_mb": a._nnz() * (2 * 8 + 4) / 2**20, "dense_mb": n * n * 4 / 2**20,
         "peak_mb": peak, "peak_reset": reset, "seconds": seconds,
-        "kept_at_floor": kept_at_floor, "replacement": graph.scores["replacement"],
+        "replacement": graph.scores["replacement"],
     }  # fmt: skip
 
 
@@ -81,12 +77,11 @@ def main() -> None:
         rows.append([
             r["tokens"], r["nodes"], r["features"], r["nnz"], f"{r['sparse_mb']:.1f}",
             f"{r['dense_mb']:.1f}", f"{r['peak_mb']:.0f}", f"{r['dense_mb'] / r['peak_mb']:.2f}",
-            f"{r['dense_mb'] / r['sparse_mb']:.1f}", f"{r['kept_at_floor'] / r['nnz']:.3f}",
-            f"{r['seconds']:.1f}",
+            f"{r['dense_mb'] / r['sparse_mb']:.1f}", f"{r['seconds']:.1f}",
         ])  # fmt: skip
     cols = [
         "tokens", "nodes", "features", "edges", "sparse MB", "dense MB", "peak RSS MB",
-        "dense / peak", "dense / sparse", "kept at floor 1e-4", "s",
+        "dense / peak", "dense / sparse", "s",
     ]  # fmt: skip
     text = bc.markdown(
         [f"Graph memory, tiny GPT-2 ({LAYERS} layers, width {WIDTH}), batch {args.batch}, CPU"],
