@@ -20,7 +20,9 @@ same order per step of the path.
 Kept rows are stored in row order, entry after entry, in large blocks reused for every batch
 (int32 row and column, float32 weight: 12 bytes an entry); the graph's COO adjacency (int64
 indices, 20 bytes an entry) is written from them block by block, already in (target, source)
-order, each block released as it is written.
+order, each block released as it is written. After each batch the C heap's free pages are
+given back to the system (glibc's malloc_trim; nothing elsewhere): the batches' temporaries
+otherwise leave the heap fragmented, and the process's memory grew to twice what it held.
 
 Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
 influential ones, ranked every `update_interval` batches by the influence the rows so far give
@@ -190,6 +192,7 @@ def attribute(
                 idx = torch.arange(i, min(i + B, n_logits))
                 seeds = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
                 rows.add(n_cols + idx, reader.rows(seeds), floor)
+                release_free_memory()
             visited = torch.zeros(n_active, dtype=torch.bool)
             while int(visited.sum()) < n_max:
                 if n_max == n_active:
@@ -206,9 +209,11 @@ def attribute(
                     ]
                     rows.add(batch, reader.rows(seeds), floor)
                     visited[batch] = True
+                    release_free_memory()
         del out, reader
     selected = torch.where(visited)[0]
     adjacency = rows.assemble(selected, n_active, n_layers, n_pos)
+    release_free_memory()
     name = _namer(tokenizer)
     return AttributionGraph(
         tokens=ids.cpu(),
@@ -375,6 +380,25 @@ class _Reader:
         torch.autograd.backward(tensors, grads, retain_graph=True)
         buf, self.buffer = self.buffer, None
         return buf[: len(seeds)].cpu()
+
+
+_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim(0)); a no-op
+    elsewhere."""
+    if not _TRIM:
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _TRIM.append(getattr(libc, "malloc_trim", None))
+        except OSError:
+            _TRIM.append(None)
+    if _TRIM[0] is not None:
+        _TRIM[0](0)
 
 
 def kept_by_floor(dense: torch.Tensor, floor: float) -> torch.Tensor:
