@@ -20,9 +20,10 @@ same order per step of the path.
 Kept rows are stored in row order, entry after entry, in large blocks reused for every batch
 (int32 row and column, float32 weight: 12 bytes an entry); the graph's COO adjacency (int64
 indices, 20 bytes an entry) is written from them block by block, already in (target, source)
-order, each block released as it is written. After each batch the C heap's free pages are
-given back to the system (glibc's malloc_trim; nothing elsewhere): the batches' temporaries
-otherwise leave the heap fragmented, and the process's memory grew to twice what it held.
+order, each block released as it is written. After each batch (at most 5% of the time) the C
+heap's free pages are given back to the system (glibc's malloc_trim; nothing elsewhere): the
+batches' temporaries otherwise leave the heap fragmented, and the process's memory grew to twice
+what it held.
 
 Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
 influential ones, ranked every `update_interval` batches by the influence the rows so far give
@@ -213,7 +214,7 @@ def attribute(
         del out, reader
     selected = torch.where(visited)[0]
     adjacency = rows.assemble(selected, n_active, n_layers, n_pos)
-    release_free_memory()
+    release_free_memory(force=True)
     name = _namer(tokenizer)
     return AttributionGraph(
         tokens=ids.cpu(),
@@ -382,23 +383,29 @@ class _Reader:
         return buf[: len(seeds)].cpu()
 
 
-_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
+_TRIM: dict = {}  # glibc's malloc_trim (None where there is none), when it last ran, how long
 
 
-def release_free_memory() -> None:
+def release_free_memory(force: bool = False) -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim(0)); a no-op
-    elsewhere."""
+    elsewhere. Unless `force`, at most 5% of the time: not again before 20 x its last
+    duration has passed."""
+    import time
+
     if not _TRIM:
         try:
             import ctypes
             import ctypes.util
 
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _TRIM.append(getattr(libc, "malloc_trim", None))
+            _TRIM.update(trim=getattr(libc, "malloc_trim", None), last=0.0, took=0.0)
         except OSError:
-            _TRIM.append(None)
-    if _TRIM[0] is not None:
-        _TRIM[0](0)
+            _TRIM.update(trim=None)
+    now = time.perf_counter()
+    if _TRIM["trim"] is None or (not force and now - _TRIM["last"] < 20 * _TRIM["took"]):
+        return
+    _TRIM["trim"](0)
+    _TRIM["last"], _TRIM["took"] = time.perf_counter(), time.perf_counter() - now
 
 
 def kept_by_floor(dense: torch.Tensor, floor: float) -> torch.Tensor:
