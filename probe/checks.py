@@ -160,9 +160,10 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
     at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
     if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
         raise ConfigError(
-            f"graph.floor={g.floor} must be a fraction in [0, 1): an edge is kept when its "
-            "|weight| reaches that fraction of the largest in its row (0: every edge; null: 0 for "
-            "small graphs, else the attribution's default)"
+            f"graph.floor={g.floor} must be a fraction in [0, 1): per row, the smallest edges "
+            "are dropped only while their |weight| sum stays under that share of the row's "
+            "|weight| sum (0: every edge; null: 0 for small graphs, else the attribution's "
+            "default)"
         )
     choice("graph.edges", g.edges, GRAPH_EDGES)
     if not Path(str(g.transcoders)).expanduser().exists():

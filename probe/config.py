@@ -295,8 +295,9 @@ class GraphConfig:
     probability sums to `logit_prob`, at most `max_logits`; `max_feature_nodes` caps the features
     attributed (null: all active ones); pruning keeps `node_threshold` of the node influence and
     `edge_threshold` of the edge influence; graph_edges.csv holds the pruned graph's edges or
-    `all` of them; `batch_size` target rows per backward pass and `floor` the |weight| below
-    which an edge is not kept (null: the attribution's defaults)."""
+    `all` of them; `batch_size` target rows per backward pass and `floor` the share of a row's
+    |weight| sum under which its smallest edges are dropped (null: the attribution's
+    defaults)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95

@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation", default="relu", help="relu (default), jumprelu or topk")
     parser.add_argument("--k", type=int, default=16, help="topk: active features per row (16)")
     parser.add_argument("--width", type=int, default=None, help="features (default 8 x d_model)")
-    parser.add_argument("--reads", default="mlp_in", help="mlp_in (default) or resid_mid")
+    parser.add_argument(
+        "--reads",
+        default="mlp_in",
+        help="mlp_in (default) or resid_mid (mlp_normalized is not captured by a run)",
+    )
     parser.add_argument("--skip", action="store_true", help="a skip matrix W_skip too")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, help="optimizer steps per layer")

@@ -21,11 +21,11 @@ influence, the pruning masks and the scores. `memory` times both in fresh subpro
 growing prompt lengths and reads each one's peak resident memory (ru_maxrss) above what it held
 once the model and transcoders were loaded.
 
-One thing differs by name, not by algorithm: circuit-tracer's `ln2.hook_normalized` is the
-norm's x / scale *before* its weight and bias (TransformerLens's LayerNorm and RMSNorm, and
-circuit-tracer's nnsight mapping of Gemma's), while probe's `mlp_in` is the MLP's input (after
-them): circuit-tracer's `mlp.hook_in`. The comparison runs `mlp_in` against `mlp.hook_in`, and
-shows what `ln2.hook_normalized` would give.
+Reading places: circuit-tracer's `ln2.hook_normalized` is the norm's x / scale *before* its
+weight and bias (TransformerLens's LayerNorm and RMSNorm, and circuit-tracer's nnsight mapping
+of Gemma's): probe's `mlp_normalized`; probe's `mlp_in` is the MLP's input (after them):
+circuit-tracer's `mlp.hook_in`; `resid_mid` is `hook_resid_mid`. The comparison runs each
+against its hook, and shows what `mlp_in` against `ln2.hook_normalized` would give.
 
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py compare
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py memory --lengths 64 256 1024
@@ -51,10 +51,11 @@ from pathlib import Path
 import numpy as np
 
 PEER_PYTHON = "/work/venv-ct/bin/python"
-WORK = Path("/tmp/graph_peers")
+WORK = Path(os.environ.get("GRAPH_PEERS_WORK", "/tmp/graph_peers"))
 VOCAB = 512
 BOS = VOCAB - 1  # the tokenizer's special token (not 0: circuit-tracer's filter(None, ...))
-CT_HOOK = {"mlp_in": "mlp.hook_in", "resid_mid": "hook_resid_mid"}
+CT_HOOK = {"mlp_in": "mlp.hook_in", "resid_mid": "hook_resid_mid",
+           "mlp_normalized": "ln2.hook_normalized"}  # fmt: skip
 
 # (label, family, reads, activation, skip, ct input hook or None for CT_HOOK[reads], max_feature_nodes)
 CASES = [
@@ -63,6 +64,8 @@ CASES = [
     ("gpt2 mlp_in relu, max_feature_nodes=200", "gpt2", "mlp_in", "relu", False, None, 200),
     ("llama mlp_in jumprelu skip", "llama", "mlp_in", "jumprelu", True, None, None),
     ("llama resid_mid relu", "llama", "resid_mid", "relu", False, None, None),
+    ("gpt2 mlp_normalized relu skip", "gpt2", "mlp_normalized", "relu", True, None, None),
+    ("llama mlp_normalized jumprelu", "llama", "mlp_normalized", "jumprelu", False, None, None),
     (
         "gpt2 mlp_in vs ct ln2.hook_normalized",
         "gpt2", "mlp_in", "relu", False, "ln2.hook_normalized", None,

@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from probe.errors import ConfigError
-from probe.graphs.attribution import DEFAULT_FLOOR, GraphOptions, attribute
+from probe.graphs import attribution
+from probe.graphs.attribution import DEFAULT_FLOOR, GraphOptions, attribute, kept_by_floor
 from probe.graphs.replacement import LocalReplacement
 from probe.hooks.hookset import HookSet
 from probe.models.transcoder import TranscoderSet
@@ -75,6 +76,8 @@ CASES = [
     ("gpt2", "resid_mid", "jumprelu", False),
     ("llama", "mlp_in", "topk", False),
     ("llama", "resid_mid", "relu", True),
+    ("gpt2", "mlp_normalized", "relu", True),
+    ("llama", "mlp_normalized", "jumprelu", False),
 ]
 
 
@@ -86,9 +89,21 @@ def test_edge_weights_equal_a_hand_perturbation_in_the_frozen_model(models, kind
         graph = attribute(model, PROMPT, ts, GraphOptions(batch_size=32, floor=0.0))
         assert graph.n_features > 20 and graph.n_logits >= 1
         rep = LocalReplacement(model, ts, mode="record")
-        with torch.no_grad(), rep:
+        seen, hooks = {}, HookSet("norm inputs")
+        with torch.no_grad(), rep, hooks:
+            for layer, norm in enumerate(rep.parts.mlp_norms):
+                hooks.forward_pre(norm, lambda m, a, i=layer: seen.update({i: a[0]}))
             model(PROMPT[None])
         rep.mode = "replay"
+        if reads == "mlp_normalized":  # the norm's output before its weight and bias, by hand
+            for layer, x in seen.items():
+                eps = getattr(rep.parts.mlp_norms[layer], "variance_epsilon", None)
+                want = (
+                    torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
+                    if eps is None
+                    else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+                )
+                torch.testing.assert_close(rep.saved["inputs"][layer], want)
         errors = error_vectors(rep, ts)
         clean = frozen_targets(model, rep, ts, graph)
         dense = graph.adjacency.to_dense().double()
@@ -180,6 +195,44 @@ def test_the_floor_leaves_the_pruned_graph_as_it_is(models):
     assert floored.edges()[["target", "source"]].values.tolist() == kept
     for score in ("replacement", "completeness"):
         assert floored.scores[score] == pytest.approx(exact.scores[score], abs=1e-3)
+    # written in (target, source) order, no entry twice: what coalesce() gives
+    a = floored.adjacency
+    assert a.is_coalesced() and a.indices().dtype == torch.long
+    assert torch.equal(a.indices(), a.to_dense().to_sparse().indices())
+
+
+def test_the_floor_drops_a_rows_smallest_entries_while_their_sum_stays_under_the_bound():
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(6, 50, generator=g) * torch.rand(6, 50, generator=g).pow(8)
+    dense[0, :10] = 0
+    dense[1] = 0
+    for floor in (0.0, 1e-6, 1e-3, 0.05):
+        keep = kept_by_floor(dense, floor)
+        for row, kept in zip(dense.abs().double(), keep, strict=True):
+            want, dropped = torch.zeros_like(kept), 0.0
+            for j in torch.argsort(row).tolist():  # by hand: smallest first
+                if row[j] == 0:
+                    continue
+                if dropped + row[j] < floor * row.sum():
+                    dropped += float(row[j])
+                else:
+                    want[j] = True
+            assert torch.equal(kept, want)
+            assert row[~kept].sum() < floor * row.sum() or row.sum() == 0 or floor == 0
+
+
+def test_small_storage_blocks_give_the_same_graph(models, monkeypatch):
+    """Rows stored across many blocks (the smallest 16 entries) give the graph one block gives,
+    and so do the influence rankings of max_feature_nodes."""
+    ts = transcoders(skip=True)
+    options = GraphOptions(batch_size=8, floor=0.0, max_feature_nodes=40, update_interval=1)
+    one = attribute(models["gpt2"], PROMPT, ts, options)
+    monkeypatch.setattr(attribution, "BLOCK_MIN", 16)
+    monkeypatch.setattr(attribution, "BLOCK_MAX", 64)
+    many = attribute(models["gpt2"], PROMPT, ts, options)
+    assert torch.equal(one.features, many.features)
+    assert torch.equal(one.adjacency.indices(), many.adjacency.indices())
+    assert torch.equal(one.adjacency.values(), many.adjacency.values())
 
 
 def test_post_norm_and_unknown_families_are_refused_by_name(models):

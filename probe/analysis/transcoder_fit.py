@@ -42,6 +42,7 @@ from probe.models.transcoder import ACTIVATIONS, READS, Transcoder
 from probe.models.transcoder_files import write_set_config, write_transcoder
 
 log = logging.getLogger("probe.fit")
+FIT_READS = ("mlp_in", "resid_mid")  # mlp_normalized is not captured by a run
 MLP_NAMES = tuple(dict.fromkeys(f["mlp_out"] for f in FAMILIES.values() if not f.get("post_norm")))
 NORM_NAMES = tuple(dict.fromkeys(f["mlp_norm"] for f in FAMILIES.values() if "mlp_norm" in f))
 FIT_COLUMNS = ["layer", "reads", "activation", "width", "k", "skip", "steps", "rows",
@@ -74,8 +75,13 @@ class FitOptions:
     def check(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"--activation {self.activation!r}; choose {', '.join(ACTIVATIONS)}")
+        if self.reads == "mlp_normalized":
+            raise ConfigError(
+                "--reads mlp_normalized: a fit reads captured token rows, and a run captures no "
+                "norm output without its weight and bias; fit --reads mlp_in or resid_mid"
+            )
         if self.reads not in READS:
-            raise ConfigError(f"--reads {self.reads!r}; choose {', '.join(READS)}")
+            raise ConfigError(f"--reads {self.reads!r}; choose {', '.join(FIT_READS)}")
         positive = {"--batch-size": self.batch_size, "--lr": self.lr, "--epochs": self.epochs,
                     "--checkpoint-every": self.checkpoint_every, "--k": self.k,
                     "--bandwidth": self.bandwidth, "--threshold": self.threshold}  # fmt: skip

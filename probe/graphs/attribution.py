@@ -8,8 +8,22 @@ its target's place (a feature: its encoder column at its position at the transco
 logit: the demeaned unembedding row at the last position at the final norm's output), and tensor
 hooks read the gradient at every MLP output (contracted with the active features' activation x
 decoder rows and with the error vectors) and at the embeddings' output (contracted with the token
-embeddings). The rows in flight are dense (batch_size x columns); what is kept of them is sparse:
-entries whose |weight| reaches `floor` times the largest |weight| of their row.
+embeddings). The rows in flight are dense (batch_size x columns); what is kept of them is sparse.
+
+The floor is a bound, not a cut: per row the smallest entries are dropped only while their
+|weight| sum stays under `floor` times the row's |weight| sum (floor 0 keeps every nonzero entry).
+Pruning normalises each row by its |weight| sum, so a row's normalised weights move by less than
+2 x floor in total (the dropped share, and the rest scaled up by at most 1 / (1 - floor)), and
+every influence, a sum over paths of products of normalised weights, moves by a share of the
+same order per step of the path.
+
+Kept rows are stored in row order, entry after entry, in large blocks reused for every batch
+(int32 row and column, float32 weight: 12 bytes an entry); the graph's COO adjacency (int64
+indices, 20 bytes an entry) is written from them block by block, already in (target, source)
+order, each block released as it is written. After each batch (at most 5% of the time) the C
+heap's free pages are given back to the system (glibc's malloc_trim; nothing elsewhere): the
+batches' temporaries otherwise leave the heap fragmented, and the process's memory grew to twice
+what it held.
 
 Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
 influential ones, ranked every `update_interval` batches by the influence the rows so far give
@@ -19,6 +33,7 @@ influential ones, ranked every `update_interval` batches by the influence the ro
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, fields
 
@@ -32,7 +47,10 @@ from probe.models.transcoder import TranscoderSet
 
 EDGES = ("pruned", "all")
 EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (floor 0)
-DEFAULT_FLOOR = 1e-4  # larger graphs: an edge under this fraction of its row's largest is dropped
+# larger graphs: per row, the smallest entries whose |weight| sum stays under this share of the
+# row's |weight| sum are dropped (1e-6: the pruned graph at 1,024 tokens is circuit-tracer's)
+DEFAULT_FLOOR = 1e-6
+BLOCK_MIN, BLOCK_MAX = 1 << 16, 1 << 22  # entries of the first and the largest storage block
 PIECE = 1 << 24  # elements of a gathered gradient per contraction (bounds the rows' scratch)
 
 
@@ -44,8 +62,9 @@ class GraphOptions:
     probabilities sum to logit_prob, at most max_logits. max_feature_nodes: the features
     attributed (None: every active one). node_threshold, edge_threshold: pruning's cumulative
     influence kept. batch_size: target rows per backward (and copies of the prompt in the
-    forward). floor: an edge is kept when |weight| >= floor x the largest |weight| of its row;
-    None: 0 for graphs of up to EXACT_NODES nodes, else DEFAULT_FLOOR. edges: which edges the
+    forward). floor: per row, the smallest entries are dropped while their |weight| sum stays
+    under floor x the row's |weight| sum (a bound on what is lost); None: 0 for graphs of up to
+    EXACT_NODES nodes, else DEFAULT_FLOOR. edges: which edges the
     files hold (pruned | all). zero_bos: position 0's features and error are not nodes.
     update_interval: batches between re-rankings of the features by influence."""
 
@@ -84,7 +103,11 @@ class GraphOptions:
             or not 0 <= self.floor < 1
             or math.isnan(self.floor)
         ):
-            bad("floor", self.floor, "a fraction of a row's largest |weight| in [0, 1), or null")
+            bad(
+                "floor", self.floor,
+                "the share of a row's |weight| sum its dropped smallest entries stay under, in "
+                "[0, 1), or null",
+            )  # fmt: skip
         if self.edges not in EDGES:
             bad("edges", self.edges, f"choose from {', '.join(EDGES)}")
         if not _is_int(self.update_interval) or self.update_interval < 1:
@@ -153,7 +176,7 @@ def attribute(
     n_layers, n_pos, B = len(transcoders), int(ids.shape[0]), options.batch_size
     with LocalReplacement(model, transcoders, overrides, mode="attribute") as rep:
         with torch.enable_grad():
-            out = model(ids[None].expand(B, -1).to(device))
+            out = model(ids[None].expand(B, -1).to(device), **_lean(model))
         check_interface(rep)
         logits = _logits_of(out)[0, -1].detach().float()
         nodes = _nodes(rep, transcoders, options.zero_bos)
@@ -170,6 +193,7 @@ def attribute(
                 idx = torch.arange(i, min(i + B, n_logits))
                 seeds = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
                 rows.add(n_cols + idx, reader.rows(seeds), floor)
+                release_free_memory()
             visited = torch.zeros(n_active, dtype=torch.bool)
             while int(visited.sum()) < n_max:
                 if n_max == n_active:
@@ -186,9 +210,11 @@ def attribute(
                     ]
                     rows.add(batch, reader.rows(seeds), floor)
                     visited[batch] = True
+                    release_free_memory()
         del out, reader
     selected = torch.where(visited)[0]
     adjacency = rows.assemble(selected, n_active, n_layers, n_pos)
+    release_free_memory(force=True)
     name = _namer(tokenizer)
     return AttributionGraph(
         tokens=ids.cpu(),
@@ -233,6 +259,14 @@ def _check_context(model, ids: torch.Tensor) -> None:
             f"graphs: token id {int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())} "
             f"is outside the model's vocabulary of {vocab}"
         )
+
+
+def _lean(model) -> dict:
+    """Keywords that spare the forward what a graph does not read: the logits of every position
+    but the last (batch x positions x vocabulary floats) and the key/value cache."""
+    params = inspect.signature(model.forward).parameters
+    lean = {"logits_to_keep": 1, "use_cache": False}
+    return {k: v for k, v in lean.items() if k in params}
 
 
 def _logits_of(out) -> torch.Tensor:
@@ -349,43 +383,112 @@ class _Reader:
         return buf[: len(seeds)].cpu()
 
 
+_TRIM: dict = {}  # glibc's malloc_trim (None where there is none), when it last ran, how long
+
+
+def release_free_memory(force: bool = False) -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim(0)); a no-op
+    elsewhere. Unless `force`, at most 5% of the time: not again before 20 x its last
+    duration has passed."""
+    import time
+
+    if not _TRIM:
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _TRIM.update(trim=getattr(libc, "malloc_trim", None), last=0.0, took=0.0)
+        except OSError:
+            _TRIM.update(trim=None)
+    now = time.perf_counter()
+    if _TRIM["trim"] is None or (not force and now - _TRIM["last"] < 20 * _TRIM["took"]):
+        return
+    _TRIM["trim"](0)
+    _TRIM["last"], _TRIM["took"] = time.perf_counter(), time.perf_counter() - now
+
+
+def kept_by_floor(dense: torch.Tensor, floor: float) -> torch.Tensor:
+    """(rows, columns) bool: each row's nonzero entries but its smallest ones whose |weight| sum
+    stays under `floor` x the row's |weight| sum."""
+    keep = dense != 0
+    if floor <= 0:
+        return keep
+    a = dense.abs()
+    order = torch.argsort(a, dim=1)
+    below = torch.cumsum(torch.gather(a, 1, order).double(), 1)
+    below = below < floor * below[:, -1:]  # the smallest entries, their sum under the bound
+    return keep & ~torch.zeros_like(keep).scatter_(1, order, below)
+
+
+class _Block:
+    """Storage for `capacity` entries: int32 row (the attribution's row index) and column, float32
+    weight; rows are appended whole, in order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.row = torch.empty(capacity, dtype=torch.int32)
+        self.col = torch.empty(capacity, dtype=torch.int32)
+        self.val = torch.empty(capacity, dtype=torch.float32)
+        self.used = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.row.shape[0])
+
+
 class _Rows:
-    """The sparse rows attributed so far: entries (row, column, weight) with each row's node
-    (an active feature's index, or n_cols + logit index)."""
+    """The sparse rows attributed so far, in blocks (see the module docstring), with each row's
+    node (an active feature's index, or n_cols + logit index), entry count and |weight| sum."""
 
     def __init__(self, n_cols: int, n_logits: int, logit_probs: torch.Tensor):
         self.n_cols, self.n_logits = n_cols, n_logits
         self.logit_probs = logit_probs.float().cpu()
         self.nodes: list[torch.Tensor] = []
-        self.r: list[torch.Tensor] = []
-        self.c: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor] = []
+        self.blocks: list[_Block] = []
         self.count = 0
 
     def add(self, nodes: torch.Tensor, dense: torch.Tensor, floor: float) -> None:
-        keep = dense != 0
-        if floor > 0:
-            keep &= dense.abs() >= floor * dense.abs().amax(1, keepdim=True)
+        keep = kept_by_floor(dense, floor)
         r, c = torch.nonzero(keep, as_tuple=True)
+        n = int(r.shape[0])
+        block = self._room(n)
+        lo, hi = block.used, block.used + n
+        block.row[lo:hi] = r + self.count
+        block.col[lo:hi] = c
+        block.val[lo:hi] = dense[r, c]
+        block.used = hi
         self.nodes.append(nodes.long())
-        self.r.append(r + self.count)
-        self.c.append(c)
-        self.v.append(dense[r, c])
+        self.counts.append(keep.sum(1))
+        self.sums.append(dense.abs().mul_(keep).sum(1, dtype=torch.float64))
         self.count += int(dense.shape[0])
+
+    def _room(self, n: int) -> _Block:
+        """The block the next n entries go to: the last one, or a new one twice its size (at
+        most BLOCK_MAX entries, at least n)."""
+        last = self.blocks[-1] if self.blocks else None
+        if last is not None and last.capacity - last.used >= n:
+            return last
+        size = min(BLOCK_MAX, 2 * last.capacity) if last is not None else BLOCK_MIN
+        self.blocks.append(_Block(max(size, n)))
+        return self.blocks[-1]
 
     def influence(self, max_iter: int = 128) -> torch.Tensor:
         """circuit-tracer's partial influences of every node on the logits, from the rows so far
         (row-normalised |weights|, the power series seeded with the logit probabilities)."""
         row_node = torch.cat(self.nodes)
-        r, c, v = torch.cat(self.r), torch.cat(self.c), torch.cat(self.v).abs()
-        sums = torch.zeros(self.count).index_add_(0, r, v).clamp(min=1e-8)
-        v = v / sums[r]
+        sums = torch.cat(self.sums).float().clamp(min=1e-8)
         total = self.n_cols + self.n_logits
         prod = torch.zeros(total)
         prod[-self.n_logits :] = self.logit_probs
         influence = torch.zeros(total)
         for _ in range(max_iter):
-            prod = torch.zeros(total).index_add_(0, c, v * prod[row_node][r])
+            per_row = prod[row_node] / sums
+            prod = torch.zeros(total)
+            for b in self.blocks:
+                n = b.used
+                prod.index_add_(0, b.col[:n], b.val[:n].abs() * per_row[b.row[:n]])
             if not prod.any():
                 break
             influence += prod
@@ -393,29 +496,55 @@ class _Rows:
 
     def assemble(self, selected: torch.Tensor, n_active: int, n_layers: int, n_pos: int):
         """The adjacency in node order [selected features | errors | tokens | logits], sparse
-        COO (target, source), coalesced."""
+        COO (target, source), coalesced: written block by block into its final place (each
+        target's entries in source order), the blocks released as they are written."""
         n_sel = int(selected.shape[0])
         n_nodes = n_sel + (n_layers + 1) * n_pos + self.n_logits
         col_map = torch.full((self.n_cols,), -1, dtype=torch.long)
         col_map[selected] = torch.arange(n_sel)
         col_map[n_active:] = torch.arange(n_sel, n_sel + (n_layers + 1) * n_pos)
-        if not self.r:
+        if not self.nodes:
             empty = torch.zeros(2, 0, dtype=torch.long)
             return torch.sparse_coo_tensor(
-                empty, torch.zeros(0), (n_nodes, n_nodes), check_invariants=False
-            ).coalesce()
+                empty, torch.zeros(0), (n_nodes, n_nodes), check_invariants=False, is_coalesced=True
+            )
         row_node = torch.cat(self.nodes)
         row_map = torch.full((n_active + self.n_logits,), -1, dtype=torch.long)
         row_map[selected] = torch.arange(n_sel)
         row_map[n_active:] = torch.arange(n_nodes - self.n_logits, n_nodes)
         node = torch.where(row_node >= self.n_cols, row_node - self.n_cols + n_active, row_node)
-        r, c, v = torch.cat(self.r), torch.cat(self.c), torch.cat(self.v)
-        target, source = row_map[node][r], col_map[c]
-        keep = source >= 0
-        indices = torch.stack([target[keep], source[keep]])
+        target = row_map[node]  # each row's target node
+        counts = torch.cat(self.counts)
+        if n_sel < n_active:  # entries of features not selected go
+            counts = torch.zeros(self.count, dtype=torch.long)
+            for b in self.blocks:
+                n = b.used
+                counts.index_add_(0, b.row[:n], (col_map[b.col[:n]] >= 0).long())
+        # each row's first place in the adjacency: rows in target order
+        order = torch.argsort(target)
+        first = torch.zeros(self.count, dtype=torch.long)
+        first[order] = torch.cumsum(counts[order], 0) - counts[order]
+        nnz = int(counts.sum())
+        indices = torch.empty(2, nnz, dtype=torch.long)
+        values = torch.empty(nnz, dtype=torch.float32)
+        while self.blocks:
+            b = self.blocks.pop(0)
+            n = b.used
+            row, source = b.row[:n].long(), col_map[b.col[:n]]
+            keep = source >= 0
+            rank = torch.cumsum(keep, 0) - keep.long()  # kept entries before each, in the block
+            begins = torch.ones(n, dtype=torch.bool)  # each row's first entry (rows are whole)
+            begins[1:] = row[1:] != row[:-1]
+            start = torch.zeros(self.count, dtype=torch.long)  # each row's rank at its start
+            start[row[begins]] = rank[begins]
+            place = (first[row] + rank - start[row])[keep]
+            indices[0, place] = target[row[keep]]
+            indices[1, place] = source[keep]
+            values[place] = b.val[:n][keep]
+            del b, row, source, keep, rank, start, place
         return torch.sparse_coo_tensor(
-            indices, v[keep], (n_nodes, n_nodes), check_invariants=False
-        ).coalesce()
+            indices, values, (n_nodes, n_nodes), check_invariants=False, is_coalesced=True
+        )
 
 
 def _namer(tokenizer):

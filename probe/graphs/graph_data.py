@@ -4,9 +4,9 @@ Nodes come in circuit-tracer's order: the attributed feature nodes (sorted by la
 feature), the error nodes (layer-major: `layer * n_pos + pos`), the input tokens' embeddings (one
 per position), the logit nodes (most probable first). The adjacency is sparse, [target, source]:
 the weight of edge s -> t is the direct effect of s on t in the local replacement model (on a
-feature, its encoder's pre-activation; on a logit, the logit minus the mean logit). Edges whose
-|weight| fell below `floor` times the largest |weight| of their row were not kept (0: every edge
-of the attributed graph).
+feature, its encoder's pre-activation; on a logit, the logit minus the mean logit). Per row, the
+smallest edges were dropped only while their |weight| sum stayed under `floor` times the row's
+|weight| sum (0: every edge of the attributed graph).
 
 In the node table a token node's layer is -1 and a logit node's is n_layers; `activation` is a
 feature's activation and a logit's probability (NaN for errors and tokens); `token` is the token
@@ -51,7 +51,7 @@ class AttributionGraph:
     logit_probs: torch.Tensor  # (n_logits,) float32
     logit_strings: list[str]
     adjacency: torch.Tensor  # sparse COO (n_nodes, n_nodes) float32, [target, source], coalesced
-    floor: float = 0.0  # |weight| < floor x its row's largest |weight| was dropped (0: all kept)
+    floor: float = 0.0  # a row's dropped smallest |weights| sum under floor x its |weight| sum
     prompt: str | None = None
     scan: list[str] | str | None = None  # the transcoders' ids (circuit-tracer's scan)
     active_features: int = 0  # active features before max_feature_nodes chose among them

@@ -31,11 +31,11 @@ def _check(name: str, value) -> float:
 
 
 class _Sparse:
-    """A graph's adjacency as float64 COO arrays, normalised by row."""
+    """A graph's adjacency as COO arrays, its |weights| normalised by row in float64."""
 
     def __init__(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, n: int):
         self.rows, self.cols, self.n = rows, cols, n
-        a = values.abs()
+        a = values.abs().double()
         sums = torch.zeros(n, dtype=torch.float64).index_add_(0, rows, a).clamp(min=1e-10)
         self.norm = a / sums[rows]
 
@@ -80,7 +80,7 @@ def _logit_weights(graph: AttributionGraph) -> torch.Tensor:
 def _coo(graph: AttributionGraph):
     a = graph.adjacency.coalesce()
     rows, cols = a.indices().cpu()
-    return rows, cols, a.values().double().cpu()
+    return rows, cols, a.values().cpu()  # float32: _Sparse keeps only the float64 norm
 
 
 def prune(

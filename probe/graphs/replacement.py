@@ -11,7 +11,9 @@ While a `LocalReplacement` is entered, three things are frozen at their values o
   its gradient is that of `centre(x) * scale.detach() * weight` (centring stays linear);
 - every MLP: its output keeps its value and its gradient is that of its transcoder's skip path
   alone (`x @ W_skip.T`, nothing without a skip matrix), where x is what the transcoder reads
-  (`mlp_in`: the MLP's input; `resid_mid`: the MLP norm's input). The MLP's output is, by
+  (`mlp_in`: the MLP's input; `resid_mid`: the MLP norm's input; `mlp_normalized`: the MLP
+  norm's input centred (LayerNorm) times its frozen scale, the norm's weight and bias left out,
+  so its gradient is linear too). The MLP's output is, by
   definition, the transcoder's active features' writes plus an error (the real output minus the
   transcoder's), so the paths through other features are cut: what flows back is direct.
 
@@ -38,7 +40,7 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import block_names
 from probe.models.anatomy import anatomy
-from probe.models.transcoder import TranscoderSet
+from probe.models.transcoder import TranscoderSet, norm_kind
 
 MODES = ("attribute", "record", "replay")
 KEYS = (
@@ -124,20 +126,6 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
-def norm_kind(module: nn.Module) -> tuple[bool, float]:
-    """(centres, eps) of a norm: LayerNorm centres, RMSNorm does not; another kind is refused."""
-    if isinstance(module, nn.LayerNorm):
-        return True, float(module.eps)
-    if "RMSNorm" in type(module).__name__:
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is not None:
-            return False, float(eps)
-    raise ConfigError(
-        f"graphs: cannot freeze the scale of a {type(module).__name__}; the local replacement "
-        "model knows torch's LayerNorm and the RMSNorms of Llama, Mistral and Qwen"
-    )
-
-
 def _norm_parts(module: nn.Module, x: torch.Tensor, scale: torch.Tensor | None = None):
     """(centred x, scale) in the compute dtype; the scale (detached) from x unless given."""
     centres, eps = norm_kind(module)
@@ -211,6 +199,7 @@ class LocalReplacement:
             self._where[id(m)] = ("mlp_norm", i)
         self._where[id(self.parts.final_norm)] = ("final_norm", self.parts.n_layers)
         self._resid_mid: dict[int, torch.Tensor] = {}
+        self._normalized: dict[int, torch.Tensor] = {}
         self._grad_flags: list[tuple[torch.Tensor, bool]] = []
 
     # -- entering ------------------------------------------------------------------------------
@@ -226,12 +215,14 @@ class LocalReplacement:
         finally:
             config = self.model.config
             config._attn_implementation = self._original
+            torch.set_grad_enabled(self._grad_mode)
             for p, flag in self._grad_flags:
                 p.requires_grad_(flag)
             self._grad_flags = []
             LocalReplacement._active = None
 
     def _register(self) -> None:
+        self._grad_mode = torch.is_grad_enabled()
         params = [*self.model.parameters(), *self.transcoders_parameters()]
         self._grad_flags = [(p, p.requires_grad) for p in params]
         for p in params:
@@ -243,6 +234,7 @@ class LocalReplacement:
         for m in [*self.parts.attn_norms, *self.parts.mlp_norms, self.parts.final_norm]:
             self._hooks.forward(m, self._norm_hook, name="norm")
         for layer, m in enumerate(self.parts.mlps):
+            self._hooks.forward_pre(m, self._mlp_begins, name=f"mlp {layer}")
             self._hooks.forward(m, self._mlp_hook(layer), name=f"mlp {layer}")
         self._hooks.forward(self.parts.embed, self._embed_hook, name="embed")
         self._hooks.forward_pre(self.model, self._begin, name="model")
@@ -254,6 +246,7 @@ class LocalReplacement:
     def _begin(self, module, args):
         self.captured = Captured()
         self._resid_mid = {}
+        self._normalized = {}
         self._pattern_index = 0
         if self.mode == "record":
             self.saved = {"patterns": [], "scales": {}, "mlp": {}, "inputs": {}}
@@ -267,9 +260,9 @@ class LocalReplacement:
     def _norm_hook(self, module, args, out):
         kind, layer = self._where[id(module)]
         x = args[0]
+        key = (kind, layer)
         if kind == "mlp_norm":
             self._resid_mid[layer] = x
-        key = (kind, layer)
         if self.mode == "replay":
             xc, scale = _norm_parts(module, x, self.saved["scales"][key])
             new = _norm_linear(module, xc, scale)
@@ -284,15 +277,27 @@ class LocalReplacement:
             else:
                 lin = _norm_linear(module, xc, scale)
                 out = out.detach() + (lin - lin.detach()).to(out.dtype)
+        if kind == "mlp_norm" and self.transcoders.reads == "mlp_normalized":
+            # the norm's output before its weight and bias, the scale frozen: linear in x
+            self._normalized[layer] = (xc * scale).to(x.dtype)
         if kind == "final_norm":
             self.captured.final = out
         return out
+
+    def _mlp_begins(self, module, args):
+        """The MLP's own computation needs no backward (only the skip path flows back): it runs
+        without autograd, the grad mode restored by the MLP's forward hook."""
+        self._mlp_grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
 
     def _mlp_hook(self, layer: int):
         transcoder = self.transcoders[layer]
 
         def hook(module, args, out):
-            x = args[0] if self.transcoders.reads == "mlp_in" else self._resid_mid[layer]
+            torch.set_grad_enabled(self._mlp_grad)
+            reads = self.transcoders.reads
+            x = {"mlp_in": args[0] if args else None, "resid_mid": self._resid_mid.get(layer),
+                 "mlp_normalized": self._normalized.get(layer)}[reads]  # fmt: skip
             self.captured.inputs[layer] = x
             self.captured.mlp_values[layer] = out.detach()
             if self.mode == "record":
@@ -354,7 +359,15 @@ def _apply(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     heads, kv = pattern.shape[1], value.shape[1]
     if heads != kv:
         value = value.repeat_interleave(heads // kv, dim=1)
-    return torch.matmul(pattern.to(value.dtype), value).transpose(1, 2)
+    pattern = pattern.to(value.dtype)
+    if pattern.shape[0] == value.shape[0]:
+        return torch.matmul(pattern, value).transpose(1, 2)
+    # one pattern for every copy of the prompt: the copies side by side in the last dimension,
+    # so neither the forward nor the backward expands the pattern batch-fold
+    b, h, n, d = value.shape
+    side = value.permute(1, 2, 0, 3).reshape(h, n, b * d)
+    out = torch.matmul(pattern[0], side).reshape(h, pattern.shape[2], b, d)
+    return out.permute(2, 1, 0, 3)
 
 
 def _additive(mask, query: torch.Tensor, key: torch.Tensor, rows: int):

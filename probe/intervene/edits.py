@@ -110,7 +110,7 @@ def feature_edits(model: nn.Module, name: str, spec, path: str | None, sets: dic
     (read_name, read_module), (mlp_name, mlp) = feature_modules(
         model, int(spec.layer), tset.reads, label
     )
-    read = FeatureRead()
+    read = FeatureRead(read_module if tset.reads == "mlp_normalized" else None)
     positions = list(spec.positions) if spec.positions is not None else None
     where = Region(f"{label} at {mlp_name!r}", None, positions)
     write = FeatureWrite(label, tset.transcoders[int(spec.layer)], int(spec.feature), spec.op,

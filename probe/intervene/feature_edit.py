@@ -1,8 +1,9 @@
 """Edits of one transcoder feature (`site: feature`): zero it, scale it or clamp it to a value at
 chosen positions, as an attribution graph's claim about the feature is checked by patching.
 
-The transcoder of block `layer` reads that block's MLP input (`mlp_in`) or the residual before
-the MLP's norm (`resid_mid`) and writes the MLP's output. The edit keeps the MLP's real output
+The transcoder of block `layer` reads that block's MLP input (`mlp_in`), the residual before
+the MLP's norm (`resid_mid`) or that norm's output before its weight and bias (`mlp_normalized`,
+computed from the norm's input) and writes the MLP's output. The edit keeps the MLP's real output
 and adds `(new - act) x W_dec[feature]` at the chosen positions: the transcoder's reconstruction
 with the feature changed, the transcoder's error kept. `act` is the feature's activation on the
 input the transcoder reads in this forward; `new` is 0 (op=zero), `factor x act` (op=scale) or
@@ -25,20 +26,27 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.module_select import block_names
 from probe.intervene.patch_steer import Region
 from probe.models.anatomy import anatomy
+from probe.models.transcoder import normalized
 from probe.site_keys import SiteKey
 
 
 class FeatureRead:
     """The reading module's input, kept (unchanged) for the FeatureWrite of the same forward;
-    a batch repeated (a grid's stacked cells) is kept chunk by chunk, in order."""
+    a batch repeated (a grid's stacked cells) is kept chunk by chunk, in order. With `norm` (the
+    norm before the MLP, reads=mlp_normalized) what is kept is that norm's normalised input."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: nn.Module | None = None) -> None:
         self.kept: deque[torch.Tensor] = deque()
+        self.norm = norm
 
     def __call__(self, x: torch.Tensor, start: int, key: str, ch) -> torch.Tensor:
         site = SiteKey.parse(key)
         if site.path in ("", ".0") and site.call == 0:
-            self.kept.append(x)
+            if self.norm is None:
+                self.kept.append(x)
+            else:
+                with torch.no_grad():
+                    self.kept.append(normalized(self.norm, x))
         return x
 
 
@@ -77,7 +85,8 @@ class FeatureWrite:
 
 def feature_modules(model: nn.Module, layer: int, reads: str, label: str):
     """((reading module's name, module), (MLP's name, module)) of block `layer`: the MLP's input
-    (reads=mlp_in) or the norm before it (reads=resid_mid) and the MLP (the anatomy's mlp_out)."""
+    (reads=mlp_in) or the norm before it (reads=resid_mid, mlp_normalized) and the MLP (the
+    anatomy's mlp_out)."""
     body = anatomy(model, block_names(model))
     modules = dict(model.named_modules())
     if not body.mlp_out:
@@ -95,8 +104,8 @@ def feature_modules(model: nn.Module, layer: int, reads: str, label: str):
         return (mlp, modules[mlp]), (mlp, modules[mlp])
     if len(body.mlp_norm) != len(body.mlp_out):
         raise ConfigError(
-            f"{label}: the transcoders read resid_mid, the input of each block's norm before its "
-            f"MLP, which probe does not know for a {body.family!r} model; set "
+            f"{label}: the transcoders read {reads}, from the input of each block's norm before "
+            f"its MLP, which probe does not know for a {body.family!r} model; set "
             "model.anatomy.mlp_norm=SUFFIX"
         )
     norm = body.mlp_norm[layer]

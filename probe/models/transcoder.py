@@ -4,9 +4,11 @@ output, as circuit-tracer's per-layer transcoders do (Ameisen et al. 2025).
 A transcoder computes `decode(encode(x)) + skip(x)`: pre-activations `x @ W_enc + b_enc`, an
 activation (relu, jumprelu with a per-feature threshold, topk with k), `acts @ W_dec + b_dec`, and
 for a skip transcoder `x @ W_skip.T`. Orientation is circuit-tracer's in memory: W_enc (d_in,
-d_tc), W_dec (d_tc, d_out), W_skip (d_out, d_in). Where it reads is the set's `reads`: `mlp_in`
-(the MLP's input, after its norm; TransformerLens's `ln2.hook_normalized`) or `resid_mid` (the
-residual before that norm); it writes the MLP's output (`mlp_out`).
+d_tc), W_dec (d_tc, d_out), W_skip (d_out, d_in). Where it reads is the set's `reads`:
+`mlp_normalized` (the norm before the MLP without its weight and bias: the norm's input centred,
+for a LayerNorm, times 1/std or 1/rms; TransformerLens's `ln2.hook_normalized`), `mlp_in` (the
+MLP's input, after the norm's weight and bias; TransformerLens's `mlp.hook_in`) or `resid_mid`
+(the residual before that norm; `hook_resid_mid`); it writes the MLP's output (`mlp_out`).
 
 probe.models.transcoder_files loads a set from circuit-tracer's YAML and the file layouts it
 reads; probe.analysis.transcoder_fit trains one from a run's captures.
@@ -22,9 +24,14 @@ from torch import nn
 from probe.errors import ConfigError
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
-READS = ("mlp_in", "resid_mid")  # where a transcoder reads: circuit-tracer's feature_input_hook
+# where a transcoder reads: circuit-tracer's feature_input_hook
+READS = ("mlp_in", "resid_mid", "mlp_normalized")
 # circuit-tracer's (TransformerLens's) hook names for each place
-INPUT_HOOKS = {"ln2.hook_normalized": "mlp_in", "hook_resid_mid": "resid_mid"}
+INPUT_HOOKS = {
+    "ln2.hook_normalized": "mlp_normalized",
+    "mlp.hook_in": "mlp_in",
+    "hook_resid_mid": "resid_mid",
+}
 OUTPUT_HOOKS = ("mlp.hook_out", "hook_mlp_out")
 
 
@@ -164,3 +171,28 @@ class TranscoderSet:
         for t in self.transcoders.values():
             t.to(device=device, dtype=dtype)
         return self
+
+
+def norm_kind(module: nn.Module) -> tuple[bool, float]:
+    """(centres, eps) of a norm: LayerNorm centres, RMSNorm does not; another kind is refused."""
+    if isinstance(module, nn.LayerNorm):
+        return True, float(module.eps)
+    if "RMSNorm" in type(module).__name__:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is not None:
+            return False, float(eps)
+    raise ConfigError(
+        f"cannot take the normalised input of a {type(module).__name__} (reads=mlp_normalized, "
+        "or a frozen norm scale in a graph); probe knows torch's LayerNorm and the RMSNorms of "
+        "Llama, Mistral and Qwen"
+    )
+
+
+def normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What `module` (a LayerNorm or RMSNorm) makes of `x` before its weight and bias: x centred
+    (LayerNorm) times 1/sqrt(mean square + eps), in float32 or wider, in x's dtype
+    (TransformerLens's `hook_normalized`; reads=mlp_normalized)."""
+    centres, eps = norm_kind(module)
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xc = xf - xf.mean(-1, keepdim=True) if centres else xf
+    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -4,7 +4,8 @@ transcoder folders, and the check of a set against the model it is used on.
 A set is a YAML (circuit-tracer's transcoder-set config) naming, per block, a file:
 
     model_name: gpt2
-    feature_input_hook: ln2.hook_normalized   # reads mlp_in; hook_resid_mid: resid_mid
+    feature_input_hook: mlp.hook_in   # reads mlp_in; ln2.hook_normalized: mlp_normalized;
+                                      # hook_resid_mid: resid_mid
     feature_output_hook: hook_mlp_out         # or mlp.hook_out
     transcoders:
       - {id: gpt2-0, layer: 0, filepath: layer_0.safetensors}   # relative to the YAML's folder

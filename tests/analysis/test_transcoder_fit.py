@@ -216,6 +216,7 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
         "--layers", "7"
     )
     assert "--test-fraction 1.5" in refused("--test-fraction", "1.5")
+    assert "--reads mlp_normalized: a fit reads captured" in refused("--reads", "mlp_normalized")
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
     assert "not a run directory" in (
         main([str(tmp_path), "--steps", "1"]) == 2 and capsys.readouterr().err

@@ -139,3 +139,29 @@ def test_feature_edits_refused_by_name(setup, tmp_path):
     specs = checked_edits({"f": {"site": "feature", "op": "zero", "layer": 5, "feature": 1}})
     with pytest.raises(ConfigError, match="no layer 5"):
         build_edits(model, specs, 0, path)
+
+
+def test_a_set_reading_mlp_normalized_edits_from_the_norm_without_weight_and_bias(setup, tmp_path):
+    """reads=mlp_normalized (TransformerLens's ln2.hook_normalized): the feature's activation
+    is read from ln_2's input layer-normed without ln_2's weight and bias (F.layer_norm)."""
+    model, _, _ = setup
+    tset = random_transcoders(reads="mlp_normalized", dtype=torch.float64)
+    path = str(save_transcoders(tset, tmp_path / "tc"))
+    t, ln = tset.transcoders[0], model.transformer.h[0].ln_2
+    hooks, seen = HookSet("hand"), {}
+
+    def keep(module, args):
+        seen["x"] = torch.nn.functional.layer_norm(args[0], args[0].shape[-1:], eps=ln.eps)
+
+    def add(module, args, out):
+        act = t.encode(seen["x"])[..., 3]
+        delta = torch.zeros_like(act)
+        delta[:, 2] = -act[:, 2]
+        return out + delta[..., None] * t.W_dec[3]
+
+    with hooks, torch.no_grad():
+        hooks.forward_pre(ln, keep)
+        hooks.forward(model.transformer.h[0].mlp, add)
+        want = model(PROMPT).logits[0].double()
+    got = edited_logits(model, path, op="zero", layer=0, feature=3, positions=[2])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)

@@ -217,7 +217,7 @@ def test_a_stopped_run_resumes_to_the_files_of_an_uninterrupted_one(
         (["graph.max_feature_nodes=0"], ["graph.max_feature_nodes=0 must be at least 1"]),
         (["graph.edges=some"], ["graph.edges='some' is unknown", "pruned, all"]),
         (["graph.floor=-1"], ["graph.floor=-1.0 must be a fraction in [0, 1)"]),
-        (["graph.floor=1"], ["graph.floor=1.0 must be a fraction in [0, 1)", "largest in its row"]),
+        (["graph.floor=1"], ["graph.floor=1.0 must be a fraction in [0, 1)", "row's |weight| sum"]),
         (["train_mode=true"], ["graph.transcoders needs train_mode=false"]),
     ],
 )  # fmt: skip

@@ -87,7 +87,7 @@ def test_relu_skip_round_trip(tmp_path, activation, skip):
     tset = a_set(activation, skip)
     yaml_path = save_transcoders(tset, tmp_path / "set")
     config = yaml.safe_load(yaml_path.read_text())
-    assert config["feature_input_hook"] == "ln2.hook_normalized"
+    assert config["feature_input_hook"] == "mlp.hook_in"
     assert [e["filepath"] for e in config["transcoders"]] == [
         "layer_0.safetensors",
         "layer_1.safetensors",
@@ -343,3 +343,14 @@ def test_circuit_tracer_reads_what_save_transcoders_writes(tmp_path):
                     theirs.encode(x), tset[layer].encode(x), rtol=1e-12, atol=1e-12
                 )
                 np.testing.assert_allclose(theirs(x), tset[layer](x), rtol=1e-12, atol=1e-12)
+
+
+def test_each_reading_place_round_trips_under_transformer_lens_hook_name(tmp_path):
+    """ln2.hook_normalized is the norm's output before its weight and bias (mlp_normalized),
+    mlp.hook_in the MLP's input (mlp_in), hook_resid_mid the norm's input (resid_mid)."""
+    hooks = {"mlp_normalized": "ln2.hook_normalized", "mlp_in": "mlp.hook_in",
+             "resid_mid": "hook_resid_mid"}  # fmt: skip
+    for reads, hook in hooks.items():
+        path = save_transcoders(a_set(reads=reads), tmp_path / reads)
+        assert yaml.safe_load(path.read_text())["feature_input_hook"] == hook
+        assert load_transcoders(path).reads == reads
