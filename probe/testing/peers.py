@@ -123,3 +123,18 @@ def edge_scores(b, batch, metric) -> dict[str, float]:
         for s in range(reads):
             out[f"{senders[s]}->{name}"] = float(matrix[s, r])
     return out
+
+
+def circuit_tracer_source() -> Path | None:
+    """circuit-tracer 0.5.0's unpacked source, the attribution-graph tests' oracle, from
+    $PROBE_CIRCUIT_TRACER_SRC (.ci/run unpacks its wheel there: it cannot be installed beside
+    transformers 5), put on sys.path; None where it is not there."""
+    import os
+    import sys
+
+    folder = os.environ.get("PROBE_CIRCUIT_TRACER_SRC")
+    if not folder or not (Path(folder) / "circuit_tracer").is_dir():
+        return None
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return Path(folder)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +16,10 @@ from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.graph_json import graph_model, write_graph_json
 from probe.graphs.pruning import prune
+from probe.testing.peers import circuit_tracer_source
 from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
 
-PEER = Path("/tmp/ctdl/ct")  # circuit-tracer 0.5.0's source, where unpacked
 PROMPT = torch.tensor([3, 7, 12, 9, 20, 5, 14])
 
 
@@ -37,11 +35,9 @@ def graph(tmp_path_factory):
 
 
 def peer_models():
-    if not (PEER / "circuit_tracer").is_dir():
-        pytest.skip("circuit-tracer's source is not unpacked at /tmp/ctdl/ct")
+    if circuit_tracer_source() is None:
+        pytest.skip("circuit-tracer's source is not unpacked at $PROBE_CIRCUIT_TRACER_SRC")
     pytest.importorskip("pydantic")
-    if str(PEER) not in sys.path:
-        sys.path.insert(0, str(PEER))
     return pytest.importorskip("circuit_tracer.frontend.graph_models")
 
 

@@ -1,11 +1,9 @@
 """Pruning and scores on the sparse adjacency equal circuit-tracer's dense prune_graph and
 compute_graph_scores: a numpy transcription of them here, and circuit-tracer itself where it
-imports (its 0.5.0 source unpacked at /tmp/ctdl/ct)."""
+imports (its 0.5.0 source unpacked at $PROBE_CIRCUIT_TRACER_SRC, as .ci/run does)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,8 +13,7 @@ import torch
 from probe.errors import ConfigError
 from probe.graphs.graph_data import AttributionGraph
 from probe.graphs.pruning import prune
-
-PEER = Path("/tmp/ctdl/ct")
+from probe.testing.peers import circuit_tracer_source
 
 
 def random_graph(seed: int, n_f=30, n_layers=2, n_pos=5, n_logits=3, density=0.3):
@@ -122,13 +119,9 @@ def test_sparse_prune_equals_the_dense_transcription(seed, thresholds):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_prune_equals_circuit_tracer(seed):
-    if not PEER.exists():
-        pytest.skip("circuit-tracer's source is not unpacked at /tmp/ctdl/ct")
-    sys.path.insert(0, str(PEER))
-    try:
-        ct = pytest.importorskip("circuit_tracer.graph")
-    finally:
-        sys.path.remove(str(PEER))
+    if circuit_tracer_source() is None:
+        pytest.skip("circuit-tracer's source is not unpacked at $PROBE_CIRCUIT_TRACER_SRC")
+    ct = pytest.importorskip("circuit_tracer.graph")
     graph, a, probs = random_graph(seed)
     prune(graph)
     peer = SimpleNamespace(

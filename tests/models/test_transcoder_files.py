@@ -321,6 +321,9 @@ def test_check_against_the_model(saved):
 def test_circuit_tracer_reads_what_save_transcoders_writes(tmp_path):
     """circuit-tracer 0.5's own loaders (load_relu_transcoder, load_gemma_scope_transcoder) on
     the saved files give the set's encode and forward."""
+    from probe.testing.peers import circuit_tracer_source
+
+    circuit_tracer_source()  # (on sys.path where .ci/run unpacked it)
     pytest.importorskip("circuit_tracer")
     from circuit_tracer.transcoder.single_layer_transcoder import (
         load_gemma_scope_transcoder,
