@@ -169,7 +169,7 @@ def attribute(
     (unpruned; probe.graphs.pruning fills the pruning fields). `tokenizer` names the tokens;
     `overrides` are `model.anatomy` keys."""
     options = options or GraphOptions()
-    ids = _token_ids(tokens)
+    ids = token_ids(tokens)
     _check_context(model, ids)
     device = next(model.parameters()).device
     transcoders.to(device=device)
@@ -233,7 +233,8 @@ def attribute(
     )
 
 
-def _token_ids(tokens) -> torch.Tensor:
+def token_ids(tokens) -> torch.Tensor:
+    """A prompt's token ids as one 1-D int64 sequence (a single row is taken as it)."""
     ids = torch.as_tensor(tokens)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]

@@ -18,15 +18,15 @@ batch_size, floor, edges, zero_bos, update_interval).
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
 
 from probe.errors import ConfigError
-from probe.graphs.attribution import GraphOptions, attribute
+from probe.graphs.attribution import GraphOptions, attribute, token_ids
 from probe.graphs.graph_data import AttributionGraph
 from probe.models.transcoder import TranscoderSet
+from probe.models.transcoder_files import load_transcoders
 
 
 def attribution_graph(
@@ -54,14 +54,7 @@ def transcoder_set(transcoders) -> TranscoderSet:
     if isinstance(transcoders, TranscoderSet):
         return transcoders
     if isinstance(transcoders, str | Path):
-        try:  # the loader of circuit-tracer's YAML and its file layouts
-            files = importlib.import_module("probe.models.transcoder_files")
-        except ImportError as error:
-            raise ConfigError(
-                f"graphs: cannot load transcoders from {str(transcoders)!r}: this install has no "
-                "transcoder file loader (probe.models.transcoder_files); pass a TranscoderSet"
-            ) from error
-        return files.load_transcoders(transcoders)
+        return load_transcoders(transcoders)
     raise ConfigError(
         f"graphs: transcoders is a {type(transcoders).__name__}; pass a TranscoderSet, or the path "
         "of a transcoder-set YAML or of a folder holding one"
@@ -79,13 +72,7 @@ def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
         ids = torch.as_tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     else:
         ids = torch.as_tensor(prompt)
-    if ids.dim() == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:
-        raise ConfigError(
-            f"graphs: a prompt is text or one sequence of token ids; got shape {tuple(ids.shape)}"
-        )
-    ids = ids.long()
+    ids = token_ids(ids)
     if tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
         return ids
     candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id]

@@ -3,8 +3,6 @@ circuit-tracer-tokenized prompt and pruning it by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import transformers
@@ -62,10 +60,6 @@ def test_bad_calls_are_refused_by_name(lm):
         probe.attribution_graph(model, [3, 7], {})
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("probe.models.transcoder_files") is None,
-    reason="the transcoder file loader is not in this tree",
-)
 def test_transcoders_from_a_yaml_folder_give_the_same_graph(lm, tmp_path):
     from probe.models import transcoder_files
 

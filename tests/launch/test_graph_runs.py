@@ -79,7 +79,7 @@ def stand_in(monkeypatch):
         seen.append(tokens.tolist())
         return toy_graph(tokens)
 
-    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: "a transcoder set")
+    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p: "a transcoder set")
     monkeypatch.setattr(attribution_graphs, "check_transcoders", lambda m, t, o: None)
     monkeypatch.setattr(attribution_graphs, "attribute_prompt", attribute)
     monkeypatch.setattr(
@@ -252,7 +252,7 @@ from probe.__main__ import main
 from probe.launch.features import attribution_graphs as ag
 from probe.testing.toy_graphs import toy_graph, toy_prune
 
-ag.load_transcoder_set = lambda path, model: "a transcoder set"
+ag.load_transcoder_set = lambda path: "a transcoder set"
 ag.check_transcoders = lambda model, tc, overrides: None
 ag.attribute_prompt = lambda model, tokens, *rest: toy_graph(tokens)
 ag.prune_graph = lambda g, spec: toy_prune(g, spec.node_threshold, spec.edge_threshold)
@@ -308,7 +308,7 @@ def test_a_run_writes_the_graphs_the_attribution_gives_on_a_tiny_gpt2(
 
     root, tokens = prompts
     transcoders = named_transcoders()
-    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
+    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p: transcoders)
     code, text = cli_here(*graph_args(tiny_gpt2, root, "graph.edges=all"))
     assert code == 0, text
     run_dir = tmp_path / "run"
@@ -335,7 +335,7 @@ def test_a_transcoder_set_of_another_width_is_refused_before_the_loop(
     cli_here, tiny_gpt2, prompts, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(
-        attribution_graphs, "load_transcoder_set", lambda p, m: named_transcoders(width=16)
+        attribution_graphs, "load_transcoder_set", lambda p: named_transcoders(width=16)
     )
     code, text = cli_here(*graph_args(tiny_gpt2, prompts[0]))
     assert code == 2, text
@@ -354,7 +354,7 @@ def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, 
     (tmp_path / "docs.txt").write_text("the cat sat on the mat\na dog ran\nthe cat ran on a mat\n")
     (tmp_path / "transcoders.yaml").write_text("transcoders: []\n")
     transcoders = named_transcoders()
-    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p, m: transcoders)
+    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p: transcoders)
     args = [
         "model=hf", f"model.name={tiny_gpt2[0]}", "model.task=causal_lm", "probes=none",
         "dataset=text", f"dataset.path={tmp_path / 'docs.txt'}", f"dataset.tokenizer={tiny_gpt2[1]}",

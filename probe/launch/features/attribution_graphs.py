@@ -16,7 +16,6 @@ into the run's probe.h5 and writes the tables.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import signal
@@ -38,6 +37,8 @@ from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
 from probe.hooks.run_feature import Finished, RunFeature, RunSetup
 from probe.launch.distributed import shard_path
 from probe.launch.interrupt import Interrupted, StopFlag
+from probe.models.transcoder import TranscoderSet
+from probe.models.transcoder_files import load_transcoders
 from probe.plan import RunPlan
 from probe.specs import GraphSpec
 
@@ -58,16 +59,8 @@ class GraphInterrupted(Interrupted):
 
 
 # -- the computation (one place each, so a test can stand in for them) ---------------------------
-def load_transcoder_set(path: str, model: torch.nn.Module):
-    """The transcoder set of graph.transcoders (probe.models.transcoder_files); `model` the
-    run's (the set is checked against it by `check_transcoders`)."""
-    try:  # (imported by name: a build without the readers of transcoder sets says so)
-        load_transcoders = importlib.import_module("probe.models.transcoder_files").load_transcoders
-    except ImportError:
-        raise ConfigError(
-            f"graph.transcoders={path!r}: this build of probe cannot read transcoder sets "
-            "(probe.models.transcoder_files is missing); install a release that has it"
-        ) from None
+def load_transcoder_set(path: str) -> TranscoderSet:
+    """The transcoder set of graph.transcoders (checked against the model in `start`)."""
     return load_transcoders(path)
 
 
@@ -123,7 +116,7 @@ class AttributionGraphs(RunFeature):
         spec = setup.plan.graph
         if not spec.on:
             return None
-        transcoders = load_transcoder_set(str(spec.transcoders), setup.model)
+        transcoders = load_transcoder_set(str(spec.transcoders))
         overrides = _overrides(setup.plan)
         check_transcoders(setup.model, transcoders, overrides)
         return cls(spec, transcoders, _tokenizer(setup.plan), overrides)
