@@ -11,7 +11,6 @@ checkpoint of another architecture, an unwritable run directory) are not repeate
 
 from __future__ import annotations
 
-import logging
 import os
 import resource
 import subprocess
@@ -23,13 +22,11 @@ import pytest
 import torch
 from PIL import Image
 
-from probe.__main__ import main
 from probe.errors import DataError
 from probe.launch.run import run
 from probe.store.fileformat import is_scale
 from probe.store.runfile import is_partial, open_probe_file
 from probe.testing.compose import QUIET, make_cfg
-from probe.testing.models import assert_no_hooks, built_models
 from tests.helpers import ROOT
 
 TINY = [
@@ -40,33 +37,6 @@ TINY = [
     "dataset.batch_size=2",
 ]
 TINYNET = [*TINY, "model._target_=probe.testing.models.TinyNet", "probes=everything"]
-
-
-@pytest.fixture
-def cli_here(tmp_path, capfd, monkeypatch):
-    """Run the console entry point in-process; returns (exit code, everything it printed)."""
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-
-    def call(*args: str, run_dir=None) -> tuple[int, str]:
-        argv = ["probe", *QUIET, *args, f"hydra.run.dir={run_dir or tmp_path / 'run'}"]
-        monkeypatch.setattr(sys, "argv", argv)
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        finally:  # Hydra's handlers write to this test's captured streams: drop them
-            for handler in logging.root.handlers[:]:
-                logging.root.removeHandler(handler)
-                handler.close()
-        out = capfd.readouterr()
-        text = out.out + out.err
-        assert "Traceback" not in text
-        for model in built_models():
-            assert_no_hooks(model)
-        return code, text
-
-    return call
 
 
 def assert_words(text: str, *words: str) -> None:

@@ -6,7 +6,6 @@ is the run around them."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -18,7 +17,6 @@ import pandas as pd
 import pytest
 import torch
 
-from probe.__main__ import main
 from probe.graphs.graph_files import load_graph
 from probe.launch.features import attribution_graphs
 from probe.testing.compose import QUIET
@@ -43,30 +41,6 @@ def prompts(tmp_path_factory):
     torch.save({"input_ids": ids, "attention_mask": mask}, root / "ids.pt")
     (root / "transcoders.yaml").write_text("transcoders: []\n")
     return root, [ids[i][mask[i].bool()] for i in range(5)]
-
-
-@pytest.fixture
-def cli_here(tmp_path, capfd, monkeypatch):
-    """The console entry point in this process (so the stand-ins hold): (exit code, output)."""
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-
-    def call(*args: str, run_dir=None) -> tuple[int, str]:
-        argv = ["probe", *QUIET, *args, f"hydra.run.dir={run_dir or tmp_path / 'run'}"]
-        monkeypatch.setattr(sys, "argv", argv)
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        finally:  # Hydra's handlers write to this test's captured streams: drop them
-            for handler in logging.root.handlers[:]:
-                logging.root.removeHandler(handler)
-                handler.close()
-        out = capfd.readouterr()
-        assert "Traceback" not in out.out + out.err
-        return code, out.out + out.err
-
-    return call
 
 
 @pytest.fixture
