@@ -1,5 +1,5 @@
 """The error catalogue continued (docs/errors.md; tests/launch/test_error_catalogue.py holds its first
-entries and the `cli_here` fixture, which runs the real console entry point in this process and
+entries, tests/launch/conftest.py the `cli_here` fixture, which runs the real console entry point in this process and
 checks that nothing printed a traceback and no hook is left on a model): token models and token
 data, and the config values, objectives, probes and stores that a user can get wrong.
 
@@ -17,11 +17,9 @@ import h5py
 import pytest
 import torch
 
-from tests.launch import test_error_catalogue as catalogue
 from tests.launch.test_error_catalogue import TINYNET, assert_words
 
 GRADS = "probes.everything.capture=[output,grad_output]"
-cli_here = catalogue.cli_here  # the fixture, shared
 EDIT = ["intervene=edit", "intervene.edit.layers=[conv]"]
 
 
