@@ -1,5 +1,6 @@
 """`python -m probe.sites OVERRIDES`: the table of modules a probe can name (probe.hooks.site_table),
-and for a token model the node and edge counts of its circuit graph (probe.circuits.graph).
+and for a token model the node and edge counts of its component graph
+(probe.circuits.component_graph).
 
 Made callable, so that `probe.sites(model)` still calls the function once this module has been
 imported (an import binds the package's `sites` attribute to the module).
@@ -14,7 +15,7 @@ make_callable(__name__, "probe.hooks.site_table", "sites")
 
 
 def circuit_counts(model, inputs) -> list[str]:
-    """The circuit graph's counts of a token model; why there is none where its anatomy says."""
+    """The component graph's counts of a token model; why there is none where its anatomy says."""
     if not (isinstance(inputs, dict) and "input_ids" in inputs):
         return []
     from probe.circuits.parts import graph_of
@@ -23,8 +24,8 @@ def circuit_counts(model, inputs) -> list[str]:
     try:
         counts = graph_of(model).counts()
     except ConfigError as e:
-        return [f"circuit graph: none ({e})"]
-    return ["circuit graph: " + ", ".join(f"{v:,} {k}" for k, v in counts.items())]
+        return [f"component graph: none ({e})"]
+    return ["component graph: " + ", ".join(f"{v:,} {k}" for k, v in counts.items())]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ runs with one checkout, again with another, and compare what they wrote.
 
 The runs: the default job (resnet18, every convolution), a token run (a tiny GPT-2's residual
 stream, one row per token), the patching grid with attribution patching, the CAM family, the
-logit lens, direct logit attribution, a circuit (EAP beside exact) and a watched training
+logit lens, direct logit attribution, a circuit (EAP beside exact), attribution graphs through a
+random transcoder set and a watched training
 (`python -m probe.train`). Each runs as `python -m ...` in `--repo` (default: this checkout) with
 that checkout first on PYTHONPATH; the fixtures (a tiny GPT-2 saved with save_pretrained, a pairs
 file) are made once under `--fixtures` and shared by both sides, so the inputs are the same bytes.
@@ -98,6 +99,17 @@ def cases(fx: Path) -> dict[str, list[str]]:
         "lens": ["probe", *pairs, "lens=logit"],
         "dla": ["probe", *pairs, "lens=dla"],
         "circuit": ["probe", *pairs, "circuit.method=[eap,exact]", "circuit.sizes=[10,50]"],
+        "graph": [
+            "probe",
+            "model=hf",
+            gpt2,
+            "model.task=causal_lm",
+            "dataset=tokens",
+            f"dataset.path={fx / 'prompts.pt'}",
+            "dataset.batch_size=2",
+            "probes=none",
+            f"graph.transcoders={fx / 'transcoders'}",
+        ],  # fmt: skip
         "watch": [
             "probe.train",
             "train.steps=4",
@@ -109,12 +121,15 @@ def cases(fx: Path) -> dict[str, list[str]]:
 
 
 def make_fixtures(fx: Path) -> None:
-    """A tiny GPT-2 (vocabulary 50) and 5 pairs of 6 tokens, as the tests' `lm` fixture."""
-    if (fx / "pairs.pt").is_file():
+    """A tiny GPT-2 (vocabulary 50), 5 pairs of 6 tokens, as the tests' `lm` fixture, 3 prompts
+    of 5 tokens and a random transcoder set of its two MLPs."""
+    if (fx / "prompts.pt").is_file():
         return
     import torch
 
     sys.path.insert(0, str(HERE))
+    from probe.models.transcoder_files import save_transcoders
+    from probe.testing.random_transcoders import random_transcoders
     from probe.testing.tiny_lms import make_tiny
 
     fx.mkdir(parents=True, exist_ok=True)
@@ -127,6 +142,8 @@ def make_fixtures(fx: Path) -> None:
              "answer": torch.randint(3, 50, (5,), generator=g),
              "wrong": torch.randint(3, 50, (5,), generator=g)}  # fmt: skip
     torch.save(pairs, fx / "pairs.pt")
+    torch.save(torch.randint(3, 50, (3, 5), generator=g), fx / "prompts.pt")
+    save_transcoders(random_transcoders(width=32, layers=2, seed=1), fx / "transcoders")
 
 
 def run_all(out: Path, repo: Path, fx: Path, only: list[str] | None, backend: str) -> int:

@@ -27,7 +27,7 @@ import heapq
 
 import numpy as np
 
-from probe.circuits.graph import Graph
+from probe.circuits.component_graph import ComponentGraph
 from probe.config import CIRCUIT_SELECTS
 from probe.errors import ConfigError
 
@@ -68,7 +68,7 @@ def importance(scores: np.ndarray, metric: str, absolute: bool) -> np.ndarray:
     return -scores if metric in RISES_WITH_ANSWER else scores
 
 
-def topn(graph: Graph, key: np.ndarray, n: int) -> np.ndarray:
+def topn(graph: ComponentGraph, key: np.ndarray, n: int) -> np.ndarray:
     """(E,) bool: the n edges of largest `key`, ties by edge order, pruned."""
     _check_count(graph, n)
     keep = np.zeros(graph.n_edges, dtype=bool)
@@ -76,7 +76,7 @@ def topn(graph: Graph, key: np.ndarray, n: int) -> np.ndarray:
     return prune(graph, keep)
 
 
-def greedy(graph: Graph, key: np.ndarray, n: int) -> np.ndarray:
+def greedy(graph: ComponentGraph, key: np.ndarray, n: int) -> np.ndarray:
     """(E,) bool: n edges grown from the logits backwards (see the module), pruned."""
     _check_count(graph, n)
     key = np.asarray(key, dtype=np.float64)
@@ -104,7 +104,7 @@ def greedy(graph: Graph, key: np.ndarray, n: int) -> np.ndarray:
     return prune(graph, keep)
 
 
-def prune(graph: Graph, keep: np.ndarray) -> np.ndarray:
+def prune(graph: ComponentGraph, keep: np.ndarray) -> np.ndarray:
     """(E,) bool: `keep` without the edges on no path from the input to the logits."""
     keep = np.asarray(keep, dtype=bool).copy()
     feeds = graph.feeds
@@ -124,7 +124,7 @@ def prune(graph: Graph, keep: np.ndarray) -> np.ndarray:
         keep = pruned
 
 
-def select(graph: Graph, key: np.ndarray, n: int, how: str = "topn") -> np.ndarray:
+def select(graph: ComponentGraph, key: np.ndarray, n: int, how: str = "topn") -> np.ndarray:
     """(E,) bool: the circuit of `n` edges by `how` (topn or greedy), pruned."""
     if how == "topn":
         return topn(graph, key, n)
@@ -133,7 +133,7 @@ def select(graph: Graph, key: np.ndarray, n: int, how: str = "topn") -> np.ndarr
     raise ConfigError(f"circuit.select={how!r} is unknown; choose from {', '.join(SELECTS)}")
 
 
-def circuits(graph: Graph, key: np.ndarray, sizes, how: str = "topn") -> np.ndarray:
+def circuits(graph: ComponentGraph, key: np.ndarray, sizes, how: str = "topn") -> np.ndarray:
     """(len(sizes), E) bool: one circuit per size (percent of the edges), sizes ascending."""
     counts = edge_counts(sizes, graph.n_edges)
     if len(key) != graph.n_edges:
@@ -141,6 +141,6 @@ def circuits(graph: Graph, key: np.ndarray, sizes, how: str = "topn") -> np.ndar
     return np.stack([select(graph, key, int(n), how) for n in counts])
 
 
-def _check_count(graph: Graph, n: int) -> None:
+def _check_count(graph: ComponentGraph, n: int) -> None:
     if not 0 <= n <= graph.n_edges:
         raise ConfigError(f"circuits: {n} edges asked of a graph of {graph.n_edges}")

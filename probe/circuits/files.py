@@ -20,9 +20,9 @@ import h5py
 import numpy as np
 import pandas as pd
 
+from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.cut import RISES_WITH_ANSWER, importance
 from probe.circuits.faithfulness import Curve
-from probe.circuits.graph import Graph
 from probe.circuits.scores import EdgeScores
 from probe.circuits.states import SenderStates
 from probe.errors import DataError
@@ -40,7 +40,7 @@ class CircuitResult:
     and circuits (sizes x edges, bool), and the choices that made them (`choices`: metric,
     ablation, select, absolute, steps, position, sizes)."""
 
-    graph: Graph
+    graph: ComponentGraph
     scores: dict[str, EdgeScores]
     choices: dict
     width: int = 0
@@ -133,7 +133,7 @@ def write_tables(result: CircuitResult, run_dir: Path) -> list[Path]:
 
 def mib_importances(result: CircuitResult, method: str) -> dict:
     """The method's edge scores as MIB's importance-score JSON (hannamw/EAP-IG's
-    `Graph.to_json`): {cfg, nodes: {name: {in_graph}}, edges: {name: {score, in_graph}}},
+    `ComponentGraph.to_json`): {cfg, nodes: {name: {in_graph}}, edges: {name: {score, in_graph}}},
     every edge out of the circuit (in_graph false, as EAP-IG writes scores before any cut).
     Scores are turned so that larger means more important (as MIB's loss-based scores): negated
     for a metric that rises with the answer. A key/value head's k and v edges become one edge per
@@ -248,7 +248,9 @@ def read(h5_path: Path) -> CircuitResult:
             )
         g = f[GROUP]
         a = g.attrs
-        graph = Graph(int(a["layers"]), int(a["heads"]), int(a["kv_heads"]), bool(a["parallel"]))
+        graph = ComponentGraph(
+            int(a["layers"]), int(a["heads"]), int(a["kv_heads"]), bool(a["parallel"])
+        )
         result = CircuitResult(graph, {}, json.loads(a["choices"]), int(a["width"]))
         for method in json.loads(a["methods"]):
             m = g[method]

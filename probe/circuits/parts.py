@@ -1,4 +1,4 @@
-"""The modules and weights of a model that its circuit graph reads and writes, from its anatomy.
+"""The modules and weights of a model that its component graph reads and writes, from its anatomy.
 
 Per layer: the norm before the attention and before the MLP (whose inputs are the receivers'
 residual stream), the query/key/value projection(s) with the columns each receiver's head owns,
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from probe.circuits.graph import Graph
+from probe.circuits.component_graph import ComponentGraph
 from probe.errors import ConfigError
 from probe.hooks.module_select import block_names
 from probe.models.anatomy import QKV_LAYOUTS, Anatomy, anatomy
@@ -59,7 +59,7 @@ class Parts:
     """A model's graph and the modules behind it."""
 
     model: nn.Module
-    graph: Graph
+    graph: ComponentGraph
     layers: list[Layer]
     first_block: nn.Module
     final_norm: nn.Module
@@ -103,7 +103,7 @@ def parts_of(model: nn.Module, overrides: dict | None = None) -> Parts:
     modules = dict(model.named_modules())
     n = len(body.blocks)
     heads, kv = body.heads, body.kv_heads or body.heads
-    graph = Graph(n, heads, kv, body.parallel)
+    graph = ComponentGraph(n, heads, kv, body.parallel)
     first_out, _ = as_linear(modules[body.attn_out[0]], body.attn_out[0])
     width, inner = first_out.shape
     head_dim = body.head_dim or inner // heads
@@ -153,7 +153,7 @@ def _require(body: Anatomy) -> None:
         )
 
 
-def _projections(body: Anatomy, graph: Graph, modules: dict, layer: int, dim: int):
+def _projections(body: Anatomy, graph: ComponentGraph, modules: dict, layer: int, dim: int):
     """The layer's query/key/value projections and the columns of each attention receiver:
     receivers in graph order (q per head, k per key/value head, v per key/value head)."""
     h, kv = graph.heads, graph.kv_heads
@@ -198,6 +198,6 @@ def _projections(body: Anatomy, graph: Graph, modules: dict, layer: int, dim: in
     return out
 
 
-def graph_of(model: nn.Module, overrides: dict | None = None) -> Graph:
-    """The circuit graph of `model` (see probe.circuits.graph)."""
+def graph_of(model: nn.Module, overrides: dict | None = None) -> ComponentGraph:
+    """The component graph of `model` (see probe.circuits.component_graph)."""
     return parts_of(model, overrides).graph

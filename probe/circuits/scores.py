@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from probe.circuits import eap as gradient
+from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.context import BatchContext
 from probe.circuits.exact import PER_FORWARD, exact_edges, exact_nodes
-from probe.circuits.graph import Graph
 from probe.circuits.parts import Parts
 from probe.circuits.receiver_grads import CHUNK_BYTES
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
@@ -41,7 +41,7 @@ class EdgeScores:
     """One method's scores: per edge and per sender, sums and sums of squares over samples (of
     each sample's score) and the number of samples."""
 
-    graph: Graph
+    graph: ComponentGraph
     method: str
     edge_sum: np.ndarray = field(default=None)
     edge_sumsq: np.ndarray = field(default=None)
@@ -101,7 +101,7 @@ class EdgeScores:
         return [(names[i], float(self.edges[i])) for i in order]
 
 
-def node_sums(graph: Graph, edges: torch.Tensor) -> torch.Tensor:
+def node_sums(graph: ComponentGraph, edges: torch.Tensor) -> torch.Tensor:
     """(N, S) per-sample sums of each sender's out-edges' scores."""
     out = torch.zeros(len(edges), graph.n_senders, dtype=edges.dtype, device=edges.device)
     index = torch.as_tensor(graph.edge_sender, device=edges.device)
@@ -131,7 +131,7 @@ class CircuitMethod:
 
     score: Callable[[BatchContext, ScoreOptions], Scores]
     fits: Callable[[str], None] | None = None
-    check: Callable[[Graph, ScoreOptions], None] | None = None
+    check: Callable[[ComponentGraph, ScoreOptions], None] | None = None
 
 
 def _from_edges(edges: Callable[[BatchContext, ScoreOptions], torch.Tensor]) -> Callable:
@@ -182,7 +182,7 @@ def check_methods(methods: str | Sequence[str], ablation: Ablation | str) -> lis
     return methods
 
 
-def check_graph(methods: Sequence[str], graph: Graph, options: ScoreOptions) -> None:
+def check_graph(methods: Sequence[str], graph: ComponentGraph, options: ScoreOptions) -> None:
     """Each method's refusal of `graph` before the first batch (`exact` over more edges than
     `circuit.max_exact`)."""
     for m in methods:

@@ -134,7 +134,7 @@ def _moved(model: nn.Module, value, device):
 def main(argv: list[str] | None = None, notes=None) -> int:
     """`python -m probe.sites [OVERRIDES]`: the table for the model, first batch and probes the
     same overrides give `python -m probe` (no run directory is made); `notes(model, inputs)`
-    gives lines printed after it (the entry point's: the circuit graph's counts)."""
+    gives lines printed after it (the entry point's: the component graph's counts)."""
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print(

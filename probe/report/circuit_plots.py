@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from probe.circuits.graph import Graph
+from probe.circuits.component_graph import ComponentGraph
 
 POSITIVE, NEGATIVE = "#2166ac", "#b2182b"  # edge colours: score above zero, below zero
 
 
-def node_positions(graph: Graph) -> dict[str, tuple[float, float]]:
+def node_positions(graph: ComponentGraph) -> dict[str, tuple[float, float]]:
     """x: the input at 0, layer l's heads at 2l + 1 and its MLP at 2l + 2, the logits last; y:
     a head's number (the MLP, the input and the logits in the middle)."""
     middle = (graph.heads - 1) / 2
@@ -24,7 +24,7 @@ def node_positions(graph: Graph) -> dict[str, tuple[float, float]]:
     return out
 
 
-def receiver_node(graph: Graph, receiver: int) -> str:
+def receiver_node(graph: ComponentGraph, receiver: int) -> str:
     """The node a receiver's edge is drawn to (a key/value head: the first head it serves)."""
     name = graph.receivers[receiver]
     if "<" not in name:
@@ -34,7 +34,7 @@ def receiver_node(graph: Graph, receiver: int) -> str:
 
 
 def circuit_figure(
-    graph: Graph, scores: np.ndarray, rank: np.ndarray, title: str, edges=40, labels=8
+    graph: ComponentGraph, scores: np.ndarray, rank: np.ndarray, title: str, edges=40, labels=8
 ):
     """The `edges` best-ranked edges (rank 1 first; those scoring 0 left out) between nodes laid
     out by layer: colour by the score's sign, width by its size, the `labels` best named."""

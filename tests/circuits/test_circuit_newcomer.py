@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from probe.circuits.graph import Graph
+from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.config import CIRCUIT_METHODS
@@ -133,9 +133,9 @@ def test_sites_of_gpt2_built_without_weights_prints_the_graphs_counts(capsys):
 
     assert main(["model=gpt2", "model.pretrained=false"], notes=circuit_counts) == 0
     out = capsys.readouterr()
-    counts = Graph(12, 12, 12).counts()
-    assert "circuit graph: " + ", ".join(f"{v:,} {k}" for k, v in counts.items()) in out.out
-    assert "circuit graph: 158 nodes, 157 senders, 445 receivers, 32,491 edges" in out.out
+    counts = ComponentGraph(12, 12, 12).counts()
+    assert "component graph: " + ", ".join(f"{v:,} {k}" for k, v in counts.items()) in out.out
+    assert "component graph: 158 nodes, 157 senders, 445 receivers, 32,491 edges" in out.out
     row = next(line for line in out.out.splitlines() if line.split()[:1] == ["transformer.wte"])
     assert "(8, 128)" in row and "(8, 128, 768)" in row  # token ids in, embeddings out
     assert "random_tokens" in out.err  # says where the example came from

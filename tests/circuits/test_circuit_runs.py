@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.exact import evaluate_dataset
 from probe.circuits.faithfulness import areas, plan
-from probe.circuits.graph import Graph
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.circuits.states import mean_states
@@ -98,8 +98,8 @@ def test_a_runs_files_equal_the_engine_on_the_same_batches(tmp_path, llama):
     # head's score shared by its two query heads
     mib = json.loads((tmp_path / "mib" / "eap" / "importances.json").read_text())
     assert mib["cfg"] == {"n_layers": 2, "n_heads": 4, "parallel_attn_mlp": False, "d_model": 32}
-    assert set(mib["edges"]) == set(Graph(2, 4, 4).edges)
-    assert set(mib["nodes"]) == set(Graph(2, 4, 4).nodes)
+    assert set(mib["edges"]) == set(ComponentGraph(2, 4, 4).edges)
+    assert set(mib["nodes"]) == set(ComponentGraph(2, 4, 4).nodes)
     score = dict(zip(graph.edges, want["eap"].edges, strict=True))
     assert mib["edges"]["m0->a1.h2<q>"]["score"] == pytest.approx(-score["m0->a1.h2<q>"])
     pair = mib["edges"]["a0.h1->a1.h2<k>"]["score"] + mib["edges"]["a0.h1->a1.h3<k>"]["score"]
@@ -260,9 +260,9 @@ def test_analyze_prints_the_best_edges_and_sites_the_graphs_counts(cli_runs, lla
     assert analyze([str(root / "missing"), "circuit"]) == 2  # no run there: named
     assert f"{str(root / 'missing')!r} is neither a run directory" in capsys.readouterr().err
     assert sites(args_of(llama), notes=circuit_counts) == 0
-    counts = Graph(2, 4, 2).counts()
+    counts = ComponentGraph(2, 4, 2).counts()
     assert (
-        f"circuit graph: {counts['nodes']} nodes, {counts['senders']} senders"
+        f"component graph: {counts['nodes']} nodes, {counts['senders']} senders"
         in capsys.readouterr().out
     )
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.cut import (
     SIZES,
     check_sizes,
@@ -24,7 +25,6 @@ from probe.circuits.cut import (
 )
 from probe.circuits.exact import evaluate_dataset
 from probe.circuits.faithfulness import Curve, areas, faithfulness, plan
-from probe.circuits.graph import Graph
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.errors import ConfigError
@@ -40,16 +40,16 @@ TABLE = {
 }  # fmt: skip
 
 
-def key_of(graph: Graph, table: dict) -> np.ndarray:
+def key_of(graph: ComponentGraph, table: dict) -> np.ndarray:
     return np.array([table[e] for e in graph.edges])
 
 
-def names(graph: Graph, keep: np.ndarray) -> set[str]:
+def names(graph: ComponentGraph, keep: np.ndarray) -> set[str]:
     return {graph.edges[i] for i in np.nonzero(keep)[0]}
 
 
 def test_topn_and_greedy_select_what_the_hand_worked_table_says():
-    graph = Graph(1, 1, 1)
+    graph = ComponentGraph(1, 1, 1)
     key = key_of(graph, TABLE)
     # topn(3) takes q, k and input->m0: a0.h0 and m0 then lead nowhere, so pruning empties it
     assert names(graph, topn(graph, key, 3)) == set()
@@ -100,7 +100,7 @@ def on_a_path(edges: set[str], kv_group: int) -> set[str]:
     }  # fmt: skip
 
 
-def hand_greedy(graph: Graph, table: dict, n: int, kv_group: int) -> set[str]:
+def hand_greedy(graph: ComponentGraph, table: dict, n: int, kv_group: int) -> set[str]:
     """The definition step by step: the best edge into a node already in the circuit (the logits
     at first) joins, and its sender with it."""
     nodes, chosen = {"logits"}, set()
@@ -117,7 +117,7 @@ def hand_greedy(graph: Graph, table: dict, n: int, kv_group: int) -> set[str]:
 
 @pytest.mark.parametrize("absolute", [True, False])
 def test_topn_and_greedy_equal_a_hand_enumeration_on_grouped_query_attention(absolute):
-    graph = Graph(2, 4, 2)  # a key/value head serves two query heads
+    graph = ComponentGraph(2, 4, 2)  # a key/value head serves two query heads
     scores = np.random.default_rng(3).normal(size=graph.n_edges)
     key = importance(scores, "logit_diff", absolute)
     table = dict(zip(graph.edges, key, strict=True))
@@ -222,7 +222,7 @@ def test_the_planted_circuit_is_faithful_and_the_empty_one_is_not():
 
 
 def test_every_cut_of_a_small_table_is_connected():
-    graph = Graph(2, 2, 1, parallel=True)
+    graph = ComponentGraph(2, 2, 1, parallel=True)
     key = np.random.default_rng(0).random(graph.n_edges)
     for n, how in itertools.product(range(0, graph.n_edges + 1, 7), ("topn", "greedy")):
         kept = select(graph, key, n, how)

@@ -52,7 +52,7 @@ class ReceiverGroup:
 
 
 @dataclass(frozen=True)
-class Graph:
+class ComponentGraph:
     """Nodes, receivers and edges of a model with `layers` blocks of `heads` attention heads
     (`kv_heads` key/value heads) and one MLP each; `parallel`: attention and MLP read the same
     residual."""
@@ -66,7 +66,7 @@ class Graph:
     def __post_init__(self):
         if self.layers < 1 or self.heads < 1 or self.kv_heads < 1:
             raise ConfigError(
-                f"a circuit graph needs at least one layer and head; got layers={self.layers}, "
+                f"a component graph needs at least one layer and head; got layers={self.layers}, "
                 f"heads={self.heads}, kv_heads={self.kv_heads}"
             )
         if self.heads % self.kv_heads:

@@ -1,4 +1,4 @@
-"""The circuit graph: its names and counts against hannamw/EAP-IG's formulas and an enumeration
+"""The component graph: its names and counts against hannamw/EAP-IG's formulas and an enumeration
 written here, grouped-query and parallel blocks, the graphs of tiny HuggingFace models from their
 anatomy, and bad input named."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from probe.circuits.graph import Graph
+from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation
@@ -42,7 +42,7 @@ def enumerate_edges(layers, heads, kv, parallel):
 )
 def test_names_and_counts(shape):
     layers, heads, kv, parallel = shape
-    graph = Graph(layers, heads, kv, parallel)
+    graph = ComponentGraph(layers, heads, kv, parallel)
     want = enumerate_edges(*shape)
     assert sorted(graph.edges) == sorted(want) and len(set(graph.edges)) == len(want)
     for i in np.random.default_rng(0).choice(graph.n_edges, 50):
@@ -62,13 +62,13 @@ def test_names_and_counts(shape):
 
 def test_graphs_of_tiny_models_from_their_anatomy():
     got = {f: parts_of(build(f)).graph for f in ("gpt2", "llama", "gpt_neox")}
-    assert got["gpt2"] == Graph(2, 2, 2, False)
-    assert got["llama"] == Graph(2, 4, 2, False)
-    assert got["gpt_neox"] == Graph(2, 4, 4, True)
+    assert got["gpt2"] == ComponentGraph(2, 2, 2, False)
+    assert got["llama"] == ComponentGraph(2, 4, 2, False)
+    assert got["gpt_neox"] == ComponentGraph(2, 4, 4, True)
 
 
 def test_bad_edge_names_are_named():
-    graph = Graph(2, 2, 2)
+    graph = ComponentGraph(2, 2, 2)
     with pytest.raises(ConfigError, match="not an edge name"):
         graph.edge_index("a0.h1 to m1")
     with pytest.raises(ConfigError, match="'a5.h0' is not a sender"):
@@ -76,7 +76,7 @@ def test_bad_edge_names_are_named():
     with pytest.raises(ConfigError, match="does not read a1.h0"):
         graph.edge_index("a1.h0->a0.h1<q>")
     with pytest.raises(ConfigError, match="share 3 key/value heads"):
-        Graph(2, 4, 3)
+        ComponentGraph(2, 4, 3)
 
 
 class Stack(nn.Module):
