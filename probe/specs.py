@@ -321,6 +321,16 @@ class InterventionSpec:
     position: int | None = None
     grid: GridSpec | None = None
 
+    @property
+    def direction(self) -> str:
+        """The direction of the run's patches and grid (probe.checks holds them to one): with
+        denoise the run's own input is a pair's corrupt half (clean values are patched in), with
+        noise (also when there are none) its clean half."""
+        found = {e.direction for e in self.edits.values() if e.op == "patch"}
+        if self.grid is not None:
+            found.add(self.grid.direction)
+        return found.pop() if found else "noise"
+
 
 @dataclass(frozen=True)
 class TrainSpec:

@@ -181,47 +181,45 @@ def write_mib(result: CircuitResult, run_dir: Path) -> list[Path]:
     return out
 
 
-def write_h5(result: CircuitResult, h5_path: Path) -> None:
-    """`/circuit` into the run's probe.h5 (replacing one already there)."""
+def write_circuit(result: CircuitResult, f: h5py.File) -> None:
+    """`/circuit` into an open file that holds none (the run's sink gives it: probe.store.sink's
+    `write_whole`)."""
     graph = result.graph
-    with h5py.File(h5_path, "a") as f:
-        if GROUP in f:
-            del f[GROUP]
-        g = f.create_group(GROUP)
-        g.attrs.update(
-            layers=graph.layers,
-            heads=graph.heads,
-            kv_heads=graph.kv_heads,
-            parallel=bool(graph.parallel),
-            width=int(result.width),
-            choices=json.dumps(result.choices, sort_keys=True),
-            methods=json.dumps(list(result.scores)),
-        )
-        for name in ("senders", "receivers", "edges"):
-            g.create_dataset(name, data=np.array(getattr(graph, name), dtype=object), dtype=_TEXT)
-        g.create_dataset("edge_sender", data=graph.edge_sender)
-        g.create_dataset("edge_receiver", data=graph.edge_receiver)
-        for method, s in result.scores.items():
-            m = g.create_group(method)
-            m.attrs["count"] = int(s.count)
-            m.create_dataset("scores", data=s.edges)
-            for key in ("edge_sum", "edge_sumsq", "node_sum", "node_sumsq"):
-                m.create_dataset(key, data=getattr(s, key))
-            if method in result.circuits:
-                m.create_dataset("circuits", data=result.circuits[method].astype(np.uint8))
-            curve = result.curves.get(method)
-            if curve is not None:
-                c = m.create_group("faithfulness")
-                c.attrs.update(
-                    full=curve.full, empty=curve.empty, cpr=curve.areas[0], cmd=curve.areas[1]
-                )
-                c.create_dataset("sizes", data=np.array(curve.sizes, dtype=np.float64))
-                c.create_dataset("asked", data=np.array(curve.asked, dtype=np.int64))
-                c.create_dataset("edges", data=np.array(curve.edges, dtype=np.int64))
-                c.create_dataset("metric", data=np.array(curve.metric, dtype=np.float64))
-                c.create_dataset("faithfulness", data=curve.faithfulness)
-        if result.means is not None:
-            _write_means(g.create_group("means"), result.means)
+    g = f.create_group(GROUP)
+    g.attrs.update(
+        layers=graph.layers,
+        heads=graph.heads,
+        kv_heads=graph.kv_heads,
+        parallel=bool(graph.parallel),
+        width=int(result.width),
+        choices=json.dumps(result.choices, sort_keys=True),
+        methods=json.dumps(list(result.scores)),
+    )
+    for name in ("senders", "receivers", "edges"):
+        g.create_dataset(name, data=np.array(getattr(graph, name), dtype=object), dtype=_TEXT)
+    g.create_dataset("edge_sender", data=graph.edge_sender)
+    g.create_dataset("edge_receiver", data=graph.edge_receiver)
+    for method, s in result.scores.items():
+        m = g.create_group(method)
+        m.attrs["count"] = int(s.count)
+        m.create_dataset("scores", data=s.edges)
+        for key in ("edge_sum", "edge_sumsq", "node_sum", "node_sumsq"):
+            m.create_dataset(key, data=getattr(s, key))
+        if method in result.circuits:
+            m.create_dataset("circuits", data=result.circuits[method].astype(np.uint8))
+        curve = result.curves.get(method)
+        if curve is not None:
+            c = m.create_group("faithfulness")
+            c.attrs.update(
+                full=curve.full, empty=curve.empty, cpr=curve.areas[0], cmd=curve.areas[1]
+            )
+            c.create_dataset("sizes", data=np.array(curve.sizes, dtype=np.float64))
+            c.create_dataset("asked", data=np.array(curve.asked, dtype=np.int64))
+            c.create_dataset("edges", data=np.array(curve.edges, dtype=np.int64))
+            c.create_dataset("metric", data=np.array(curve.metric, dtype=np.float64))
+            c.create_dataset("faithfulness", data=curve.faithfulness)
+    if result.means is not None:
+        _write_means(g.create_group("means"), result.means)
 
 
 def _write_means(g: h5py.Group, means: SenderStates) -> None:
@@ -238,7 +236,7 @@ def _write_means(g: h5py.Group, means: SenderStates) -> None:
 
 
 def read(h5_path: Path) -> CircuitResult:
-    """What `write_h5` wrote, or a DataError naming the file and how to make it."""
+    """What `write_circuit` wrote, or a DataError naming the file and how to make it."""
     h5_path = Path(h5_path)
     with h5py.File(h5_path, "r") as f:
         if GROUP not in f:
@@ -246,38 +244,42 @@ def read(h5_path: Path) -> CircuitResult:
                 f"{str(h5_path)!r} holds no circuit: run with dataset=pairs and circuit.method "
                 "(e.g. circuit.method=[eap]) to score edges"
             )
-        g = f[GROUP]
-        a = g.attrs
-        graph = ComponentGraph(
-            int(a["layers"]), int(a["heads"]), int(a["kv_heads"]), bool(a["parallel"])
+        return read_group(f[GROUP])
+
+
+def read_group(g: h5py.Group) -> CircuitResult:
+    """The CircuitResult of an open file's `/circuit`."""
+    a = g.attrs
+    graph = ComponentGraph(
+        int(a["layers"]), int(a["heads"]), int(a["kv_heads"]), bool(a["parallel"])
+    )
+    result = CircuitResult(graph, {}, json.loads(a["choices"]), int(a["width"]))
+    for method in json.loads(a["methods"]):
+        m = g[method]
+        result.scores[method] = EdgeScores(
+            graph,
+            method,
+            m["edge_sum"][:],
+            m["edge_sumsq"][:],
+            m["node_sum"][:],
+            m["node_sumsq"][:],
+            int(m.attrs["count"]),
         )
-        result = CircuitResult(graph, {}, json.loads(a["choices"]), int(a["width"]))
-        for method in json.loads(a["methods"]):
-            m = g[method]
-            result.scores[method] = EdgeScores(
-                graph,
+        if "circuits" in m:
+            result.circuits[method] = m["circuits"][:].astype(bool)
+        if "faithfulness" in m:
+            c = m["faithfulness"]
+            result.curves[method] = Curve(
                 method,
-                m["edge_sum"][:],
-                m["edge_sumsq"][:],
-                m["node_sum"][:],
-                m["node_sumsq"][:],
-                int(m.attrs["count"]),
+                tuple(c["sizes"][:].tolist()),
+                tuple(c["asked"][:].tolist()),
+                tuple(c["edges"][:].tolist()),
+                tuple(c["metric"][:].tolist()),
+                float(c.attrs["full"]),
+                float(c.attrs["empty"]),
             )
-            if "circuits" in m:
-                result.circuits[method] = m["circuits"][:].astype(bool)
-            if "faithfulness" in m:
-                c = m["faithfulness"]
-                result.curves[method] = Curve(
-                    method,
-                    tuple(c["sizes"][:].tolist()),
-                    tuple(c["asked"][:].tolist()),
-                    tuple(c["edges"][:].tolist()),
-                    tuple(c["metric"][:].tolist()),
-                    float(c.attrs["full"]),
-                    float(c.attrs["empty"]),
-                )
-        if "means" in g:
-            result.means = read_means(g["means"], graph.layers)
+    if "means" in g:
+        result.means = read_means(g["means"], graph.layers)
     return result
 
 

@@ -17,7 +17,8 @@ import torch
 
 from probe.errors import DataError
 from probe.graphs.graph_data import KINDS, AttributionGraph
-from probe.graphs.graph_h5 import graph_group, graph_path, prompt_rows, read_columns, write_graph
+from probe.graphs.graph_h5 import graph_group, graph_path, prompt_rows, write_graph
+from probe.store.groups import read_columns
 
 
 def load_graph(path_or_run: str | Path, prompt: int = 0) -> AttributionGraph:

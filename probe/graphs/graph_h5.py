@@ -1,6 +1,7 @@
 """The /graph layout in HDF5: `/graph` of a run's probe.h5 (one graph per prompt, appended as
-each is computed) or a file of its own (`AttributionGraph.save`); a graph's rows written and
-read back as columns (probe.graphs.graph_files makes an AttributionGraph of them again).
+each is computed: a keyed group of the run's sink, probe.store.groups) or a file of its own
+(`AttributionGraph.save`); a graph's rows written and read back as columns
+(probe.graphs.graph_files makes an AttributionGraph of them again).
 
 Layout (every dataset one column, chunked and resizable along its rows):
 
@@ -18,7 +19,7 @@ Layout (every dataset one column, chunked and resizable along its rows):
 A prompt's nodes are rows [node_start, node_start + nodes) of /graph/nodes, its edges rows
 [edge_start, edge_start + edges) of /graph/edges. The prompts row is written last and flushed:
 a prompt is in the file once its row is, and rows past the last prompt's (a write cut short)
-are cut off when the file is opened again to append.
+are cut off when the file is opened again to append (the rule of every keyed group).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from probe.errors import DataError
+from probe.store.groups import GroupKind, GroupTables, read_columns
 
 KINDS = ("feature", "error", "token", "logit")  # the kind codes 0-3 (graph_data's KINDS)
 GROUP = "graph"
@@ -56,102 +58,19 @@ EDGE_COLUMNS = {
     "kept": np.bool_,
 }  # fmt: skip
 TABLES = {"prompts": PROMPT_COLUMNS, "nodes": NODE_COLUMNS, "edges": EDGE_COLUMNS}
-CHUNK_ROWS = 1 << 14
 
 
-class GraphFile:
-    """`/graph` of an HDF5 file opened to append prompts' graphs (a new group, or an existing
-    one continued after its last whole prompt). `attrs`: the group's attributes (options,
-    transcoders, scan); an existing group of other options is refused by `check`."""
-
-    def __init__(self, path: Path, attrs: dict[str, str], keep: bool = True) -> None:
-        self.path = Path(path)
-        self.file = h5py.File(self.path, "a")
-        try:
-            if GROUP in self.file and not keep:
-                del self.file[GROUP]
-            if GROUP not in self.file:
-                self.group = _new_group(self.file, attrs)
-            else:
-                self.group = self.file[GROUP]
-                _cut_to_whole_prompts(self.group)
-            self.file.flush()
-        except BaseException:
-            self.file.close()
-            raise
-
-    def __enter__(self) -> GraphFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def prompts(self) -> list[int]:
-        """The prompts whose graphs the file holds, in the order they were written."""
-        return [int(p) for p in self.group["prompts/prompt"][:]]
-
-    def append(self, prompt: int, graph: Any) -> None:
-        """`graph` as prompt `prompt`'s, flushed (its row last)."""
-        nodes, edges = graph_rows(graph, prompt)
-        self.append_rows(prompt_row(graph, prompt), nodes, edges)
-
-    def append_rows(self, row: dict, nodes: dict[str, np.ndarray], edges: dict) -> None:
-        """One prompt's rows (as `graph_rows` and `prompt_row` give them, or read from another
-        file): nodes and edges first, the prompts row last, then a flush."""
-        g = self.group
-        row = {**row, "node_start": len(g["nodes/prompt"]), "edge_start": len(g["edges/prompt"])}
-        row["nodes"], row["edges"] = len(nodes["prompt"]), len(edges["prompt"])
-        _extend(g["nodes"], nodes)
-        _extend(g["edges"], edges)
-        self.file.flush()
-        _extend(g["prompts"], {k: np.array([v]) for k, v in row.items()})
-        self.file.flush()
-
-    def close(self, complete: bool | None = None) -> None:
-        if self.file.id.valid:
-            if complete is not None:
-                self.group.attrs["complete"] = bool(complete)
-            self.file.close()
+GRAPH = GroupKind(
+    root=GROUP, tables=TABLES, index="prompts", key="prompt",
+    spans={"nodes": ("node_start", "nodes"), "edges": ("edge_start", "edges")},
+    format=FORMAT, attrs={"nodes": {"kinds": list(KINDS)}},
+)  # fmt: skip
 
 
-def _new_group(f: h5py.File, attrs: dict[str, str]) -> h5py.Group:
-    g = f.create_group(GROUP)
-    g.attrs["format"] = FORMAT
-    g.attrs["complete"] = False
-    for k, v in attrs.items():
-        g.attrs[k] = v
-    for table, columns in TABLES.items():
-        t = g.create_group(table)
-        for name, dtype in columns.items():
-            t.create_dataset(name, (0,), dtype=dtype, maxshape=(None,), chunks=(CHUNK_ROWS,))
-    g["nodes"].attrs["kinds"] = list(KINDS)
-    return g
-
-
-def _extend(table: h5py.Group, columns: dict[str, np.ndarray]) -> None:
-    for name, values in columns.items():
-        ds = table[name]
-        if ds.dtype.kind == "O":  # (h5py writes variable-length strings from objects)
-            values = np.asarray(values, dtype=object)
-        start = len(ds)
-        ds.resize(start + len(values), axis=0)
-        if len(values):
-            ds[start:] = values
-
-
-def _cut_to_whole_prompts(g: h5py.Group) -> None:
-    """Rows written after the last whole prompt's (its prompts row is written last) removed."""
-    prompts = g["prompts"]
-    n = min(len(prompts[c]) for c in PROMPT_COLUMNS)
-    if n:
-        end_nodes = int(prompts["node_start"][n - 1] + prompts["nodes"][n - 1])
-        end_edges = int(prompts["edge_start"][n - 1] + prompts["edges"][n - 1])
-    else:
-        end_nodes = end_edges = 0
-    for table, end in (("prompts", n), ("nodes", end_nodes), ("edges", end_edges)):
-        for ds in g[table].values():
-            ds.resize(min(end, len(ds)), axis=0)
+def append_graph(tables: GroupTables, prompt: int, graph: Any) -> None:
+    """`graph` as prompt `prompt`'s rows of /graph (its prompts row last, flushed)."""
+    nodes, edges = graph_rows(graph, prompt)
+    tables.append(prompt_row(graph, prompt), {"nodes": nodes, "edges": edges})
 
 
 # -- one graph as rows ---------------------------------------------------------------------------
@@ -245,15 +164,6 @@ def graph_group(f: h5py.File, path: Path) -> h5py.Group:
     return f[GROUP]
 
 
-def read_columns(table: h5py.Group, start: int, count: int) -> dict[str, np.ndarray]:
-    """Rows [start, start + count) of every column of a /graph table (strings decoded)."""
-    out = {}
-    for name, ds in table.items():
-        values = ds[start : start + count]
-        out[name] = ds.asstr()[start : start + count] if ds.dtype.kind == "O" else values
-    return out
-
-
 def prompt_rows(g: h5py.Group) -> pd.DataFrame:
     """/graph/prompts as a table."""
     cols = read_columns(g["prompts"], 0, len(g["prompts/prompt"]))
@@ -271,26 +181,14 @@ def iter_prompts(path: Path) -> Iterator[tuple[dict, dict, dict]]:
             yield row, nodes, edges
 
 
-def copy_graphs(target: Path, sources: list[Path], attrs: dict[str, str]) -> int:
-    """Every prompt of the sources' /graph appended, in order, to a new /graph in `target`
-    (torchrun: the ranks' files into the run's); returns the number of prompts."""
-    count = 0
-    with GraphFile(target, attrs, keep=False) as out:
-        for source in sources:
-            for row, nodes, edges in iter_prompts(source):
-                out.append_rows({k: row[k] for k in PROMPT_COLUMNS}, nodes, edges)
-                count += 1
-        out.close(complete=True)
-    return count
-
-
 def write_graph(graph: Any, path: str | Path, prompt: int = 0) -> Path:
     """`graph` (an AttributionGraph) alone in a new HDF5 file at `path` (replaced if there), as
     prompt `prompt`."""
     path = Path(path)
     path.unlink(missing_ok=True)
     attrs = {"scan": json.dumps(graph.scan), "options": "{}", "transcoders": ""}
-    with GraphFile(path, attrs) as out:
-        out.append(prompt, graph)
-        out.close(complete=True)
+    with h5py.File(path, "w") as f:
+        tables = GroupTables(f, GRAPH, attrs)
+        append_graph(tables, prompt, graph)
+        tables.mark(True)
     return path

@@ -31,6 +31,25 @@ class TopKSpec:
         return {k: n for k, n in sizes.items() if n > 0}
 
 
+@dataclass
+class BatchExamples:
+    """One capture's examples of one batch, by kind: (values, keys), each (units, n), on the
+    capture's device until a record copies them to the host
+    (probe.hooks.step_context.Partial)."""
+
+    kinds: dict[str, tuple]
+
+    def tensors(self) -> dict:
+        return {f"{kind}.{i}": t for kind, pair in self.kinds.items() for i, t in enumerate(pair)}
+
+    def on_host(self, tensors: dict) -> BatchExamples:
+        return BatchExamples({k: (tensors[f"{k}.0"], tensors[f"{k}.1"]) for k in self.kinds})
+
+    def arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Each kind's (values, keys) as numpy arrays (host copies)."""
+        return {kind: (v.numpy(), k.numpy()) for kind, (v, k) in self.kinds.items()}
+
+
 def priority(keys, units, seed: int):
     """A 52-bit hash of (key, unit, seed) in [0, 1), the same in torch and numpy (int64 products
     wrap in both; shifts are masked to be logical)."""

@@ -11,16 +11,14 @@ the gradient onto the wrong tensor, and the user's model is never modified.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from probe.errors import ConfigError, ModelError
+from probe.errors import ModelError
 from probe.hooks.backward import DTYPES, Attributed, PendingGrad
-from probe.hooks.batch_topk import TopKSpec, partial, row_keys
 from probe.hooks.buffers import AlignedPool, aligned_empty
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import Selection
@@ -29,11 +27,20 @@ from probe.hooks.sae_site import SaeSite, sae_site, take_sae
 from probe.layout import TokenBatch, reduced, token_rows, unit_axis
 from probe.site_keys import ATTRIBUTION_SITES, SiteKey
 
+Key = tuple[str, str]  # (layer, site): a capture's dataset
 # the attribution sites that explain a module's output, and its input
 ATTRIBUTED = {
     "output": tuple(s for s in ATTRIBUTION_SITES if s != "grad_x_input"),
     "input": ("grad_x_input",),
 }
+
+
+class Listener(Protocol):
+    """A run part that reduces each value as it is captured (its statistics, its examples per
+    unit), on the value's device, before any later in-place op can change it."""
+
+    def took(self, key: Key, value: torch.Tensor, axis: int, sel: Selection,
+             batch: BatchCapture) -> None: ...  # fmt: skip
 
 
 @dataclass
@@ -42,57 +49,44 @@ class BatchCapture:
 
     size: int
     start: int = 0
-    values: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    values: dict[Key, torch.Tensor] = field(default_factory=dict)
     pending: list[PendingGrad] = field(default_factory=list)
-    observe: Callable[[tuple[str, str], torch.Tensor], Any] | None = None
+    listeners: tuple[Listener, ...] = ()  # told of each value as it is taken
     keep_values: bool = True  # False: only statistics are wanted (store.mode=stats)
-    observed: dict[tuple[str, str], Any] = field(default_factory=dict)  # key -> its statistics
     pool: AlignedPool | None = None  # where CPU copies come from
     pooled: list[torch.Tensor] = field(default_factory=list)  # to give back once written
-    layouts: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # across batches
-    axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis of each dataset
+    layouts: dict[Key, torch.Tensor] = field(default_factory=dict)  # across batches
+    axes: dict[Key, int] = field(default_factory=dict)  # unit axis of each dataset
     tokens: TokenBatch | None = None  # a token batch's mask (token reductions and rows)
     recording: bool = True  # False: the edits act, nothing is captured (a grid's cell passes)
     repeats: int = 1  # the batch stacked so many times in one forward (a grid's cells)
-    observe_device: bool = False  # `observe` also takes GPU values (the torch backend)
     attributed: list[Attributed] = field(default_factory=list)  # for the attribution sites
-    token_keys: set[tuple[str, str]] = field(default_factory=set)  # the datasets of token rows
-    topk: TopKSpec | None = None  # examples per unit to keep (stats.topk), on the value's device
-    topk_rows: int = 0  # the samples the run visits (more examples than rows are refused)
-    topk_first: int = 0  # the first sample of this process (its first batch is judged)
-    topk_partials: dict[tuple[str, str], dict] = field(default_factory=dict)  # this batch's
-    unstored: set[tuple[str, str]] = field(default_factory=set)  # statistics, no dataset
-    plain: dict[tuple[str, str], dict] = field(default_factory=dict)  # no statistics: attrs
+    token_keys: set[Key] = field(default_factory=set)  # the datasets of token rows
+    unstored: set[Key] = field(default_factory=set)  # statistics, no dataset
+    plain: dict[Key, dict] = field(default_factory=dict)  # no statistics: attrs
 
-    def take(
-        self, key: tuple[str, str], t: torch.Tensor, sel: Selection, store: bool = True
-    ) -> None:
-        """Capture `t` at `key`. `observe` (the statistics) sees the value now, before any later
-        in-place op (a CPU one while it is in cache, a GPU one where it lives, when the backend
-        reduces there); when values are not kept (or not `store`d) it needs no copy, and `values`
-        holds an empty tensor that only tells the writer the layout."""
-        observing = self.observe is not None and (t.is_cpu or self.observe_device)
+    def take(self, key: Key, t: torch.Tensor, sel: Selection, store: bool = True) -> None:
+        """Capture `t` at `key`. The listeners see the value now, before any later in-place op
+        (a CPU one while it is in cache, a GPU one where it lives); when values are not kept (or
+        not `store`d) it then needs no copy, and `values` holds an empty tensor that only tells
+        the sink the layout."""
         if not store:
             self.unstored.add(key)
         keeping = self.keep_values and store
-        copy = keeping or not observing
-        value, axis = keep(t, sel, self.size, key, copy, self.pool, self.pooled, self.tokens)
+        listened = bool(self.listeners)
+        value, axis = keep(
+            t, sel, self.size, key, keeping or not listened, self.pool, self.pooled, self.tokens
+        )
         self.axes[key] = axis
         if sel.rows == "tokens" and t.ndim >= 2:  # one row per token (as `keep` made them)
             self.token_keys.add(key)
-        if observing:
-            self.observed[key] = self.observe(key, value, axis)
-        if self.topk is not None:
-            by_token = sel.rows == "tokens" and t.ndim >= 2
-            found = row_keys(value, axis, self.start, self.tokens, by_token)
-            if self.start == self.topk_first:  # (judged once, on the first batch's rows)
-                check_examples(self.topk, self.topk_rows * len(found[1]) // max(self.size, 1), key)
-            self.topk_partials[key] = partial(*found, self.topk)
-        if observing and not keeping:
+        for listener in self.listeners:
+            listener.took(key, value, axis, sel, self)
+        if listened and not keeping:
             value = self.layout(key, value)
         self.values[key] = value
 
-    def take_plain(self, key: tuple[str, str], t: torch.Tensor, sel: Selection, **attrs) -> None:
+    def take_plain(self, key: Key, t: torch.Tensor, sel: Selection, **attrs) -> None:
         """Store `t` at `key` in the probe's rows, without statistics or examples (an SAE's
         sparse latents: slot indices and values); `attrs` go on its dataset."""
         args = (self.size, key, True, self.pool, self.pooled, self.tokens)
@@ -101,9 +95,9 @@ class BatchCapture:
             self.token_keys.add(key)
         self.plain[key] = attrs
 
-    def layout(self, key: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
+    def layout(self, key: Key, value: torch.Tensor) -> torch.Tensor:
         """An empty tensor shaped like a row of `value`: the layout, not the activation, which
-        the writer reads for a dataset's first batch only (its statistics merge whatever the
+        the sink reads for a dataset's first batch only (its statistics merge whatever the
         later rows' shape), so the first batch's serves them all (fewer torch calls a hook)."""
         held = self.layouts.get(key)
         if held is None:
@@ -146,16 +140,10 @@ class Capture:
         selections: list[Selection],
         edits: list | None = None,
         index_offset: int = 0,
-        observe: Callable[[tuple[str, str], torch.Tensor, int], Any] | None = None,
         keep_values: bool = True,
-        observe_device: bool = False,
-        topk: TopKSpec | None = None,
-        topk_rows: int = 0,
     ):
         self.selections = selections
-        self.observe = observe  # called with each capture (and its unit axis) as it is taken
-        self.observe_device = observe_device  # GPU captures too, else only CPU ones
-        self.topk, self.topk_rows = topk, topk_rows  # examples per unit (probe.stats.topk)
+        self.listeners: list[Listener] = []  # told of each value of a recorded pass
         self.keep_values = keep_values
         self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
@@ -179,6 +167,10 @@ class Capture:
         self.hooks.enter(self._hang)
         return self
 
+    def listen(self, listener: Listener) -> None:
+        """Tell `listener` of every value the run's recorded passes take from now on."""
+        self.listeners.append(listener)
+
     def _hang(self) -> None:
         for t in self.hooked:
             if t.wants("input", "grad_input"):
@@ -201,7 +193,7 @@ class Capture:
         self.batch = BatchCapture(
             size,
             self.index_offset + start,
-            observe=self.observe,
+            listeners=tuple(self.listeners) if recording else (),
             keep_values=self.keep_values,
             pool=self.pool,
             layouts=self.layouts,
@@ -209,10 +201,6 @@ class Capture:
             tokens=tokens,
             recording=recording,
             repeats=repeats,
-            observe_device=self.observe_device,
-            topk=self.topk if recording else None,
-            topk_rows=self.topk_rows,
-            topk_first=self.index_offset,
         )
         self.in_calls.clear()
         self.out_calls.clear()
@@ -346,16 +334,6 @@ def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:
             f"layer {key[0]!r} {key[1]} has shape {tuple(t.shape)}, whose first axis is not the batch "
             f"of {size}; exclude this layer from the probe (exclude: [{key[0]!r}])"
         )
-
-
-def check_examples(spec: TopKSpec, rows: int, key: tuple[str, str]) -> None:
-    """More examples per unit than the run has rows (with their positions) cannot be kept."""
-    for name, k in (("stats.topk", spec.top), ("stats.bottomk", spec.bottom)):
-        if k > rows:
-            raise ConfigError(
-                f"{name}={k} is more than the {rows} rows (samples x positions) layer "
-                f"{key[0]!r} {key[1]} gives in this run; ask for at most {rows}"
-            )
 
 
 def keep(

@@ -1,5 +1,6 @@
-"""What one batch hands the writer: its captures, per-sample and per-batch, and the features'
-named outputs (probe.hooks.run_feature.Outputs)."""
+"""What one batch hands the run's sink: its captures, per-sample and per-batch, and the run
+parts' named outputs (probe.hooks.step_context.Outputs: rows, arrays written once, partials to
+fold)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.hooks.run_feature import Outputs
+from probe.hooks.step_context import Outputs
 
 
 @dataclass
@@ -23,10 +24,8 @@ class Record:
     values: dict[tuple[str, str], torch.Tensor]
     per_batch: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     targets: torch.Tensor | None = None
-    outputs: Outputs = field(default_factory=Outputs)  # the features' rows, by dataset name
+    outputs: Outputs = field(default_factory=Outputs)  # the parts' rows and partials, by name
     ready: Any = None  # a CUDA event to wait on before reading host copies of GPU tensors
-    # statistics of this batch already taken (in the hooks, or by `put`), folded in once written
-    counted: dict[tuple[str, str], Any] = field(default_factory=dict)  # RunningStats or packed
     # gives the values' buffers back for reuse once written; they may not be read after
     release: Callable[[], None] | None = None
     axes: dict[tuple[str, str], int] = field(default_factory=dict)  # unit axis by dataset

@@ -26,7 +26,7 @@ from probe.hooks import device as devices
 from probe.hooks.capture import Capture
 from probe.hooks.forward import answer, call, first_output, output_rows, to_device
 from probe.hooks.module_select import Selection
-from probe.hooks.run_feature import StepContext
+from probe.hooks.step_context import StepContext
 from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
 from probe.intervene.grid import Grid, heatmap, patching_table
@@ -52,8 +52,8 @@ def split_pair(batch: Batch, direction: str) -> tuple[Batch, dict | None]:
 
 
 def direction_of(spec: InterventionSpec, is_pairs: bool) -> str:
-    """The direction of the run's patches and grid (probe.checks holds them to one); noise (own
-    input: clean) when there are none. A patch from the pair needs a dataset of pairs."""
+    """The direction of the run's patches and grid (`spec.direction`), where a patch from the
+    pair has a dataset of pairs to take it from."""
     patches = [e for e in spec.edits.values() if e.op == "patch"]
     grid = spec.grid
     if (
@@ -63,8 +63,7 @@ def direction_of(spec: InterventionSpec, is_pairs: bool) -> str:
             "intervene: op=patch with source=pair needs dataset=pairs (clean and corrupt halves); "
             "use source=clean or an earlier run's directory"
         )
-    found = {e.direction for e in patches} | ({grid.direction} if grid is not None else set())
-    return found.pop() if found else "noise"
+    return spec.direction
 
 
 def _source(edit) -> str | None:

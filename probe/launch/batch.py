@@ -1,11 +1,11 @@
 """One batch of a run: its inputs to the device, the forward (and backward) through the hooks
-wrapped by the run's features (probe.hooks.run_feature), and the Record the writer takes."""
+wrapped by the run's parts (probe.launch.run_part), and the Record the sink takes."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -15,58 +15,53 @@ from probe.hooks.capture import Capture
 from probe.hooks.forward import call, output_rows, to_device, token_batch
 from probe.hooks.objective import per_sample
 from probe.hooks.record import Record
-from probe.hooks.run_feature import RunFeature, StepContext
+from probe.hooks.step_context import Outputs, Partial, StepContext
 from probe.intervene.passes import split_pair
-from probe.plan import RunPlan
-from probe.stats.backend import DeviceStats
+from probe.launch.run_part import RunPart, RunSetup
 
 
 @dataclass
 class Prepared:
     """What a run needs before its loop: built once, so a benchmark can repeat the loop alone.
-    `features`: the run features the plan asks for, in the registry's order
-    (probe.launch.features)."""
+    `setup`: the model, this rank's batches, the selected sites, the edits, the objective, the
+    device, the shard; `parts`: the run parts the plan asks for, in the registry's order
+    (probe.launch.parts; None: made as the run starts)."""
 
-    model: torch.nn.Module
-    batches: Iterable
-    selections: list
-    objective: object
-    device: torch.device
-    edits: list = field(default_factory=list)
-    shard: object = None  # probe.launch.distributed.Shard
-    stats_backend: str | None = (
-        None  # what reduces captures (probe.stats.backend); None: stats.backend
-    )
-    features: list[RunFeature] | None = None  # None: the registry's, prepared as the run starts
+    setup: RunSetup
+    parts: list[RunPart] | None = None
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.setup.model
 
-@dataclass
-class BatchStep:
-    """What every batch of a run goes through: what was prepared, the hooks, the plan, and
-    which half of a pairs batch is the run's own input (`direction`: denoise, the corrupt one)."""
+    @property
+    def batches(self) -> Iterable:
+        return self.setup.batches
 
-    prepared: Prepared
-    capture: Capture
-    plan: RunPlan
-    direction: str = "noise"
+    @property
+    def selections(self) -> list:
+        return self.setup.selections
+
+    @property
+    def device(self) -> torch.device:
+        return self.setup.device
 
 
-def run_batch(step: BatchStep, batch, index: int) -> Record:
+def run_batch(setup: RunSetup, parts: list[RunPart], capture: Capture, batch, index: int) -> Record:
     """Forward (and backward when a gradient site is asked for) one batch; return its captures
-    and the features' outputs. Each feature's `before_forward` runs before it (in the registry's
+    and the parts' outputs. Each part's `before_forward` runs before it (in the registry's
     order), its `after_forward` after it (in the reverse order)."""
-    p, capture, plan = step.prepared, step.capture, step.plan
-    model, device, objective, features = p.model, p.device, p.objective, p.features or []
+    plan, model, device, objective = setup.plan, setup.model, setup.device, setup.objective
     precision = plan.options.precision
-    batch, source = split_pair(batch, step.direction)
+    batch, source = split_pair(batch, plan.intervene.direction)
     inputs = to_device(model, batch.inputs, device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True) if batch.targets is not None else None
     host_tokens = token_batch(batch.inputs)
     tokens = host_tokens.to(device) if host_tokens is not None else None
     ctx = StepContext(plan, model, device, capture, index, batch, source, inputs, targets, tokens,
                       objective)  # fmt: skip
-    for f in features:
-        f.before_forward(ctx)
+    for part in parts:
+        part.before_forward(ctx)
     captured = ctx.captured = capture.begin(batch.size, batch.start, tokens)
     try:
         if objective is None:
@@ -82,36 +77,38 @@ def run_batch(step: BatchStep, batch, index: int) -> Record:
                     ctx.scores = per_sample(
                         objective, ctx.output, targets, inputs, tokens, ctx.side
                     )
-                ctx.grads = resolve_grads(captured, ctx.scores.sum(), p.selections)
+                ctx.grads = resolve_grads(captured, ctx.scores.sum(), setup.selections)
     finally:
         capture.end()
     ctx.outputs.samples.update(output_rows(ctx.output, ctx.model_output, batch.size, tokens))
-    for f in reversed(features):
-        f.after_forward(ctx)
+    for part in reversed(parts):
+        part.after_forward(ctx)
     return _record(ctx, host_tokens)
+
+
+def samples_only(batch, index: int) -> Record:
+    """A batch's record without a forward (a run whose parts all work after the loop): its
+    samples' rows alone (/samples/index, targets, names)."""
+    return Record(batch.start, batch.size, index, {}, targets=batch.targets)
 
 
 def _record(ctx: StepContext, host_tokens) -> Record:
     """The batch's captures and outputs, the device's ones copied to the host without waiting
     (one event for all of them: probe.hooks.device.to_host)."""
     captured, batch, outputs = ctx.captured, ctx.batch, ctx.outputs
-    observed = captured.observed
-    on_device = {k: v.packed for k, v in observed.items() if isinstance(v, DeviceStats)}
-    examples = {
-        (key, kind, i): t
-        for key, kinds in outputs.examples.items()
-        for kind, pair in kinds.items()
-        for i, t in enumerate(pair)
+    if captured is None:
+        raise RuntimeError("a batch's record before its forward")
+    on_device = {
+        (name, key, part): t
+        for name, partials in outputs.folds.items()
+        for key, p in partials.items()
+        if isinstance(p, Partial)
+        for part, t in p.tensors().items()
     }
-    (values, per_batch, host_stats, examples, outputs.samples), ready = devices.to_host(
-        captured.values, ctx.grads, on_device, examples, outputs.samples
+    (values, per_batch, host, outputs.samples), ready = devices.to_host(
+        captured.values, ctx.grads, on_device, outputs.samples
     )
-    for key, packed in host_stats.items():  # readable once `ready` has fired
-        observed[key].packed = packed
-    outputs.examples = {}
-    for (key, kind, i), t in examples.items():  # readable once `ready` has fired
-        pair = outputs.examples.setdefault(key, {}).setdefault(kind, [None, None])
-        pair[i] = t
+    outputs.folds = _on_host(outputs, host)
     tokens = None
     if host_tokens is not None and any(s.rows == "tokens" for s in ctx.capture.selections):
         tokens = host_tokens.rows(
@@ -120,6 +117,18 @@ def _record(ctx: StepContext, host_tokens) -> Record:
     release = functools.partial(ctx.capture.pool.give, captured.pooled) if captured.pooled else None
     return Record(
         batch.start, batch.size, ctx.index, values, per_batch, batch.targets, outputs, ready,
-        observed, release, captured.axes, tokens, captured.token_keys, captured.unstored,
-        captured.plain,
+        release, captured.axes, tokens, captured.token_keys, captured.unstored, captured.plain,
     )  # fmt: skip
+
+
+def _on_host(outputs: Outputs, host: dict) -> dict:
+    """The parts' partials over their host copies (readable once the record's event fired)."""
+    folds = {}
+    for name, partials in outputs.folds.items():
+        folds[name] = {
+            key: p.on_host({part: host[name, key, part] for part in p.tensors()})
+            if isinstance(p, Partial)
+            else p
+            for key, p in partials.items()
+        }
+    return folds

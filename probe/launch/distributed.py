@@ -4,7 +4,8 @@ batches into its own shard file, and rank 0 stitches the shards into one file.
 Shards are cut at batch boundaries, so each rank sees exactly the batches a single process would
 (same rows, same per-batch parameter gradients, same short last batch) and the stitched file
 equals a one-process run. The process group is only used for small messages (the run directory,
-a barrier); tensors never travel between ranks. Backends: gloo on CPU, nccl for CUDA tensors.
+barriers, a circuit's edge sums: `gathered`); captures never travel between ranks. Backends:
+gloo on CPU, nccl for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from torch.utils.data import Subset
 
 from probe.data.batches import OrderedBatches
 from probe.errors import ConfigError
+from probe.store.groups import GroupKind
 from probe.store.stitch import stitch
 
 log = logging.getLogger("probe")
@@ -132,17 +135,28 @@ def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
     return Shard(rank, world, mine, samples, n, tuple(map(len, blocks))), part
 
 
-def finish(shard: Shard, stitched: Path, datasets: dict):
-    """The run's DatasetInfo records: in a single process the writer's own `datasets`; under
-    torchrun, after every rank closed its shard, rank 0 stitches them into `stitched` and returns
-    the merged records while the other ranks return None. (A rank that failed never gets here:
-    torchrun stops the others.)"""
+def gathered(shard: Shard, value: object) -> list:
+    """`value` of every rank, in rank order (a small, picklable one: a pass's sums); this
+    rank's alone in a single process."""
+    if shard.world == 1:
+        return [value]
+    out: list = [None] * shard.world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def finish(shard: Shard, stitched: Path, datasets: dict, after: Sequence[GroupKind | str] = ()):
+    """The run's DatasetInfo records: in a single process the sink's own `datasets`; under
+    torchrun, after every rank closed its shard, rank 0 stitches them into `stitched` (with what
+    the run's parts wrote after the loop: `after`, probe.store.stitch) and returns the merged
+    records while the other ranks return None. (A rank that failed never gets here: torchrun
+    stops the others.)"""
     if shard.world == 1:
         return list(datasets.values())
     dist.barrier()
     merged = None
     if shard.rank == 0:
-        merged = stitch(stitched, [shard_path(stitched, r) for r in range(shard.world)])
+        merged = stitch(stitched, [shard_path(stitched, r) for r in range(shard.world)], after)
     dist.barrier()
     return merged
 

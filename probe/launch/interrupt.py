@@ -1,8 +1,11 @@
-"""Graceful stop on SIGINT/SIGTERM: finish the current batch, then close the file as partial.
+"""Graceful stop on SIGINT/SIGTERM: finish the unit in flight (a batch of the loop, a batch or
+a prompt of a pass after it), then close the file as partial.
 
-The handlers are installed only while a run loops and the previous ones are restored after, so a
-library caller's own handlers are untouched. A second signal while stopping raises
-KeyboardInterrupt at once (the writer is still drained and closed by the run's `finally`).
+One flag (`StopFlag`) for the whole run, its loop and its passes, and one exception
+(`Interrupted`) saying what was done. The handlers are installed only while a run works and the
+previous ones are restored after, so a library caller's own handlers are untouched. A second
+signal while stopping raises KeyboardInterrupt at once (the sink is still drained and closed by
+the run's `finally`).
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Interrupted(ProbeError):
-    """The run was stopped by a signal after `num_samples` samples were written."""
+    """The run was stopped by a signal; `done` says how far it got ("after 8 samples", "while
+    scoring edges after 1 of 3 batches"), all of it in its file, `num_samples` the loop's rows."""
 
-    def __init__(self, signum: int, num_samples: int, path):
-        self.signum, self.num_samples, self.path = signum, num_samples, path
+    def __init__(self, signum: int, path, done: str, num_samples: int = 0):
+        self.signum, self.num_samples, self.path, self.done = signum, num_samples, path, done
         super().__init__(
-            f"stopped by {signal.Signals(signum).name} after {num_samples} samples; {str(path)!r} "
-            "is closed with complete=false and holds them all. Run again with resume=true and the "
-            "same hydra.run.dir to continue"
+            f"stopped by {signal.Signals(signum).name} {done}; {str(path)!r} is closed with "
+            "complete=false and holds them all. Run again with resume=true and the same "
+            "hydra.run.dir to continue"
         )
 
     @property

@@ -1,9 +1,10 @@
-"""One probing run of a RunPlan (probe.plan): build, register hooks, stream every batch to the
-writer, summarise."""
+"""One probing run of a RunPlan (probe.plan): build, register hooks, stream every batch into the
+run's sink, make the run parts' passes over the batches again, summarise."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -25,15 +26,14 @@ from probe.hooks import nonfinite
 from probe.hooks.capture import Capture
 from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
-from probe.hooks.run_feature import Finished, RunFeature, RunSetup
 from probe.hooks.sae_site import load_saes
-from probe.intervene.edits import build_edits, first_pass_means
-from probe.intervene.passes import direction_of
+from probe.intervene.edits import build_edits
 from probe.launch import distributed, size_plan
-from probe.launch.batch import BatchStep, Prepared, run_batch
-from probe.launch.features import FEATURES
-from probe.launch.features.topk_examples import examples_spec
+from probe.launch.batch import Prepared, run_batch, samples_only
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
+from probe.launch.parts import PARTS
+from probe.launch.replay import Replay
+from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.models import placement
 from probe.models.build import build_model
 from probe.plan import RunPlan, parse
@@ -41,7 +41,7 @@ from probe.read.tables import summary_frame
 from probe.stats import backend
 from probe.store import runfile, runlock, swmr
 from probe.store.resume import check_identity, check_resumable, file_sha256
-from probe.store.writer import ProbeWriter
+from probe.store.sink import RunFile, Sink
 
 log = logging.getLogger("probe")
 
@@ -81,8 +81,11 @@ def as_plan(plan: RunPlan | object) -> RunPlan:
 def build_run(plan: RunPlan) -> Prepared:
     """Build the model and the batches the plan names (a composed config is parsed first), then
     `prepare` the run (the Python API, `probe.launch.api`, prepares a caller's model and batches
-    the same way)."""
+    the same way). What the plan alone cannot decide (a circuit method's name in its registry)
+    is checked before the model is built."""
     plan = as_plan(plan)
+    for kind in PARTS:
+        kind.check(plan)
     seed = plan.options.seed
     torch.manual_seed(seed)
     model = build_model(plan.model, seed)
@@ -91,8 +94,9 @@ def build_run(plan: RunPlan) -> Prepared:
 
 
 def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
-    """This process's batches, the device, the selected sites, the edits and the objective of a
-    run of `model` over `every` (batches as `probe.data.batches.OrderedBatches` gives them)."""
+    """This process's batches, the device, the selected sites, the edits, the objective and the
+    run parts of a run of `model` over `every` (batches as `probe.data.batches.OrderedBatches`
+    gives them)."""
     shard, batches = distributed.shard(every)
     options = plan.options
     if placement.is_placed(model):  # accelerate's hooks move each module's inputs in
@@ -121,9 +125,9 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
     if wants_grad:
         objective = build_objective(plan.objective, batches.has_targets, answers)
     check_attribution_run(model, selections, edits, options.train_mode)
-    features = prepare_features(
-        RunSetup(plan, model, batches, every.dataset, selections, edits, device, objective)
-    )
+    setup = RunSetup(plan, model, batches, every.dataset, selections, edits, device, objective,
+                     stats_backend, shard)  # fmt: skip
+    parts = prepare_parts(setup)
     for sel in selections:
         log.info(
             "probe %-12s %-28s %-18s %s", sel.probe, sel.name, sel.module_type, ",".join(sel.sites)
@@ -143,15 +147,13 @@ def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
             "and no layers, and summary.csv no rows",
             plan.store.filename,
         )
-    return Prepared(
-        model, batches, selections, objective, device, edits, shard, stats_backend, features
-    )
+    return Prepared(setup, parts)
 
 
-def prepare_features(setup: RunSetup) -> list[RunFeature]:
-    """The registered features (probe.launch.features) the plan asks for, each checked against
-    the model and the data."""
-    return [f for f in (kind.prepare(setup) for kind in FEATURES) if f is not None]
+def prepare_parts(setup: RunSetup) -> list[RunPart]:
+    """The registered parts (probe.launch.parts) the plan asks for, each checked against the
+    model and the data."""
+    return [p for p in (kind.prepare(setup) for kind in PARTS) if p is not None]
 
 
 def run(plan: RunPlan, run_dir: Path | None = None, prepared: Prepared | None = None) -> RunResult:
@@ -167,137 +169,145 @@ def run(plan: RunPlan, run_dir: Path | None = None, prepared: Prepared | None = 
 
 def _run(plan: RunPlan, run_dir: Path, prepared: Prepared | None) -> RunResult:
     p = prepared or build_run(plan)
-    shard = p.shard or distributed.shard(p.batches)[0]
-    stats_backend = p.stats_backend or backend.resolve(plan.stats.backend, p.device.type)
-    if not placement.is_placed(p.model):  # a placed model stays where its map put it
-        p.model.to(p.device)
+    setup = dataclasses.replace(p.setup, plan=plan)
+    setup.shard = setup.shard or distributed.shard(setup.batches)[0]
+    if not placement.is_placed(setup.model):  # a placed model stays where its map put it
+        setup.model.to(setup.device)
     train_mode = plan.options.train_mode
-    buffers = {k: v.clone() for k, v in p.model.state_dict().items()} if train_mode else None
-    p.model.train(train_mode)
-    h5_path = run_dir / plan.store.filename
-    setup = RunSetup(plan, p.model, p.batches, p.batches.dataset, p.selections, p.edits,
-                     p.device, p.objective, shard, run_dir, h5_path)  # fmt: skip
-    if p.features is None:  # (a Prepared made by hand: the registry's features, checked now)
-        p.features = prepare_features(setup)
-    for f in p.features:
-        f.start(setup)
-    writer = _open_writer(plan, p, shard, h5_path, stats_backend)
-    complete, stop = False, StopFlag()
+    state = setup.model.state_dict()
+    buffers = {k: v.clone() for k, v in state.items()} if train_mode else None
+    setup.model.train(train_mode)
+    setup.run_dir, setup.h5_path = run_dir, run_dir / plan.store.filename
+    parts = p.parts if p.parts is not None else prepare_parts(setup)
+    for part in parts:
+        part.start(setup)
+    sink = _open_sink(setup, parts)
+    complete = False
     try:
-        complete = _loop(plan, p, shard, writer, stop)
+        with StopFlag() as stop:
+            whole = _loop(setup, parts, sink, stop)
+            if whole:
+                replay = Replay(setup.batches, setup.shard, stop, sink.path)
+                for part in parts:
+                    part.after_loop(replay, sink)
+            complete = whole
     finally:
         if buffers is not None:
-            p.model.load_state_dict(buffers)
-        writer.close(complete=complete)
-    if stop.requested is not None:
-        raise Interrupted(stop.requested, writer.num_samples, h5_path)
-    done = Finished(plan, run_dir, h5_path, shard, counted=plan.stats.during != "none")
-    for f in p.features:
-        f.after_run(done)
-    return _finish(p, done, writer)
+            setup.model.load_state_dict(buffers)
+        sink.close(complete=complete)
+    if not complete:
+        raise Interrupted(stop.requested, setup.h5_path, f"after {sink.num_samples} samples",
+                          sink.num_samples)  # fmt: skip
+    done = Finished(plan, run_dir, setup.h5_path, setup.shard, counted=plan.stats.during != "none")
+    return _finish(parts, done, sink)
 
 
-def _open_writer(plan: RunPlan, p: Prepared, shard, h5_path: Path, stats_backend):
-    """The run's writer on a new file, or on the file it resumes once that file is checked to
-    be this run's (config, dataset, checkpoint)."""
-    path, options = shard.path(h5_path), plan.options
+def _open_sink(setup: RunSetup, parts: list[RunPart]) -> Sink:
+    """The run's sink on a new file, or on the file it resumes once that file is checked to be
+    this run's (config, dataset, checkpoint); each part attaches what it keeps."""
+    plan, shard = setup.plan, setup.shard
+    path, options = shard.path(setup.h5_path), plan.options
     runfile.check_existing(path, options.resume, options.overwrite)
     if options.resume and path.is_file():  # this run holds the directory's lock:
         swmr.mark_closed(path)  # "open for write" flags are a killed run's
     resuming = options.resume and check_resumable(path, plan.text)
+    batches = setup.batches
     provenance = describe_dataset(
-        plan.data, p.batches if shard.world == 1 else p.batches.dataset.dataset
+        plan.data, batches if shard.world == 1 else batches.dataset.dataset
     )
     identity = {"dataset_identity": json.dumps(provenance.identity, sort_keys=True)}
     if plan.model.checkpoint:
         identity["checkpoint_sha256"] = file_sha256(plan.model.checkpoint)
     if resuming:
         check_identity(path, identity)
-    first_pass_means(p.model, p.batches, p.edits, p.device)
-    selections = p.selections
-    writer = ProbeWriter(
-        path,
-        plan.store,
-        plan.stats,
-        module_types={s.name: s.module_type for s in selections},
-        token_layers=frozenset(s.name for s in selections if s.rows == "tokens"),
-        attrs={
-            **file_attrs(plan),
-            **shard.attrs(),
-            "edits": json.dumps([e.describe for e in p.edits if e.describe]),
-            "stats_backend": stats_backend,
-            **identity,
-            **{k: v for f in p.features for k, v in f.attrs().items()},
-        },
-        resume=resuming,
-        batch_rows=plan.data.batch_size,
-        index_offset=shard.samples.start,
-        stats_backend=stats_backend,
-        total_rows=len(shard.samples),
-        provenance=provenance,
-        topk=examples_spec(plan),
-    )
+    attrs = {
+        **file_attrs(plan),
+        **shard.attrs(),
+        "edits": json.dumps([e.describe for e in setup.edits if e.describe]),
+        "stats_backend": setup.stats_backend,
+        **identity,
+        **{k: v for part in parts for k, v in part.attrs().items()},
+    }
+    file = RunFile(
+        path, attrs, bool(resuming), plan.data.batch_size, shard.samples.start,
+        len(shard.samples), provenance, {s.name: s.module_type for s in setup.selections},
+    )  # fmt: skip
+    sink = Sink(file, plan.store)
+    try:
+        for part in parts:
+            part.open(sink)
+    except BaseException:
+        sink.close(complete=False)
+        raise
     if resuming:
-        p.batches.skip(writer.num_batches)
-        log.info("resuming %s after %d samples", h5_path, writer.num_samples)
-    return writer
+        batches.skip(sink.num_batches)
+        log.info("resuming %s after %d samples", setup.h5_path, sink.num_samples)
+    return sink
 
 
-def _loop(plan: RunPlan, p: Prepared, shard, writer: ProbeWriter, stop) -> bool:
-    """Every batch through the hooks into the writer; whether the run is whole (a signal stops
-    it after the batch in flight)."""
-    on_device = writer.observes_device
-    during = plan.stats.during
-    in_hooks = during == "run" and (p.device.type == "cpu" or on_device)
-    observe = writer.observe if in_hooks else None
+def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> bool:
+    """Every batch through the hooks into the sink; whether the loop is whole (a signal stops
+    it after the batch in flight). A run whose probes capture nothing and whose parts all work
+    after the loop makes no forward: its batches bring their samples' rows alone."""
+    plan = setup.plan
+    forward = needs_forward(setup, parts)
     keep_values = plan.store.mode == "full"
-    capture = Capture(p.selections, p.edits, shard.samples.start, observe, keep_values, on_device,
-                      writer.topk if during == "run" else None, shard.dataset_samples)  # fmt: skip
-    is_pairs = plan.data.name == "pairs"  # (which half of a pair is the run's own input)
-    step = BatchStep(p, capture, plan, direction_of(plan.intervene, is_pairs))
+    capture = Capture(setup.selections, setup.edits, setup.shard.samples.start, keep_values)
     fail_on_nonfinite = plan.options.fail_on_nonfinite  # read once
+    batches = setup.batches
     with contextlib.ExitStack() as hooks:
-        hooks.enter_context(capture)
-        hooks.enter_context(stop)
-        for f in p.features:
-            hooks.enter_context(f.loop(capture))
-        bar = tqdm(p.batches, desc="probe", unit="batch", disable=not plan.options.progress,
+        if forward:
+            hooks.enter_context(capture)
+            for part in parts:
+                hooks.enter_context(part.loop(capture))
+        bar = tqdm(batches, desc="probe", unit="batch", disable=not plan.options.progress,
                    leave=False)  # fmt: skip
-        first = index = writer.num_batches  # (a resumed run starts after its last batch)
+        first = index = sink.num_batches  # (a resumed run starts after its last batch)
         for index, batch in enumerate(bar, start=first):
-            if observe is not None:
-                writer.begin_batch()
-            record = run_batch(step, batch, index)
+            if forward:
+                record = run_batch(setup, parts, capture, batch, index)
+            else:
+                record = samples_only(batch, index)
             if index == 0:
-                size_plan.announce(record, p.batches, p.selections, plan.store, shard)
-            writer.put(record)
+                size_plan.announce(record, batches, setup.selections, plan.store, setup.shard)
+            sink.put(record)
             if fail_on_nonfinite:
                 nonfinite.check_batch(record)
             if stop.requested is not None:
                 break
     # a signal during the last batch stops nothing: the run is whole, so it says so
-    complete = stop.requested is None or index + 1 - first >= remaining_batches(p.batches)
-    if complete:
+    whole = stop.requested is None or index + 1 - first >= remaining_batches(batches)
+    if whole:
         stop.requested = None
-    return complete
+    return whole
 
 
-def _finish(p: Prepared, done: Finished, writer: ProbeWriter) -> RunResult:
-    """The files after the file: each feature's (rank 0 of a torchrun job, on the stitched
+def needs_forward(setup: RunSetup, parts: list[RunPart]) -> bool:
+    """Whether the loop runs the model: unless no probe captures, every part works after the
+    loop (circuits, attribution graphs) and the model's output is not asked for by name."""
+    if setup.selections or any(part.per_batch() for part in parts):
+        return True
+    after = any(type(part).after_loop is not RunPart.after_loop for part in parts)
+    return not after or setup.plan.store.model_output not in ("auto", "none")
+
+
+def _finish(parts: list[RunPart], done: Finished, sink: Sink) -> RunResult:
+    """The files after the file: each part's (rank 0 of a torchrun job, on the stitched
     file: summary.csv, none when no probe was asked for or stats.during=none; the lens's, the
     edits', the circuit's tables), the log's summary."""
     shard, h5_path = done.shard, done.h5_path
     if done.counted:
-        nonfinite.report(writer.datasets.values())
-    datasets = distributed.finish(shard, h5_path, writer.datasets)
+        nonfinite.report(sink.datasets.values())
+    after = [kind for part in parts for kind in part.after]
+    datasets = distributed.finish(shard, h5_path, sink.datasets, after)
     if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files
-        summary = summary_frame(writer.datasets.values())
-        return RunResult(done.run_dir, shard.path(h5_path), summary, writer.num_samples)
+        summary = summary_frame(sink.datasets.values())
+        return RunResult(done.run_dir, shard.path(h5_path), summary, sink.num_samples)
     done.datasets = datasets
     done.summary = summary_frame(datasets) if done.counted else summary_frame([])
-    for f in p.features:
-        f.finish(done)
-    num_samples = shard.dataset_samples if shard.world > 1 else writer.num_samples
+    for part in parts:
+        part.finish(done)
+    num_samples = shard.dataset_samples if shard.world > 1 else sink.num_samples
     log.info("wrote %s (%d samples)", h5_path, num_samples)
     return RunResult(done.run_dir, h5_path, done.summary, num_samples)
 

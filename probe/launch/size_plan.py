@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from probe.data.batches import OrderedBatches
 from probe.hooks.record import Record
+from probe.hooks.step_context import Partial
 from probe.stats.backend import DeviceStats
 from probe.stats.running import occupied_buckets
 from probe.store.chunks import Chunking, allocated_bytes
@@ -110,13 +111,17 @@ def estimate(record: Record, selections, store, blocks: list[int], batch_size: i
         if by_token and record.tokens is not None:  # /tokens/sample, position and id
             rows += [(a.itemsize, "token") for a in record.tokens.values()]
     captured = [*record.values.items(), *record.per_batch.items()]
+    # the first batch's statistics read on the host (a GPU's are not copied yet: not read)
+    counted = {
+        key: p
+        for key, p in record.outputs.folds.get("statistics", {}).items()
+        if not isinstance(p, Partial)
+    }
 
     def fixed(n: int) -> int:
         growth = 1 + BUCKET_GROWTH * math.log(max(n / record.size, 1))
         slots = 1 if full else 2  # a full run writes its statistics once, at its end
-        stats = sum(
-            stats_bytes(t, record.counted.get(key), growth, n, slots) for key, t in captured
-        )
+        stats = sum(stats_bytes(t, counted.get(key), growth, n, slots) for key, t in captured)
         return FILE_OVERHEAD + DATASET_OVERHEAD * len(rows) + stats
 
     projected = fixed(sum(blocks)) if len(blocks) > 1 else 0  # a torchrun job's stitched file

@@ -136,6 +136,14 @@ class DeviceStats:
     read: object  # numpy array -> RunningStats
     _read: tuple = (None, None)  # (the packed tensor read, its statistics)
 
+    def tensors(self) -> dict:
+        """What a record copies to the host (probe.hooks.step_context.Partial)."""
+        return {"packed": self.packed}
+
+    def on_host(self, tensors: dict) -> DeviceStats:
+        """The same statistics over their host copy (read once the record's event fired)."""
+        return DeviceStats(tensors["packed"], self.read)
+
     def host(self):
         if self._read[0] is not self.packed:
             self._read = (self.packed, self.read(self.packed.numpy()))

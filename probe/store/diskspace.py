@@ -2,7 +2,7 @@
 
 A write that fails half-way leaves HDF5 holding half a batch it must never flush (probe.store.livefile
 then closes the file without writing: it keeps its last flush, and the run's statistics are
-recomputed on resume). So the writer checks, before each batch, that the free space (and the
+recomputed on resume). So the sink checks, before each batch, that the free space (and the
 process's file size limit, RLIMIT_FSIZE) covers every chunk the batch can allocate, a margin for
 metadata and what closing the file writes, and stops cleanly otherwise; at the end it checks that
 closing fits again (another process may have taken the space since).
@@ -27,7 +27,6 @@ except ImportError:  # not on Windows
 
 METADATA_MARGIN = 1 << 20
 CLOSING_MARGIN = 64 << 10  # metadata closing rewrites: histogram chunk indexes, /progress
-SUMMARY_ROW_BYTES = 1 << 10  # summary.csv and units.csv: generous bytes per (layer, site)
 
 
 def free_bytes(path: Path) -> int:
@@ -41,81 +40,60 @@ def free_bytes(path: Path) -> int:
     return free
 
 
-def bytes_needed(writer, record) -> int:
+def bytes_needed(sink, record) -> int:
     """What writing `record` can add to the file: the chunks it allocates plus a metadata margin."""
-    need = METADATA_MARGIN
-    tokens = writer.token_layers  # their rows are tokens, after the writer's num_tokens
+    need, rows = METADATA_MARGIN, sink.rows
     arrays = [(name, t, record.start, "sample") for name, t in record.outputs.samples.items()]
-    if writer.mode == "full":
+    if rows.mode == "full":
         for key, t in record.values.items():
             if key in record.unstored:
                 continue
             by_token = key in record.token_keys
-            at, kind = (writer.num_tokens, "token") if by_token else (record.start, "sample")
+            at, kind = (rows.num_tokens, "token") if by_token else (record.start, "sample")
             arrays.append((layer_path(*key), t, at, kind))
         for k, t in record.per_batch.items():
             arrays.append((layer_path(*k), t, record.batch_index, "batch"))
         arrays.append(("samples/index", np.zeros(record.size, np.int64), record.start, "sample"))
         if record.targets is not None:
             arrays.append(("samples/target", record.targets, record.start, "sample"))
-        if tokens and record.tokens is not None:
-            arrays += [(name, a, writer.num_tokens, "token") for name, a in record.tokens.items()]
-    return need + sum(_allocates(writer, *entry) for entry in arrays)
+        if record.tokens is not None:  # their rows are tokens, after the rows' num_tokens
+            arrays += [(name, a, rows.num_tokens, "token") for name, a in record.tokens.items()]
+    return need + sum(_allocates(rows, *entry) for entry in arrays)
 
 
-def _allocates(writer, name: str, a, lo: int, kind: str) -> int:
-    """Bytes appending `a` at row `lo` of dataset `name` allocates, chunked as the writer makes
+def _allocates(rows, name: str, a, lo: int, kind: str) -> int:
+    """Bytes appending `a` at row `lo` of dataset `name` allocates, chunked as the rows make
     (or made) it."""
     row_bytes = int(a[0].nbytes) if len(a) else 1
-    rows = chunking(writer, name) or writer.chunking.rows(kind, len(a), row_bytes)
-    return allocated_bytes(lo, len(a), row_bytes, rows)
+    per_chunk = chunking(rows, name) or rows.chunking.rows(kind, len(a), row_bytes)
+    return allocated_bytes(lo, len(a), row_bytes, per_chunk)
 
 
-def chunking(writer, name: str) -> int | None:
+def chunking(rows, name: str) -> int | None:
     """Rows per chunk of an existing dataset, which keeps the chunking it was created with; read
-    from the writer's open datasets (asking HDF5 for each dataset every batch held the GIL for
+    from the open datasets (asking HDF5 for each dataset every batch held the GIL for
     milliseconds), else from the file once per name (a resumed run's datasets; a stats-only run
     appends its model outputs only at a flush, until which they are in neither)."""
-    target = writer.chunked.get(name)
+    target = rows.chunked.get(name)
     if target is not None and target.rows:
         return target.rows
-    if name not in writer.file_chunking:
-        ds = writer.file.get(name)
-        writer.file_chunking[name] = ds.chunks[0] if ds is not None and ds.chunks else None
-    return writer.file_chunking[name]
+    if name not in rows.file_chunking:
+        ds = rows.file.get(name)
+        rows.file_chunking[name] = ds.chunks[0] if ds is not None and ds.chunks else None
+    return rows.file_chunking[name]
 
 
-def closing_bytes(writer) -> int:
-    """What closing the file can still add: each /stats group's histogram growing to the buckets
-    its statistics occupy (both slots), every unit's row of summary tables."""
-    from probe.stats.running import occupied_buckets
-    from probe.store.stats_file import BUCKET_TYPE, HIST_CHUNK
-
-    need = 0
-    for key, info in writer.datasets.items():
-        buckets = -(-occupied_buckets(info.stats) // HIST_CHUNK) * HIST_CHUNK
-        have = writer.hist_capacity.get(key, 0)
-        need += 2 * max(0, buckets - have) * BUCKET_TYPE.itemsize
-        units = 0 if info.stats.units is None else len(info.stats.units.count)
-        need += SUMMARY_ROW_BYTES + units * 64
-    return need
-
-
-def check_space(writer, record) -> None:
+def check_space(sink, record) -> None:
     """WriteError naming the numbers when the next batch would not fit, with what closing the
-    file then needs (its statistics, the summary tables)."""
-    from probe.stats.running import occupied_buckets
-    from probe.store.stats_file import BUCKET_TYPE
-
-    need = bytes_needed(writer, record) + closing_need(writer)
-    for counted in record.counted.values():  # buckets this batch may add
-        need += 2 * occupied_buckets(counted) * BUCKET_TYPE.itemsize
-    free = free_bytes(writer.path)
+    file then needs (its folds, the summary tables)."""
+    need = bytes_needed(sink, record) + closing_need(sink)
+    need += sum(fold.batch_bytes(record) for fold in sink.folds)  # what this batch may add
+    free = free_bytes(sink.path)
     if free < need:
         # closing publishes the batches taken since the last flush when it fits, else not
-        kept = writer.num_samples if free >= closing_need(writer) else writer.progress.samples
+        kept = sink.num_samples if free >= closing_need(sink) else sink.progress.samples
         raise WriteError(
-            f"the disk holding {str(writer.path)!r} is full: {free / 2**20:.1f} MiB can still be "
+            f"the disk holding {str(sink.path)!r} is full: {free / 2**20:.1f} MiB can still be "
             f"written but the next batch needs about {need / 2**20:.1f} MiB. The file holds the "
             f"{kept} samples before it; {RESUME}"
         )
@@ -127,24 +105,26 @@ RESUME = (
 )
 
 
-def closing_need(writer) -> int:
-    """Bytes closing the file can add: statistics, the extras a stats-only run holds until its
-    flush, metadata."""
-    held = sum(_allocates(writer, name, a, lo, "sample") for name, a, lo, _ in writer.held)
-    return closing_bytes(writer) + CLOSING_MARGIN + held
+def closing_need(sink) -> int:
+    """Bytes closing the file can add: the folds' (statistics), the outputs a stats-only run
+    holds until its flush, metadata."""
+    rows = sink.rows
+    held = sum(_allocates(rows, name, a, lo, "sample") for name, a, lo, _ in rows.held)
+    folds = sum(fold.closing_bytes(sink) for fold in sink.folds)
+    return folds + CLOSING_MARGIN + held
 
 
-def check_closing(writer) -> WriteError | None:
+def check_closing(sink) -> WriteError | None:
     """A WriteError when closing would not fit (the space the guard kept was taken meanwhile):
     the file is then closed as its last flush left it, statistics of a full run recomputed by
     resume=true."""
-    need, free = closing_need(writer), free_bytes(writer.path)
+    need, free = closing_need(sink), free_bytes(sink.path)
     if free >= need:
         return None
     return WriteError(
-        f"the disk holding {str(writer.path)!r} is full: {free / 2**20:.2f} MiB can still be "
+        f"the disk holding {str(sink.path)!r} is full: {free / 2**20:.2f} MiB can still be "
         f"written but closing the file needs about {need / 2**20:.2f} MiB. The file holds the "
-        f"{writer.progress.samples} samples flushed before; {RESUME}"
+        f"{sink.progress.samples} samples flushed before; {RESUME}"
     )
 
 

@@ -1,5 +1,6 @@
-"""Continue an interrupted run: check its config, cut the file back to the last complete batch,
-and restore the streaming statistics so the finished file equals an uninterrupted run's.
+"""Continue an interrupted run: check its config and its inputs' identity, and cut the file's
+rows back to the last flushed batch (each fold restores its own values: probe.store.folds), so
+the finished file equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -9,15 +10,10 @@ import json
 from pathlib import Path
 
 import h5py
-import numpy as np
 
 from probe.errors import ConfigError, DataError
 from probe.plan import config_values
-from probe.stats import backend
-from probe.stats.running import stats_for
-from probe.stats.topk import TopKState
 from probe.store import stats_file
-from probe.store.coverage import seen_ranges
 from probe.store.fileformat import (
     FORMAT_VERSION,
     Progress,
@@ -30,7 +26,6 @@ from probe.store.fileformat import (
     write_progress,
 )
 from probe.store.runfile import open_probe_file
-from probe.store.sparse_rows import stored_rows
 
 # The parts of the resolved config that decide the values in the file.
 COMPARED = (
@@ -120,68 +115,55 @@ def check_identity(path: Path, identity: dict[str, str]) -> None:
         )
 
 
-def restore(writer, batch_rows: int) -> None:
-    """Bring a ProbeWriter opened on an existing file back to the state of its last flushed batch."""
-    f = writer.file
+def restore_rows(sink) -> None:
+    """Bring a Sink opened on an existing file back to the state of its last flush: its counts,
+    its captures' layout in the run's order, its row datasets cut to the counts, the coverage;
+    each fold restores its own values (probe.store.folds)."""
+    f, rows = sink.file, sink.rows
     progress = read_progress(f)
     finished = progress.complete  # only summarised again: not a resumption
-    writer.num_samples, writer.num_batches = progress.samples, progress.batches
-    writer.num_tokens = progress.tokens
-    for info in stats_file.described(f):
-        writer.datasets[(info.layer, info.site)] = info
+    rows.num_samples, rows.num_batches = progress.samples, progress.batches
+    rows.num_tokens = progress.tokens
     saved = stats_file.read(f)
+    for info in stats_file.described(f):
+        key = (info.layer, info.site)
+        if key in saved:  # (a stats-only capture's layout is in /stats alone)
+            info.shape, info.dtype = saved[key].shape, saved[key].dtype
+        rows.datasets[key] = info
+        rows.orders[key] = len(rows.orders)
     for name in _stored_arrays(f):
         ds = f[name]
         if ds.maxshape[0] is not None:  # written once whole (a lens's first samples' top-k)
-            writer.known.add(name)
+            rows.known.add(name)
             continue
         unit = row_unit(ds.attrs, name)
-        rows = {"batches": writer.num_batches, "tokens": writer.num_tokens}.get(
-            unit, writer.num_samples
-        )
-        if ds.shape[0] < rows and not name.startswith("layers/"):
+        valid = {"batches": rows.num_batches, "tokens": rows.num_tokens}.get(unit, rows.num_samples)
+        if ds.shape[0] < valid and not name.startswith("layers/"):
             raise DataError(
-                f"{str(writer.path)!r}: {name} has {ds.shape[0]} rows but the file says {rows} were "
+                f"{str(sink.path)!r}: {name} has {ds.shape[0]} rows but the file says {valid} were "
                 "written; the file is damaged, start a new run without resume=true"
             )
-        ds.resize(min(rows, ds.shape[0]), axis=0)
-        writer.known.add(name)
-    for key, info in writer.datasets.items():
-        rows = writer.num_batches if info.per_batch else writer.num_samples
-        rows = writer.num_tokens if info.rows == "tokens" else rows
+        ds.resize(min(valid, ds.shape[0]), axis=0)
+        rows.known.add(name)
+    for key, info in rows.datasets.items():
+        valid = rows.valid(info)
         ds = f.get(layer_path(*key))
-        writer.coverage.restore(f, key, min(rows, len(ds)) if ds is not None else rows)
-        hist = f.get(f"stats/{encode(key[0])}/{encode(key[1])}/hist")
-        writer.hist_capacity[key] = hist.shape[-1] if hist is not None else 0
+        rows.coverage.restore(f, key, min(valid, len(ds)) if ds is not None else valid)
     if "scalars" not in _first_stats_group(f):
         if "stats" in f:
             del f["stats"]  # a version 1 file: its statistics are rewritten in the new layout
     else:
-        groups = (f"stats/{encode(a)}/{encode(b)}" for a, b in writer.datasets)
-        writer.known.update(g for g in groups if g in f)
-    writer.known.update(d for d in ("sample", "token", "batch") if d in f)
-    writer.progress = Progress(
-        writer.num_samples, writer.num_batches, writer.num_tokens, False, progress.stats_slot
+        groups = (f"stats/{encode(a)}/{encode(b)}" for a, b in rows.datasets)
+        rows.known.update(g for g in groups if g in f)
+    rows.known.update(d for d in ("sample", "token", "batch") if d in f)
+    sink.progress = Progress(
+        rows.num_samples, rows.num_batches, rows.num_tokens, False, progress.stats_slot
     )
     f.attrs["complete"] = False
     f.attrs["format_version"] = FORMAT_VERSION
     if not finished:
         f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
-    write_progress(f, writer.progress)
-    f.flush()
-    # readable from here on: a kill while statistics are recomputed below (reads only, seconds
-    # for a long run) leaves a file in SWMR mode, which readers open
-    writer.out.go_live()
-    if writer.stats_during != "run":  # computed at close from every row, or not at all
-        return
-    for key, info in writer.datasets.items():
-        _restore_stats(writer, key, info, valid_rows(writer, info), saved.get(key), batch_rows)
-
-
-def valid_rows(writer, info) -> int:
-    """How many rows of a dataset the writer has written: batches, tokens or samples."""
-    rows = writer.num_batches if info.per_batch else writer.num_samples
-    return writer.num_tokens if info.rows == "tokens" else rows
+    write_progress(f, sink.progress)
 
 
 def _first_stats_group(f: h5py.File) -> h5py.Group | dict:
@@ -203,73 +185,3 @@ def _stored_arrays(f: h5py.File) -> list[str]:
                 )
             )
     return names
-
-
-def _restore_stats(writer, key, info, rows: int, stored, batch_rows: int) -> None:
-    """From /stats when they cover exactly the kept rows, else recomputed batch by batch from them."""
-    slots = "progress" in writer.file  # whole by construction: published with the counts
-    if stored is not None and (slots or stored.stats.rows == rows - _unseen(writer, key)):
-        info.stats, info.shape, info.dtype = stored.stats, stored.shape, stored.dtype
-        info.topk = stored.topk
-        return
-    ds = stored_rows(writer.file, *key)
-    if ds is None:
-        raise DataError(
-            f"{str(writer.path)!r} holds no statistics for the {rows} rows of {key[0]} {key[1]} "
-            "that agree with each other, and no stored rows to recompute them from (a "
-            "store.mode=stats run killed while it rewrote them); start a new run without "
-            "resume=true"
-        )
-    recompute(writer, key, info, rows, batch_rows)
-
-
-def recompute(writer, key, info, rows: int, batch_rows: int) -> None:
-    """`info.stats` from the first `rows` stored rows of (layer, site), folded batch by batch as
-    the run would have (stats.during=close, and a resume whose /stats do not cover its rows)."""
-    ds = stored_rows(writer.file, *key)
-    info.stats = stats_for(info.module_type, key[1], info.stats.unit_axis)
-    examples = writer.topk is not None and not info.per_batch
-    info.topk = TopKState(writer.topk) if examples else None
-    seen = seen_ranges(writer.file, key[0], key[1], min(rows, len(ds)))
-    for lo, hi in _batch_rows(writer, info, rows, batch_rows):
-        for a, b in seen:
-            if max(lo, a) < min(hi, b):
-                block = ds[max(lo, a) : min(hi, b)]
-                backend.fold(info.stats, block)
-                if examples:
-                    _fold_examples(writer, info, block, max(lo, a))
-    info.shape, info.dtype = tuple(ds.shape[1:]), str(ds.dtype)
-
-
-def _fold_examples(writer, info, block: np.ndarray, lo: int) -> None:
-    """A block of stored rows' examples per unit, their keys from /samples/index or /tokens/*
-    (a capture of token positions per sample cannot tell its padding apart: rows: tokens can)."""
-    import torch
-
-    from probe.hooks.batch_topk import POSITION_BITS, partial, stored_keys
-
-    f, n = writer.file, len(block)
-    if info.rows == "tokens":
-        inner = int(np.prod(block.shape[1:], dtype=np.int64)) // block.shape[info.stats.unit_axis]
-        sample = f["tokens/sample"][lo : lo + n].astype(np.int64)
-        base = sample * (1 << POSITION_BITS) + f["tokens/position"][lo : lo + n] * inner
-    else:
-        base = f["samples/index"][lo : lo + n].astype(np.int64) * (1 << POSITION_BITS)
-    found = stored_keys(torch.from_numpy(block), info.stats.unit_axis, torch.from_numpy(base))
-    kinds = partial(*found, writer.topk)
-    info.topk.merge({kind: (v.numpy(), k.numpy()) for kind, (v, k) in kinds.items()})
-
-
-def _unseen(writer, key) -> int:
-    return sum(b - a for a, b in writer.coverage.gaps.get(key, []))
-
-
-def _batch_rows(writer, info, rows: int, batch_rows: int) -> list[tuple[int, int]]:
-    """The [lo, hi) rows of each batch: the statistics merge batch by batch, as the run did."""
-    if info.per_batch:
-        return [(b, b + 1) for b in range(rows)]
-    if info.rows != "tokens":
-        return [(lo, min(lo + batch_rows, rows)) for lo in range(0, rows, batch_rows)]
-    samples = writer.file["tokens/sample"][:rows] - writer.index_offset
-    edges = np.searchsorted(samples, np.arange(0, writer.num_samples + batch_rows, batch_rows))
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]

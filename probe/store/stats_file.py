@@ -52,6 +52,7 @@ class DatasetInfo:
     per_batch: bool = False
     rows: str = "samples"  # or "tokens": one row per non-padding token
     topk: TopKState | None = None  # its examples per unit (stats.topk), probe.stats.topk
+    unit_axis: int = 1  # the axis of its rows along which the units lie
 
 
 def tags(info: DatasetInfo, order: int) -> dict:
@@ -63,13 +64,14 @@ def tags(info: DatasetInfo, order: int) -> dict:
         "order": order,
         "module_type": info.module_type,
         "per_batch": info.per_batch,
-        "unit_axis": info.stats.unit_axis,
+        "unit_axis": info.unit_axis,
         "row_unit": info.rows,
     }
 
 
 def create(file: h5py.File, info: DatasetInfo, order: int) -> None:
-    """The group of one (layer, site), its slots empty (before SWMR mode: it creates objects)."""
+    """The group of one (layer, site), its slots empty (before SWMR mode: it creates objects;
+    its examples' group is probe.store.topk_file's)."""
     parent = file.require_group("stats")
     layer = encode(info.layer)
     parent = parent[layer] if layer in parent else parent.create_group(layer)
@@ -85,13 +87,11 @@ def create(file: h5py.File, info: DatasetInfo, order: int) -> None:
     g.create_dataset(
         "hist", shape=(2, 0), maxshape=(2, None), dtype=BUCKET_TYPE, chunks=(1, HIST_CHUNK)
     )
-    if info.topk is not None and info.topk.kinds:
-        topk_file.create(file, info.layer, info.site, info.topk)
 
 
 def write_slot(file: h5py.File, infos, slot: int) -> dict[tuple[str, str], int]:
-    """Every DatasetInfo's statistics into `slot` of its group (which must exist); returns each
-    group's histogram capacity (buckets per slot)."""
+    """Every DatasetInfo's statistics into `slot` of its group (which must exist; its examples
+    are probe.store.topk_file's); returns each group's histogram capacity (buckets per slot)."""
     capacity = {}
     for info in infos:
         g = file[f"stats/{encode(info.layer)}/{encode(info.site)}"]
@@ -115,8 +115,6 @@ def write_slot(file: h5py.File, infos, slot: int) -> dict[tuple[str, str], int]:
                 units[name] = row
             g["units"][slot] = units
         g["scalars"][slot] = record
-        if info.topk is not None and info.topk.kinds:
-            topk_file.write(file, info.layer, info.site, info.topk, slot)
         capacity[info.layer, info.site] = h.shape[1]
     return capacity
 
@@ -170,6 +168,7 @@ def read(f: h5py.File, warn=None) -> dict[tuple[str, str], DatasetInfo]:
                 stats,
                 is_per_batch(a, site),
                 str(a.get("row_unit", "samples")),
+                unit_axis=axis,
             )
             if slot is not None:
                 info.topk = topk_file.read(f, layer, str(a.get("site", site)), slot)
@@ -198,6 +197,7 @@ def described(f: h5py.File) -> list[DatasetInfo]:
                     stats_for(module_type, site, int(a.get("unit_axis", 1))),
                     is_per_batch(a, site),
                     str(a.get("row_unit", "samples")),
+                    unit_axis=int(a.get("unit_axis", 1)),
                 )
                 found[(layer, site)] = (int(a["order"]), info)
     return [info for _, info in sorted(found.values(), key=lambda t: t[0])]

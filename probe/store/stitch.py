@@ -1,4 +1,7 @@
-"""One file from per-rank shard files: HDF5 virtual datasets in dataset order, merged statistics.
+"""One file from per-rank shard files, each kind of the sink's (probe.store.sink) by one rule:
+rows as HDF5 virtual datasets in rank order, arrays written once taken from rank 0, keyed groups
+concatenated in rank order (probe.store.groups), groups written whole taken from rank 0, and the
+folds merged exactly (statistics by Chan's merges, examples per unit by the same selection).
 
 A virtual dataset reads a missing source file as fill values without any error, so a stitched file
 is only trusted after `missing_sources` finds every shard present and complete; `read_stats` and
@@ -8,6 +11,7 @@ is only trusted after `missing_sources` finds every shard present and complete; 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -16,13 +20,14 @@ import numpy as np
 
 from probe.errors import DataError
 from probe.stats.running import RunningStats
-from probe.store import stats_file
+from probe.store import stats_file, topk_file
 from probe.store.chunks import name_axes
 from probe.store.fileformat import Progress, is_scale, read_progress, write_progress
+from probe.store.groups import GroupKind, concatenate
 from probe.store.runfile import missing_sources
 from probe.store.stats_file import DatasetInfo
 
-STACKED = ("layers/", "samples/", "model/", "tokens/", "effects/", "patching/")
+ROWS = ("layers", "samples", "model", "tokens", "effects", "patching", "lens", "dla")
 SCALE_ATTRS = {"CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "_Netcdf4Dimid"}
 
 STAT_FIELDS = [f.name for f in fields(RunningStats)]
@@ -35,9 +40,14 @@ class IncompleteFileError(DataError):
     """A run file that is unfinished, or stitched from a shard that is gone or unfinished."""
 
 
-def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
-    """Write `path`: every dataset of the shards as one virtual dataset (rows in rank order), the
-    shards' statistics merged exactly, `complete` last. Returns the merged DatasetInfo records."""
+def stitch(
+    path: Path, shards: list[Path], after: Sequence[GroupKind | str] = ()
+) -> list[DatasetInfo]:
+    """Write `path`: every row dataset of the shards as one virtual dataset (rows in rank order),
+    arrays written once and the groups named in `after` (written whole after the loop) as rank
+    0 has them, the keyed groups of each GroupKind in `after` concatenated, the shards'
+    statistics and examples merged exactly, `complete` last. Returns the merged DatasetInfo
+    records."""
     files = [h5py.File(p, "r") for p in shards]
     try:
         merged = merge_stats([read_stats(f, check=False) for f in files])
@@ -59,15 +69,27 @@ def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
             out.attrs["shards"] = [p.name for p in shards]
             if "layers" in files[0]:
                 out.create_group("layers")
-            for name in _dataset_names(files):
+            rows, once = _dataset_names(files)
+            for name in rows:
                 _virtual(
                     out, name, [(p.name, f.get(name)) for p, f in zip(shards, files, strict=True)]
                 )
+            for name in once:  # (rank 0's, or the first rank's that has it)
+                source = next(f for f in files if name in f)
+                source.copy(source[name], out, name=name)
             _name_axes(out, total, "sample" in files[0])
             for order, info in enumerate(merged.values()):
                 stats_file.create(out, info, order)
+                if info.topk is not None and info.topk.kinds:
+                    topk_file.create(out, info.layer, info.site, info.topk)
+                    topk_file.write(out, info.layer, info.site, info.topk, 0)
             stats_file.write_slot(out, merged.values(), 0)
             total.stats_slot = 0
+            for part in after:
+                if isinstance(part, GroupKind):
+                    concatenate(out, part, files)
+                elif part in files[0]:
+                    files[0].copy(files[0][part], out, name=part)
             write_progress(out, total)
             out.flush()
             total.complete = all(c.complete for c in counts)
@@ -79,24 +101,24 @@ def stitch(path: Path, shards: list[Path]) -> list[DatasetInfo]:
     return list(merged.values())
 
 
-def _dataset_names(files: list[h5py.File]) -> list[str]:
-    """Every per-row dataset of the shards (/stats are merged, not stacked)."""
+def _dataset_names(files: list[h5py.File]) -> tuple[list[str], list[str]]:
+    """(every per-row dataset of the shards, every array written once whole) under the tops of
+    the run's rows (/stats and /topk are merged, groups concatenated or copied)."""
     names: dict[str, None] = {}
 
     def add(name: str, link) -> None:
-        if isinstance(link, h5py.HardLink) and name.startswith(
-            ("layers/", "samples/", "model/", "tokens/")
-        ):
+        if isinstance(link, h5py.HardLink) and name.split("/", 1)[0] in ROWS:
             names.setdefault(name)
 
     for f in files:
         f.visititems_links(add)
-    return [
-        n
-        for n in names
-        if isinstance(files[0].get(n), h5py.Dataset)
-        and (n == "samples/index" or not is_scale(files[0][n]))
-    ]
+    rows, once = [], []
+    for n in names:
+        ds = next((f[n] for f in files if isinstance(f.get(n), h5py.Dataset)), None)
+        if ds is None or (is_scale(ds) and n != "samples/index"):
+            continue
+        (rows if ds.maxshape[0] is None else once).append(n)
+    return rows, once
 
 
 def _name_axes(out: h5py.File, total: Progress, sample_scale: bool) -> None:

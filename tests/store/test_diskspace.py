@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from probe.hooks.record import Record
-from probe.hooks.run_feature import Outputs
+from probe.hooks.step_context import Outputs
 from probe.plan import StoreSpec
 from probe.store.diskspace import METADATA_MARGIN, bytes_needed
 from probe.store.writer import ProbeWriter

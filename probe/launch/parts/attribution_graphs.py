@@ -1,16 +1,17 @@
-"""Attribution graphs as a run feature (`graph.transcoders` set): once the run's loop is done,
-one graph per prompt of the dataset (each sample of dataset=text|tokens, its padding dropped),
-attributed through the transcoder set (probe.graphs.attribution), pruned (probe.graphs.pruning)
-and appended to `/graph` of the run's file as it is made (probe.graphs.graph_h5), so memory
-holds one prompt's graph; at the finish the tables (probe.graphs.graph_tables).
+"""Attribution graphs as a run part (`graph.transcoders` set): after the run's loop, a pass
+over the run's batches again (probe.launch.replay), one graph per prompt of the dataset (each
+sample of dataset=text|tokens, its padding dropped), attributed through the transcoder set
+(probe.graphs.attribution), pruned (probe.graphs.pruning) and appended to `/graph` through the
+run's sink as it is made (a keyed group: probe.graphs.graph_h5's GRAPH), so memory holds one
+prompt's graph; at the finish the tables (probe.graphs.graph_tables).
 
 A prompt is in the file once its row of /graph/prompts is, so a stop (SIGINT, SIGTERM: after
 the prompt in flight) or a kill loses at most that prompt, and `resume=true` continues after the
 last whole one (graph.* must be the same). At the finish, each prompt's pruned graph also goes
 into graph_json/ as circuit-tracer's frontend JSON (probe.graphs.graph_json), the folder its
-viewer serves. Under torchrun each rank attributes the prompts of
-its block of batches into its own file (probe.rankR.h5); rank 0 copies them, in rank order,
-into the run's probe.h5 and writes the tables.
+viewer serves. Under torchrun each rank attributes the prompts of its block of batches into its
+own file (probe.rankR.h5); the stitch concatenates them, in rank order, into the run's probe.h5,
+where rank 0 writes the tables.
 """
 
 from __future__ import annotations
@@ -18,44 +19,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from probe.data.batches import OrderedBatches
 from probe.data.text import TOKENIZER_FILES
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.graph_data import AttributionGraph
-from probe.graphs.graph_h5 import GraphFile, copy_graphs
+from probe.graphs.graph_h5 import GRAPH, append_graph
 from probe.graphs.graph_tables import write_graph_tables
 from probe.graphs.pruning import prune
 from probe.graphs.replacement import check_widths, replacement_parts
 from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
-from probe.hooks.run_feature import Finished, RunFeature, RunSetup
-from probe.launch.distributed import shard_path
-from probe.launch.interrupt import Interrupted, StopFlag
+from probe.launch.replay import Replay
+from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.models.transcoder import TranscoderSet
 from probe.models.transcoder_files import load_transcoders
 from probe.plan import RunPlan
 from probe.specs import GraphSpec
+from probe.store.groups import GroupTables
+from probe.store.sink import Sink
 
 log = logging.getLogger("probe")
-
-
-class GraphInterrupted(Interrupted):
-    """The graphs were stopped by a signal after `done` of this rank's prompts."""
-
-    def __init__(self, signum: int, done: int, total: int, path: Path):
-        self.signum, self.num_samples, self.path = signum, done, path
-        Exception.__init__(
-            self,
-            f"stopped by {signal.Signals(signum).name} after the attribution graphs of {done} of "
-            f"{total} prompts; {path.name} holds them under /graph. Run again with resume=true "
-            "and the same hydra.run.dir to continue",
-        )
 
 
 # -- the computation (one place each, so a test can stand in for them) ---------------------------
@@ -97,10 +84,11 @@ def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
 
 
 # -- the feature ---------------------------------------------------------------------------------
-class AttributionGraphs(RunFeature):
+class AttributionGraphs(RunPart):
     """`graph.transcoders` set (with dataset=text|tokens and a causal language model)."""
 
-    name = "graph"
+    name = "attribution_graphs"
+    after = (GRAPH,)  # each rank's prompts, concatenated in rank order by the stitch
 
     setup: RunSetup  # this run's, given by `start`
 
@@ -121,6 +109,9 @@ class AttributionGraphs(RunFeature):
         check_transcoders(setup.model, transcoders, overrides)
         return cls(spec, transcoders, _tokenizer(setup.plan), overrides)
 
+    def per_batch(self) -> bool:
+        return False
+
     def start(self, setup: RunSetup) -> None:
         self.setup = setup
 
@@ -135,30 +126,26 @@ class AttributionGraphs(RunFeature):
             "scan": json.dumps(scan),
         }
 
-    def after_run(self, done: Finished) -> None:
+    def after_loop(self, replay: Replay, sink: Sink) -> None:
         """Every rank: a graph per prompt of its block into its file's /graph (a resumed run
         keeps the whole prompts there and continues after them)."""
-        shard, resume = done.shard, bool(done.plan.options.resume)
-        path = shard.path(done.h5_path)
         attrs = self.group_attrs()
-        with GraphFile(path, attrs, keep=resume) as out:
-            _check_same_options(out, attrs, path)
-            have = set(out.prompts)
-            total = len(shard.samples)
-            if have:
-                log.info("graph: resuming after %d prompts", len(have))
-            with StopFlag() as stop:
-                count = 0
-                for prompt, tokens in self.prompts(shard):
-                    count += 1
-                    if prompt in have:
-                        continue
-                    graph = self.graph_of(tokens)
-                    out.append(prompt, graph)
-                    _log_graph(prompt, graph)
-                    if stop.requested is not None and count < total:
-                        raise GraphInterrupted(stop.requested, count, total, path)
-            out.close(complete=True)
+        out = sink.groups(GRAPH, attrs, keep=bool(self.setup.plan.options.resume))
+        _check_same_options(out, attrs, sink.path)
+        have = set(out.keys)
+        total = self.prompt_count(replay)
+        if have:
+            log.info("graph: resuming after %d prompts", len(have))
+        count = 0
+        for prompt, tokens in self.prompts(replay):
+            count += 1
+            if prompt in have:
+                continue
+            graph = self.graph_of(tokens)
+            append_graph(out, prompt, graph)
+            _log_graph(prompt, graph)
+            replay.check("attributing graphs", count, total, "prompts")
+        out.mark(True)
 
     def graph_of(self, tokens: torch.Tensor) -> AttributionGraph:
         """One prompt's graph, attributed and pruned, its text decoded."""
@@ -171,17 +158,11 @@ class AttributionGraphs(RunFeature):
             graph.prompt = self.tokenizer.decode(tokens.tolist())
         return graph
 
-    def prompts(self, shard) -> Iterator[tuple[int, torch.Tensor]]:
+    def prompts(self, replay: Replay) -> Iterator[tuple[int, torch.Tensor]]:
         """(the dataset's sample index, its token ids without padding) of this rank's samples."""
-        b = self.setup.batches
-        again = (
-            OrderedBatches(b.dataset, b.batch_size, b.loader.num_workers, b.has_targets)
-            if isinstance(b, OrderedBatches)
-            else b
-        )
-        index = shard.samples.start
-        for batch in again:
-            inputs = getattr(batch, "inputs", batch)
+        index = replay.shard.samples.start
+        for _, batch in replay.batches():
+            inputs = batch.inputs
             ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
             mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
             for row in range(len(ids)):
@@ -189,17 +170,18 @@ class AttributionGraphs(RunFeature):
                 yield index, tokens.long().cpu()
                 index += 1
 
+    def prompt_count(self, replay: Replay) -> int:
+        """This rank's prompts."""
+        return len(replay.shard.samples) or len(self.setup.dataset)
+
     def finish(self, done: Finished) -> None:
-        """Rank 0: the ranks' graphs into probe.h5 (torchrun), then the tables."""
-        if done.shard.world > 1:
-            ranks = [shard_path(done.h5_path, r) for r in range(done.shard.world)]
-            copy_graphs(done.h5_path, ranks, self.group_attrs())
+        """Rank 0, on the run's file (a torchrun job's stitched one): the tables."""
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
         written.append(write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR))
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
 
 
-def _check_same_options(out: GraphFile, attrs: dict[str, str], path: Path) -> None:
+def _check_same_options(out: GroupTables, attrs: dict[str, str], path: Path) -> None:
     """A resumed /graph must hold graphs of the same graph.* settings."""
     old = json.loads(str(out.group.attrs.get("options", "{}")))
     new = json.loads(attrs["options"])

@@ -1,4 +1,4 @@
-"""SAE splices as a run feature: each spliced SAE's extra forwards per batch
+"""SAE splices as a run part: each spliced SAE's extra forwards per batch
 (probe.intervene.splice), sae.csv and sae_tokens.npz once the loop is done."""
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ import torch
 
 from probe.hooks import device as devices
 from probe.hooks.capture import Capture
-from probe.hooks.run_feature import RunFeature, RunSetup, StepContext
 from probe.hooks.sae_site import sae_site
+from probe.hooks.step_context import StepContext
 from probe.intervene.splice import SpliceReport
+from probe.launch.run_part import RunPart, RunSetup
 
 log = logging.getLogger("probe")
 
 
-class SaeSplice(RunFeature):
+class SaeSplice(RunPart):
     """A run whose probes load SAEs (`probes.<name>.sae`)."""
 
-    name = "sae"
+    name = "sae_splice"
 
     report: SpliceReport  # this loop's, made by `loop`
     model: torch.nn.Module

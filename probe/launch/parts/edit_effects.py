@@ -1,6 +1,7 @@
-"""Edits and their effects, the patching grid and attribution patching as a run feature: the
-passes before each edited forward and what they measure (probe.intervene.passes), effects.csv
-or patching.csv at the finish."""
+"""Edits and their effects, the patching grid and attribution patching as a run part: the
+means a `mean` edit takes from a first pass over the data, the passes before each edited
+forward and what they measure (probe.intervene.passes), effects.csv or patching.csv at the
+finish."""
 
 from __future__ import annotations
 
@@ -8,22 +9,31 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from probe.hooks.capture import Capture
-from probe.hooks.run_feature import Finished, RunFeature, RunSetup, StepContext
-from probe.intervene.passes import Interventions
+from probe.hooks.step_context import StepContext
+from probe.intervene.edits import first_pass_means
+from probe.intervene.passes import Interventions, direction_of
+from probe.launch.run_part import Finished, RunPart, RunSetup
 
 
-class EditEffects(RunFeature):
+class EditEffects(RunPart):
     """A run with edits or a patching grid (`intervene.*`)."""
 
-    name = "interventions"
+    name = "edit_effects"
     interventions: Interventions  # this run's, made by `start`
 
     @classmethod
     def prepare(cls, setup: RunSetup) -> EditEffects | None:
-        return cls() if setup.edits or setup.plan.intervene.grid is not None else None
+        """The part, where a patch from the pair has pairs to take it from."""
+        plan = setup.plan
+        if not setup.edits and plan.intervene.grid is None:
+            return None
+        direction_of(plan.intervene, plan.data.name == "pairs")
+        return cls()
 
     def start(self, setup: RunSetup) -> None:
-        """The passes of this run (their state is the run's: made again for each)."""
+        """The means `op=mean source=first_pass` edits take (a clean pass over the data), and
+        the passes of this run (their state is the run's: made again for each)."""
+        first_pass_means(setup.model, setup.batches, setup.edits, setup.device)
         plan = setup.plan
         tokenizer = plan.data.tokenizer or plan.model.name
         is_pairs = plan.data.name == "pairs"

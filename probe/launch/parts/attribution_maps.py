@@ -1,4 +1,4 @@
-"""Attribution maps and integrated gradients as a run feature: each batch's maps from the
+"""Attribution maps and integrated gradients as a run part: each batch's maps from the
 backward's gradients (probe.attribute.maps), ig_output from more passes with the hooks idle
 (probe.attribute.integrated), and attribution.csv at the finish."""
 
@@ -9,15 +9,16 @@ import logging
 from probe.attribute.integrated import Integrated, baselines
 from probe.attribute.maps import take_maps
 from probe.attribute.table import attribution_table
-from probe.hooks.run_feature import Finished, RunFeature, RunSetup, StepContext
+from probe.hooks.step_context import StepContext
+from probe.launch.run_part import Finished, RunPart, RunSetup
 
 log = logging.getLogger("probe")
 
 
-class AttributionMaps(RunFeature):
+class AttributionMaps(RunPart):
     """A run with a backward (an objective): its attribution sites."""
 
-    name = "attribution"
+    name = "attribution_maps"
 
     def __init__(self) -> None:
         self.integrated: Integrated | None = None

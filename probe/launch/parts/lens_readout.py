@@ -1,4 +1,4 @@
-"""The lens and direct logit attribution as a run feature: a reader of the residual stream
+"""The lens and direct logit attribution as a run part: a reader of the residual stream
 (probe.attribute.readout) whose hooks hold each forward's states, its rows per sample, and
 lens.csv and dla.csv at the finish."""
 
@@ -12,13 +12,14 @@ import torch
 from probe.attribute.readout import build_readout, write_readout_tables
 from probe.hooks.capture import Capture
 from probe.hooks.forward import first_output
-from probe.hooks.run_feature import Finished, RunFeature, RunSetup, StepContext
+from probe.hooks.step_context import StepContext
+from probe.launch.run_part import Finished, RunPart, RunSetup
 
 
-class LensReadout(RunFeature):
+class LensReadout(RunPart):
     """`lens=logit|tuned|dla`."""
 
-    name = "readout"
+    name = "lens_readout"
 
     def __init__(self, readout: Any) -> None:
         self.readout = readout  # a Lens or a DirectLogit

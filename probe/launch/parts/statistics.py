@@ -1,0 +1,109 @@
+"""The captures' statistics as a run part (`stats.during=run|close`): each value reduced to a
+batch's statistics on its own device as the hooks take it (a CPU one by the run's backend while
+it is in cache, a GPU one by torch where it lives, without a host sync: probe.stats.backend),
+the parameter gradients after the backward; the partials folded into each capture's running
+statistics as their batch is written (probe.store.folds.StatsFold), and summary.csv at the
+finish."""
+
+from __future__ import annotations
+
+import logging
+
+import pandas as pd
+import torch
+
+from probe.hooks.capture import BatchCapture, Capture, Key
+from probe.hooks.module_select import Selection
+from probe.hooks.step_context import StepContext
+from probe.launch.run_part import Finished, RunPart, RunSetup
+from probe.stats import backend
+from probe.stats.running import bounds_for
+from probe.store.folds import StatsFold
+from probe.store.sink import Sink
+
+log = logging.getLogger("probe")
+
+
+class Statistics(RunPart):
+    """Every run's part: its statistics (`stats.during`: run, close, or none: no table)."""
+
+    name = "statistics"
+
+    def __init__(self, during: str, backend_name: str, module_types: dict[str, str],
+                 selected: bool) -> None:  # fmt: skip
+        self.during, self.module_types, self.selected = during, module_types, selected
+        self.cpu = backend.observer(backend_name)  # a CPU value's reduction (numba or torch)
+        self.gpu = backend.TorchStats()  # a GPU value's, queued on its device
+        self.bounds: dict[Key, tuple[float, float] | None] = {}  # by capture
+        self.partials: dict[Key, object] = {}  # this batch's
+
+    @classmethod
+    def prepare(cls, setup: RunSetup) -> Statistics:
+        types = {s.name: s.module_type for s in setup.selections}
+        return cls(setup.plan.stats.during, setup.stats_backend, types, bool(setup.selections))
+
+    def per_batch(self) -> bool:
+        return self.selected
+
+    def open(self, sink: Sink) -> None:
+        if self.during != "none":
+            sink.attach(StatsFold(self.during))
+
+    def loop(self, capture: Capture):
+        if self.during == "run":
+            capture.listen(self)
+        return super().loop(capture)
+
+    def before_forward(self, ctx: StepContext) -> None:
+        self.partials = {}
+        if self.during == "run":
+            self.cpu.begin()  # (the numba backend looks its thread's team up once per batch)
+
+    def took(self, key: Key, value: torch.Tensor, axis: int, sel: Selection,
+             batch: BatchCapture) -> None:  # fmt: skip
+        self.partials[key] = self.reduce(key, value, axis)
+
+    def after_forward(self, ctx: StepContext) -> None:
+        """The parameter gradients' statistics too; the batch's partials to the sink."""
+        if self.during != "run":
+            return
+        for key, t in ctx.grads.items():
+            self.partials[key] = self.reduce(key, t, 1)
+        ctx.outputs.folds[self.name] = self.partials
+
+    def reduce(self, key: Key, value: torch.Tensor, axis: int):
+        """One capture's statistics of this batch, on its device (the one place they are
+        taken)."""
+        bounds = self.bounds.get(key, False)
+        if bounds is False:
+            bounds = self.bounds[key] = bounds_for(self.module_types.get(key[0], ""), key[1])
+        reduce = self.cpu if value.is_cpu else self.gpu
+        return reduce(value, bounds, axis)
+
+    def finish(self, done: Finished) -> None:
+        """summary.csv (none when no probe was asked for or stats.during=none), and the table
+        in the log where options.print_summary asks for it."""
+        plan = done.plan
+        if not done.counted:
+            log.info(
+                "stats.during=none: no statistics and no summary.csv; python -m probe.summarize "
+                "%s computes them from the rows",
+                done.run_dir,
+            )
+            return
+        if not plan.probes:  # (probes=none asks for no layer: no table of them)
+            return
+        done.summary.to_csv(done.run_dir / "summary.csv", index=False)
+        if plan.options.print_summary:
+            print_summary(done.summary)
+
+
+def print_summary(summary: pd.DataFrame) -> None:
+    """The summary table through the `probe` logger (the console under the CLI, a notebook's
+    log handler under the API)."""
+    if summary.empty:
+        log.info("summary: no rows (no module was selected)")
+        return
+    cols = ["layer", "site", "module_type", "shape", "mean", "std", "min", "max", "frac_zero"]
+    with pd.option_context("display.max_rows", 200, "display.width", 160, "display.precision", 4):
+        log.info("summary:\n%s", summary[cols].to_string(index=False))
