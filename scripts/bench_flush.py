@@ -17,11 +17,11 @@ import torch
 
 from probe.hooks.record import Record
 from probe.plan import StoreSpec
-from probe.store.writer import ProbeWriter
+from probe.store.sink import RunFile, Sink
 
 
 def write(path: Path, records: list[Record], flush: bool) -> float:
-    writer = ProbeWriter(path, StoreSpec(queue_batches=4))
+    writer = Sink(RunFile(path), StoreSpec(queue_batches=4))
     if not flush:
         writer.file.flush = lambda: None  # the comparison point: HDF5 flushes only on close
     t = time.perf_counter()

@@ -37,6 +37,33 @@ def run_interrupted(run_dir: Path, at_call: int, *overrides: str) -> None:
         SignalsItself.at_call = None
 
 
+def counted(record, module_types: dict[str, str] | None = None):
+    """`record` with each capture's statistics of the batch among its partials, as the
+    statistics part takes them (probe.launch.parts.statistics), for a sink made by hand."""
+    from probe.stats.backend import TorchStats
+    from probe.stats.running import bounds_for
+
+    reduce, types = TorchStats(), module_types or {}
+    partials = record.outputs.folds.setdefault("statistics", {})
+    for key, t in [*record.values.items(), *record.per_batch.items()]:
+        axis = record.axes.get(key, 1)
+        partials[key] = reduce(t, bounds_for(types.get(key[0], ""), key[1]), axis)
+    return record
+
+
+def sink_of(path: Path, store=None, statistics: bool = True, **file):
+    """A Sink of `path` made by hand (the run's is probe.launch.run's), with the statistics'
+    fold attached unless `statistics` is False; `file`: probe.store.sink.RunFile's fields."""
+    from probe.plan import StoreSpec
+    from probe.store.folds import StatsFold
+    from probe.store.sink import RunFile, Sink
+
+    sink = Sink(RunFile(Path(path), **file), store or StoreSpec())
+    if statistics:
+        sink.attach(StatsFold("run"))
+    return sink
+
+
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
     """`python -m probe ARGS` in a subprocess (`-m` first: Hydra's parser wants flags before overrides)."""
     flags = [a for a in args if a in ("-m", "--multirun")]

@@ -90,10 +90,10 @@ def section(run_dir: Path, top: int = 20) -> str:
 
 
 def run_top(run_dir: Path, top: int) -> pd.DataFrame:
-    """Each method's `top` best edges; written to circuit_top.csv."""
-    result = read(run_file(str(run_dir), "probe.analyze RUN circuit"))
-    table = edge_table(result, top)
-    table.to_csv(Path(run_dir) / "circuit_top.csv", index=False)
+    """Each method's `top` best edges; written to circuit_top.csv beside the run's file."""
+    path = run_file(str(run_dir), "probe.analyze RUN circuit")
+    table = edge_table(read(path), top)
+    table.to_csv(path.parent / "circuit_top.csv", index=False)
     return table
 
 

@@ -26,6 +26,7 @@ from probe.errors import ConfigError
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.models.build import build_model
+from probe.store.pass_state import PassState
 from tests.circuits.test_hand import build
 from tests.circuits.toy import pairs
 from tests.helpers import cli, make_cfg
@@ -107,27 +108,32 @@ def test_a_runs_files_equal_the_engine_on_the_same_batches(tmp_path, llama):
     assert not any(e["in_graph"] for e in mib["edges"].values())
 
 
-def test_a_run_stopped_in_its_circuit_phase_resumes_to_the_same_files(tmp_path, llama):
-    """SIGINT on the 6th forward: the loop's 3 batches are done and the circuit phase is in its
-    first batch; resume=true then gives the uninterrupted run's /circuit and tables."""
+def test_a_run_stopped_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, llama):
+    """SIGINT on the 3rd forward: the loop made none (its probes capture nothing, the circuit
+    works after it) and the circuit pass is in its first batch; the file holds the pass's sums
+    and says it is not complete; resume=true then gives the uninterrupted run's /circuit and
+    tables, and no pass state is left."""
     from probe.testing.models import SIGNAL_AT
 
     model = ["model=custom", "model._target_=probe.testing.models.signalling_lm",
              f"+model.kwargs.path={llama / 'llama'}"]  # fmt: skip
     args = [*args_of(llama, "llama", "circuit.method=[eap]", "circuit.sizes=[10,50]")[3:], *model]
     run(make_cfg(*args), run_dir=tmp_path / "whole")
-    SIGNAL_AT[0] = 5
+    SIGNAL_AT[0] = 2
     try:
-        with pytest.raises(Interrupted, match="scoring edges after 1 of 3 batches"):
+        with pytest.raises(Interrupted, match="while scoring edges after 1 of 3 batches"):
             run(make_cfg(*args), run_dir=tmp_path / "part")
     finally:
         SIGNAL_AT[0] = None
-    with np.load(tmp_path / "part" / "circuit_progress.npz") as z:
-        assert int(z["scored"]) == 1 and int(z["eap.count"]) == 2
+    with h5py.File(tmp_path / "part" / "probe.h5") as f:
+        state = PassState(f, "circuit").load()
+        assert not f.attrs["complete"] and "circuit" not in f
+    assert state is not None and state["scored"] == 1 and state["eap.count"] == 2
     with pytest.raises(ConfigError, match="holds the circuit sums of other choices"):
         run(make_cfg(*args, "resume=true", "circuit.steps=3"), run_dir=tmp_path / "part")
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
-    assert not (tmp_path / "part" / "circuit_progress.npz").exists()
+    with h5py.File(tmp_path / "part" / "probe.h5") as f:
+        assert "passes" not in f and f.attrs["complete"]
     with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(tmp_path / "whole" / "probe.h5") as b:  # fmt: skip
         for name in ("edge_sum", "edge_sumsq", "node_sum", "scores", "faithfulness/metric"):
             np.testing.assert_array_equal(a[f"circuit/eap/{name}"][:], b[f"circuit/eap/{name}"][:])
@@ -233,7 +239,9 @@ def test_two_ranks_merge_into_the_one_process_circuit(cli_runs):
             np.testing.assert_array_equal(
                 a[f"circuit/{m}/circuits"][:], b[f"circuit/{m}/circuits"][:]
             )
-    assert not list((root / "two").glob("circuit_progress*"))
+    for rank in (0, 1):
+        with h5py.File(root / "two" / f"probe.rank{rank}.h5") as f:
+            assert "passes" not in f
     for name in ("circuit.csv", "faithfulness.csv"):
         x, y = (pd.read_csv(root / d / name) for d in ("one", "two"))
         pd.testing.assert_frame_equal(x, y, check_exact=False, rtol=1e-7, atol=1e-12)
@@ -255,8 +263,13 @@ def test_analyze_prints_the_best_edges_and_sites_the_graphs_counts(cli_runs, lla
     # signed: the edges whose ablation lowers the logit difference most come first
     eap = table[table.method == "eap"]
     assert list(eap.score) == sorted(eap.score)
-    assert analyze([str(root / "two" / "probe.rank0.h5"), "circuit"]) == 2  # a rank's file
-    assert "holds no circuit" in capsys.readouterr().err
+    # a rank's file holds the circuit of every rank's scores (the stitched file takes rank 0's)
+    assert analyze([str(root / "two" / "probe.rank0.h5"), "circuit", "--top", "3"]) == 0
+    capsys.readouterr()
+    ranked = pd.read_csv(root / "two" / "circuit_top.csv")
+    pd.testing.assert_frame_equal(
+        ranked[["method", "edge", "rank"]], top[["method", "edge", "rank"]]
+    )
     assert analyze([str(root / "missing"), "circuit"]) == 2  # no run there: named
     assert f"{str(root / 'missing')!r} is neither a run directory" in capsys.readouterr().err
     assert sites(args_of(llama), notes=circuit_counts) == 0

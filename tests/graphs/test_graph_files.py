@@ -11,8 +11,9 @@ import torch
 
 from probe.errors import DataError
 from probe.graphs.graph_files import load_graph
-from probe.graphs.graph_h5 import GraphFile, _extend, graph_rows
+from probe.graphs.graph_h5 import GRAPH, append_graph, graph_rows
 from probe.graphs.graph_tables import feature_table, prompt_features
+from probe.store.groups import GroupTables, _extend
 from probe.testing.toy_graphs import toy_graph, toy_prune
 
 
@@ -53,9 +54,10 @@ def test_a_saved_graph_loads_back_equal(tmp_path, pruned):
 def test_prompts_appended_read_back_each_and_a_missing_one_is_named(tmp_path):
     graphs = [toy_prune(toy_graph(t)) for t in prompts()]
     path = tmp_path / "run.h5"
-    with GraphFile(path, {"options": "{}"}) as out:
+    with h5py.File(path, "w") as f:
+        out = GroupTables(f, GRAPH, {"options": "{}"})
         for i, g in enumerate(graphs):
-            out.append(10 + i, g)
+            append_graph(out, 10 + i, g)
     for i, g in enumerate(graphs):
         same_graph(g, load_graph(path, 10 + i))
     with pytest.raises(
@@ -72,18 +74,21 @@ def test_prompts_appended_read_back_each_and_a_missing_one_is_named(tmp_path):
 def test_a_write_cut_short_is_cut_off_when_the_file_is_opened_again(tmp_path):
     graphs = [toy_prune(toy_graph(t)) for t in prompts()]
     whole, cut = tmp_path / "whole.h5", tmp_path / "cut.h5"
-    with GraphFile(whole, {}) as out:
+    with h5py.File(whole, "w") as f:
+        out = GroupTables(f, GRAPH, {})
         for i, g in enumerate(graphs):
-            out.append(i, g)
-    with GraphFile(cut, {}) as out:
+            append_graph(out, i, g)
+    with h5py.File(cut, "w") as f:
+        out = GroupTables(f, GRAPH, {})
         for i, g in enumerate(graphs[:2]):
-            out.append(i, g)
+            append_graph(out, i, g)
         nodes, edges = graph_rows(graphs[2], 2)  # the third's rows, without its prompts row
         _extend(out.group["nodes"], nodes)
         _extend(out.group["edges"], {k: v[:5] for k, v in edges.items()})
-    with GraphFile(cut, {}) as out:
-        assert out.prompts == [0, 1]
-        out.append(2, graphs[2])
+    with h5py.File(cut, "a") as f:
+        out = GroupTables(f, GRAPH, {})
+        assert out.keys == [0, 1]
+        append_graph(out, 2, graphs[2])
     with h5py.File(whole) as a, h5py.File(cut) as b:
         for table in ("prompts", "nodes", "edges"):
             for name, ds in a[f"graph/{table}"].items():

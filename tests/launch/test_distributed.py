@@ -152,7 +152,7 @@ def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path,
     from probe.hooks.record import Record
     from probe.plan import StoreSpec
     from probe.store.stitch import stitch
-    from probe.store.writer import ProbeWriter
+    from tests.helpers import counted, sink_of
 
     g = torch.Generator().manual_seed(0)
     data = 1000 + 0.01 * torch.randn(11, 3, 4, generator=g)  # a large mean, a small spread
@@ -160,11 +160,11 @@ def test_stitched_shards_hold_the_concatenated_data_and_its_statistics(tmp_path,
     blocks, paths = [range(0, 6), range(6, 11)], []
     for rank, block in enumerate(blocks):
         paths.append(tmp_path / f"probe.rank{rank}.h5")
-        writer = ProbeWriter(paths[-1], StoreSpec(mode=mode), index_offset=block.start)
+        writer = sink_of(paths[-1], StoreSpec(mode=mode), first_sample=block.start)
         for index, lo in enumerate(range(block.start, block.stop, 4)):
             hi = min(lo + 4, block.stop)
             values = {("layer", "output"): data[lo:hi].clone()}
-            writer.put(Record(lo - block.start, hi - lo, index, values))
+            writer.put(counted(Record(lo - block.start, hi - lo, index, values)))
         writer.close(complete=True)
     (info,) = stitch(tmp_path / "probe.h5", paths)
     row = info.stats.as_row()

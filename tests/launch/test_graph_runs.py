@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from probe.graphs.graph_files import load_graph
-from probe.launch.features import attribution_graphs
+from probe.launch.parts import attribution_graphs
 from probe.testing.compose import QUIET
 from probe.testing.random_transcoders import random_transcoders
 from probe.testing.toy_graphs import toy_graph, toy_prune
@@ -155,10 +155,10 @@ def test_a_stopped_run_resumes_to_the_files_of_an_uninterrupted_one(
     monkeypatch.setattr(attribution_graphs, "attribute_prompt", stopped_at_the_third)
     code, text = cli_here(*args, run_dir=cut)
     assert code == 128 + signal.SIGINT, text
-    assert_words(text, "after the attribution graphs of 3 of 5 prompts", "resume=true")
+    assert_words(text, "while attributing graphs after 3 of 5 prompts", "resume=true")
     with h5py.File(cut / "probe.h5") as f:
         assert list(f["graph/prompts/prompt"][:]) == [0, 1, 2]
-        assert not f["graph"].attrs["complete"]
+        assert not f["graph"].attrs["complete"] and not f.attrs["complete"]
     assert not (cut / "graph_nodes.csv").exists()
     code, text = cli_here(*args, "resume=true", "graph.node_threshold=0.5", run_dir=cut)
     assert code == 2 and "holds the attribution graphs of other graph.* settings" in text
@@ -223,7 +223,7 @@ def test_a_missing_transcoder_set_is_named_by_the_command(tiny_gpt2, prompts, tm
 STAND_IN = """
 import sys
 from probe.__main__ import main
-from probe.launch.features import attribution_graphs as ag
+from probe.launch.parts import attribution_graphs as ag
 from probe.testing.toy_graphs import toy_graph, toy_prune
 
 ag.load_transcoder_set = lambda path: "a transcoder set"

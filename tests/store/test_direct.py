@@ -18,9 +18,8 @@ from probe.hooks.record import Record
 from probe.plan import StoreSpec
 from probe.store import direct
 from probe.store.chunks import chunk_rows
-from probe.store.writer import ProbeWriter
 from probe.testing.compose import make_cfg
-from tests.helpers import assert_same_arrays, run_probe
+from tests.helpers import assert_same_arrays, run_probe, sink_of
 from tests.hooks.test_forward_values import _model_and_inputs
 
 RESNET = [
@@ -70,7 +69,7 @@ def test_memory_o_direct_cannot_take_is_written_through_hdf5(tmp_path):
         unaligned = np.empty(rows.nbytes + 8, np.uint8)[8:].view(np.float32).reshape(rows.shape)
         unaligned[...] = rows
     path = tmp_path / "probe.h5"
-    writer = ProbeWriter(path, StoreSpec(chunk_bytes=rows.nbytes), module_types={"lin": "Linear"})
+    writer = sink_of(path, StoreSpec(chunk_bytes=rows.nbytes), module_types={"lin": "Linear"})
     for start in (0, 2):
         writer.put(Record(start, 2, start // 2, {("lin", "output"): torch.from_numpy(unaligned)}))
     writer.close(complete=True)

@@ -8,12 +8,12 @@ from probe.hooks.record import Record
 from probe.hooks.step_context import Outputs
 from probe.plan import StoreSpec
 from probe.store.diskspace import METADATA_MARGIN, bytes_needed
-from probe.store.writer import ProbeWriter
+from tests.helpers import sink_of
 
 
 def test_estimate_covers_the_growth_of_the_file(tmp_path):
     path = tmp_path / "probe.h5"
-    writer = ProbeWriter(path, StoreSpec(chunk_bytes=1 << 16), module_types={"conv": "Conv2d"})
+    writer = sink_of(path, StoreSpec(chunk_bytes=1 << 16), module_types={"conv": "Conv2d"})
     try:
         for i in range(3):
             record = Record(
@@ -27,7 +27,7 @@ def test_estimate_covers_the_growth_of_the_file(tmp_path):
             )
             before = path.stat().st_size
             need = bytes_needed(writer, record)
-            writer._write(record)
+            writer._take(record)
             grown = path.stat().st_size - before
             assert grown <= need, (i, grown, need)
             if i == 0:  # the first batch allocates chunks that hold at least its own bytes

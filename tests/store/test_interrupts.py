@@ -234,16 +234,15 @@ def test_statistics_count_only_the_batches_written(tmp_path):
 
     from probe.hooks.record import Record
     from probe.plan import StoreSpec
-    from probe.store.writer import ProbeWriter
+    from tests.helpers import counted, sink_of
 
-    key = ("conv", "output")
-    writer = ProbeWriter(
-        tmp_path / "probe.h5", StoreSpec(mode="stats"), module_types={"conv": "Conv2d"}
-    )
+    key, types = ("conv", "output"), {"conv": "Conv2d"}
+    writer = sink_of(tmp_path / "probe.h5", StoreSpec(mode="stats"), module_types=types)
     first, second = torch.randn(2, 3, 4), torch.randn(2, 3, 4) + 100
-    record = Record(0, 2, 0, {key: first[:0]}, counted={key: writer.observe(key, first)})
+    record = counted(Record(0, 2, 0, {key: first}), types)
+    record.values[key] = first[:0]  # (a stats-only record: the layout alone)
     writer.put(record)
-    writer.observe(key, second)  # the hooks saw it; the batch never reached the writer
+    counted(Record(2, 2, 1, {key: second}), types)  # the hooks saw it; never handed over
     writer.close(complete=False)
     with h5py.File(tmp_path / "probe.h5") as f:
         assert int(f.attrs["num_samples"]) == 2

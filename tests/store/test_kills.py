@@ -242,10 +242,10 @@ def test_a_writer_killed_in_a_plain_open_leaves_a_file_readers_open(tmp_path, co
 def test_a_writer_killed_before_its_first_flush_leaves_a_file_said_empty(tmp_path):
     """The same flags on a file whose /progress counts nothing: a reader says it holds no batch,
     and only then."""
-    from probe.store.writer import ProbeWriter
+    from tests.helpers import sink_of
 
     path = tmp_path / "probe.h5"
-    ProbeWriter(path, module_types={"conv": "Conv2d"}).close(complete=False)
+    sink_of(path, module_types={"conv": "Conv2d"}).close(complete=False)
     _flags_of_a_plain_writer(path)
     (tmp_path / runlock.LOCK_NAME).write_text("")
     with pytest.raises(NothingFlushed, match="holds no batch"):

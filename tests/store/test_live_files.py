@@ -29,10 +29,9 @@ from probe.stats.running import SCALARS, UNIT_FIELDS, stats_for
 from probe.store import stats_file
 from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
-from probe.store.writer import ProbeWriter
 from probe.testing.arrays import file_arrays, h5_arrays
 from probe.testing.compose import QUIET, make_cfg
-from tests.helpers import ROOT, cli, image_folder
+from tests.helpers import ROOT, cli, counted, image_folder, sink_of
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent / "format1"
@@ -186,8 +185,8 @@ def test_a_kill_inside_a_stats_flush_leaves_the_previous_slot(tmp_path):
     writer_file = tmp_path / "probe.h5"
     key = ("conv", "output")
     x1 = torch.randn(4, 3, 2, 2)
-    w = ProbeWriter(writer_file, StoreSpec(mode="stats"), module_types={"conv": "Conv2d"})
-    w.put(Record(0, 4, 0, {key: x1}))
+    w = sink_of(writer_file, StoreSpec(mode="stats"), module_types={"conv": "Conv2d"})
+    w.put(counted(Record(0, 4, 0, {key: x1}), {"conv": "Conv2d"}))
     w.close(complete=False)
     with h5py.File(writer_file, "r+") as f:
         slot = int(f["progress"][()]["stats_slot"])

@@ -1,6 +1,6 @@
-"""The run's features seam: a feature registered from here runs in a real run with no edit
-elsewhere; its per-sample and per-batch outputs land in probe.h5 equal to a plain forward's,
-and its file is written at the finish."""
+"""The run parts' seam: a part registered from here runs in a real run with no edit elsewhere;
+its per-sample and per-batch outputs land in probe.h5 equal to a plain forward's, and its file
+is written at the finish."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 import probe
-from probe.hooks.run_feature import Finished, RunFeature, RunSetup, StepContext
-from probe.launch.features import FEATURES, register, unregister
+from probe.hooks.step_context import StepContext
+from probe.launch.parts import PARTS, register, unregister
+from probe.launch.run_part import Finished, RunPart, RunSetup
 
 
-class OutputNorms(RunFeature):
+class OutputNorms(RunPart):
     """Each sample's output norm (a row per sample), each batch's largest |output| (a row per
     batch), and how many batches it saw (a file at the finish)."""
 
@@ -47,7 +48,7 @@ def registered():
         unregister(OutputNorms)
 
 
-def test_a_registered_feature_writes_what_a_plain_forward_gives(tmp_path, registered):
+def test_a_registered_part_writes_what_a_plain_forward_gives(tmp_path, registered):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     batches = [torch.randn(n, 4) for n in (3, 3, 2)]
@@ -61,13 +62,13 @@ def test_a_registered_feature_writes_what_a_plain_forward_gives(tmp_path, regist
         np.testing.assert_array_equal(f["output_norms/sample"][:], want_rows)
         np.testing.assert_array_equal(f["output_norms/batch"][:], want_batches)
         assert f["output_norms/batch"].attrs["per_batch"]
-        # the run's own datasets beside it, as without the feature
+        # the run's own datasets beside it, as without the part
         np.testing.assert_array_equal(f["model/output"][:], torch.cat(outs).numpy())
     assert (tmp_path / "output_norms.txt").read_text() == "3 2\n"
 
 
-def test_an_unregistered_feature_is_gone_from_the_next_run(tmp_path):
-    assert OutputNorms not in FEATURES
+def test_an_unregistered_part_is_gone_from_the_next_run(tmp_path):
+    assert OutputNorms not in PARTS
     model = nn.Sequential(nn.Linear(4, 3)).eval()
     probe.run(model, [torch.randn(2, 4)], {"all": {"layers": ["0"]}}, out=tmp_path,
               progress=False).close()  # fmt: skip
