@@ -70,15 +70,15 @@ def resolve_grads(batch, loss: torch.Tensor, selections: list[Selection]) -> dic
     for a, slot in zip(explained, slots[len(batch.pending) :], strict=True):
         a.grad = grads[slot] if grads[slot] is not None else torch.zeros_like(a.value)
     for pg, slot in zip(batch.pending, slots, strict=False):
+        key, change = pg.key, batch.edited.get(pg.key)
+        if change is not None:  # a gradient edit acted: the gradient after it (and before it)
+            before, after = change
+            batch.take(key, after, pg.selection)
+            if pg.selection.unedited:
+                batch.take((key[0], str(SiteKey.parse(key[1]).unedited())), before, pg.selection)
+            continue
         g = grads[slot]
-        if g is None:
-            g = torch.zeros(pg.shape)
-        key = pg.key
-        if key in batch.values:  # an edit hook stored the edited gradient; this is the one before
-            if not pg.selection.unedited:
-                continue
-            key = (key[0], str(SiteKey.parse(key[1]).unedited()))
-        batch.take(key, g, pg.selection)
+        batch.take(key, torch.zeros(pg.shape) if g is None else g, pg.selection)
     param_grads = {}
     for (sel, pname, p), g in zip(params, grads[len(edges) :], strict=True):
         g = torch.zeros_like(p) if g is None else g.detach()

@@ -64,6 +64,8 @@ class BatchCapture:
     token_keys: set[Key] = field(default_factory=set)  # the datasets of token rows
     unstored: set[Key] = field(default_factory=set)  # statistics, no dataset
     plain: dict[Key, dict] = field(default_factory=dict)  # no statistics: attrs
+    # what an edit changed in this pass, by dataset: (before, after) (probe.intervene.edit_hooks)
+    edited: dict[Key, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def take(self, key: Key, t: torch.Tensor, sel: Selection, store: bool = True) -> None:
         """Capture `t` at `key`. The listeners see the value now, before any later in-place op
@@ -107,16 +109,15 @@ class BatchCapture:
 
 @dataclass
 class HookedModule:
-    """Everything hooked on one module: its capture selection (if any) and its edits by site."""
+    """Everything hooked on one module: its capture selection and its SAE."""
 
     name: str
     module: torch.nn.Module
-    selection: Selection | None
-    edits: dict[str, list] = field(default_factory=dict)
+    selection: Selection
     sae: SaeSite | None = None  # a sparse autoencoder on its output (probe.hooks.sae_site)
 
     def __post_init__(self):
-        self.captured = frozenset(self.selection.sites if self.selection is not None else ())
+        self.captured = frozenset(self.selection.sites)
         self.explains = {
             site: tuple(s for s in ATTRIBUTED[site] if s in self.captured) for site in ATTRIBUTED
         }
@@ -125,20 +126,20 @@ class HookedModule:
         return site in self.captured
 
     def wants(self, *sites: str) -> bool:
-        return any(s in self.captured or s in self.edits or self.explains.get(s) for s in sites)
+        return any(s in self.captured or self.explains.get(s) for s in sites)
 
 
 class Capture:
     """Context manager: all hooks on entry (all or none), every hook removed on any exit.
 
     Hooks act only between `begin()` and `end()`, so a clean forward of the same model (no edits,
-    no captures) can run in between. Order at one site: edits in config order, then capture.
+    no captures) can run in between. The run's edits hang their own hooks, acting in the same
+    passes and before the capture at one site (probe.intervene.edit_hooks).
     """
 
     def __init__(
         self,
         selections: list[Selection],
-        edits: list | None = None,
         index_offset: int = 0,
         keep_values: bool = True,
     ):
@@ -147,14 +148,7 @@ class Capture:
         self.keep_values = keep_values
         self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
-        hooked: dict[str, HookedModule] = {
-            s.name: HookedModule(s.name, s.module, s, sae=sae_site(s)) for s in selections
-        }
-        for e in edits or []:
-            if e.module_name not in hooked:
-                hooked[e.module_name] = HookedModule(e.module_name, e.module, None)
-            hooked[e.module_name].edits.setdefault(e.site, []).append(e)
-        self.hooked = list(hooked.values())
+        self.hooked = [HookedModule(s.name, s.module, s, sae=sae_site(s)) for s in selections]
         probes = ", ".join(dict.fromkeys(s.probe for s in selections))
         self.hooks = HookSet(f"capture ({probes})" if probes else "capture")
         self.batch: BatchCapture | None = None
@@ -267,64 +261,37 @@ class Capture:
         grad_site: str,
         own_use: bool = False,
     ) -> torch.Tensor:
-        """Edit then capture one tensor at one site; returns the tensor the model goes on with."""
+        """Capture one tensor at one site (an edit there acted already); returns the tensor the
+        model goes on with."""
         batch = self.batch
         site_key = SiteKey(site, path, call)
         key = str(site_key)
         sel = t.selection
-        edited = x
-        for e in t.edits.get(site, []):
-            if batch.repeats == 1:
-                edited = e.apply(edited, batch.start, key, batch.tokens)
-            else:  # the batch repeated (a grid's stacked cells): each repeat edited alike
-                parts = edited.chunk(batch.repeats)
-                edited = torch.cat([e.apply(c, batch.start, key, batch.tokens) for c in parts])
-        onward = edited
+        onward = x
         if t.sae is not None and site == "output" and call == 0 and path in ("", ".0"):
-            onward = take_sae(batch, t.name, t.sae, edited, sel)
+            onward = take_sae(batch, t.name, t.sae, x, sel)
         captured = site in t.captured and batch.recording
-        if captured and edited is not x and sel.unedited:
-            batch.take((t.name, str(site_key.unedited())), x, sel)
+        if captured and sel.unedited and (t.name, key) in batch.edited:
+            batch.take((t.name, str(site_key.unedited())), batch.edited[t.name, key][0], sel)
         if captured:
-            batch.take((t.name, key), edited, sel)
-        if onward is not edited:  # spliced: the model goes on with the SAE's reconstruction
+            batch.take((t.name, key), x, sel)
+        if onward is not x:  # spliced: the model goes on with the SAE's reconstruction
             return onward
         explains = t.explains.get(site) if batch.recording else None
-        if not edited.requires_grad or not (t.wants(grad_site) or explains):
-            return edited
+        if not x.requires_grad or not (t.wants(grad_site) or explains):
+            return x
         if own_use:  # grad_input is this module's own contribution, not every use of the tensor
-            edited = edited.clone()
+            x = x.clone()
         if explains:
-            check_batch_axis(edited, batch.size, (t.name, key))
-            edge = get_gradient_edge(edited) if explains != ("ig_output",) else None
-            held = edited.detach().clone()  # (a later in-place op would change it)
+            check_batch_axis(x, batch.size, (t.name, key))
+            edge = get_gradient_edge(x) if explains != ("ig_output",) else None
+            held = x.detach().clone()  # (a later in-place op would change it)
             batch.attributed.append(Attributed(t.name, site_key, held, edge, sel, explains))
-        if not t.wants(grad_site):
-            return edited
-        gkey = (t.name, dataset_name(grad_site, path, call))
         if t.captures(grad_site):
-            check_batch_axis(edited, batch.size, gkey)
-            batch.pending.append(PendingGrad(gkey, get_gradient_edge(edited), edited.shape, sel))
-        grad_edits = t.edits.get(grad_site, [])
-        if grad_edits:
-            hook = self._grad_hook(t, grad_edits, grad_site, gkey, batch)
-            self.hooks.tensor(edited, hook, name=f"{t.name} {gkey[1]}")
-        return edited
-
-    @staticmethod
-    def _grad_hook(
-        t: HookedModule, edits: list, grad_site: str, gkey: tuple[str, str], batch: BatchCapture
-    ):
-        """Applies gradient edits as the gradient flows back; a probe on the site keeps the result."""
-
-        def hook(grad):
-            for e in edits:
-                grad = e.apply(grad, batch.start, gkey[1])
-            if t.captures(grad_site):
-                batch.take(gkey, grad, t.selection)
-            return grad
-
-        return hook
+            gkey = (t.name, dataset_name(grad_site, path, call))
+            check_batch_axis(x, batch.size, gkey)
+            batch.pending.append(PendingGrad(gkey, get_gradient_edge(x), x.shape, sel))
+        return x
 
 
 def check_batch_axis(t: torch.Tensor, size: int, key: tuple[str, str]) -> None:

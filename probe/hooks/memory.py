@@ -47,7 +47,7 @@ class MemoryCapture:
             {s for sel in self.selections for s in sel.sites} & {*VALUE_AND_PARAM_GRAD_SITES}
         )
         self.param_grads = any("param_grad" in sel.sites for sel in self.selections)
-        self.capture = Capture(self.selections)  # observe=None, keep_values=True: plain copies
+        self.capture = Capture(self.selections)  # no listeners, keep_values=True: plain copies
         self.forwards = 0
         self._parts: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._joined: dict[tuple[str, str], torch.Tensor] = {}

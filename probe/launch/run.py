@@ -252,11 +252,13 @@ def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> 
     plan = setup.plan
     forward = needs_forward(setup, parts)
     keep_values = plan.store.mode == "full"
-    capture = Capture(setup.selections, setup.edits, setup.shard.samples.start, keep_values)
+    capture = Capture(setup.selections, setup.shard.samples.start, keep_values)
     fail_on_nonfinite = plan.options.fail_on_nonfinite  # read once
     batches = setup.batches
     with contextlib.ExitStack() as hooks:
-        if forward:
+        if forward:  # what changes the model's values, then what records them, then the rest
+            for part in parts:
+                hooks.enter_context(part.edits(capture))
             hooks.enter_context(capture)
             for part in parts:
                 hooks.enter_context(part.loop(capture))

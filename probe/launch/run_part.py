@@ -6,7 +6,8 @@ A part (`RunPart`: the captures' statistics, the top-k examples, the edits, attr
 SAE splices, a lens, circuits, attribution graphs) checks what the plan alone cannot in `check`
 (before the model is built), is made once by `prepare` (its checks that need the model or the
 data; the config's own checks stay in probe.plan's parse), set up per run by `start`, attaches
-what it keeps to the sink in `open`, enters `loop` around the batches with the hook owner, works
+what it keeps to the sink in `open`, enters `edits` (before the capture's hooks) and `loop`
+(after them) around the batches, works
 on each batch in `before_forward` and `after_forward`, makes its pass over the batches again in
 `after_loop` (every rank, the file still open), and writes its tables in `finish` (the rank that
 writes the run's tables). The run reads the parts from a registry (probe.launch.parts) and loops
@@ -114,8 +115,15 @@ class RunPart:
         """The run's file is open (a resumed one restored): attach what this part keeps of the
         written batches (probe.store.folds)."""
 
+    def edits(self, capture: Capture) -> AbstractContextManager:
+        """Its hooks that change what the model computes, entered before the capture hangs its
+        own, so that a probe at the same site records the changed value; they act in the
+        capture's passes."""
+        return contextlib.nullcontext()
+
     def loop(self, capture: Capture) -> AbstractContextManager:
-        """Entered around the batches (its hooks), given the hook owner of the run's sites."""
+        """Entered around the batches (its hooks, after the capture's), given the hook owner of
+        the run's sites."""
         return contextlib.nullcontext()
 
     def before_forward(self, ctx: StepContext) -> None:

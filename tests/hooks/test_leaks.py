@@ -22,6 +22,7 @@ from probe.hooks.capture import Capture
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import select_modules
 from probe.hooks.site_table import probe_specs
+from probe.intervene.edit_hooks import EditHooks
 from probe.intervene.edits import Edit
 from probe.launch.run import run
 from probe.testing.arrays import file_arrays
@@ -89,17 +90,19 @@ def test_a_run_that_raises_leaves_no_hook_handle_or_thread(tmp_path, ok_calls):
         assert int(f.attrs["num_samples"]) == 2 * ok_calls and not f.attrs["complete"]
 
 
-# -- Capture's tensor hooks: gradient edits hang one on a tensor per forward ---------------------
+# -- the edits' tensor hooks: gradient edits hang one on a tensor per forward --------------------
 GRADS = {"p": {"layers": ["conv", "fc"], "capture": ["output", "grad_output"]}}
 
 
 def captured(model, x, inside=None):
     """Capture's values of one forward and backward of `model` on x, each gradient site
-    doubled by an edit (a tensor hook); `inside(out)` runs before the `with` ends."""
+    doubled by an edit (a tensor hook of the edits' own); `inside(out)` runs before the `with`
+    ends."""
     selections = select_modules(model, probe_specs(GRADS))
     edits = [Edit("double", n, model.get_submodule(n), "grad_output", "scale",
                   lambda g, *_: 2 * g) for n in ("conv", "fc")]  # fmt: skip
-    with Capture(selections, edits) as capture:
+    capture = Capture(selections)
+    with EditHooks(edits, capture), capture:
         batch = capture.begin(len(x))
         out = model(x)
         resolve_grads(batch, out.sum(), selections)
@@ -109,10 +112,11 @@ def captured(model, x, inside=None):
     return batch.values
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4], ids=lambda k: f"refused-{k}")
-def test_capture_leaves_no_module_or_tensor_hook_and_the_next_batch_is_unchanged(k):
-    """Registrations 1-2 are the modules' (all or none on entry), 3-4 the tensors' (during the
-    forward); then a raise inside the block, the forward's output kept."""
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6], ids=lambda k: f"refused-{k}")
+def test_capture_and_edits_leave_no_module_or_tensor_hook_and_the_next_batch_is_unchanged(k):
+    """Registrations 1-2 are the edits' modules' and 3-4 the capture's (all or none on entry),
+    5-6 the edits' tensors' (during the forward); then a raise inside the block, the forward's
+    output kept."""
     model, x = TinyNet(), torch.randn(2, 3, 8, 8)
     want = captured(copy.deepcopy(model), x)
     with registrations(refuse=k), pytest.raises(RuntimeError, match="refused"):
@@ -144,14 +148,14 @@ RUNS = {  # probe.run keywords, and the hook owners (label and kind) each run ha
                        "grid": {"source": "clean", "direction": "noise", "positions": [1, -1],
                                 "method": ["exact", "atp"]},
                        "metrics": ["kl"]}},
-        {"capture forward", "capture (patch) forward", "intervene.grid forward",
+        {"edits forward", "capture (patch) forward", "intervene.grid forward",
          "intervene.grid atp forward"},
     ),
     "gradient edit": (
         {"probes": {"g": {"layers": BLOCKS, "capture": ["grad_output"]}}, "objective": LOGIT,
          "intervene": {"double": {"layers": ["transformer.h.1"], "site": "grad_output",
                                   "op": "scale", "factor": 2.0}}},
-        {"capture (g) forward", "capture (g) tensor"},
+        {"capture (g) forward", "edits forward", "edits tensor"},
     ),
     "logit lens": ({"lens": "logit"}, {"lens forward"}),
     "dla": ({"lens": {"name": "dla", "tokens": [3, 4]}}, {"dla forward_pre", "dla forward"}),

@@ -17,6 +17,7 @@ from probe.graphs.attribution import GraphOptions, attribute
 from probe.graphs.replacement import LocalReplacement
 from probe.hooks.capture import Capture
 from probe.hooks.hookset import HookSet
+from probe.intervene.edit_hooks import EditHooks
 from probe.intervene.edits import build_edits
 from probe.layout import TokenBatch
 from probe.models.transcoder_files import save_transcoders
@@ -39,7 +40,8 @@ def setup(tmp_path_factory):
 def edited_logits(model, path, **edit) -> torch.Tensor:
     specs = checked_edits({"f": {"site": "feature", **edit}})
     edits = build_edits(model, specs, seed=0, transcoders=path)
-    with Capture([], edits) as capture, torch.no_grad():
+    capture = Capture([])
+    with EditHooks(edits, capture), capture, torch.no_grad():
         capture.begin(1, 0, TokenBatch.of(PROMPT, None))
         out = model(PROMPT).logits
         capture.end()

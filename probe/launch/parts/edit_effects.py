@@ -10,7 +10,8 @@ from typing import Any
 
 from probe.hooks.capture import Capture
 from probe.hooks.step_context import StepContext
-from probe.intervene.edits import first_pass_means
+from probe.intervene.edit_hooks import EditHooks
+from probe.intervene.edits import Edit, first_pass_means
 from probe.intervene.passes import Interventions, direction_of
 from probe.launch.run_part import Finished, RunPart, RunSetup
 
@@ -20,6 +21,7 @@ class EditEffects(RunPart):
 
     name = "edit_effects"
     interventions: Interventions  # this run's, made by `start`
+    declared: list[Edit]  # the run's edits, bound to the model, given by `start`
 
     @classmethod
     def prepare(cls, setup: RunSetup) -> EditEffects | None:
@@ -34,6 +36,7 @@ class EditEffects(RunPart):
         """The means `op=mean source=first_pass` edits take (a clean pass over the data), and
         the passes of this run (their state is the run's: made again for each)."""
         first_pass_means(setup.model, setup.batches, setup.edits, setup.device)
+        self.declared = setup.edits
         plan = setup.plan
         tokenizer = plan.data.tokenizer or plan.model.name
         is_pairs = plan.data.name == "pairs"
@@ -47,7 +50,12 @@ class EditEffects(RunPart):
     def attrs(self) -> dict[str, Any]:
         return self.interventions.attrs()
 
+    def edits(self, capture: Capture) -> AbstractContextManager:
+        """The edits' hooks, acting in the capture's passes, before it records."""
+        return EditHooks(self.declared, capture)
+
     def loop(self, capture: Capture) -> AbstractContextManager:
+        """The hooks of the passes before the edited one, and of the grid."""
         return self.interventions
 
     def before_forward(self, ctx: StepContext) -> None:
