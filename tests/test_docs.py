@@ -123,3 +123,50 @@ def test_every_embedded_image_decodes_to_a_figure():
         assert width >= 200 and height >= 100, (target, picture.size)
         assert len(colours) > 1, target
         assert path.stat().st_size < 400_000, (target, path.stat().st_size)
+
+
+ENTRY = re.compile(r"^\*\*(.+?)\.\*\* ", re.MULTILINE)
+FIELD_WORDS = [
+    "EAP", "EAP-IG", "CPR", "CMD", "transcoder", "cross-layer transcoder", "attribution graph",
+    "replacement model", "node", "error node", "objective", "CAM", "SAE", "top-k", "shard",
+    "resume", "SWMR", "run part", "component graph", "feature", "unit", "edge", "circuit",
+]  # fmt: skip
+
+
+def test_the_glossary_defines_the_fields_words_in_order_each_with_its_page():
+    text = (ROOT / "docs" / "glossary.md").read_text()
+    terms = ENTRY.findall(text)
+    assert len(terms) > 30  # the entries, not a pattern that stopped matching
+    assert [t for t in FIELD_WORDS if t not in terms] == []
+    assert terms == sorted(terms, key=str.casefold)
+    entries = re.split(r"^\*\*", text, flags=re.MULTILINE)[1:]
+    assert len(entries) == len(terms)
+    unlinked = [t for t, e in zip(terms, entries, strict=True) if not LINK.search(e)]
+    assert unlinked == ["layer"]  # a module's name; every other entry says where it is told
+
+
+FIRST_SCREEN_TERMS = [
+    "probing", "glob patterns", "probes", "Hydra", "captures", "hooks", "HDF5", "statistics",
+    "ablations", "activation patching", "steering", "timm", "sweeps", "torchrun", "linear probes",
+    "CKA", "glossary", "SLURM",
+]  # fmt: skip
+GLOSS = re.compile(r"\s*(\(|:|,\s+(a|an|the)\s)")  # what explains a word where it first comes
+
+
+def test_the_readmes_first_screen_explains_or_links_each_word_of_the_field():
+    """Up to the short tour (the introduction and the set-up), the first use of each term of art
+    is a link's text, or is followed by its explanation: "(...)", ": ..." or ", a ..."."""
+    text = (ROOT / "README.md").read_text()
+    screen = text[text.index("\n") : text.index("## A short tour")]  # after the title
+    screen = re.sub(r"^```.*?^```", "", screen, flags=re.MULTILINE | re.DOTALL)
+    screen = re.sub(r"`[^`]*`", "``", screen)  # names in code are not uses of a word
+    screen = re.sub(r"\]\([^)\s]+\)", "]()", screen)  # a link's target is not prose
+    links = [m.span(1) for m in re.finditer(r"\[([^\]]*)\]\(\)", screen)]
+    bare = []
+    for term in FIRST_SCREEN_TERMS:
+        first = re.search(rf"\b{re.escape(term)}\b", screen, re.IGNORECASE)
+        assert first, term
+        linked = any(a <= first.start() and first.end() <= b for a, b in links)
+        if not linked and not GLOSS.match(screen, first.end()):
+            bare.append(f"{term}: ...{screen[first.start() : first.end() + 30]!r}")
+    assert bare == []
