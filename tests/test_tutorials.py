@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import stat
 import subprocess
 import sys
@@ -75,3 +76,12 @@ def test_the_tutorial_runs_as_written_and_draws_its_figures(path, tmp_path):
     missing = [f for f in figures if not (work / f).is_file()]
     assert missing == []
     assert all((work / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figures)
+
+
+def test_the_docs_figures_script_runs_the_tutorials_as_this_test_does():
+    """scripts/plot_docs.py draws the tutorials' figures for docs/images/ by running their blocks
+    with its own copy of `script_of` (scripts import nothing from the tests): the same program."""
+    copied = runpy.run_path(str(ROOT / "scripts" / "plot_docs.py"))["script_of"]
+    for path in TUTORIALS:
+        text = path.read_text()
+        assert copied(text) == script_of(text), path.name

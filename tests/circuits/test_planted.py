@@ -6,6 +6,8 @@ circuit the corrupt one, the full circuit the clean one."""
 
 from __future__ import annotations
 
+import runpy
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from tests.circuits.toy import Toy, overrides
+from tests.helpers import ROOT
 
 VOCAB, WIDTH, HEADS, DH = 12, 32, 4, 8
 S1, S2, S3, JUNK = slice(12, 16), slice(16, 20), slice(20, 24), slice(24, 32)
@@ -88,3 +91,23 @@ def test_the_top_edges_are_the_planted_route_and_the_circuit_is_faithful():
     np.testing.assert_allclose(got, [clean, clean, corrupt.item()], rtol=1e-5, atol=1e-6)
     halves = [{k: v[i : i + 3] for k, v in pairs.items()} for i in (0, 3)]
     np.testing.assert_allclose(evaluate_dataset(parts, halves, keep), got, rtol=1e-6)
+
+
+def test_the_docs_figures_script_builds_this_planted_model_and_these_pairs():
+    """scripts/plot_docs.py draws docs/circuits.md's figures from a run on its own copy of this
+    model and these pairs (scripts import nothing from the tests): the same weights, the same
+    logits, the same pairs."""
+    script = runpy.run_path(str(ROOT / "scripts" / "plot_docs.py"))
+    theirs, ours = script["planted"](), planted()
+    mine = dict(ours.named_parameters())
+    copied = dict(theirs.named_parameters())
+    assert sorted(copied) == sorted(mine)
+    for name, value in mine.items():
+        assert torch.equal(copied[name], value), name
+    pairs, copied_pairs = batch(), script["planted_pairs"]()
+    assert sorted(copied_pairs) == sorted(pairs)
+    for key, value in pairs.items():
+        assert torch.equal(copied_pairs[key], value), key
+    with torch.no_grad():
+        both = torch.cat([pairs["input_ids"], pairs["corrupt_ids"]])
+        torch.testing.assert_close(theirs(both), ours(both), rtol=0, atol=0)
