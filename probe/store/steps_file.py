@@ -87,6 +87,17 @@ class SiteInfo:
     kind: str
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume did to the file: the recorded steps it kept (those before the
+    checkpoint's step), the recorded steps it cut (taken after the checkpoint) and the rows it
+    cut past /progress (written by a flush the stop interrupted, never counted valid)."""
+
+    steps: list[int]
+    cut: list[int]
+    unflushed: int
+
+
 def is_watched(f: h5py.File) -> bool:
     """Whether `f` is a watched training's file (per-step statistics, no captures)."""
     return str(f.attrs.get("store_mode", "")) == WATCH_MODE
@@ -118,6 +129,7 @@ class StepFile:
         self.pending: list[tuple[int, dict[tuple[str, str], np.ndarray], np.ndarray]] = []
         self.pending_sites: dict[tuple[str, str], SiteInfo] = {}
         self.handles: dict[tuple[str, str], h5py.Dataset] = {}  # the sites' datasets, once opened
+        self.resumed: Resumed | None = None  # (set where the file was resumed)
         resuming = resume_at is not None and self.path.is_file()
         self.out = LiveFile(self.path, resume=resuming)
         try:
@@ -183,6 +195,7 @@ class StepFile:
                 "param groups); watch into a new out= directory"
             )
         valid = int(f["progress"][()]["steps"])
+        written = int(f[f"{TRAIN}/step"].shape[0])
         steps = f[f"{TRAIN}/step"][:valid]
         keep = int(np.searchsorted(steps, step, side="left"))
         for name in (f"{TRAIN}/step", f"{TRAIN}/scalars"):
@@ -203,7 +216,9 @@ class StepFile:
         f.attrs["complete"] = False
         f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
         self._write_progress(False)
-        self.steps_kept = steps[:keep]
+        self.resumed = Resumed(
+            [int(s) for s in steps[:keep]], [int(s) for s in steps[keep:]], written - valid
+        )
         rewrite_csv(f, self.csv, keep)
 
     # -- appending -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +34,7 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten
 from probe.layout import unit_axis
-from probe.site_keys import VALUE_GRAD_SITES, SiteKey
+from probe.site_keys import VALUE_GRAD_SITES, VALUE_SITES, SiteKey, parse_or_none
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
@@ -43,6 +43,7 @@ from probe.train.watched_sites import WatchedModule, class_name
 from probe.watch_options import WatchOptions
 
 log = logging.getLogger("probe")
+VALUE_AND_GRAD_SITES = (*VALUE_SITES, *VALUE_GRAD_SITES)  # sites a module's values name
 
 
 @dataclass
@@ -467,22 +468,31 @@ class Watcher:
 
     def _name_taken(self, layer: str, site: str) -> None:
         """Note the name a value site is recorded under; one other than the asked site's own
-        (`output.0` of a tuple output, `output@1` of a second call) is said once in the log."""
+        (`output.0` of a tuple output, `output@1` of a second call) is said once in the log
+        (a name a resumed file holds was said when the file first recorded it)."""
         asked = SiteKey.parse(site).family
         names = self.names_of.setdefault((layer, asked), [])
+        if site in names:
+            return
         names.append(site)
         if names != [asked]:
             self.unsaid.add((layer, asked))
 
-    def renamed(self) -> list[str]:
-        """Lines for the log: each asked site recorded under other names since the last call
-        ("layer 'attn' output -> output.0, output.1")."""
-        lines = [
-            f"layer {layer!r} {asked} -> {', '.join(self.names_of[(layer, asked)])}"
-            for layer, asked in sorted(self.unsaid)
-        ]
+    def said_before(self, sites: Iterable[tuple[str, str]]) -> None:
+        """The (layer, site) pairs a resumed file holds: their names are not said again."""
+        for layer, site in sites:
+            key = parse_or_none(site)
+            if key is not None and key.family in VALUE_AND_GRAD_SITES:
+                names = self.names_of.setdefault((layer, key.family), [])
+                if site not in names:
+                    names.append(site)
+
+    def renamed(self) -> dict[tuple[str, str], list[str]]:
+        """Each asked site recorded under other names and not said yet: {(layer, asked site):
+        the names it became} (`output` -> `output.0`, `output.1`); the log says them once."""
+        found = {key: list(self.names_of[key]) for key in self.unsaid}
         self.unsaid.clear()
-        return lines
+        return found
 
     def _check_finite(self, key: Key, batch: RunningStats) -> None:
         """Log the first non-finite values of each site (with fail_on_nonfinite: the first of

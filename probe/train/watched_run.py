@@ -37,6 +37,7 @@ from probe.store import runlock
 from probe.store.runfile import file_state
 from probe.store.steps_file import SCALAR_COLUMNS, StepFile
 from probe.train import ranks
+from probe.train.log_lines import renamed_lines, steps_text
 from probe.train.probe_batch import FOLDER, ProbeBatch
 from probe.train.schedule import Schedule
 from probe.train.step_hooks import COMPILED_WAY_OUT, Watcher
@@ -291,19 +292,31 @@ class Watch:
             self._resumed(self.resume_at)
 
     def _resumed(self, step: int) -> None:
+        """Begin at the checkpoint's step, and say in the log what the file kept and cut."""
         self.watcher.begin(step)
-        held = getattr(self.file, "steps_kept", None)
-        if held is None:
-            self._note(f"resuming the training at step {step} into a new {self.file.path}")
+        kept = self.file.resumed if self.file is not None else None
+        if kept is None:
+            self._note(f"resuming the training at step {step} into a new {FILENAME}")
             return
-        lost = sorted(set(self.schedule.steps_before(step)) - set(held.tolist()))
+        self.watcher.said_before(self.file.sites)  # (their names are in the log already)
+        lost = sorted(set(self.schedule.steps_before(step)) - set(kept.steps))
         if lost:
             log.warning(
                 "resuming at step %d: the file lacks the recorded steps %s (taken after its last "
                 "flush before the training stopped; they cannot be recorded again)",
-                step, _ranges(lost),
+                step, steps_text(lost),
             )  # fmt: skip
-        self._note(f"resuming the training at step {step}: {len(held)} recorded steps kept")
+        said = [f"kept {_count(kept.steps, 'recorded step')}"]
+        if kept.cut:
+            said.append(f"cut {_count(kept.cut, 'step')}, recorded after the checkpoint was taken")
+        if kept.unflushed:
+            said.append(
+                f"cut {kept.unflushed} row{'s' * (kept.unflushed > 1)} past /progress, left by "
+                "a flush the stop interrupted"
+            )
+        if len(said) == 1:
+            said.append("cut none")
+        self._note(f"resuming the training at step {step}: {'; '.join(said)}")
 
     # -- steps -------------------------------------------------------------------------------
     def _step_hooks(self):
@@ -382,12 +395,8 @@ class Watch:
             self.on_record(step, rows, scalars)
         said = ", ".join(f"{k} {scalars[k]:.6g}" for k in ("loss", "grad_norm") if k in scalars)
         self._note(f"step {step}: {len(rows)} sites recorded{'; ' + said if said else ''}")
-        renamed = self.watcher.renamed()
-        if renamed:
-            self._note(
-                "sites recorded under the names a run gives them (a tuple output's items, a "
-                "module's later calls: docs/format.md#names): " + "; ".join(renamed)
-            )
+        for line in renamed_lines(self.watcher.renamed()):
+            self._note(f"recorded under the names a run gives them (docs/format.md#names): {line}")
 
     def _failing(self, message: str) -> None:
         if self.file is not None:
@@ -451,10 +460,12 @@ def _grad_edits(model: nn.Module, edits: Mapping | None, seed: int) -> list:
     return build_edits(model, specs, seed)
 
 
-def _ranges(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:8])) + (
-        f", ... ({len(steps)} in all)" if len(steps) > 8 else ""
-    )
+def _count(steps: list[int], what: str) -> str:
+    """`3 recorded steps (0-2)`, `step 6`, `steps 6-7`, `0 recorded steps`."""
+    if what == "step":
+        return f"step{'s' * (len(steps) > 1)} {steps_text(steps)}"
+    plural = f"{len(steps)} {what}{'s' * (len(steps) != 1)}"
+    return f"{plural} ({steps_text(steps)})" if steps else plural
 
 
 def _check_optimizer_trains(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -180,5 +180,5 @@ def test_a_tuple_output_is_named_as_a_run_names_it_and_the_log_says_so(tmp_path)
     assert names[0] == "output.0"
     assert names == sorted(site for _, site in cap)
     log = (tmp_path / "w" / "probe.log").read_text()
-    assert f"layer 'model.layers.0.self_attn' output -> {', '.join(names)}" in log
+    assert f"model.layers.0.self_attn: output -> {', '.join(names)}" in log
     assert log.count("output -> ") == 1  # said once, at the first step that recorded them
