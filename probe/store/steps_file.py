@@ -16,21 +16,27 @@ The writer appends rows in memory and writes them at `flush`: data first, then `
 flushed, in HDF5's SWMR mode, so a reader (and a kill) never sees a step half written. Rows past
 `/progress` are a killed writer's and are cut when the training resumes. docs/format.md has the
 layout for people; train.csv is the same rows as a table, appended at each flush.
+
+The watch's settings (the `config` attribute, YAML) are also the run directory's watch.yaml; its
+`modules` name each module's sites as train.csv does (`sites_as_recorded`), rewritten as sites
+are first recorded.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pandas as pd
+import yaml
 
 from probe.errors import ConfigError
+from probe.site_keys import VALUE_GRAD_SITES, VALUE_SITES, parse_or_none
 from probe.stats import stat_columns
 from probe.store.fileformat import FORMAT_VERSION, PROGRESS, decode, encode
 from probe.store.livefile import LiveFile
@@ -38,6 +44,7 @@ from probe.store.livefile import LiveFile
 WATCH_MODE = "watch"  # the `store_mode` attribute of a watched training's probe.h5
 PROBE_BATCH = "probe_batch"  # the run directory's folder of probe-batch runs, one per step
 TRAIN = "train"
+SETTINGS_FILE = "watch.yaml"  # the `config` attribute, beside the file
 SITES = f"{TRAIN}/sites"
 CHUNK_ROWS = 64  # rows per chunk: a flush rewrites at most one partial chunk per dataset
 SITE_COLUMNS = stat_columns.SITE_COLUMNS
@@ -103,6 +110,24 @@ def is_watched(f: h5py.File) -> bool:
     return str(f.attrs.get("store_mode", "")) == WATCH_MODE
 
 
+def sites_as_recorded(
+    modules: Mapping[str, list[str]], recorded: Iterable[tuple[str, str]]
+) -> dict[str, list[str]]:
+    """`modules` ({module: the sites it was asked for}) with each value site the file recorded
+    under other names (docs/format.md's names: a tuple output's `output.0`, `output.1`, a second
+    call's `output@1`) replaced by those names, in the order first recorded; a site not recorded
+    yet stays as asked, and parameter sites are named already (`param.weight`)."""
+    names: dict[tuple[str, str], list[str]] = {}
+    for layer, site in recorded:
+        key = parse_or_none(site)
+        if key is not None and key.family in (*VALUE_SITES, *VALUE_GRAD_SITES):
+            names.setdefault((layer, key.family), []).append(site)
+    return {
+        module: [name for site in sites for name in names.get((module, site), [site])]
+        for module, sites in modules.items()
+    }
+
+
 def site_path(layer: str, site: str) -> str:
     return f"{SITES}/{encode(layer)}/{encode(site)}"
 
@@ -130,6 +155,7 @@ class StepFile:
         self.pending_sites: dict[tuple[str, str], SiteInfo] = {}
         self.handles: dict[tuple[str, str], h5py.Dataset] = {}  # the sites' datasets, once opened
         self.resumed: Resumed | None = None  # (set where the file was resumed)
+        self.settings = yaml.safe_load(attrs.get("config") or "{}") or {}
         resuming = resume_at is not None and self.path.is_file()
         self.out = LiveFile(self.path, resume=resuming)
         try:
@@ -165,6 +191,7 @@ class StepFile:
         scalars.attrs["columns"] = list(self.scalar_columns)
         f.require_group(SITES)
         self._write_progress(False)
+        self._write_settings()
         if self.csv.exists():
             self.csv.unlink()  # (the run directory was replaced: overwrite=True)
 
@@ -216,6 +243,7 @@ class StepFile:
         f.attrs["complete"] = False
         f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
         self._write_progress(False)
+        self._write_settings()
         self.resumed = Resumed(
             [int(s) for s in steps[:keep]], [int(s) for s in steps[keep:]], written - valid
         )
@@ -317,8 +345,22 @@ class StepFile:
             f[site_path(*key)].parent.attrs["name"] = info.layer
             self.sites[key] = info
         self.pending_sites.clear()
+        self._write_settings()
         f.flush()
         self.out.go_live()
+
+    def _write_settings(self) -> None:
+        """The watch's settings, their `modules` naming the sites as recorded so far, into the
+        `config` attribute and watch.yaml (while the file is plain: attributes cannot change
+        under SWMR)."""
+        if not self.settings:
+            return
+        settings = dict(self.settings)
+        if isinstance(settings.get("modules"), dict):
+            settings["modules"] = sites_as_recorded(settings["modules"], self.sites)
+        text = yaml.safe_dump(settings, sort_keys=False)
+        self.file.attrs["config"] = text
+        (self.path.parent / SETTINGS_FILE).write_text(text)
 
     def _write_progress(self, complete: bool) -> None:
         row = np.zeros((), STEP_PROGRESS)

@@ -286,7 +286,6 @@ class Watch:
             "watch": json.dumps(self.settings, sort_keys=True),
             "edits": json.dumps(self.settings["edits"]),
         }
-        (self.out / "watch.yaml").write_text(attrs["config"])
         self.file = StepFile(path, attrs, self.scalar_columns, self.resume_at)
         if self.resume_at is not None:
             self._resumed(self.resume_at)

@@ -1,6 +1,7 @@
 """probe.log of a watched training reads at a real model's size: what each asked site became is
 said once, its modules folded into index ranges in natural order, every line short, and a
-resume says what it kept and cut instead of saying the names again."""
+resume says what it kept and cut instead of saying the names again. watch.yaml names the
+sites as train.csv does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 
 import pandas as pd
 import torch
+import yaml
 
 import probe
 from probe.testing.trainings import deep_llama, one_thread, token_batches, token_loss
@@ -101,3 +103,7 @@ def test_a_30_block_models_site_names_are_said_once_and_a_resume_says_what_it_cu
         f"cut steps {cut[0]}, {cut[1]}, recorded after the checkpoint was taken"
     )
     assert sorted(set(table.step)) == [0, 1, 2, 3]  # every step once
+    # watch.yaml names each module's sites as train.csv does, after the resume too
+    modules = yaml.safe_load((tmp_path / "watch.yaml").read_text())["modules"]
+    held = table.groupby("layer")["site"].apply(lambda s: sorted(set(s))).to_dict()
+    assert {layer: sorted(sites) for layer, sites in modules.items()} == held
