@@ -37,7 +37,7 @@ from probe.stats.running import RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
 from probe.store.runfile import missing_sources, open_probe_file, state
-from probe.store.steps_file import is_watched, valid_steps
+from probe.store.steps_file import is_watched, steps_held
 
 
 class Run:
@@ -90,9 +90,8 @@ class Run:
             self.file.close()
 
     def __repr__(self) -> str:
-        if self.watched:
-            steps = valid_steps(self.file)
-            return f"Run({str(self.path)!r}, {self.state}, a watched training of {steps} recorded steps)"
+        if self.watched:  # in steps, not samples
+            return f"Run({str(self.path)!r}, {self.state}, a watched training: {steps_held(self.file)})"
         return (
             f"Run({str(self.path)!r}, {self.state}, {self.num_samples} samples, "
             f"{len(self.layers)} layers)"

@@ -22,6 +22,7 @@ from probe.store.steps_file import (
     read_frame,
     read_scalars,
     rewrite_csv,
+    steps_held,
     valid_steps,
 )
 
@@ -72,6 +73,7 @@ class WatchSummary:
     message: str = ""
     num_samples: int = 0
     datasets: tuple = ()
+    steps: str = ""  # its steps, as probe.store.steps_file.steps_held says them
 
     @property
     def table(self) -> pd.DataFrame:
@@ -79,9 +81,7 @@ class WatchSummary:
 
     @property
     def detail(self) -> str:
-        steps = self.frame["step"].nunique() if not self.frame.empty else 0
-        last = int(self.frame["step"].max()) if steps else None
-        return f"a watched training, {steps} recorded steps (the last {last})"
+        return f"a watched training, {self.steps}"
 
 
 def summarize_watched(h5: Path) -> WatchSummary | None:
@@ -99,6 +99,7 @@ def summarize_watched(h5: Path) -> WatchSummary | None:
     with f:
         said = state(f)
         table = train_table(f)
+        steps = steps_held(f)
         message = ""
         if said == "partial":
             rewrite_csv(f, h5.parent / "train.csv", valid_steps(f))
@@ -109,4 +110,4 @@ def summarize_watched(h5: Path) -> WatchSummary | None:
             )
         elif said == "in progress":
             message = f"{h5} is in progress: the steps flushed so far"
-    return WatchSummary(h5, said, table, message)
+    return WatchSummary(h5, said, table, message, steps=steps)

@@ -128,6 +128,24 @@ def sites_as_recorded(
     }
 
 
+def steps_held(f: h5py.File) -> str:
+    """A watched training's file in steps (not samples): `120 steps, 12 recorded, the last 110`
+    once its watch closed it cleanly (the steps the training took, those recorded), else what it
+    holds so far: `12 recorded steps, the last 110`, or `no recorded step`."""
+    progress = f["progress"]
+    if f.swmr_mode:
+        progress.refresh()
+    row = progress[()]
+    held, last = int(row["steps"]), int(row["last_step"])
+    recorded = f"{held} recorded, the last {last}"
+    trained = f.attrs.get("steps_trained")
+    if row["complete"] and trained is not None:
+        return f"{int(trained)} step{'s' * (int(trained) != 1)}, " + recorded
+    if not held:
+        return "no recorded step"
+    return f"{held} recorded step{'s' * (held != 1)}, the last {last}"
+
+
 def site_path(layer: str, site: str) -> str:
     return f"{SITES}/{encode(layer)}/{encode(site)}"
 
@@ -371,12 +389,15 @@ class StepFile:
         else:
             self.file.create_dataset("progress", data=row)
 
-    def close(self, complete: bool) -> None:
-        """Flush what is pending (unless the file failed), then write `complete` last."""
+    def close(self, complete: bool, trained: int | None = None) -> None:
+        """Flush what is pending (unless the file failed), then write `complete` last;
+        `trained`: the steps the training took (`steps_trained`)."""
         if self.out.failed is None:
             self.flush()
             self._write_progress(complete)
         attrs = {"complete": bool(complete), "num_steps": self.written}
+        if trained is not None:
+            attrs = {"steps_trained": int(trained), **attrs}
         self.out.close(
             attrs if self.out.failed is None else None, abandon=self.out.failed is not None
         )

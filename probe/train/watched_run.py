@@ -243,10 +243,12 @@ class Watch:
         finally:
             try:
                 if self.file is not None:
-                    self.file.close(complete)
+                    steps = self.watcher.step
+                    self.file.close(complete, steps)
                     self._note(
                         f"closed {self.file.path} ({'complete' if complete else 'not complete'}"
-                        f", {self.file.written} recorded steps, the last {self.file.last_step})"
+                        f", {steps} steps, {self.file.written} recorded, the last "
+                        f"{self.file.last_step})"
                     )
             finally:
                 if self.log_handler is not None:
