@@ -32,7 +32,8 @@ from probe.read.summaries import (
     sweep_table,
 )
 from probe.read.tables import summary_frame, units_frame
-from probe.read.train_steps import train_scalars, train_table
+from probe.read.train_series import series
+from probe.read.train_steps import train_scalars, train_table, watched_modules
 from probe.stats.running import RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
@@ -195,6 +196,14 @@ class Run:
         grad_scale, lr.<group>."""
         self._check_watched("train_scalars")
         return train_scalars(self.file)
+
+    def train_series(self) -> dict[str, pd.DataFrame]:
+        """A watched training's statistics over the steps as its figures draw them: {statistic:
+        a step x module frame} (`abs_mean (output)`, `std (output)`, `dead_frac (output)`,
+        `grad norm (grad_output)`, `grad norm (param_grad)`, `update / weight`: those the run
+        holds the sites of; probe.read.train_series), modules in the model's order."""
+        self._check_watched("train_series")
+        return series(train_table(self.file), watched_modules(self.file))
 
     def _check_watched(self, what: str) -> None:
         if not self.watched:

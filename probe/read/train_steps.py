@@ -1,5 +1,6 @@
-"""A watched training's run read back (`probe.watch`): its per-step table, its scalars, and the
-last step's table that `python -m probe.summarize RUN` prints.
+"""A watched training's run read back (`probe.watch`): its per-step table, its scalars, its
+modules in the model's order, and the last step's table that `python -m probe.summarize RUN`
+prints.
 
 The rows are those `/progress` counts (probe.store.steps_file): a training still running shows
 the steps flushed so far, a killed one those flushed before it died.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import h5py
 import pandas as pd
+import yaml
 
 from probe.errors import DataError
 from probe.store import swmr
@@ -35,6 +37,14 @@ def train_table(f: h5py.File) -> pd.DataFrame:
 def train_scalars(f: h5py.File) -> pd.DataFrame:
     """One row per recorded step: `step`, loss, grad_norm, grad_scale and lr.<group>."""
     return read_scalars(f)
+
+
+def watched_modules(f: h5py.File) -> list[str]:
+    """The watched modules in the model's order: the `modules` of the watch's settings (the
+    file's `config`, watch.yaml)."""
+    settings = yaml.safe_load(str(f.attrs.get("config", ""))) or {}
+    modules = settings.get("modules") if isinstance(settings, dict) else None
+    return [str(m) for m in modules] if isinstance(modules, dict) else []
 
 
 def last_step(table: pd.DataFrame) -> pd.DataFrame:
