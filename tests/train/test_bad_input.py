@@ -152,15 +152,15 @@ def test_overwrite_starts_a_new_log_and_a_refused_start_keeps_the_old(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train(model, opt, image_batches(2), image_loss, {"probes": CONVS, "out": tmp_path})
     first = (tmp_path / "probe.log").read_text()
-    assert first.count("watching ") == 1 and "2 recorded steps" in first
+    assert first.count("watching ") == 1 and "2 steps, 2 recorded" in first
     with pytest.raises(ConfigError, match="already holds a run"):
         probe.watch(model, CONVS, out=tmp_path, optimizer=opt).start()
     assert (tmp_path / "probe.log").read_text() == first
     train(model, opt, image_batches(3), image_loss,
           {"probes": CONVS, "out": tmp_path, "overwrite": True})  # fmt: skip
     second = (tmp_path / "probe.log").read_text()
-    assert second.count("watching ") == 1 and "3 recorded steps" in second
-    assert "2 recorded steps" not in second
+    assert second.count("watching ") == 1 and "3 steps, 3 recorded" in second
+    assert "2 steps, 2 recorded" not in second
 
 
 def test_a_run_directory_that_holds_a_run_and_calls_out_of_order(tmp_path):
