@@ -217,8 +217,14 @@ class Run:
         """The run's resolved config (.hydra/config.yaml, else the copy inside probe.h5)."""
         hydra_cfg = self.path / ".hydra" / "config.yaml"
         if hydra_cfg.is_file():
-            return OmegaConf.load(hydra_cfg)
-        return OmegaConf.create(str(self.attrs.get("config", "{}")))
+            loaded = OmegaConf.load(hydra_cfg)
+        else:
+            loaded = OmegaConf.create(str(self.attrs.get("config", "{}")))
+        if not isinstance(loaded, DictConfig):
+            raise DataError(
+                f"the config of {self.path} is not a mapping; rerun into a new directory"
+            )
+        return loaded
 
     @cached_property
     def summary(self) -> pd.DataFrame:
@@ -274,7 +280,10 @@ class Run:
 
     def histogram(self, layer: str, site: str = "output") -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the quantile sketch, increasing values."""
-        return self.stats(layer, site).hist.ordered()
+        hist = self.stats(layer, site).hist
+        if hist is None:
+            raise KeyError(f"no histogram kept for {layer!r} {site!r}; run.units() has the rest")
+        return hist.ordered()
 
     def table(self) -> pd.DataFrame:
         """The summary recomputed from the file (ignores summary.csv)."""

@@ -174,11 +174,11 @@ class StepFile:
         self.handles: dict[tuple[str, str], h5py.Dataset] = {}  # the sites' datasets, once opened
         self.resumed: Resumed | None = None  # (set where the file was resumed)
         self.settings = yaml.safe_load(attrs.get("config") or "{}") or {}
-        resuming = resume_at is not None and self.path.is_file()
-        self.out = LiveFile(self.path, resume=resuming)
+        at = resume_at if resume_at is not None and self.path.is_file() else None
+        self.out = LiveFile(self.path, resume=at is not None)
         try:
-            if resuming:
-                self._resume(attrs, resume_at)
+            if at is not None:
+                self._resume(attrs, at)
             else:
                 self._start(attrs)
             self.out.file.flush()
@@ -428,7 +428,7 @@ def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
     in order of first appearance: `values[(layer, site)]` is (steps, STAT_COLUMNS)."""
     steps = np.asarray(steps, dtype=np.int64)
     columns = list(step_stat_columns())
-    frames = []
+    frames: list[pd.DataFrame] = []
     for info in infos:
         block = values[(info.layer, info.site)]
         held = ~np.isnan(block[:, columns.index("rows")])
@@ -454,9 +454,9 @@ def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
 
 def read_sites(f: h5py.File) -> list[SiteInfo]:
     """The recorded sites of a watched file, in order of first appearance."""
-    found = []
+    found: list[tuple[int, SiteInfo]] = []
     if SITES not in f:
-        return found
+        return []
     for link, group in f[SITES].items():
         for site_link, ds in group.items():
             info = SiteInfo(

@@ -25,6 +25,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -153,6 +154,7 @@ class Watcher:
         self.norm_hooks = HookSet("watch: the gradient norm at the end of each backward")
         self.grad_scale: Callable[[], float] | None = None  # a GradScaler's scale, if any
         self.norm_queued = False
+        self.opener: nn.Module | None = None  # the module whose call began the open forward
         self.begin(0)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -322,7 +324,7 @@ class Watcher:
         self.params_taken = False
         self.grads_at_begin = self.grads_seen
         self.grads_expected = 0  # gradient values this step's forwards wait for
-        self.opener: nn.Module | None = None  # the module whose call began the open forward
+        self.opener = None
 
     def resume(self, step: int, rows_seen: int) -> None:
         """A training resumed at `step` whose forwards had seen `rows_seen` rows (a
@@ -417,7 +419,7 @@ class Watcher:
                 float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             )
 
-    def end_step(self, **scalars: float) -> None:
+    def end_step(self, **scalars: float | None) -> None:
         """The step ends: at a recorded step its statistics (and `scalars`, e.g. grad_scale) go
         to the sink; then the next step begins."""
         if not self.forwards and self.needs_forwards:
@@ -458,9 +460,10 @@ class Watcher:
             if kind == "parameter":
                 axis = 1 if x.dim() >= 2 else 0  # a parameter's first axis (its output units)
             else:
-                setting = h.watched.unit_axis if h.watched is not None else "auto"
-                where = f"probe {h.watched.probe!r} layer {h.name!r} {site}"
-                axis = unit_axis(setting, h.watched.class_axis, x.dim(), where)
+                w = h.watched
+                setting, classes = (w.unit_axis, w.class_axis) if w is not None else ("auto", None)
+                where = f"probe {w.probe if w is not None else None!r} layer {h.name!r} {site}"
+                axis = unit_axis(setting, classes, x.dim(), where)
             layout = self.layouts[key] = (bounds_for(h.module_type, site), axis)
         batch = self.stats.add(key, x, *layout)
         if batch is not None and (batch.nan_count or batch.inf_count):
@@ -593,7 +596,7 @@ def uncompiled(hook):
     """`hook`, refusing to run in a model torch.compile traced: traced, the outer function
     notes it (dynamo replays the note as the graph runs), then the graph breaks at the inner
     one, which runs as plain Python and raises a ConfigError."""
-    traced = []
+    traced: list[bool] = []
 
     def refuse(*args):
         if traced:
@@ -628,4 +631,4 @@ def is_dtensor(t) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's piece of a parameter or gradient (a DTensor's local shard), detached."""
-    return (t.to_local() if is_dtensor(t) else t).detach()
+    return (cast(Any, t).to_local() if is_dtensor(t) else t).detach()

@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from torch import nn
@@ -191,7 +192,7 @@ class Watch:
             if failure is not None:
                 raise failure
             self.watcher.attach()
-            if self.hook_optimizer:
+            if self.hook_optimizer and self.optimizer is not None:
                 before, after = self._step_hooks()
                 self.watcher.hooks.optimizer_step_pre(self.optimizer, before)
                 self.watcher.hooks.optimizer_step_post(self.optimizer, after)
@@ -296,7 +297,7 @@ class Watch:
         """Begin at the checkpoint's step, and say in the log what the file kept and cut."""
         self.watcher.begin(step)
         kept = self.file.resumed if self.file is not None else None
-        if kept is None:
+        if self.file is None or kept is None:
             self._note(f"resuming the training at step {step} into a new {FILENAME}")
             return
         self.watcher.said_before(self.file.sites)  # (their names are in the log already)
@@ -386,11 +387,15 @@ class Watch:
             self._evaluate(self.watcher.step)
 
     def _evaluate(self, step: int) -> None:
+        if self.probe_batch is None:
+            return
         with self.watcher.paused():
             self.probe_batch.evaluate(step)
 
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
-        values = [scalars.get(c, math.nan) for c in self.file.scalar_columns]
+        if self.file is None:  # (rank 0 alone writes, and only it records)
+            return
+        values = np.array([scalars.get(c, math.nan) for c in self.file.scalar_columns])
         self.file.append(step, rows, values)
         if self.on_record is not None:
             self.on_record(step, rows, scalars)
