@@ -2,20 +2,25 @@
 (SmolLM2-135M's depth) at width 64, trained with AdamW and gradient clipping, watched at every
 step over each block's output and output gradient, its attention and MLP outputs, the final norm
 and three modules' parameters (probe.testing.trainings.DEEP_PROBES, 100 modules' sites), then
-drawn by `python -m probe.plot`.
+drawn by `python -m probe.plot`. With --tutorial, the run of docs/tutorials/watch_training.md
+instead (its code run as written, in OUT), whose train_lines.png the tutorial shows.
 
-python scripts/plot_training.py OUT [--steps 20] [--docs] [--suffix _before]
+python scripts/plot_training.py OUT [--steps 20] [--docs] [--suffix _before] [--tutorial]
 
 OUT holds the run (probe.h5, train.csv) and its train_lines.png and train_heatmap.png; --docs
-also writes the two figures to docs/images/ at 90 dpi in 256 colours (train_lines{suffix}.png,
-train_heatmap{suffix}.png). docs/images/train_lines_before.png is this script's run drawn by the
-code before the figures were split by kind (commit dcb04a5, with --suffix _before).
+also writes the figures to docs/images/ at 90 dpi in 256 colours (train_lines{suffix}.png,
+train_heatmap{suffix}.png; with --tutorial train_tutorial_lines.png alone).
+docs/images/train_lines_before.png is this script's run drawn by the code before the figures
+were split by kind (commit dcb04a5, with --suffix _before).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -45,20 +50,44 @@ def train(out: Path, steps: int) -> None:
             opt.step()
 
 
+def tutorial(out: Path) -> Path:
+    """Run the Python blocks of docs/tutorials/watch_training.md in `out`, as a reader runs
+    them: its watched CNN lands in out/outputs/cnn (returned)."""
+    text = (ROOT / "docs" / "tutorials" / "watch_training.md").read_text()
+    code = "\n".join(re.findall(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL))
+    out.mkdir(parents=True, exist_ok=True)
+    here = os.getcwd()
+    os.chdir(out)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(code, "watch_training.md", "exec"), {"__name__": "tutorial"})
+    finally:
+        os.chdir(here)
+    return out / "outputs" / "cnn"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--docs", action="store_true", help="write the figures to docs/images/")
     parser.add_argument("--suffix", default="", help="after the docs figures' names")
+    parser.add_argument("--tutorial", action="store_true", help="the tutorial's run instead")
     args = parser.parse_args()
-    train(args.out, args.steps)
-    done = plot([str(args.out)])
+    if args.tutorial:
+        run_dir = tutorial(args.out)
+        names = {"train_lines.png": "train_tutorial_lines.png"}
+    else:
+        train(args.out, args.steps)
+        run_dir = args.out
+        names = {n: n.replace(".png", f"{args.suffix}.png") for n in ("train_lines.png",
+                                                                       "train_heatmap.png")}  # fmt: skip
+    done = plot([str(run_dir)])
     if args.docs:
-        with probe.open_run(args.out) as run:
+        with probe.open_run(run_dir) as run:
             for name, fig in train_run_figures(run).items():
-                stem, ext = name.rsplit(".", 1)
-                small(fig, ROOT / "docs" / "images" / f"{stem}{args.suffix}.{ext}")
+                if name in names:
+                    small(fig, ROOT / "docs" / "images" / names[name])
     return done
 
 

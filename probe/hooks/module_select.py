@@ -121,13 +121,17 @@ def match_modules(
     *,
     allow_empty: bool = False,
     leaves_only: bool = False,
+    token_advice: bool = True,
 ) -> list[tuple[str, nn.Module]]:
     """(name, module) pairs a Selector's layers/types/exclude select, in module order; with
     `leaves_only`, modules without children alone.
 
     A layer glob that matches no module name (with `match: any`, when none of them does), an
     unknown class name, or an empty selection (unless `allow_empty`) is an error naming the bad
-    value.
+    value. `token_advice`: an empty selection of convolutions on a token model says that the
+    command line's default probes are for images and names its token probes (probes=residual);
+    a caller whose probes the user wrote (probe.watch) passes False and gets the probe's own
+    message.
     """
     modules = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in modules]
@@ -163,7 +167,8 @@ def match_modules(
         and not (leaves_only and next(m.children(), None) is not None)
     ]
     if not chosen and not allow_empty:
-        if set(where.types) & CONVOLUTIONS and any(isinstance(m, nn.Embedding) for _, m in modules):
+        token_model = any(isinstance(m, nn.Embedding) for _, m in modules)
+        if token_advice and set(where.types) & CONVOLUTIONS and token_model:
             raise SelectionError(
                 f"{label} selects no module of {type(model).__name__}: it takes convolutions "
                 f"({', '.join(where.types)}), as the default probes (probes=all_convs) do, which "

@@ -32,12 +32,13 @@ from probe.read.summaries import (
     sweep_table,
 )
 from probe.read.tables import summary_frame, units_frame
-from probe.read.train_steps import train_scalars, train_table
+from probe.read.train_series import series
+from probe.read.train_steps import train_scalars, train_table, watched_modules
 from probe.stats.running import RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
 from probe.store.runfile import missing_sources, open_probe_file, state
-from probe.store.steps_file import is_watched, valid_steps
+from probe.store.steps_file import is_watched, steps_held
 
 
 class Run:
@@ -90,9 +91,8 @@ class Run:
             self.file.close()
 
     def __repr__(self) -> str:
-        if self.watched:
-            steps = valid_steps(self.file)
-            return f"Run({str(self.path)!r}, {self.state}, a watched training of {steps} recorded steps)"
+        if self.watched:  # in steps, not samples
+            return f"Run({str(self.path)!r}, {self.state}, a watched training: {steps_held(self.file)})"
         return (
             f"Run({str(self.path)!r}, {self.state}, {self.num_samples} samples, "
             f"{len(self.layers)} layers)"
@@ -197,6 +197,14 @@ class Run:
         self._check_watched("train_scalars")
         return train_scalars(self.file)
 
+    def train_series(self) -> dict[str, pd.DataFrame]:
+        """A watched training's statistics over the steps as its figures draw them: {statistic:
+        a step x module frame} (`abs_mean (output)`, `std (output)`, `dead_frac (output)`,
+        `grad norm (grad_output)`, `grad norm (param_grad)`, `update / weight`: those the run
+        holds the sites of; probe.read.train_series), modules in the model's order."""
+        self._check_watched("train_series")
+        return series(train_table(self.file), watched_modules(self.file))
+
     def _check_watched(self, what: str) -> None:
         if not self.watched:
             raise DataError(
@@ -209,8 +217,14 @@ class Run:
         """The run's resolved config (.hydra/config.yaml, else the copy inside probe.h5)."""
         hydra_cfg = self.path / ".hydra" / "config.yaml"
         if hydra_cfg.is_file():
-            return OmegaConf.load(hydra_cfg)
-        return OmegaConf.create(str(self.attrs.get("config", "{}")))
+            loaded = OmegaConf.load(hydra_cfg)
+        else:
+            loaded = OmegaConf.create(str(self.attrs.get("config", "{}")))
+        if not isinstance(loaded, DictConfig):
+            raise DataError(
+                f"the config of {self.path} is not a mapping; rerun into a new directory"
+            )
+        return loaded
 
     @cached_property
     def summary(self) -> pd.DataFrame:
@@ -266,7 +280,10 @@ class Run:
 
     def histogram(self, layer: str, site: str = "output") -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the quantile sketch, increasing values."""
-        return self.stats(layer, site).hist.ordered()
+        hist = self.stats(layer, site).hist
+        if hist is None:
+            raise KeyError(f"no histogram kept for {layer!r} {site!r}; run.units() has the rest")
+        return hist.ordered()
 
     def table(self) -> pd.DataFrame:
         """The summary recomputed from the file (ignores summary.csv)."""

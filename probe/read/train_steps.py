@@ -1,5 +1,6 @@
-"""A watched training's run read back (`probe.watch`): its per-step table, its scalars, and the
-last step's table that `python -m probe.summarize RUN` prints.
+"""A watched training's run read back (`probe.watch`): its per-step table, its scalars, its
+modules in the model's order, and the last step's table that `python -m probe.summarize RUN`
+prints.
 
 The rows are those `/progress` counts (probe.store.steps_file): a training still running shows
 the steps flushed so far, a killed one those flushed before it died.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import h5py
 import pandas as pd
+import yaml
 
 from probe.errors import DataError
 from probe.store import swmr
@@ -22,6 +24,7 @@ from probe.store.steps_file import (
     read_frame,
     read_scalars,
     rewrite_csv,
+    steps_held,
     valid_steps,
 )
 
@@ -34,6 +37,14 @@ def train_table(f: h5py.File) -> pd.DataFrame:
 def train_scalars(f: h5py.File) -> pd.DataFrame:
     """One row per recorded step: `step`, loss, grad_norm, grad_scale and lr.<group>."""
     return read_scalars(f)
+
+
+def watched_modules(f: h5py.File) -> list[str]:
+    """The watched modules in the model's order: the `modules` of the watch's settings (the
+    file's `config`, watch.yaml)."""
+    settings = yaml.safe_load(str(f.attrs.get("config", ""))) or {}
+    modules = settings.get("modules") if isinstance(settings, dict) else None
+    return [str(m) for m in modules] if isinstance(modules, dict) else []
 
 
 def last_step(table: pd.DataFrame) -> pd.DataFrame:
@@ -72,6 +83,7 @@ class WatchSummary:
     message: str = ""
     num_samples: int = 0
     datasets: tuple = ()
+    steps: str = ""  # its steps, as probe.store.steps_file.steps_held says them
 
     @property
     def table(self) -> pd.DataFrame:
@@ -79,9 +91,7 @@ class WatchSummary:
 
     @property
     def detail(self) -> str:
-        steps = self.frame["step"].nunique() if not self.frame.empty else 0
-        last = int(self.frame["step"].max()) if steps else None
-        return f"a watched training, {steps} recorded steps (the last {last})"
+        return f"a watched training, {self.steps}"
 
 
 def summarize_watched(h5: Path) -> WatchSummary | None:
@@ -99,6 +109,7 @@ def summarize_watched(h5: Path) -> WatchSummary | None:
     with f:
         said = state(f)
         table = train_table(f)
+        steps = steps_held(f)
         message = ""
         if said == "partial":
             rewrite_csv(f, h5.parent / "train.csv", valid_steps(f))
@@ -109,4 +120,4 @@ def summarize_watched(h5: Path) -> WatchSummary | None:
             )
         elif said == "in progress":
             message = f"{h5} is in progress: the steps flushed so far"
-    return WatchSummary(h5, said, table, message)
+    return WatchSummary(h5, said, table, message, steps=steps)

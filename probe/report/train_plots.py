@@ -1,26 +1,26 @@
 """Figures of a watched training (`probe.watch`): each statistic over the recorded steps, a line
 per module (train_lines.png), and the same as module x step heatmaps (train_heatmap.png).
 
-The statistics, each where the run holds the sites it needs (a panel with nothing to draw is left
-out, and a figure with no panel is not made):
-
-- `abs_mean`, `std` and `dead_frac` of the modules' outputs;
-- the gradient norm: `norm` of grad_output, and of the parameters' gradients (param_grad.*, a
-  module's parameters together: the root of their squared norms' sum);
-- the update/weight ratio: the norm of a module's param_update.* over that of its param.* (the
-  parameters it holds both of).
+The statistics are `run.train_series()`'s (probe.read.train_series): `abs_mean`, `std` and
+`dead_frac` of the outputs, the gradient norms of grad_output and of the parameters, the
+update/weight ratio; a panel with nothing to draw is left out, and a figure with no panel is
+not made.
 
 Each statistic of the outputs and output gradients gets a panel per kind of module (block
 outputs, attention, MLP, other: probe.report.train_sites reads it from the names), those of the
 parameters one panel; the training's own scalars (the loss, and the global gradient norms:
-`grad_norm` and any `grad_norm_*` such as the norm before clipping) come first. A panel whose
-positive values span more than SPAN (and the norms and ratios always) is drawn on a log scale,
-and its axis says so. Lines are coloured by depth (the block index the module's name holds,
-deeper darker) with a colour bar when there are more modules than a legend can hold beside its
-plot; heatmap rows run by depth, each labelled (one label per block beyond MAX_ROW_LABELS rows).
+`grad_norm` and any `grad_norm_*` such as the norm before clipping) come first.
 
-`series(table)` gives each statistic as a step x module frame and `panels(table)` splits them by
-kind: the figures draw exactly those values (tests read them back).
+- Scale: the norms and ratios on a log axis; another panel on a log axis where on a linear one
+  some line would be squashed (`scale_of`: its peak below LEGIBLE of the panel's top), its axis
+  saying so. A log panel leaves zeros out (below its scale) rather than drawing them as a drop,
+  and the update/weight panel leaves out, with a note, the steps whose learning rate is 0 (no
+  update: a warmup's step 0).
+- Colour: lines by depth (the block index the module's name holds, deeper darker) with a colour
+  bar when there are more modules than a legend holds (MAX_LEGEND), else one legend; the
+  parameter panels, a few modules from anywhere in the model, have their own legend and the
+  default colour cycle's distinct colours. Heatmap rows run by depth, each labelled (one label
+  per block beyond MAX_ROW_LABELS rows).
 """
 
 from __future__ import annotations
@@ -36,15 +36,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from probe.read.train_series import (  # noqa: E402
+    GRAD_OUTPUT_NORM,
+    PARAM_GRAD_NORM,
+    UPDATE_RATIO,
+    first_sites,
+    series,
+)
 from probe.report.train_sites import KINDS, Place, block_ticks, places, split_block  # noqa: E402
-from probe.site_keys import parse_or_none  # noqa: E402
 
 MAX_LEGEND = 8  # more modules than this: colour by depth and a colour bar, not a legend
 MAX_ROW_LABELS = 48  # more heatmap rows than this: one label per block
-SPAN = 100.0  # positive values spanning more than this ratio: a log scale
-LOG_PANELS = ("grad norm (grad_output)", "grad norm (param_grad)", "update / weight")
+LEGIBLE = 0.1  # a line peaking below this fraction of its panel's top: squashed if linear
+LOG_PANELS = (GRAD_OUTPUT_NORM, PARAM_GRAD_NORM, UPDATE_RATIO)
 LINEAR_PANELS = ("dead_frac (output)",)  # fractions of units: always linear
-PARAM_PANELS = ("grad norm (param_grad)", "update / weight")
+PARAM_PANELS = (PARAM_GRAD_NORM, UPDATE_RATIO)
 PARAMETERS = "parameters"  # the kind of a parameter statistic's panel
 SAID = {  # each statistic as its axes say it
     "abs_mean (output)": "abs_mean of output",
@@ -59,42 +65,6 @@ DEPTH_CMAP = matplotlib.colors.LinearSegmentedColormap.from_list(
 )  # viridis from light green to dark blue: shallow light, deep dark, 2048 shades
 
 
-def site_keys(table: pd.DataFrame) -> pd.Series:
-    """The SiteKey of each row's site (None for a name that is no site's), parsed once a name."""
-    keys = {name: parse_or_none(name) for name in table["site"].unique()}
-    return table["site"].map(keys)
-
-
-def first_sites(table: pd.DataFrame, kind: str) -> pd.DataFrame:
-    """The rows of each layer's first site of `kind` (output, grad_output) at its first call
-    (no @): `output`, or a tuple output's first tensor `output.0`."""
-    keys = site_keys(table)
-    rows = table[
-        keys.map(lambda k: k is not None and k.family == kind and k.call == 0).astype(bool)
-    ]
-    if rows.empty:
-        return rows
-    first = rows.groupby("layer", sort=False)["site"].first()
-    return rows[rows["site"] == rows["layer"].map(first)]
-
-
-def wide(rows: pd.DataFrame, values: pd.Series, layers: list[str]) -> pd.DataFrame:
-    """A step x layer frame of `values` (indexed like `rows`), layers in the order given."""
-    frame = pd.DataFrame({"step": rows["step"].to_numpy(), "layer": rows["layer"].to_numpy(),
-                          "v": values.to_numpy(dtype=float)})  # fmt: skip
-    out = frame.pivot_table(index="step", columns="layer", values="v", aggfunc="first")
-    return out.reindex(columns=[c for c in layers if c in out.columns])
-
-
-def param_norms(table: pd.DataFrame, kind: str) -> pd.DataFrame:
-    """Per (step, layer, parameter name) the norm of a parameter site of `kind`."""
-    keys = site_keys(table)
-    wanted = keys.map(lambda k: k is not None and k.family == kind).astype(bool)
-    rows = table[wanted]
-    names = keys[wanted].map(lambda k: k.parameter)
-    return rows.assign(param=names)[["step", "layer", "param", "norm"]]
-
-
 def module_places(table: pd.DataFrame, order: list[str] | None = None) -> dict[str, Place]:
     """{module: Place} of the table's modules (probe.report.train_sites): `order` is the model's
     order of the watched modules (watch.yaml's `modules`); without it the table's."""
@@ -105,54 +75,30 @@ def module_places(table: pd.DataFrame, order: list[str] | None = None) -> dict[s
     return places(names, types)
 
 
-def by_depth(table: pd.DataFrame, order: list[str] | None = None) -> list[str]:
-    """The table's modules, shallowest first."""
-    found = module_places(table, order)
-    return sorted(dict.fromkeys(table["layer"]), key=lambda n: found[n].depth)
-
-
-def series(table: pd.DataFrame, order: list[str] | None = None) -> dict[str, pd.DataFrame]:
-    """{statistic: step x module frame} of the statistics the table holds (see the module),
-    modules by depth (`order`: see module_places)."""
-    layers = by_depth(table, order) if not table.empty else []
-    out = {}
-    outputs = first_sites(table, "output")
-    if not outputs.empty:
-        out["abs_mean (output)"] = wide(outputs, outputs["abs_mean"], layers)
-        out["std (output)"] = wide(outputs, outputs["std"], layers)
-    grads = first_sites(table, "grad_output")
-    if not grads.empty:
-        out["grad norm (grad_output)"] = wide(grads, grads["norm"], layers)
-    pgrad = param_norms(table, "param_grad")
-    if not pgrad.empty:
-        summed = pgrad.assign(sq=pgrad["norm"] ** 2).groupby(["step", "layer"], sort=False)["sq"]
-        total = summed.sum().reset_index()
-        out["grad norm (param_grad)"] = wide(total, np.sqrt(total["sq"]), layers)
-    update, weight = param_norms(table, "param_update"), param_norms(table, "param")
-    if not update.empty and not weight.empty:
-        both = update.merge(weight, on=["step", "layer", "param"], suffixes=("_u", "_w"))
-        if not both.empty:
-            both = both.assign(u=both["norm_u"] ** 2, w=both["norm_w"] ** 2)
-            sums = both.groupby(["step", "layer"], sort=False)[["u", "w"]].sum().reset_index()
-            out["update / weight"] = wide(sums, np.sqrt(sums["u"]) / np.sqrt(sums["w"]), layers)
-    if not outputs.empty and outputs["dead_frac"].notna().any():
-        out["dead_frac (output)"] = wide(outputs, outputs["dead_frac"], layers)
-    return {k: v for k, v in out.items() if not v.empty and v.notna().to_numpy().any()}
+def in_depth_order(stats: dict[str, pd.DataFrame], found: dict[str, Place]) -> dict:
+    """The frames of `stats` (probe.read.train_series) with their modules by depth."""
+    return {stat: frame[sorted(frame.columns, key=lambda n: found[n].depth)]
+            for stat, frame in stats.items()}  # fmt: skip
 
 
 def scale_of(stat: str, values) -> str:
-    """`log` for the norms and ratios (a zero left out, below the scale) and where a panel's
-    values are positive and span more than SPAN; `symlog` for the latter with zeros among them
-    (drawn at 0); else `linear`."""
+    """A panel's y scale, from its values (steps down, a column per line): `log` for the
+    norms and ratios, and where on a linear axis some line would be squashed: its peak below
+    LEGIBLE of the panel's highest value, so that on an axis from 0 up it would stay in the
+    bottom tenth (`symlog` where zeros are among the values: drawn at 0); else `linear`.
+    Fractions of units (dead_frac) and values with negatives are always linear."""
     v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    positive = v[v > 0]
-    if stat in LINEAR_PANELS or positive.size == 0 or (v < 0).any():
+    v = v.reshape(len(v), -1) if v.ndim < 2 else v
+    finite = v[np.isfinite(v)]
+    if stat in LINEAR_PANELS or not (finite > 0).any() or (finite < 0).any():
         return "linear"
     if stat in LOG_PANELS:
         return "log"
-    if positive.max() > SPAN * positive.min():
-        return "log" if positive.size == v.size else "symlog"
+    with np.errstate(all="ignore"):
+        peaks = np.nanmax(np.where(np.isfinite(v), v, np.nan), axis=0)
+    peaks = peaks[np.isfinite(peaks) & (peaks > 0)]
+    if peaks.min() < LEGIBLE * peaks.max():
+        return "log" if (finite > 0).all() else "symlog"
     return "linear"
 
 
@@ -246,6 +192,55 @@ def scalar_columns(scalars: pd.DataFrame | None) -> tuple[list[str], list[str]]:
     return [c for c in has if c == "loss"], [c for c in has if c.startswith("grad_norm")]
 
 
+def colour_plan(found: dict[str, Place], drawn: list[Panel]) -> tuple[dict, dict, object, bool]:
+    """The lines' colours: (by module in the panels of outputs and gradients, by module in the
+    parameter panels, the depth colour bar's ScalarMappable or None, whether the parameter
+    panels carry their own legend). Up to MAX_LEGEND modules in all: one set of distinct colours
+    (one legend). More: depth colours, but the parameter panels' few modules (up to MAX_LEGEND),
+    which sit anywhere in the model and would get colours too close to tell apart, the colour
+    cycle's distinct ones and a legend of their own."""
+    modules = list(dict.fromkeys(c for p in drawn for c in p.frame.columns))
+    params = list(dict.fromkeys(c for p in drawn if p.kind == PARAMETERS for c in p.frame.columns))
+    rest = list(dict.fromkeys(c for p in drawn if p.kind != PARAMETERS for c in p.frame.columns))
+    if len(modules) <= MAX_LEGEND or not params or len(params) > MAX_LEGEND:
+        colours, mappable = depth_colours(found, modules)
+        return colours, colours, mappable, False
+    colours, mappable = depth_colours(found, rest)
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    skip = len(colours) if mappable is None else 0  # (after the legend's colours beside)
+    ordered = sorted(params, key=lambda n: found[n].depth)
+    own = {m: cycle[(skip + i) % len(cycle)] for i, m in enumerate(ordered)}
+    return colours, own, mappable, True
+
+
+def no_update_steps(scalars: pd.DataFrame | None) -> list[int]:
+    """The steps at which every param group's learning rate was 0 (a warmup's first step): the
+    optimizer changed no weight, so update/weight is 0 there."""
+    if scalars is None:
+        return []
+    rates = [c for c in scalars.columns if c.startswith("lr.")]
+    if not rates:
+        return []
+    zero = (scalars[rates] == 0).all(axis=1)
+    return [int(s) for s in scalars.loc[zero, "step"]]
+
+
+def _drawn(p: Panel, skipped: list[int]) -> tuple[pd.DataFrame, str]:
+    """The values a panel draws and its note: on a log axis zeros are left out (below the
+    scale, not a drop to its bottom); update/weight leaves out the steps without an update."""
+    frame = p.frame.astype(float)
+    note = ""
+    if p.stat == UPDATE_RATIO:
+        gone = [s for s in skipped if s in frame.index]
+        if gone:
+            frame = frame.drop(index=gone)
+            said = ", ".join(map(str, gone[:4])) + (", ..." if len(gone) > 4 else "")
+            note = f"step{'s' * (len(gone) > 1)} {said} left out: learning rate 0, no update"
+    if p.scale == "log":
+        frame = frame.where(frame > 0)
+    return frame, note
+
+
 def lines_figure(stats: dict[str, pd.DataFrame], scalars: pd.DataFrame | None = None,
                  title: str = "", found: dict[str, Place] | None = None) -> plt.Figure | None:  # fmt: skip
     """A row of panels per statistic (one per kind of module), a line per module, after a row of
@@ -255,7 +250,8 @@ def lines_figure(stats: dict[str, pd.DataFrame], scalars: pd.DataFrame | None = 
     found = found or places(modules)
     loss, norms = scalar_columns(scalars)
     training = [c for c in (loss, norms) if c]
-    rows = _rows(panels(stats, found))
+    drawn = panels(stats, found)
+    rows = _rows(drawn)
     if not rows and not training:
         return None
     lengths = [len(training)] * bool(training) + [len(r) for r in rows]
@@ -274,23 +270,31 @@ def lines_figure(stats: dict[str, pd.DataFrame], scalars: pd.DataFrame | None = 
             ax.set_title("training", fontsize=8)
             ax.set_label(f"training | {what}")
             ax.legend(fontsize=6, loc="upper right")
-    colours, mappable = depth_colours(found, modules)
+    colours, param_colours, mappable, own_legend = colour_plan(found, drawn)
+    skipped = no_update_steps(scalars)
     for row, axes in zip(rows, grid, strict=True):
         for p, ax in zip(row, axes, strict=True):
-            for module in p.frame.columns:
-                ax.plot(p.frame.index, p.frame[module].to_numpy(dtype=float), marker=".",
-                        markersize=3, color=colours[module], label=module)  # fmt: skip
+            values, note = _drawn(p, skipped)
+            palette = param_colours if p.kind == PARAMETERS else colours
+            for module in values.columns:
+                ax.plot(values.index, values[module].to_numpy(dtype=float), marker=".",
+                        markersize=3, color=palette[module], label=module)  # fmt: skip
             _set_scale(ax, p.scale, p.frame.to_numpy())
             ax.set_ylabel(p.axis, fontsize=8)
             ax.set_title(f"{p.kind} ({p.frame.shape[1]})", fontsize=8)
             ax.set_label(p.label)
+            if note:
+                ax.text(0.01, 0.02, note, transform=ax.transAxes, fontsize=6, va="bottom",
+                        color="0.3")  # fmt: skip
+            if own_legend and p.kind == PARAMETERS:
+                ax.legend(fontsize=6, loc="best", framealpha=0.7)
     for ax in fig.axes:
         ax.tick_params(which="both", labelsize=6)
     for ax in grid[-1] if grid else fig.axes:
         ax.set_xlabel("step", fontsize=8)
     if mappable is not None:
-        _depth_bar(fig, mappable, {m: found[m] for m in modules}, fig.axes)
-    elif modules:  # one legend for every panel, beside them, as small as the names allow
+        _depth_bar(fig, mappable, {m: found[m] for m in colours}, fig.axes)
+    elif colours:  # one legend for every panel, beside them, as small as the names allow
         handles = [matplotlib.lines.Line2D([], [], color=colours[m]) for m in colours]
         fig.legend(handles, list(colours), loc="outside right upper", fontsize=6, frameon=False)
     fig.suptitle(title or "statistics over training", fontsize=9)
@@ -381,7 +385,7 @@ def train_figures(table: pd.DataFrame, scalars: pd.DataFrame | None, title: str 
     """{file name: Figure} of a watched training; figures with nothing to draw are left out.
     `order`: the model's order of the watched modules (watch.yaml's `modules`)."""
     found = module_places(table, order) if not table.empty else {}
-    stats = series(table, order)
+    stats = in_depth_order(series(table, order), found)
     made = {
         "train_lines.png": lines_figure(
             stats, scalars, f"statistics over training: {title}", found

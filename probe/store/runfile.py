@@ -167,12 +167,17 @@ def missing_sources(f: h5py.File) -> list[str]:
 
 
 def file_state(path: Path) -> str:
-    """`partial, 40 of 64 samples`, `complete, 64 samples`, or why it cannot be read."""
+    """`partial, 40 of 64 samples`, `complete, 64 samples` (a watched training's:
+    `complete, 120 steps, 12 recorded, the last 110`), or why it cannot be read."""
     import yaml
+
+    from probe.store.steps_file import is_watched, steps_held
 
     try:
         with open_probe_file(path) as f:
             progress = read_progress(f)
+            if is_watched(f):  # a watched training counts steps, not samples
+                return f"{'complete' if progress.complete else 'partial'}, {steps_held(f)}"
             if progress.complete:
                 return f"complete, {progress.samples} samples"
             total = (yaml.safe_load(str(f.attrs.get("config", ""))) or {}).get("dataset", {})

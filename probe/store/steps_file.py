@@ -16,21 +16,27 @@ The writer appends rows in memory and writes them at `flush`: data first, then `
 flushed, in HDF5's SWMR mode, so a reader (and a kill) never sees a step half written. Rows past
 `/progress` are a killed writer's and are cut when the training resumes. docs/format.md has the
 layout for people; train.csv is the same rows as a table, appended at each flush.
+
+The watch's settings (the `config` attribute, YAML) are also the run directory's watch.yaml; its
+`modules` name each module's sites as train.csv does (`sites_as_recorded`), rewritten as sites
+are first recorded.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pandas as pd
+import yaml
 
 from probe.errors import ConfigError
+from probe.site_keys import VALUE_GRAD_SITES, VALUE_SITES, parse_or_none
 from probe.stats import stat_columns
 from probe.store.fileformat import FORMAT_VERSION, PROGRESS, decode, encode
 from probe.store.livefile import LiveFile
@@ -38,6 +44,7 @@ from probe.store.livefile import LiveFile
 WATCH_MODE = "watch"  # the `store_mode` attribute of a watched training's probe.h5
 PROBE_BATCH = "probe_batch"  # the run directory's folder of probe-batch runs, one per step
 TRAIN = "train"
+SETTINGS_FILE = "watch.yaml"  # the `config` attribute, beside the file
 SITES = f"{TRAIN}/sites"
 CHUNK_ROWS = 64  # rows per chunk: a flush rewrites at most one partial chunk per dataset
 SITE_COLUMNS = stat_columns.SITE_COLUMNS
@@ -87,9 +94,56 @@ class SiteInfo:
     kind: str
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume did to the file: the recorded steps it kept (those before the
+    checkpoint's step), the recorded steps it cut (taken after the checkpoint) and the rows it
+    cut past /progress (written by a flush the stop interrupted, never counted valid)."""
+
+    steps: list[int]
+    cut: list[int]
+    unflushed: int
+
+
 def is_watched(f: h5py.File) -> bool:
     """Whether `f` is a watched training's file (per-step statistics, no captures)."""
     return str(f.attrs.get("store_mode", "")) == WATCH_MODE
+
+
+def sites_as_recorded(
+    modules: Mapping[str, list[str]], recorded: Iterable[tuple[str, str]]
+) -> dict[str, list[str]]:
+    """`modules` ({module: the sites it was asked for}) with each value site the file recorded
+    under other names (docs/format.md's names: a tuple output's `output.0`, `output.1`, a second
+    call's `output@1`) replaced by those names, in the order first recorded; a site not recorded
+    yet stays as asked, and parameter sites are named already (`param.weight`)."""
+    names: dict[tuple[str, str], list[str]] = {}
+    for layer, site in recorded:
+        key = parse_or_none(site)
+        if key is not None and key.family in (*VALUE_SITES, *VALUE_GRAD_SITES):
+            names.setdefault((layer, key.family), []).append(site)
+    return {
+        module: [name for site in sites for name in names.get((module, site), [site])]
+        for module, sites in modules.items()
+    }
+
+
+def steps_held(f: h5py.File) -> str:
+    """A watched training's file in steps (not samples): `120 steps, 12 recorded, the last 110`
+    once its watch closed it cleanly (the steps the training took, those recorded), else what it
+    holds so far: `12 recorded steps, the last 110`, or `no recorded step`."""
+    progress = f["progress"]
+    if f.swmr_mode:
+        progress.refresh()
+    row = progress[()]
+    held, last = int(row["steps"]), int(row["last_step"])
+    recorded = f"{held} recorded, the last {last}"
+    trained = f.attrs.get("steps_trained")
+    if row["complete"] and trained is not None:
+        return f"{int(trained)} step{'s' * (int(trained) != 1)}, " + recorded
+    if not held:
+        return "no recorded step"
+    return f"{held} recorded step{'s' * (held != 1)}, the last {last}"
 
 
 def site_path(layer: str, site: str) -> str:
@@ -118,11 +172,13 @@ class StepFile:
         self.pending: list[tuple[int, dict[tuple[str, str], np.ndarray], np.ndarray]] = []
         self.pending_sites: dict[tuple[str, str], SiteInfo] = {}
         self.handles: dict[tuple[str, str], h5py.Dataset] = {}  # the sites' datasets, once opened
-        resuming = resume_at is not None and self.path.is_file()
-        self.out = LiveFile(self.path, resume=resuming)
+        self.resumed: Resumed | None = None  # (set where the file was resumed)
+        self.settings = yaml.safe_load(attrs.get("config") or "{}") or {}
+        at = resume_at if resume_at is not None and self.path.is_file() else None
+        self.out = LiveFile(self.path, resume=at is not None)
         try:
-            if resuming:
-                self._resume(attrs, resume_at)
+            if at is not None:
+                self._resume(attrs, at)
             else:
                 self._start(attrs)
             self.out.file.flush()
@@ -153,6 +209,7 @@ class StepFile:
         scalars.attrs["columns"] = list(self.scalar_columns)
         f.require_group(SITES)
         self._write_progress(False)
+        self._write_settings()
         if self.csv.exists():
             self.csv.unlink()  # (the run directory was replaced: overwrite=True)
 
@@ -183,6 +240,7 @@ class StepFile:
                 "param groups); watch into a new out= directory"
             )
         valid = int(f["progress"][()]["steps"])
+        written = int(f[f"{TRAIN}/step"].shape[0])
         steps = f[f"{TRAIN}/step"][:valid]
         keep = int(np.searchsorted(steps, step, side="left"))
         for name in (f"{TRAIN}/step", f"{TRAIN}/scalars"):
@@ -203,7 +261,10 @@ class StepFile:
         f.attrs["complete"] = False
         f.attrs["resumes"] = int(f.attrs.get("resumes", 0)) + 1
         self._write_progress(False)
-        self.steps_kept = steps[:keep]
+        self._write_settings()
+        self.resumed = Resumed(
+            [int(s) for s in steps[:keep]], [int(s) for s in steps[keep:]], written - valid
+        )
         rewrite_csv(f, self.csv, keep)
 
     # -- appending -------------------------------------------------------------------------------
@@ -302,8 +363,22 @@ class StepFile:
             f[site_path(*key)].parent.attrs["name"] = info.layer
             self.sites[key] = info
         self.pending_sites.clear()
+        self._write_settings()
         f.flush()
         self.out.go_live()
+
+    def _write_settings(self) -> None:
+        """The watch's settings, their `modules` naming the sites as recorded so far, into the
+        `config` attribute and watch.yaml (while the file is plain: attributes cannot change
+        under SWMR)."""
+        if not self.settings:
+            return
+        settings = dict(self.settings)
+        if isinstance(settings.get("modules"), dict):
+            settings["modules"] = sites_as_recorded(settings["modules"], self.sites)
+        text = yaml.safe_dump(settings, sort_keys=False)
+        self.file.attrs["config"] = text
+        (self.path.parent / SETTINGS_FILE).write_text(text)
 
     def _write_progress(self, complete: bool) -> None:
         row = np.zeros((), STEP_PROGRESS)
@@ -314,12 +389,15 @@ class StepFile:
         else:
             self.file.create_dataset("progress", data=row)
 
-    def close(self, complete: bool) -> None:
-        """Flush what is pending (unless the file failed), then write `complete` last."""
+    def close(self, complete: bool, trained: int | None = None) -> None:
+        """Flush what is pending (unless the file failed), then write `complete` last;
+        `trained`: the steps the training took (`steps_trained`)."""
         if self.out.failed is None:
             self.flush()
             self._write_progress(complete)
         attrs = {"complete": bool(complete), "num_steps": self.written}
+        if trained is not None:
+            attrs = {"steps_trained": int(trained), **attrs}
         self.out.close(
             attrs if self.out.failed is None else None, abandon=self.out.failed is not None
         )
@@ -350,7 +428,7 @@ def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
     in order of first appearance: `values[(layer, site)]` is (steps, STAT_COLUMNS)."""
     steps = np.asarray(steps, dtype=np.int64)
     columns = list(step_stat_columns())
-    frames = []
+    frames: list[pd.DataFrame] = []
     for info in infos:
         block = values[(info.layer, info.site)]
         held = ~np.isnan(block[:, columns.index("rows")])
@@ -376,9 +454,9 @@ def step_frame(steps, infos: list[SiteInfo], values: dict) -> pd.DataFrame:
 
 def read_sites(f: h5py.File) -> list[SiteInfo]:
     """The recorded sites of a watched file, in order of first appearance."""
-    found = []
+    found: list[tuple[int, SiteInfo]] = []
     if SITES not in f:
-        return found
+        return []
     for link, group in f[SITES].items():
         for site_link, ds in group.items():
             info = SiteInfo(

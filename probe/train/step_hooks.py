@@ -23,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten
 from probe.layout import unit_axis
-from probe.site_keys import VALUE_GRAD_SITES, SiteKey
+from probe.site_keys import VALUE_GRAD_SITES, VALUE_SITES, SiteKey, parse_or_none
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
@@ -43,6 +44,7 @@ from probe.train.watched_sites import WatchedModule, class_name
 from probe.watch_options import WatchOptions
 
 log = logging.getLogger("probe")
+VALUE_AND_GRAD_SITES = (*VALUE_SITES, *VALUE_GRAD_SITES)  # sites a module's values name
 
 
 @dataclass
@@ -152,6 +154,7 @@ class Watcher:
         self.norm_hooks = HookSet("watch: the gradient norm at the end of each backward")
         self.grad_scale: Callable[[], float] | None = None  # a GradScaler's scale, if any
         self.norm_queued = False
+        self.opener: nn.Module | None = None  # the module whose call began the open forward
         self.begin(0)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -321,7 +324,7 @@ class Watcher:
         self.params_taken = False
         self.grads_at_begin = self.grads_seen
         self.grads_expected = 0  # gradient values this step's forwards wait for
-        self.opener: nn.Module | None = None  # the module whose call began the open forward
+        self.opener = None
 
     def resume(self, step: int, rows_seen: int) -> None:
         """A training resumed at `step` whose forwards had seen `rows_seen` rows (a
@@ -416,7 +419,7 @@ class Watcher:
                 float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             )
 
-    def end_step(self, **scalars: float) -> None:
+    def end_step(self, **scalars: float | None) -> None:
         """The step ends: at a recorded step its statistics (and `scalars`, e.g. grad_scale) go
         to the sink; then the next step begins."""
         if not self.forwards and self.needs_forwards:
@@ -457,9 +460,10 @@ class Watcher:
             if kind == "parameter":
                 axis = 1 if x.dim() >= 2 else 0  # a parameter's first axis (its output units)
             else:
-                setting = h.watched.unit_axis if h.watched is not None else "auto"
-                where = f"probe {h.watched.probe!r} layer {h.name!r} {site}"
-                axis = unit_axis(setting, h.watched.class_axis, x.dim(), where)
+                w = h.watched
+                setting, classes = (w.unit_axis, w.class_axis) if w is not None else ("auto", None)
+                where = f"probe {w.probe if w is not None else None!r} layer {h.name!r} {site}"
+                axis = unit_axis(setting, classes, x.dim(), where)
             layout = self.layouts[key] = (bounds_for(h.module_type, site), axis)
         batch = self.stats.add(key, x, *layout)
         if batch is not None and (batch.nan_count or batch.inf_count):
@@ -467,22 +471,31 @@ class Watcher:
 
     def _name_taken(self, layer: str, site: str) -> None:
         """Note the name a value site is recorded under; one other than the asked site's own
-        (`output.0` of a tuple output, `output@1` of a second call) is said once in the log."""
+        (`output.0` of a tuple output, `output@1` of a second call) is said once in the log
+        (a name a resumed file holds was said when the file first recorded it)."""
         asked = SiteKey.parse(site).family
         names = self.names_of.setdefault((layer, asked), [])
+        if site in names:
+            return
         names.append(site)
         if names != [asked]:
             self.unsaid.add((layer, asked))
 
-    def renamed(self) -> list[str]:
-        """Lines for the log: each asked site recorded under other names since the last call
-        ("layer 'attn' output -> output.0, output.1")."""
-        lines = [
-            f"layer {layer!r} {asked} -> {', '.join(self.names_of[(layer, asked)])}"
-            for layer, asked in sorted(self.unsaid)
-        ]
+    def said_before(self, sites: Iterable[tuple[str, str]]) -> None:
+        """The (layer, site) pairs a resumed file holds: their names are not said again."""
+        for layer, site in sites:
+            key = parse_or_none(site)
+            if key is not None and key.family in VALUE_AND_GRAD_SITES:
+                names = self.names_of.setdefault((layer, key.family), [])
+                if site not in names:
+                    names.append(site)
+
+    def renamed(self) -> dict[tuple[str, str], list[str]]:
+        """Each asked site recorded under other names and not said yet: {(layer, asked site):
+        the names it became} (`output` -> `output.0`, `output.1`); the log says them once."""
+        found = {key: list(self.names_of[key]) for key in self.unsaid}
         self.unsaid.clear()
-        return lines
+        return found
 
     def _check_finite(self, key: Key, batch: RunningStats) -> None:
         """Log the first non-finite values of each site (with fail_on_nonfinite: the first of
@@ -583,7 +596,7 @@ def uncompiled(hook):
     """`hook`, refusing to run in a model torch.compile traced: traced, the outer function
     notes it (dynamo replays the note as the graph runs), then the graph breaks at the inner
     one, which runs as plain Python and raises a ConfigError."""
-    traced = []
+    traced: list[bool] = []
 
     def refuse(*args):
         if traced:
@@ -618,4 +631,4 @@ def is_dtensor(t) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's piece of a parameter or gradient (a DTensor's local shard), detached."""
-    return (t.to_local() if is_dtensor(t) else t).detach()
+    return (cast(Any, t).to_local() if is_dtensor(t) else t).detach()

@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from torch import nn
@@ -37,6 +38,7 @@ from probe.store import runlock
 from probe.store.runfile import file_state
 from probe.store.steps_file import SCALAR_COLUMNS, StepFile
 from probe.train import ranks
+from probe.train.log_lines import renamed_lines, steps_text
 from probe.train.probe_batch import FOLDER, ProbeBatch
 from probe.train.schedule import Schedule
 from probe.train.step_hooks import COMPILED_WAY_OUT, Watcher
@@ -190,7 +192,7 @@ class Watch:
             if failure is not None:
                 raise failure
             self.watcher.attach()
-            if self.hook_optimizer:
+            if self.hook_optimizer and self.optimizer is not None:
                 before, after = self._step_hooks()
                 self.watcher.hooks.optimizer_step_pre(self.optimizer, before)
                 self.watcher.hooks.optimizer_step_post(self.optimizer, after)
@@ -242,10 +244,12 @@ class Watch:
         finally:
             try:
                 if self.file is not None:
-                    self.file.close(complete)
+                    steps = self.watcher.step
+                    self.file.close(complete, steps)
                     self._note(
                         f"closed {self.file.path} ({'complete' if complete else 'not complete'}"
-                        f", {self.file.written} recorded steps, the last {self.file.last_step})"
+                        f", {steps} steps, {self.file.written} recorded, the last "
+                        f"{self.file.last_step})"
                     )
             finally:
                 if self.log_handler is not None:
@@ -285,25 +289,36 @@ class Watch:
             "watch": json.dumps(self.settings, sort_keys=True),
             "edits": json.dumps(self.settings["edits"]),
         }
-        (self.out / "watch.yaml").write_text(attrs["config"])
         self.file = StepFile(path, attrs, self.scalar_columns, self.resume_at)
         if self.resume_at is not None:
             self._resumed(self.resume_at)
 
     def _resumed(self, step: int) -> None:
+        """Begin at the checkpoint's step, and say in the log what the file kept and cut."""
         self.watcher.begin(step)
-        held = getattr(self.file, "steps_kept", None)
-        if held is None:
-            self._note(f"resuming the training at step {step} into a new {self.file.path}")
+        kept = self.file.resumed if self.file is not None else None
+        if self.file is None or kept is None:
+            self._note(f"resuming the training at step {step} into a new {FILENAME}")
             return
-        lost = sorted(set(self.schedule.steps_before(step)) - set(held.tolist()))
+        self.watcher.said_before(self.file.sites)  # (their names are in the log already)
+        lost = sorted(set(self.schedule.steps_before(step)) - set(kept.steps))
         if lost:
             log.warning(
                 "resuming at step %d: the file lacks the recorded steps %s (taken after its last "
                 "flush before the training stopped; they cannot be recorded again)",
-                step, _ranges(lost),
+                step, steps_text(lost),
             )  # fmt: skip
-        self._note(f"resuming the training at step {step}: {len(held)} recorded steps kept")
+        said = [f"kept {_count(kept.steps, 'recorded step')}"]
+        if kept.cut:
+            said.append(f"cut {_count(kept.cut, 'step')}, recorded after the checkpoint was taken")
+        if kept.unflushed:
+            said.append(
+                f"cut {kept.unflushed} row{'s' * (kept.unflushed > 1)} past /progress, left by "
+                "a flush the stop interrupted"
+            )
+        if len(said) == 1:
+            said.append("cut none")
+        self._note(f"resuming the training at step {step}: {'; '.join(said)}")
 
     # -- steps -------------------------------------------------------------------------------
     def _step_hooks(self):
@@ -372,22 +387,22 @@ class Watch:
             self._evaluate(self.watcher.step)
 
     def _evaluate(self, step: int) -> None:
+        if self.probe_batch is None:
+            return
         with self.watcher.paused():
             self.probe_batch.evaluate(step)
 
     def _record(self, step: int, rows: dict, scalars: dict) -> None:
-        values = [scalars.get(c, math.nan) for c in self.file.scalar_columns]
+        if self.file is None:  # (rank 0 alone writes, and only it records)
+            return
+        values = np.array([scalars.get(c, math.nan) for c in self.file.scalar_columns])
         self.file.append(step, rows, values)
         if self.on_record is not None:
             self.on_record(step, rows, scalars)
         said = ", ".join(f"{k} {scalars[k]:.6g}" for k in ("loss", "grad_norm") if k in scalars)
         self._note(f"step {step}: {len(rows)} sites recorded{'; ' + said if said else ''}")
-        renamed = self.watcher.renamed()
-        if renamed:
-            self._note(
-                "sites recorded under the names a run gives them (a tuple output's items, a "
-                "module's later calls: docs/format.md#names): " + "; ".join(renamed)
-            )
+        for line in renamed_lines(self.watcher.renamed()):
+            self._note(f"recorded under the names a run gives them (docs/format.md#names): {line}")
 
     def _failing(self, message: str) -> None:
         if self.file is not None:
@@ -451,10 +466,12 @@ def _grad_edits(model: nn.Module, edits: Mapping | None, seed: int) -> list:
     return build_edits(model, specs, seed)
 
 
-def _ranges(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:8])) + (
-        f", ... ({len(steps)} in all)" if len(steps) > 8 else ""
-    )
+def _count(steps: list[int], what: str) -> str:
+    """`3 recorded steps (0-2)`, `step 6`, `steps 6-7`, `0 recorded steps`."""
+    if what == "step":
+        return f"step{'s' * (len(steps) > 1)} {steps_text(steps)}"
+    plural = f"{len(steps)} {what}{'s' * (len(steps) != 1)}"
+    return f"{plural} ({steps_text(steps)})" if steps else plural
 
 
 def _check_optimizer_trains(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

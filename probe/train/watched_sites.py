@@ -109,7 +109,7 @@ def resolve(model: nn.Module, probes) -> list[WatchedModule]:
         check_capture(probe, spec.capture)
         matched = match_modules(
             model, f"probe {probe!r}", spec.where, allow_empty=spec.allow_empty,
-            leaves_only=spec.leaves_only,
+            leaves_only=spec.leaves_only, token_advice=False,
         )  # fmt: skip
         globs: dict[str, bool] = {}
         for name, module in matched:

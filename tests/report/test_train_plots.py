@@ -19,9 +19,10 @@ import probe
 pytest.importorskip("matplotlib")
 
 from probe.launch.run import run  # noqa: E402
+from probe.read.train_series import series  # noqa: E402
 from probe.report.figures import figures  # noqa: E402
 from probe.report.page import write  # noqa: E402
-from probe.report.train_plots import heatmap_figure, lines_figure, series, train_figures  # noqa: E402
+from probe.report.train_plots import heatmap_figure, lines_figure, train_figures  # noqa: E402
 from probe.report.train_sites import kind_of, places  # noqa: E402
 from probe.testing.trainings import (  # noqa: E402
     DEEP_PROBES,
@@ -192,6 +193,14 @@ def depth_of(colour, bar) -> float:
     return float(bar.norm.inverse(nearest))
 
 
+def squashed(lines: pd.DataFrame) -> bool:
+    """Whether on a linear axis from 0 up some line (a column) would stay in the bottom tenth:
+    its highest value below a tenth of the highest of all."""
+    peaks = lines.max()
+    peaks = peaks[peaks > 0]
+    return bool(peaks.min() < 0.1 * peaks.max())
+
+
 def test_a_30_block_model_reads_by_kind_scale_and_depth(deep):
     out, preclip = deep
     run = probe.open_run(out)
@@ -218,35 +227,48 @@ def test_a_30_block_model_reads_by_kind_scale_and_depth(deep):
                 rows = want[want.layer == line.get_label()].sort_values("step")
                 np.testing.assert_array_equal(line.get_xdata(), rows.step)
                 np.testing.assert_array_equal(line.get_ydata(), rows[column])
-            v = want[column].to_numpy()
-            spans = (v > 0).all() and v.max() > 100 * v.min() and column != "dead_frac"
-            assert ax.get_yscale() == ("log" if spans else "linear"), (stat, kind)
-            assert ax.get_ylabel().endswith(" (log)") == spans
+            lines_of = want.pivot(index="step", columns="layer", values=column)
+            expected = "linear"
+            if column != "dead_frac" and squashed(lines_of):
+                expected = "log" if (lines_of.to_numpy() > 0).all() else "symlog"
+            assert ax.get_yscale() == expected, (stat, kind)
+            assert ax.get_ylabel().endswith(f" ({expected})") == (expected != "linear")
             scales.add(ax.get_yscale())
         assert len(panels["block outputs"].get_lines()) == 30
     assert scales == {"log", "linear"}  # the massive activation's std is drawn on a log scale
-    # the parameters: one panel, the three modules
-    ax = panel(lines, "grad norm (param_grad) | parameters")
+    # the parameters: one panel per statistic, the three modules, each in a colour of its own
+    # named by the panel's legend (in depth order)
     params = ["model.layers.0.self_attn.q_proj", "model.layers.15.mlp.down_proj", "lm_head"]
-    assert [ln.get_label() for ln in ax.get_lines()] == params
-    # every line's colour says its module's depth: its block's index; the final norm and
-    # lm_head after the last block, lm_head deepest and darkest
+    for stat in ("grad norm (param_grad)", "update / weight"):
+        ax = panel(lines, f"{stat} | parameters")
+        assert [ln.get_label() for ln in ax.get_lines()] == params
+        legend = ax.get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == params
+        drawn = [matplotlib.colors.to_rgb(ln.get_color()) for ln in ax.get_lines()]
+        named = [matplotlib.colors.to_rgb(h.get_color()) for h in legend.legend_handles]
+        assert named == drawn
+        apart = [
+            np.linalg.norm(np.subtract(a, b)) for i, a in enumerate(drawn) for b in drawn[i + 1 :]
+        ]
+        assert min(apart) > 0.3, apart  # (RGB distance: told apart at a glance)
+    # every other line's colour says its module's depth: its block's index; the final norm
+    # after the last block, deepest and darkest
     depths, lightness = {}, {}
     for ax in lines.axes:
-        if " | " in ax.get_label() and not ax.get_label().startswith("training"):
+        label = ax.get_label()
+        if " | " in label and not label.startswith("training") and "parameters" not in label:
             for line in ax.get_lines():
                 depths[line.get_label()] = depth_of(line.get_color(), bar)
                 rgb = np.asarray(matplotlib.colors.to_rgb(line.get_color()))
                 lightness[line.get_label()] = rgb @ [0.2126, 0.7152, 0.0722]
-    assert len(depths) == 94
+    assert len(depths) == 91
     for name, d in depths.items():
         block = BLOCK.match(name)
         if block:
             assert int(block.group(1)) < d < int(block.group(1)) + 1, (name, d)
         else:
             assert d >= 30, (name, d)
-    assert max(depths, key=depths.get) == "lm_head" == min(lightness, key=lightness.get)
-    assert depths["model.layers.0.self_attn.q_proj"] < depths["model.layers.1.self_attn"]
+    assert max(depths, key=depths.get) == "model.norm" == min(lightness, key=lightness.get)
     for i in range(30):  # within a block: attention, MLP, the block's output
         a, m, b = (depths[f"model.layers.{i}{s}"] for s in (".self_attn", ".mlp", ""))
         assert a < m < b
@@ -255,8 +277,8 @@ def test_a_30_block_model_reads_by_kind_scale_and_depth(deep):
                      strict=True))  # fmt: skip
     assert "block index" in bar.ax.get_ylabel()
     assert all(float(label) + 0.5 == t for t, label in ticks.items() if label.isdigit())
-    assert {"0", "model.norm", "lm_head"} <= set(ticks.values())
-    assert depths["lm_head"] == pytest.approx(max(ticks), abs=0.1)
+    assert {"0", "model.norm"} <= set(ticks.values()) and "lm_head" not in ticks.values()
+    assert depths["model.norm"] == pytest.approx(max(ticks), abs=0.1)
     # the training panel: the norm after clipping and before it
     ax = panel(lines, "training | global grad norm")
     drawn = {ln.get_label(): ln.get_ydata() for ln in ax.get_lines()}
@@ -320,3 +342,75 @@ def test_depth_counts_on_across_lists_of_blocks_and_types_name_a_block():
     assert [found[n].depth for n in ("layer1.0", "layer1.1", "layer2.0")] == [0.5, 1.5, 2.75]
     assert kind_of("encoder", "T5Block") == "block outputs"
     assert kind_of("blocks.0.attn_thing", "MyAttention") == "attention"
+
+
+def test_the_scale_is_chosen_by_how_the_lines_would_look_on_a_linear_axis():
+    """30 block outputs at levels 1 to 60 (84x from the lowest value to the highest, below the
+    100x a fixed rule would need) squash the lowest blocks into the bottom of a linear axis: log.
+    30 lines that each rise 150x over the steps to about the same height are all legible on a
+    linear axis: linear. The choice is checked against matplotlib's own linear axis from 0:
+    the fraction of its height the lowest line reaches."""
+    import matplotlib.pyplot as plt
+
+    steps = np.arange(10)
+    blocks = [f"model.layers.{i}" for i in range(30)]
+    wobble = 1 + 0.4 * (steps % 2)[:, None]  # each line between its level and 1.4x it
+    spread = pd.DataFrame(np.geomspace(1, 60, 30)[None, :] * wobble, steps, blocks)
+    rising = pd.DataFrame(np.geomspace(0.01, 1.5, 10)[:, None] * np.linspace(0.8, 1.2, 30), steps,
+                          blocks)  # fmt: skip
+    ratio = [f.to_numpy().max() / f.to_numpy().min() for f in (spread, rising)]
+    assert ratio[0] == pytest.approx(84) and ratio[1] > 100
+    for frame, want in ((spread, "log"), (rising, "linear")):
+        fig = lines_figure({"std (output)": frame})
+        ax = panel(fig, "std (output) | block outputs")
+        assert ax.get_yscale() == want
+        linear = plt.figure().add_subplot()
+        for column in frame:
+            linear.plot(frame.index, frame[column])
+        linear.set_ylim(bottom=0)
+        reach = frame.max().min() / linear.get_ylim()[1]
+        assert (reach < 0.1) == (want == "log"), reach
+        plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def warmup(tmp_path_factory):
+    """The small CNN trained 4 steps with a linear warmup: the learning rate is 0 at step 0."""
+    out = tmp_path_factory.mktemp("warmup") / "w"
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: step / 2)
+    with one_thread(), probe.watch(model, PROBES, out=out, optimizer=opt) as w:
+        for batch in image_batches(4):
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            opt.step()
+            ramp.step()
+        steps = w.step_count
+    return out, steps
+
+
+def test_a_step_whose_learning_rate_is_0_is_left_out_of_update_per_weight_with_a_note(warmup):
+    """At step 0 the learning rate is 0: no weight moves, update/weight is 0. The figure leaves
+    the step out and says why in the panel (a zero on its log axis would be a drop to its
+    bottom); the other steps are train.csv's ratios."""
+    out, steps = warmup
+    run = probe.open_run(out)
+    scalars = run.train_scalars()
+    assert steps == 4 and list(scalars["lr.0"]) == [0.05 * s / 2 for s in range(4)]
+    table = run.train()
+    frames = run.train_series()
+    assert (frames["update / weight"].loc[0] == 0).all()  # the values themselves keep it
+    fig = train_figures(table, scalars, "warmup")["train_lines.png"]
+    ax = panel(fig, "update / weight | parameters")
+    assert [t.get_text() for t in ax.texts] == ["step 0 left out: learning rate 0, no update"]
+    for line in ax.get_lines():
+        assert list(line.get_xdata()) == [1, 2, 3]
+        rows = table[table.layer == line.get_label()]
+        for step, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
+            at = rows[rows.step == step]
+            upd = at[at.site.str.startswith("param_update.")].norm
+            wgt = at[at.site.str.startswith("param.")].norm
+            np.testing.assert_allclose(y, np.sqrt((upd**2).sum() / (wgt**2).sum()), rtol=1e-12)
+    grads = panel(fig, "grad norm (param_grad) | parameters")  # (its gradients are there)
+    assert all(list(line.get_xdata()) == [0, 1, 2, 3] for line in grads.get_lines())

@@ -49,6 +49,33 @@ def test_a_probe_that_selects_nothing_or_a_site_the_watch_does_not_know(
         probe.watch(cnn(), probes, out=tmp_path)
 
 
+def test_convolutions_on_a_token_model_get_the_probes_own_message(tmp_path):
+    """The user's own probe of convolutions on a Llama is named with its pattern and the
+    model's first module names, as on an image model: not the command line's advice about
+    its default probes (probes=none, probes=residual), which the user did not use."""
+    from transformers import LlamaForCausalLM
+
+    from probe.testing.tiny_lms import tiny_config
+
+    model = LlamaForCausalLM(tiny_config("llama", 40))
+    probes = {"x": {"layers": ["*"], "types": ["Conv2d"], "capture": ["output"]}}
+    with pytest.raises(SelectionError) as llama:
+        probe.watch(model, probes, out=tmp_path)
+    said = str(llama.value)
+    names = [n for n, _ in model.named_modules() if n][:8]
+    assert said.startswith("probe 'x' selects no module of LlamaForCausalLM")
+    assert "(layers ['*'], types ['Conv2d'], exclude [])" in said
+    assert f"module names start: {', '.join(names)}" in said
+    assert "probes=" not in said and "default probes" not in said
+    with pytest.raises(SelectionError) as mlp:  # the message a model without embeddings gets
+        probe.watch(nn.Sequential(nn.Linear(2, 2)), probes, out=tmp_path)
+    assert (
+        said.split("; module names")[0].replace("LlamaForCausalLM", "Sequential")
+        == str(mlp.value).split("; module names")[0]
+    )
+    assert_no_hooks(model)
+
+
 def test_an_optimizer_that_is_no_torch_optimizer(tmp_path):
     with pytest.raises(ConfigError, match="optimizer is a str, not a torch.optim.Optimizer"):
         probe.watch(cnn(), CONVS, out=tmp_path, optimizer="sgd")
@@ -125,15 +152,15 @@ def test_overwrite_starts_a_new_log_and_a_refused_start_keeps_the_old(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train(model, opt, image_batches(2), image_loss, {"probes": CONVS, "out": tmp_path})
     first = (tmp_path / "probe.log").read_text()
-    assert first.count("watching ") == 1 and "2 recorded steps" in first
+    assert first.count("watching ") == 1 and "2 steps, 2 recorded" in first
     with pytest.raises(ConfigError, match="already holds a run"):
         probe.watch(model, CONVS, out=tmp_path, optimizer=opt).start()
     assert (tmp_path / "probe.log").read_text() == first
     train(model, opt, image_batches(3), image_loss,
           {"probes": CONVS, "out": tmp_path, "overwrite": True})  # fmt: skip
     second = (tmp_path / "probe.log").read_text()
-    assert second.count("watching ") == 1 and "3 recorded steps" in second
-    assert "2 recorded steps" not in second
+    assert second.count("watching ") == 1 and "3 steps, 3 recorded" in second
+    assert "2 steps, 2 recorded" not in second
 
 
 def test_a_run_directory_that_holds_a_run_and_calls_out_of_order(tmp_path):

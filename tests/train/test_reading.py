@@ -12,9 +12,11 @@ import sys
 import h5py
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 
 import probe
+from probe.errors import ConfigError
 from probe.read.summaries import main as summarize_main
 from probe.store.steps_file import CSV_COLUMNS, STAT_COLUMNS
 from probe.testing.trainings import cnn, image_batches, image_loss
@@ -59,7 +61,7 @@ def test_a_training_is_read_while_it_runs_and_after(tmp_path, capfd):
     lines = capfd.readouterr().out.strip().split("\n")
     assert lines[0].split() == ["step", *CSV_COLUMNS[1:]]
     assert [line.split()[0] for line in lines[1:-1]] == ["5"] * 5  # 5 sites at step 5
-    assert lines[-1].endswith("complete, a watched training, 6 recorded steps (the last 5)")
+    assert lines[-1].endswith("complete, a watched training, 6 steps, 6 recorded, the last 5")
 
     table = pd.read_csv(tmp_path / "train.csv")
     assert list(table.columns) == list(CSV_COLUMNS)
@@ -93,3 +95,53 @@ def test_a_deepcopy_of_the_watched_model_is_not_the_training(tmp_path):
         opt.step()
     with probe.open_run(tmp_path) as run:
         assert list(run.train()["rows"]) == [8]  # the training's batch only
+
+
+def test_a_watched_run_is_described_in_steps_wherever_it_is_described(tmp_path, capfd):
+    """5 steps recorded every 2nd (0, 2, 4): `complete, 5 steps, 3 recorded, the last 4` (not
+    `0 samples`) in probe.open_run's repr, probe.summarize's line, and the refusals of a second
+    watch and of a probing run into the directory; counted here from the loop and the file's
+    rows. A training stopped by an exception holds what it recorded, `partial`."""
+    from probe.store.runfile import check_existing
+
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probes = {"fc": {"layers": ["fc"], "capture": ["output"]}}
+    out = tmp_path / "w"
+    with probe.watch(model, probes, out=out, optimizer=opt, every=2) as w:
+        for batch in image_batches(5):
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            opt.step()
+    with probe.open_run(out) as run:
+        steps = sorted(run.train_scalars()["step"])
+        said = f"complete, {w.step_count} steps, {len(steps)} recorded, the last {steps[-1]}"
+        assert said == "complete, 5 steps, 3 recorded, the last 4"
+        assert repr(run) == f"Run({str(out)!r}, complete, a watched training: {said[10:]})"
+    capfd.readouterr()
+    assert summarize_main([str(out)]) == 0
+    assert (
+        capfd.readouterr()
+        .out.strip()
+        .endswith(f"{out / 'probe.h5'}: complete, a watched training, {said[10:]}")
+    )
+    with pytest.raises(ConfigError) as again:
+        probe.watch(model, probes, out=out, optimizer=opt).start()
+    assert f"already holds a run ({said});" in str(again.value)
+    with pytest.raises(ConfigError) as cli:  # python -m probe hydra.run.dir=<it>
+        check_existing(out / "probe.h5", resume=False, overwrite=False)
+    assert f"already holds probe.h5 ({said});" in str(cli.value)
+    assert "samples" not in str(again.value) + str(cli.value)
+
+    stopped = tmp_path / "stopped"
+    with pytest.raises(RuntimeError), probe.watch(model, probes, out=stopped, optimizer=opt):
+        for step, batch in enumerate(image_batches(4)):
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            opt.step()
+            if step == 2:
+                raise RuntimeError("the training stopped")
+    with probe.open_run(stopped) as run:
+        held = sorted(run.train_scalars()["step"])
+        assert repr(run).endswith(f"partial, a watched training: {len(held)} recorded steps, "
+                                  f"the last {held[-1]})")  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 
 import probe
 from probe.store.runfile import open_probe_file
+from probe.train.log_lines import steps_text
 from tests.helpers import ROOT
 from tests.train.watched_training import main
 
@@ -78,9 +79,14 @@ def test_sigkills_at_random_steps_then_a_resume_from_the_checkpoint(tmp_path):
         resumed_at = torch.load(ckpt, weights_only=True)["watch"]["step"] if ckpt.exists() else 0
         assert resumed_at <= valid  # (the checkpoint's state_dict flushed the file)
         main(out, ckpt, STEPS)  # resumed in this process, from the training's own checkpoint
-        if resumed_at:
+        if resumed_at:  # the log says what the resume kept and what it cut
             log = (out / "probe.log").read_text()
-            assert f"resuming the training at step {resumed_at}: {resumed_at} recorded" in log
+            said = f"resuming the training at step {resumed_at}: kept {resumed_at} recorded"
+            assert said in log
+            cut = [s for s in held if s >= resumed_at]
+            if cut:
+                word = "steps" if len(cut) > 1 else "step"
+                assert f"cut {word} {steps_text(cut)}, recorded after the checkpoint" in log
         table = pd.read_csv(out / "train.csv")  # every step once, in order; as never killed
         pd.testing.assert_frame_equal(table, ref, check_dtype=False, rtol=1e-9)
         with probe.open_run(out) as run:

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 import probe
@@ -180,5 +181,9 @@ def test_a_tuple_output_is_named_as_a_run_names_it_and_the_log_says_so(tmp_path)
     assert names[0] == "output.0"
     assert names == sorted(site for _, site in cap)
     log = (tmp_path / "w" / "probe.log").read_text()
-    assert f"layer 'model.layers.0.self_attn' output -> {', '.join(names)}" in log
+    assert f"model.layers.0.self_attn: output -> {', '.join(names)}" in log
     assert log.count("output -> ") == 1  # said once, at the first step that recorded them
+    settings = (tmp_path / "w" / "watch.yaml").read_text()  # watch.yaml names them so too
+    assert yaml.safe_load(settings)["modules"] == {"model.layers.0.self_attn": names}
+    with probe.open_run(tmp_path / "w") as run:  # as the file's own copy of the settings
+        assert run.attrs["config"] == settings

@@ -63,7 +63,7 @@ def as_mup(table: pd.DataFrame) -> pd.Series:
 
 
 def test_watched_training_stores_mups_l1(mup_table, tmp_path):
-    from probe.report.train_plots import first_sites
+    from probe.read.train_series import first_sites
 
     rows = []
     for width in WIDTHS:
