@@ -19,20 +19,23 @@ whether attention and MLP read the same residual (`parallel`, GPT-NeoX's paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from probe.errors import ConfigError
 
 ALIASES = ("@attn", "@attn_out", "@heads", "@mlp_out", "@final_norm", "@unembed")
-LLAMA = {
+# a family's entries: module suffixes and names (str), candidate names (list), flags (bool)
+Family = dict[str, str | list[str] | bool]
+LLAMA: Family = {
     "attn": "self_attn", "attn_out": "self_attn.o_proj", "mlp_out": "mlp", "final_norm": ["model.norm", "norm"],
     "unembed": ["lm_head"], "embed": ["model.embed_tokens", "embed_tokens"],
     "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
     "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "qkv_layout": "split",
 }  # fmt: skip
 QKV_LAYOUTS = ("split", "fused", "per_head")
-FAMILIES = {  # per model_type: module suffixes below each block, and top-level candidates
+FAMILIES: dict[str, Family] = {  # per model_type: module suffixes below each block, and top-level candidates
     "gpt2": {
         "attn": "attn", "attn_out": "attn.c_proj", "mlp_out": "mlp", "final_norm": ["transformer.ln_f", "ln_f"],
         "unembed": ["lm_head"], "embed": ["transformer.wte", "transformer.wpe", "wte", "wpe"],
@@ -100,7 +103,8 @@ def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) 
     overrides = overrides if overrides is not None else getattr(model, "_probe_anatomy", None)
     config = getattr(model, "config", None)
     family = str(getattr(config, "model_type", type(model).__name__))
-    known = dict(FAMILIES.get(family, {}))
+    # a family's entries, then model.anatomy's overrides: the user's config values, any type
+    known: dict[str, Any] = dict(FAMILIES.get(family, {}))
     known.update({k: v for k, v in (overrides or {}).items() if v is not None})
     modules = dict(model.named_modules())
     out = Anatomy(family, list(blocks), post_norm=bool(known.get("post_norm", False)))
