@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from functools import cached_property
 from pathlib import Path
+from typing import cast
 
 import h5py
 import numpy as np
@@ -208,9 +209,10 @@ class Run:
     def config(self) -> DictConfig:
         """The run's resolved config (.hydra/config.yaml, else the copy inside probe.h5)."""
         hydra_cfg = self.path / ".hydra" / "config.yaml"
+        # a mapping (hydra's config.yaml, or probe's copy of it), never a ListConfig
         if hydra_cfg.is_file():
-            return OmegaConf.load(hydra_cfg)
-        return OmegaConf.create(str(self.attrs.get("config", "{}")))
+            return cast(DictConfig, OmegaConf.load(hydra_cfg))
+        return cast(DictConfig, OmegaConf.create(str(self.attrs.get("config", "{}"))))
 
     @cached_property
     def summary(self) -> pd.DataFrame:
@@ -266,7 +268,9 @@ class Run:
 
     def histogram(self, layer: str, site: str = "output") -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the quantile sketch, increasing values."""
-        return self.stats(layer, site).hist.ordered()
+        hist = self.stats(layer, site).hist
+        assert hist is not None  # statistics read back from a run always hold their histogram
+        return hist.ordered()
 
     def table(self) -> pd.DataFrame:
         """The summary recomputed from the file (ignores summary.csv)."""
