@@ -19,15 +19,35 @@ whether attention and MLP read the same residual (`parallel`, GPT-NeoX's paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from torch import nn
 
 from probe.errors import ConfigError
 
 ALIASES = ("@attn", "@attn_out", "@heads", "@mlp_out", "@final_norm", "@unembed")
-# a family's entries: module suffixes and names (str), candidate names (list), flags (bool)
-Family = dict[str, str | list[str] | bool]
+
+
+class _Modules(TypedDict):
+    """What every family names: suffixes below each block, then candidate top-level names."""
+
+    attn: str
+    attn_out: str
+    mlp_out: str
+    final_norm: list[str]
+    unembed: list[str]
+    embed: list[str]
+
+
+class Family(_Modules, total=False):
+    attn_norm: str
+    mlp_norm: str
+    qkv: str | list[str]  # one fused module, or (q, k, v)
+    qkv_layout: str
+    parallel: str  # the config attribute that says so
+    post_norm: bool
+
+
 LLAMA: Family = {
     "attn": "self_attn", "attn_out": "self_attn.o_proj", "mlp_out": "mlp", "final_norm": ["model.norm", "norm"],
     "unembed": ["lm_head"], "embed": ["model.embed_tokens", "embed_tokens"],
