@@ -100,6 +100,7 @@ class Anatomy:
     kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
     head_dim: int | None = None
     parallel: bool = False  # attention and MLP read the same residual (GPT-NeoX)
+    width: int | None = None  # the residual stream's (set by probe.attribute.readout's lens)
 
     def alias(self, name: str) -> list[str]:
         return {
