@@ -20,5 +20,5 @@ class _CallableModule(types.ModuleType):
 def make_callable(module_name: str, target_module: str, target: str) -> None:
     """Calling module `module_name` calls `target_module.target` (imported on first call)."""
     module = sys.modules[module_name]
-    module._call_target = (target_module, target)
+    module.__dict__["_call_target"] = (target_module, target)
     module.__class__ = _CallableModule

@@ -82,9 +82,9 @@ class TokenBatch:
     def to(self, device) -> TokenBatch:
         if self.first.device == torch.device(device):
             return self
-        moved = [None if t is None else t.to(device) for t in (self.mask, self.first, self.last)]
+        mask = None if self.mask is None else self.mask.to(device)
         flat = None if self.flat is None else self.flat.to(device)
-        return TokenBatch(self.length, *moved, flat)
+        return TokenBatch(self.length, mask, self.first.to(device), self.last.to(device), flat)
 
     def rows(self, ids: torch.Tensor, start: int, labels=None) -> dict[str, np.ndarray]:
         """/tokens/sample (`start` + row in the batch), /tokens/position and /tokens/id of each
@@ -102,7 +102,10 @@ class TokenBatch:
         return out
 
 
-def token_axis_checked(x: torch.Tensor, tokens: TokenBatch | None, where: str, what: str) -> None:
+def token_axis_checked(
+    x: torch.Tensor, tokens: TokenBatch | None, where: str, what: str
+) -> TokenBatch:
+    """`tokens`, where x has their token axis at axis 1; else a ConfigError or ModelError."""
     if tokens is None:
         raise ConfigError(
             f"{where}: {what} needs token inputs (input_ids); use dataset=tokens, text or "
@@ -113,6 +116,7 @@ def token_axis_checked(x: torch.Tensor, tokens: TokenBatch | None, where: str, w
             f"{where}: {what} needs the token axis at axis 1, but the shape is {tuple(x.shape)} "
             f"for {tokens.length} tokens; exclude this layer from the probe"
         )
+    return tokens
 
 
 def reduced(
@@ -125,7 +129,7 @@ def reduced(
     if how == "spatial_mean":
         dims = tuple(d for d in range(1, x.ndim) if d != axis)
         return x.float().mean(dim=dims), 1
-    token_axis_checked(x, tokens, where, f"reduce: {how}")
+    tokens = token_axis_checked(x, tokens, where, f"reduce: {how}")
     after = axis - 1 if axis > 1 else 1
     if how == "first_token":
         return x[torch.arange(len(x), device=x.device), tokens.first], after
@@ -142,7 +146,7 @@ def token_rows(
     x: torch.Tensor, axis: int, tokens: TokenBatch | None, where: str
 ) -> tuple[torch.Tensor, int]:
     """x (N, T, ...) as one row per real token (K, ...), in sample then position order."""
-    token_axis_checked(x, tokens, where, "rows: tokens")
+    tokens = token_axis_checked(x, tokens, where, "rows: tokens")
     if axis == 1:
         raise ConfigError(
             f"{where}: rows: tokens with unit_axis 1 would make the token its own unit; use "

@@ -10,7 +10,7 @@ and its exact ones want the data in memory; numpy keeps torch out of the analysi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,7 +72,7 @@ class RidgeFit:
         self.shift = np.zeros(features) if shift is None else np.asarray(shift, np.float64)
         self.n = 0
         self.sum = np.zeros(features)
-        self.xx = np.zeros((features, features))
+        self.xx: np.ndarray | None = np.zeros((features, features))  # X^T X; None once solved
         self.xy = np.zeros((features, classes))
         self.counts = np.zeros(classes)
 
@@ -87,10 +87,12 @@ class RidgeFit:
         else:
             onehot = np.zeros((len(y), self.classes))
             onehot[np.arange(len(y)), y] = 1.0
+        xx = self.xx
+        assert xx is not None, "solved already"
         self.n += len(x)
         self.sum += xc.sum(axis=0)
-        for r in range(0, len(self.xx), 256):  # xx += xc^T xc with a small temporary
-            self.xx[r : r + 256] += xc[:, r : r + 256].T @ xc
+        for r in range(0, len(xx), 256):  # xx += xc^T xc with a small temporary
+            xx[r : r + 256] += xc[:, r : r + 256].T @ xc
         self.xy += xc.T @ onehot
         self.counts += onehot.sum(axis=0)
 
@@ -162,7 +164,7 @@ def probe_layer(
             fit = RidgeFit(x.shape[1], classes, shift)
         keep = train[lo : lo + len(x)]
         fit.update(x[keep], y[lo : lo + len(x)][keep])
-    row = {"samples_train": int(train.sum()), "samples_test": int(test.sum())}
+    row: dict[str, float] = {"samples_train": int(train.sum()), "samples_test": int(test.sum())}
     test_counts = np.bincount(y[test], minlength=classes)
     row["chance"] = test_counts.max() / test_counts.sum() if test_counts.sum() else float("nan")
     if fit is None or fit.n == 0 or not test.any():
@@ -219,10 +221,12 @@ def run_table(rf) -> pd.DataFrame | None:
         if opts.probe == "mlp":
             from probe.analysis.mlp_probe import mlp_accuracy
 
+            def float64_windows(w=windows) -> Iterator[tuple[int, np.ndarray]]:
+                return ((lo, x.astype(np.float64)) for lo, x in w())
+
             (result["mlp_accuracy"],) = mlp_accuracy(
-                lambda w=windows: ((lo, x.astype(np.float64)) for lo, x in w()),
-                [y], usable & ~held_out, usable & held_out, opts.seed,
-            )  # fmt: skip
+                float64_windows, [y], usable & ~held_out, usable & held_out, opts.seed
+            )
         rows.append(
             {
                 "run": rf.name,

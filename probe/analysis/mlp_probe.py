@@ -8,11 +8,21 @@ a seeded order, so memory is one window, as for the ridge fit. Sizes: MLP below.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TypedDict
 
 import numpy as np
 import torch
 
-MLP = {"hidden": 128, "epochs": 8, "lr": 3e-3, "batch": 256, "weight_decay": 1e-4}
+
+class Sizes(TypedDict):
+    hidden: int  # hidden units
+    epochs: int
+    lr: float
+    batch: int  # rows per step
+    weight_decay: float
+
+
+MLP: Sizes = {"hidden": 128, "epochs": 8, "lr": 3e-3, "batch": 256, "weight_decay": 1e-4}
 
 Windows = Callable[[], Iterable[tuple[int, np.ndarray]]]
 
@@ -23,11 +33,11 @@ def mlp_accuracy(windows: Windows, targets: list[np.ndarray], train: np.ndarray,
     passes over the windows): `train` and `test` mark the rows of each side."""
     n, total, total_sq = 0, 0.0, 0.0
     for lo, x in windows():
-        xs = x[train[lo : lo + len(x)]]
-        n, total, total_sq = n + len(xs), total + xs.sum(0), total_sq + (xs * xs).sum(0)
+        rows = x[train[lo : lo + len(x)]]
+        n, total, total_sq = n + len(rows), total + rows.sum(0), total_sq + (rows * rows).sum(0)
     if n == 0 or not test.any():
         return [float("nan")] * len(targets)
-    mean = total / n
+    mean = np.asarray(total / n)  # (the sums are per feature, arrays)
     std = np.sqrt(np.maximum(total_sq / n - mean * mean, 1e-12))
     center, scale = (torch.tensor(v, dtype=torch.float32) for v in (mean, std))
     torch.manual_seed(seed)
@@ -55,8 +65,9 @@ def mlp_accuracy(windows: Windows, targets: list[np.ndarray], train: np.ndarray,
         for lo, x in windows():
             sel = test[lo : lo + len(x)]
             xs = (torch.from_numpy(x[sel]).float() - center) / scale
-            for i, (net, y) in enumerate(zip(nets, targets, strict=True)):
-                correct[i] += int((net(xs).argmax(1).numpy() == y[lo : lo + len(x)][sel]).sum())
+            for i, (net, target) in enumerate(zip(nets, targets, strict=True)):
+                right = net(xs).argmax(1).numpy() == target[lo : lo + len(x)][sel]
+                correct[i] += int(right.sum())
             seen += int(sel.sum())
     return (correct / seen).tolist()
 

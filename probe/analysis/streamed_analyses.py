@@ -189,7 +189,7 @@ class RunFeatures:
     def read(self, item: Item, lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) of an item's features (float32)."""
         out = np.empty((hi - lo, item.width), dtype=np.float32)
-        view, where = memoryview(out).cast("B"), item.offset + lo * item.width * 4
+        view, where = out.data.cast("B"), item.offset + lo * item.width * 4
         while view.nbytes:
             got = os.preadv(self.scratch.fileno(), [view], where)
             if got <= 0:
@@ -215,7 +215,7 @@ class RunFeatures:
 
 
 def _write_all(fd: int, array: np.ndarray) -> None:
-    view = memoryview(array).cast("B")
+    view = array.data.cast("B")
     while view.nbytes:
         view = view[os.write(fd, view) :]
 

@@ -37,7 +37,8 @@ def token_rows(run, layer: str, site: str, options) -> dict | None:
     """One row of linear_probes.csv for a token-row dataset of a run with /tokens/label; None
     when fewer than two classes are labelled."""
     (source,) = sources_of(run, layer, site)
-    f, picked = run.file, np.concatenate([np.arange(lo, hi) for lo, hi in source.ranges] or [[]])
+    ranges: list[np.ndarray] = [np.arange(lo, hi) for lo, hi in source.ranges]
+    f, picked = run.file, np.concatenate(ranges or [np.empty(0)])
     picked = picked.astype(np.int64)
     sample, token, label = (
         f[f"tokens/{k}"][: run.num_tokens][picked] for k in ("sample", "id", "label")
@@ -88,7 +89,7 @@ def _ridge(windows, targets: list[np.ndarray], labelled: np.ndarray, held_out: n
     """The ridge probe of every class-index array in `targets` fitted together in one pass (a
     ridge fit is independent per target column), scored in a second."""
     finite = np.ones(len(labelled), bool)
-    fit = None
+    fit: RidgeFit | None = None
     for lo, x in windows():
         hi = lo + len(x)
         finite[lo:hi] = np.isfinite(x).all(axis=1)
@@ -97,6 +98,7 @@ def _ridge(windows, targets: list[np.ndarray], labelled: np.ndarray, held_out: n
             fit = RidgeFit(x.shape[1], classes * len(targets))
         fit.update(x[sel], np.concatenate([_onehot(t[lo:hi][sel], classes) for t in targets], 1))
     train, test = labelled & ~held_out & finite, labelled & held_out & finite
+    assert fit is not None  # the rows of two classes or more: a slab at least
     model = fit.solve(ridge)
     scores = [(Scores(), Scores()) for _ in targets]
     for lo, x in windows():

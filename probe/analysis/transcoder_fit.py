@@ -148,7 +148,7 @@ def find_sites(keys: list[tuple[str, str]], reads: str, mlp: str | None = None,
         output = _site(have, names["mlp"], ("output", "output.0"))
         source = names["mlp"] if reads == "mlp_in" else names.get("norm")
         inp = _site(have, source, ("input", "input.0")) if source else None
-        if output and inp:
+        if output and inp and source:  # (inp only where a source)
             out[block] = LayerSites(block, (source, inp), (names["mlp"], output))
     if not out:
         wanted = (
@@ -205,6 +205,9 @@ class _Step(torch.autograd.Function):
 class TrainingTranscoder(nn.Module):
     """The parameters a fit learns, on scaled rows (x * x_scale -> y * y_scale)."""
 
+    x_scale: torch.Tensor  # buffers (registered in __init__)
+    y_scale: torch.Tensor
+
     def __init__(self, d_in: int, d_out: int, options: FitOptions, seed: int):
         super().__init__()
         self.options = options
@@ -242,6 +245,7 @@ class TrainingTranscoder(nn.Module):
             acts = torch.relu(pre)
             penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean()
         elif o.activation == "jumprelu":
+            assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold.exp()
             acts = _JumpReLU.apply(pre, threshold, o.bandwidth)
             penalty = _Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
@@ -319,6 +323,7 @@ def evaluate(t: Transcoder, batches) -> dict:
         rows += len(x)
     if not rows:
         return {"fvu": float("nan"), "l0": float("nan"), "dead": float("nan"), "held_out_rows": 0}
+    assert sq is not None and total is not None  # rows were read
     sst = float((sq - total.pow(2) / rows).sum())
     return {"fvu": sse / sst if sst > 0 else float("nan"), "l0": active / rows,
             "dead": 1 - float(fired.double().mean()), "held_out_rows": int(rows)}  # fmt: skip

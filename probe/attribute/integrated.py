@@ -110,7 +110,10 @@ class Integrated:
             scaled = scaled.detach().requires_grad_(True)
             more = _repeat(inputs, k)
             ids = more.get("input_ids") if isinstance(more, dict) else None
-            layout = None if tokens is None else TokenBatch.of(ids, more.get("attention_mask"))
+            layout = None
+            if tokens is not None:
+                assert ids is not None  # token inputs: a dict holding input_ids
+                layout = TokenBatch.of(ids, more.get("attention_mask"))
             autocast = devices.autocast(step.device, step.precision)
             with replaced(module, item.key, scaled), torch.enable_grad(), autocast:
                 out = call(step.model, more)

@@ -113,9 +113,8 @@ class Lens:
             where = torch.full((n * t,), -1, dtype=torch.long)
             where[read] = torch.arange(len(read))
             rows_at = where[torch.arange(n) * t + at]
-            if bool((rows_at < 0).any()):  # an answer position outside the rows read
-                rows_at = None
-            answer = None if rows_at is None else (rows_at, side["answer"].reshape(n, -1))
+            outside = bool((rows_at < 0).any())  # an answer position outside the rows read
+            answer = None if outside else (rows_at, side["answer"].reshape(n, -1))
         every = self._values(layers, final, following, first, answer)
         for j, name in enumerate(self.names):
             scattered = [k for k in every[name] if k != "topk" and k not in ANSWER]

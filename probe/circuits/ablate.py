@@ -75,9 +75,9 @@ class Rewriter:
     def _states(self) -> SenderStates:
         r = self.recorder
         n = self.parts.graph.layers
-        return SenderStates(
-            r.input, [r.heads.get(i) for i in range(n)], [r.mlp.get(i) for i in range(n)]
-        )
+        heads, mlp = [r.heads.get(i) for i in range(n)], [r.mlp.get(i) for i in range(n)]
+        # partial states: a sender this pass did not record is None (`writes` reads none of them)
+        return SenderStates(r.input, heads, mlp)  # type: ignore[arg-type]
 
     def added(self, key, x: torch.Tensor, active: np.ndarray, rows: slice, positions: slice):
         """(rows, t, len(active), D): what the active receivers of group `key` add to their
@@ -105,19 +105,20 @@ class Rewriter:
                 theirs = writes(self.parts, table.states, senders, slice(None), positions, dtype)
                 total += torch.einsum("bntsd,bsr->brntd", theirs[None] - own, mask)
                 continue
-            theirs, mine = {}, {}
+            their: dict[int, torch.Tensor] = {}  # per sender, and per (variant, sender)
+            mine: dict[tuple[int, int], torch.Tensor] = {}
             for b, s, r in terms:
-                if s not in theirs:
+                if s not in their:
                     w = writes(
                         self.parts, table.states, senders[s : s + 1], slice(None), positions, dtype
                     )
-                    theirs[s] = w[:, :, 0]
+                    their[s] = w[:, :, 0]
                 if (b, s) not in mine:
                     at = slice(rows.start + b * n, rows.start + (b + 1) * n)
                     mine[b, s] = writes(self.parts, run, senders[s : s + 1], at, positions, dtype)[
                         :, :, 0
                     ]
-                total[b, r] += mask[b, s, r] * (theirs[s] - mine[b, s])
+                total[b, r] += mask[b, s, r] * (their[s] - mine[b, s])
         return total.permute(0, 2, 3, 1, 4).reshape(-1, t, len(active), d)
 
     def _chunks(self, x: torch.Tensor, key, receivers: int):
@@ -168,8 +169,8 @@ class Rewriter:
         for rows, positions in self._chunks(x, key, len(active)):
             add = self.added(key, x, active, rows, positions)
             y = norm.forward((x[rows, positions][:, :, None].to(add.dtype) + add).to(x.dtype))
-            for p, which, cols, w, b in per:
-                values = torch.einsum("ntrd,rkd->ntrk", y[:, :, which].to(w.dtype), w[cols])
+            for p, where, cols, w, b in per:
+                values = torch.einsum("ntrd,rkd->ntrk", y[:, :, where].to(w.dtype), w[cols])
                 if b is not None:
                     values = values + b[cols]
                 out[p][1][rows, positions] = values.reshape(*values.shape[:2], -1).to(x.dtype)

@@ -27,7 +27,7 @@ class BatchContext:
 
     def __init__(self, parts: Parts, batch: PairBatch, metric: AnswerMetric, ablation: Ablation):
         self.parts, self.batch, self.metric, self.ablation = parts, batch, metric, ablation
-        self._clean: tuple | None = None
+        self._clean: tuple[SenderStates, torch.Tensor, torch.Tensor] | None = None
         self._sources: SenderStates | None = None
 
     def check(self) -> None:
@@ -54,24 +54,25 @@ class BatchContext:
         logits = self.batch.logits(self.metric, out)
         self.set_clean(recorder.states(), logits)
 
-    @property
-    def clean_states(self) -> SenderStates:
+    def _clean_run(self) -> tuple[SenderStates, torch.Tensor, torch.Tensor]:
+        """(states, logits, metric) of the clean run, run now if not yet."""
         if self._clean is None:
             self._run_clean()
-        return self._clean[0]
+        assert self._clean is not None  # (set by _run_clean)
+        return self._clean
+
+    @property
+    def clean_states(self) -> SenderStates:
+        return self._clean_run()[0]
 
     @property
     def reference(self) -> torch.Tensor:
         """(N, V) float64: the clean logits at the metric's position."""
-        if self._clean is None:
-            self._run_clean()
-        return self._clean[1]
+        return self._clean_run()[1]
 
     @property
     def clean_metric(self) -> torch.Tensor:
-        if self._clean is None:
-            self._run_clean()
-        return self._clean[2]
+        return self._clean_run()[2]
 
     def score(self, output) -> torch.Tensor:
         """The metric per sample of a run's output, against the clean reference."""
@@ -92,6 +93,7 @@ class BatchContext:
                 self._sources = recorder.states()
             elif kind == "mean":
                 device = self.clean_states.input.device
+                assert self.ablation.means is not None  # Ablation refuses a mean without them
                 self._sources = self.ablation.means.map(lambda t: t.to(device))
             else:
                 self._sources = self.clean_states.zeros_like()
@@ -103,7 +105,9 @@ class _ResidualSum:
     norm's input, to check that the writes add up to the final residual."""
 
     def __init__(self, parts: Parts, hooks: HookSet):
-        self.parts, self.attn, self.final = parts, {}, None
+        self.parts = parts
+        self.attn: dict[int, torch.Tensor] = {}  # each layer's attention output projection's
+        self.final: torch.Tensor | None = None  # the final norm's input
         for i, layer in enumerate(parts.layers):
             hooks.forward(layer.attn_out, self._keep(i), name=layer.attn_out_name)
         hooks.forward_pre(parts.final_norm, self._final, name="final norm")
@@ -121,6 +125,7 @@ class _ResidualSum:
 
     def verify(self, recorder: Recorder) -> None:
         n = len(self.parts.layers)
+        assert recorder.input is not None and self.final is not None  # (the forward ran)
         total = recorder.input.double()
         for i in range(n):
             total = total + self.attn[i].double() + recorder.mlp[i].double()

@@ -114,7 +114,8 @@ def prune(graph: ComponentGraph, keep: np.ndarray) -> np.ndarray:
         has_out[sender[keep]] = True
         read = np.zeros(graph.n_receivers, dtype=bool)
         read[receiver[keep]] = True
-        has_in = feeds[read].any(0)[:-1]
+        # numpy's stub: any over an axis is an array (its type allows a scalar)
+        has_in = feeds[read].any(0)[:-1]  # type: ignore[index]
         has_in[0] = True  # the input reads nothing
         nodes = np.append(has_out & has_in, True)  # the logits stay
         live = (feeds & nodes).any(1)  # receivers of a node that stays

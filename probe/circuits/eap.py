@@ -62,11 +62,13 @@ def eap_ig_inputs(ctx: BatchContext, steps: int, budget: int = CHUNK_BYTES) -> t
     ablation only: probe.shared_checks.circuit_methods refuses the others before the batches)."""
     clean, sources = ctx.clean_states, ctx.sources
     diff = sources.minus(clean)
-    total = 0
+    total: torch.Tensor | None = None
     for k in range(1, steps + 1):
         replace = {"input": _interpolate(sources.input, clean.input, k / steps)}
         _, grads, _ = gradient_run(ctx.parts, ctx.batch.clean, ctx.score, replace)
-        total = total + contract(ctx.parts, diff, grads, _size(ctx), budget=budget)
+        part = contract(ctx.parts, diff, grads, _size(ctx), budget=budget)
+        total = part if total is None else total + part
+    assert total is not None  # steps >= 1 (probe.shared_checks)
     return total / steps
 
 
@@ -92,11 +94,13 @@ def eap_ig_activations(ctx: BatchContext, steps: int, budget: int = CHUNK_BYTES)
     """(N, E) per-sample EAP-IG scores, integrating along each sender group's own path."""
     clean, sources = ctx.clean_states, ctx.sources
     diff = sources.minus(clean)
-    total = 0
+    total: torch.Tensor | None = None
     for key, senders in sender_groups(ctx.parts.graph):
         for k in range(1, steps + 1):
             alpha = k / steps
             replace = {key: _interpolate(_state(sources, key), _state(clean, key), alpha)}
             _, grads, _ = gradient_run(ctx.parts, ctx.batch.clean, ctx.score, replace)
-            total = total + contract(ctx.parts, diff, grads, _size(ctx), senders, budget)
+            part = contract(ctx.parts, diff, grads, _size(ctx), senders, budget)
+            total = part if total is None else total + part
+    assert total is not None  # steps >= 1 (probe.shared_checks)
     return total / steps

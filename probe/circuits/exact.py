@@ -137,12 +137,14 @@ def evaluate_dataset(
     """(circuits,) each circuit's metric averaged over every pair of `batches` (dataset=pairs
     batches), every edge outside it ablated: `evaluate` summed over batches in float64."""
     metric, ablation = metric or AnswerMetric(), ablation or Ablation()
-    total, count = 0.0, 0
+    total: np.ndarray | None = None
+    count = 0
     for batch in batches:
         ctx = BatchContext(parts, pair_batch(parts.model, batch, metric), metric, ablation)
         ctx.check()
-        total = total + evaluate(ctx, keep, per_forward, budget).double().sum(1).cpu().numpy()
+        summed = evaluate(ctx, keep, per_forward, budget).double().sum(1).cpu().numpy()
+        total = summed if total is None else total + summed
         count += ctx.batch.size
-    if not count:
+    if not count or total is None:
         raise ConfigError("circuits: no pairs to evaluate the circuit on")
     return total / count

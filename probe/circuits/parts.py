@@ -12,6 +12,7 @@ projection of an unknown kind.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -81,8 +82,8 @@ def as_linear(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor 
     kind = type(module).__name__
     if isinstance(module, nn.Linear):
         return module.weight, module.bias
-    if kind == "Conv1D":
-        return module.weight.T, module.bias
+    if kind == "Conv1D":  # (parameters, which Module.__getattr__ types as Tensor | Module)
+        return cast(torch.Tensor, module.weight).T, cast("torch.Tensor | None", module.bias)
     raise ConfigError(
         f"circuits: {name!r} is a {kind}; the graph reads projections that are nn.Linear or "
         "transformers' Conv1D. Point model.anatomy.qkv / attn_out at such modules"
@@ -102,7 +103,9 @@ def parts_of(model: nn.Module, overrides: dict | None = None) -> Parts:
     _require(body)
     modules = dict(model.named_modules())
     n = len(body.blocks)
-    heads, kv = body.heads, body.kv_heads or body.heads
+    heads = body.heads
+    assert heads  # _require refuses an anatomy without heads
+    kv = body.kv_heads or heads
     graph = ComponentGraph(n, heads, kv, body.parallel)
     first_out, _ = as_linear(modules[body.attn_out[0]], body.attn_out[0])
     width, inner = first_out.shape

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from probe.circuits.component_graph import ReceiverGroup
 from probe.circuits.parts import Parts
 from probe.circuits.states import Recorder, SenderStates, writes
 from probe.errors import ModelError
@@ -155,10 +156,11 @@ def gradient_run(parts: Parts, inputs: dict, score, replace: dict | None = None)
         taps = ReceiverTaps(parts, hooks)
         values = score(call(parts.model, inputs))
         wanted = taps.tensors()
-        grads = torch.autograd.grad(values.sum(), wanted, allow_unused=True)
-    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
+        found = torch.autograd.grad(values.sum(), wanted, allow_unused=True)
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(found, wanted, strict=True)]
     n = len(parts.layers)
-    per_layer, k = [], 0
+    per_layer: list[list[torch.Tensor]] = []
+    k = 0
     for i in range(n):
         count = len(parts.layers[i].projections)
         per_layer.append(grads[k : k + count])
@@ -198,7 +200,8 @@ def contract(
     device = grads.final.device
     dtype = torch.promote_types(grads.final.dtype, torch.float32)
     out = torch.zeros(n, graph.n_edges, dtype=torch.float64, device=device)
-    plan = []  # per group: how many of the chosen senders it reads (a prefix), their edges
+    # per group: how many of the chosen senders it reads (a prefix), their edges
+    plan: list[tuple[ReceiverGroup, int, torch.Tensor]] = []
     for g in graph.groups:
         k = int((senders < g.senders).sum())
         if k:
@@ -211,9 +214,9 @@ def contract(
         # (n, senders, t x D): a group's senders are a prefix, so each product reads a view
         w = writes(parts, diff, senders, rows, positions, dtype, senders_first=True)
         w = w.reshape(*w.shape[:2], -1)
-        for g, k, index in plan:
+        for g, k, edges in plan:
             received = grads.group(parts, g, rows, positions, dtype)  # (n, t, r, D)
             received = received.permute(0, 2, 1, 3).reshape(len(received), len(g.receivers), -1)
             block = torch.bmm(received, w[:, :k].transpose(1, 2))  # (n, r, k)
-            out[rows].index_add_(1, index, block.reshape(len(block), -1).double())
+            out[rows].index_add_(1, edges, block.reshape(len(block), -1).double())
     return out

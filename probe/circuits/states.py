@@ -218,6 +218,7 @@ def mean_states(
         count = n if count is None else count + n
     if sums is None:
         raise ConfigError("circuits: mean ablation needs a dataset to average over; it is empty")
+    assert count is not None  # (counted with the sums)
     dtype = next(parts.model.parameters()).dtype
     means = sums.map(lambda t: (t / count.clamp(min=1)).to(dtype))
     return SenderStates.constant(means.input, means.heads, means.mlp)

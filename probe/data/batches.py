@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -59,6 +61,11 @@ class SyntheticImages(Dataset):
         return torch.randn(self.shape, generator=g), target
 
 
+def _length(dataset: Dataset) -> int:
+    """A map-style dataset's length (torch's Dataset declares no __len__; each one here has it)."""
+    return len(cast(Sized, dataset))
+
+
 class OrderedBatches:
     """Batches in dataset order, with the index of each batch's first sample; the last may be short."""
 
@@ -71,8 +78,8 @@ class OrderedBatches:
 
     def skip(self, batches: int) -> None:
         """Start at batch `batches` (a resumed run); the skipped samples are never loaded."""
-        self.first = min(batches * self.batch_size, len(self.dataset))
-        rest = Subset(self.dataset, range(self.first, len(self.dataset)))
+        self.first = min(batches * self.batch_size, _length(self.dataset))
+        rest = Subset(self.dataset, range(self.first, _length(self.dataset)))
         self.loader = DataLoader(
             rest, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
         )
@@ -82,7 +89,7 @@ class OrderedBatches:
 
     @property
     def num_samples(self) -> int:
-        return len(self.dataset)
+        return _length(self.dataset)
 
     def __iter__(self):
         start = self.first
@@ -145,7 +152,7 @@ def build_batches(cfg: DataSpec, model_cfg: ModelSpec, seed: int, model=None) ->
     else:
         dataset, has_targets = _tensors(cfg.path)
     if cfg.num_samples is not None and cfg.name in ("imagefolder", "tensors"):
-        dataset = Subset(dataset, range(min(cfg.num_samples, len(dataset))))
+        dataset = Subset(dataset, range(min(cfg.num_samples, _length(dataset))))
     return OrderedBatches(dataset, cfg.batch_size, cfg.num_workers, has_targets)
 
 

@@ -41,7 +41,9 @@ def text_dataset(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDatas
         source = TextSource(p, lines, source.tokenizer, T, class_names=classes,
                             label_names=label_names)  # fmt: skip
         return TokenDataset(ids, mask, targets, source, token_labels)
-    flat, need, starts = [], None if num_samples is None else num_samples * T, []
+    flat: list[int] = []
+    starts: list[int] = []
+    need = None if num_samples is None else num_samples * T
     for start in range(0, len(docs), _CHUNK):
         chunk = docs[start : start + _CHUNK]
         for doc in tok(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
@@ -116,11 +118,11 @@ def _parquet_column(p: Path, field: str, where: str, way_out: str) -> list:
     try:
         names = pq.read_schema(p).names
         values = (
-            pq.read_table(p, columns=[field]).column(field).to_pylist() if field in names else 0
+            pq.read_table(p, columns=[field]).column(field).to_pylist() if field in names else None
         )
     except Exception as e:
         raise DataError(f"{where} is not a readable parquet file ({_first_line(e)})") from None
-    if values == 0:
+    if values is None:
         raise DataError(f"{where} has no column {field!r} (columns: {names}); {way_out}")
     return [_text_value(v, f"{where}: row {i}", field) for i, v in enumerate(values)]
 

@@ -60,7 +60,7 @@ class TokenDataset(Dataset):
         return TokenDataset(ids, mask, targets, self.source, labels)
 
 
-def _right_pad(rows, pad: int, width: int):
+def _right_pad(rows, pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of different lengths as one (N, width) int64 tensor, and the mask of the real tokens."""
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)

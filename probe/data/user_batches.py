@@ -39,7 +39,8 @@ class UserBatches:
         self.skipped = 0
 
     def __len__(self) -> int:
-        return len(self.data)  # a TypeError when it has none: tqdm then counts without a total
+        # a TypeError when it has none: tqdm then counts without a total
+        return len(self.data)  # type: ignore[arg-type]
 
     def skip(self, batches: int) -> None:
         """Start after `batches` batches (a resumed run): they are read and dropped."""

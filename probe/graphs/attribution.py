@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 
@@ -52,6 +53,8 @@ EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (f
 DEFAULT_FLOOR = 1e-6
 BLOCK_MIN, BLOCK_MAX = 1 << 16, 1 << 22  # entries of the first and the largest storage block
 PIECE = 1 << 24  # elements of a gathered gradient per contraction (bounds the rows' scratch)
+# a row's target: (layer, or "final" for a logit), position, the vector seeded at its input
+Seed = tuple[int | Literal["final"], int, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ def attribute(
             reader.register()
             for i in range(0, n_logits, B):
                 idx = torch.arange(i, min(i + B, n_logits))
-                seeds = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
+                seeds: list[Seed] = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
                 rows.add(n_cols + idx, reader.rows(seeds), floor)
                 release_free_memory()
             visited = torch.zeros(n_active, dtype=torch.bool)
@@ -300,6 +303,7 @@ def _nodes(rep: LocalReplacement, transcoders: TranscoderSet, zero_bos: bool) ->
         encoders.append(t.W_enc[:, feat].T)
         errors.append(error)
     starts.append(start)
+    assert rep.captured.embed is not None  # (the replacement's forward ran)
     embed = rep.captured.embed[0].detach().float()
     return _Nodes(
         torch.cat(layers).cpu(), torch.cat(poss).cpu(), torch.cat(feats).cpu(),
@@ -339,6 +343,7 @@ class _Reader:
 
     def register(self) -> None:
         cap = self.rep.captured
+        assert cap.embed is not None  # (the replacement's forward ran)
         for layer, out in cap.outputs.items():
             self.hooks.tensor(out, self._mlp_reader(layer), name=f"mlp {layer} output")
         self.hooks.tensor(cap.embed, self._embed_reader, name="embeddings")
@@ -352,6 +357,7 @@ class _Reader:
         def read(grad):
             g = grad.float()
             buf = self.buffer
+            assert buf is not None  # (rows() sets it for the backward that calls this)
             step = max(1, PIECE // max(1, g.shape[0] * g.shape[-1]))
             for s in range(0, hi - lo, step):
                 part = g[:, pos[s : s + step]]
@@ -364,11 +370,13 @@ class _Reader:
 
     def _embed_reader(self, grad):
         cols = torch.arange(self.n_pos) + self.token_start
+        assert self.buffer is not None  # (rows() sets it for the backward that calls this)
         self.buffer[:, cols] += torch.einsum("bpd,pd->bp", grad.float(), self.nodes.tokens)
 
-    def rows(self, seeds: list[tuple]) -> torch.Tensor:
+    def rows(self, seeds: list[Seed]) -> torch.Tensor:
         """The rows (len(seeds), n_cols) of targets `seeds`: (layer or "final", pos, vector)."""
         cap = self.rep.captured
+        assert cap.final is not None  # (the replacement's forward ran)
         roots: dict = {}
         for b, (where, pos, vec) in enumerate(seeds):
             root = cap.final if where == "final" else cap.inputs[where]
@@ -381,7 +389,7 @@ class _Reader:
         grads = [g for _, g in roots.values()]
         torch.autograd.backward(tensors, grads, retain_graph=True)
         buf, self.buffer = self.buffer, None
-        return buf[: len(seeds)].cpu()
+        return buf[: len(seeds)].cpu()  # (the backward filled it)
 
 
 _TRIM: dict = {}  # glibc's malloc_trim (None where there is none), when it last ran, how long

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -48,6 +49,12 @@ KEYS = (
     "norms before the MLP and the attention), final_norm=NAME, unembed=NAME"
 )
 ATTENTION_NAME = "probe_frozen_patterns"
+
+
+class _AttentionConfig(Protocol):
+    """What the replacement reads of a transformers config: the attention implementation."""
+
+    _attn_implementation: str | None
 
 
 @dataclass
@@ -99,7 +106,8 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
             f"probe does not know its {', '.join(missing)}. Set them by hand: {KEYS}"
         )
     modules = dict(model.named_modules())
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # (transformers' method: Module.__getattr__'s type knows submodules and tensors only)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
     if embed is None:
         raise ConfigError(
             f"graphs: the {body.family!r} model has no input embeddings "
@@ -189,6 +197,7 @@ class LocalReplacement:
                 "graphs: GPT-2's reorder_and_upcast_attn bypasses the attention interface, so "
                 "its patterns cannot be frozen; load the model with reorder_and_upcast_attn=False"
             )
+        self.config: _AttentionConfig = config  # (model.config)
         self.captured = Captured()
         self.saved: dict = {"patterns": [], "scales": {}, "mlp": {}, "inputs": {}}
         self._hooks = HookSet("local replacement")
@@ -213,8 +222,7 @@ class LocalReplacement:
         try:
             self._hooks.__exit__(*exc)
         finally:
-            config = self.model.config
-            config._attn_implementation = self._original
+            self.config._attn_implementation = self._original
             torch.set_grad_enabled(self._grad_mode)
             for p, flag in self._grad_flags:
                 p.requires_grad_(flag)
@@ -227,9 +235,9 @@ class LocalReplacement:
         self._grad_flags = [(p, p.requires_grad) for p in params]
         for p in params:
             p.requires_grad_(False)
-        self._original = self.model.config._attn_implementation or "eager"
+        self._original = self.config._attn_implementation or "eager"
         _register_attention(self._original)
-        self.model.config._attn_implementation = f"{ATTENTION_NAME}_{self._original}"
+        self.config._attn_implementation = f"{ATTENTION_NAME}_{self._original}"
         LocalReplacement._active = self
         for m in [*self.parts.attn_norms, *self.parts.mlp_norms, self.parts.final_norm]:
             self._hooks.forward(m, self._norm_hook, name="norm")
@@ -298,6 +306,7 @@ class LocalReplacement:
             reads = self.transcoders.reads
             x = {"mlp_in": args[0] if args else None, "resid_mid": self._resid_mid.get(layer),
                  "mlp_normalized": self._normalized.get(layer)}[reads]  # fmt: skip
+            assert x is not None  # the MLP's input, or what the norm hooks kept before it
             self.captured.inputs[layer] = x
             self.captured.mlp_values[layer] = out.detach()
             if self.mode == "record":
@@ -427,7 +436,9 @@ def _register_attention(original: str) -> None:
             f"graphs: attention implementation {original!r} has no mask function; load the "
             "model with attn_implementation='sdpa' or 'eager'"
         )
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[original])
+    # (transformers' mapping is inferred as dict[str, function], which Callable does not take)
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[original]
+    AttentionMaskInterface.register(name, mask_function)  # type: ignore[arg-type]
 
 
 def check_widths(parts: Parts, transcoders: TranscoderSet) -> None:

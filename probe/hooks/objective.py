@@ -62,7 +62,7 @@ def build_objective(
     return _custom(cfg._target_)
 
 
-def _custom(target: str) -> Objective:
+def _custom(target: str | None) -> Objective:
     """The callable `target` names, checked before the run where its signature can be read, and
     its result on each batch; a function that fails is named with what it must be."""
     fn = import_target("objective._target_", target)

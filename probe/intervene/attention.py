@@ -18,7 +18,7 @@ import torch
 from probe.errors import ConfigError
 
 NAME = "probe"
-_handlers: dict[int, tuple[object, str]] = {}  # id(attention module) -> (sites, layer)
+_handlers: dict[int, tuple[AttentionSites, str]] = {}  # id(attention module) -> (sites, layer)
 _registered = [False]
 
 

@@ -55,12 +55,11 @@ class Effects:
         """The sum of per-batch `vector` rows: the effects over every batch a file holds."""
         total = np.asarray(rows, dtype=np.float64).reshape(-1, len(fields(cls))).sum(0)
         kinds = [f.type for f in fields(cls)]
-        return cls(
-            *(
-                float(v) if k in (float, "float") else int(v)
-                for v, k in zip(total, kinds, strict=True)
-            )
-        )
+        values = [
+            float(v) if k in (float, "float") else int(v) for v, k in zip(total, kinds, strict=True)
+        ]
+        # each field gets its own type by `kinds`: mypy sees float | int for every one
+        return cls(*values)  # type: ignore[arg-type]
 
     def table(self) -> pd.DataFrame:
         nan = math.nan

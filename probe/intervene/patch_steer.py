@@ -71,6 +71,7 @@ class Region:
         picked = torch.zeros((n, t), dtype=torch.bool, device=x.device)
         rows = torch.arange(n, device=x.device)
         last = tokens.last.to(x.device)
+        assert self.positions is not None  # (mask asks only when there are positions)
         for p in self.positions:
             index = last + 1 + p if p < 0 else torch.full_like(last, p)
             bad = (index < 0) | (index >= t)
@@ -150,6 +151,7 @@ class Patch:
             if value is None:
                 raise ConfigError(f"{self.label}: no source value of {self.module_name!r} {key}")
             return value
+        assert self.file is not None  # (a source that is not recorded is a run file)
         return read_rows(self.file, self.module_name, key, start, x, self.label)
 
 

@@ -19,20 +19,43 @@ whether attention and MLP read the same residual (`parallel`, GPT-NeoX's paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from torch import nn
 
 from probe.errors import ConfigError
 
 ALIASES = ("@attn", "@attn_out", "@heads", "@mlp_out", "@final_norm", "@unembed")
-LLAMA = {
+
+
+class _Modules(TypedDict):
+    """What every family names: suffixes below each block, then candidate top-level names."""
+
+    attn: str
+    attn_out: str
+    mlp_out: str
+    final_norm: list[str]
+    unembed: list[str]
+    embed: list[str]
+
+
+class Family(_Modules, total=False):
+    attn_norm: str
+    mlp_norm: str
+    qkv: str | list[str]  # one fused module, or (q, k, v)
+    qkv_layout: str
+    parallel: str  # the config attribute that says so
+    post_norm: bool
+
+
+LLAMA: Family = {
     "attn": "self_attn", "attn_out": "self_attn.o_proj", "mlp_out": "mlp", "final_norm": ["model.norm", "norm"],
     "unembed": ["lm_head"], "embed": ["model.embed_tokens", "embed_tokens"],
     "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
     "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "qkv_layout": "split",
 }  # fmt: skip
 QKV_LAYOUTS = ("split", "fused", "per_head")
-FAMILIES = {  # per model_type: module suffixes below each block, and top-level candidates
+FAMILIES: dict[str, Family] = {  # per model_type: module suffixes below each block, and top-level candidates
     "gpt2": {
         "attn": "attn", "attn_out": "attn.c_proj", "mlp_out": "mlp", "final_norm": ["transformer.ln_f", "ln_f"],
         "unembed": ["lm_head"], "embed": ["transformer.wte", "transformer.wpe", "wte", "wpe"],
@@ -77,6 +100,7 @@ class Anatomy:
     kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
     head_dim: int | None = None
     parallel: bool = False  # attention and MLP read the same residual (GPT-NeoX)
+    width: int | None = None  # the residual stream's (set by probe.attribute.readout's lens)
 
     def alias(self, name: str) -> list[str]:
         return {
@@ -100,7 +124,8 @@ def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) 
     overrides = overrides if overrides is not None else getattr(model, "_probe_anatomy", None)
     config = getattr(model, "config", None)
     family = str(getattr(config, "model_type", type(model).__name__))
-    known = dict(FAMILIES.get(family, {}))
+    # a family's entries, then model.anatomy's overrides: the user's config values, any type
+    known: dict[str, Any] = dict(FAMILIES.get(family, {}))
     known.update({k: v for k, v in (overrides or {}).items() if v is not None})
     modules = dict(model.named_modules())
     out = Anatomy(family, list(blocks), post_norm=bool(known.get("post_norm", False)))

@@ -255,6 +255,8 @@ def build_timm(cfg: ModelSpec, seed: int) -> nn.Module:
 
 def _check_timm_weights(timm, name: str) -> None:
     """Fail at once when the files live on an unreachable hub and are not cached."""
+    repo: str | None
+    files: tuple[str, ...]
     if name.startswith(("hf-hub:", "hf_hub:")):
         repo, files = name.split(":", 1)[1].split("@")[0], ("config.json",)
     elif name.startswith("local-dir:"):
@@ -279,7 +281,8 @@ def vocab_size(model: nn.Module) -> int | None:
     """Rows of the input embedding (token ids must stay below it): a transformers model's, else
     the model's first nn.Embedding; None for models without one."""
     try:
-        embedding = model.get_input_embeddings()
+        # transformers' method: Module.__getattr__'s type knows submodules and tensors only
+        embedding = model.get_input_embeddings()  # type: ignore[operator]
     except (AttributeError, NotImplementedError):  # not a transformers model, or none to give
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None

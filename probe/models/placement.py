@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -149,6 +150,12 @@ def is_placed(model: nn.Module) -> bool:
     return isinstance(getattr(model, "hf_device_map", None), dict)
 
 
+def _device_map(model: nn.Module) -> dict[str, int | str]:
+    """A placed model's device map (module name: GPU index, device or "cpu"/"disk")."""
+    # a plain attribute, not a parameter, buffer or submodule as Module.__getattr__'s type says
+    return cast("dict[str, int | str]", model.hf_device_map)
+
+
 def _main_device(mapping: dict) -> torch.device:
     """Where offloaded modules run: the map's first GPU, else the CPU (accelerate's rule)."""
     gpus = [p for p in mapping.values() if str(p) not in OFFLOADED]
@@ -161,7 +168,7 @@ def _torch_device(place) -> torch.device:
 
 def placement(model: nn.Module, name: str) -> tuple[str, torch.device]:
     """(where module `name`'s weights are kept, the device it runs on) under the model's map."""
-    mapping = model.hf_device_map
+    mapping = _device_map(model)
     owner = max(
         (k for k in mapping if not k or name == k or name.startswith(k + ".")),
         key=len,
@@ -192,7 +199,7 @@ def _hook_device(model: nn.Module, name: str) -> torch.device | None:
 def input_device(model: nn.Module) -> torch.device:
     """Where a placed model takes its inputs: the device its first mapped module runs on."""
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    first = min(model.hf_device_map, key=lambda k: order.get(k, len(order)))
+    first = min(_device_map(model), key=lambda k: order.get(k, len(order)))
     return placement(model, first)[1]
 
 

@@ -80,10 +80,12 @@ class SAE:
             # fewer where some of the k are <= 0
             if self.rescale_acts_by_decoder_norm:
                 pre = pre * self.W_dec.norm(dim=-1)
+            assert self.k is not None, "a topk SAE needs k"
             values, indices = torch.topk(pre, k=self.k, dim=-1, sorted=False)
             return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
         if self.architecture == "jumprelu":
             # relu(pre), zeroed wherever pre <= threshold
+            assert self.threshold is not None, "a jumprelu SAE needs its threshold"
             return pre.relu() * (pre > self.threshold).to(pre.dtype)
         return pre.relu()
 

@@ -112,7 +112,9 @@ class Transcoder(nn.Module):
         if self.activation == "relu":
             return torch.relu(pre)
         if self.activation == "jumprelu":
+            assert self.threshold is not None  # __init__ refuses a jumprelu without one
             return pre * (pre > self.threshold)
+        assert self.k is not None  # __init__ refuses a topk without k
         top = torch.topk(pre, self.k, dim=-1)
         return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
 

@@ -134,7 +134,7 @@ def _hook(config: dict, key: str, known, yaml_path: Path) -> str:
             f"{yaml_path}: {key}={value!r}; probe reads sets whose {key} is one of "
             f"{', '.join(known)}"
         )
-    return value
+    return str(value)  # one of known's names
 
 
 def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> TranscoderSet:
@@ -281,7 +281,11 @@ def _relu_skip(tensors: dict, file: Path) -> dict:
     else:
         want = {"(d_tc, d_out)": (d_tc, d_out), "(d_out, d_tc)": (d_out, d_tc)}
         raise _shape_error(file, layout, "W_dec", W_dec.shape, want)
-    out = {"W_enc": W_enc.T.contiguous(), "b_enc": b_enc, "W_dec": W_dec.contiguous()}
+    out: dict[str, torch.Tensor | str] = {
+        "W_enc": W_enc.T.contiguous(),
+        "b_enc": b_enc,
+        "W_dec": W_dec.contiguous(),
+    }
     out |= {"b_dec": b_dec, "activation": "relu"}
     if tensors.get("W_skip") is not None:
         W_skip = tensors["W_skip"]
@@ -464,14 +468,21 @@ def write_transcoder(t: Transcoder, file: Path, layout: str = "relu_skip") -> No
                     f"{' with W_skip' if t.W_skip is not None else ''}: save with layout=relu_skip"
                 )
             threshold = t.threshold if t.threshold is not None else torch.zeros_like(t.b_enc)
-            arrays = {"W_enc": t.W_enc, "W_dec": t.W_dec, "b_enc": t.b_enc, "b_dec": t.b_dec}
+            arrays: dict[str, torch.Tensor] = {
+                "W_enc": t.W_enc,
+                "W_dec": t.W_dec,
+                "b_enc": t.b_enc,
+                "b_dec": t.b_dec,
+            }
             arrays["threshold"] = threshold
-            np.savez(file, **{k: v.detach().cpu().numpy() for k, v in arrays.items()})
+            # numpy's stub takes **arrays for its keyword allow_pickle (bool) too
+            np.savez(file, **{k: v.detach().cpu().numpy() for k, v in arrays.items()})  # type: ignore[arg-type]
             return
         from safetensors.torch import save_file
 
         tensors = {"W_enc": t.W_enc.T, "W_dec": t.W_dec, "b_enc": t.b_enc, "b_dec": t.b_dec}
         if t.activation == "jumprelu":
+            assert t.threshold is not None  # Transcoder refuses a jumprelu without one
             tensors["activation_function.threshold"] = t.threshold
         if t.W_skip is not None:
             tensors["W_skip"] = t.W_skip

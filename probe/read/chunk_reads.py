@@ -39,7 +39,7 @@ class ChunkReader:
         rows = scratch[: hi - lo]
         one_chunk = self.plain and lo // self.ds.chunks[0] == (hi - 1) // self.ds.chunks[0]
         offset = self._offset(lo) if one_chunk else None  # (labels may be chunked otherwise)
-        if offset is None or not _read_at(self.file, offset, memoryview(rows).cast("B")):
+        if offset is None or not _read_at(self.file, offset, rows.data.cast("B")):
             self.ds.read_direct(rows, np.s_[lo:hi], np.s_[: hi - lo])
         dest[into] = rows if pick is None else rows[pick]
 

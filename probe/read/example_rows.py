@@ -99,11 +99,15 @@ def _tokens(table: pd.DataFrame, run, context: tuple[int, int], tokenizer) -> No
     ends = np.searchsorted(sample, table["sample"].to_numpy(), side="right")
     decode = _decoder(run, tokenizer)
     left, right = context
-    token_ids, tokens, texts = [], [], []
+    token_ids: list[int] = []
+    tokens: list[str | None] = []
+    texts: list[str | None] = []
     for s, e, p in zip(starts, ends, table["position"].to_numpy(), strict=True):
         where = s + np.flatnonzero(position[s:e] == p)
         if not len(where):
-            token_ids.append(-1), tokens.append(None), texts.append(None)
+            token_ids.append(-1)
+            tokens.append(None)
+            texts.append(None)
             continue
         i = int(where[0])
         token_ids.append(int(ids[i]))

@@ -35,4 +35,5 @@ class SparseLatents(LazyArray):
         index, value = self.indices[first], self.values[first]
         one_row = index.ndim < self.ds.ndim
         dense = dense_latents(index, value, self.d_sae, self.axis - one_row)
-        return dense[rest] if one_row else dense[(slice(None), *rest)]
+        every_row = (slice(None), *rest)  # (a name: mypy takes x[(a, *b)] for x[a, *b])
+        return dense[rest] if one_row else dense[every_row]

@@ -35,7 +35,8 @@ class LazyArray:
         if isinstance(first, slice):
             first = slice(*first.indices(self.valid))
             if first.step < 0:  # h5py reads increasing rows only
-                return self[(slice(None), *rest)][key[0] if isinstance(key, tuple) else key]
+                every_row = (slice(None), *rest)  # (a name: mypy takes x[(a, *b)] for x[a, *b])
+                return self[every_row][key[0] if isinstance(key, tuple) else key]
         elif isinstance(first, (int, np.integer)):
             if not -self.valid <= first < self.valid:
                 raise IndexError(f"row {first} is outside the {self.valid} valid rows")
@@ -45,4 +46,5 @@ class LazyArray:
             if rows.size and (rows.max() >= self.valid or rows.min() < 0):
                 raise IndexError(f"rows {rows} reach outside the {self.valid} valid rows")
             first = rows
-        return self.ds[(first, *rest)]
+        index = (first, *rest)
+        return self.ds[index]

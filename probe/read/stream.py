@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 import h5py
 import numpy as np
@@ -73,7 +75,7 @@ class RowStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self._resume: dict | None = None
-        self._state = None
+        self._state: Callable[[], dict] | None = None  # the stream's state as of the last batch
 
     @property
     def held_rows(self) -> int:
@@ -196,14 +198,21 @@ class RowStream(IterableDataset):
         if paired is not None and self.dtype is not None:
             paired = paired.to(self.dtype)
         if self.device is not None:
-            rows, labels, paired = (_to(t, self.device) for t in (rows, labels, paired))
-        out = (rows, labels)
+            device = self.device
+            rows, labels, paired = _to(rows, device), _to(labels, device), _to(paired, device)
+        out: tuple[torch.Tensor | dict[str, torch.Tensor] | None, ...] = (rows, labels)
         if self.with_index:
             skip = ("rows", "labels", "paired")
             out += ({k: torch.from_numpy(v) for k, v in data.items() if k not in skip},)
         return out if paired is None else (*out, paired)
 
 
+@overload
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor: ...
+@overload
+def _to(t: None, device: torch.device) -> None: ...
+@overload
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None: ...
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """To the device; through pinned memory and a non-blocking copy for CUDA."""
     if t is None or device.type != "cuda":

@@ -18,6 +18,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -34,6 +35,9 @@ from probe.store.coverage import seen_ranges
 from probe.store.fileformat import captured, is_per_batch, layer_path, read_progress
 from probe.store.runfile import NothingFlushed, missing_sources, open_probe_file, state
 from probe.store.stats_file import DatasetInfo
+
+if TYPE_CHECKING:
+    from probe.read.train_steps import WatchSummary
 
 log = logging.getLogger("probe")
 
@@ -166,7 +170,7 @@ def dataset_keys(f: h5py.File) -> list[tuple[str, str]]:
                     continue
                 rank = int(item.attrs.get("order", order))
                 found.setdefault((str(item.attrs.get("name", layer)), site), (rank, len(found)))
-    return sorted(found, key=found.get)
+    return sorted(found, key=found.__getitem__)
 
 
 def stored_stats(f: h5py.File) -> dict[tuple[str, str], DatasetInfo]:
@@ -253,7 +257,9 @@ def write_table(table: pd.DataFrame, stem: Path) -> list[Path]:
     return [*written, stem.with_suffix(".parquet")]
 
 
-def summarize_path(path: Path, from_stats: bool = False, units: bool = False) -> list[FileSummary]:
+def summarize_path(
+    path: Path, from_stats: bool = False, units: bool = False
+) -> list[FileSummary] | list[WatchSummary]:
     """Write the table(s) of one run or sweep directory; return what each file was found to be."""
     if path.is_file():
         path = path.parent

@@ -179,7 +179,7 @@ def token_figure(tokens: list[list[str]], scores: list[np.ndarray], title: str =
     return fig
 
 
-def decode(config, ids) -> list[list[str]] | None:
+def decode(config, ids) -> list[list[str]]:
     """Each row of ids as token strings through the run's tokenizer, where one loads."""
     name = (config.get("dataset") or {}).get("tokenizer") or (config.get("model") or {}).get("name")
     try:

@@ -49,7 +49,7 @@ def circuit_figure(
     width = max(6.0, 1.1 * (2 * graph.layers + 2))
     fig, ax = plt.subplots(figsize=(width, max(3.5, 1.5 + 0.45 * graph.heads)))
     biggest = float(np.abs(scores[chosen]).max()) if len(chosen) else 1.0
-    used = set()
+    used: set[str] = set()
     for n, e in enumerate(chosen[::-1]):  # the best drawn last, on top
         sender = graph.senders[graph.edge_sender[e]]
         target = receiver_node(graph, graph.edge_receiver[e])
@@ -136,8 +136,8 @@ def sweep_figure(scores: pd.DataFrame, ranks: pd.DataFrame, top: int = 10, shown
     inside = ranks <= top
     first = inside.to_numpy().argmax(1).astype(float)
     first[~inside.to_numpy().any(1)] = np.inf
-    order = np.lexsort((ranks.min(axis=1).to_numpy(), first))
-    order = [i for i in order if np.isfinite(first[i])][:shown]
+    by_first = np.lexsort((ranks.min(axis=1).to_numpy(), first))
+    order = [i for i in by_first if np.isfinite(first[i])][:shown]
     values = scores.to_numpy(dtype=float)
     scale = np.nanmax(np.abs(values), axis=0)
     values = values / np.where(scale > 0, scale, 1)

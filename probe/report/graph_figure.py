@@ -66,8 +66,9 @@ def graph_figure(graph: AttributionGraph, title: str = "", top: int = TOP_EDGES)
         segments = np.stack([src, dst], 1)
         widths = 0.3 + 3.0 * np.abs(w) / np.abs(w).max()
         colours = np.where(w[:, None] >= 0, [[0.13, 0.4, 0.8, 0.6]], [[0.84, 0.15, 0.16, 0.6]])
-        ax.add_collection(LineCollection(segments, linewidths=widths, colors=colours, zorder=1,
-                                         label="edges"))  # fmt: skip
+        # (matplotlib's stub wants a Sequence of lines: an (edges, 2, 2) array is one at run time)
+        lines = LineCollection(segments, linewidths=widths, colors=colours, zorder=1, label="edges")  # type: ignore[arg-type]
+        ax.add_collection(lines)
     for kind, colour in COLOURS.items():
         part = nodes[nodes["kind"] == kind]
         if len(part):

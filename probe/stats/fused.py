@@ -47,7 +47,7 @@ class _Format:
     name: str
 
     def values(self, patterns: np.ndarray) -> np.ndarray:
-        p = patterns.astype(np.uint32)
+        p: np.ndarray = patterns.astype(np.uint32)
         if self.name == "float16":
             return p.astype(np.uint16).view(np.float16).astype(np.float64)
         if self.name == "bfloat16":
@@ -113,7 +113,8 @@ class Layout:
         if p.size == 0:
             return RunningStats(rows=sum(self.slab_rows), hist=None, unit_axis=self.unit_axis)
         p = p.reshape(-1)
-        out, at = None, 0
+        out: RunningStats | None = None
+        at = 0
         for rows, n in zip(self.slab_rows, self.per_unit, strict=True):
             size = self._size(rows)
             s = self._slab(p[at : at + size], rows, n)
@@ -122,6 +123,7 @@ class Layout:
                 out = s
             else:
                 out.merge(s)
+        assert out is not None  # a result with values has a slab
         return out
 
     def _size(self, rows: int) -> int:
@@ -261,12 +263,12 @@ def _make_plan(x: torch.Tensor, fmt: _Format, bounds, hist: bool, sorts: bool) -
     columns = [[r[i] for r in y_rows] for i in range(3)] + [
         [r[i] for r in z_rows] for i in range(4)
     ]
-    made = [_constant(c, shape, x.device) for c in columns]
+    ay, by, my, az, bz, lo, hi = [_constant(c, shape, x.device) for c in columns]
     step = modulus / BINS
     edges = None
     if hist and sorts:
         edges = _constant([0.5 + i * step for i in range(_bins(rows) + 1)], (-1,), x.device)
-    return _Plan(rows, bounds is not None, step, *made, edges)
+    return _Plan(rows, bounds is not None, step, ay, by, my, az, bz, lo, hi, edges)
 
 
 def _constant(values, shape, device) -> torch.Tensor:
@@ -362,4 +364,5 @@ def _histogram(y: torch.Tensor, plan: _Plan, sort: bool) -> torch.Tensor:
         bins = _bins(plan.rows)
         return torch.histc(y, bins, 0.5, 0.5 + bins * plan.step)
     keys = torch.sort(y[0].reshape(-1)).values
+    assert plan.edges is not None  # a plan for sorted slabs has their edges
     return torch.searchsorted(keys, plan.edges).diff()

@@ -69,7 +69,7 @@ def batch_stats(
         return RunningStats(rows=rows, hist=None, unit_axis=unit_axis)
     y, regrouped = units_view(a, unit_axis)
     own = hist is None
-    if own:
+    if hist is None:
         hist = _scratch.hist if y.size < 1 << 31 else LogHistogram()
     parts, entry = _split(y)
     lanes = hist.lanes(parts)
@@ -87,6 +87,7 @@ def batch_stats(
     if regrouped:  # the pass's rows were tokens: each sample's L2 norm is taken here
         s.l2_sum = row_l2_sum(a, bool(s.nan_count or s.inf_count))
     if has_units and bounds is not None:
+        assert s.units is not None  # _from_result gives a batch with units their statistics
         s.units.saturated = saturated_counts(y, bounds)
     return s
 
@@ -97,7 +98,8 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
     s = RunningStats(rows, **by_name(batch_values(packed[:PACKED_HEAD].tolist())), hist=None)
     if spans:
         heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
-        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
+        # (RunningStats.hist's declared type leaves out the BucketSpans it takes)
+        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))  # type: ignore[assignment]
     if has_units:
         count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
         s.units = UnitStats(  # copies: a running one adopting them must not hold `packed`
@@ -166,7 +168,9 @@ class HookStats:
     `batch_stats`."""
 
     def __init__(self):
-        self.thread, self.entry, self.lanes = None, 0, None
+        self.thread: int | None = None
+        self.entry = 0
+        self.lanes: np.ndarray | None = None
         self.work = WORK[np.dtype(np.int32)].address
 
     def begin(self) -> None:
@@ -191,6 +195,7 @@ class HookStats:
                 and a.flags.c_contiguous
             ):
                 lanes = self.lanes
+                assert lanes is not None  # begin() gave this thread its lanes
                 y, regrouped = units_view(a, unit_axis)
                 try:
                     packed = team_batch(y, lanes, True, self.entry, self.work)

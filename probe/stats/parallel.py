@@ -22,7 +22,7 @@ def usable_cores() -> int:
 
 class Threads:
     def __init__(self, total: int):
-        self.pool = None
+        self.pool: ThreadPoolExecutor | None = None
         self.resize(total)
 
     def resize(self, total: int) -> None:
@@ -34,6 +34,11 @@ class Threads:
         if old is not None:
             old.shutdown(wait=True)
 
+    def _helpers(self) -> ThreadPoolExecutor:
+        """The pool of helper threads, which a run of more than one call needs."""
+        assert self.pool is not None, f"{self.total} thread(s): no helpers for more calls"
+        return self.pool
+
     def run(self, fn, calls: list[tuple]) -> None:
         """fn(*args) for every args of `calls` (at most `total`): the first on this thread; all
         of them in a forked child, where the pool's threads do not exist."""
@@ -41,7 +46,7 @@ class Threads:
             for args in calls:
                 fn(*args)
             return
-        futures = [self.pool.submit(fn, *args) for args in calls[1:]]
+        futures = [self._helpers().submit(fn, *args) for args in calls[1:]]
         try:
             fn(*calls[0])
         finally:  # the helpers' arrays are the caller's: never return while they are in use

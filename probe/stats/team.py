@@ -47,7 +47,9 @@ def _find(torch) -> ctypes.CDLL | None:
             continue
         if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
             lib.omp_get_max_threads.restype = ctypes.c_int
-            _address[os.getpid()] = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
+            address = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
+            assert address is not None  # a symbol the runtime exports: never NULL
+            _address[os.getpid()] = address
             return lib
     return None
 

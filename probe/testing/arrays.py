@@ -30,6 +30,7 @@ def file_arrays(f: h5py.File) -> dict:
     for (layer, site), info in stats_file.read(f).items():
         s, at = info.stats, f"stats/{layer}/{site}"
         arrays[f"{at}/scalars"] = np.array([getattr(s, k) for k in SCALARS], dtype=np.float64)
+        assert s.hist is not None  # statistics read back from a file hold their histogram
         arrays[f"{at}/hist"] = occupied(s.hist.counts, False)
         if s.units is not None:
             arrays[f"{at}/units"] = s.units.packed()

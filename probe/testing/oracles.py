@@ -63,6 +63,13 @@ class Setup:
         return self.base.model
 
     @property
+    def batches(self) -> Materialised:
+        """The batches make_setup holds in memory."""
+        batches = self.base.batches
+        assert isinstance(batches, Materialised)  # (make_setup's)
+        return batches
+
+    @property
     def names(self) -> list[str]:
         return [s.name for s in self.base.selections]
 
@@ -237,7 +244,7 @@ def hooks_h5py_sync(setup: Setup) -> Callable:
 
     def case(out: Path) -> Path:
         path = out / "hooks.h5"
-        sink, start = H5Sink(path, setup.base.batches.num_samples), [0]
+        sink, start = H5Sink(path, setup.batches.num_samples), [0]
         with hooked(setup, lambda n, o: sink.write(n, start[0], o)), torch.inference_mode():
             for b in setup.base.batches:
                 start[0] = b.start
@@ -253,7 +260,7 @@ def extracted_to_h5(setup: Setup, extract: Callable, filename: str) -> Callable:
 
     def case(out: Path) -> Path:
         path = out / filename
-        sink = H5Sink(path, setup.base.batches.num_samples)
+        sink = H5Sink(path, setup.batches.num_samples)
         for b in setup.base.batches:
             for n, t in extract(b.inputs).items():
                 sink.write(n, b.start, t)

@@ -12,8 +12,8 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
+from probe.stats.kernels import intrinsic
 from probe.stats.kernels.packing import finish
 from probe.stats.kernels.rows import reduce_rows
 

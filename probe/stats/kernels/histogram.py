@@ -13,7 +13,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+
+from probe.stats.kernels import intrinsic
 
 LINE = 16  # values of 4 bytes in a 64-byte cache line
 AHEAD_MIN = 1024  # segments of at least a page ask for the next one; smaller ones need not

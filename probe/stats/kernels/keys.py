@@ -24,7 +24,8 @@ def same_width(x, like):
     return type(like)(x)
 
 
-@overload(same_width, jit_options={"cache": True})
+# numba's stub leaves jit's `cache` option out of jit_options
+@overload(same_width, jit_options={"cache": True})  # type: ignore[typeddict-unknown-key]
 def _same_width(x, like):
     kind = as_dtype(like).type
     return lambda x, like: kind(x)

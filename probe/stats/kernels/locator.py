@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from numba.core import caching
 
@@ -44,7 +45,13 @@ def _digest(signature: tuple[tuple[str, int, int], ...]) -> str:
     return h.hexdigest()
 
 
-class _WholePackage:
+if TYPE_CHECKING:  # the mixin goes ahead of one of numba's locators (`locators`)
+    _Locator = caching._CacheLocator
+else:
+    _Locator = object
+
+
+class _WholePackage(_Locator):
     """A locator for this package's functions only, whose source stamp covers every module."""
 
     @classmethod
