@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -12,14 +14,15 @@ from probe.hooks.record import Record
 log = logging.getLogger("probe")
 
 
-def check_batch(record: Record) -> None:
+def check_batch(record: Record, counted: Mapping[tuple[str, str], Any]) -> None:
     """ModelError naming the first capture, in execution order, that holds NaN or Inf. Captures
-    whose batch statistics are already taken are judged by them, the others by their values."""
+    whose batch statistics are already taken (`counted`) are judged by them, the others by
+    their values."""
     if record.ready is not None:  # host copies of GPU tensors are readable once their copy ran
         record.ready.synchronize()
     for key, t in [*record.values.items(), *record.per_batch.items()]:
-        if key in record.counted:
-            nan, inf = record.counted[key].nan_count, record.counted[key].inf_count
+        if key in counted:
+            nan, inf = counted[key].nan_count, counted[key].inf_count
         elif t.is_floating_point():
             nan = int(torch.isnan(t).sum())
             inf = int(torch.isinf(t).sum())

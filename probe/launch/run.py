@@ -32,6 +32,7 @@ from probe.launch import distributed, size_plan
 from probe.launch.batch import Prepared, run_batch, samples_only
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.launch.parts import PARTS
+from probe.launch.parts.statistics import Statistics
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.models import placement
@@ -274,7 +275,7 @@ def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> 
                 size_plan.announce(record, batches, setup.selections, plan.store, setup.shard)
             sink.put(record)
             if fail_on_nonfinite:
-                nonfinite.check_batch(record)
+                nonfinite.check_batch(record, record.outputs.folds.get(Statistics.name, {}))
             if stop.requested is not None:
                 break
     # a signal during the last batch stops nothing: the run is whole, so it says so

@@ -13,7 +13,6 @@ from __future__ import annotations
 import warnings
 from functools import cached_property
 from pathlib import Path
-from typing import cast
 
 import h5py
 import numpy as np

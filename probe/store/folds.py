@@ -148,9 +148,10 @@ class ExamplesFold:
         self.spec, self.during = spec, during
 
     def restore(self, sink) -> None:
+        f, rows = sink.file, sink.rows
+        rows.known.update(p for p in (topk_file.path(*key) for key in rows.datasets) if p in f)
         if self.during != "run":
             return
-        f, rows = sink.file, sink.rows
         saved = stats_file.read(f)
         slots = "progress" in f
         for key, info in rows.datasets.items():
@@ -179,11 +180,11 @@ class ExamplesFold:
         for key, info in sink.rows.datasets.items():
             if info.topk is None or not info.topk.kinds:
                 continue
-            if topk_file.path(*key) not in sink.rows.known and topk_file.path(*key) not in f:
+            if topk_file.path(*key) not in sink.rows.known:  # (a resumed file's new capture)
                 sink._creating()
                 f = sink.file
                 topk_file.create(f, key[0], key[1], info.topk)
-            sink.rows.known.add(topk_file.path(*key))
+                sink.rows.known.add(topk_file.path(*key))
             topk_file.write(f, key[0], key[1], info.topk, slot)
 
     def close(self, sink) -> None:

@@ -13,6 +13,7 @@ a benchmark reports as equal are the ones the tests check.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,10 @@ class Setup:
         sels = select_modules(self.model, plan.probes)
         needs_grad = any(s in BACKWARD_SITES for sel in sels for s in sel.sites)
         objective = build_objective(plan.objective, True) if needs_grad else None
-        return plan, Prepared(self.model, self.base.batches, sels, objective, self.base.device)
+        setup = dataclasses.replace(
+            self.base.setup, plan=plan, selections=sels, objective=objective, edits=[]
+        )
+        return plan, Prepared(setup)
 
 
 def make_setup(overrides: list[str]) -> Setup:
@@ -97,7 +101,7 @@ def make_setup(overrides: list[str]) -> Setup:
     if not is_placed(base.model):  # (a device map's model stays where it was put)
         base.model.to(base.device)
     base.model.eval()
-    base.batches = Materialised(base.batches)
+    base.setup.batches = Materialised(base.setup.batches)
     return Setup(cfg, base, tuple(overrides))
 
 
