@@ -102,7 +102,8 @@ def check_training(train: TrainSpec, watch: WatchSpec, probes: Mapping[str, Prob
 
 
 def check_circuit(c: CircuitSpec, options: RunOptions) -> None:
-    """circuit.* as far as the config decides (probe.launch.circuit_phase checks the rest on the
+    """circuit.* as far as the config decides (the methods' names are the registry's: the run
+    checks them before it builds the model; probe.launch.circuit_pass checks the rest on the
     model and the pairs: the graph, the answers, exact's edges, the sizes, mean_source's file)."""
     if not c.method:
         return

@@ -257,7 +257,6 @@ class LensConfig:
     positions: str = "all"  # all real tokens, or last: each sample's answer position alone
 
 
-CIRCUIT_METHODS = ("eap", "eap_ig_inputs", "eap_ig_activations", "exact")  # in the order they run
 CIRCUIT_ABLATIONS = ("counterfactual", "mean", "zero")
 CIRCUIT_SELECTS = ("topn", "greedy")
 
@@ -265,7 +264,8 @@ CIRCUIT_SELECTS = ("topn", "greedy")
 @dataclass
 class CircuitConfig:
     """Edge scores and circuits over dataset=pairs (probe.circuits, docs/circuits.md): `method`
-    one of eap, eap_ig_inputs, eap_ig_activations, exact or a list of them (empty: no circuit;
+    one of the registry's methods (probe.circuits.scores.METHODS: eap, eap_ig_inputs,
+    eap_ig_activations, exact, and any registered) or a list of them (empty: no circuit;
     probe.shared_checks.circuit_methods reads either form); the ablation
     (counterfactual, mean over the run's pairs or `mean_source` an earlier run's directory,
     zero); circuits of `sizes` percent of the edges cut by `select` (topn, greedy) on absolute or

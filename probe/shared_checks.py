@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from probe.config import CIRCUIT_METHODS
 from probe.errors import ConfigError
 
 # the answer tokens each metric reads (probe.intervene.metrics computes them; kl and
@@ -29,22 +28,27 @@ def choice(key: str, value, known) -> None:
         raise ConfigError(f"{key}={value!r} is unknown; choose from {', '.join(known)}")
 
 
-def circuit_methods(methods, ablation: str, known: Sequence[str] = CIRCUIT_METHODS) -> list[str]:
-    """circuit.method (one method or a list), each `known` (the config's names; the library's
-    registry, probe.circuits.scores.METHODS, adds any registered there) and fit for the
-    `ablation` kind, in the order they run (eap's clean run serves the rest)."""
+def circuit_methods(methods, ablation: str, known: Sequence[str] | None = None) -> list[str]:
+    """circuit.method (one method or a list), fit for the `ablation` kind and, with `known`
+    (the registry's names in the order they run: probe.circuits.scores.METHODS, the one list a
+    registered method joins), each known, in that order (eap's clean run serves the rest). The
+    parse, which runs before any registry is imported, gives no `known`: the run checks the
+    names against the registry before it builds the model."""
     methods = [methods] if isinstance(methods, str) else list(methods)
     if not methods:
-        raise ConfigError(f"circuit.method is empty; give one or more of {', '.join(known)}")
-    for m in methods:
-        choice("circuit.method", m, known)
+        named = f"one or more of {', '.join(known)}" if known else "one or more methods"
+        raise ConfigError(f"circuit.method is empty; give {named}")
+    if known is not None:
+        for m in methods:
+            choice("circuit.method", m, known)
     if "eap_ig_inputs" in methods and ablation != "counterfactual":
         raise ConfigError(
             "circuit.method=eap_ig_inputs integrates from the corrupt input to the clean one, so "
             f"it needs circuit.ablation=counterfactual (got {ablation}); use "
             "eap_ig_activations for mean or zero ablation"
         )
-    return sorted(dict.fromkeys(methods), key=list(known).index)
+    methods = list(dict.fromkeys(methods))
+    return methods if known is None else sorted(methods, key=list(known).index)
 
 
 def check_steps(steps) -> None:

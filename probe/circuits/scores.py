@@ -149,8 +149,8 @@ def _exact(ctx: BatchContext, o: ScoreOptions) -> Scores:
     return edges, exact_nodes(ctx, o.per_forward, o.budget)
 
 
-# name -> method, in the order they run (eap's clean run serves the rest); the config's
-# circuit.method names them (probe.config.CIRCUIT_METHODS)
+# name -> method, in the order they run (eap's clean run serves the rest): the one list
+# circuit.method names (a run checks its names here before it builds the model)
 METHODS: dict[str, CircuitMethod] = {
     "eap": CircuitMethod(_from_edges(lambda ctx, o: gradient.eap(ctx, o.budget))),
     "eap_ig_inputs": CircuitMethod(

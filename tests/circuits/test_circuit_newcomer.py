@@ -15,8 +15,7 @@ import torch
 
 from probe.circuits.component_graph import ComponentGraph
 from probe.circuits.parts import parts_of
-from probe.circuits.scores import attribute
-from probe.config import CIRCUIT_METHODS
+from probe.circuits.scores import METHODS, attribute
 from probe.errors import SelectionError
 from probe.launch.run import run
 from tests.circuits.test_circuit_runs import args_of, direct, llama  # noqa: F401 (a fixture)
@@ -110,7 +109,7 @@ def test_one_method_without_brackets_is_a_list_of_one(tmp_path, llama, cli_in_pr
     model, batches = direct(args)
     want = attribute(parts_of(model), batches, ["eap"])["eap"]
     with h5py.File(tmp_path / "probe.h5") as f:
-        assert [k for k in f["circuit"] if k in CIRCUIT_METHODS] == ["eap"]
+        assert [k for k in f["circuit"] if k in METHODS] == ["eap"]
         np.testing.assert_allclose(f["circuit/eap/scores"][:], want.edges, rtol=1e-10, atol=1e-12)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from probe.circuits import eap as gradient
 from probe.circuits.parts import parts_of
@@ -19,6 +20,7 @@ from probe.circuits.scores import (
 from probe.errors import ConfigError
 from tests.circuits.test_hand import build
 from tests.circuits.toy import pairs
+from tests.helpers import make_cfg
 
 
 def halved_eap(ctx, options):
@@ -56,3 +58,32 @@ def test_a_registered_method_is_scored_beside_the_shipped_ones(registered):
     assert "halved_eap" in str(pytest.raises(ConfigError, check_methods, ["nope"], "zero").value)
     with pytest.raises(ConfigError, match="needs circuit.ablation=zero"):
         check_methods(["halved_eap"], "mean")
+
+
+def test_a_registered_method_reaches_the_command_line_from_the_registry_alone(
+    registered, tmp_path, monkeypatch
+):
+    """circuit.method=[halved_eap,eap] through the config's parse and a run: circuit.csv holds
+    halved EAP's scores beside EAP's; an unknown name is refused with the registry's names
+    before any model is built."""
+    import pandas as pd
+
+    from probe.launch import run as run_module
+    from tests.circuits.test_circuit_runs import args_of
+
+    root = tmp_path / "lm"
+    build("llama").save_pretrained(root / "llama")
+    p = pairs(50, n=3, length=6, seed=4)
+    torch.save({"clean_ids": p["input_ids"], "corrupt_ids": p["corrupt_ids"],
+                "answer": p["answer"][:, 0], "wrong": p["wrong"][:, 0]}, root / "pairs.pt")  # fmt: skip
+    args = args_of(root, "llama", "circuit.ablation=zero", "circuit.sizes=[]")
+    run_module.run(make_cfg(*args, "circuit.method=[halved_eap,eap]"), run_dir=tmp_path / "run")
+    table = pd.read_csv(tmp_path / "run" / "circuit.csv").set_index(["method", "edge"])["score"]
+    np.testing.assert_allclose(table["halved_eap"], table["eap"] / 2, rtol=1e-12)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the method's name was checked")
+
+    monkeypatch.setattr(run_module, "build_model", no_model)
+    with pytest.raises(ConfigError, match="circuit.method='nope' is unknown.*halved_eap"):
+        run_module.run(make_cfg(*args, "circuit.method=[nope]"), run_dir=tmp_path / "bad")
