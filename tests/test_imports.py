@@ -1,7 +1,8 @@
 """The package's imports run one way: from launch down to models, never up, never in a circle.
 
 Every `import` of every module counts, those inside functions too (a lazy import is still a
-dependency); only `if TYPE_CHECKING:` blocks are left out. The core modules (config, plan,
+dependency) and those under `if TYPE_CHECKING:` (a type is a dependency too: a data type that
+names its consumers' types, or calls them, closes a loop with them). The core modules (config, plan,
 specs, choices, site_keys, errors, checks, model_checks, shared_checks, shipped, callable, layout,
 watch_options) import no stage; the entry points at the top (`__main__`, the `python -m` modules,
 a stage's own `__main__`) may import anything, and nothing imports them. `probe.testing` (what the tests and the benchmark scripts
@@ -50,16 +51,8 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text())
-    skipped = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
-    }
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("probe"))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("probe"):
@@ -185,11 +178,18 @@ def test_the_walk_finds_a_cycle_and_an_upward_import(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "models" / "a.py").write_text("def f():\n    from probe.launch import b\n")
     (pkg / "launch" / "b.py").write_text("from probe.models.a import f\n")
+    (pkg / "models" / "d.py").write_text("from probe.models.e import g\n")
+    (pkg / "models" / "e.py").write_text(  # a type-only import closes a loop too
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from probe.models.d import D\n"
+    )
     (pkg / "launch" / "c.py").write_text("from probe.gone import x\n")
     assert unresolved(pkg) == ["probe.launch.c imports probe.gone"]
     edges = graph(pkg)
     assert upward(edges) == ["probe.models.a imports probe.launch.b, a later stage"]
-    assert cycles(edges) == [["probe.launch.b", "probe.models.a", "probe.launch.b"]]
+    assert cycles(edges) == [
+        ["probe.launch.b", "probe.models.a", "probe.launch.b"],
+        ["probe.models.d", "probe.models.e", "probe.models.d"],
+    ]
 
 
 def test_every_package_is_installed():

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 
 from probe.errors import ConfigError
-from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.replacement import LocalReplacement, check_interface
 from probe.hooks.hookset import HookSet
 from probe.models.transcoder import TranscoderSet

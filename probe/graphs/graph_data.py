@@ -16,7 +16,6 @@ at the node's position, or the logit's token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -38,9 +37,11 @@ KINDS = ("feature", "error", "token", "logit")
 
 
 @dataclass
-class AttributionGraph:
-    """An attributed graph; `influence`, `node_kept`, `edge_kept` and the two scores are filled
-    by pruning (probe.graphs.pruning)."""
+class GraphData:
+    """An attributed graph's data; `influence`, `node_kept`, `edge_kept` and the two scores are
+    filled by pruning (probe.graphs.pruning). What is done with it (pruning, files, the viewer's
+    JSON) takes it from the modules that do it, never from here: probe.graphs.attribution_graph's
+    AttributionGraph gathers them as methods."""
 
     tokens: torch.Tensor  # (n_pos,) int64, the prompt's token ids
     token_strings: list[str]
@@ -62,13 +63,6 @@ class AttributionGraph:
     node_kept: torch.Tensor | None = None  # (n_nodes,) bool
     edge_kept: torch.Tensor | None = None  # (nnz,) bool, aligned with adjacency's indices
     scores: dict[str, float] = field(default_factory=dict)  # replacement, completeness
-
-    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> AttributionGraph:
-        """Fill the pruning fields (influence, cumulative, node_kept, edge_kept, scores) by
-        probe.graphs.pruning.prune; returns self."""
-        from probe.graphs.pruning import prune
-
-        return prune(self, node_threshold, edge_threshold)
 
     @property
     def n_pos(self) -> int:
@@ -141,17 +135,3 @@ class AttributionGraph:
         )
         table = pd.DataFrame({"target": target, "source": source, "weight": weight, "kept": kept})
         return table[table["kept"]].reset_index(drop=True) if kept_only else table
-
-    def save(self, path) -> Path:
-        """This graph in a new HDF5 file at `path` (the /graph layout of probe.graphs.graph_h5);
-        `probe.graphs.graph_files.load_graph(path)` reads it back. Returns the path."""
-        from probe.graphs.graph_h5 import write_graph
-
-        return write_graph(self, path)
-
-    def to_json(self, path, slug: str | None = None, **options) -> Path:
-        """This graph as circuit-tracer's frontend JSON at `path` (slug: the file's stem; options:
-        scan, node_threshold, clerps), by probe.graphs.graph_json.to_json. Returns the path."""
-        from probe.graphs.graph_json import to_json
-
-        return to_json(self, path, slug, **options)

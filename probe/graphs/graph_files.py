@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from probe.errors import DataError
-from probe.graphs.graph_data import KINDS, AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
+from probe.graphs.graph_data import KINDS
 from probe.graphs.graph_h5 import graph_group, graph_path, prompt_rows, write_graph
 from probe.store.groups import read_columns
 

@@ -20,14 +20,12 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from probe.errors import ConfigError
-
-if TYPE_CHECKING:
-    from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.graph_data import GraphData
+from probe.graphs.pruning import prune
 
 log = logging.getLogger("probe")
 
@@ -46,7 +44,7 @@ def cantor_pairing(x: int, y: int) -> int:
     return (x + y) * (x + y + 1) // 2 + y
 
 
-def scan_of(graph: AttributionGraph, scan: str | list[str] | None) -> tuple[str, list[str]]:
+def scan_of(graph: GraphData, scan: str | list[str] | None) -> tuple[str, list[str]]:
     """(metadata.scan, metadata.transcoder_list): a named scan as it is; a list of transcoder
     ids as circuit-tracer names it, `custom-<number>` (a stable hash of the ids joined by "-")
     with the list; no scan at all: `custom` and an empty list."""
@@ -60,14 +58,14 @@ def scan_of(graph: AttributionGraph, scan: str | list[str] | None) -> tuple[str,
     return f"custom-{digest}", ids
 
 
-def pruned_copy(graph: AttributionGraph) -> AttributionGraph:
+def pruned_copy(graph: GraphData) -> GraphData:
     """`graph` itself when pruned; else a copy pruned at circuit-tracer's defaults (0.8, 0.98)."""
     if graph.node_kept is not None and graph.edge_kept is not None:
         return graph
-    return dataclasses.replace(graph).prune()
+    return prune(dataclasses.replace(graph))
 
 
-def json_nodes(graph: AttributionGraph) -> dict[int, dict]:
+def json_nodes(graph: GraphData) -> dict[int, dict]:
     """{node number: the node's JSON} of the nodes pruning kept, in node order."""
     graph = pruned_copy(graph)
     kept = graph.node_kept.nonzero().flatten().tolist()
@@ -119,7 +117,7 @@ def _with_defaults(node: dict) -> dict:
 
 
 def graph_model(
-    graph: AttributionGraph,
+    graph: GraphData,
     slug: str,
     *,
     scan: str | list[str] | None = None,
@@ -181,7 +179,7 @@ def _warn_collisions(nodes: dict[int, dict], slug: str) -> None:
         seen[node["node_id"]] = i
 
 
-def to_json(graph: AttributionGraph, path: str | Path, slug: str | None = None, **options) -> Path:
+def to_json(graph: GraphData, path: str | Path, slug: str | None = None, **options) -> Path:
     """`graph_model(graph, slug, **options)` written to `path` (slug: the file's stem).
     Returns the path."""
     path = Path(path)
@@ -191,7 +189,7 @@ def to_json(graph: AttributionGraph, path: str | Path, slug: str | None = None, 
     return path
 
 
-def write_graph_json(graph: AttributionGraph, folder: str | Path, slug: str, **options) -> Path:
+def write_graph_json(graph: GraphData, folder: str | Path, slug: str, **options) -> Path:
     """`folder/<slug>.json` and its entry (the metadata) in `folder/graph-metadata.json`, the
     index circuit-tracer's viewer lists (an entry of the same slug replaced), so
     `circuit_tracer.frontend.local_server.serve(folder)` opens it. Returns the JSON's path."""

@@ -24,7 +24,7 @@ import torch
 
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute, token_ids
-from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
 from probe.models.transcoder import TranscoderSet
 from probe.models.transcoder_files import load_transcoders
 

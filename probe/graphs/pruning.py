@@ -14,14 +14,14 @@ normalised inputs that come from non-error nodes. All in float64.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 
 from probe.errors import ConfigError
+from probe.graphs.graph_data import GraphData
 
-if TYPE_CHECKING:
-    from probe.graphs.graph_data import AttributionGraph
+G = TypeVar("G", bound=GraphData)  # the graph given is the graph returned
 
 
 def _check(name: str, value) -> float:
@@ -71,21 +71,19 @@ def find_threshold(scores: torch.Tensor, threshold: float, length: int | None = 
     return float(ordered[index]) if index < ordered.numel() else 0.0
 
 
-def _logit_weights(graph: AttributionGraph) -> torch.Tensor:
+def _logit_weights(graph: GraphData) -> torch.Tensor:
     w = torch.zeros(graph.n_nodes, dtype=torch.float64)
     w[graph.n_nodes - graph.n_logits :] = graph.logit_probs.double().cpu()
     return w
 
 
-def _coo(graph: AttributionGraph):
+def _coo(graph: GraphData):
     a = graph.adjacency.coalesce()
     rows, cols = a.indices().cpu()
     return rows, cols, a.values().cpu()  # float32: _Sparse keeps only the float64 norm
 
 
-def prune(
-    graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: float = 0.98
-) -> AttributionGraph:
+def prune(graph: G, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> G:
     """`graph` with `influence`, `cumulative`, `node_kept`, `edge_kept` and `scores` filled (the
     same object, returned)."""
     node_threshold = _check("node_threshold", node_threshold)
@@ -133,7 +131,7 @@ def prune(
 
 
 def graph_scores(
-    graph: AttributionGraph,
+    graph: GraphData,
     full: _Sparse | None = None,
     influence: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,

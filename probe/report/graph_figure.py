@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
 
 GRAPH_FIGURES = 3  # prompts drawn by python -m probe.plot and shown in report.html
 TOP_EDGES = 150

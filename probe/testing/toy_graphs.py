@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
 
 
 def toy_graph(tokens: torch.Tensor, n_layers: int = 2, vocab: int = 40, density: float = 0.3,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from probe.errors import ConfigError
-from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.pruning import prune
 from probe.testing.peers import circuit_tracer_source
 

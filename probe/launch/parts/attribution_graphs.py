@@ -27,7 +27,7 @@ import torch
 from probe.data.text import TOKENIZER_FILES
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute
-from probe.graphs.graph_data import AttributionGraph
+from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.graph_h5 import GRAPH, append_graph
 from probe.graphs.graph_tables import write_graph_tables
 from probe.graphs.pruning import prune
