@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import runpy
 import stat
 import subprocess
 import sys
@@ -15,26 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from probe.testing.tutorials import script_of
 from tests.helpers import ROOT
 
 TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
-BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 FIGURE = re.compile(r"`(outputs/[\w./-]+\.png)`")  # a figure the text promises
 TIMEOUT_S = 300  # each takes well under a minute of one core; this is a guard against hangs
-
-
-def script_of(text: str) -> str:
-    """One Python script running the tutorial's blocks in order: python blocks as they are, each
-    bash block of `python -m probe` commands through bash (`python` being this interpreter)."""
-    parts = []
-    for lang, body in BLOCK.findall(text):
-        if lang == "python":
-            parts.append(body)
-        elif re.search(r"^python -m probe", body, re.MULTILINE):
-            parts.append(
-                f"import subprocess\nsubprocess.run(['bash', '-euc', {body!r}], check=True)\n"
-            )
-    return "\n".join(parts)
 
 
 def interpreter_dir(tmp_path: Path) -> Path:
@@ -76,12 +61,3 @@ def test_the_tutorial_runs_as_written_and_draws_its_figures(path, tmp_path):
     missing = [f for f in figures if not (work / f).is_file()]
     assert missing == []
     assert all((work / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figures)
-
-
-def test_the_docs_figures_script_runs_the_tutorials_as_this_test_does():
-    """scripts/plot_docs.py draws the tutorials' figures for docs/images/ by running their blocks
-    with its own copy of `script_of` (scripts import nothing from the tests): the same program."""
-    copied = runpy.run_path(str(ROOT / "scripts" / "plot_docs.py"))["script_of"]
-    for path in TUTORIALS:
-        text = path.read_text()
-        assert copied(text) == script_of(text), path.name

@@ -12,8 +12,8 @@ from probe.circuits.context import BatchContext
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute, score_batch
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
+from probe.testing.toy_circuits import pairs
 from tests.circuits.test_hand import build
-from tests.circuits.toy import pairs
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.models.build import build_model
 from probe.store.pass_state import PassState
+from probe.testing.toy_circuits import pairs
 from tests.circuits.test_hand import build
-from tests.circuits.toy import pairs
 from tests.helpers import cli, make_cfg
 
 

@@ -14,8 +14,8 @@ from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation
 from probe.errors import ConfigError
+from probe.testing.toy_circuits import Toy, ToyBlock, overrides, pairs
 from tests.circuits.test_hand import build
-from tests.circuits.toy import Toy, ToyBlock, overrides, pairs
 
 
 def enumerate_edges(layers, heads, kv, parallel):

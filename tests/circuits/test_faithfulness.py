@@ -28,9 +28,10 @@ from probe.circuits.faithfulness import Curve, areas, faithfulness, plan
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.errors import ConfigError
+from probe.testing.toy_circuits import HEADS, overrides, pairs, planted
+from probe.testing.toy_circuits import ROUTE_EDGES as EDGES
+from probe.testing.toy_circuits import planted_pairs as batch
 from tests.circuits.test_hand import build
-from tests.circuits.test_planted import EDGES, HEADS, batch, planted
-from tests.circuits.toy import overrides, pairs
 
 # One layer of one head: 8 edges. Written as a table by hand.
 TABLE = {

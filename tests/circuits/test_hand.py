@@ -14,8 +14,8 @@ from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
 from probe.testing.tiny_lms import tiny_config
+from probe.testing.toy_circuits import pairs
 from tests.circuits.hand import Hand
-from tests.circuits.toy import pairs
 
 
 def build(family: str):

@@ -12,8 +12,8 @@ from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.errors import ModelError
 from probe.testing.models import assert_no_hooks, registrations
+from probe.testing.toy_circuits import pairs
 from tests.circuits.test_hand import build
-from tests.circuits.toy import pairs
 
 METHODS = ["eap", "exact"]
 

@@ -12,7 +12,7 @@ from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.circuits.states import mean_states
 from probe.circuits.task import Ablation
-from tests.circuits.toy import Toy, overrides, pairs
+from probe.testing.toy_circuits import Toy, overrides, pairs
 
 
 @pytest.fixture(scope="module")

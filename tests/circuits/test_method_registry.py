@@ -18,8 +18,8 @@ from probe.circuits.scores import (
     register_method,
 )
 from probe.errors import ConfigError
+from probe.testing.toy_circuits import pairs
 from tests.circuits.test_hand import build
-from tests.circuits.toy import pairs
 from tests.helpers import make_cfg
 
 

@@ -16,9 +16,9 @@ import pytest
 from probe.circuits.parts import parts_of
 from probe.circuits.scores import attribute
 from probe.testing.peers import bridge, edge_scores
+from probe.testing.toy_circuits import pairs
 from tests.circuits.hand import logit_diff
 from tests.circuits.test_hand import build
-from tests.circuits.toy import pairs
 
 # (importorskip's own reason, "could not import": device_check.py reads it as a missing library)
 pytest.importorskip("transformer_lens")

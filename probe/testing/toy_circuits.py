@@ -1,5 +1,5 @@
-"""A small transformer of its own family for the circuit tests, described to probe by
-`model.anatomy` keys (OVERRIDES): `frozen=True` makes it linear in its residual stream (attention
+"""A small transformer of its own family for the circuit tests and the docs' figures, described
+to probe by `model.anatomy` keys (OVERRIDES): `frozen=True` makes it linear in its residual stream (attention
 patterns fixed, identity norms, a linear MLP), so that every answer metric linear in the logits is
 linear in every receiver's input."""
 
@@ -96,3 +96,53 @@ def pairs(vocab: int, n: int = 4, length: int = 5, seed: int = 1, at=(1, 3)) -> 
         "answer": torch.randint(0, vocab, (n, 1), generator=g),
         "wrong": torch.randint(0, vocab, (n, 1), generator=g),
     }
+
+
+# -- a planted circuit: the answer carried through three chosen heads -----------------------------
+VOCAB, WIDTH, HEADS, DH = 12, 32, 4, 8
+S1, S2, S3, JUNK = slice(12, 16), slice(16, 20), slice(20, 24), slice(24, 32)
+ROUTE = [(0, 1), (1, 2), (2, 0)]  # (layer, head): a0.h1 -> a1.h2 -> a2.h0
+ROUTE_EDGES = ["input->a0.h1<v>", "a0.h1->a1.h2<v>", "a1.h2->a2.h0<v>", "a2.h0->logits"]
+
+
+def planted() -> Toy:
+    """A 3-layer, 4-head Toy whose weights carry the answer (the token at position 0) through
+    the ROUTE heads, each moving it into the next one's value input, while every other head and
+    MLP reads and writes a subspace the answer never touches."""
+    model = Toy(VOCAB, WIDTH, layers=3, heads=HEADS, norms=False, seed=3)
+    g = torch.Generator().manual_seed(5)
+    junk = lambda *shape: torch.randn(*shape, generator=g) * 0.5  # noqa: E731
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.embed.weight[:, :VOCAB] = torch.eye(VOCAB)
+        model.pos.weight[:, JUNK] = junk(16, 8)
+        sources = {0: slice(0, 4), 1: S1, 2: S2}
+        targets = {0: S1, 1: S2, 2: S3}
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            for h in range(HEADS):
+                cols = slice(h * DH, (h + 1) * DH)
+                attn.q.weight[cols, JUNK], attn.k.weight[cols, JUNK] = junk(8, 8), junk(8, 8)
+                if (layer, h) in ROUTE:  # the value copies the previous step's subspace on
+                    attn.v.weight[cols.start : cols.start + 4, sources[layer]] = torch.eye(4)
+                    attn.o.weight[targets[layer], cols.start : cols.start + 4] = torch.eye(4)
+                else:
+                    attn.v.weight[cols, JUNK], attn.o.weight[JUNK, cols] = junk(8, 8), junk(8, 8)
+            block.mlp[0].weight[:, JUNK], block.mlp[2].weight[JUNK] = junk(64, 8), junk(8, 64)
+        model.head.weight[:4, S3] = torch.eye(4)
+    return model
+
+
+def planted_pairs() -> dict:
+    """6 pairs of 5 tokens for `planted`: the answer at position 0 of the clean half, a wrong
+    one there in the corrupt half."""
+    g = torch.Generator().manual_seed(2)
+    clean = torch.randint(4, VOCAB, (6, 5), generator=g)
+    answer = torch.randint(0, 4, (6,), generator=g)
+    wrong = (answer + torch.randint(1, 4, (6,), generator=g)) % 4
+    clean[:, 0] = answer
+    corrupt = clean.clone()
+    corrupt[:, 0] = wrong
+    return {"input_ids": clean, "corrupt_ids": corrupt, "answer": answer[:, None],
+            "wrong": wrong[:, None]}  # fmt: skip
