@@ -219,7 +219,7 @@ def heatmap(
     return True
 
 
-# -- tables and figures of runs (`probe.analysis.streamed_analyses.RunFeatures`) ------------------------------------
+# -- tables and figures of runs (`probe.analysis.streamed_analyses.RunColumns`) ------------------------------------
 
 
 def _pairs_table(left, right, pairs, values, usable) -> list[dict]:

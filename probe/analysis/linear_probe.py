@@ -192,7 +192,7 @@ def probe_layer(
 
 def run_table(rf) -> pd.DataFrame | None:
     """One row per (layer, site) of a run's sample-row features
-    (`probe.analysis.streamed_analyses.RunFeatures`): held-out accuracy and loss of a ridge probe (and of
+    (`probe.analysis.streamed_analyses.RunColumns`): held-out accuracy and loss of a ridge probe (and of
     an MLP with --probe mlp); None when the run has no class targets. (Control tasks are defined
     over word types: token rows, probe.analysis.token_probe.)"""
     if rf.targets is None:

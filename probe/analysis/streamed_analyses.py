@@ -86,8 +86,9 @@ class Item:
 
 
 @dataclass
-class RunFeatures:
-    """Every sample-row (layer, site) of one run as features per sample, in a scratch file."""
+class RunColumns:
+    """Every sample-row (layer, site) of one run as columns per sample (the inputs of probes and
+    CKA), in a scratch file."""
 
     path: Path
     options: Options
@@ -220,7 +221,7 @@ def _write_all(fd: int, array: np.ndarray) -> None:
         view = view[os.write(fd, view) :]
 
 
-def linear_table(rf: RunFeatures) -> pd.DataFrame | None:
+def linear_table(rf: RunColumns) -> pd.DataFrame | None:
     """The probes of the sample rows (with /samples/target) and of the token rows (with
     /tokens/label) in one table; None when neither has labels."""
     tables = [t for t in [run_table(rf)] if t is not None]
@@ -241,14 +242,14 @@ def linear_table(rf: RunFeatures) -> pd.DataFrame | None:
 # -- runs and sweeps ---------------------------------------------------------------------------
 def analyze_run(path: Path, what: set[str], options: Options) -> dict[str, pd.DataFrame]:
     """Write linear_probes.csv and/or cka.csv (+ cka.png) beside the run's summary.csv."""
-    rf = RunFeatures(path, options)
+    rf = RunColumns(path, options)
     try:
         return _write_run(rf, what)
     finally:
         rf.close()
 
 
-def _write_run(rf: RunFeatures, what: set[str]) -> dict[str, pd.DataFrame]:
+def _write_run(rf: RunColumns, what: set[str]) -> dict[str, pd.DataFrame]:
     out = {}
     if "linear" in what and (table := linear_table(rf)) is not None:
         write_table(table, rf.path / "linear_probes")
@@ -266,12 +267,12 @@ def _write_run(rf: RunFeatures, what: set[str]) -> dict[str, pd.DataFrame]:
 def analyze_sweep(path: Path, what: set[str], options: Options) -> dict[str, pd.DataFrame]:
     """Every run's tables, and at the sweep's root one linear table (run and override columns)
     and one table of CKA between the same (layer, site) of every two runs."""
-    runs: list[RunFeatures] = []
+    runs: list[RunColumns] = []
     linear: list[pd.DataFrame] = []
     try:
         for run_dir in sweep_runs(path):
             try:
-                rf = RunFeatures(run_dir, options)
+                rf = RunColumns(run_dir, options)
             except (DataError, OSError) as e:
                 log.warning("%s: not analysed (%s)", run_dir, e)
                 continue

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import probe
 from probe.analysis.cka import CountSketch, Features, cka_pairs, linear_cka, sketch_seed
 from probe.analysis.linear_probe import RidgeFit, split
-from probe.analysis.streamed_analyses import Options, RunFeatures, analyze
+from probe.analysis.streamed_analyses import Options, RunColumns, analyze
 from probe.store.runfile import open_probe_file
 from tests.helpers import ROOT, cli
 
@@ -290,7 +290,7 @@ def test_rows_with_nan_are_left_out(planted_run, tmp_path):
     (run / "probe.h5").write_bytes((planted_run / "probe.h5").read_bytes())
     with h5py.File(run / "probe.h5", "r+") as f:
         f["layers/destroy/output"][10, 4, 0, 0] = np.nan
-    rf = RunFeatures(run, Options())
+    rf = RunColumns(run, Options())
     try:
         usable = rf.usable
         assert not usable[10] and usable.sum() == N - 1
