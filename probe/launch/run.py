@@ -22,7 +22,6 @@ from probe.config import BACKWARD_SITES, GRAD_EDIT_SITES
 from probe.data.batches import build_batches, check_token_data
 from probe.data.provenance import describe as describe_dataset
 from probe.errors import ConfigError
-from probe.hooks import nonfinite
 from probe.hooks.capture import Capture
 from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
@@ -32,7 +31,6 @@ from probe.launch import distributed, size_plan
 from probe.launch.batch import Prepared, run_batch, samples_only
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.launch.parts import PARTS
-from probe.launch.parts.statistics import Statistics
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.models import placement
@@ -254,7 +252,6 @@ def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> 
     forward = needs_forward(setup, parts)
     keep_values = plan.store.mode == "full"
     capture = Capture(setup.selections, setup.shard.samples.start, keep_values)
-    fail_on_nonfinite = plan.options.fail_on_nonfinite  # read once
     batches = setup.batches
     with contextlib.ExitStack() as hooks:
         if forward:  # what changes the model's values, then what records them, then the rest
@@ -274,8 +271,8 @@ def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> 
             if index == 0:
                 size_plan.announce(record, batches, setup.selections, plan.store, setup.shard)
             sink.put(record)
-            if fail_on_nonfinite:
-                nonfinite.check_batch(record, record.outputs.folds.get(Statistics.name, {}))
+            for part in parts:
+                part.handed(record)
             if stop.requested is not None:
                 break
     # a signal during the last batch stops nothing: the run is whole, so it says so
@@ -299,8 +296,6 @@ def _finish(parts: list[RunPart], done: Finished, sink: Sink) -> RunResult:
     file: summary.csv, none when no probe was asked for or stats.during=none; the lens's, the
     edits', the circuit's tables), the log's summary."""
     shard, h5_path = done.shard, done.h5_path
-    if done.counted:
-        nonfinite.report(sink.datasets.values())
     after = [kind for part in parts for kind in part.after]
     datasets = distributed.finish(shard, h5_path, sink.datasets, after)
     if datasets is None:  # a rank other than 0 under torchrun: rank 0 writes the run's files

@@ -8,7 +8,8 @@ SAE splices, a lens, circuits, attribution graphs) checks what the plan alone ca
 data; the config's own checks stay in probe.plan's parse), set up per run by `start`, attaches
 what it keeps to the sink in `open`, enters `edits` (before the capture's hooks) and `loop`
 (after them) around the batches, works
-on each batch in `before_forward` and `after_forward`, makes its pass over the batches again in
+on each batch in `before_forward` and `after_forward` (and `handed`, once the sink has the
+batch), makes its pass over the batches again in
 `after_loop` (every rank, the file still open), and writes its tables in `finish` (the rank that
 writes the run's tables). The run reads the parts from a registry (probe.launch.parts) and loops
 over those the plan asks for.
@@ -28,6 +29,7 @@ import torch
 from probe.hooks.capture import Capture
 from probe.hooks.module_select import Selection
 from probe.hooks.objective import Objective
+from probe.hooks.record import Record
 from probe.hooks.step_context import StepContext
 from probe.intervene.edits import Edit
 from probe.launch.distributed import Shard
@@ -132,6 +134,10 @@ class RunPart:
     def after_forward(self, ctx: StepContext) -> None:
         """After the forward (and backward): its rows into `ctx.outputs`, its captures into
         `ctx.captured`, more passes with the hooks idle."""
+
+    def handed(self, record: Record) -> None:
+        """The batch's record is in the sink's hands (its rows are kept, whatever follows):
+        checks of what it holds."""
 
     def after_loop(self, replay: Replay, sink: Sink) -> None:
         """Every rank, the loop whole, the file open: a pass over the run's batches again

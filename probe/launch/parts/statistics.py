@@ -12,8 +12,10 @@ import logging
 import pandas as pd
 import torch
 
+from probe.hooks import nonfinite
 from probe.hooks.capture import BatchCapture, Capture, Key
 from probe.hooks.module_select import Selection
+from probe.hooks.record import Record
 from probe.hooks.step_context import StepContext
 from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.stats import backend
@@ -30,8 +32,9 @@ class Statistics(RunPart):
     name = "statistics"
 
     def __init__(self, during: str, backend_name: str, module_types: dict[str, str],
-                 selected: bool) -> None:  # fmt: skip
+                 selected: bool, fail_on_nonfinite: bool = False) -> None:  # fmt: skip
         self.during, self.module_types, self.selected = during, module_types, selected
+        self.fail_on_nonfinite = fail_on_nonfinite
         self.cpu = backend.observer(backend_name)  # a CPU value's reduction (numba or torch)
         self.gpu = backend.TorchStats()  # a GPU value's, queued on its device
         self.bounds: dict[Key, tuple[float, float] | None] = {}  # by capture
@@ -40,7 +43,9 @@ class Statistics(RunPart):
     @classmethod
     def prepare(cls, setup: RunSetup) -> Statistics:
         types = {s.name: s.module_type for s in setup.selections}
-        return cls(setup.plan.stats.during, setup.stats_backend, types, bool(setup.selections))
+        plan = setup.plan
+        return cls(plan.stats.during, setup.stats_backend, types, bool(setup.selections),
+                   plan.options.fail_on_nonfinite)  # fmt: skip
 
     def per_batch(self) -> bool:
         return self.selected
@@ -71,6 +76,12 @@ class Statistics(RunPart):
             self.partials[key] = self.reduce(key, t, 1)
         ctx.outputs.folds[self.name] = self.partials
 
+    def handed(self, record: Record) -> None:
+        """fail_on_nonfinite: the batch's first capture holding NaN or Inf named (the batch
+        written: it is there to inspect)."""
+        if self.fail_on_nonfinite:
+            nonfinite.check_batch(record, record.outputs.folds.get(self.name, {}))
+
     def reduce(self, key: Key, value: torch.Tensor, axis: int):
         """One capture's statistics of this batch, on its device (the one place they are
         taken)."""
@@ -91,6 +102,7 @@ class Statistics(RunPart):
                 done.run_dir,
             )
             return
+        nonfinite.report(done.datasets or [])
         if not plan.probes:  # (probes=none asks for no layer: no table of them)
             return
         done.summary.to_csv(done.run_dir / "summary.csv", index=False)
