@@ -236,12 +236,14 @@ class SignalsItselfLM(TinyLM):
         return super().forward(input_ids, attention_mask)
 
 
-SIGNAL_AT: list[int | None] = [None]  # forward call at which signalling_lm sends SIGINT
+SIGNAL_AT: list[int | None] = [None]  # forward call at which signalling_lm sends SIGNAL[0]
+SIGNAL: list[int] = [signal.SIGINT]  # (SIGKILL: a kill no handler sees)
 
 
 def signalling_lm(path: str) -> nn.Module:
-    """A transformers causal LM loaded from `path` that sends SIGINT to its own process on forward
-    call SIGNAL_AT[0] (a run's every forward counts: a grid's source, target and cells)."""
+    """A transformers causal LM loaded from `path` that sends SIGNAL[0] (SIGINT) to its own
+    process on forward call SIGNAL_AT[0] (a run's every forward counts: a grid's source, target
+    and cells)."""
     from transformers import AutoModelForCausalLM
 
     from probe.hooks.hookset import HookSet
@@ -251,7 +253,7 @@ def signalling_lm(path: str) -> nn.Module:
 
     def count(module, args, kwargs):
         if calls[0] == SIGNAL_AT[0]:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), SIGNAL[0])
         calls[0] += 1
 
     HookSet("signal").forward_pre(model, count, with_kwargs=True)  # (held for the model's life)

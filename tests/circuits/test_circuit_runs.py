@@ -7,6 +7,9 @@ into one table, and bad input named."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -26,10 +29,13 @@ from probe.errors import ConfigError
 from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.models.build import build_model
+from probe.store.fileformat import read_progress
 from probe.store.pass_state import PassState
+from probe.store.runfile import open_probe_file
+from probe.testing.compose import QUIET
 from probe.testing.toy_circuits import pairs
 from tests.circuits.test_hand import build
-from tests.helpers import cli, make_cfg
+from tests.helpers import ROOT, cli, make_cfg
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +156,49 @@ def test_a_run_stopped_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, l
         SIGNAL_AT[0] = None
     again = [pd.read_csv(tmp_path / d / "circuit.csv") for d in ("part", "whole")]
     pd.testing.assert_frame_equal(*again)
+
+
+KILLED = """
+import signal, sys
+from probe.__main__ import main
+from probe.testing import models
+models.SIGNAL_AT[0], models.SIGNAL[0] = 5, signal.SIGKILL  # in the pass's scoring
+sys.argv = ["probe", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_run_killed_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, llama):
+    """SIGKILL in the circuit pass's scoring: the file keeps the sums of the batches scored
+    before and says it is not complete; resume=true continues after them, to the uninterrupted
+    run's /circuit and tables."""
+    from tests.launch.test_distributed import ONE_THREAD
+
+    model = ["model=custom", "model._target_=probe.testing.models.signalling_lm",
+             f"+model.kwargs.path={llama / 'llama'}"]  # fmt: skip
+    args = [*args_of(llama, "llama", "circuit.method=[eap]", "circuit.sizes=[10,50]")[3:], *model]
+    run(make_cfg(*args), run_dir=tmp_path / "whole")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    env = {**ONE_THREAD, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script), *QUIET, *args, f"hydra.run.dir={tmp_path / 'part'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    with open_probe_file(tmp_path / "part" / "probe.h5") as f:  # (a killed writer's file)
+        state = PassState(f, "circuit").load()
+        assert not read_progress(f).complete
+    assert state is not None and 1 <= state["scored"] < 3  # (some batches scored, not all)
+    run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
+    with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(tmp_path / "whole" / "probe.h5") as b:  # fmt: skip
+        assert "passes" not in a and a.attrs["complete"]
+        for name in ("edge_sum", "edge_sumsq", "node_sum", "scores", "faithfulness/metric"):
+            np.testing.assert_array_equal(a[f"circuit/eap/{name}"][:], b[f"circuit/eap/{name}"][:])
+    for name in ("circuit.csv", "faithfulness.csv", "circuit_areas.csv"):
+        pd.testing.assert_frame_equal(
+            *(pd.read_csv(tmp_path / d / name) for d in ("part", "whole"))
+        )
 
 
 def test_mean_ablation_over_the_pairs_and_from_an_earlier_run(tmp_path, llama):

@@ -262,6 +262,56 @@ def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, 
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+KILLED_AT_THE_THIRD = STAND_IN.replace(
+    "ag.attribute_prompt = lambda model, tokens, *rest: toy_graph(tokens)",
+    """seen = []
+
+
+def attribute(model, tokens, *rest):
+    seen.append(tokens)
+    if len(seen) == 3:  # SIGKILL while the third prompt is attributed: no handler runs
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    return toy_graph(tokens)
+
+
+ag.attribute_prompt = attribute""",
+)
+
+
+def test_a_run_killed_in_its_graphs_resumes_to_the_files_of_an_uninterrupted_one(
+    cli_here, tiny_gpt2, prompts, stand_in, tmp_path
+):
+    """SIGKILL mid-pass: the file keeps the two whole prompts (it opens, /graph cut to them on
+    resume) and says it is not complete; resume=true computes the other three, and the files
+    equal an uninterrupted run's."""
+    root, tokens = prompts
+    args = graph_args(tiny_gpt2, root)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert cli_here(*args, run_dir=whole)[0] == 0
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AT_THE_THIRD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(
+        [sys.executable, str(script), *QUIET, *args, f"hydra.run.dir={cut}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    stand_in.clear()
+    code, text = cli_here(*args, "resume=true", run_dir=cut)
+    assert code == 0, text
+    assert stand_in == [t.tolist() for t in tokens[2:]]  # the two whole prompts are not redone
+    for name in FILES:
+        pd.testing.assert_frame_equal(read(cut, name), read(whole, name))
+    a, b = graph_file(whole), graph_file(cut)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    with h5py.File(cut / "probe.h5") as f:
+        assert f.attrs["complete"] and f["graph"].attrs["complete"]
+
+
 def named_transcoders(width: int = 32):
     """A random transcoder set for the tiny GPT-2 (2 blocks, as many features as its width),
     its transcoders named tc0 and tc1."""
