@@ -25,7 +25,12 @@ class CheckpointError(ProbeError, OSError):
 
 
 class WriteError(ProbeError, OSError):
-    """The output file could not be written (unwritable directory, disk full)."""
+    """The output file could not be written (unwritable directory, disk full).
+
+    `hdf5_unclosed`: HDF5 still holds the file open (a failed flush it retries, and crashes on,
+    at exit: probe.__main__ ends the process without that exit)."""
+
+    hdf5_unclosed: bool = False
 
 
 class ModelError(ProbeError, RuntimeError):

@@ -17,7 +17,7 @@ patched forward for `exact`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,24 +36,35 @@ from probe.shared_checks import check_exact, check_steps, circuit_methods
 STEPS = 5
 
 
-@dataclass
+@dataclass(init=False)
 class EdgeScores:
     """One method's scores: per edge and per sender, sums and sums of squares over samples (of
-    each sample's score) and the number of samples."""
+    each sample's score) and the number of samples (sums not given start at zero)."""
 
     graph: ComponentGraph
     method: str
-    edge_sum: np.ndarray = field(default=None)
-    edge_sumsq: np.ndarray = field(default=None)
-    node_sum: np.ndarray = field(default=None)
-    node_sumsq: np.ndarray = field(default=None)
-    count: int = 0
+    edge_sum: np.ndarray
+    edge_sumsq: np.ndarray
+    node_sum: np.ndarray
+    node_sumsq: np.ndarray
+    count: int
 
-    def __post_init__(self):
-        e, s = self.graph.n_edges, self.graph.n_senders
-        for name, size in (("edge_sum", e), ("edge_sumsq", e), ("node_sum", s), ("node_sumsq", s)):
-            if getattr(self, name) is None:
-                setattr(self, name, np.zeros(size))
+    def __init__(
+        self,
+        graph: ComponentGraph,
+        method: str,
+        edge_sum: np.ndarray | None = None,
+        edge_sumsq: np.ndarray | None = None,
+        node_sum: np.ndarray | None = None,
+        node_sumsq: np.ndarray | None = None,
+        count: int = 0,
+    ) -> None:
+        e, s = graph.n_edges, graph.n_senders
+        self.graph, self.method, self.count = graph, method, count
+        self.edge_sum = np.zeros(e) if edge_sum is None else edge_sum
+        self.edge_sumsq = np.zeros(e) if edge_sumsq is None else edge_sumsq
+        self.node_sum = np.zeros(s) if node_sum is None else node_sum
+        self.node_sumsq = np.zeros(s) if node_sumsq is None else node_sumsq
 
     def add(self, edges: torch.Tensor, nodes: torch.Tensor) -> None:
         """Add per-sample scores: edges (N, E), nodes (N, S)."""
@@ -186,8 +197,9 @@ def check_graph(methods: Sequence[str], graph: ComponentGraph, options: ScoreOpt
     """Each method's refusal of `graph` before the first batch (`exact` over more edges than
     `circuit.max_exact`)."""
     for m in methods:
-        if METHODS[m].check is not None:
-            METHODS[m].check(graph, options)
+        check = METHODS[m].check
+        if check is not None:
+            check(graph, options)
 
 
 def score_batch(

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,32 @@ class Batch:
         if "input_ids" in inputs:
             return len(inputs["input_ids"])
         return len(next(v for v in inputs.values() if isinstance(v, torch.Tensor)))
+
+
+class RunBatches(Protocol):
+    """What a run reads of its batches (`OrderedBatches`, or a caller's:
+    probe.data.user_batches.UserBatches): the batches in order and how many there are, the
+    dataset behind them (a caller's: its DataLoader's, or None), the size of a full batch,
+    whether they bring targets, how many samples they hold (None: unknown before they are read),
+    and `skip` (a resumed run starts after the batches its file holds)."""
+
+    @property
+    def dataset(self) -> Dataset | None: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def has_targets(self) -> bool: ...
+
+    @property
+    def num_samples(self) -> int | None: ...
+
+    def skip(self, batches: int) -> None: ...
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def __len__(self) -> int: ...
 
 
 class SyntheticImages(Dataset):
@@ -91,7 +117,7 @@ class OrderedBatches:
     def num_samples(self) -> int:
         return _length(self.dataset)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         start = self.first
         for item in _loaded(self.loader, start, self.batch_size):
             if self.has_targets:

@@ -68,6 +68,8 @@ def pruned_copy(graph: GraphData) -> GraphData:
 def json_nodes(graph: GraphData) -> dict[int, dict]:
     """{node number: the node's JSON} of the nodes pruning kept, in node order."""
     graph = pruned_copy(graph)
+    if graph.node_kept is None:  # (pruned_copy's graph is pruned)
+        raise RuntimeError("a pruned graph without its kept nodes")
     kept = graph.node_kept.nonzero().flatten().tolist()
     influence = graph.cumulative if graph.cumulative is not None else graph.influence
     off = graph.offsets
@@ -96,8 +98,8 @@ def json_nodes(graph: GraphData) -> dict[int, dict]:
         else:
             k = i - off["logit"]
             vocab, prob = int(graph.logit_tokens[k]), float(graph.logit_probs[k])
-            layer = str(n_layers + 1)
-            node = {"node_id": f"{layer}_{vocab}_{last}", "feature": vocab, "layer": layer,
+            above = str(n_layers + 1)  # (the logits' layer: above the last)
+            node = {"node_id": f"{above}_{vocab}_{last}", "feature": vocab, "layer": above,
                     "ctx_idx": last, "feature_type": FEATURE_TYPES["logit"], "token_prob": prob,
                     "is_target_logit": k == 0, "jsNodeId": f"L_{vocab}-{last}",
                     "clerp": f'Output "{graph.logit_strings[k]}" (p={prob:.3f})'}  # fmt: skip
@@ -138,6 +140,8 @@ def graph_model(
     _warn_collisions(nodes, slug)
     a = graph.adjacency.coalesce()
     target, source = a.indices()
+    if graph.edge_kept is None:  # (pruned_copy's graph is pruned)
+        raise RuntimeError("a pruned graph without its kept edges")
     keep = graph.edge_kept.to(torch.bool)
     weights = a.values().double()[keep].tolist()
     links = [

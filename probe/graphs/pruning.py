@@ -77,7 +77,8 @@ def _logit_weights(graph: GraphData) -> torch.Tensor:
     return w
 
 
-def _coo(graph: GraphData):
+def _coo(graph: GraphData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, columns, values) of the graph's adjacency, on the CPU."""
     a = graph.adjacency.coalesce()
     rows, cols = a.indices().cpu()
     return rows, cols, a.values().cpu()  # float32: _Sparse keeps only the float64 norm

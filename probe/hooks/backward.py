@@ -7,6 +7,7 @@ probe.hooks.capture), so an in-place op after the module cannot move it onto ano
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,10 @@ def resolve_grads(batch, loss: torch.Tensor, selections: list[Selection]) -> dic
     inputs = edges + [p for _, _, p in params]
     if not inputs:
         return {}
+    grads: Sequence[torch.Tensor | None]  # (None: an input the objective does not reach)
     if loss.requires_grad:
-        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        # torch's stub takes a list of tensors or one of edges; autograd.grad takes them mixed
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # type: ignore[arg-type]
     else:  # every path to the objective was cut (e.g. a zeroed layer): all gradients are zero
         grads = (None,) * len(inputs)
     for a, slot in zip(explained, slots[len(batch.pending) :], strict=True):

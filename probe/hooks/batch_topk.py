@@ -8,10 +8,14 @@ probe.stats.topk merges these into the run's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from probe.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 POSITION_BITS = 20  # positions per sample: < 2**20 (tokens, a map's pixels)
 PER_QUANTILE = 5  # rows kept per quantile group
@@ -61,7 +65,9 @@ def priority(keys, units, seed: int):
     return (x.double() if hasattr(x, "double") else x) * (1.0 / (1 << 52))  # (torch: float64)
 
 
-def row_keys(value, axis: int, start: int, tokens, by_token: bool):
+def row_keys(
+    value, axis: int, start: int, tokens, by_token: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(values (units, M) float32, keys (M,) int64 ascending, valid (M,) bool or None) of one
     capture (a torch tensor): its rows and positions in row order; padding is not valid."""
     import torch
@@ -84,7 +90,7 @@ def row_keys(value, axis: int, start: int, tokens, by_token: bool):
     return _flat(x, base, inner) + (valid,)
 
 
-def stored_keys(value, axis: int, base):
+def stored_keys(value, axis: int, base) -> tuple[torch.Tensor, torch.Tensor, None]:
     """`row_keys` of stored rows whose first keys are known (`base`, one a row: from
     /samples/index or /tokens/sample and /tokens/position)."""
     x = value.movedim(axis, -1)
@@ -92,7 +98,7 @@ def stored_keys(value, axis: int, base):
     return _flat(x, base, inner) + (None,)
 
 
-def _flat(x, base, inner: int):
+def _flat(x, base, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     _check_positions(inner)

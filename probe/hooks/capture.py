@@ -205,7 +205,8 @@ class Capture:
 
     def _pre_hook(self, t: HookedModule):
         def hook(module, args):
-            if self.batch is None:
+            batch = self.batch
+            if batch is None:
                 return None
             call = self.in_calls[t.name]
             self.in_calls[t.name] += 1
@@ -216,6 +217,7 @@ class Capture:
                 )
             new = [
                 self._site(
+                    batch,
                     t,
                     a,
                     "" if len(args) == 1 else f".{i}",
@@ -234,15 +236,17 @@ class Capture:
 
     def _post_hook(self, t: HookedModule):
         def hook(module, args, output):
-            if self.batch is None:
+            batch = self.batch
+            if batch is None:
                 return None
             call = self.out_calls[t.name]
             self.out_calls[t.name] += 1
             if isinstance(output, torch.Tensor):  # most modules: no structure to walk
-                new = self._site(t, output, "", call, "output", "grad_output")
+                new = self._site(batch, t, output, "", call, "output", "grad_output")
                 return None if new is output else new
             new = replace_tensors(
-                output, lambda path, x: self._site(t, x, path, call, "output", "grad_output")
+                output,
+                lambda path, x: self._site(batch, t, x, path, call, "output", "grad_output"),
             )
             changed = any(
                 a is not b for (_, a), (_, b) in zip(flatten(new), flatten(output), strict=True)
@@ -253,6 +257,7 @@ class Capture:
 
     def _site(
         self,
+        batch: BatchCapture,
         t: HookedModule,
         x: torch.Tensor,
         path: str,
@@ -261,9 +266,8 @@ class Capture:
         grad_site: str,
         own_use: bool = False,
     ) -> torch.Tensor:
-        """Capture one tensor at one site (an edit there acted already); returns the tensor the
-        model goes on with."""
-        batch = self.batch
+        """Capture one tensor at one site (an edit there acted already) into `batch` (the one
+        begun); returns the tensor the model goes on with."""
         site_key = SiteKey(site, path, call)
         key = str(site_key)
         sel = t.selection
@@ -330,7 +334,7 @@ def keep(
     fresh = False  # x is a new tensor already (no copy needed)
     if by_token:
         x, axis = token_rows(x, axis, tokens, f"probe {sel.probe!r} layer {key[0]!r} {key[1]}")
-        fresh = tokens.flat is not None
+        fresh = tokens is not None and tokens.flat is not None  # (token_rows refuses no tokens)
     elif shaped:
         where = f"probe {sel.probe!r} layer {key[0]!r} {key[1]}"
         x, axis = reduced(x, sel.reduce, axis, tokens, where)

@@ -13,6 +13,7 @@ import torch
 
 from probe.data.batches import Batch
 from probe.hooks.capture import BatchCapture, Capture
+from probe.hooks.objective import Objective
 from probe.layout import TokenBatch
 from probe.plan import RunPlan
 
@@ -61,18 +62,26 @@ class StepContext:
     capture: Capture  # the hook owner of the run's sites
     index: int
     batch: Batch
-    source: dict | None  # the other half of a pairs batch (probe.intervene.passes.split_pair)
-    inputs: Any  # the batch's inputs on the device (a tensor, or a dict of them)
+    # the other half of a pairs batch (probe.intervene.passes.split_pair)
+    source: dict[str, torch.Tensor] | None
+    inputs: torch.Tensor | dict[str, torch.Tensor]  # the batch's inputs on the device
     targets: torch.Tensor | None
     tokens: TokenBatch | None  # on the device (None: not a token batch)
-    objective: Any = None  # what the backward explains (probe.hooks.objective; None: none)
-    captured: BatchCapture | None = None  # this batch's captures
+    objective: Objective | None = None  # what the backward explains (None: no backward)
+    captured: BatchCapture | None = None  # this batch's captures (`batch_capture`)
     output: Any = None  # the model's output (a tensor, a tuple, a ModelOutput)
     scores: torch.Tensor | None = None  # the objective per sample (with a backward)
     side: dict = field(default_factory=dict)  # the batch's side inputs the objective read
     grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # per-batch parameter gradients
     outputs: Outputs = field(default_factory=Outputs)
     state: dict[str, Any] = field(default_factory=dict)  # by part name, within the batch
+
+    def batch_capture(self) -> BatchCapture:
+        """This batch's captures, which the run begins before the forward (a part reads them in
+        `after_forward`)."""
+        if self.captured is None:
+            raise RuntimeError("a batch's captures read before its forward began them")
+        return self.captured
 
     @property
     def precision(self) -> str:

@@ -23,21 +23,25 @@ checkpoint appends to the same file from the checkpoint's step. docs/training.md
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from probe.errors import ConfigError
 from probe.integrations.driven import Driven
 
-try:
+if TYPE_CHECKING:  # (one base class for mypy: the `lightning` extra's; at run time either)
     from lightning.pytorch.callbacks import Callback
-except ImportError:  # (the standalone package)
+else:
     try:
-        from pytorch_lightning.callbacks import Callback
-    except ImportError as e:
-        raise ImportError(
-            "probe.integrations.lightning needs Lightning: pip install 'probe[lightning]'"
-        ) from e
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:  # (the standalone package)
+        try:
+            from pytorch_lightning.callbacks import Callback
+        except ImportError as e:
+            raise ImportError(
+                "probe.integrations.lightning needs Lightning: pip install 'probe[lightning]'"
+            ) from e
 
 
 class ProbeCallback(Callback):

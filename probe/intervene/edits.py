@@ -81,6 +81,8 @@ def build_edits(
         for module_name, module in match_modules(model, f"intervene {name!r}", spec.where):
             fn = _op(name, spec, module_name, seed, region(model, module, module_name, spec))
             channels = list(spec.channels) if spec.channels is not None else None
+            if spec.op is None:  # (probe.plan's parse refuses an edit without its op)
+                raise RuntimeError(f"intervene {name!r} has no op")
             edits.append(
                 Edit(
                     name,
@@ -300,7 +302,7 @@ def first_pass_means(model: nn.Module, batches, edits: list[Edit], device) -> No
     sources = [e.fn for e in edits if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass]
     if not sources:
         return
-    sites = {}
+    sites: dict[str, tuple[nn.Module, set[str]]] = {}  # by module name: the module, its sites
     for e in edits:
         if isinstance(e.fn, MeanSource) and e.fn.needs_first_pass:
             sites.setdefault(e.module_name, (e.module, set()))[1].add(e.site)

@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -276,6 +277,7 @@ def heatmap(table: pd.DataFrame, path: Path, grid: Grid, labels: list[str] | Non
     first = table[(table.metric == table.metric.iloc[0]) & (table.method == table.method.iloc[0])]
     across = "position" if "position" in grid.over else ("head" if "head" in grid.over else None)
     layers = list(dict.fromkeys(first.layer))
+    columns: list[Any]  # ["all"], or the positions or heads (pandas' values: untyped)
     if across is None:
         grid_values = first.set_index("layer").loc[layers, ["normalized"]].to_numpy()
         columns = ["all"]

@@ -14,6 +14,7 @@ import logging
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -31,7 +32,7 @@ from probe.intervene.atp import agreement, linearised
 from probe.intervene.effects import BATCH_ROWS, Effects
 from probe.intervene.grid import Grid, heatmap, patching_table
 from probe.intervene.metrics import at_position, check_metrics, per_sample, summary, value
-from probe.intervene.patch_steer import SOURCES, Patch
+from probe.intervene.patch_steer import SOURCES, Patch, Recorded
 from probe.layout import TokenBatch
 from probe.plan import InterventionSpec
 from probe.store.fileformat import read_progress
@@ -40,12 +41,14 @@ from probe.store.runfile import open_probe_file
 log = logging.getLogger("probe")
 
 
-def split_pair(batch: Batch, direction: str) -> tuple[Batch, dict | None]:
+def split_pair(batch: Batch, direction: str) -> tuple[Batch, dict[str, torch.Tensor] | None]:
     """(the batch with the run's own input, the source half's inputs) of a pairs batch; other
     batches as they are, with no source."""
     if "corrupt_ids" not in batch.side:
         return batch, None
     clean = batch.inputs
+    if not isinstance(clean, dict):  # (the loaders take corrupt_ids out of a dict's inputs)
+        raise TypeError(f"a pairs batch's inputs are a dict of token ids, not {type(clean)}")
     corrupt = {**clean, "input_ids": batch.side["corrupt_ids"]}
     own, other = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
     return replace(batch, inputs=own), other
@@ -66,10 +69,6 @@ def direction_of(spec: InterventionSpec, is_pairs: bool) -> str:
     return spec.direction
 
 
-def _source(edit) -> str | None:
-    return edit.fn.source if isinstance(edit.fn, Patch) else None
-
-
 @dataclass
 class Interventions:
     """Per batch: the passes around the edited forward and what they measure. A context manager
@@ -79,7 +78,8 @@ class Interventions:
     metrics: list[str]
     position: int | None
     direction: str
-    recorders: dict[str, tuple[Capture, list[Patch]]]  # by source: pair, clean
+    # by source (pair, clean): its pass's capture, and the values its patches read (filled by it)
+    recorders: dict[str, tuple[Capture, list[Recorded]]]
     grid: Grid | None = None
     labels: list[int] | None = None  # the first sample's ids (the heatmap's positions)
     tokenizer: str | None = None  # a local tokenizer to show them as tokens
@@ -102,12 +102,13 @@ class Interventions:
         length = ids.shape[1] if ids is not None else None
         grid = Grid(model, spec.grid, length) if spec.grid is not None else None
         sites: dict[str, dict] = {}
-        patches: dict[str, list] = {}
+        patches: dict[str, list[Recorded]] = {}
         for e in edits:
-            if _source(e) in SOURCES:
-                sites.setdefault(_source(e), {}).setdefault(e.module_name, (e.module, set()))
-                sites[_source(e)][e.module_name][1].add(e.site)
-                patches.setdefault(_source(e), []).append(e.fn)
+            fn = e.fn
+            if isinstance(fn, Patch) and fn.recorded is not None:  # (its source is in SOURCES)
+                sites.setdefault(fn.source, {}).setdefault(e.module_name, (e.module, set()))
+                sites[fn.source][e.module_name][1].add(e.site)
+                patches.setdefault(fn.source, []).append(fn.recorded)
         if grid is not None and grid.source in SOURCES:
             for name, module in grid.modules:
                 sites.setdefault(grid.source, {}).setdefault(name, (module, set()))[1].add(
@@ -175,7 +176,7 @@ class Interventions:
             self.grid.tokens = tokens
 
     def _pass(self, model, batch: Batch, tokens, device, precision, kind: str, inputs):
-        capture, patches = self.recorders.get(kind, (None, []))
+        capture, patch_values = self.recorders.get(kind, (None, []))
         captured = capture.begin(batch.size, batch.start, tokens) if capture else None
         try:
             with torch.inference_mode(), devices.autocast(device, precision):
@@ -186,8 +187,8 @@ class Interventions:
         if captured is not None:
             self.held.append((capture, captured.pooled))
             self.recorded[kind] = captured.values
-            for p in patches:
-                p.recorded.values = captured.values
+            for values in patch_values:
+                values.values = captured.values
         return output
 
     def after(self, passes: dict, ctx: StepContext) -> dict:
@@ -200,7 +201,7 @@ class Interventions:
         if self.grid is not None:
             if batch.start == 0 and isinstance(batch.inputs, dict):
                 self.labels = batch.inputs["input_ids"][0].tolist()
-            return self._cells(passes, output, batch, inputs, tokens, *run)
+            return self._cells(self.grid, passes, output, batch, inputs, tokens, *run)
         target = passes["clean"]
         rows = output_rows(target, model_output, batch.size, tokens, "model/output_clean")
         if self.effects is not None:
@@ -209,16 +210,21 @@ class Interventions:
             self.effects = Effects.from_rows(np.stack([self.effects.vector(), this.vector()]))
             self.batch_rows = {BATCH_ROWS: this.vector()[None]}
         if self.metrics:
-            read = [at(x, tokens, self.position) for x in (target, passes.get("pair"), output)]
-            values = per_sample(self.metrics, *read, batch.side)
+            target_at, source_at, edited_at = (
+                at(x, tokens, self.position) for x in (target, passes.get("pair"), output)
+            )
+            values = per_sample(self.metrics, target_at, source_at, edited_at, batch.side)
             rows.update({f"effects/{k}": v for k, v in values.items()})
         return rows
 
-    def _cells(self, passes, output, batch, inputs, tokens, model, device, precision, capture):
-        """Each cell's metrics per sample, read from the logits at the metrics' position (only
-        the last position's are computed where that is all they read: HF's logits_to_keep)."""
+    def _cells(
+        self, grid: Grid, passes, output, batch, inputs, tokens, model, device, precision, capture
+    ):
+        """Each cell of `grid` (the run's): its metrics per sample, read from the logits at the
+        metrics' position (only the last position's are computed where that is all they read:
+        HF's logits_to_keep)."""
         target = at(output, tokens, self.position)
-        source = at(passes.get(self.grid.source), tokens, self.position)
+        source = at(passes.get(grid.source), tokens, self.position)
         last_only = self._last_only(model, inputs, tokens)
         cell_inputs = {**inputs, "logits_to_keep": 1} if last_only else inputs
 
@@ -228,10 +234,10 @@ class Interventions:
                 return [c[:, -1].double() for c in chunks]
             return [at_position(c, tokens, self.position) for c in chunks]
 
-        edited = []
-        if "exact" in self.grid.methods:
+        edited: list = []  # each cell's read (run_cells)
+        if "exact" in grid.methods:
             with devices.autocast(device, precision):
-                edited = self.grid.run_cells(
+                edited = grid.run_cells(
                     model, capture, cell_inputs, tokens, batch.size, batch.start, read
                 )
         rows = {}
@@ -244,9 +250,9 @@ class Interventions:
             if edited:
                 cells = [value(name, e, target, batch.side) for e in edited]
                 rows[f"patching/{name}"] = torch.stack(cells, 1).cpu()
-        if {"atp", "atp_star"} & set(self.grid.methods):
+        if {"atp", "atp_star"} & set(grid.methods):
             args = (model, inputs, tokens, batch.side, self.metrics, self.position, device)
-            rows.update(linearised(self.grid, *args, precision))
+            rows.update(linearised(grid, *args, precision))
         return rows
 
     def _last_only(self, model, inputs, tokens) -> bool:
@@ -290,9 +296,9 @@ class Interventions:
 
     def release(self) -> None:
         """Give the recorded values' host buffers back once the edited pass is done."""
-        for _, patches in self.recorders.values():
-            for p in patches:
-                p.recorded.values = {}
+        for _, patch_values in self.recorders.values():
+            for values in patch_values:
+                values.values = {}
         self.recorded.clear()
         while self.held:
             capture, pooled = self.held.pop()
@@ -331,6 +337,8 @@ def effects_table(interventions: Interventions, h5_path) -> pd.DataFrame:
         if not interventions.metrics:
             if BATCH_ROWS in f:  # every batch's, those before a resumption included
                 return Effects.from_rows(f[BATCH_ROWS][: progress.batches]).table()
+            if interventions.effects is None:  # (no metrics and no grid: effects are counted)
+                raise RuntimeError("an effects table without metrics or counted effects")
             return interventions.effects.table()
         valid = progress.samples
         rows = {m: f[f"effects/{m}"][:valid] for m in interventions.metrics if f"effects/{m}" in f}
@@ -354,7 +362,9 @@ def token_labels(ids: list[int], tokenizer: str | None) -> list[str]:
         try:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(tokenizer).convert_ids_to_tokens(ids)
+            tokens = AutoTokenizer.from_pretrained(tokenizer).convert_ids_to_tokens(ids)
+            # (a list of ids gives a list; the stub's return type is the union for an id or ids)
+            return cast(list[str], tokens)
         except Exception:  # noqa: BLE001 - the ids serve as well
             pass
     return [str(i) for i in ids]

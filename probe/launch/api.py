@@ -82,14 +82,12 @@ def run(
     with runlock.reserve(out):  # held for the run (probe.launch.run.run claims it)
         check_out(out, store, resume, overwrite)
         batches = UserBatches(data)
-        groups = {"store": store, "objective": objective, "intervene": intervene, "stats": stats,
-                  "attribution": attribution, "lens": lens}  # fmt: skip
-        options = {"device": device, "seed": seed, "precision": precision,
-                   "train_mode": train_mode, "resume": resume, "overwrite": overwrite,
-                   "fail_on_nonfinite": fail_on_nonfinite, "progress": progress,
-                   "print_summary": print_summary}  # fmt: skip
         # (an oversized seed is named before torch sees it)
-        plan = run_plan(model, batches, probes, **groups, **options)
+        plan = run_plan(model, batches, probes, store=store, objective=objective,
+                        intervene=intervene, stats=stats, attribution=attribution, lens=lens,
+                        device=device, seed=seed, precision=precision, train_mode=train_mode,
+                        resume=resume, overwrite=overwrite, fail_on_nonfinite=fail_on_nonfinite,
+                        progress=progress, print_summary=print_summary)  # fmt: skip
         training = model.training
         try:
             torch.manual_seed(seed)

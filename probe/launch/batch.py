@@ -110,10 +110,13 @@ def _record(ctx: StepContext, host_tokens) -> Record:
     )
     outputs.folds = _on_host(outputs, host)
     tokens = None
-    if host_tokens is not None and any(s.rows == "tokens" for s in ctx.capture.selections):
-        tokens = host_tokens.rows(
-            batch.inputs["input_ids"], batch.start, batch.side.get("token_labels")
-        )
+    inputs = batch.inputs  # (a dict where there are host tokens: probe.hooks.forward.token_batch)
+    if (
+        host_tokens is not None
+        and isinstance(inputs, dict)
+        and any(s.rows == "tokens" for s in ctx.capture.selections)
+    ):
+        tokens = host_tokens.rows(inputs["input_ids"], batch.start, batch.side.get("token_labels"))
     release = functools.partial(ctx.capture.pool.give, captured.pooled) if captured.pooled else None
     return Record(
         batch.start, batch.size, ctx.index, values, per_batch, batch.targets, outputs, ready,

@@ -42,6 +42,7 @@ from probe.circuits.parts import Parts, parts_of
 from probe.circuits.scores import EdgeScores, ScoreOptions, check_graph, check_methods, score_batch
 from probe.circuits.states import SenderStates, mean_states
 from probe.circuits.task import Ablation, AnswerMetric, pair_batch
+from probe.data.batches import Batch
 from probe.errors import ConfigError, DataError
 from probe.intervene.metrics import check_logits
 from probe.launch.distributed import Shard, gathered
@@ -179,8 +180,11 @@ class Progress:
         try:
             scores = {
                 m: EdgeScores(
-                    graph, m, *(np.asarray(a[f"{m}.{k}"]) for k in SUMS), int(a[f"{m}.count"])
-                )  # fmt: skip
+                    graph,
+                    m,
+                    **{k: np.asarray(a[f"{m}.{k}"]) for k in SUMS},
+                    count=int(a[f"{m}.count"]),
+                )
                 for m in cp.methods
             }
         except KeyError:  # (other methods: the key says so)
@@ -288,8 +292,10 @@ def _evaluate(cp: CircuitPass, replay: Replay, result: CircuitResult, state: Pro
     result.circuits = {m: circuits.keep[r] for m, r in circuits.rows.items()}
 
 
-def _context(cp: CircuitPass, batch, ablation: Ablation, device: torch.device) -> BatchContext:
-    pairs = pair_batch(cp.parts.model, {**batch.inputs, **batch.side}, cp.metric, device)
+def _context(
+    cp: CircuitPass, batch: Batch, ablation: Ablation, device: torch.device
+) -> BatchContext:
+    pairs = pair_batch(cp.parts.model, {**_pair_inputs(batch), **batch.side}, cp.metric, device)
     ctx = BatchContext(cp.parts, pairs, cp.metric, ablation)
     ctx.check()  # the first clean run checks that the writes sum to the final residual
     return ctx
@@ -302,9 +308,18 @@ def _means(cp: CircuitPass, replay: Replay, device: torch.device) -> SenderState
         return None
     if cp.means is not None:
         return cp.means
-    batches = ({**x.inputs} for x in replay.whole_dataset())
+    batches = ({**_pair_inputs(x)} for x in replay.whole_dataset())
     log.info("circuit: the nodes' means over every pair's clean half")
     return mean_states(cp.parts, batches, device=device)
+
+
+def _pair_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """A pairs batch's inputs: its clean half's token ids by name (the circuit's dataset checked
+    to be pairs: `prepare_circuits`)."""
+    inputs = batch.inputs
+    if not isinstance(inputs, dict):
+        raise TypeError(f"a pairs batch's inputs are a dict of token ids, not {type(inputs)}")
+    return inputs
 
 
 def _merged_scores(cp: CircuitPass, shard: Shard, state: Progress) -> dict[str, EdgeScores]:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Subset
+from torch.utils.data import Dataset, Subset
 
-from probe.data.batches import OrderedBatches
+from probe.data.batches import OrderedBatches, RunBatches
 from probe.errors import ConfigError
 from probe.store.groups import GroupKind
 from probe.store.stitch import stitch
@@ -51,7 +51,9 @@ def agree_run_dir(argv: list[str]) -> list[str]:
     if not active() or any(a.startswith("hydra.run.dir=") for a in argv):
         return argv
     init()
-    chosen = [time.strftime("outputs/%Y-%m-%d/%H-%M-%S")] if dist.get_rank() == 0 else [None]
+    chosen: list[str | None] = (
+        [time.strftime("outputs/%Y-%m-%d/%H-%M-%S")] if dist.get_rank() == 0 else [None]
+    )
     dist.broadcast_object_list(chosen, src=0)
     return [*argv, f"hydra.run.dir={chosen[0]}"]
 
@@ -99,18 +101,18 @@ def shard_path(stitched: Path, rank: int) -> Path:
     return stitched.with_name(f"{stitched.stem}.rank{rank}{stitched.suffix}")
 
 
-def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
+def shard(batches: RunBatches) -> tuple[Shard, RunBatches]:
     """This rank's block of whole batches, as batches whose rows start at 0 (the writer offsets
     the sample index by `shard.samples.start`). A single process gets everything, unchanged."""
-    n, size = batches.num_samples, batches.batch_size
     if not active():  # (a caller's batches, `probe.launch.api`, may not know their count)
-        n = n or 0
+        n = batches.num_samples or 0
         return Shard(0, 1, range(n and len(batches)), range(n), n, (n,)), batches
     if not isinstance(batches, OrderedBatches):
         raise ConfigError(
             "probe.run over batches of your own runs in one process; under torchrun use the "
             "command line (python -m probe), whose dataset config each rank can split"
         )
+    n, size = batches.num_samples, batches.batch_size
     init()
     rank, world = dist.get_rank(), dist.get_world_size()
     log.addFilter(_RankPrefix(rank))
@@ -133,6 +135,15 @@ def shard(batches: OrderedBatches) -> tuple[Shard, OrderedBatches]:
         n,
     )
     return Shard(rank, world, mine, samples, n, tuple(map(len, blocks))), part
+
+
+def whole_dataset(batches: RunBatches) -> Dataset:
+    """The whole dataset behind a torchrun rank's batches (`shard` gave them the rank's Subset
+    of it)."""
+    dataset = batches.dataset
+    if not isinstance(dataset, Subset):
+        raise RuntimeError("a torchrun rank's batches hold no Subset of the dataset")
+    return dataset.dataset
 
 
 def gathered(shard: Shard, value: object) -> list:

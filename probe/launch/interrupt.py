@@ -13,10 +13,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from probe.errors import ProbeError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# what signal.signal takes and gives back: a function, SIG_DFL or SIG_IGN, or None (a handler
+# not installed from Python)
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class Interrupted(ProbeError):
@@ -41,7 +47,7 @@ class StopFlag:
 
     def __init__(self):
         self.requested: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():

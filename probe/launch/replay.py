@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from probe.data.batches import Batch, OrderedBatches
-from probe.launch.distributed import Shard
+from probe.data.batches import Batch, OrderedBatches, RunBatches
+from probe.launch.distributed import Shard, whole_dataset
 from probe.launch.interrupt import Interrupted, StopFlag
 
 
@@ -21,7 +21,7 @@ class Replay:
     """This rank's ordered batches (`batches`: as the run's loop had them), its shard, the
     run's stop flag and file."""
 
-    def __init__(self, batches, shard: Shard, stop: StopFlag, path: Path) -> None:
+    def __init__(self, batches: RunBatches, shard: Shard, stop: StopFlag, path: Path) -> None:
         self._batches, self.shard, self.stop, self.path = batches, shard, stop, path
 
     def batches(self, start: int = 0) -> Iterator[tuple[int, Batch]]:
@@ -42,14 +42,14 @@ class Replay:
         if not isinstance(b, OrderedBatches):
             yield from b
             return
-        dataset = b.dataset.dataset if self.shard.world > 1 else b.dataset  # (a rank's Subset)
+        dataset = whole_dataset(b) if self.shard.world > 1 else b.dataset
         yield from OrderedBatches(dataset, b.batch_size, b.loader.num_workers, b.has_targets)
 
     def __len__(self) -> int:
         """This rank's batches (all of them, those a resumed loop skipped too)."""
         b = self._batches
         if isinstance(b, OrderedBatches):
-            return -(-len(b.dataset) // b.batch_size)
+            return -(-b.num_samples // b.batch_size)
         return len(b)
 
     def check(self, doing: str, done: int, total: int, unit: str = "batches") -> None:

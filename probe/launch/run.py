@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from probe.attribute.integrated import check_attribution_run
 from probe.config import BACKWARD_SITES, GRAD_EDIT_SITES
-from probe.data.batches import build_batches, check_token_data
+from probe.data.batches import RunBatches, build_batches, check_token_data
 from probe.data.provenance import describe as describe_dataset
 from probe.errors import ConfigError
 from probe.hooks.capture import Capture
@@ -29,6 +29,7 @@ from probe.hooks.sae_site import load_saes
 from probe.intervene.edits import build_edits
 from probe.launch import distributed, size_plan
 from probe.launch.batch import Prepared, run_batch, samples_only
+from probe.launch.distributed import Shard
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
 from probe.launch.parts import PARTS
 from probe.launch.replay import Replay
@@ -92,7 +93,7 @@ def build_run(plan: RunPlan) -> Prepared:
     return prepare(plan, model, every)
 
 
-def prepare(plan: RunPlan, model: torch.nn.Module, every) -> Prepared:
+def prepare(plan: RunPlan, model: torch.nn.Module, every: RunBatches) -> Prepared:
     """This process's batches, the device, the selected sites, the edits, the objective and the
     run parts of a run of `model` over `every` (batches as `probe.data.batches.OrderedBatches`
     gives them)."""
@@ -169,24 +170,25 @@ def run(plan: RunPlan, run_dir: Path | None = None, prepared: Prepared | None = 
 def _run(plan: RunPlan, run_dir: Path, prepared: Prepared | None) -> RunResult:
     p = prepared or build_run(plan)
     setup = dataclasses.replace(p.setup, plan=plan)
-    setup.shard = setup.shard or distributed.shard(setup.batches)[0]
+    shard = setup.shard = setup.shard or distributed.shard(setup.batches)[0]
     if not placement.is_placed(setup.model):  # a placed model stays where its map put it
         setup.model.to(setup.device)
     train_mode = plan.options.train_mode
     state = setup.model.state_dict()
     buffers = {k: v.clone() for k, v in state.items()} if train_mode else None
     setup.model.train(train_mode)
-    setup.run_dir, setup.h5_path = run_dir, run_dir / plan.store.filename
+    h5_path = setup.h5_path = run_dir / plan.store.filename
+    setup.run_dir = run_dir
     parts = p.parts if p.parts is not None else prepare_parts(setup)
     for part in parts:
         part.start(setup)
-    sink = _open_sink(setup, parts)
+    sink = _open_sink(setup, parts, shard, h5_path)
     complete = False
     try:
         with StopFlag() as stop:
-            whole = _loop(setup, parts, sink, stop)
+            whole = _loop(setup, parts, sink, stop, shard)
             if whole:
-                replay = Replay(setup.batches, setup.shard, stop, sink.path)
+                replay = Replay(setup.batches, shard, stop, sink.path)
                 for part in parts:
                     part.after_loop(replay, sink)
             complete = whole
@@ -195,24 +197,27 @@ def _run(plan: RunPlan, run_dir: Path, prepared: Prepared | None) -> RunResult:
             setup.model.load_state_dict(buffers)
         sink.close(complete=complete)
     if not complete:
-        raise Interrupted(stop.requested, setup.h5_path, f"after {sink.num_samples} samples",
+        if stop.requested is None:  # (a loop that is not whole stopped for a signal)
+            raise RuntimeError("the run stopped before its end without a signal")
+        raise Interrupted(stop.requested, h5_path, f"after {sink.num_samples} samples",
                           sink.num_samples)  # fmt: skip
-    done = Finished(plan, run_dir, setup.h5_path, setup.shard, counted=plan.stats.during != "none")
+    done = Finished(plan, run_dir, h5_path, shard, counted=plan.stats.during != "none")
     return _finish(parts, done, sink)
 
 
-def _open_sink(setup: RunSetup, parts: list[RunPart]) -> Sink:
-    """The run's sink on a new file, or on the file it resumes once that file is checked to be
-    this run's (config, dataset, checkpoint); each part attaches what it keeps."""
-    plan, shard = setup.plan, setup.shard
-    path, options = shard.path(setup.h5_path), plan.options
+def _open_sink(setup: RunSetup, parts: list[RunPart], shard: Shard, h5_path: Path) -> Sink:
+    """The run's sink on a new file (this rank's of `h5_path`), or on the file it resumes once
+    that file is checked to be this run's (config, dataset, checkpoint); each part attaches what
+    it keeps."""
+    plan = setup.plan
+    path, options = shard.path(h5_path), plan.options
     runfile.check_existing(path, options.resume, options.overwrite)
     if options.resume and path.is_file():  # this run holds the directory's lock:
         swmr.mark_closed(path)  # "open for write" flags are a killed run's
     resuming = options.resume and check_resumable(path, plan.text)
     batches = setup.batches
     provenance = describe_dataset(
-        plan.data, batches if shard.world == 1 else batches.dataset.dataset
+        plan.data, batches if shard.world == 1 else distributed.whole_dataset(batches)
     )
     identity = {"dataset_identity": json.dumps(provenance.identity, sort_keys=True)}
     if plan.model.checkpoint:
@@ -240,18 +245,18 @@ def _open_sink(setup: RunSetup, parts: list[RunPart]) -> Sink:
         raise
     if resuming:
         batches.skip(sink.num_batches)
-        log.info("resuming %s after %d samples", setup.h5_path, sink.num_samples)
+        log.info("resuming %s after %d samples", h5_path, sink.num_samples)
     return sink
 
 
-def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> bool:
+def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag, shard: Shard) -> bool:
     """Every batch through the hooks into the sink; whether the loop is whole (a signal stops
     it after the batch in flight). A run whose probes capture nothing and whose parts all work
     after the loop makes no forward: its batches bring their samples' rows alone."""
     plan = setup.plan
     forward = needs_forward(setup, parts)
     keep_values = plan.store.mode == "full"
-    capture = Capture(setup.selections, setup.shard.samples.start, keep_values)
+    capture = Capture(setup.selections, shard.samples.start, keep_values)
     batches = setup.batches
     with contextlib.ExitStack() as hooks:
         if forward:  # what changes the model's values, then what records them, then the rest
@@ -269,7 +274,7 @@ def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag) -> 
             else:
                 record = samples_only(batch, index)
             if index == 0:
-                size_plan.announce(record, batches, setup.selections, plan.store, setup.shard)
+                size_plan.announce(record, batches, setup.selections, plan.store, shard)
             sink.put(record)
             for part in parts:
                 part.handed(record)

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.utils.data import Dataset
 
+from probe.data.batches import RunBatches
 from probe.hooks.capture import Capture
 from probe.hooks.module_select import Selection
 from probe.hooks.objective import Objective
@@ -52,8 +54,8 @@ class RunSetup:
 
     plan: RunPlan
     model: torch.nn.Module
-    batches: Any  # probe.data.batches.OrderedBatches, or a caller's own batches (probe.run)
-    dataset: Any  # torch.utils.data.Dataset (its pairs' answers, its token ids)
+    batches: RunBatches  # probe.data.batches.OrderedBatches, or a caller's own (probe.run)
+    dataset: Dataset | None  # the batches' (its pairs' answers, its token ids; None: a caller's)
     selections: list[Selection]
     edits: list[Edit]
     device: torch.device

@@ -17,12 +17,13 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from probe.data.batches import OrderedBatches
+from probe.data.batches import RunBatches
 from probe.hooks.record import Record
 from probe.hooks.step_context import Partial
 from probe.stats.backend import DeviceStats
 from probe.stats.running import occupied_buckets
 from probe.store.chunks import Chunking, allocated_bytes
+from probe.store.folds import StatsFold
 from probe.store.stats_file import BUCKET_TYPE, HIST_CHUNK, UNIT_TYPE
 
 log = logging.getLogger("probe")
@@ -50,7 +51,7 @@ class SizePlan:
         return sum(self.per_sample.values())
 
 
-def announce(record: Record, batches: OrderedBatches, selections, store, shard) -> SizePlan | None:
+def announce(record: Record, batches: RunBatches, selections, store, shard) -> SizePlan | None:
     """On rank 0, log the plan measured from the run's first batch, before it is written."""
     if shard.rank != 0:
         return None
@@ -69,7 +70,8 @@ def log_transfer(record: Record) -> None:
     """What a GPU batch moves to the host: the captures' copies (full capture, or every
     capture when the statistics are reduced on the host) and the statistics' packed results."""
     captures = sum(t.nbytes for t in [*record.values.values(), *record.per_batch.values()])
-    stats = sum(c.packed.nbytes for c in record.counted.values() if isinstance(c, DeviceStats))
+    partials = record.outputs.folds.get(StatsFold.name, {}).values()  # the statistics' partials
+    stats = sum(c.packed.nbytes for c in partials if isinstance(c, DeviceStats))
     where = "on the GPU" if stats else "on the host"
     log.info(
         "plan: GPU -> host per batch: captures %s, statistics %s (statistics reduced %s)",

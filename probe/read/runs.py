@@ -34,7 +34,7 @@ from probe.read.summaries import (
 from probe.read.tables import summary_frame, units_frame
 from probe.read.train_series import series
 from probe.read.train_steps import train_scalars, train_table, watched_modules
-from probe.stats.running import RunningStats
+from probe.stats.running import LogHistogram, RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
 from probe.store.runfile import missing_sources, open_probe_file, state
@@ -283,7 +283,7 @@ class Run:
         hist = self.stats(layer, site).hist
         if hist is None:
             raise KeyError(f"no histogram kept for {layer!r} {site!r}; run.units() has the rest")
-        return hist.ordered()
+        return (hist if isinstance(hist, LogHistogram) else hist.whole()).ordered()
 
     def table(self) -> pd.DataFrame:
         """The summary recomputed from the file (ignores summary.csv)."""

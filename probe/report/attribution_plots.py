@@ -50,9 +50,11 @@ def first_inputs(config, count: int = SAMPLES):
                 break
     except Exception:  # noqa: BLE001 - a dataset moved away: the maps are drawn alone
         return None
-    if isinstance(inputs[0], dict):
-        return {k: torch.cat([x[k] for x in inputs])[:count] for k in inputs[0] if k != "labels"}
-    images = torch.cat(inputs)[:count].float().numpy()
+    first = inputs[0]  # (every batch of one dataset is of its kind)
+    if isinstance(first, dict):
+        token_batches = [x for x in inputs if isinstance(x, dict)]
+        return {k: torch.cat([x[k] for x in token_batches])[:count] for k in first if k != "labels"}
+    images = torch.cat([x for x in inputs if isinstance(x, torch.Tensor)])[:count].float().numpy()
     lo = images.min(axis=(1, 2, 3), keepdims=True)
     span = np.maximum(images.max(axis=(1, 2, 3), keepdims=True) - lo, 1e-12)
     return (images - lo) / span

@@ -13,13 +13,20 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from probe.choices import NUMBA_MISSING, STATS_BACKENDS
 from probe.errors import ConfigError
 from probe.stats import kernel_cache
+
+if TYPE_CHECKING:
+    import torch
+
+    from probe.stats.running import RunningStats
 
 ENV = "PROBE_STATS_BACKEND"  # the default of processes without a run config (the summarizer)
 log = logging.getLogger("probe")
@@ -132,8 +139,8 @@ class DeviceStats:
     device when taken, then a pinned host copy (`probe.hooks.device.to_host`) that may be read once
     the record's event has fired; `read` makes a `RunningStats` of that copy (kept once made)."""
 
-    packed: object  # torch.Tensor
-    read: object  # numpy array -> RunningStats
+    packed: torch.Tensor
+    read: Callable[[np.ndarray], RunningStats]
     _read: tuple = (None, None)  # (the packed tensor read, its statistics)
 
     def tensors(self) -> dict:

@@ -98,8 +98,7 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
     s = RunningStats(rows, **by_name(batch_values(packed[:PACKED_HEAD].tolist())), hist=None)
     if spans:
         heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
-        # (RunningStats.hist's declared type leaves out the BucketSpans it takes)
-        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))  # type: ignore[assignment]
+        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
     if has_units:
         count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
         s.units = UnitStats(  # copies: a running one adopting them must not hold `packed`

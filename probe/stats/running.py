@@ -13,6 +13,7 @@ import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -163,10 +164,11 @@ def ranked(pieces: list[tuple[int, np.ndarray]], qs, lo: float, hi: float) -> li
     positive = [(start, c) for start, c in pieces if start < NEGATIVE]
     if len(negative) > 1 or len(positive) > 1:
         raise ValueError("ranked takes at most one range of buckets per sign")
-    down = np.cumsum(negative[0][1][::-1]) if negative else None
-    up = np.cumsum(positive[0][1]) if positive else None
-    below = int(down[-1]) if down is not None and len(down) else 0
-    n = below + (int(up[-1]) if up is not None and len(up) else 0)
+    none = np.zeros(0, np.int64)  # (a sign without a range: no counts)
+    down = np.cumsum(negative[0][1][::-1]) if negative else none
+    up = np.cumsum(positive[0][1]) if positive else none
+    below = int(down[-1]) if len(down) else 0
+    n = below + (int(up[-1]) if len(up) else 0)
     if n == 0:
         return [math.nan for _ in qs]
     ranks = [math.floor(q * (n - 1)) for q in qs]
@@ -274,7 +276,8 @@ class RunningStats:
     inf_count: int = 0
     l2_sum: float = 0.0  # sum over rows of each row's L2 norm (finite values)
     bounds: tuple[float, float] | None = None  # output range of a saturating activation
-    hist: LogHistogram | None = field(default_factory=LogHistogram)
+    # a batch's may be its own ranges (BucketSpans); `whole_histogram` makes it a LogHistogram
+    hist: LogHistogram | BucketSpans | None = field(default_factory=LogHistogram)
     units: UnitStats | None = None
     unit_axis: int = 1  # the axis of a batch (axis 0: rows) along which the units lie
 
@@ -349,7 +352,10 @@ class RunningStats:
         if "state" not in attrs:
             return cls._from_unpacked(attrs, arrays)
         values = dict(zip(SCALARS, np.asarray(attrs["state"], dtype=np.float64), strict=True))
-        s = cls(**{k: int(v) if k in INTEGER_SCALARS else float(v) for k, v in values.items()})
+        scalars: dict[str, Any] = {  # (the scalar slots: ints and floats, by name)
+            k: int(v) if k in INTEGER_SCALARS else float(v) for k, v in values.items()
+        }
+        s = cls(**scalars)
         s.unit_axis = int(attrs.get("unit_axis", 1))
         if "hist" in arrays:
             index, count = np.asarray(arrays["hist"][()])
@@ -380,7 +386,7 @@ def counts_agree(s: RunningStats, dtype: str) -> bool:
     """Whether saved statistics are all of one moment: per-unit counts add up to the count of
     finite values, and so do the histogram's (at most, for float64 values beyond float32's range,
     whose buckets are cleared). A kill while /stats is rewritten can leave parts of two flushes."""
-    total = int(s.hist.counts.sum())
+    total = int(s.whole_histogram().counts.sum())
     if total > s.n or (total < s.n and dtype != "float64"):
         return False
     return s.units is None or int(s.units.count.sum()) == s.n

@@ -52,9 +52,10 @@ _CLEARED = ((0x7F80, 0x8000), (0xFF80, BINS))  # NaN and Inf buckets: never a fi
 
 class _Part(NamedTuple):
     """A slab's statistics: per unit (count, sum, M2 about the unit's mean, extremes as order
-    keys, positive and saturated counts), then 0-d scalars and the histogram."""
+    keys, positive and saturated counts), then 0-d scalars and the histogram. (`counts`, not
+    `count`: a NamedTuple's field would hide tuple.count.)"""
 
-    count: torch.Tensor
+    counts: torch.Tensor
     sums: torch.Tensor
     m2: torch.Tensor
     low: torch.Tensor
@@ -114,7 +115,9 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
             y = y.reshape(y.shape[:2])
         p = _slab(y.contiguous(), len(part) if x.dim() else 1, single, near)
         acc = p if acc is None else _merge(acc, p)
-    count = acc.count
+    if acc is None:  # (x holds values: at least one slab)
+        raise RuntimeError("a batch with values reduced no slab")
+    count = acc.counts
     n = count.sum()
     mean = acc.sums.sum() / n.clamp_min(1)
     m2 = acc.m2.sum() + (count * (acc.sums / count.clamp_min(1) - mean).square()).sum()
@@ -127,6 +130,8 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
     out[_FIRST:_END] = torch.stack([batch[name] for name in BATCH_NAMES])
     if width:
         saturated = acc.saturated if tracked else torch.zeros_like(count)
+        if saturated is None:  # (tracked bounds: every slab counted its saturated values)
+            raise RuntimeError("tracked bounds without saturated counts")
         torch.stack([count, acc.sums, lows, highs, acc.positive, saturated], out=units)
     for lo, hi in _CLEARED:
         acc.hist[lo:hi].fill_(0)
@@ -251,7 +256,8 @@ def _thresholds(bounds: tuple[float, float], dtype: torch.dtype) -> tuple[float,
     """The saturation thresholds rounded to the values' dtype, in which numpy compares them."""
     lo, hi = bounds
     tol = SATURATION_TOL * (hi - lo)
-    return tuple(float(torch.tensor(t, dtype=dtype)) for t in (lo + tol, hi - tol))
+    low, high = (float(torch.tensor(t, dtype=dtype)) for t in (lo + tol, hi - tol))
+    return low, high
 
 
 def _slab(y: torch.Tensor, rows: int, single: bool, near) -> _Part:
@@ -330,10 +336,11 @@ def _histogram(y: torch.Tensor) -> torch.Tensor:
 
 def _merge(a: _Part, b: _Part) -> _Part:
     """Two slabs' statistics as one: Chan's formula per unit for the moments."""
-    count = a.count + b.count
-    delta = b.sums / b.count.clamp_min(1) - a.sums / a.count.clamp_min(1)
-    m2 = a.m2 + b.m2 + delta.square() * a.count * b.count / count.clamp_min(1)
-    saturated = None if a.saturated is None else a.saturated + b.saturated
+    count = a.counts + b.counts
+    delta = b.sums / b.counts.clamp_min(1) - a.sums / a.counts.clamp_min(1)
+    m2 = a.m2 + b.m2 + delta.square() * a.counts * b.counts / count.clamp_min(1)
+    # (both slabs track saturation or neither: one batch's bounds)
+    saturated = None if a.saturated is None or b.saturated is None else a.saturated + b.saturated
     low, high = torch.minimum(a.low, b.low), torch.maximum(a.high, b.high)
     return _Part(count, a.sums + b.sums, m2, low, high, a.positive + b.positive, saturated,
                  a.abs_sum + b.abs_sum, a.zeros + b.zeros, a.nans + b.nans, a.l2 + b.l2,

@@ -64,7 +64,7 @@ def write_chunks(fd: int, pieces: list[tuple[h5py.Dataset, np.ndarray, int, int]
             c.byte_offset is None or c.byte_offset % ALIGN or c.size != chunk_bytes for c in chunks
         ):
             continue  # unallocated, unaligned, or not the size of these rows
-        view = memoryview(a.reshape(-1).view(np.uint8))
+        view = a.reshape(-1).view(np.uint8).data  # (a memoryview of its bytes)
         blocks += [
             (c.byte_offset, view[j * chunk_bytes : (j + 1) * chunk_bytes])
             for j, c in enumerate(chunks)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from probe.errors import WriteError
 from probe.store.chunks import allocated_bytes
 from probe.store.fileformat import layer_path
 
+resource: ModuleType | None
 try:
     import resource
 except ImportError:  # not on Windows

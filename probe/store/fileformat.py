@@ -99,8 +99,13 @@ def read_progress(f: h5py.File) -> Progress:
     if f.swmr_mode:
         ds.refresh()
     row = ds[()]
-    return Progress(*(int(row[name]) for name in PROGRESS.names[:3]), bool(row["complete"]),
-                    int(row["stats_slot"]))  # fmt: skip
+    return Progress(
+        int(row["samples"]),
+        int(row["batches"]),
+        int(row["tokens"]),
+        bool(row["complete"]),
+        int(row["stats_slot"]),
+    )
 
 
 def write_progress(f: h5py.File, p: Progress) -> None:

@@ -15,6 +15,8 @@ import h5py
 import numpy as np
 
 ROOT = "passes"
+# a saved state's value: an array (a dataset), or an attribute's number or string (a bool: an int)
+Value = np.ndarray | str | int | float
 
 
 class PassState:
@@ -23,7 +25,7 @@ class PassState:
     def __init__(self, file: h5py.File, name: str) -> None:
         self.file, self.path = file, f"{ROOT}/{name}"
 
-    def load(self) -> dict[str, object] | None:
+    def load(self) -> dict[str, Value] | None:
         """The last saved state (arrays and the attributes' values by name), None when the file
         holds none."""
         root = self.file.get(self.path)
@@ -32,7 +34,7 @@ class PassState:
         g = root.get(f"s{int(root.attrs['current'])}")
         if g is None:
             return None
-        state: dict[str, object] = {k: _plain(v) for k, v in g.attrs.items()}
+        state: dict[str, Value] = {k: _plain(v) for k, v in g.attrs.items()}
         state.update({k: ds[()] for k, ds in g.items()})
         return state
 

@@ -47,8 +47,9 @@ def _values_part(config: dict) -> dict:
     part = {k: config.get(k) for k in COMPARED}
     part["stats"] = {k: (config.get("stats") or {}).get(k, 0) for k in EXAMPLES}
     for section, keys in IGNORED.items():
-        if isinstance(part.get(section), dict):
-            part[section] = {k: v for k, v in part[section].items() if k not in keys}
+        values = part.get(section)
+        if isinstance(values, dict):
+            part[section] = {k: v for k, v in values.items() if k not in keys}
     return part
 
 

@@ -184,10 +184,12 @@ class Rows:
     def _write_direct(self) -> None:
         """The batch's whole chunks in as few O_DIRECT writes as their places in the file allow;
         those O_DIRECT cannot take go through HDF5."""
-        pending = self.direct_writes
+        pending, fd = self.direct_writes, self.direct_fd
         if not pending:
             return
-        done = direct.write_chunks(self.direct_fd, [(t.ds, a, lo, t.rows) for t, a, lo in pending])
+        if fd is None:  # (append_batch collects direct writes only with a descriptor)
+            raise RuntimeError("direct writes pending without an O_DIRECT descriptor")
+        done = direct.write_chunks(fd, [(t.ds, a, lo, t.rows) for t, a, lo in pending])
         for (target, a, lo), written in zip(pending, done, strict=True):
             if not written:
                 target.write_direct_chunks(a, lo)

@@ -18,13 +18,16 @@ import errno
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from probe.errors import ProbeError
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows
@@ -183,7 +186,7 @@ def _alive(info: dict) -> bool:
     pid = info.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return False
-    if os.name == "nt":
+    if sys.platform == "win32":  # (os.name == "nt"; the platform check is the one mypy reads)
         import ctypes
 
         kernel = ctypes.windll.kernel32
@@ -291,8 +294,12 @@ def hold(run_dir: str | Path):
     key = _key(Path(run_dir)) if Path(run_dir).is_dir() else None
     with _GUARD:
         lock = _HELD.get(key) if key else None
-        mine = lock is not None and lock.reserved and not lock.claimed
-        if mine and lock.thread == threading.get_ident():
+        if (
+            lock is not None
+            and lock.reserved
+            and not lock.claimed
+            and lock.thread == threading.get_ident()
+        ):
             lock.claimed = True
         else:
             lock = None

@@ -31,10 +31,10 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import h5py
 
@@ -49,6 +49,9 @@ from probe.store.groups import GroupKind, GroupTables
 from probe.store.livefile import LiveFile
 from probe.store.pass_state import PassState
 from probe.store.rows import Rows
+
+if TYPE_CHECKING:
+    from probe.data.provenance import Provenance
 
 log = logging.getLogger("probe")
 # A stats-only run writes nothing between flushes but its statistics (about 1 ms per dataset).
@@ -70,7 +73,7 @@ class RunFile:
     batch_rows: int = 1
     first_sample: int = 0
     samples: int | None = None
-    provenance: Any = None  # probe.data.provenance.Provenance
+    provenance: Provenance | None = None  # the dataset's identity and per-sample names
     module_types: dict[str, str] = field(default_factory=dict)
 
 
@@ -371,7 +374,7 @@ class Sink:
             self.rows.dropped_handles()
 
     # -- after the loop: groups, a pass's state, whole arrays ------------------------------
-    def groups(self, kind: GroupKind, attrs: dict[str, object], keep: bool) -> GroupTables:
+    def groups(self, kind: GroupKind, attrs: Mapping[str, object], keep: bool) -> GroupTables:
         """`kind`'s group to append keys to after the loop: a new one, or with `keep` (a
         resumed run) the one the file holds, cut to its whole keys."""
         self._after_rows()

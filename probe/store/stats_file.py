@@ -139,7 +139,7 @@ def read(f: h5py.File, warn=None) -> dict[tuple[str, str], DatasetInfo]:
     """The statistics the file holds, in the run's order: the whole slot of a version 2 file
     (none before its first flush), or a version 1 file's arrays when their counts agree."""
     slot = read_progress(f).stats_slot if "progress" in f else None
-    found = []
+    found: list[tuple[int, int, DatasetInfo]] = []  # (order, position, info)
     for layer_link, group in f.get("stats", {}).items():
         for site, g in captured(group):
             layer = str(g.attrs.get("name", layer_link))

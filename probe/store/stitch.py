@@ -112,7 +112,8 @@ def _dataset_names(files: list[h5py.File]) -> tuple[list[str], list[str]]:
 
     for f in files:
         f.visititems_links(add)
-    rows, once = [], []
+    rows: list[str] = []
+    once: list[str] = []
     for n in names:
         ds = next((f[n] for f in files if isinstance(f.get(n), h5py.Dataset)), None)
         if ds is None or (is_scale(ds) and n != "samples/index"):
@@ -161,11 +162,12 @@ def merge_stats(per_shard: list[dict]) -> dict:
     for infos in per_shard:
         for key, info in infos.items():
             if key in merged:
-                merged[key].stats.merge(info.stats)
-                if info.topk is not None and merged[key].topk is None:
-                    merged[key].topk = copy.deepcopy(info.topk)
-                elif info.topk is not None:  # examples per unit: the same exact selection
-                    merged[key].topk.merge(info.topk.kinds)
+                into = merged[key]
+                into.stats.merge(info.stats)
+                if info.topk is not None and into.topk is None:
+                    into.topk = copy.deepcopy(info.topk)
+                elif info.topk is not None and into.topk is not None:
+                    into.topk.merge(info.topk.kinds)  # examples per unit: the same exact selection
             else:
                 merged[key] = copy.deepcopy(info)
     return merged

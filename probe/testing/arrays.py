@@ -31,7 +31,7 @@ def file_arrays(f: h5py.File) -> dict:
         s, at = info.stats, f"stats/{layer}/{site}"
         arrays[f"{at}/scalars"] = np.array([getattr(s, k) for k in SCALARS], dtype=np.float64)
         assert s.hist is not None  # statistics read back from a file hold their histogram
-        arrays[f"{at}/hist"] = occupied(s.hist.counts, False)
+        arrays[f"{at}/hist"] = occupied(s.whole_histogram().counts, False)
         if s.units is not None:
             arrays[f"{at}/units"] = s.units.packed()
         for kind, (values, keys) in (info.topk.kinds if info.topk is not None else {}).items():

@@ -14,7 +14,7 @@ a benchmark reports as equal are the ones the tests check.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 from torch.nn import functional as F
 
+from probe.data.batches import Batch
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
@@ -47,8 +48,12 @@ class Materialised:
     def __len__(self) -> int:
         return len(self.items)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         return iter(self.items)
+
+    def skip(self, batches: int) -> None:
+        """(probe.data.batches.RunBatches's: the oracles' runs never resume)"""
+        raise NotImplementedError("the oracles' batches are never resumed")
 
 
 @dataclass

@@ -20,6 +20,8 @@ def overrides(heads: int) -> dict:
 
 
 class ToyAttention(nn.Module):
+    pattern: torch.Tensor  # (a buffer: each head's fixed pattern, for `frozen`)
+
     def __init__(self, width: int, heads: int, frozen: bool, length: int = 16):
         super().__init__()
         self.heads, self.frozen = heads, frozen
@@ -120,6 +122,11 @@ def planted() -> Toy:
         sources = {0: slice(0, 4), 1: S1, 2: S2}
         targets = {0: S1, 1: S2, 2: S3}
         for layer, block in enumerate(model.blocks):
+            if not isinstance(block, ToyBlock):  # (a ModuleList's items are Modules to mypy)
+                raise RuntimeError("a Toy's blocks are ToyBlocks")
+            up, down = block.mlp[0], block.mlp[2]
+            if not (isinstance(up, nn.Linear) and isinstance(down, nn.Linear)):
+                raise RuntimeError("a ToyBlock's MLP is Linear, activation, Linear")
             attn = block.attn
             for h in range(HEADS):
                 cols = slice(h * DH, (h + 1) * DH)
@@ -129,7 +136,7 @@ def planted() -> Toy:
                     attn.o.weight[targets[layer], cols.start : cols.start + 4] = torch.eye(4)
                 else:
                     attn.v.weight[cols, JUNK], attn.o.weight[JUNK, cols] = junk(8, 8), junk(8, 8)
-            block.mlp[0].weight[:, JUNK], block.mlp[2].weight[JUNK] = junk(64, 8), junk(8, 64)
+            up.weight[:, JUNK], down.weight[JUNK] = junk(64, 8), junk(8, 64)
         model.head.weight[:4, S3] = torch.eye(4)
     return model
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -93,7 +94,7 @@ def check_params_current(model: nn.Module, watched) -> None:
 def agree(failure: BaseException | None, rank: int, world: int) -> BaseException | None:
     """Every rank learns whether the others could start their watch (rank 0 opens the run
     directory): a rank's own failure, or a ProbeError naming the first other rank's."""
-    said = [None] * world
+    said: list[str | None] = [None] * world  # each rank's failure, as a line
     dist.all_gather_object(
         said, None if failure is None else f"{type(failure).__name__}: {failure}"
     )
@@ -121,9 +122,9 @@ class RankMerge:
         }
         norms = {k: record.scalars.get(k) for k in ("grad_norm", "grad_norm_preclip")}
         mine = (sent, record.losses, norms)
-        parts = [None] * self.world if self.rank == 0 else None
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
-        if self.rank != 0:
+        if parts is None:  # (a rank other than 0: rank 0 gathers)
             return None
         return self._merge(record, parts)
 

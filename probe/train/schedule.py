@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from probe.watch_options import LOG, check_every
+from probe.watch_options import check_every
 
 
 @dataclass(frozen=True)
@@ -19,16 +19,18 @@ class Schedule:
 
     def records(self, step: int) -> bool:
         """Whether step `step` (0-based) is recorded."""
-        if self.every == LOG:
+        every = self.every
+        if isinstance(every, str):  # "log" (check_every allows no other string)
             return step == 0 or step & (step - 1) == 0
-        return step % self.every == 0
+        return step % every == 0
 
     def steps_before(self, step: int) -> list[int]:
         """The recorded steps below `step`, in order."""
-        if self.every == LOG:
+        every = self.every
+        if isinstance(every, str):  # "log"
             out, s = ([0] if step > 0 else []), 1
             while s < step:
                 out.append(s)
                 s *= 2
             return out
-        return list(range(0, step, self.every))
+        return list(range(0, step, every))

@@ -15,9 +15,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from probe.errors import ConfigError
 from probe.plan import TrainingPlan, TrainSpec
 from probe.watch_options import WatchOptions
+
+if TYPE_CHECKING:
+    import torch
 
 
 def make_optimizer(spec: TrainSpec, params):
@@ -39,6 +44,20 @@ def watch_options(plan: TrainingPlan, out: Path, optimizer) -> WatchOptions:
     return WatchOptions(out=out, optimizer=optimizer, overwrite=plan.overwrite, **keys)
 
 
+def tensor_inputs(
+    plan: TrainingPlan, inputs: torch.Tensor | dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """A batch's inputs as the training feeds them to the model: one tensor (a token batch,
+    a dict of input_ids, is refused before the watch is made)."""
+    if isinstance(inputs, dict):
+        raise ConfigError(
+            f"python -m probe.train feeds the model one tensor per batch, and dataset="
+            f"{plan.data.name} gives token batches (a dict of input_ids): watch your own loop "
+            "with probe.watch, or the Hugging Face Trainer with its callback"
+        )
+    return inputs
+
+
 def train(plan: TrainingPlan, out: Path) -> list[float]:
     """Train `plan` watched into the run directory `out`; the per-step losses."""
     import torch
@@ -56,14 +75,15 @@ def train(plan: TrainingPlan, out: Path) -> list[float]:
     objective = build_objective(plan.objective, batches.has_targets)
     optimizer = make_optimizer(t, model.parameters())
     data = list(itertools.islice(batches, 1)) if t.fix_batch else list(batches)
+    steps = [(tensor_inputs(plan, b.inputs), b.targets) for b in data]  # (inputs, targets)
     torch.manual_seed(t.seed)
     losses = []
     with Watch(model, plan.probes, watch_options(plan, out, optimizer)) as w:
         for step in range(t.steps):
-            batch = data[step % len(data)]
+            inputs, targets = steps[step % len(steps)]
             optimizer.zero_grad()
-            output = model(model_input(model, batch.inputs, device))
-            loss = per_sample(objective, output, batch.targets, batch.inputs).mean()
+            output = model(model_input(model, inputs, device))
+            loss = per_sample(objective, output, targets, inputs).mean()
             loss.backward()
             w.loss(loss)
             optimizer.step()

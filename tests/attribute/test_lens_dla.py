@@ -210,6 +210,22 @@ def test_bad_lens_input_is_a_named_error(tmp_path, models, extra, words, cli_in_
     assert words in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_lens_over_bare_tensors_names_the_token_batches_it_reads(tmp_path, models):
+    """probe.run with a lens over batches of bare token-id tensors (no dict, so no token layout):
+    a DataError naming the form the lens reads, not an indexing error."""
+    from transformers import AutoModelForCausalLM
+
+    import probe
+    from probe.errors import DataError
+
+    model = AutoModelForCausalLM.from_pretrained(models[0]["gpt2"])
+    data = [torch.randint(3, 50, (2, T))]
+    with pytest.raises(
+        DataError, match="lens=logit reads token batches: give each batch as a dict"
+    ):
+        probe.run(model, data, "none", out=tmp_path / "run", lens="logit", progress=False)
+
+
 def test_dla_refuses_a_post_norm_model(tmp_path, cli_in_process):
     from transformers import BertForMaskedLM
 

@@ -12,8 +12,13 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from probe.data.batches import build_batches
+from probe.hooks.record import Record
+from probe.hooks.step_context import Outputs
+from probe.launch.size_plan import log_transfer
 from probe.models.build import build_model
 from probe.plan import parse
+from probe.stats.backend import DeviceStats
+from probe.store.folds import StatsFold
 from probe.testing.compose import make_cfg
 from tests.helpers import cloned_outputs, run_probe
 
@@ -123,3 +128,16 @@ def test_plan_states_bytes_per_sample_and_the_file_size_before_the_run(tmp_path,
     # a stats-only file's histograms fill buckets as data comes (projected from the first
     # batch), in two slots once a second flush came: a short run's file has one, below the plan
     assert real <= projected < 1.35 * real, (projected, real)
+
+
+def test_the_transfer_line_of_a_gpu_batch_counts_the_statistics_partials(caplog):
+    """The plan's line of what a GPU batch moves to the host: the captures' copies, and the
+    statistics part's packed partials, which the record carries in its folds."""
+    packed = DeviceStats(torch.zeros(10, dtype=torch.float64), lambda a: None)
+    record = Record(
+        0, 2, 0, {("conv1", "output"): torch.zeros(2, 3)},
+        outputs=Outputs(folds={StatsFold.name: {("conv1", "output"): packed}}),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="probe"):
+        log_transfer(record)
+    assert "captures 24 B, statistics 80 B (statistics reduced on the GPU)" in caplog.text

@@ -146,3 +146,17 @@ def test_the_trainer_equals_a_hand_loop_of_the_keys_it_is_given(tmp_path, optimi
     assert sorted(got["step"].unique()) == [0, 2, 4]
     assert set(got["layer"]) == {"hidden.0", "hidden.1", "readout"}
     pd.testing.assert_frame_equal(got, hand, rtol=1e-5)
+
+
+def test_token_data_is_refused_before_the_watch_is_made(tmp_path, tiny_gpt2):
+    """python -m probe.train feeds the model one tensor per batch: a token dataset (dicts of
+    input_ids) is a ConfigError naming the ways that do train on it, before any file is made."""
+    model_dir, _ = tiny_gpt2
+    plan = parse_training(compose_train(
+        "model=hf", f"model.name={model_dir}", "model.task=causal_lm", "dataset=random_tokens",
+        "dataset.num_samples=4", "dataset.batch_size=2", "dataset.vocab_size=40",
+        "objective=lm_loss", "train.steps=1",
+    ))  # fmt: skip
+    with pytest.raises(ConfigError, match="dataset=random_tokens gives token batches.*probe.watch"):
+        train(plan, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

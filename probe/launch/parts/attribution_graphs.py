@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from pathlib import Path
 
 import torch
@@ -172,7 +172,13 @@ class AttributionGraphs(RunPart):
 
     def prompt_count(self, replay: Replay) -> int:
         """This rank's prompts."""
-        return len(replay.shard.samples) or len(self.setup.dataset)
+        samples = len(replay.shard.samples)
+        if samples:
+            return samples
+        dataset = self.setup.dataset  # (a torchrun rank without samples: the whole dataset's)
+        if not isinstance(dataset, Sized):  # (the command line's datasets have their length)
+            raise RuntimeError("graph: the run's dataset has no length")
+        return len(dataset)
 
     def finish(self, done: Finished) -> None:
         """Rank 0, on the run's file (a torchrun job's stitched one): the tables."""

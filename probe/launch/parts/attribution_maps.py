@@ -39,7 +39,7 @@ class AttributionMaps(RunPart):
             self.integrated = Integrated(a.steps, a.method, a.internal_batch_size, base)
 
     def after_forward(self, ctx: StepContext) -> None:
-        captured = ctx.captured
+        captured = ctx.batch_capture()
         take_maps(captured, ctx.tokens)
         if self.integrated is not None and captured.attributed:  # (more forwards, hooks idle)
             self.integrated.take(

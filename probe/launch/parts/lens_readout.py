@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from probe.attribute.readout import build_readout, write_readout_tables
+from probe.errors import DataError
 from probe.hooks.capture import Capture
 from probe.hooks.forward import first_output
 from probe.hooks.step_context import StepContext
@@ -39,8 +40,14 @@ class LensReadout(RunPart):
 
     def after_forward(self, ctx: StepContext) -> None:
         held = self.readout.end()
+        inputs = ctx.batch.inputs
+        if not isinstance(inputs, dict):  # (a caller's bare tensor: no token layout to read)
+            raise DataError(
+                f"lens={ctx.plan.lens.name} reads token batches: give each batch as a dict of "
+                "input_ids (and attention_mask), not a bare tensor"
+            )
         with torch.no_grad():
-            ids = ctx.batch.inputs["input_ids"]
+            ids = inputs["input_ids"]
             logits = first_output(ctx.output).detach()
             rows, once = self.readout.rows(
                 held, logits, ids, ctx.tokens, ctx.batch.side, ctx.plan.lens.position

@@ -50,7 +50,8 @@ class SaeSplice(RunPart):
         log.info("wrote %s (%d layers with an SAE)", self.folder / "sae.csv", len(table))
         promoted = self.report.promoted(self.model)
         if promoted:  # (feature cards show them: probe.report.cards)
-            np.savez(self.folder / "sae_tokens.npz", **promoted)
+            # numpy's stub lets ** fill savez's allow_pickle (a bool); the keys are layer names
+            np.savez(self.folder / "sae_tokens.npz", **promoted)  # type: ignore[arg-type]
 
     def after_forward(self, ctx: StepContext) -> None:
         """More forwards, recording nothing: each spliced SAE alone, its layer zeroed, clean."""

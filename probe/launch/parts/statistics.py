@@ -105,9 +105,12 @@ class Statistics(RunPart):
         nonfinite.report(done.datasets or [])
         if not plan.probes:  # (probes=none asks for no layer: no table of them)
             return
-        done.summary.to_csv(done.run_dir / "summary.csv", index=False)
+        summary = done.summary
+        if summary is None:  # (the run makes it before the parts finish)
+            raise RuntimeError("the statistics part finished before the summary table was made")
+        summary.to_csv(done.run_dir / "summary.csv", index=False)
         if plan.options.print_summary:
-            print_summary(done.summary)
+            print_summary(summary)
 
 
 def print_summary(summary: pd.DataFrame) -> None:
