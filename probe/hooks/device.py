@@ -62,3 +62,34 @@ def to_host(*groups: dict) -> tuple[list[dict], Ready | None]:
                 host[key] = t
         out.append(host)
     return out, Ready(sorted(gpus, key=str))
+
+
+class HostCopy:
+    """One tensor on its way to the host: a pinned buffer filled by a non-blocking copy and the
+    event recorded after it (a CPU tensor is its own copy, ready at once). `ready()` asks without
+    waiting; `array()` waits for the copy, then gives it as a numpy array."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event: torch.cuda.Event | None = None
+        if not t.is_cuda:
+            self.host = t
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.device(t.device):
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def array(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
+
+
+def copy_to_host(t: torch.Tensor) -> HostCopy:
+    """The one way a watched step's statistics leave their device (probe.train.step_stats): a
+    pinned, non-blocking copy behind an event; nothing waits until `HostCopy.array`."""
+    return HostCopy(t)

@@ -80,13 +80,19 @@ def use(name: str) -> None:
     _cpu = name
 
 
-def cpu_stats():
-    """batch_stats(x, bounds, hist, unit_axis) of this process's CPU backend: the one `use`
-    chose, else PROBE_STATS_BACKEND's or auto's."""
+def cpu_name() -> str:
+    """This process's backend for CPU batches (torch or numba): the one `use` chose, else
+    PROBE_STATS_BACKEND's or auto's."""
     global _cpu
     if _cpu is None:
         _cpu = resolve(os.environ.get(ENV, "auto"))
-    if _cpu == "numba":
+    return _cpu
+
+
+def cpu_stats():
+    """batch_stats(x, bounds, hist, unit_axis) of this process's CPU backend: the one `use`
+    chose, else PROBE_STATS_BACKEND's or auto's."""
+    if cpu_name() == "numba":
         from probe.stats.numba_backend import batch_stats
 
         return batch_stats

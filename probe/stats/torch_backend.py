@@ -142,6 +142,16 @@ def _reduce(x: torch.Tensor, bounds, unit_axis: int) -> torch.Tensor:
 def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
     """A `RunningStats` from the host copy of a `reduce` result; an empty batch (no value at all)
     has no histogram, as `probe.stats.backend.batch_stats` gives it."""
+    return _unpack(packed, rows, unit_axis, hist=True)
+
+
+def unpack_without_histogram(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
+    """`unpack` of a `reduce` result whose histogram was left on its device (the packed head and
+    units alone: probe.stats.device_histograms.split); no histogram."""
+    return _unpack(packed, rows, unit_axis, hist=False)
+
+
+def _unpack(packed: np.ndarray, rows: int, unit_axis: int, hist: bool) -> RunningStats:
     p = np.asarray(packed, dtype=np.float64)
     width, tracked = int(p[0]), bool(p[1])
     batch = batch_values(p[:PACKED_HEAD].tolist())
@@ -160,8 +170,8 @@ def unpack(packed: np.ndarray, rows: int, unit_axis: int = 1) -> RunningStats:
             positive.astype(np.int64),
             saturated.astype(np.int64) if tracked else None,
         )
-    hist = LogHistogram(p[PACKED_HEAD + UNIT_ROWS * width :].astype(np.int64))
-    return RunningStats(rows, **by_name(batch), hist=hist, units=units, unit_axis=unit_axis)
+    counts = LogHistogram(p[PACKED_HEAD + UNIT_ROWS * width :].astype(np.int64)) if hist else None
+    return RunningStats(rows, **by_name(batch), hist=counts, units=units, unit_axis=unit_axis)
 
 
 REDUCTION_ENV = "PROBE_TORCH_REDUCTION"
@@ -203,6 +213,19 @@ def on_device(x: torch.Tensor, bounds=None, unit_axis: int = 1):
         )
         return packed, layout.unpack
     return reduce(x, bounds, unit_axis), lambda p: unpack(p, rows, unit_axis)
+
+
+def packed_on_device(x: torch.Tensor, bounds=None, unit_axis: int = 1):
+    """(packed tensor on x's device, its fused Layout, or None: the reference's packing, whose
+    units are `width`): `on_device`'s reduction, for a caller that reads the pack itself
+    (probe.stats.device_histograms)."""
+    if takes_fused(x):
+        sorted_from = None if _host(x.device) else SORTED_HISTOGRAM
+        packed, layout = fused.reduce(
+            x, bounds, unit_axis, slab=SLAB_DEVICE, sorted_from=sorted_from
+        )
+        return packed, layout, layout.width
+    return reduce(x, bounds, unit_axis), None, _width(x.shape, unit_axis)
 
 
 def batch_stats(x, bounds=None, unit_axis: int = 1) -> RunningStats:

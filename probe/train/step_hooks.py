@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -36,15 +36,29 @@ from probe.hooks.hookset import HookSet
 from probe.hooks.names import dataset_name, flatten
 from probe.layout import unit_axis
 from probe.site_keys import VALUE_GRAD_SITES, VALUE_SITES, SiteKey, parse_or_none
+from probe.stats import backend
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train.schedule import Schedule
-from probe.train.step_stats import Key, StepStats
+from probe.train.step_stats import Key, Settled, StepStats
 from probe.train.watched_sites import WatchedModule, class_name
 from probe.watch_options import WatchOptions
 
 log = logging.getLogger("probe")
 VALUE_AND_GRAD_SITES = (*VALUE_SITES, *VALUE_GRAD_SITES)  # sites a module's values name
+
+
+@dataclass
+class _Staged:
+    """A recorded step between its end and its record: its statistics (the device's on their
+    way), what it recorded of each site, its scalars, its losses (None: read with the copy)."""
+
+    step: int
+    settled: Settled
+    infos: dict[Key, SiteInfo]
+    values: dict[str, float | None]  # None: a device's, read with the copy
+    losses: list[float | None]
+    summed: bool
 
 
 @dataclass
@@ -124,6 +138,12 @@ class Watcher:
         self.merge_ranks: Callable[[StepRecord], StepRecord | None] = (
             merge_ranks if merge_ranks is not None else lambda record: record
         )
+        # a distributed training's ranks merge each step as it ends (a collective: no step
+        # waits for a later one), whole histograms and all
+        self.ranked = merge_ranks is not None
+        # every value reduced on its device where the torch backend reduces (a GPU's always)
+        self.on_device = backend.cpu_name() == "torch"
+        self.staged: deque[_Staged] = deque()  # recorded steps whose device copy is under way
         hooked = {w.name: Hooked(w.name, w.module, w) for w in watched}
         for e in edits:
             if e.module_name not in hooked:
@@ -313,13 +333,13 @@ class Watcher:
         """Step `step` starts (0-based: optimizer steps completed before its forward)."""
         self.step = step
         self.recording = self.schedule.records(step)
-        self.stats = StepStats()
+        self.stats = StepStats(self.on_device, histograms=self.ranked)
         self.in_calls: Counter[str] = Counter()
         self.out_calls: Counter[str] = Counter()
-        self.losses: list[float] = []
+        self.losses: list[float | torch.Tensor] = []  # a GPU's stay there until the step ends
         self.loss_summed = False  # the micro-batches' losses are partial sums (see add_loss)
         self.norm_queued = False
-        self.scalars: dict[str, float] = {}
+        self.scalars: dict[str, float | torch.Tensor] = {}  # a device's read at the step's end
         self.before: dict[int, torch.Tensor] = {}  # id(parameter) -> its value before the update
         self.params_taken = False
         self.grads_at_begin = self.grads_seen
@@ -415,30 +435,54 @@ class Watcher:
         divides each micro-batch's summed loss by the whole step's item count)."""
         if self.recording and loss is not None:
             self.loss_summed = self.loss_summed or summed
-            self.losses.append(
-                float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-            )
+            if not isinstance(loss, torch.Tensor):
+                self.losses.append(float(loss))
+            elif loss.is_cpu and not self.on_device:
+                self.losses.append(float(loss.detach()))
+            else:  # (read with the step's one copy, not now)
+                self.losses.append(loss.detach().reshape(()))
 
-    def end_step(self, **scalars: float | None) -> None:
+    def end_step(self, **scalars: float | torch.Tensor | None) -> None:
         """The step ends: at a recorded step its statistics (and `scalars`, e.g. grad_scale) go
-        to the sink; then the next step begins."""
+        on their way to the sink (the device's by one copy: probe.train.step_stats); each staged
+        step whose copy is done is written, in order; then the next step begins."""
         if not self.forwards and self.needs_forwards:
             self._check_hooks_ran()
         if self.recording:
             self._check_backward()
-            stats = self.stats.settle(self._check_finite)
-            values = dict(self.scalars)
-            values.update({k: v for k, v in scalars.items() if v is not None})
-            infos = {key: self.infos[key] for key in stats}
-            losses = [float(np.sum(self.losses))] if self.loss_summed else self.losses
-            record = self.merge_ranks(StepRecord(self.step, stats, infos, values, losses))
+            device = {f"loss.{i}": t for i, t in enumerate(self.losses)
+                      if isinstance(t, torch.Tensor)}  # fmt: skip
+            values: dict[str, float | None] = {}  # in order; None: a device's, read with the copy
+            for name, v in [*self.scalars.items(), *scalars.items()]:
+                if isinstance(v, torch.Tensor):
+                    device[name], values[name] = v, None
+                elif v is not None:
+                    values[name] = float(v)
+            losses = [None if isinstance(t, torch.Tensor) else t for t in self.losses]
+            staged = _Staged(self.step, self.stats.settle(device), dict(self.infos), values,
+                             losses, self.loss_summed)  # fmt: skip
+            self.staged.append(staged)
+        self.write_staged(wait=self.ranked)
+        self.grad_hooks.remove()
+        self.begin(self.step + 1)
+
+    def write_staged(self, wait: bool = True) -> None:
+        """The staged steps to the sink, in order: those whose copy is done (`wait`: every one,
+        waiting for the copies: the watch closes, or a distributed training's collective)."""
+        while self.staged and (wait or self.staged[0].settled.ready()):
+            staged = self.staged.popleft()
+            stats, device = staged.settled.result(self._check_finite)
+            losses = [device[f"loss.{i}"] if v is None else v for i, v in enumerate(staged.losses)]
+            values = {k: device[k] if v is None else v for k, v in staged.values.items()}
+            if staged.summed:
+                losses = [float(np.sum(losses))]
+            infos = {key: staged.infos[key] for key in stats}
+            record = self.merge_ranks(StepRecord(staged.step, stats, infos, values, losses))
             if record is not None:
                 rows = {key: (record.infos[key], step_row(s)) for key, s in record.stats.items()}
                 if record.losses:
                     record.scalars["loss"] = float(np.mean(record.losses))
                 self.sink(record.step, rows, record.scalars)
-        self.grad_hooks.remove()
-        self.begin(self.step + 1)
 
     # -- statistics ----------------------------------------------------------------------------
     def _observe_param(self, h: Hooked, site: str, p: torch.Tensor) -> None:
@@ -534,7 +578,7 @@ class Watcher:
             )
         if not got_any:
             return
-        keys = [*self.stats.stats, *self.stats.on_device]
+        keys = [*self.stats.stats, *self.stats.packs]
         got = {(layer, SiteKey.parse(site).family) for layer, site in keys}
         for w in self.watched:
             for site in VALUE_GRAD_SITES:

@@ -240,7 +240,14 @@ class Watch:
     def _release(self, complete: bool) -> None:
         self.closed = True
         try:
-            self.watcher.detach()
+            try:  # the recorded steps whose statistics are still on their way
+                self.watcher.write_staged()
+            except Exception:  # noqa: BLE001 - a training that failed keeps its own error
+                if complete:
+                    raise
+                log.warning("the last recorded steps could not be written", exc_info=True)
+            finally:
+                self.watcher.detach()
         finally:
             try:
                 if self.file is not None:

@@ -98,9 +98,21 @@ class ByHand:
             self.step += 1
 
 
-def test_recorded_statistics_equal_hand_computations_in_the_same_training(tmp_path):
+@pytest.fixture(params=["host", "device"])
+def step_path(request, monkeypatch):
+    """The step's statistics taken on the host (the CPU backend's) or on the values' device,
+    one copy per step (the torch backend's: the GPU's path, here on the CPU)."""
+    from probe.stats import backend
+
+    if request.param == "device":
+        monkeypatch.setattr(backend, "_cpu", "torch")
+    return request.param
+
+
+def test_recorded_statistics_equal_hand_computations_in_the_same_training(tmp_path, step_path):
     """3 steps of SGD with momentum: every site of five modules (an in-place ReLU, a BatchNorm
-    whose output is added to in place, a block) against hand-taken values reduced in numpy."""
+    whose output is added to in place, a block) against hand-taken values reduced in numpy,
+    the statistics taken on the host and on the values' device alike."""
     steps = 3
     with one_thread():
         model = cnn()
@@ -136,10 +148,10 @@ def test_recorded_statistics_equal_hand_computations_in_the_same_training(tmp_pa
     assert rows[0, "relu", "output"]["dead_frac"] == units.mean()
 
 
-def test_gradient_accumulation_merges_micro_batches_exactly(tmp_path):
+def test_gradient_accumulation_merges_micro_batches_exactly(tmp_path, step_path):
     """Two micro-batches per step, a loop without optimizer=: a step's statistics are those of
     its two micro-batches' values together, its gradient the accumulated one, its loss their
-    mean, its update what the step changed."""
+    mean, its update what the step changed (on the host and on the device alike)."""
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = image_batches(4, size=4)

@@ -1,0 +1,98 @@
+"""What a watched step moves to the host, counted through the one function that moves it
+(probe.hooks.device.copy_to_host), on the path a GPU's values take (here on the CPU: the torch
+backend's): one copy per recorded step whatever the sites and micro-batches, none at the others;
+a few numbers per site (the quantile sketch stays where it was summed); and no read of a value
+in the step's path (`aten._local_scalar_dense`: .item(), float(), a .cpu() of a scalar)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import probe
+from probe.testing.trainings import cnn, image_batches, image_loss
+from probe.train import step_stats
+
+PROBES = {"all": {"layers": ["conv1", "relu", "layer1", "fc"],
+                  "capture": ["output", "grad_output", "param", "param_grad", "param_update"]}}  # fmt: skip
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The torch backend's path, with the reduction a GPU takes (the fused one)."""
+    from probe.stats import backend, torch_backend
+
+    monkeypatch.setattr(backend, "_cpu", "torch")
+    monkeypatch.setattr(torch_backend, "_reduction", "fused")
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """Each call of the step path's one transfer: the size of what it moved."""
+    made: list[int] = []
+    real = step_stats.copy_to_host
+
+    def counted(t):
+        made.append(t.numel() * t.element_size())
+        return real(t)
+
+    monkeypatch.setattr(step_stats, "copy_to_host", counted)
+    return made
+
+
+class Reads(TorchDispatchMode):
+    """Counts the operations that read a tensor's value into Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_copy_per_recorded_step_and_none_at_the_others(tmp_path, device_path, copies):
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = image_batches(8, size=4)
+    made = []
+    with probe.watch(model, PROBES, out=tmp_path / "run", optimizer=opt, every=2):
+        for step in range(4):
+            opt.zero_grad()
+            for batch in data[2 * step : 2 * step + 2]:
+                (image_loss(model, batch) / 2).backward()
+            opt.step()
+            made.append(len(copies))
+    assert made == [1, 1, 2, 2]  # steps 0 and 2 recorded: one copy each
+    with probe.open_run(tmp_path / "run") as run:
+        table = run.train()
+    sites = table[table.step == 0]
+    assert len(sites) == 4 * 2 + 6 * 3  # (4 layers' output and grad_output; 6 parameters x 3)
+    per_site = copies[0] / len(sites)
+    # what a site's statistics are without its 65536-bucket sketch (8 bytes each): a head of
+    # scalars, its units' rows, three quantiles; here under 4 KiB a site, where the sketch
+    # alone was 512 KiB
+    assert per_site < 4096, per_site
+
+
+def test_the_step_path_reads_no_value_into_python(tmp_path, device_path):
+    """The hooks and the step's end on the device path make no `.item()` (on a GPU each is a
+    wait for the device): every number a recorded step needs comes back with its one copy."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = image_batches(4, size=4)
+    probes = {"all": {"layers": ["conv1", "relu", "fc"],
+                      "capture": ["output", "grad_output", "param", "param_grad"]}}  # fmt: skip
+    with probe.watch(model, probes, out=tmp_path / "run", optimizer=opt) as w:
+        for step in range(2):
+            with Reads() as reads:  # forward, backward and step: the watch's hooks in each
+                opt.zero_grad()
+                loss = image_loss(model, data[step])
+                loss.backward()
+                w.loss(loss)
+                opt.step()
+            # plain SGD reads nothing; what the watch needs comes back with the step's copy
+            assert reads.reads == 0, (step, reads.reads)
