@@ -33,10 +33,9 @@ def split(packed: torch.Tensor, layout: fused.Layout | None, rows: int, unit_axi
     """(histogram (BINS,) float64 or None, the rest of the packed batch, the rest's reader) of
     one packed batch on its device; `layout` None: the reference's packing (of a batch whose
     units are `width`)."""
-    if layout is None:
+    if layout is None:  # (the reference cleared its NaN and Inf buckets)
         at = PACKED_HEAD + UNIT_ROWS * width
-        hist = packed[at:].clone()
-        return hist, packed[:at], lambda p: unpack_without_histogram(p, rows, unit_axis)
+        return packed[at:], packed[:at], lambda p: unpack_without_histogram(p, rows, unit_axis)
     rest_layout = dataclasses.replace(layout, hist=False)
     if not layout.hist or packed.numel() == 0:
         return None, packed, rest_layout.unpack
@@ -61,10 +60,8 @@ def split(packed: torch.Tensor, layout: fused.Layout | None, rows: int, unit_axi
     if table is not None:  # float16: its patterns' counts into the float32 buckets they fall in
         index = torch.as_tensor(table, device=hist.device)
         hist = torch.zeros(BINS, dtype=hist.dtype, device=hist.device).index_add_(0, index, hist)
-    else:
-        hist = hist.clone()
-    for lo, hi in _CLEARED:
-        hist[lo:hi] = 0
+    for lo, hi in _CLEARED:  # (in place: the histogram's part of the pack is not read again)
+        hist[lo:hi].zero_()
     return hist, torch.cat(rests) if len(rests) > 1 else rests[0], rest_layout.unpack
 
 
