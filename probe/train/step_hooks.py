@@ -175,6 +175,7 @@ class Watcher:
         self.grad_scale: Callable[[], float] | None = None  # a GradScaler's scale, if any
         self.norm_queued = False
         self.opener: nn.Module | None = None  # the module whose call began the open forward
+        self.param_batch: list | None = None  # parameter sites held to be reduced together
         self.begin(0)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -370,13 +371,14 @@ class Watcher:
         if not self.recording or self.params_taken:
             return
         self.params_taken = True
-        for w in self.watched:
-            h = self._hooked(w)
-            for name, p in w.params.get("param", {}).items():
-                self._observe_param(h, f"param.{name}", local(p))
-            for p in w.params.get("param_update", {}).values():
-                if id(p) not in self.before:
-                    self.before[id(p)] = local(p).clone()
+        with self._batched():
+            for w in self.watched:
+                h = self._hooked(w)
+                for name, p in w.params.get("param", {}).items():
+                    self._observe_param(h, f"param.{name}", local(p))
+                for p in w.params.get("param_update", {}).values():
+                    if id(p) not in self.before:
+                        self.before[id(p)] = local(p).clone()
 
     def take_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The gradients as the optimizer sees them (after accumulation, clipping, and under
@@ -384,11 +386,12 @@ class Watcher:
         and each param group's learning rate (with `optimizer`)."""
         if not self.recording:
             return
-        for w in self.watched:
-            h = self._hooked(w)
-            for name, p in w.params.get("param_grad", {}).items():
-                if p.grad is not None:
-                    self._observe_param(h, f"param_grad.{name}", local(p.grad))
+        with self._batched():
+            for w in self.watched:
+                h = self._hooked(w)
+                for name, p in w.params.get("param_grad", {}).items():
+                    if p.grad is not None:
+                        self._observe_param(h, f"param_grad.{name}", local(p.grad))
         norm = self.global_grad_norm()
         if norm is not None:
             self.scalars["grad_norm"] = norm
@@ -421,12 +424,13 @@ class Watcher:
         """What the optimizer step changed (`param_update.*`): the weights after minus before."""
         if not self.recording:
             return
-        for w in self.watched:
-            h = self._hooked(w)
-            for name, p in w.params.get("param_update", {}).items():
-                before = self.before.get(id(p))
-                if before is not None:
-                    self._observe_param(h, f"param_update.{name}", local(p) - before)
+        with self._batched():
+            for w in self.watched:
+                h = self._hooked(w)
+                for name, p in w.params.get("param_update", {}).items():
+                    before = self.before.get(id(p))
+                    if before is not None:
+                        self._observe_param(h, f"param_update.{name}", local(p) - before)
         self.before.clear()
 
     def add_loss(self, loss, summed: bool = False) -> None:
@@ -486,12 +490,38 @@ class Watcher:
 
     # -- statistics ----------------------------------------------------------------------------
     def _observe_param(self, h: Hooked, site: str, p: torch.Tensor) -> None:
-        """A parameter (or its gradient or update) as one row; an empty shard has nothing."""
-        if p.numel() or not self.sharded:
-            self.observe(h, site, p.detach().unsqueeze(0), "parameter")
+        """A parameter (or its gradient or update) as one row; an empty shard has nothing.
+        Inside `_batched`, held to be reduced with the others at its end."""
+        if not p.numel() and self.sharded:
+            return
+        x = p.detach().unsqueeze(0)
+        if self.param_batch is None:
+            self.observe(h, site, x, "parameter")
+            return
+        key = (h.name, site)
+        self.param_batch.append((key, x, *self._layout(h, site, x, "parameter")))
+
+    @contextlib.contextmanager
+    def _batched(self):
+        """The parameter sites observed inside are reduced together at its end (on the device
+        path: one reduction per device and dtype, probe.stats.batched)."""
+        self.param_batch = []
+        try:
+            yield
+        finally:
+            items, self.param_batch = self.param_batch, None
+        self.stats.add_many(items)
 
     def observe(self, h: Hooked, site: str, x: torch.Tensor, kind: str) -> None:
         """Fold one value of (h's layer, site) into the step's statistics."""
+        key = (h.name, site)
+        batch = self.stats.add(key, x, *self._layout(h, site, x, kind))
+        if batch is not None and (batch.nan_count or batch.inf_count):
+            self._check_finite(key, batch)
+
+    def _layout(self, h: Hooked, site: str, x: torch.Tensor, kind: str) -> tuple:
+        """(saturation bounds, unit axis) of (h's layer, site), its SiteInfo noted at its first
+        value."""
         key = (h.name, site)
         layout = self.layouts.get(key)
         if layout is None:
@@ -509,9 +539,7 @@ class Watcher:
                 where = f"probe {w.probe if w is not None else None!r} layer {h.name!r} {site}"
                 axis = unit_axis(setting, classes, x.dim(), where)
             layout = self.layouts[key] = (bounds_for(h.module_type, site), axis)
-        batch = self.stats.add(key, x, *layout)
-        if batch is not None and (batch.nan_count or batch.inf_count):
-            self._check_finite(key, batch)
+        return layout
 
     def _name_taken(self, layer: str, site: str) -> None:
         """Note the name a value site is recorded under; one other than the asked site's own

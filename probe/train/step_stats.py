@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from probe.hooks.device import HostCopy, copy_to_host
-from probe.stats import backend
+from probe.stats import backend, batched
 from probe.stats import torch_backend as torch_stats
 from probe.stats.device_histograms import PointQuantiles, Reader, quantile_points, split
 from probe.stats.running import LogHistogram, RunningStats
@@ -74,6 +74,30 @@ class StepStats:
             _Packed(packed, layout, rows, unit_axis, width, bounds)
         )
         return None
+
+    def add_many(self, items: list[tuple[Key, torch.Tensor, tuple | None, int]]) -> None:
+        """Fold many one-row values in at once (a model's parameters, gradients or updates:
+        (key, value (1, ...), bounds, unit axis) each): on the device path those of one device
+        and dtype reduced together, in a few dozen operations for all of them
+        (probe.stats.batched); the others one by one."""
+        groups: dict[tuple, list] = {}
+        for item in items:
+            key, x, bounds, axis = item
+            together = (
+                (self.on_device or x.device.type != "cpu")
+                and bounds is None
+                and batched.supports(x)
+                and x.shape[0] == 1
+            )
+            if together:
+                groups.setdefault((x.device, x.dtype), []).append(item)
+            else:
+                self.add(key, x, bounds, axis)
+        for found in groups.values():
+            packs = batched.reduce_many([x.detach()[0] for _, x, _, _ in found])
+            for (key, x, bounds, axis), packed in zip(found, packs, strict=True):
+                width = x.shape[1] if x.dim() >= 2 else 0
+                self.packs.setdefault(key, []).append(_Packed(packed, None, 1, axis, width, bounds))
 
     def _fold(self, key: Key, batch: RunningStats, bounds, unit_axis: int) -> None:
         acc = self.stats.get(key)
