@@ -260,6 +260,84 @@ def rss_child(steps: list[int]) -> None:
     print(json.dumps(peaks))
 
 
+VIEWS = {  # operations that launch no kernel (views, aliases, Python scalars lifted)
+    "aten.view.default", "aten.slice.Tensor", "aten.detach.default", "aten._unsafe_view.default",
+    "aten.view.dtype", "aten.expand.default", "aten.lift_fresh.default", "aten.alias.default",
+    "aten.t.default", "aten.select.int", "aten.unsqueeze.default", "aten.permute.default",
+    "aten.transpose.int", "aten.split.Tensor", "aten.split_with_sizes.default",
+    "aten.unbind.int", "aten.as_strided.default", "aten.squeeze.dim", "aten.unflatten.int",
+}  # fmt: skip
+
+
+def counts(name: str, reduction: str) -> list:
+    """One recorded step of `name`'s training on the path a GPU's values take (here on the CPU:
+    the torch backend, `reduction` fused or reference, the device branches of the torch
+    reductions): its sites, the copies to the host the step asks for
+    (probe.hooks.device.copy_to_host), the bytes they move per site, and the ATen operations
+    that launch a kernel, per site (a watched step's minus an unwatched one's)."""
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import probe
+    from probe.stats import backend, torch_backend
+    from probe.train import step_stats
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) not in VIEWS:
+                self.n[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    backend.use("torch")
+    torch_backend.use_reduction(reduction)
+    host, copy = torch_backend._host, step_stats.copy_to_host
+    moved: list[int] = []
+    torch_backend._host = lambda device: False  # (the branches a GPU takes)
+    step_stats.copy_to_host = lambda t: (moved.append(t.numel() * t.element_size()), copy(t))[1]
+    try:
+        make, optimizer, batches, loss, probes = setup(name, 3)
+
+        def step(model, opt, batch, w=None):
+            opt.zero_grad()
+            value = loss(model, batch)
+            value.backward()
+            if w is not None:
+                w.loss(value)
+            opt.step()
+
+        torch.manual_seed(0)
+        model, opt = make(), None
+        opt = optimizer(model)
+        step(model, opt, batches[0])
+        with Ops() as plain:
+            step(model, opt, batches[1])
+        torch.manual_seed(0)
+        model = make()
+        opt = optimizer(model)
+        with tempfile.TemporaryDirectory() as tmp:
+            w = probe.watch(model, probes, out=Path(tmp) / "w", optimizer=opt).start()
+            step(model, opt, batches[0], w)
+            moved.clear()
+            with Ops() as watched:
+                step(model, opt, batches[1], w)
+            copies = len(moved)
+            w.close()
+            with probe.open_run(Path(tmp) / "w") as run:
+                sites = int((run.train()["step"] == 1).sum())
+    finally:
+        torch_backend._host, step_stats.copy_to_host = host, copy
+        torch_backend.use_reduction(None)
+    per_site = (sum(watched.n.values()) - sum(plain.n.values())) / sites
+    return [name, reduction, sites, copies, f"{moved[0] / sites:.0f}" if moved else "-",
+            f"{per_site:.1f}"]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet18,gpt2")
@@ -269,11 +347,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rss", action="store_true", help="the peak RSS check as well")
+    parser.add_argument("--counts", action="store_true",
+                        help="what one recorded step moves to the host and launches, per site, "
+                             "on a GPU's path (no timing)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the tables there too (markdown)")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_child:
         rss_child([int(s) for s in args.rss_child.split(",")])
+        return
+    if args.counts:
+        rows = [counts(name, r) for name in args.model.split(",") for r in ("fused", "reference")]
+        table = bench_common.markdown(
+            ["### One recorded step on a GPU's path, counted on the CPU"],
+            ["training", "reduction", "sites", "copies to the host", "bytes per site",
+             "kernel ops per site"], rows, [],
+        )  # fmt: skip
+        print(table, flush=True)
+        if args.out:
+            args.out.write_text(table + "\n")
         return
 
     import torch
