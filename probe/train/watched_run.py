@@ -6,6 +6,7 @@
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             w.loss(loss)            # optional: the step's loss in the file
+            w.clipped(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # if it clips
             opt.step()              # the optimizer's step hooks count the steps
 
 No extra forward or backward: the hooks watch the user's own (probe.train.step_hooks). Without
@@ -127,7 +128,7 @@ class Watch:
         self.watcher = Watcher(model, watched, self.edits, o, self._record,
                                failing=self._failing, merge_ranks=merge)  # fmt: skip
         if o.scaler is not None:
-            self.watcher.grad_scale = lambda: float(o.scaler.get_scale())
+            self.watcher.norms.grad_scale = lambda: float(o.scaler.get_scale())
         self.schedule = self.watcher.schedule
         groups = len(o.optimizer.param_groups) if o.optimizer is not None else 0
         self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
@@ -364,6 +365,14 @@ class Watch:
         self.watcher.take_grads(None)
         self.watcher.take_updates()
         self._end_step()
+
+    def clipped(self, norm) -> None:
+        """The loop clipped the current step's gradients: `norm` (a tensor or a number) is the
+        total norm `torch.nn.utils.clip_grad_norm_` returned, the norm before the clip (after
+        any `scaler.unscale_`), and the step's `grad_norm_preclip`. Handed over, it spares the
+        watch a measurement of the gradients at the end of each backward (see
+        docs/training.md, Steps)."""
+        self.watcher.take_clip_norm(norm)
 
     def loss(self, loss, summed: bool = False) -> None:
         """The loss of the current step: of each micro-batch, the step's is their mean, or their
