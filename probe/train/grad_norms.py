@@ -62,6 +62,8 @@ def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of `grads` together: a 0-d float64 tensor on the first one's device."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
+        if g.is_sparse:  # (a sparse embedding's: its values)
+            g = g.coalesce().values()
         groups.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
     total = None

@@ -132,6 +132,9 @@ def test_global_norm_is_exact_to_float32_rounding_on_large_cpu_gradients():
     assert norm.dtype == torch.float64 and norm.dim() == 0
     want = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
     np.testing.assert_allclose(float(norm), float(want), rtol=1e-8)
+    # a sparse gradient (nn.Embedding(sparse=True)): its dense values' norm (1 and 2 + 2)
+    sparse = torch.sparse_coo_tensor([[0, 3, 3]], [1.0, 2.0, 2.0], (5,))
+    np.testing.assert_allclose(float(grad_norms.global_norm([sparse])), np.sqrt(17), rtol=1e-7)
 
 
 def test_a_handed_over_norm_is_the_trainings_across_sharded_ranks():
