@@ -139,7 +139,7 @@ class GradNorms:
         self.learns = True
         self.last_backward: Callable[[], bool] | None = None
         self.grad_scale: Callable[[], float] | None = None
-        self.said_gap = False
+        self.said_gap = self.said_early = False
         self.begin()
 
     def begin(self) -> None:
@@ -178,8 +178,19 @@ class GradNorms:
             scale = self.grad_scale() if self.grad_scale is not None else 1.0
             self.backward_norm = norm / scale if scale else norm
 
-    def hand_over(self, norm) -> None:
-        """The total norm a clip of this step's gradients returned (a tensor or a number)."""
+    def hand_over(self, norm, step: int) -> None:
+        """The total norm a clip of this step's gradients returned (a tensor or a number); one
+        that comes before any backward of the step is of no gradient of it: said, not kept."""
+        if not self.backwards:
+            if not self.said_early:
+                self.said_early = True
+                log.warning(
+                    "step %d: a clip's norm was handed over (w.clipped) before any backward of "
+                    "the step; it is not the step's grad_norm_preclip. Hand it over between the "
+                    "backward and optimizer.step()",
+                    step,
+                )
+            return
         if isinstance(norm, torch.Tensor):
             norm = norm.detach()
             if callable(getattr(norm, "full_tensor", None)):  # (a DTensor: the training's)

@@ -388,7 +388,7 @@ class Watcher:
         """The total norm a clip of this step's gradients returned (before the clip: a tensor or
         a number), as `grad_norm_preclip`."""
         if self.recording and not self.is_paused:
-            self.norms.hand_over(norm)
+            self.norms.hand_over(norm, self.step)
 
     def global_grad_norm(self) -> float | None:
         """The 2-norm of every gradient of the model together now (None: none)."""

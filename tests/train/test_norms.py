@@ -121,6 +121,27 @@ def test_a_clip_switched_on_later_costs_one_steps_preclip(tmp_path, monkeypatch,
     assert len(said) == 1 and said[0].startswith("step 2:") and "w.clipped(norm)" in said[0]
 
 
+def test_a_norm_handed_over_after_the_optimizer_step_is_not_the_next_steps(tmp_path, caplog):
+    """w.clipped after opt.step() would give the next step a norm of none of its gradients:
+    said once, and the next step's grad_norm_preclip is its own."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = []
+    with (caplog.at_level(logging.WARNING, logger="probe"),
+          probe.watch(model, FC, out=tmp_path / "run", optimizer=opt) as w):  # fmt: skip
+        for batch in image_batches(3):
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            pre.append(total(model.parameters()))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            w.clipped(norm)  # (too late: the step has ended)
+    scalars = probe.open_run(tmp_path / "run").train_scalars()
+    np.testing.assert_allclose(scalars.grad_norm_preclip, pre, rtol=1e-7)
+    said = [r.getMessage() for r in caplog.records if "w.clipped" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("step 1:")
+
+
 def test_global_norm_is_exact_to_float32_rounding_on_large_cpu_gradients():
     """Rows of 1024 values on the CPU (torch's float32 norm kernel accumulates one long sum
     there): float32, bfloat16 and float64 tensors of 4M, 1000 and 3 values against float64."""
