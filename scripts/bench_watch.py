@@ -11,18 +11,28 @@ The trainings (`--model`, comma-separated): `resnet18` (torchvision's, 64 px, ba
 momentum; probe watches every convolution's output, grad_output and parameters: param,
 param_grad, param_update, and every block's output and grad_output), `gpt2` (a GPT-2-shaped
 model of 6 blocks of width 256, vocabulary 8192, 8 sequences of 128 tokens, AdamW; probe watches
-every block's output, grad_output and parameters), `cnn` (the tests' small CNN, 2 ms a step).
+every block's output, grad_output and parameters), `llama135m` (SmolLM2-135M's shape from
+LlamaConfig with random weights: 30 blocks of width 576, vocabulary 49152, tied embeddings, 1
+sequence of 128 tokens, AdamW; watched like gpt2), `cnn` (the tests' small CNN, 2 ms a step).
+`--accumulate N` makes each step N micro-batches (each loss divided by N), `--clip X` clips the
+gradients to norm X before each optimizer step (torch.nn.utils.clip_grad_norm_), and with it
+`--hand-over` adds probe variants that hand the clip's norm to the watch (`w.clipped(norm)`),
+and `--norms-before` probe variants whose gradient norms are taken as before
+probe.train.grad_norms (float64, at the end of every backward and again at the step), the rest
+of the watch the same.
 `--rss` runs a watched training of the small CNN in a child process and prints its peak RSS after
 100 and after 1000 steps. docs/bench/watch.md holds a run's output.
 
     python scripts/bench_watch.py [--model resnet18,gpt2] [--steps 100] [--every 100,1]
                                   [--peers wandb,tensorboard] [--rounds 1] [--threads 1]
+                                  [--accumulate 1] [--clip X [--hand-over]] [--norms-before]
                                   [--rss] [--out docs/bench/watch.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -36,6 +46,8 @@ SHAPES = {
     "resnet18": "torchvision resnet18, 3x64x64, batch 64, SGD (momentum 0.9)",
     "gpt2": "GPT-2-shaped, 6 blocks x 256, vocabulary 8192, 8 x 128 tokens, AdamW",
     "cnn": "the tests' small CNN, 3x8x8, batch 32, SGD (momentum 0.9)",
+    "llama135m": "SmolLM2-135M-shaped Llama, 30 blocks x 576, vocabulary 49152, 1 x 128 tokens, "
+    "AdamW",
 }
 
 
@@ -45,15 +57,25 @@ def setup(name: str, steps: int):
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
-    if name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
+    if name in ("gpt2", "llama135m"):
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-        config = GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)
+        if name == "gpt2":
+            config = GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=128, vocab_size=8192)
+            model_class, rows = GPT2LMHeadModel, 8
+        else:  # (HuggingFaceTB/SmolLM2-135M's config.json)
+            config = LlamaConfig(
+                hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
+            )  # fmt: skip
+            model_class, rows = LlamaForCausalLM, 1
 
         def make():
-            return GPT2LMHeadModel(config).train()
+            return model_class(config).train()
 
-        batches = [torch.randint(0, 8192, (8, 128), generator=g) for _ in range(steps)]
+        vocab = config.vocab_size
+        batches = [torch.randint(0, vocab, (rows, 128), generator=g) for _ in range(steps)]
 
         def loss(model, batch):
             return model(input_ids=batch, labels=batch).loss
@@ -90,15 +112,44 @@ def setup(name: str, steps: int):
     return make, optimizer, batches, loss, probes
 
 
+def float64_norm(grads):
+    """The watch's gradient norm before probe.train.grad_norms: each gradient's float64 norm,
+    squared and summed."""
+    import torch
+
+    squares = [torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads]
+    return torch.stack(squares).sum().sqrt()
+
+
+@contextlib.contextmanager
+def norms_as_before(watch):
+    """`watch`'s gradient norms taken as before probe.train.grad_norms inside: the float64 norm
+    at the end of every backward and again at the step (where a clip changed the gradients)."""
+    from probe.train import grad_norms
+
+    real, norms = grad_norms.global_norm, watch.watcher.norms
+    norms.at_backward, norms.learns = True, False
+    grad_norms.global_norm = float64_norm
+    try:
+        yield
+    finally:
+        grad_norms.global_norm = real
+
+
 class Training:
     """One variant: its model, optimizer and observer, stepped one step at a time. `kind`:
-    None (unwatched), probe, wandb or tensorboard; `every` their frequency."""
+    None (unwatched), probe, wandb or tensorboard; `every` their frequency; `clip`: the norm
+    the gradients are clipped to before each optimizer step (None: no clip); `way`: for probe,
+    "handed" hands the clip's norm over to the watch, "before" takes the norms as before
+    probe.train.grad_norms (`norms_as_before`)."""
 
-    def __init__(self, kind, every, make, optimizer, loss, probes, out: Path):
+    def __init__(self, kind, every, make, optimizer, loss, probes, out: Path, clip=None,
+                 way=""):  # fmt: skip
         import torch
 
         torch.manual_seed(0)
         self.kind, self.every, self.loss_fn, self.probes = kind, every, loss, probes
+        self.clip, self.way = clip, way
         self.model = make()
         self.opt = optimizer(self.model)
         self.out, self.seconds, self.step_no = out, 0.0, 0
@@ -123,17 +174,30 @@ class Training:
             self.writer = SummaryWriter(str(self.out))
             self.histograms = HistogramLoop(self.model, self.probes, self.writer)
 
-    def step(self, batch) -> None:
+    def step(self, micro: list) -> None:
+        """One optimizer step over the micro-batches `micro`."""
         t0 = time.perf_counter()
+        with norms_as_before(self.watch) if self.way == "before" else contextlib.nullcontext():
+            self._step(micro)
+        self.seconds += time.perf_counter() - t0
+
+    def _step(self, micro: list) -> None:
+        import torch
+
         recorded = self.step_no % self.every == 0 if self.every else False
         if self.kind == "tensorboard":
             self.histograms.recording = recorded
         self.opt.zero_grad()
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
-        if self.kind == "probe":
-            self.watch.loss(loss)
-        elif self.kind == "tensorboard" and recorded:
+        for batch in micro:
+            loss = self.loss_fn(self.model, batch)
+            (loss / len(micro) if len(micro) > 1 else loss).backward()
+            if self.kind == "probe":
+                self.watch.loss(loss)
+        if self.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            if self.way == "handed":
+                self.watch.clipped(norm)
+        if self.kind == "tensorboard" and recorded:
             self.writer.add_scalar("loss", loss.item(), self.step_no)
             self.histograms.before_update(self.step_no)
         elif self.kind == "wandb" and (self.step_no + 1) % self.every == 0:
@@ -142,7 +206,6 @@ class Training:
         if self.kind == "tensorboard" and recorded:
             self.histograms.after_update(self.step_no)
         self.step_no += 1
-        self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         t0 = time.perf_counter()
@@ -213,24 +276,28 @@ class HistogramLoop:
             h.remove()
 
 
-def lockstep(name: str, variants: list[tuple], steps: int, tmp: Path) -> dict[str, float]:
-    """One round: every variant trained over the same batches in lockstep; seconds by variant."""
-    make, optimizer, batches, loss, probes = setup(name, steps)
-    if any(kind == "wandb" for _, kind, _ in variants):
+def lockstep(name: str, variants: list[tuple], steps: int, tmp: Path, accumulate: int = 1,
+             clip=None) -> dict[str, float]:  # fmt: skip
+    """One round: every variant (label, kind, every, way) trained over the same batches
+    in lockstep, `accumulate` micro-batches a step; seconds by variant."""
+    make, optimizer, batches, loss, probes = setup(name, steps * accumulate)
+    if any(kind == "wandb" for _, kind, _, _ in variants):
         import wandb
 
         wandb.init(mode="offline", dir=str(tmp), project="bench-watch")
     trainings = {}
-    for label, kind, every in variants:
-        out = tmp / label.replace(" ", "_").replace("=", "")
-        trainings[label] = Training(kind, every, make, optimizer, loss, probes, out)
+    for label, kind, every, way in variants:
+        out = tmp / label.replace(" ", "_").replace("=", "").replace(",", "")
+        trainings[label] = Training(kind, every, make, optimizer, loss, probes, out, clip,
+                                    way)  # fmt: skip
     order = list(trainings.values())
-    for i, batch in enumerate(batches):
+    for i in range(steps):
+        micro = batches[i * accumulate : (i + 1) * accumulate]
         for t in order[i % len(order) :] + order[: i % len(order)]:
-            t.step(batch)
+            t.step(micro)
     for t in order:
         t.close()
-    if any(kind == "wandb" for _, kind, _ in variants):
+    if any(kind == "wandb" for _, kind, _, _ in variants):
         wandb.finish()  # (its start and finish, once a process, are not timed)
     return {label: t.seconds for label, t in trainings.items()}
 
@@ -346,6 +413,18 @@ def main() -> None:
     parser.add_argument("--peers", default="wandb,tensorboard", help="'' for none")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step")
+    parser.add_argument("--clip", type=float, help="clip_grad_norm_ to this before each step")
+    parser.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="with --clip: probe variants handing the clip's norm over too",
+    )
+    parser.add_argument(
+        "--norms-before",
+        action="store_true",
+        help="probe variants taking the gradient norms as before probe.train.grad_norms",
+    )
     parser.add_argument("--rss", action="store_true", help="the peak RSS check as well")
     parser.add_argument("--counts", action="store_true",
                         help="what one recorded step moves to the host and launches, per site, "
@@ -377,17 +456,22 @@ def main() -> None:
 
     everies = [int(e) for e in args.every.split(",")]
     peers = [p for p in args.peers.split(",") if p]
-    variants = [("unwatched", None, 0), ("unwatched again", None, 0)]  # (the noise floor)
+    variants = [("unwatched", None, 0, ""), ("unwatched again", None, 0, "")]  # (noise)
     for kind in ["probe", *peers]:
-        variants += [(f"{kind} every={e}", kind, e) for e in everies]
+        variants += [(f"{kind} every={e}", kind, e, "") for e in everies]
+    if args.clip is not None and args.hand_over:
+        variants += [(f"probe every={e}, clip handed over", "probe", e, "handed") for e in everies]
+    if args.norms_before:
+        variants += [(f"probe every={e}, norms as before", "probe", e, "before") for e in everies]
     lines = []
     for name in args.model.split(","):
-        got = {label: [] for label, _, _ in variants}
+        got: dict[str, list[float]] = {label: [] for label, _, _, _ in variants}
         with tempfile.TemporaryDirectory() as tmp:  # imports, compiled kernels, first allocations
-            lockstep(name, variants, 2, Path(tmp))
+            lockstep(name, variants, 2, Path(tmp), args.accumulate, args.clip)
         for r in range(args.rounds):
             with tempfile.TemporaryDirectory() as tmp:
-                seconds = lockstep(name, variants, args.steps, Path(tmp))
+                seconds = lockstep(name, variants, args.steps, Path(tmp), args.accumulate,
+                                   args.clip)  # fmt: skip
             for label, s in seconds.items():
                 got[label].append(s)
             print(f"  {name} round {r + 1}/{args.rounds}: "
@@ -400,7 +484,10 @@ def main() -> None:
         head = [
             f"### {name}: {SHAPES[name]}",
             "",
-            f"{args.steps} steps in lockstep, {args.threads} torch thread(s), statistics backend "
+            f"{args.steps} steps in lockstep"
+            + (f" of {args.accumulate} micro-batches" if args.accumulate > 1 else "")
+            + (f", clip_grad_norm_ to {args.clip}" if args.clip is not None else "")
+            + f", {args.threads} torch thread(s), statistics backend "
             f"{backend.cpu_stats().__module__.split('.')[-1].removesuffix('_backend')}, median of "
             f"{args.rounds} round(s)",
         ]

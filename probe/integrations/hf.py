@@ -10,8 +10,10 @@ ends each step around the Trainer's optimizer step, and closes the file when the
 The watch hooks the Trainer's model and records its optimizer's learning rates (before the
 scheduler's step). The gradients are read in `on_pre_optimizer_step`: after the Trainer clips
 them (`max_grad_norm`), as the optimizer sees them (`grad_norm`); the norm before clipping,
-the one the Trainer logs as `grad_norm`, is train.csv's `grad_norm_preclip` (taken at the end
-of the step's last backward); the updates in `on_optimizer_step`. The step's loss is the
+the one the Trainer logs as `grad_norm`, is train.csv's `grad_norm_preclip`: with
+`cb.attach(trainer)` the very value the Trainer's `accelerator.clip_grad_norm_` returned (handed
+over, not measured again), else the norm at the end of the step's last backward (the one
+accelerate's `sync_gradients` marks); the updates in `on_optimizer_step`. The step's loss is the
 Trainer's: the sum of the micro-batches' `output.loss` where the Trainer passes the model
 `num_items_in_batch` (each is a partial sum of the step's), else their mean. `log_stats` adds
 the chosen statistics of every recorded site, as `probe/<layer>/<site>/<statistic>`, to the
@@ -27,7 +29,8 @@ An exception inside `trainer.train()` leaves the watch open: `cb.close()` closes
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -56,6 +59,7 @@ class ProbeCallback(TrainerCallback):
         self.trainer = None
         self.pending: dict[str, float] = {}
         self.hooks = HookSet("probe.integrations.hf: the model's loss")
+        self.unwrap: Callable[[], None] | None = None  # restores the accelerator's clip
 
     def attach(self, trainer) -> ProbeCallback:
         """Add this callback to `trainer` and keep it, to add `log_stats` to its logs: first
@@ -86,10 +90,50 @@ class ProbeCallback(TrainerCallback):
                 "add the callback with cb.attach(trainer) instead of Trainer(callbacks=[cb])"
             )
         self.hooks.remove()
+        self._restore_clip()
         inner = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
         self.driven.start(model, inner, state.global_step,
                           on_record=self._keep if self.driven.log_stats else None)  # fmt: skip
         self.hooks.forward(model, self._loss_hook(), name="<model> loss", with_kwargs=True)
+        norms = self.watch.watcher.norms
+        gradients = getattr(optimizer, "gradient_state", None)  # (accelerate's: the step's last
+        if gradients is not None:  # micro-batch syncs the gradients, and its backward is last)
+            norms.last_backward = lambda: bool(gradients.sync_gradients)
+        if self.trainer is not None and self._hand_over_clip(self.trainer):
+            norms.at_backward = False  # (the clip's norm comes: nothing to measure before it)
+
+    def _hand_over_clip(self, trainer) -> bool:
+        """Hand the total norm the Trainer's `accelerator.clip_grad_norm_` returns (it clips,
+        or with max_grad_norm 0 measures, every step; the value it logs as grad_norm) over to
+        the watch as the step's grad_norm_preclip, until the training ends. False where the
+        Trainer has no such accelerator."""
+        accelerator: Any = getattr(trainer, "accelerator", None)
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if not callable(clip):
+            return False
+        watcher = self.watch.watcher
+        own = "clip_grad_norm_" in vars(accelerator)  # (an instance's own, to put back)
+
+        def clip_grad_norm_(*args, **kwargs):
+            total = clip(*args, **kwargs)
+            if total is not None:
+                watcher.take_clip_norm(total)
+            return total
+
+        def unwrap():
+            if own:
+                accelerator.clip_grad_norm_ = clip
+            else:
+                del accelerator.clip_grad_norm_
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+        self.unwrap = unwrap
+        return True
+
+    def _restore_clip(self) -> None:
+        unwrap, self.unwrap = self.unwrap, None
+        if unwrap is not None:
+            unwrap()
 
     def _loss_hook(self):
         def hook(module, args, kwargs, output):
@@ -126,9 +170,11 @@ class ProbeCallback(TrainerCallback):
         self.close()
 
     def close(self, complete: bool = True) -> None:
-        """Close the watch and remove the loss hook (the end of the training does it)."""
+        """Close the watch, remove the loss hook and give the accelerator its own clip back
+        (the end of the training does it)."""
         try:
             self.hooks.remove()
+            self._restore_clip()
         finally:
             self.driven.close(complete)
 

@@ -14,8 +14,9 @@ Lightning divides it by `accumulate_grad_batches`; the step's is their mean). Th
 `zero_grad`: after Lightning clips them (`gradient_clip_val`), as the optimizer stepped on
 them; `on_before_optimizer_step` (after the backward and AMP's unscale, before the clip) gives
 the parameters, the learning rates and `grad_norm_preclip` (under manual optimization, where
-the module clips before `opt.step()`, the gradients too). `log_stats`
-sends the chosen statistics of every recorded site to the trainer's loggers
+the module clips before `opt.step()`, the gradients too, and `grad_norm_preclip` is the norm at
+the end of the backward, as in a plain loop). Each norm is measured once: `grad_norm` is the
+preclip norm again where nothing clipped (probe.train.grad_norms). `log_stats` sends the chosen statistics of every recorded site to the trainer's loggers
 (`probe/<layer>/<site>/<statistic>`, at the watch's step). A training resumed from a Lightning
 checkpoint appends to the same file from the checkpoint's step. docs/training.md has the rest.
 """
@@ -75,6 +76,9 @@ class ProbeCallback(Callback):
             send = lambda step, rows, scalars: self._send(trainer, step, rows)  # noqa: E731
         self.driven.start(pl_module, optimizers[0] if optimizers else None,
                           trainer.global_step, scaler, on_record=send)  # fmt: skip
+        if pl_module.automatic_optimization:  # (grad_norm_preclip: on_before_optimizer_step)
+            norms = self.watch.watcher.norms
+            norms.at_backward = norms.learns = False
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         watcher = self.watch.watcher

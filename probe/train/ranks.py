@@ -12,8 +12,9 @@ At each recorded step every rank sends rank 0 its step (a `gather_object`, one p
   every parameter, `to_local()`) join their pieces: the counts, moments and histograms merge,
   the per-unit statistics (a parameter's units are its dim 0) are laid end to end in rank
   order, and the one row's L2 norm is the root of the pieces' squares;
-- the loss is the mean of every rank's losses, the global grad norm the root of the ranks'
-  squared norms where the model is sharded (rank 0's otherwise), the rest rank 0's.
+- the loss is the mean of every rank's losses, the global grad norms the root of the ranks'
+  squared norms where the model is sharded (rank 0's otherwise, and where the norm is the
+  training's already: one a clip returned and the loop handed over), the rest rank 0's.
 
 The FullyShardedDataParallel wrapper (FSDP1) flattens parameters, so parameter sites under it
 are refused (`check_model`).
@@ -149,7 +150,7 @@ class RankMerge:
         scalars = dict(record.scalars)
         for name in ("grad_norm", "grad_norm_preclip"):
             norms = [n[name] for _, _, n in parts if n.get(name) is not None]
-            if self.sharded and norms:
+            if self.sharded and norms and name not in record.whole:  # (else rank 0's)
                 scalars[name] = math.sqrt(sum(n * n for n in norms))
         losses = [x for _, ls, _ in parts for x in ls]
         return StepRecord(record.step, stats, infos, scalars, losses)

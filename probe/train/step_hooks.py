@@ -8,7 +8,7 @@ A step goes through, in order:
                           watched module: see Watcher._opener_hook)
       module hooks         values, and tensor hooks for the gradients of the user's backward
     take_params()         the parameters before the update (and a copy for param_update)
-    take_grads(opt)       the gradients the optimizer sees, the global grad norm, the lrs
+    take_grads(opt)       the gradients the optimizer sees, the global grad norms, the lrs
     take_updates()        what the optimizer step changed
     end_step()            the step's StepRecord -> merge_ranks -> the sink; the next step begins
 
@@ -39,6 +39,7 @@ from probe.site_keys import VALUE_GRAD_SITES, VALUE_SITES, SiteKey, parse_or_non
 from probe.stats import backend
 from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
+from probe.train import grad_norms
 from probe.train.schedule import Schedule
 from probe.train.step_stats import Key, Settled, StepStats
 from probe.train.watched_sites import WatchedModule, class_name
@@ -59,6 +60,7 @@ class _Staged:
     values: dict[str, float | None]  # None: a device's, read with the copy
     losses: list[float | None]
     summed: bool
+    whole: frozenset[str]  # scalars that are the training's, not a rank's share
 
 
 @dataclass
@@ -72,6 +74,7 @@ class StepRecord:
     infos: dict[Key, SiteInfo]
     scalars: dict[str, float]
     losses: list[float]
+    whole: frozenset[str] = frozenset()  # scalars that are the training's, not a rank's share
 
 
 @dataclass
@@ -171,8 +174,8 @@ class Watcher:
         self.params_at_forward = options.optimizer is None  # take_params at the first forward
         self.sharded = any(is_dtensor(p) for p in model.parameters())
         self.needs_forwards = bool(edits) or any(w.sites for w in watched)
-        self.norm_hooks = HookSet("watch: the gradient norm at the end of each backward")
-        self.grad_scale: Callable[[], float] | None = None  # a GradScaler's scale, if any
+        self.norm_hooks = HookSet("watch: the end of each backward (the gradient norms)")
+        self.norms = grad_norms.GradNorms(model)  # grad_norm and grad_norm_preclip
         self.norm_queued = False
         self.opener: nn.Module | None = None  # the module whose call began the open forward
         self.param_batch: list | None = None  # parameter sites held to be reduced together
@@ -202,18 +205,14 @@ class Watcher:
         self._attach_backward_norm()
 
     def _attach_backward_norm(self) -> None:
-        """At a recorded step, the global gradient norm at the end of each backward (an
-        autograd engine callback queued by the first parameter's post-accumulate hook, after
-        the other callbacks of that backward): the
-        last backward's is the norm before any clipping (`grad_norm_preclip`), divided by the
-        grad scaler's scale where one scales the loss."""
+        """At a recorded step, the end of each backward (an autograd engine callback queued by
+        the first parameter's post-accumulate hook, after the other callbacks of that
+        backward): the gradients it left, and their norm where the step may need it as
+        `grad_norm_preclip` (probe.train.grad_norms)."""
 
         def measure():
             self.norm_queued = False
-            norm = self.global_grad_norm()
-            if norm is not None:
-                scale = self.grad_scale() if self.grad_scale is not None else 1.0
-                self.scalars["grad_norm_preclip"] = norm / scale if scale else norm
+            self.norms.backward_ended()
 
         def queue(fn):
             torch.autograd.Variable._execution_engine.queue_callback(fn)
@@ -340,6 +339,7 @@ class Watcher:
         self.losses: list[float | torch.Tensor] = []  # a GPU's stay there until the step ends
         self.loss_summed = False  # the micro-batches' losses are partial sums (see add_loss)
         self.norm_queued = False
+        self.norms.begin()
         self.scalars: dict[str, float | torch.Tensor] = {}  # a device's read at the step's end
         self.before: dict[int, torch.Tensor] = {}  # id(parameter) -> its value before the update
         self.params_taken = False
@@ -382,8 +382,9 @@ class Watcher:
 
     def take_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The gradients as the optimizer sees them (after accumulation, clipping, and under
-        DDP the all-reduce), the global grad norm over every gradient of the model (float64),
-        and each param group's learning rate (with `optimizer`)."""
+        DDP the all-reduce), the global grad norms over every gradient of the model (`grad_norm`
+        now, `grad_norm_preclip` as probe.train.grad_norms says), and each param group's
+        learning rate (with `optimizer`)."""
         if not self.recording:
             return
         with self._batched():
@@ -392,9 +393,7 @@ class Watcher:
                 for name, p in w.params.get("param_grad", {}).items():
                     if p.grad is not None:
                         self._observe_param(h, f"param_grad.{name}", local(p.grad))
-        norm = self.global_grad_norm()
-        if norm is not None:
-            self.scalars["grad_norm"] = norm
+        self.norms.take_step(self.step)
         self.take_lrs(optimizer)
 
     def take_lrs(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -407,18 +406,13 @@ class Watcher:
         """The global grad norm now, as `grad_norm_preclip` (a trainer's hook that runs before
         it clips, after it unscales)."""
         if self.recording:
-            norm = self.global_grad_norm()
-            if norm is not None:
-                self.scalars["grad_norm_preclip"] = norm
+            self.norms.take_preclip()
 
-    def global_grad_norm(self) -> float | None:
-        """The 2-norm of every gradient of the model together, in float64 (None: none)."""
-        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return None
-        device = grads[0].device
-        squares = [torch.linalg.vector_norm(g, dtype=torch.float64).to(device) ** 2 for g in grads]
-        return float(torch.stack(squares).sum().sqrt())
+    def take_clip_norm(self, norm) -> None:
+        """The total norm a clip of this step's gradients returned (before the clip: a tensor or
+        a number), as `grad_norm_preclip`."""
+        if self.recording and not self.is_paused:
+            self.norms.hand_over(norm, self.step)
 
     def take_updates(self) -> None:
         """What the optimizer step changed (`param_update.*`): the weights after minus before."""
@@ -457,14 +451,15 @@ class Watcher:
             device = {f"loss.{i}": t for i, t in enumerate(self.losses)
                       if isinstance(t, torch.Tensor)}  # fmt: skip
             values: dict[str, float | None] = {}  # in order; None: a device's, read with the copy
-            for name, v in [*self.scalars.items(), *scalars.items()]:
+            for name, v in [*self.scalars.items(), *self.norms.values.items(), *scalars.items()]:
                 if isinstance(v, torch.Tensor):
                     device[name], values[name] = v, None
                 elif v is not None:
                     values[name] = float(v)
             losses = [None if isinstance(t, torch.Tensor) else t for t in self.losses]
             staged = _Staged(self.step, self.stats.settle(device), dict(self.infos), values,
-                             losses, self.loss_summed)  # fmt: skip
+                             losses, self.loss_summed,
+                             frozenset(self.norms.whole))  # fmt: skip
             self.staged.append(staged)
         self.write_staged(wait=self.ranked)
         self.grad_hooks.remove()
@@ -481,7 +476,7 @@ class Watcher:
             if staged.summed:
                 losses = [float(np.sum(losses))]
             infos = {key: staged.infos[key] for key in stats}
-            record = self.merge_ranks(StepRecord(staged.step, stats, infos, values, losses))
+            record = self.merge_ranks(StepRecord(staged.step, stats, infos, values, losses, staged.whole))
             if record is not None:
                 rows = {key: (record.infos[key], step_row(s)) for key, s in record.stats.items()}
                 if record.losses:

@@ -6,6 +6,7 @@
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             w.loss(loss)            # optional: the step's loss in the file
+            w.clipped(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # if it clips
             opt.step()              # the optimizer's step hooks count the steps
 
 No extra forward or backward: the hooks watch the user's own (probe.train.step_hooks). Without
@@ -127,7 +128,7 @@ class Watch:
         self.watcher = Watcher(model, watched, self.edits, o, self._record,
                                failing=self._failing, merge_ranks=merge)  # fmt: skip
         if o.scaler is not None:
-            self.watcher.grad_scale = lambda: float(o.scaler.get_scale())
+            self.watcher.norms.grad_scale = lambda: scale_of(o.scaler)
         self.schedule = self.watcher.schedule
         groups = len(o.optimizer.param_groups) if o.optimizer is not None else 0
         self.scalar_columns = (*SCALAR_COLUMNS, *(f"lr.{i}" for i in range(groups)))
@@ -372,6 +373,14 @@ class Watch:
         self.watcher.take_updates()
         self._end_step()
 
+    def clipped(self, norm) -> None:
+        """The loop clipped the current step's gradients: `norm` (a tensor or a number) is the
+        total norm `torch.nn.utils.clip_grad_norm_` returned, the norm before the clip (after
+        any `scaler.unscale_`), and the step's `grad_norm_preclip`. Handed over, it spares the
+        watch a measurement of the gradients at the end of each backward (see
+        docs/training.md, Steps)."""
+        self.watcher.take_clip_norm(norm)
+
     def loss(self, loss, summed: bool = False) -> None:
         """The loss of the current step: of each micro-batch, the step's is their mean, or their
         sum with `summed=True` (micro-batch losses that are partial sums of the step's)."""
@@ -384,9 +393,7 @@ class Watch:
 
     def _end_step(self) -> None:
         recorded = self.watcher.recording
-        scale = None
-        if recorded and self.scaler is not None:
-            scale = float(self.scaler.get_scale())
+        scale = scale_of(self.scaler) if recorded and self.scaler is not None else None
         self.watcher.end_step(grad_scale=scale)
         if recorded and self.file is not None and self.file.unflushed >= self.flush_every:
             self.file.flush()
@@ -493,3 +500,13 @@ def _check_optimizer_trains(optimizer: torch.optim.Optimizer, model: nn.Module) 
             f"{len(own)} parameters: its {len(stepped)} parameters belong to another model. "
             "Give the optimizer that trains the model you watch (or watch the model it trains)"
         )
+
+
+def scale_of(scaler) -> float | torch.Tensor:
+    """A GradScaler's scale now, without reading a device's value into Python: its scale tensor
+    where it has one (read with the step's statistics), else `get_scale()`'s number."""
+    get = getattr(scaler, "_get_scale_async", None)  # (torch's own, what get_scale reads)
+    scale = get() if get is not None and scaler.is_enabled() else None
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(()).double()
+    return float(scaler.get_scale())

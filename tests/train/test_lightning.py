@@ -202,8 +202,9 @@ def test_lightning_gradients_are_the_clipped_ones(tmp_path):
     grads = table[table.site == "param_grad.weight"].norm.tolist()
     pre, post, conv1 = zip(*seen, strict=True)
     assert min(pre) > 10 * clip  # (every step clipped)
-    np.testing.assert_allclose(scalars.grad_norm_preclip, pre, rtol=1e-12)
-    np.testing.assert_allclose(scalars.grad_norm, post, rtol=1e-12)
+    # (float32 norms per gradient, their squares summed in float64: probe.train.grad_norms)
+    np.testing.assert_allclose(scalars.grad_norm_preclip, pre, rtol=1e-7)
+    np.testing.assert_allclose(scalars.grad_norm, post, rtol=1e-7)
     np.testing.assert_allclose(grads, conv1, rtol=1e-12)
 
 

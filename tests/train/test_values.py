@@ -239,13 +239,14 @@ def test_the_gradients_recorded_are_those_the_optimizer_sees_under_a_grad_scaler
         np.testing.assert_allclose(run.train()["norm"], norms, rtol=1e-6)
         scalars = run.train_scalars()
         assert list(scalars["grad_scale"]) == scales
-        np.testing.assert_allclose(scalars["grad_norm"], post, rtol=1e-12)
+        np.testing.assert_allclose(scalars["grad_norm"], post, rtol=1e-7)  # (float32 norms)
         np.testing.assert_allclose(scalars["grad_norm_preclip"], pre, rtol=1e-6)
 
 
 def test_a_loop_ending_its_steps_with_w_step_records_the_clipped_gradient(tmp_path):
     """A loop without optimizer= that clips, then w.step(loss=...): grad_norm is the clipped
-    gradients' norm, grad_norm_preclip the norm before, both float64."""
+    gradients' norm, grad_norm_preclip the norm before (measured at the end of the backward:
+    nothing handed over)."""
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pre, post, losses = [], [], []
@@ -262,7 +263,7 @@ def test_a_loop_ending_its_steps_with_w_step_records_the_clipped_gradient(tmp_pa
             losses.append(float(loss))
     with probe.open_run(tmp_path / "run") as run:
         scalars = run.train_scalars()
-    np.testing.assert_allclose(scalars["grad_norm"], post, rtol=1e-12)
+    np.testing.assert_allclose(scalars["grad_norm"], post, rtol=1e-7)  # (float32 norms)
     np.testing.assert_allclose(scalars["grad_norm_preclip"], pre, rtol=1e-6)
     assert list(scalars["loss"]) == losses
 
@@ -321,4 +322,4 @@ def test_a_file_written_before_grad_norm_preclip_resumes_without_it(tmp_path, mo
     with probe.open_run(tmp_path / "run") as run:
         scalars = run.train_scalars()
     assert list(scalars.columns) == ["step", *old, "lr.0"] and list(scalars.step) == [0, 1, 2, 3]
-    np.testing.assert_allclose(scalars.grad_norm[2:], norms, rtol=1e-12)
+    np.testing.assert_allclose(scalars.grad_norm[2:], norms, rtol=1e-7)  # (float32 norms)
