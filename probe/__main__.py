@@ -1,11 +1,13 @@
 """`python -m probe` / `probe`: compose the config with Hydra, run, turn user errors into messages.
 
 torch is imported only once probe.plan has parsed the config (every check the config alone decides),
-so a config mistake is reported in about a second.
+so a config mistake is reported in about a second. The config is composed once (`_compose_once`)
+and parsed once (`probe.plan.parse`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -17,6 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from probe.config import config_dir
 from probe.errors import ProbeError
+from probe.launch import collector
 from probe.launch.interrupt import Interrupted
 from probe.launch.sweep import JobFailed, in_sweep, job_label
 from probe.plan import parse
@@ -145,6 +148,42 @@ def _is_group(arg: str) -> bool:
     return "." not in name and (Path(config_dir()) / name).is_dir()
 
 
+# overrides that may set hydra.mode or change where the primary config comes from
+_MODE_KEYS = ("hydra.mode", "hydra.searchpath", "hydra/")
+
+
+@contextlib.contextmanager
+def _compose_once(argv: list[str]):
+    """Hydra composes a run's config twice: first only to read `hydra.mode` (`Hydra.get_mode`,
+    which answers None on any error, so its compose reports nothing), then for the job. probe's
+    config sets no hydra.mode, so unless the command line sets it or changes where the config
+    comes from (--config-name, --config-path, --config-dir, a hydra/ group, hydra.searchpath),
+    that first compose can only answer None: it is skipped (a quarter of a second of every
+    start). Elsewhere, or should Hydra change, Hydra runs as it is."""
+    try:
+        from hydra._internal.hydra import Hydra
+    except ImportError:
+        yield
+        return
+    flags = [a for a in argv if a.startswith("-")]
+    keys = [a.split("=", 1)[0].lstrip("+~") for a in argv if not a.startswith("-")]
+    elsewhere = any(f.startswith(("--config", "-cn", "-cp", "-cd")) for f in flags)
+    if elsewhere or any(k.startswith(_MODE_KEYS) for k in keys) or not hasattr(Hydra, "get_mode"):
+        yield
+        return
+    get_mode = Hydra.get_mode
+    Hydra.get_mode = _mode_unset  # type: ignore[method-assign]  # (for this process's run)
+    try:
+        yield
+    finally:
+        Hydra.get_mode = get_mode  # type: ignore[method-assign]
+
+
+def _mode_unset(self, config_name: str | None, overrides: list[str]) -> None:
+    """What Hydra.get_mode answers for probe's config when the command line sets no hydra.mode."""
+    return None
+
+
 def main() -> None:
     global _EXISTING
     # a given run directory that exists (or whose name Hydra resolves: it may) is kept
@@ -185,10 +224,22 @@ def main() -> None:
             sys.exit(2)
         sys.argv[1:] = distributed.agree_run_dir(sys.argv[1:])
     try:
-        app()
+        with _compose_once(sys.argv[1:]):
+            app()
     finally:  # the run directory's lock, taken before Hydra wrote into it (probe.store.runlock)
         runlock.release_cli()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `probe` command and `python -m probe`: `main` in a process of its own, which holds
+    Python's garbage collections while it starts (probe.launch.collector; not for a sweep, whose
+    jobs share the process)."""
+    argv = sys.argv[1:]
+    keys = [a.split("=", 1)[0].lstrip("+~") for a in argv if not a.startswith("-")]
+    if not {"-m", "--multirun"} & set(argv) and not any(k.startswith(_MODE_KEYS) for k in keys):
+        collector.hold()
     main()
+
+
+if __name__ == "__main__":
+    cli()

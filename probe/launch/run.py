@@ -14,7 +14,6 @@ from pathlib import Path
 import h5py
 import pandas as pd
 import torch
-import torchvision
 from tqdm.auto import tqdm
 
 from probe.attribute.integrated import check_attribution_run
@@ -27,7 +26,7 @@ from probe.hooks.module_select import select_modules
 from probe.hooks.objective import build_objective
 from probe.hooks.sae_site import load_saes
 from probe.intervene.edits import build_edits
-from probe.launch import distributed, size_plan
+from probe.launch import collector, distributed, size_plan
 from probe.launch.batch import Prepared, run_batch, samples_only
 from probe.launch.distributed import Shard
 from probe.launch.interrupt import Interrupted, StopFlag, file_size_errors
@@ -35,7 +34,7 @@ from probe.launch.parts import PARTS
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.models import placement
-from probe.models.build import build_model
+from probe.models.build import build_model, torchvision_version
 from probe.plan import RunPlan, parse
 from probe.read.tables import summary_frame
 from probe.stats import backend
@@ -265,6 +264,7 @@ def _loop(setup: RunSetup, parts: list[RunPart], sink: Sink, stop: StopFlag, sha
             hooks.enter_context(capture)
             for part in parts:
                 hooks.enter_context(part.loop(capture))
+        collector.release()  # (the command line's start-up held Python's collections)
         bar = tqdm(batches, desc="probe", unit="batch", disable=not plan.options.progress,
                    leave=False)  # fmt: skip
         first = index = sink.num_batches  # (a resumed run starts after its last batch)
@@ -331,7 +331,7 @@ def file_attrs(plan: RunPlan) -> dict:
         "train_mode": bool(plan.options.train_mode),
         "seed": int(plan.options.seed),
         "torch_version": str(torch.__version__),
-        "torchvision_version": str(torchvision.__version__),
+        "torchvision_version": torchvision_version(),
         "h5py_version": str(h5py.__version__),
         "hdf5_version": str(h5py.version.hdf5_version),
         "objective": str(plan.objective.name),

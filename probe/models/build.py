@@ -1,15 +1,20 @@
 """Build the network a config names: torchvision, timm or transformers by name (the last two in
-probe.models.hub), a user class by `_target_`, a checkpoint."""
+probe.models.hub), a user class by `_target_`, a checkpoint.
+
+torchvision is imported where a torchvision model is built: importing it imports torch._dynamo
+(its detection ops ask whether torch.compile is supported), about two seconds that a run of
+another model does not need (`torchvision_version` reads its version without it)."""
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import logging
 import re
+import sys
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
 
 from probe.config import import_target, library_of
@@ -21,7 +26,29 @@ log = logging.getLogger("probe")
 
 
 def classification_models() -> list[str]:
+    import torchvision
+
     return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+_VERSION_LINE = re.compile(r"^__version__ = ['\"]([^'\"]+)['\"]", re.MULTILINE)
+
+
+def torchvision_version() -> str:
+    """`torchvision.__version__` (a run's file records it whatever its model), read from
+    torchvision's generated version.py where this process has not imported torchvision."""
+    module = sys.modules.get("torchvision")
+    if module is None:
+        spec = importlib.util.find_spec("torchvision")  # (finds it: runs nothing of it)
+        for folder in (spec and spec.submodule_search_locations) or []:
+            try:
+                found = _VERSION_LINE.search((Path(folder) / "version.py").read_text())
+            except OSError:
+                continue
+            if found:
+                return found[1]
+        import torchvision as module
+    return str(module.__version__)
 
 
 def _plain(text: str) -> str:
@@ -83,6 +110,8 @@ def _build_custom(target: str | None, kwargs: dict) -> nn.Module:
 
 
 def _build_torchvision(cfg: ModelSpec, kwargs: dict) -> nn.Module:
+    import torchvision
+
     names = classification_models()
     if cfg.name not in names:
         # a missing model.name (None) is not checked before this and fails in difflib with a

@@ -21,26 +21,26 @@ import json
 import logging
 from collections.abc import Iterator, Sized
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from probe.data.text import TOKENIZER_FILES
 from probe.errors import ConfigError
-from probe.graphs.attribution import GraphOptions, attribute
-from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.graph_h5 import GRAPH, append_graph
-from probe.graphs.graph_tables import write_graph_tables
-from probe.graphs.pruning import prune
-from probe.graphs.replacement import check_widths, replacement_parts
-from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
-from probe.models.transcoder import TranscoderSet
-from probe.models.transcoder_files import load_transcoders
 from probe.plan import RunPlan
 from probe.specs import GraphSpec
 from probe.store.groups import GroupTables
 from probe.store.sink import Sink
+
+if TYPE_CHECKING:
+    from probe.graphs.attribution_graph import AttributionGraph
+    from probe.models.transcoder import TranscoderSet
+
+# The graphs' machinery (the replacement model, the attribution, pruning, the tables, the
+# transcoders' files) is imported where a run asks for graphs: every other run's start would
+# import it for nothing.
 
 log = logging.getLogger("probe")
 
@@ -48,12 +48,16 @@ log = logging.getLogger("probe")
 # -- the computation (one place each, so a test can stand in for them) ---------------------------
 def load_transcoder_set(path: str) -> TranscoderSet:
     """The transcoder set of graph.transcoders (checked against the model in `start`)."""
+    from probe.models.transcoder_files import load_transcoders
+
     return load_transcoders(path)
 
 
 def graph_options(spec: GraphSpec):
     """probe.graphs.attribution's GraphOptions from the graph.* keys it has (a key left null
     where its own default is not null: that default)."""
+    from probe.graphs.attribution import GraphOptions
+
     values = {}
     for f in dataclasses.fields(GraphOptions):
         value = getattr(spec, f.name, dataclasses.MISSING)
@@ -66,6 +70,8 @@ def graph_options(spec: GraphSpec):
 def check_transcoders(model: torch.nn.Module, transcoders, overrides: dict | None) -> None:
     """Before the loop: the model's replacement parts (a post-norm model or a family the
     anatomy does not know refused by name) and the set's layers and widths against it."""
+    from probe.graphs.replacement import check_widths, replacement_parts
+
     check_widths(replacement_parts(model, overrides), transcoders)
 
 
@@ -73,6 +79,8 @@ def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, 
                      overrides: dict | None = None):  # fmt: skip
     """One prompt's attributed graph (probe.graphs.attribution.attribute); `overrides` the
     model.anatomy keys."""
+    from probe.graphs.attribution import attribute
+
     return attribute(
         model, tokens, transcoders, graph_options(spec), tokenizer=tokenizer, overrides=overrides
     )
@@ -80,6 +88,8 @@ def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, 
 
 def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
     """`graph` pruned at graph.node_threshold and graph.edge_threshold."""
+    from probe.graphs.pruning import prune
+
     return prune(graph, spec.node_threshold, spec.edge_threshold)
 
 
@@ -182,6 +192,9 @@ class AttributionGraphs(RunPart):
 
     def finish(self, done: Finished) -> None:
         """Rank 0, on the run's file (a torchrun job's stitched one): the tables."""
+        from probe.graphs.graph_tables import write_graph_tables
+        from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
+
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
         written.append(write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR))
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
@@ -208,6 +221,8 @@ def _overrides(plan: RunPlan) -> dict | None:
 
 def _tokenizer(plan: RunPlan):
     """The tokenizer of dataset.tokenizer or model.name, where one loads (None: none)."""
+    from probe.data.text import TOKENIZER_FILES
+
     name = getattr(plan.data, "tokenizer", None) or plan.model.name
     if not name:
         return None
