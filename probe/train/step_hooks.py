@@ -25,6 +25,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -470,13 +471,15 @@ class Watcher:
         waiting for the copies: the watch closes, or a distributed training's collective)."""
         while self.staged and (wait or self.staged[0].settled.ready()):
             staged = self.staged.popleft()
-            stats, device = staged.settled.result(self._check_finite)
+            stats, device = staged.settled.result(partial(self._check_finite, step=staged.step))
             losses = [device[f"loss.{i}"] if v is None else v for i, v in enumerate(staged.losses)]
             values = {k: device[k] if v is None else v for k, v in staged.values.items()}
             if staged.summed:
                 losses = [float(np.sum(losses))]
             infos = {key: staged.infos[key] for key in stats}
-            record = self.merge_ranks(StepRecord(staged.step, stats, infos, values, losses, staged.whole))
+            record = self.merge_ranks(
+                StepRecord(staged.step, stats, infos, values, losses, staged.whole)
+            )
             if record is not None:
                 rows = {key: (record.infos[key], step_row(s)) for key, s in record.stats.items()}
                 if record.losses:
@@ -564,15 +567,16 @@ class Watcher:
         self.unsaid.clear()
         return found
 
-    def _check_finite(self, key: Key, batch: RunningStats) -> None:
+    def _check_finite(self, key: Key, batch: RunningStats, step: int | None = None) -> None:
         """Log the first non-finite values of each site (with fail_on_nonfinite: the first of
-        the training stops it, after the file is flushed)."""
+        the training stops it, after the file is flushed); `step`: the step that held them,
+        where its copy landed later (default: the current one)."""
         if not (batch.nan_count or batch.inf_count) or key in self.reported:
             return
         first = not self.reported
         self.reported.add(key)
         message = (
-            f"step {self.step}: layer {key[0]!r} {key[1]} has {batch.nan_count} NaN and "
+            f"step {self.step if step is None else step}: layer {key[0]!r} {key[1]} has {batch.nan_count} NaN and "
             f"{batch.inf_count} Inf values (the first of this site"
             f"{', and of the training' if first else ''})"
         )

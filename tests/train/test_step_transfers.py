@@ -6,6 +6,7 @@ in the step's path (`aten._local_scalar_dense`: .item(), float(), a .cpu() of a 
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,3 +97,38 @@ def test_the_step_path_reads_no_value_into_python(tmp_path, device_path):
                 opt.step()
             # plain SGD reads nothing; what the watch needs comes back with the step's copy
             assert reads.reads == 0, (step, reads.reads)
+
+
+def _train_with_nan_at_step_1(out, clip_value=None):
+    """4 steps of the small CNN, the second step's batch holding a NaN; train.csv and the log."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = image_batches(4, size=4)
+    data[1][0][0, 0, 0, 0] = float("nan")
+    with probe.watch(model, PROBES, out=out, optimizer=opt) as w:
+        for batch in data:
+            opt.zero_grad()
+            loss = image_loss(model, batch)
+            loss.backward()
+            w.loss(loss)
+            opt.step()
+    with probe.open_run(out) as run:
+        return run.train(), run.train_scalars(), (out / "probe.log").read_text()
+
+
+def test_a_copy_read_a_step_later_writes_the_same_file(tmp_path, device_path, monkeypatch):
+    """On a GPU a step's copy is read at a later step's end (or at the close): the records keep
+    their order and values, and a NaN is said with the step that held it, not the one that read
+    it. Here every copy counts as not done until the watch closes."""
+    table, scalars, log = _train_with_nan_at_step_1(tmp_path / "at_once")
+    monkeypatch.setattr(step_stats.Settled, "ready", lambda self: False)
+    later, later_scalars, later_log = _train_with_nan_at_step_1(tmp_path / "later")
+    pd.testing.assert_frame_equal(later, table)
+    pd.testing.assert_frame_equal(later_scalars, scalars)
+    assert sorted(table.step.unique()) == [0, 1, 2, 3]
+    said, said_at_once = (
+        [line.split("] ")[-1] for line in text.splitlines() if "NaN" in line]
+        for text in (later_log, log)
+    )
+    assert "step 1:" in said[0] and "of the training" in said[0], said  # (the input's NaN)
+    assert said == said_at_once
