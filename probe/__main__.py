@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -155,11 +156,13 @@ _MODE_KEYS = ("hydra.mode", "hydra.searchpath", "hydra/")
 @contextlib.contextmanager
 def _compose_once(argv: list[str]):
     """Hydra composes a run's config twice: first only to read `hydra.mode` (`Hydra.get_mode`,
-    which answers None on any error, so its compose reports nothing), then for the job. probe's
-    config sets no hydra.mode, so unless the command line sets it or changes where the config
-    comes from (--config-name, --config-path, --config-dir, a hydra/ group, hydra.searchpath),
-    that first compose can only answer None: it is skipped (a quarter of a second of every
-    start). Elsewhere, or should Hydra change, Hydra runs as it is."""
+    which answers None on any error, so its compose reports nothing), then for the job. Where
+    no file of probe's config folder sets hydra.mode (`_files_may_set_mode`: the shipped ones
+    do not; a file a user added there might), no search-path plugin adds other folders, and
+    the command line neither sets it nor changes where the config comes from (--config-name,
+    --config-path, --config-dir, a hydra/ group, hydra.searchpath), that first compose can only
+    answer None: it is skipped (a quarter of a second of every start). Elsewhere, or should
+    Hydra change, Hydra runs as it is."""
     try:
         from hydra._internal.hydra import Hydra
     except ImportError:
@@ -168,7 +171,13 @@ def _compose_once(argv: list[str]):
     flags = [a for a in argv if a.startswith("-")]
     keys = [a.split("=", 1)[0].lstrip("+~") for a in argv if not a.startswith("-")]
     elsewhere = any(f.startswith(("--config", "-cn", "-cp", "-cd")) for f in flags)
-    if elsewhere or any(k.startswith(_MODE_KEYS) for k in keys) or not hasattr(Hydra, "get_mode"):
+    if (
+        elsewhere
+        or any(k.startswith(_MODE_KEYS) for k in keys)
+        or not hasattr(Hydra, "get_mode")
+        or _other_search_paths()
+        or _files_may_set_mode(Path(config_dir()))
+    ):
         yield
         return
     get_mode = Hydra.get_mode
@@ -177,6 +186,30 @@ def _compose_once(argv: list[str]):
         yield
     finally:
         Hydra.get_mode = get_mode  # type: ignore[method-assign]
+
+
+_INDENTED_MODE = re.compile(r"^\s+mode\s*:", re.MULTILINE)
+
+
+def _files_may_set_mode(folder: Path) -> bool:
+    """Whether a config file under `folder` may set hydra.mode (a `hydra:` block with an indented
+    `mode:` key; a false alarm only costs the compose that is otherwise skipped)."""
+    for path in folder.rglob("*.yaml"):
+        text = path.read_text(errors="replace")
+        if "hydra" in text and _INDENTED_MODE.search(text):
+            return True
+    return False
+
+
+def _other_search_paths() -> bool:
+    """Whether an installed Hydra plugin adds config folders (their files are not looked at)."""
+    try:
+        from hydra.core.plugins import Plugins
+        from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+        return bool(Plugins.instance().discover(SearchPathPlugin))
+    except Exception:  # (a Hydra without them: assume there may be some)
+        return True
 
 
 def _mode_unset(self, config_name: str | None, overrides: list[str]) -> None:

@@ -117,6 +117,27 @@ def test_hydra_composes_as_it_does_where_the_mode_may_be_set(args):
     assert Hydra.get_mode is get_mode
 
 
+def test_a_config_file_that_sets_the_mode_keeps_hydras_first_compose(tmp_path, monkeypatch):
+    """A file in the config folder that sets hydra.mode (a sweep kept in an experiment file,
+    as Hydra's docs show) keeps Hydra's own first compose: -m is then not needed to sweep."""
+    from hydra._internal.hydra import Hydra
+
+    import probe.__main__ as cli
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "store.yaml").write_text("mode: stats\n")  # (a key of probe's own: no alarm)
+    assert not cli._files_may_set_mode(tmp_path)
+    (tmp_path / "experiment" / "sweep.yaml").write_text(
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
+        "      seed: 1,2\n"
+    )
+    assert cli._files_may_set_mode(tmp_path)
+    monkeypatch.setattr(cli, "config_dir", lambda: str(tmp_path))
+    get_mode = Hydra.get_mode
+    with cli._compose_once(["+experiment=sweep"]):
+        assert Hydra.get_mode is get_mode
+
+
 def test_torchvision_version_without_importing_it(monkeypatch):
     """The file's torchvision_version, read from torchvision's version.py where no run imported
     torchvision, is torchvision.__version__."""
