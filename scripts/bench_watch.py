@@ -155,7 +155,8 @@ class Training:
         self.out, self.seconds, self.step_no = out, 0.0, 0
         t0 = time.perf_counter()
         self._start()
-        self.seconds += time.perf_counter() - t0
+        self.fixed = time.perf_counter() - t0  # the watch's start and close: once a training
+        self.seconds += self.fixed
 
     def _start(self) -> None:
         if self.kind == "probe":
@@ -216,6 +217,7 @@ class Training:
         elif self.kind == "tensorboard":
             self.histograms.remove()
             self.writer.close()
+        self.fixed += time.perf_counter() - t0
         self.seconds += time.perf_counter() - t0
 
 
@@ -299,7 +301,7 @@ def lockstep(name: str, variants: list[tuple], steps: int, tmp: Path, accumulate
         t.close()
     if any(kind == "wandb" for _, kind, _, _ in variants):
         wandb.finish()  # (its start and finish, once a process, are not timed)
-    return {label: t.seconds for label, t in trainings.items()}
+    return {label: (t.seconds, t.seconds - t.fixed) for label, t in trainings.items()}
 
 
 def rss_child(steps: list[int]) -> None:
@@ -465,7 +467,7 @@ def main() -> None:
         variants += [(f"probe every={e}, norms as before", "probe", e, "before") for e in everies]
     lines = []
     for name in args.model.split(","):
-        got: dict[str, list[float]] = {label: [] for label, _, _, _ in variants}
+        got: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _, _ in variants}
         with tempfile.TemporaryDirectory() as tmp:  # imports, compiled kernels, first allocations
             lockstep(name, variants, 2, Path(tmp), args.accumulate, args.clip)
         for r in range(args.rounds):
@@ -475,12 +477,14 @@ def main() -> None:
             for label, s in seconds.items():
                 got[label].append(s)
             print(f"  {name} round {r + 1}/{args.rounds}: "
-                  + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), flush=True)  # fmt: skip
+                  + ", ".join(f"{k} {v[0]:.1f} s" for k, v in seconds.items()), flush=True)  # fmt: skip
         rows = []
         for label, runs in got.items():
-            r = [a / b for a, b in zip(runs, got["unwatched"], strict=True)]
-            rows.append([label, f"{sorted(runs)[len(runs) // 2]:.1f}",
-                         f"{sorted(r)[len(r) // 2]:.3f}", f"{min(r):.3f}-{max(r):.3f}"])  # fmt: skip
+            r = [a[0] / b[0] for a, b in zip(runs, got["unwatched"], strict=True)]
+            steps = sorted(a[1] / b[1] for a, b in zip(runs, got["unwatched"], strict=True))
+            rows.append([label, f"{sorted(a[0] for a in runs)[len(runs) // 2]:.1f}",
+                         f"{sorted(r)[len(r) // 2]:.3f}", f"{min(r):.3f}-{max(r):.3f}",
+                         f"{steps[len(steps) // 2]:.3f}"])  # fmt: skip
         head = [
             f"### {name}: {SHAPES[name]}",
             "",
@@ -491,8 +495,14 @@ def main() -> None:
             f"{backend.cpu_stats().__module__.split('.')[-1].removesuffix('_backend')}, median of "
             f"{args.rounds} round(s)",
         ]
-        table = bench_common.markdown(head, ["variant", "seconds", "ratio", "ratio range"],
-                                      rows, [])  # fmt: skip
+        notes = [
+            "ratio: the whole training's seconds over the unwatched one's, the watch's start "
+            "and close (its file made, the last flush) included; steps only: without them "
+            "(what each step costs, paid again at every step of a longer training)"
+        ]
+        table = bench_common.markdown(
+            head, ["variant", "seconds", "ratio", "ratio range", "steps only"], rows, notes
+        )
         print(table, flush=True)
         lines.append(table)
     if args.rss:

@@ -128,8 +128,7 @@ def test_a_config_file_that_sets_the_mode_keeps_hydras_first_compose(tmp_path, m
     (tmp_path / "store.yaml").write_text("mode: stats\n")  # (a key of probe's own: no alarm)
     assert not cli._files_may_set_mode(tmp_path)
     (tmp_path / "experiment" / "sweep.yaml").write_text(
-        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
-        "      seed: 1,2\n"
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      seed: 1,2\n"
     )
     assert cli._files_may_set_mode(tmp_path)
     monkeypatch.setattr(cli, "config_dir", lambda: str(tmp_path))

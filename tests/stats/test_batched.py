@@ -50,6 +50,8 @@ def test_each_tensor_gets_what_the_reference_gives_it_alone(dtype):
             np.testing.assert_array_equal(have.hist.counts, want.hist.counts)
         if want.units is not None:
             for field in ("count", "min", "max", "positive"):
-                np.testing.assert_array_equal(getattr(have.units, field), getattr(want.units, field))
+                np.testing.assert_array_equal(
+                    getattr(have.units, field), getattr(want.units, field)
+                )
             np.testing.assert_allclose(have.units.sum, want.units.sum, rtol=1e-12)
         assert math.copysign(1, have.min) == math.copysign(1, want.min)  # (-0.0 stays -0.0)

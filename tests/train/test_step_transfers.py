@@ -132,3 +132,28 @@ def test_a_copy_read_a_step_later_writes_the_same_file(tmp_path, device_path, mo
     )
     assert "step 1:" in said[0] and "of the training" in said[0], said  # (the input's NaN)
     assert said == said_at_once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_watched_step_on_a_gpu_makes_no_synchronising_call(tmp_path):
+    """On a GPU a recorded step's hooks, norms, loss and end make no synchronising call (CUDA's
+    sync debug mode raises on each), and every recorded step's rows still reach the file."""
+    model = cnn().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+    data = [(x.cuda(), y.cuda()) for x, y in image_batches(4, size=4)]
+    with probe.watch(model, PROBES, out=tmp_path / "gpu", optimizer=opt) as w:
+        for step, batch in enumerate(data):
+            if step:  # (the first step makes the index tensors it keeps)
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.zero_grad()
+                loss = image_loss(model, batch)
+                loss.backward()
+                w.loss(loss)
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    with probe.open_run(tmp_path / "gpu") as run:
+        table = run.train()
+    assert sorted(table.step.unique()) == [0, 1, 2, 3]
+    assert len(table[table.step == 3]) == 4 * 2 + 6 * 3
