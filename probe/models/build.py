@@ -37,18 +37,20 @@ _VERSION_LINE = re.compile(r"^__version__ = ['\"]([^'\"]+)['\"]", re.MULTILINE)
 def torchvision_version() -> str:
     """`torchvision.__version__` (a run's file records it whatever its model), read from
     torchvision's generated version.py where this process has not imported torchvision."""
-    module = sys.modules.get("torchvision")
-    if module is None:
-        spec = importlib.util.find_spec("torchvision")  # (finds it: runs nothing of it)
-        for folder in (spec and spec.submodule_search_locations) or []:
-            try:
-                found = _VERSION_LINE.search((Path(folder) / "version.py").read_text())
-            except OSError:
-                continue
-            if found:
-                return found[1]
-        import torchvision as module
-    return str(module.__version__)
+    loaded = sys.modules.get("torchvision")
+    if loaded is not None:
+        return str(loaded.__version__)
+    spec = importlib.util.find_spec("torchvision")  # (finds it: runs nothing of it)
+    for folder in (spec and spec.submodule_search_locations) or []:
+        try:
+            found = _VERSION_LINE.search((Path(folder) / "version.py").read_text())
+        except OSError:
+            continue
+        if found:
+            return found[1]
+    import torchvision
+
+    return str(torchvision.__version__)
 
 
 def _plain(text: str) -> str:

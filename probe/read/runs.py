@@ -34,7 +34,7 @@ from probe.read.summaries import (
 from probe.read.tables import summary_frame, units_frame
 from probe.read.train_series import series
 from probe.read.train_steps import train_scalars, train_table, watched_modules
-from probe.stats.running import LogHistogram, RunningStats
+from probe.stats.running import LogHistogram, PointQuantiles, RunningStats
 from probe.store.coverage import seen_ranges
 from probe.store.fileformat import layer_path, read_progress
 from probe.store.runfile import missing_sources, open_probe_file, state
@@ -281,7 +281,7 @@ class Run:
     def histogram(self, layer: str, site: str = "output") -> tuple[np.ndarray, np.ndarray]:
         """(bucket midpoints, counts) of the quantile sketch, increasing values."""
         hist = self.stats(layer, site).hist
-        if hist is None:
+        if hist is None or isinstance(hist, PointQuantiles):
             raise KeyError(f"no histogram kept for {layer!r} {site!r}; run.units() has the rest")
         return (hist if isinstance(hist, LogHistogram) else hist.whole()).ordered()
 

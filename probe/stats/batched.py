@@ -73,7 +73,8 @@ def _make_layout(shapes: tuple[torch.Size, ...], device: torch.device) -> _Layou
     numel = tuple(math.prod(s) for s in shapes)
     units = tuple(s[0] if len(s) >= 1 else 0 for s in shapes)
     unit_of, tensor_of, tensor_of_unit, first_unit = [], [], [], []
-    sizes, head_at, units_at, hist_at = [], [], [[] for _ in range(UNIT_ROWS)], []
+    sizes, head_at, hist_at = [], [], []
+    units_at: list[list] = [[] for _ in range(UNIT_ROWS)]  # (None: a tensor without rows)
     u0, at = 0, 0
     for i, (n, u) in enumerate(zip(numel, units, strict=True)):
         width = max(u, 1)  # (a value alone: one unit of its own, not written)

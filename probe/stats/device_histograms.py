@@ -8,7 +8,7 @@ float32 buckets (float64 counts, NaN and Inf buckets cleared, as `LogHistogram` 
 the rest with the reader of that rest (its statistics without a histogram). `quantile_points`
 reads many histograms at once: the bucket midpoint holding each rank floor(q * (n - 1)) in value
 order, as `LogHistogram.quantiles` does; the caller clips them to the values' min and max
-(`PointQuantiles`), which the rest's statistics hold.
+(`probe.stats.running.PointQuantiles`), which the rest's statistics hold.
 """
 
 from __future__ import annotations
@@ -97,23 +97,3 @@ def _midpoints(index: torch.Tensor) -> torch.Tensor:
     hi = ((magnitude + 1) << 16).to(torch.int32).view(torch.float32).double()
     mid = torch.where(magnitude == 0, 0.0, (lo + hi) / 2)
     return torch.where(negative, -mid, mid)
-
-
-@dataclasses.dataclass
-class PointQuantiles:
-    """A histogram read on its device: the quantiles of `qs` as bucket midpoints (not clipped);
-    `quantiles` clips them to the values' min and max as `LogHistogram.quantiles` does."""
-
-    qs: tuple[float, ...]
-    points: tuple[float, ...]
-
-    def quantiles(self, qs, lo: float, hi: float) -> list[float]:
-        if tuple(qs) != self.qs:
-            raise ValueError(f"quantiles {list(qs)} asked of a sketch read at {list(self.qs)}")
-        out = []
-        for v in self.points:
-            if np.isnan(v):
-                out.append(float("nan"))
-            else:
-                out.append(v if lo < v < hi else float(np.clip(v, lo, hi)))
-        return out

@@ -99,6 +99,26 @@ class LogHistogram:
         return h
 
 
+@dataclass
+class PointQuantiles:
+    """A histogram read on its device: the quantiles of `qs` as bucket midpoints (not clipped);
+    `quantiles` clips them to the values' min and max as `LogHistogram.quantiles` does."""
+
+    qs: tuple[float, ...]
+    points: tuple[float, ...]
+
+    def quantiles(self, qs, lo: float, hi: float) -> list[float]:
+        if tuple(qs) != self.qs:
+            raise ValueError(f"quantiles {list(qs)} asked of a sketch read at {list(self.qs)}")
+        out = []
+        for v in self.points:
+            if np.isnan(v):
+                out.append(float("nan"))
+            else:
+                out.append(v if lo < v < hi else float(np.clip(v, lo, hi)))
+        return out
+
+
 class BucketSpans:
     """One batch's histogram as copies of the bucket ranges its finite values can fall in (one
     per sign, from its min and max): up to the bucket of the largest magnitude instead of all
@@ -277,7 +297,7 @@ class RunningStats:
     l2_sum: float = 0.0  # sum over rows of each row's L2 norm (finite values)
     bounds: tuple[float, float] | None = None  # output range of a saturating activation
     # a batch's may be its own ranges (BucketSpans); `whole_histogram` makes it a LogHistogram
-    hist: LogHistogram | BucketSpans | None = field(default_factory=LogHistogram)
+    hist: LogHistogram | BucketSpans | PointQuantiles | None = field(default_factory=LogHistogram)
     units: UnitStats | None = None
     unit_axis: int = 1  # the axis of a batch (axis 0: rows) along which the units lie
 
@@ -300,6 +320,8 @@ class RunningStats:
     def whole_histogram(self) -> LogHistogram:
         """The histogram as all 65536 buckets, to merge into: one kept as a batch's own ranges
         (`BucketSpans`), or none yet, becomes a LogHistogram first."""
+        if isinstance(self.hist, PointQuantiles):  # (a device's quantiles: no buckets left)
+            raise ValueError("statistics read as their quantiles on the device merge no further")
         if not isinstance(self.hist, LogHistogram):
             self.hist = LogHistogram() if self.hist is None else self.hist.whole()
         return self.hist

@@ -28,8 +28,8 @@ import torch
 from probe.hooks.device import HostCopy, copy_to_host
 from probe.stats import backend, batched
 from probe.stats import torch_backend as torch_stats
-from probe.stats.device_histograms import PointQuantiles, Reader, quantile_points, split
-from probe.stats.running import LogHistogram, RunningStats
+from probe.stats.device_histograms import Reader, quantile_points, split
+from probe.stats.running import LogHistogram, PointQuantiles, RunningStats
 from probe.stats.stat_columns import quantiles
 from probe.stats.torch_backend import BINS
 
