@@ -155,6 +155,9 @@ class ProbeCallback(TrainerCallback):
         self.watch.after_update()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        w = self.watch
+        if self.driven.log_stats and w is not None and not w.closed:
+            w.watcher.write_staged(wait=True)  # (a GPU's last recorded step: into this log)
         if self.pending and logs is not None:
             metrics, self.pending = self.pending, {}
             logs.update(metrics)

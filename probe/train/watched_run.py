@@ -429,8 +429,10 @@ class Watch:
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What the user's checkpoint keeps of the watch: the step and the edits' sample count.
-        The file is flushed first, so it holds every step the checkpoint has seen."""
+        The file is flushed first, so it holds every step the checkpoint has seen (a step whose
+        device copy is still under way is waited for and written)."""
         if self.file is not None and not self.closed:
+            self.watcher.write_staged(wait=True)
             self.file.flush()
         return {"version": STATE_VERSION, "step": self.watcher.step,
                 "rows_seen": self.watcher.rows_seen}  # fmt: skip

@@ -228,3 +228,26 @@ def test_hf_statistics_wait_for_the_trainers_next_log(tmp_path):
     logged = [h for h in trainer.state.log_history if key in h]
     assert [h["step"] for h in logged] == [2, 4] and all("loss" in h for h in logged)
     assert [h[key] for h in logged] == [norms[1], norms[3]]
+
+
+def test_hf_statistics_of_a_step_still_on_its_way_go_with_its_own_log(tmp_path, monkeypatch):
+    """On a GPU a recorded step's statistics reach the host a step later; the Trainer's log of
+    that step waits for them (here every copy counts as not done until something waits), so
+    each log holds its own step's values, as train.csv does."""
+    from probe.stats import backend, torch_backend
+    from probe.train import step_stats
+
+    monkeypatch.setattr(backend, "_cpu", "torch")  # (the path a GPU's values take)
+    monkeypatch.setattr(torch_backend, "_reduction", "fused")
+    monkeypatch.setattr(step_stats.Settled, "ready", lambda self: False)
+    with one_thread():
+        trainer = llama_trainer(tmp_path, llama())
+        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
+        ProbeCallback(probes, out=tmp_path / "w", log_stats=["norm"]).attach(trainer)
+        trainer.train()
+    key = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
+    table = pd.read_csv(tmp_path / "w" / "train.csv")
+    norms = table[table.site == "param_grad.weight"].norm.tolist()
+    logged = [h for h in trainer.state.log_history if key in h]
+    assert [h["step"] for h in logged] == [1, 2, 3, 4]
+    assert [h[key] for h in logged] == norms

@@ -157,3 +157,20 @@ def test_a_watched_step_on_a_gpu_makes_no_synchronising_call(tmp_path):
         table = run.train()
     assert sorted(table.step.unique()) == [0, 1, 2, 3]
     assert len(table[table.step == 3]) == 4 * 2 + 6 * 3
+
+
+def test_a_checkpoint_waits_for_the_steps_still_on_their_way(tmp_path, device_path, monkeypatch):
+    """`w.state_dict()` (a checkpoint) writes the steps whose copy is still under way before it
+    flushes: the file holds every step the checkpoint has seen, so a resume from it loses none."""
+    monkeypatch.setattr(step_stats.Settled, "ready", lambda self: False)
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with probe.watch(model, PROBES, out=tmp_path, optimizer=opt, flush_every=100) as w:
+        for batch in image_batches(3, size=4):
+            opt.zero_grad()
+            image_loss(model, batch).backward()
+            opt.step()
+        state = w.state_dict()
+        written = pd.read_csv(tmp_path / "train.csv")
+    assert state["step"] == 3
+    assert sorted(written.step.unique()) == [0, 1, 2]
