@@ -419,13 +419,18 @@ class Watcher:
         """What the optimizer step changed (`param_update.*`): the weights after minus before."""
         if not self.recording:
             return
+        updates: dict[int, torch.Tensor] = {}  # (a tied parameter's, once)
         with self._batched():
             for w in self.watched:
                 h = self._hooked(w)
                 for name, p in w.params.get("param_update", {}).items():
                     before = self.before.get(id(p))
-                    if before is not None:
-                        self._observe_param(h, f"param_update.{name}", local(p) - before)
+                    if before is None:
+                        continue
+                    update = updates.get(id(p))
+                    if update is None:  # (the difference into the copy: no new tensor)
+                        update = updates[id(p)] = torch.sub(local(p), before, out=before)
+                    self._observe_param(h, f"param_update.{name}", update)
         self.before.clear()
 
     def add_loss(self, loss, summed: bool = False) -> None:

@@ -323,3 +323,28 @@ def test_a_file_written_before_grad_norm_preclip_resumes_without_it(tmp_path, mo
         scalars = run.train_scalars()
     assert list(scalars.columns) == ["step", *old, "lr.0"] and list(scalars.step) == [0, 1, 2, 3]
     np.testing.assert_allclose(scalars.grad_norm[2:], norms, rtol=1e-7)  # (float32 norms)
+
+
+def test_a_tied_parameter_watched_twice_records_its_update_at_each(tmp_path, step_path):
+    """GPT-2's lm_head.weight is its wte.weight: watched under both modules, each row holds
+    the one update the step made (the difference is taken once, into the copy kept before)."""
+    from probe.testing.trainings import gpt2, token_batches, token_loss
+
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    probes = {"tied": {"layers": ["lm_head", "transformer.wte"], "capture": ["param_update"]}}
+    updates = []
+    with probe.watch(model, probes, out=tmp_path / "run", optimizer=opt):
+        for batch in token_batches(2):
+            opt.zero_grad()
+            token_loss(model, batch).backward()
+            before = model.lm_head.weight.detach().clone()
+            opt.step()
+            updates.append((model.lm_head.weight.detach() - before).numpy()[None])
+    with probe.open_run(tmp_path / "run") as run:
+        table = run.train().set_index(["step", "layer", "site"])
+    for step, update in enumerate(updates):
+        for layer in ("lm_head", "transformer.wte"):
+            row = table.loc[(step, layer, "param_update.weight")]
+            assert_row(row, update, f"step {step} {layer}")
