@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from probe.stats.stat_columns import BATCH_NAMES, PACKED_AT, PACKED_HEAD
-from probe.stats.torch_backend import _INT, BINS, UNIT_ROWS, _key, _value
+from probe.stats.torch_backend import _CLEARED, _INT, BINS, UNIT_ROWS, _key, _value
 
 _FIRST = PACKED_AT[BATCH_NAMES[0]]
-_CLEARED = ((0x7F80, 0x8000), (0xFF80, BINS))  # NaN and Inf buckets: never a finite value's
+
+
+# values reduced together at most: the temporaries (about 60 bytes a value) stay near 500 MB
+CHUNK = 1 << 23
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -40,8 +43,8 @@ class _Layout:
 
     numel: tuple[int, ...]
     units: tuple[int, ...]  # each tensor's units (0: a value alone, no unit rows)
-    unit_of: torch.Tensor  # (values,) each value's unit
-    tensor_of: torch.Tensor  # (values,) each value's tensor
+    values: int  # all the tensors' values
+    unit_values: torch.Tensor  # (units,) each unit's values (the per-value indices: `_per_value`)
     tensor_of_unit: torch.Tensor  # (units,) each unit's tensor
     first_unit: torch.Tensor  # (tensors,) each tensor's first unit
     sizes: tuple[int, ...]  # each tensor's packed size
@@ -72,15 +75,14 @@ def _layout(shapes: tuple[torch.Size, ...], device: torch.device) -> _Layout:
 def _make_layout(shapes: tuple[torch.Size, ...], device: torch.device) -> _Layout:
     numel = tuple(math.prod(s) for s in shapes)
     units = tuple(s[0] if len(s) >= 1 else 0 for s in shapes)
-    unit_of, tensor_of, tensor_of_unit, first_unit = [], [], [], []
+    unit_values, tensor_of_unit, first_unit = [], [], []
     sizes, head_at, hist_at = [], [], []
     units_at: list[list] = [[] for _ in range(UNIT_ROWS)]  # (None: a tensor without rows)
     u0, at = 0, 0
     for i, (n, u) in enumerate(zip(numel, units, strict=True)):
         width = max(u, 1)  # (a value alone: one unit of its own, not written)
         rest = n // width if n else 0
-        unit_of.append(torch.arange(n) // max(rest, 1) + u0)
-        tensor_of.append(torch.full((n,), i))
+        unit_values.append(torch.full((width,), rest))
         tensor_of_unit.append(torch.full((width,), i))
         first_unit.append(u0)
         size = PACKED_HEAD + UNIT_ROWS * u + BINS
@@ -98,7 +100,7 @@ def _make_layout(shapes: tuple[torch.Size, ...], device: torch.device) -> _Layou
     on = lambda t: t.to(device=device, dtype=torch.int64)  # noqa: E731
     f64 = lambda t: torch.tensor(t, dtype=torch.float64).to(device)  # noqa: E731
     return _Layout(
-        numel, units, on(torch.cat(unit_of)), on(torch.cat(tensor_of)),
+        numel, units, sum(numel), on(torch.cat(unit_values)),
         on(torch.cat(tensor_of_unit)), on(torch.tensor(first_unit)), tuple(sizes),
         on(torch.stack(head_at)), on(torch.stack(unit_rows)), on(torch.stack(hist_at)),
         on(torch.tensor(written, dtype=torch.int64)), f64(units), f64(numel),
@@ -115,11 +117,12 @@ def reduce_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     f64 = torch.float64
     v = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
     n_units, n_tensors = len(layout.tensor_of_unit), len(tensors)
+    unit_of, tensor_of = _per_value(layout)
     fin = torch.isfinite(v)
     xd = torch.where(fin, v, 0.0).to(f64)
 
     def per_unit(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n_units, dtype=f64, device=device).index_add_(0, layout.unit_of, values)
+        return torch.zeros(n_units, dtype=f64, device=device).index_add_(0, unit_of, values)
 
     def per_tensor(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n_tensors, dtype=f64, device=device).index_add_(0, index, values)
@@ -127,16 +130,16 @@ def reduce_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     count = per_unit(fin.to(f64))
     sums = per_unit(xd)
     mean_u = sums / count.clamp_min(1)
-    m2_u = per_unit((xd - mean_u[layout.unit_of]).mul_(fin).square_())  # two passes per unit
+    m2_u = per_unit((xd - mean_u[unit_of]).mul_(fin).square_())  # two passes per unit
     positive = per_unit((xd > 0).to(f64))  # (finite values: the others count as 0)
     nonzero = per_unit(((v != 0) & fin).to(f64))
     ints, bits = _INT[dtype]
     low_keys = _key(torch.where(fin, v, torch.inf), ints, bits)
     high_keys = _key(torch.where(fin, v, -torch.inf), ints, bits)
     low = torch.full((n_units,), torch.iinfo(ints).max, dtype=ints, device=device)
-    low.scatter_reduce_(0, layout.unit_of, low_keys, "amin")
+    low.scatter_reduce_(0, unit_of, low_keys, "amin")
     high = torch.full((n_units,), torch.iinfo(ints).min, dtype=ints, device=device)
-    high.scatter_reduce_(0, layout.unit_of, high_keys, "amax")
+    high.scatter_reduce_(0, unit_of, high_keys, "amax")
     lows = torch.where(count > 0, _value(low, dtype), torch.inf)
     highs = torch.where(count > 0, _value(high, dtype), -torch.inf)
     # per tensor: its units' sums (Chan's formula across them for M2)
@@ -145,10 +148,10 @@ def reduce_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     total = per_tensor(sums, of_unit)
     mean = total / n.clamp_min(1)
     m2 = per_tensor(m2_u + count * (mean_u - mean[of_unit]).square(), of_unit)
-    nans = per_tensor(torch.isnan(v).to(f64), layout.tensor_of)
+    nans = per_tensor(torch.isnan(v).to(f64), tensor_of)
     numel = layout.numels
-    abs_sum = per_tensor(xd.abs(), layout.tensor_of)
-    l2 = per_tensor(xd.square(), layout.tensor_of).sqrt_()
+    abs_sum = per_tensor(xd.abs(), tensor_of)
+    l2 = per_tensor(xd.square(), tensor_of).sqrt_()
     single = numel == 1  # (a one-value row's norm is |v|, as the kernels take it)
     l2 = torch.where(single, abs_sum, l2)
     zeros = n - per_tensor(nonzero, of_unit)
@@ -166,7 +169,8 @@ def reduce_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         rows = torch.stack([count, sums, lows, highs, positive, torch.zeros_like(count)])
         rows = rows.index_select(1, layout.written)
         out.index_copy_(0, layout.units_at.reshape(-1), rows.reshape(-1))
-    out.index_copy_(0, layout.hist_at.reshape(-1), _histograms(v, layout, n_tensors).reshape(-1))
+    hists = _histograms(v, tensor_of, n_tensors)
+    out.index_copy_(0, layout.hist_at.reshape(-1), hists.reshape(-1))
     return list(out.split(layout.sizes))
 
 
@@ -183,12 +187,20 @@ def _first_of(values: torch.Tensor, of_unit: torch.Tensor, n_tensors: int, pick,
     return torch.where(first < len(values), found, extreme)
 
 
-def _histograms(v: torch.Tensor, layout: _Layout, n_tensors: int) -> torch.Tensor:
+def _per_value(layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each value's unit, each value's tensor), made for one call (16 bytes a value: not kept;
+    `output_size` spares the device a synchronisation)."""
+    units = torch.arange(len(layout.unit_values), device=layout.unit_values.device)
+    unit_of = torch.repeat_interleave(units, layout.unit_values, output_size=layout.values)
+    return unit_of, layout.tensor_of_unit[unit_of]
+
+
+def _histograms(v: torch.Tensor, tensor_of: torch.Tensor, n_tensors: int) -> torch.Tensor:
     """(tensors, BINS) float64 counts of the top 16 bits of each value's float32 pattern, per
     tensor (NaN and Inf buckets cleared)."""
     f = v if v.dtype == torch.float32 else v.to(torch.float32)
     top = f.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF).to(torch.int64)
-    keys = layout.tensor_of * BINS + top
+    keys = tensor_of * BINS + top
     one = torch.ones((), dtype=torch.float64, device=v.device).expand(len(v))
     hist = torch.zeros(n_tensors * BINS, dtype=torch.float64, device=v.device)
     hist.index_add_(0, keys, one)

@@ -22,10 +22,9 @@ import torch
 from probe.stats import fused
 from probe.stats.running import NEGATIVE, RunningStats
 from probe.stats.stat_columns import PACKED_HEAD
-from probe.stats.torch_backend import BINS, UNIT_ROWS, unpack_without_histogram
+from probe.stats.torch_backend import _CLEARED, BINS, UNIT_ROWS, unpack_without_histogram
 
 Reader = Callable[[np.ndarray], RunningStats]
-_CLEARED = ((0x7F80, 0x8000), (0xFF80, BINS))  # NaN and Inf buckets: never a finite value's
 
 
 def split(packed: torch.Tensor, layout: fused.Layout | None, rows: int, unit_axis: int,

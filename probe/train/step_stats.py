@@ -78,9 +78,9 @@ class StepStats:
     def add_many(self, items: list[tuple[Key, torch.Tensor, tuple | None, int]]) -> None:
         """Fold many one-row values in at once (a model's parameters, gradients or updates:
         (key, value (1, ...), bounds, unit axis) each): on the device path those of one device
-        and dtype reduced together, in a few dozen operations for all of them
-        (probe.stats.batched); the others one by one."""
-        groups: dict[tuple, list] = {}
+        and dtype reduced together, in a few dozen operations for each `batched.CHUNK` values
+        (probe.stats.batched); the others (and a larger tensor) one by one."""
+        groups: dict[tuple, list[list]] = {}  # (device, dtype) -> chunks of <= batched.CHUNK values
         for item in items:
             key, x, bounds, axis = item
             together = (
@@ -88,12 +88,17 @@ class StepStats:
                 and bounds is None
                 and batched.supports(x)
                 and x.shape[0] == 1
+                and x.numel() <= batched.CHUNK
             )
-            if together:
-                groups.setdefault((x.device, x.dtype), []).append(item)
-            else:
+            if not together:
                 self.add(key, x, bounds, axis)
-        for found in groups.values():
+                continue
+            chunks = groups.setdefault((x.device, x.dtype), [[0]])  # [values, *items] each
+            if chunks[-1][0] + x.numel() > batched.CHUNK:
+                chunks.append([0])
+            chunks[-1][0] += x.numel()
+            chunks[-1].append(item)
+        for found in (chunk[1:] for chunks in groups.values() for chunk in chunks):
             packs = batched.reduce_many([x.detach()[0] for _, x, _, _ in found])
             for (key, x, bounds, axis), packed in zip(found, packs, strict=True):
                 width = x.shape[1] if x.dim() >= 2 else 0

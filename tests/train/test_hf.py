@@ -213,21 +213,28 @@ def plain_losses(trainer):
     return [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
 
 
+NORM_KEY = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
+
+
+def logged_and_recorded(out, logging_steps: int) -> tuple[list[dict], list[float]]:
+    """A tiny Llama trained under the Trainer with log_stats=["norm"] of one param_grad: (the
+    Trainer's logs holding the statistic, train.csv's values of it)."""
+    with one_thread():
+        trainer = llama_trainer(out, llama(), logging_steps=logging_steps)
+        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
+        ProbeCallback(probes, out=out / "w", log_stats=["norm"]).attach(trainer)
+        trainer.train()
+    table = pd.read_csv(out / "w" / "train.csv")
+    norms = table[table.site == "param_grad.weight"].norm.tolist()
+    return [h for h in trainer.state.log_history if NORM_KEY in h], norms
+
+
 def test_hf_statistics_wait_for_the_trainers_next_log(tmp_path):
     """logging_steps=2: each recorded step's statistics go with the Trainer's next log, the
     latest recorded step's (its values), beside the Trainer's loss."""
-    with one_thread():
-        model = llama()
-        trainer = llama_trainer(tmp_path, model, logging_steps=2)
-        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
-        ProbeCallback(probes, out=tmp_path / "w", log_stats=["norm"]).attach(trainer)
-        trainer.train()
-    key = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
-    table = pd.read_csv(tmp_path / "w" / "train.csv")
-    norms = table[table.site == "param_grad.weight"].norm.tolist()
-    logged = [h for h in trainer.state.log_history if key in h]
+    logged, norms = logged_and_recorded(tmp_path, logging_steps=2)
     assert [h["step"] for h in logged] == [2, 4] and all("loss" in h for h in logged)
-    assert [h[key] for h in logged] == [norms[1], norms[3]]
+    assert [h[NORM_KEY] for h in logged] == [norms[1], norms[3]]
 
 
 def test_hf_statistics_of_a_step_still_on_its_way_go_with_its_own_log(tmp_path, monkeypatch):
@@ -240,14 +247,6 @@ def test_hf_statistics_of_a_step_still_on_its_way_go_with_its_own_log(tmp_path, 
     monkeypatch.setattr(backend, "_cpu", "torch")  # (the path a GPU's values take)
     monkeypatch.setattr(torch_backend, "_reduction", "fused")
     monkeypatch.setattr(step_stats.Settled, "ready", lambda self: False)
-    with one_thread():
-        trainer = llama_trainer(tmp_path, llama())
-        probes = {"up": {"layers": ["model.layers.0.mlp.up_proj"], "capture": ["param_grad"]}}
-        ProbeCallback(probes, out=tmp_path / "w", log_stats=["norm"]).attach(trainer)
-        trainer.train()
-    key = "probe/model.layers.0.mlp.up_proj/param_grad.weight/norm"
-    table = pd.read_csv(tmp_path / "w" / "train.csv")
-    norms = table[table.site == "param_grad.weight"].norm.tolist()
-    logged = [h for h in trainer.state.log_history if key in h]
+    logged, norms = logged_and_recorded(tmp_path, logging_steps=1)
     assert [h["step"] for h in logged] == [1, 2, 3, 4]
-    assert [h[key] for h in logged] == norms
+    assert [h[NORM_KEY] for h in logged] == norms

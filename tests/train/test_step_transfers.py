@@ -174,3 +174,29 @@ def test_a_checkpoint_waits_for_the_steps_still_on_their_way(tmp_path, device_pa
         written = pd.read_csv(tmp_path / "train.csv")
     assert state["step"] == 3
     assert sorted(written.step.unique()) == [0, 1, 2]
+
+
+def test_parameter_sites_reduced_in_chunks_give_the_same_statistics(tmp_path, device_path,
+                                                                   monkeypatch):  # fmt: skip
+    """A step's parameter sites are reduced together in chunks of at most batched.CHUNK values
+    (a tensor above it alone, by the fused reduction): a small CHUNK, which splits the small
+    CNN's parameters into several chunks and sends its larger ones alone, gives the statistics
+    of one chunk for all."""
+    from probe.stats import batched
+
+    def trained(out):
+        model = cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with probe.watch(model, PROBES, out=out, optimizer=opt):
+            for batch in image_batches(2, size=4):
+                opt.zero_grad()
+                image_loss(model, batch).backward()
+                opt.step()
+        with probe.open_run(out) as run:
+            return run.train()
+
+    whole = trained(tmp_path / "whole")
+    monkeypatch.setattr(batched, "CHUNK", 100)
+    chunked = trained(tmp_path / "chunked")
+    assert any(p.numel() > 100 for p in cnn().parameters())  # (some go alone)
+    pd.testing.assert_frame_equal(chunked, whole, check_exact=False, rtol=1e-9)
