@@ -4,7 +4,7 @@ run's loop and its parts hand it by name.
 What it takes, by kind:
 - **rows**: a `Record` per batch (`put`): the captures and the parts' outputs of one row per
   sample, token or batch, and arrays written whole the first time they come
-  (probe.store.rows), written by one background thread fed by a bounded queue while the next
+  (probe.store.row_datasets), written by one background thread fed by a bounded queue while the next
   forward runs;
 - **folds**: running values a run part keeps of every written batch (statistics, top-k
   examples: a `Fold`), folded in as their batch is written, so they never count rows the file
@@ -48,7 +48,7 @@ from probe.store.fileformat import FORMAT_VERSION, Progress, write_progress
 from probe.store.groups import GroupKind, GroupTables
 from probe.store.livefile import LiveFile
 from probe.store.pass_state import PassState
-from probe.store.rows import Rows
+from probe.store.row_datasets import Rows
 
 if TYPE_CHECKING:
     from probe.data.provenance import Provenance
