@@ -1,5 +1,5 @@
 """`python -m probe.fit RUN`: one transcoder per block from a run's captures of each MLP's input
-and output (probe.analysis.transcoder_fit), written as circuit-tracer's transcoder set (config.yaml,
+and output (probe.analysis.fit), written as circuit-tracer's transcoder set (config.yaml,
 layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features per layer)."""
 
 import argparse
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
-    from probe.analysis.transcoder_fit import Fit, FitOptions
+    from probe.analysis.fit.fitting import Fit
+    from probe.analysis.fit.options import FitOptions
     from probe.errors import ProbeError
 
     run = args.run.parent if args.run.is_file() else args.run

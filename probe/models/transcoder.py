@@ -11,7 +11,7 @@ MLP's input, after the norm's weight and bias; TransformerLens's `mlp.hook_in`) 
 (the residual before that norm; `hook_resid_mid`); it writes the MLP's output (`mlp_out`).
 
 probe.models.transcoder_files loads a set from circuit-tracer's YAML and the file layouts it
-reads; probe.analysis.transcoder_fit trains one from a run's captures.
+reads; probe.analysis.fit trains one from a run's captures.
 """
 
 from __future__ import annotations

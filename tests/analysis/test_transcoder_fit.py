@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import probe
-from probe.analysis import transcoder_fit
-from probe.analysis.transcoder_fit import FitOptions, TrainingTranscoder, held_out, train_step
+from probe.analysis.fit import fitting
+from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.sites import held_out
+from probe.analysis.fit.trainer import TrainingTranscoder, train_step
 from probe.fit import main
 from probe.models.transcoder_files import load_transcoders
 from probe.testing.tiny_lms import make_tiny
@@ -116,7 +118,7 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
     args = ["--steps", "30", "--checkpoint-every", "10", *FAST]
     assert main([str(lm_run), "--out", str(tmp_path / "whole"), *args]) == 0
     calls = {"n": 0}
-    real = transcoder_fit.train_step
+    real = fitting.train_step
 
     def dies(*a):
         calls["n"] += 1
@@ -124,10 +126,10 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
             raise KeyboardInterrupt
         return real(*a)
 
-    monkeypatch.setattr(transcoder_fit, "train_step", dies)
+    monkeypatch.setattr(fitting, "train_step", dies)
     with pytest.raises(KeyboardInterrupt):
         main([str(lm_run), "--out", str(tmp_path / "cut"), *args])
-    monkeypatch.setattr(transcoder_fit, "train_step", real)
+    monkeypatch.setattr(fitting, "train_step", real)
     assert main([str(lm_run), "--out", str(tmp_path / "cut"), *args]) == 2  # not without --resume
     assert (
         "already holds a fit (2 layer checkpoints): --resume continues it"

@@ -1,0 +1,206 @@
+"""A fit of one run's transcoders: every layer trained from the run's paired token rows,
+checkpointed and resumable, written as circuit-tracer's transcoder set with fit.csv.
+
+The run stores, per block, the MLP module's `input` (the normed residual: `mlp_in`) or the input
+of the norm before it (`resid_mid`), and the MLP's `output`, as token rows (e.g. `probes=mlp_io`).
+Rows of the same token are paired by `run.dataset(..., pair=...)` and streamed shuffled, with
+bounded memory.
+
+Each layer checkpoints its parameters, optimizer and stream position every `checkpoint_every`
+steps in `out/checkpoints/`; a resumed fit gives the uninterrupted one's weights. Held-out rows
+(whole samples: `held_out`) never train; fit.csv reports on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from probe.analysis.fit.measures import evaluate
+from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.sites import LayerSites, find_sites, held_out
+from probe.analysis.fit.trainer import TrainingTranscoder, train_step
+from probe.errors import ConfigError, DataError
+from probe.models.transcoder_files import write_set_config, write_transcoder
+
+log = logging.getLogger("probe.fit")
+FIT_COLUMNS = ["layer", "reads", "activation", "width", "k", "skip", "steps", "rows",
+               "held_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
+CHECKPOINTS = "checkpoints"
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Fit:
+    """A fit of one run's transcoders into `out`: `run()` trains every layer not done."""
+
+    def __init__(self, run_path, out=None, options: FitOptions | None = None,
+                 layers: list[int] | None = None, resume: bool = False, mlp: str | None = None,
+                 norm: str | None = None):  # fmt: skip
+        from probe.read.runs import open_run
+
+        self.options = options or FitOptions()
+        self.options.check()
+        self.run_path = Path(run_path)
+        self.out = Path(out) if out is not None else self.run_path / "transcoders"
+        with open_run(self.run_path) as run:
+            self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
+            self.num_samples = run.num_samples
+            self.model_name = str(run.config.get("model", {}).get("name", "") or "")
+        blocks = sorted(self.sites)
+        if layers:
+            missing = sorted(set(layers) - set(blocks))
+            if missing:
+                raise ConfigError(
+                    f"--layers {missing}: the run holds {self.options.reads} pairs of blocks "
+                    f"{blocks} only"
+                )
+        self.layers = sorted(set(layers)) if layers else blocks
+        self.checkpoints = self.out / CHECKPOINTS
+        done_before = (
+            sorted(self.checkpoints.glob("layer_*.pt")) if self.checkpoints.is_dir() else []
+        )
+        if done_before and not resume:
+            raise ConfigError(
+                f"{self.out} already holds a fit ({len(done_before)} layer checkpoints): --resume "
+                "continues it, or give another --out"
+            )
+        for path in done_before:
+            stored = torch.load(path, weights_only=False)["options"]
+            if stored != asdict(self.options):
+                diff = [f"{k}={stored.get(k)!r} (now {v!r})" for k, v in asdict(self.options).items()
+                        if stored.get(k) != v]  # fmt: skip
+                raise ConfigError(
+                    f"--resume with other options than {path.name} was fitted with: "
+                    f"{', '.join(diff)}; give the same options, or another --out"
+                )
+
+    def stream(self, sites: LayerSites, run, shuffle: bool = True):
+        o = self.options
+        return run.dataset(*sites.inputs, pair=sites.outputs, batch_size=o.batch_size,
+                           shuffle=shuffle, seed=o.seed + sites.layer, with_index=True,
+                           dtype=torch.float32, buffer_rows=o.buffer_rows)  # fmt: skip
+
+    def pairs(self, stream, train: bool):
+        """(x, y) of the training (or held-out) rows of each batch of `stream`."""
+        o = self.options
+        for rows, _, index, out in stream:
+            held = torch.from_numpy(
+                held_out(index["sample"].numpy(), self.num_samples, o.test_fraction, o.seed)
+            )
+            keep = ~held if train else held
+            if keep.any():
+                yield rows[keep], out[keep]
+
+    def run(self) -> pd.DataFrame:
+        """Train every layer not done; write the set (config.yaml, layer_<i>.safetensors),
+        fit.csv and fit_curve.csv; the fit.csv table."""
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        for layer in self.layers:
+            self.fit_layer(self.sites[layer])
+        return self.write()
+
+    def fit_layer(self, sites: LayerSites) -> dict:
+        from probe.read.runs import open_run
+
+        o, path = self.options, self.checkpoints / f"layer_{sites.layer}.pt"
+        state = torch.load(path, weights_only=False) if path.is_file() else None
+        if state is not None and state["done"]:
+            return state
+        started = time.perf_counter()
+        with open_run(self.run_path) as run:
+            stream = self.stream(sites, run)
+            d_in = stream.sources[0].shape[-1]
+            d_out = stream.sources[0].paired_shape[-1]
+            model = TrainingTranscoder(d_in, d_out, o, seed=o.seed + sites.layer)
+            opt = torch.optim.Adam(model.parameters(), lr=o.lr)
+            total = o.steps or max(1, math.ceil(o.epochs * len(stream)))
+            step, epoch, curve, seconds, rows = 0, 0, [], 0.0, 0
+            if state is not None:
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
+                step, epoch, curve = state["step"], state["epoch"], state["curve"]
+                seconds, rows = state["seconds"], state["rows"]
+                stream.set_epoch(epoch)
+                stream.load_state_dict(state["stream"])
+
+            def save(done: bool, **extra) -> dict:
+                snapshot = {"options": asdict(o), "layer": sites.layer, "step": step,
+                            "epoch": epoch, "curve": curve, "rows": rows, "done": done,
+                            "model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "stream": stream.state_dict(), "d_in": d_in, "d_out": d_out,
+                            "seconds": seconds + time.perf_counter() - started, **extra}  # fmt: skip
+                _save_atomic(snapshot, path)
+                return snapshot
+
+            while step < total:
+                stream.set_epoch(epoch)
+                for x, y in self.pairs(stream, train=True):
+                    if step == 0 and state is None:
+                        model.start(x, y)
+                    parts = train_step(model, opt, x, y)
+                    step, rows = step + 1, rows + len(x)
+                    curve.append((step, parts["fvu"], parts["penalty"]))
+                    if step % o.checkpoint_every == 0 or step == total:
+                        save(False)
+                    if step == total:
+                        break
+                else:
+                    epoch += 1
+                    if step == 0:
+                        raise DataError(
+                            f"no training rows of {sites.inputs}: --test-fraction "
+                            f"{o.test_fraction} holds out every sample"
+                        )
+                    continue
+                break
+            t = model.transcoder(sites.layer)
+            metrics = evaluate(t, self.pairs(self.stream(sites, run, shuffle=False), train=False))
+        write_transcoder(t, self.out / f"layer_{sites.layer}.safetensors")
+        state = save(True, metrics=metrics)
+        log.info("layer %d: %d steps, fvu %.4f, l0 %.1f, dead %.3f", sites.layer, step,
+                 metrics["fvu"], metrics["l0"], metrics["dead"])  # fmt: skip
+        return state
+
+    def write(self) -> pd.DataFrame:
+        """fit.csv, fit_curve.csv and config.yaml over every finished layer in `out`."""
+        from probe.models.transcoder_files import read_transcoder
+
+        states = [torch.load(p, weights_only=False) for p in self.checkpoints.glob("layer_*.pt")]
+        states = sorted((s for s in states if s["done"]), key=lambda s: s["layer"])
+        o = self.options
+        rows, curve = [], []
+        for s in states:
+            m = s["metrics"]
+            rows.append({"layer": s["layer"], "reads": o.reads, "activation": o.activation,
+                         "width": s["model"]["W_enc"].shape[1],
+                         "k": o.k if o.activation == "topk" else None, "skip": o.skip,
+                         "steps": s["step"], "rows": s["rows"],
+                         "held_out_rows": m["held_out_rows"], "fvu": m["fvu"], "l0": m["l0"],
+                         "dead": m["dead"], "seconds": round(s["seconds"], 3)})  # fmt: skip
+            curve += [{"layer": s["layer"], "step": st, "fvu": f, "penalty": p}
+                      for st, f, p in s["curve"]]  # fmt: skip
+        table = pd.DataFrame(rows, columns=FIT_COLUMNS)
+        table.to_csv(self.out / "fit.csv", index=False)
+        pd.DataFrame(curve, columns=["layer", "step", "fvu", "penalty"]).to_csv(
+            self.out / "fit_curve.csv", index=False
+        )
+        transcoders = {
+            s["layer"]: read_transcoder(self.out / f"layer_{s['layer']}.safetensors", s["layer"])
+            for s in states
+        }
+        short = self.model_name.rstrip("/").split("/")[-1] or "model"
+        write_set_config(self.out, transcoders, o.reads, self.model_name or None,
+                         {layer: f"{short}-{o.activation}-{layer}" for layer in transcoders})  # fmt: skip
+        return table
