@@ -271,6 +271,16 @@ def check_data(d: DataSpec) -> None:
         )
     if d.name == "text":
         _check_labels(d)
+        if d.prepend_bos and d.seq_len < 2:
+            raise ConfigError(
+                f"dataset.seq_len={d.seq_len} with dataset.prepend_bos=true leaves no room for "
+                "text after the special token; give seq_len >= 2"
+            )
+    elif d.prepend_bos:
+        raise ConfigError(
+            f"dataset.prepend_bos=true applies to dataset=text (the ids of dataset={d.name} are "
+            "taken as given); prepend the token to the ids yourself, or set it false"
+        )
 
 
 def _check_file_kind(d: DataSpec) -> None:

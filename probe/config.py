@@ -129,6 +129,7 @@ class DatasetConfig:
     tokenizer: str | None = None  # None: the model's
     seq_len: int = 128
     pack: bool = False  # text: concatenate documents into full rows instead of one row each
+    prepend_bos: bool = False  # text: each row starts with a special token (circuit-tracer's rule)
     text_field: str = "text"  # .jsonl / .parquet column holding the text
     label_field: str | None = None  # text: a document's class -> /samples/target
     word_labels_field: str | None = None  # text: a label per word -> /tokens/label

@@ -105,6 +105,7 @@ class DataSpec:
     tokenizer: str | None = None
     seq_len: int = 128
     pack: bool = False
+    prepend_bos: bool = False
     text_field: str = "text"
     label_field: str | None = None
     word_labels_field: str | None = None

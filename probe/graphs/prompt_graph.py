@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from probe.data.token_data import first_special_token
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute, token_ids
 from probe.graphs.attribution_graph import AttributionGraph
@@ -75,8 +76,7 @@ def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
     ids = token_ids(ids)
     if tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
         return ids
-    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id]
-    first = next((t for t in [*candidates, *tokenizer.all_special_ids] if t is not None), None)
+    first = first_special_token(tokenizer)
     if first is None:
         return ids
     return torch.cat([torch.tensor([first]), ids])
