@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bandwidth", type=float, default=0.05, help="jumprelu: STE kernel width (0.05)"
     )
+    parser.add_argument(
+        "--keep-special", action="store_true",
+        help="train and measure on rows of position 0 and of special tokens too (left out)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
     parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
     parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps, epochs=args.epochs, lr=args.lr, sparsity=args.sparsity,
         batch_size=args.batch_size, test_fraction=args.test_fraction, seed=args.seed,
         threshold=args.threshold, bandwidth=args.bandwidth, checkpoint_every=args.checkpoint_every,
+        keep_special=args.keep_special,
     )  # fmt: skip
     try:
         if not (run / "probe.h5").is_file():
