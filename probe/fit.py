@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
     parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
     parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
+    parser.add_argument(
+        "--workers", type=int, default=None,
+        help="layers fitted side by side in processes (default: one per 4 cores, <= layers)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="default: RUN/transcoders")
     parser.add_argument("--resume", action="store_true", help="continue the fit in --out")
     args = parser.parse_args(argv)
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
     from probe.analysis.fit.fitting import Fit
     from probe.analysis.fit.options import FitOptions
-    from probe.errors import ProbeError
+    from probe.errors import ConfigError, ProbeError
 
     run = args.run.parent if args.run.is_file() else args.run
     options = FitOptions(
@@ -71,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
             raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
         fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
-        table = fit.run()
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: give 1 or more processes")
+        table = fit.run(args.workers)
     except ProbeError as e:
         print(f"probe.fit: error: {e}", file=sys.stderr)
         return 2

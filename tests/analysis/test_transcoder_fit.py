@@ -164,6 +164,23 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
     )
 
 
+def test_layers_fitted_in_worker_processes_equal_one_process(lm_run, tmp_path, capsys):
+    """--workers 2 trains the two layers in two spawned processes: the same set as one process
+    (up to the threads' float order)."""
+    args = ["--steps", "10", *FAST]
+    assert main([str(lm_run), "--out", str(tmp_path / "one"), "--workers", "1", *args]) == 0
+    assert main([str(lm_run), "--out", str(tmp_path / "two"), "--workers", "2", *args]) == 0
+    one, two = (load_transcoders(tmp_path / d) for d in ("one", "two"))
+    for layer in (0, 1):
+        for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+            torch.testing.assert_close(getattr(two[layer], name), getattr(one[layer], name),
+                                       rtol=1e-4, atol=1e-6)  # fmt: skip
+    a, b = (pd.read_csv(tmp_path / d / "fit.csv").drop(columns="seconds") for d in ("one", "two"))
+    pd.testing.assert_frame_equal(a, b, rtol=1e-4)
+    assert main([str(lm_run), "--out", str(tmp_path / "bad"), "--workers", "0", *args]) == 2
+    assert "--workers 0: give 1 or more processes" in capsys.readouterr().err
+
+
 def test_the_trainer_is_its_loss_under_adam():
     """Five steps of train_step equal a hand loop: scaled rows, mse + sparsity x sum of acts x
     decoder row norms (relu), Adam."""

@@ -29,6 +29,7 @@ from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, special_token_ids
 from probe.analysis.fit.trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder
 
@@ -36,6 +37,16 @@ log = logging.getLogger("probe.fit")
 FIT_COLUMNS = ["layer", "reads", "activation", "width", "k", "skip", "steps", "rows",
                "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
 CHECKPOINTS = "checkpoints"
+PROGRESS_LINES = 10  # a layer's progress lines while it trains
+
+
+def _progress(layer: int, step: int, total: int, rows: int, curve: list) -> None:
+    """A log line of a layer's training: its step, rows, and the batch FVU and penalty averaged
+    over the steps since the line before."""
+    recent = curve[-max(1, total // PROGRESS_LINES) :]
+    fvu, penalty = (sum(c[i] for c in recent) / len(recent) for i in (1, 2))
+    log.info("layer %d: step %d/%d, %s rows, train fvu %.4f, penalty %.4g", layer, step, total,
+             f"{rows:,}", fvu, penalty)  # fmt: skip
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -55,6 +66,7 @@ class Fit:
         self.options = options or FitOptions()
         self.options.check()
         self.run_path = Path(run_path)
+        self.mlp, self.norm = mlp, norm
         self.out = Path(out) if out is not None else self.run_path / "transcoders"
         with open_run(self.run_path) as run:
             self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
@@ -122,13 +134,24 @@ class Fit:
             if keep.any():
                 yield rows[keep], out[keep]
 
-    def run(self) -> pd.DataFrame:
-        """Train every layer not done; write the set (config.yaml, layer_<i>.safetensors),
-        fit.csv and fit_curve.csv; the fit.csv table."""
+    def run(self, workers: int | None = None) -> pd.DataFrame:
+        """Train every layer not done, in `workers` processes (None: workers.default_workers);
+        write the set (config.yaml, layer_<i>.safetensors), fit.csv and fit_curve.csv; the
+        fit.csv table."""
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        for layer in self.layers:
-            self.fit_layer(self.sites[layer])
+        todo = [layer for layer in self.layers if not self._done(layer)]
+        workers = default_workers(len(todo)) if workers is None else min(workers, len(todo))
+        if workers > 1:
+            spec = FitSpec(str(self.run_path), str(self.out), self.options, self.mlp, self.norm)
+            fit_in_workers(spec, todo, workers)
+        else:
+            for layer in todo:
+                self.fit_layer(self.sites[layer])
         return self.write()
+
+    def _done(self, layer: int) -> bool:
+        path = self.checkpoints / f"layer_{layer}.pt"
+        return path.is_file() and torch.load(path, weights_only=False)["done"]
 
     def fit_layer(self, sites: LayerSites) -> dict:
         from probe.read.runs import open_run
@@ -171,6 +194,8 @@ class Fit:
                     parts = train_step(model, opt, x, y)
                     step, rows = step + 1, rows + len(x)
                     curve.append((step, parts["fvu"], parts["penalty"]))
+                    if step % max(1, total // PROGRESS_LINES) == 0 and step < total:
+                        _progress(sites.layer, step, total, rows, curve)
                     if step % o.checkpoint_every == 0 or step == total:
                         save(False)
                     if step == total:
