@@ -298,7 +298,9 @@ class GraphConfig:
     `edge_threshold` of the edge influence; graph_edges.csv holds the pruned graph's edges or
     `all` of them; `batch_size` target rows per backward pass and `floor` the share of a row's
     |weight| sum under which its smallest edges are dropped (null: the attribution's
-    defaults)."""
+    defaults); `zero_bos` leaves position 0's features and error out of the nodes;
+    `prepend_bos` puts the tokenizer's special token first in a prompt that does not start with
+    one, the rule `probe.attribution_graph` follows (circuit-tracer's)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -309,6 +311,9 @@ class GraphConfig:
     edges: str = "pruned"
     batch_size: int | None = None
     floor: float | None = None
+    zero_bos: bool = True  # position 0's features and error are not nodes
+    update_interval: int = 4  # batches between re-rankings of the features by influence
+    prepend_bos: bool = True  # a special token first where a prompt starts without one
 
 
 @dataclass

@@ -276,8 +276,9 @@ class GraphSpec:
     (probe.graphs, docs/graphs.md), one per prompt of dataset=text|tokens, when `transcoders`
     names a transcoder set (None: off); the salient logits (`logit_prob`, `max_logits`), the
     features attributed (`max_feature_nodes`, None: all), pruning's thresholds, which edges
-    graph_edges.csv holds (pruned, all), and the attribution's `batch_size` and `floor` (None:
-    its defaults)."""
+    graph_edges.csv holds (pruned, all), the attribution's `batch_size` and `floor` (None:
+    its defaults), `zero_bos` and `update_interval` (GraphOptions'), and `prepend_bos`: a
+    special token first in each prompt that does not start with one (prompt_tokens' rule)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -288,6 +289,9 @@ class GraphSpec:
     edges: str = "pruned"
     batch_size: int | None = None
     floor: float | None = None
+    zero_bos: bool = True
+    update_interval: int = 4
+    prepend_bos: bool = True
 
     @property
     def on(self) -> bool:

@@ -169,7 +169,8 @@ class AttributionGraphs(RunPart):
         return graph
 
     def prompts(self, replay: Replay) -> Iterator[tuple[int, torch.Tensor]]:
-        """(the dataset's sample index, its token ids without padding) of this rank's samples."""
+        """(the dataset's sample index, its token ids without padding, a special token first by
+        `first_special`) of this rank's samples."""
         index = replay.shard.samples.start
         for _, batch in replay.batches():
             inputs = batch.inputs
@@ -177,8 +178,15 @@ class AttributionGraphs(RunPart):
             mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
             for row in range(len(ids)):
                 tokens = ids[row] if mask is None else ids[row][mask[row].bool()]
-                yield index, tokens.long().cpu()
+                yield index, self.first_special(tokens.long().cpu())
                 index += 1
+
+    def first_special(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The prompt's tokens by the API's rule (prompt_tokens): a special token first where
+        graph.prepend_bos and the prompt starts without one."""
+        from probe.graphs.prompt_graph import prompt_tokens
+
+        return prompt_tokens(tokens, self.tokenizer, self.spec.prepend_bos)
 
     def prompt_count(self, replay: Replay) -> int:
         """This rank's prompts."""
