@@ -3,7 +3,8 @@
 The picture: layers up (the tokens' embeddings at the bottom, row 0; block L's features and
 errors at row L + 1; the logits at the top, row n_layers + 1), positions across (the prompt's
 tokens as the x labels); the nodes pruning kept, coloured by kind, those of one (row, position)
-spread side by side in node order; the `top` strongest kept edges between them as lines whose
+spread over the cell in node order, LINE to a line and lines stacked within the row (so a cell of
+dozens of features is a grid, not a bar); the `top` strongest kept edges between them as lines whose
 width grows with |weight| and whose colour is its sign (blue positive, red negative).
 
 `python -m probe.plot RUN` draws graph_<prompt>.png for the first GRAPH_FIGURES prompts of a
@@ -26,19 +27,25 @@ GRAPH_FIGURES = 3  # prompts drawn by python -m probe.plot and shown in report.h
 TOP_EDGES = 150
 COLOURS = {"token": "#7f7f7f", "feature": "#1f77b4", "error": "#ff7f0e", "logit": "#2ca02c"}
 SPREAD = 0.8  # the width of a position's column the nodes of one cell share
+LINE = 8  # nodes of one cell side by side before the next line
+HEIGHT = 0.6  # the height of a row the lines of one cell share
 
 
 def node_positions(graph: AttributionGraph) -> pd.DataFrame:
     """The drawn nodes (pruning's kept ones; every node of an unpruned graph): the node table's
-    rows with `x` (position, spread within the cell) and `y` (row: layer + 1)."""
+    rows with `x` (position, spread within the cell) and `y` (row: layer + 1, lines of a crowded
+    cell spread within HEIGHT of it)."""
     nodes = graph.nodes()
     nodes = nodes[nodes["kept"]].copy()
-    nodes["y"] = (nodes["layer"] + 1).astype(float)
-    cell = nodes.groupby(["y", "pos"])["node"]
-    rank = cell.rank(method="first").to_numpy() - 1
+    row = (nodes["layer"] + 1).astype(float)
+    cell = nodes.assign(row=row).groupby(["row", "pos"])["node"]
+    rank = cell.rank(method="first").to_numpy().astype(int) - 1
     count = cell.transform("size").to_numpy()
-    step = SPREAD / np.maximum(count, 1)
-    nodes["x"] = nodes["pos"].to_numpy() + (rank - (count - 1) / 2) * step
+    lines = -(-count // LINE)  # (ceil)
+    line, column = rank // LINE, rank % LINE
+    across = np.minimum(count, LINE)  # nodes on a full line of the cell
+    nodes["x"] = nodes["pos"].to_numpy() + (column - (across - 1) / 2) * (SPREAD / across)
+    nodes["y"] = row.to_numpy() + (line - (lines - 1) / 2) * (HEIGHT / lines)
     return nodes
 
 
