@@ -152,8 +152,10 @@ class AttributionGraphs(RunPart):
             if prompt in have:
                 continue
             graph = self.graph_of(tokens)
-            append_graph(out, prompt, graph)
+            written = append_graph(out, prompt, graph)
             _log_graph(prompt, graph)
+            if count == len(have) + 1:  # the first graph made here: the file's size projected
+                _log_projection(written, total - len(have))
             replay.check("attributing graphs", count, total, "prompts")
         out.mark(True)
 
@@ -206,6 +208,15 @@ class AttributionGraphs(RunPart):
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
         written.append(write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR))
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
+
+
+def _log_projection(first: int, prompts: int) -> None:
+    """The run plan's part for graphs, known once one is made: its rows' bytes times the
+    prompts to make (the run's other data, graph_json/ and the csv tables besides)."""
+    from probe.launch.size_plan import human
+
+    log.info("graph: the first prompt's graph is %s in /graph; %d prompts project to about %s",
+             human(first), prompts, human(first * prompts))  # fmt: skip
 
 
 def _check_same_options(out: GroupTables, attrs: dict[str, str], path: Path) -> None:
