@@ -345,8 +345,11 @@ def check_probe(name: str, spec: ProbeSpec, sites: bool = True) -> None:
             raise ConfigError(
                 f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}"
             )
-    if sites and not spec.capture:
-        raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
+    if sites and not spec.capture and not spec.transcoders:
+        raise ConfigError(
+            f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)} (or give "
+            "transcoders=SET for its features alone)"
+        )
     for key, known in (("reduce", REDUCTIONS), ("dtype", DTYPES), ("rows", ROWS)):
         choice(f"probe {name!r}: {key}", getattr(spec, key), known)
     if spec.rows == "tokens" and spec.reduce != "none":

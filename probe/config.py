@@ -160,6 +160,8 @@ class ProbeSpec:
     sae: Any = (
         None  # an SAE on the output: a folder (SAELens layout) or {path, dense, splice, error_term}
     )
+    # a transcoder set (its YAML or folder): its features at each selected module it reads
+    transcoders: str | None = None
 
 
 @dataclass

@@ -130,6 +130,7 @@ class ProbeSpec:
     cam_grid: tuple[int, ...] | None = None
     cam_skip_tokens: int = 0
     sae: SaeSpec | None = None  # (the parse turns the config's folder or mapping into one)
+    transcoders: str | None = None  # a transcoder set: its features (probe.hooks.transcoder_site)
 
 
 @dataclass(frozen=True)

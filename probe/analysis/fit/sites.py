@@ -11,10 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from probe.errors import DataError
-from probe.models.anatomy import FAMILIES
-
-MLP_NAMES = tuple(dict.fromkeys(f["mlp_out"] for f in FAMILIES.values() if not f.get("post_norm")))
-NORM_NAMES = tuple(dict.fromkeys(f["mlp_norm"] for f in FAMILIES.values() if "mlp_norm" in f))
+from probe.models.anatomy import MLP_MODULES as MLP_NAMES
+from probe.models.anatomy import MLP_NORM_MODULES as NORM_NAMES
 
 
 def held_out(samples: np.ndarray, num_samples: int, fraction: float, seed: int) -> np.ndarray:
