@@ -302,7 +302,9 @@ class GraphConfig:
     |weight| sum under which its smallest edges are dropped (null: the attribution's
     defaults); `zero_bos` leaves position 0's features and error out of the nodes;
     `prepend_bos` puts the tokenizer's special token first in a prompt that does not start with
-    one, the rule `probe.attribution_graph` follows (circuit-tracer's)."""
+    one, the rule `probe.attribution_graph` follows (circuit-tracer's); `examples` names a run
+    holding the set's features as a site with their top-k examples, from which each kept feature
+    gets circuit-tracer's example file (probe.graphs.feature_files)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -316,6 +318,7 @@ class GraphConfig:
     zero_bos: bool = True  # position 0's features and error are not nodes
     update_interval: int = 4  # batches between re-rankings of the features by influence
     prepend_bos: bool = True  # a special token first where a prompt starts without one
+    examples: str | None = None  # a run holding the set's feature examples: the viewer's files
 
 
 @dataclass

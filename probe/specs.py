@@ -279,7 +279,8 @@ class GraphSpec:
     features attributed (`max_feature_nodes`, None: all), pruning's thresholds, which edges
     graph_edges.csv holds (pruned, all), the attribution's `batch_size` and `floor` (None:
     its defaults), `zero_bos` and `update_interval` (GraphOptions'), and `prepend_bos`: a
-    special token first in each prompt that does not start with one (prompt_tokens' rule)."""
+    special token first in each prompt that does not start with one (prompt_tokens' rule);
+    `examples` a run of the set's feature examples (probe.graphs.feature_files)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -293,6 +294,7 @@ class GraphSpec:
     zero_bos: bool = True
     update_interval: int = 4
     prepend_bos: bool = True
+    examples: str | None = None
 
     @property
     def on(self) -> bool:

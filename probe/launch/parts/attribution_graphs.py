@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probe.errors import ConfigError
+from probe.errors import ConfigError, ProbeError
 from probe.graphs.graph_h5 import GRAPH, append_graph
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
@@ -117,6 +117,8 @@ class AttributionGraphs(RunPart):
         transcoders = load_transcoder_set(str(spec.transcoders))
         overrides = _overrides(setup.plan)
         check_transcoders(setup.model, transcoders, overrides)
+        if spec.examples:
+            _check_examples(str(spec.examples))
         return cls(spec, transcoders, _tokenizer(setup.plan), overrides)
 
     def per_batch(self) -> bool:
@@ -206,8 +208,33 @@ class AttributionGraphs(RunPart):
         from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
 
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
-        written.append(write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR))
+        source = None
+        if self.spec.examples:
+            from probe.graphs.feature_files import LOCAL_SOURCE
+
+            source = LOCAL_SOURCE
+        folder = write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR, source)
+        written.append(folder)
+        if self.spec.examples:
+            self.write_feature_files(done.run_dir, folder)
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
+
+    def write_feature_files(self, run_dir: Path, folder: Path) -> None:
+        """Each kept feature's example file (graph.examples) beside the viewer's JSON."""
+        import pandas as pd
+
+        from probe.graphs.feature_files import FeatureFiles
+        from probe.graphs.replacement import replacement_parts
+
+        nodes = pd.read_csv(run_dir / "graph_nodes.csv")
+        kept = nodes[(nodes["kind"] == "feature") & nodes["kept"]]
+        features = sorted(set(zip(kept["layer"].astype(int), kept["feature"].astype(int),
+                                  strict=True)))  # fmt: skip
+        model = self.setup.model
+        parts = replacement_parts(model, self.overrides)
+        files = FeatureFiles(model, parts, self.transcoders, self.tokenizer, self.spec.examples)
+        count = files.write(features, folder)
+        log.info("graph: %d features' example files in %s", count, folder / "features")
 
 
 def _log_projection(first: int, prompts: int) -> None:
@@ -217,6 +244,23 @@ def _log_projection(first: int, prompts: int) -> None:
 
     log.info("graph: the first prompt's graph is %s in /graph; %d prompts project to about %s",
              human(first), prompts, human(first * prompts))  # fmt: skip
+
+
+def _check_examples(path: str) -> None:
+    """graph.examples: a run holding transcoder features, named before the loop."""
+    from probe.graphs.feature_files import feature_modules
+    from probe.read.runs import open_run
+
+    try:
+        with open_run(path) as run:
+            feature_modules(run)
+    except ProbeError:
+        raise
+    except OSError as e:
+        raise ConfigError(
+            f"graph.examples={path!r} is not a run directory ({e}); give a run of the model over "
+            "a dataset with a probe of transcoders=SET and stats.topk=K"
+        ) from None
 
 
 def _check_same_options(out: GroupTables, attrs: dict[str, str], path: Path) -> None:
