@@ -10,7 +10,8 @@ width grows with |weight| and whose colour is its sign (blue positive, red negat
 `python -m probe.plot RUN` draws graph_<prompt>.png for the first GRAPH_FIGURES prompts of a
 run holding /graph; report.html's graphs section shows them with graph_scores.csv and the
 top of graph_features.csv, each feature with its top activating examples among the run's
-prompts (from graph_nodes.csv: the tokens before the position where it was most active).
+prompts (from graph_nodes.csv: the tokens before the position where it was most active) and,
+with graph.examples, among the dataset's (its example file).
 """
 
 from __future__ import annotations
@@ -151,10 +152,35 @@ def section(run_dir: Path, figures: dict | None = None, top: int = 20) -> str:
                                                  na_values={"activation": [""]}), frame)  # fmt: skip
             frame["top examples"] = [found.get((int(a), int(b)), "") for a, b in
                                      zip(frame["layer"], frame["feature"], strict=True)]  # fmt: skip
+        files = run_dir / "graph_json" / "features"
+        if files.is_dir() and len(frame):
+            frame["dataset examples"] = [dataset_examples(files, int(a), int(b)) for a, b in
+                                         zip(frame["layer"], frame["feature"], strict=True)]  # fmt: skip
         parts.append(f"<h4>Features in most pruned graphs, the first {top} (graph_features.csv; "
                      "top examples: the prompts' tokens where each was most active, the token "
-                     "in bold)</h4>" + frame.to_html(index=False, border=0, escape=False))  # fmt: skip
+                     "in bold; dataset examples: graph.examples' top activations)</h4>" + frame.to_html(index=False, border=0, escape=False))  # fmt: skip
     return "".join(parts)
+
+
+def dataset_examples(folder: Path, layer: int, feature: int, k: int = 3, before: int = 6) -> str:
+    """HTML of a feature's `k` best examples from its graph.examples file (the `before` tokens
+    and the token in bold, with the activation); '' without a file."""
+    import json
+
+    from probe.graphs.graph_json import cantor_pairing
+
+    path = Path(folder) / f"{cantor_pairing(layer, feature)}.json"
+    if not path.is_file():
+        return ""
+    examples = json.loads(path.read_text())["examples_quantiles"][0]["examples"][:k]
+    shown = []
+    for ex in examples:
+        i = ex["train_token_ind"]
+        text = html.escape("".join(ex["tokens"][max(0, i - before) : i]))
+        shown.append(
+            f"{text}<b>{html.escape(ex['tokens'][i])}</b> ({ex['tokens_acts_list'][i]:.2f})"
+        )
+    return "<br>".join(shown)
 
 
 def feature_examples(nodes: pd.DataFrame, features: pd.DataFrame, k: int = 3,

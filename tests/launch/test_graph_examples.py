@@ -82,6 +82,21 @@ def test_kept_features_get_their_dataset_examples(runs):
         assert data["top_logits"][0] == tok.decode([int(effect.argmax())])
         assert data["bottom_logits"][0] == tok.decode([int(effect.argmin())])
         assert data["act_max"] == pytest.approx(values[feature][0], rel=1e-4)
+    # the report lists each feature of graph_features.csv with its dataset examples
+    import html
+
+    from probe.report.graph_figure import section
+
+    page = section(root / "graph", figures={})
+    listed = pd.read_csv(root / "graph" / "graph_features.csv").head(20)
+    for layer, feature in zip(listed["layer"], listed["feature"], strict=True):
+        data = json.loads(
+            (folder / "features" / f"{cantor_pairing(layer, feature)}.json").read_text()
+        )
+        best = data["examples_quantiles"][0]["examples"][0]
+        at = best["train_token_ind"]
+        shown = f"<b>{html.escape(best['tokens'][at])}</b> ({best['tokens_acts_list'][at]:.2f})"
+        assert shown in page
     graph = json.loads((folder / "prompt_0.json").read_text())
     assert graph["metadata"]["transcoder_list"] == ["./data/features"] * 2
     assert graph["metadata"]["scan"].startswith("custom")
