@@ -68,7 +68,10 @@ class CrossLayerTranscoder(nn.Module):
             )
         n, d_in, d_tc = W_enc.shape
         d_out = b_dec.shape[-1]
-        want = {"b_enc": (b_enc, (n, d_tc)), "b_dec": (b_dec, (n, d_out))}
+        want: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {
+            "b_enc": (b_enc, (n, d_tc)),
+            "b_dec": (b_dec, (n, d_out)),
+        }
         if threshold is not None:
             want["threshold"] = (threshold, (n, d_tc))
         if W_skip is not None:
