@@ -4,9 +4,10 @@ attribution graph, attributed and pruned, for a notebook.
 The prompt is text (tokenized without the tokenizer's own special tokens) or token ids; with a
 tokenizer, a prompt that does not begin with a special token gets one prepended, as circuit-tracer
 does (position 0's activations are outliers; its features and error are not nodes). `transcoders`
-is a TranscoderSet, or the path of a circuit-tracer YAML or of a folder holding one. `options` are
-GraphOptions' fields (logit_prob, max_logits, max_feature_nodes, node_threshold, edge_threshold,
-batch_size, floor, edges, zero_bos, update_interval).
+is a TranscoderSet or a CrossLayerTranscoder, or the path of a circuit-tracer YAML (either kind)
+or of a folder holding one. `options` are GraphOptions' fields (logit_prob, max_logits,
+max_feature_nodes, node_threshold, edge_threshold, batch_size, floor, edges, zero_bos,
+update_interval).
 
     graph = probe.attribution_graph(model, "the cat sat on the", "transcoders/", tokenizer=tok)
     graph.nodes()            # DataFrame: node, kind, layer, pos, feature, token, activation, ...
@@ -26,6 +27,7 @@ from probe.data.token_data import first_special_token
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute, token_ids
 from probe.graphs.attribution_graph import AttributionGraph
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
 from probe.models.transcoder import TranscoderSet
 from probe.models.transcoder_files import load_transcoders
 
@@ -52,14 +54,16 @@ def attribution_graph(
     return graph.prune(opts.node_threshold, opts.edge_threshold)
 
 
-def transcoder_set(transcoders) -> TranscoderSet:
-    """A TranscoderSet as given, or loaded from a YAML path or a folder holding one."""
-    if isinstance(transcoders, TranscoderSet):
+def transcoder_set(transcoders) -> AnyTranscoders:
+    """A TranscoderSet or CrossLayerTranscoder as given, or loaded from a YAML path or a folder
+    holding one."""
+    if isinstance(transcoders, TranscoderSet | CrossLayerTranscoder):
         return transcoders
     if isinstance(transcoders, str | Path):
         return load_transcoders(transcoders)
     raise ConfigError(
-        f"graphs: transcoders is a {type(transcoders).__name__}; pass a TranscoderSet, or the path "
+        f"graphs: transcoders is a {type(transcoders).__name__}; pass a TranscoderSet or a "
+        "CrossLayerTranscoder, or the path "
         "of a transcoder-set YAML or of a folder holding one"
     )
 

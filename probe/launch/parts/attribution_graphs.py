@@ -36,7 +36,7 @@ from probe.store.sink import Sink
 
 if TYPE_CHECKING:
     from probe.graphs.attribution_graph import AttributionGraph
-    from probe.models.transcoder import TranscoderSet
+    from probe.models.cross_layer_transcoder import AnyTranscoders
 
 # The graphs' machinery (the replacement model, the attribution, pruning, the tables, the
 # transcoders' files) is imported where a run asks for graphs: every other run's start would
@@ -46,8 +46,9 @@ log = logging.getLogger("probe")
 
 
 # -- the computation (one place each, so a test can stand in for them) ---------------------------
-def load_transcoder_set(path: str) -> TranscoderSet:
-    """The transcoder set of graph.transcoders (checked against the model in `start`)."""
+def load_transcoder_set(path: str) -> AnyTranscoders:
+    """The transcoder set (or cross-layer transcoder) of graph.transcoders (checked against the
+    model in `start`)."""
     from probe.models.transcoder_files import load_transcoders
 
     return load_transcoders(path)
