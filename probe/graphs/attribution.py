@@ -54,6 +54,7 @@ EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (f
 DEFAULT_FLOOR = 1e-6
 BLOCK_MIN, BLOCK_MAX = 1 << 16, 1 << 22  # entries of the first and the largest storage block
 PIECE = 1 << 24  # elements of a gathered gradient per contraction (bounds the rows' scratch)
+PROGRESS_BATCHES = 8  # backward passes a graph takes before its progress bar shows
 # a row's target: (layer, or "final" for a logit), position, the vector seeded at its input
 Seed = tuple[int | Literal["final"], int, torch.Tensor]
 
@@ -170,6 +171,15 @@ class _Nodes:
         return int(self.layer.shape[0])
 
 
+def _progress(rows: int, batch: int):
+    """A progress bar over a graph's target rows (tqdm, on stderr), shown from PROGRESS_BATCHES
+    backward passes on: a short prompt's graph prints nothing."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=rows, unit="row", desc="graph rows", leave=False, mininterval=1.0,
+                disable=rows <= PROGRESS_BATCHES * batch)  # fmt: skip
+
+
 def attribute(
     model: torch.nn.Module,
     tokens,
@@ -202,12 +212,14 @@ def attribute(
         n_max = min(options.max_feature_nodes or n_active, n_active)
         floor = options.floor_for(n_max + (n_layers + 1) * n_pos + n_logits)
         reader = _Reader(rep, nodes, n_cols, B)
-        with reader.hooks:
+        progress = _progress(n_logits + n_max, B)
+        with reader.hooks, progress:
             reader.register()
             for i in range(0, n_logits, B):
                 idx = torch.arange(i, min(i + B, n_logits))
                 seeds: list[Seed] = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
                 rows.add(n_cols + idx, reader.rows(seeds), floor)
+                progress.update(len(idx))
                 release_free_memory()
             visited = torch.zeros(n_active, dtype=torch.bool)
             while int(visited.sum()) < n_max:
@@ -225,6 +237,7 @@ def attribute(
                     ]
                     rows.add(batch, reader.rows(seeds), floor)
                     visited[batch] = True
+                    progress.update(len(batch))
                     release_free_memory()
         del out, reader
     selected = torch.where(visited)[0]
