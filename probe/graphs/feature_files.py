@@ -56,39 +56,38 @@ def feature_modules(run) -> dict[int, str]:
 class FeatureFiles:
     """The example files of a graph run's features, from RUN's examples and the model."""
 
-    def __init__(self, model, parts, transcoders: TranscoderSet, tokenizer, run_path) -> None:
+    def __init__(self, model, parts, transcoders: TranscoderSet, tokenizer) -> None:
         self.model, self.parts, self.transcoders = model, parts, transcoders
-        self.tokenizer, self.run_path = tokenizer, Path(run_path)
+        self.tokenizer = tokenizer
+        self.run_path = Path()
 
-    def write(self, features: list[tuple[int, int]], folder: Path) -> int:
-        """`folder`/features/<feature>.json for each (layer, feature); how many were written.
-        One forward of the model per example sample, for every feature's examples in it."""
-        from probe.read.runs import open_run
-
+    def write(self, run, features: list[tuple[int, int]], folder: Path) -> int:
+        """`folder`/features/<feature>.json for each (layer, feature) from `run` (an open
+        probe.read.runs.Run of the examples); how many were written. One forward of the model
+        per example sample, for every feature's examples in it."""
+        self.run_path = Path(run.path)
         out = Path(folder) / FEATURES_DIR
         out.mkdir(parents=True, exist_ok=True)
-        with open_run(self.run_path) as run:
-            modules = feature_modules(run)
-            missing = sorted({layer for layer, _ in features} - set(modules))
-            if missing:
-                raise DataError(
-                    f"graph.examples={str(self.run_path)!r} holds the features of blocks "
-                    f"{sorted(modules)}, and a graph kept features of blocks {missing}; select "
-                    "every block in its probe"
-                )
-            tokens = run.tokens()
-            by_sample = {
-                int(s): g.sort_values("position")["id"].to_numpy()
-                for s, g in tokens.groupby("sample")
-            }
-            rows, units = {}, {}
-            for layer in sorted({lay for lay, _ in features}):
-                wanted = sorted({f for lay, f in features if lay == layer})
-                top = run.topk(modules[layer], SITE, unit=wanted, context=(0, 0))
-                stats = run.units(modules[layer], SITE).set_index("unit")
-                for feature in wanted:
-                    rows[layer, feature] = top[top["unit"] == feature].sort_values("rank")
-                    units[layer, feature] = stats.loc[feature]
+        modules = feature_modules(run)
+        missing = sorted({layer for layer, _ in features} - set(modules))
+        if missing:
+            raise DataError(
+                f"graph.examples={str(self.run_path)!r} holds the features of blocks "
+                f"{sorted(modules)}, and a graph kept features of blocks {missing}; select "
+                "every block in its probe"
+            )
+        tokens = run.tokens()
+        by_sample = {
+            int(s): g.sort_values("position")["id"].to_numpy() for s, g in tokens.groupby("sample")
+        }
+        rows, units = {}, {}
+        for layer in sorted({lay for lay, _ in features}):
+            wanted = sorted({f for lay, f in features if lay == layer})
+            top = run.topk(modules[layer], SITE, unit=wanted, context=(0, 0))
+            stats = run.units(modules[layer], SITE).set_index("unit")
+            for feature in wanted:
+                rows[layer, feature] = top[top["unit"] == feature].sort_values("rank")
+                units[layer, feature] = stats.loc[feature]
         examples = self.examples(rows, by_sample)
         for (layer, feature), unit in units.items():
             model = self.feature(layer, feature, rows[layer, feature], examples, unit)

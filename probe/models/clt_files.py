@@ -30,6 +30,7 @@ import torch
 
 from probe.errors import ConfigError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
+from probe.models.set_files import local_file
 from probe.models.transcoder import INPUT_HOOKS
 
 CLT_KIND = "cross_layer_transcoder"
@@ -139,8 +140,6 @@ def _circuit_tracer(folder: Path) -> dict:
 def _gemma_scope_2(yaml_path: Path, config: dict) -> dict:
     """Gemma Scope 2's per-layer files (w_enc, w_dec (d_tc, n_layers, d_out), b_enc, b_dec,
     threshold, optional affine_skip_connection), layer = position in `transcoders`."""
-    from probe.models.transcoder_files import _local
-
     listed = config["transcoders"]
     if not isinstance(listed, list) or not listed:
         raise ConfigError(
@@ -152,7 +151,7 @@ def _gemma_scope_2(yaml_path: Path, config: dict) -> dict:
         path = entry.get("filepath") if isinstance(entry, dict) else entry
         if not isinstance(path, str):
             raise ConfigError(f"{yaml_path}: transcoder {layer} is {entry!r}; give a file path")
-        file = _local(path, yaml_path.parent)
+        file = local_file(path, yaml_path.parent)
         t = _tensors(file)
         if "w_enc" not in t or t["w_enc"].dim() != 2:
             raise ConfigError(

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import torch
 
 from probe.errors import ConfigError
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.set_files import local_file
 from probe.models.transcoder import INPUT_HOOKS, OUTPUT_HOOKS, Transcoder, TranscoderSet
 
 CONFIG_FILE = "config.yaml"
@@ -52,30 +52,6 @@ RESAVE = (
     "save the set again in circuit-tracer's layout (probe.models.transcoder_files."
     "save_transcoders, or circuit-tracer's TranscoderSet.to_safetensors)"
 )
-
-
-def parse_hf_uri(uri: str) -> tuple[str, str, str | None]:
-    """(repo id, file path in the repo, revision or None) of `hf://org/repo/path?revision=x`."""
-    parsed = urlparse(uri)
-    repo, _, file_path = parsed.path.lstrip("/").partition("/")
-    if parsed.scheme != "hf" or not parsed.netloc or not repo or not file_path:
-        raise ConfigError(
-            f"{uri!r} is not a HuggingFace file URI: write hf://ORG/REPO/PATH/IN/REPO"
-            "[?revision=REV], as circuit-tracer's configs do"
-        )
-    revision = parse_qs(parsed.query).get("revision", [None])[0] or None
-    return f"{parsed.netloc}/{repo}", file_path, revision
-
-
-def _local(filepath: str, folder: Path) -> Path:
-    """The file a YAML's `filepath` names: downloaded (hf://), absolute, or in the YAML's folder."""
-    if filepath.startswith("hf://"):
-        repo_id, file_path, revision = parse_hf_uri(filepath)
-        from huggingface_hub import hf_hub_download  # (only an hf:// set needs it)
-
-        return Path(hf_hub_download(repo_id=repo_id, filename=file_path, revision=revision))
-    path = Path(filepath).expanduser()
-    return path if path.is_absolute() else folder / path
 
 
 def _config_path(path: Path) -> Path:
@@ -168,7 +144,7 @@ def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> AnyT
         layer = entry["layer"]
         if layer in transcoders:
             raise ConfigError(f"{yaml_path} names two transcoders for layer {layer}: keep one")
-        file = _local(str(entry["filepath"]), yaml_path.parent)
+        file = local_file(str(entry["filepath"]), yaml_path.parent)
         t = read_transcoder(file, layer, activation=entry.get("activation"), k=entry.get("k"))
         transcoders[layer] = t.to(dtype) if dtype is not None else t
         ids[layer] = str(entry.get("id", f"layer_{layer}"))

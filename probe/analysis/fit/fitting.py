@@ -142,7 +142,9 @@ class Fit:
         todo = [layer for layer in self.layers if not self._done(layer)]
         workers = default_workers(len(todo)) if workers is None else min(workers, len(todo))
         if workers > 1:
-            spec = FitSpec(str(self.run_path), str(self.out), self.options, self.mlp, self.norm)
+            spec = FitSpec(
+                type(self), str(self.run_path), str(self.out), self.options, self.mlp, self.norm
+            )
             fit_in_workers(spec, todo, workers)
         else:
             for layer in todo:

@@ -31,8 +31,10 @@ def default_workers(layers: int, cores: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class FitSpec:
-    """What a worker needs to rebuild the fit (probe.analysis.fit.fitting.Fit's arguments)."""
+    """What a worker needs to rebuild the fit: its class (probe.analysis.fit.fitting.Fit,
+    pickled by name) and its arguments."""
 
+    fit: type
     run: str
     out: str
     options: FitOptions
@@ -47,9 +49,7 @@ def _start(threads: int, level: int) -> None:
 
 
 def _fit_layer(spec: FitSpec, layer: int) -> int:
-    from probe.analysis.fit.fitting import Fit
-
-    fit = Fit(spec.run, spec.out, spec.options, [layer], True, spec.mlp, spec.norm)
+    fit = spec.fit(spec.run, spec.out, spec.options, [layer], True, spec.mlp, spec.norm)
     fit.fit_layer(fit.sites[layer])
     return layer
 

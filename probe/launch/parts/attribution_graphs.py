@@ -231,10 +231,13 @@ class AttributionGraphs(RunPart):
         kept = nodes[(nodes["kind"] == "feature") & nodes["kept"]]
         features = sorted(set(zip(kept["layer"].astype(int), kept["feature"].astype(int),
                                   strict=True)))  # fmt: skip
+        from probe.read.runs import open_run
+
         model = self.setup.model
         parts = replacement_parts(model, self.overrides)
-        files = FeatureFiles(model, parts, self.transcoders, self.tokenizer, self.spec.examples)
-        count = files.write(features, folder)
+        files = FeatureFiles(model, parts, self.transcoders, self.tokenizer)
+        with open_run(str(self.spec.examples)) as run:
+            count = files.write(run, features, folder)
         log.info("graph: %d features' example files in %s", count, folder / "features")
 
 
