@@ -27,7 +27,9 @@ import torch
 from probe.errors import ConfigError, DataError
 from probe.graphs.graph_json import cantor_pairing
 from probe.hooks.hookset import HookSet
-from probe.models.transcoder import TranscoderSet, normalized
+from probe.hooks.transcoder_site import encoder_of
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.transcoder import normalized
 
 SITE = "transcoder.features"
 FEATURES_DIR = "features"  # beside the viewer's JSON
@@ -56,7 +58,7 @@ def feature_modules(run) -> dict[int, str]:
 class FeatureFiles:
     """The example files of a graph run's features, from RUN's examples and the model."""
 
-    def __init__(self, model, parts, transcoders: TranscoderSet, tokenizer) -> None:
+    def __init__(self, model, parts, transcoders: AnyTranscoders, tokenizer) -> None:
         self.model, self.parts, self.transcoders = model, parts, transcoders
         self.tokenizer = tokenizer
         self.run_path = Path()
@@ -99,7 +101,7 @@ class FeatureFiles:
         around each of RUN's top tokens and the feature's activation at each, from one forward
         of the model per sample (its tokens up to the last one an example shows)."""
         before, after = CONTEXT
-        by = {}
+        by: dict[int, list[tuple[int, int, int, int, float]]] = {}
         for (layer, feature), table in rows.items():
             for row in table.itertuples():
                 by.setdefault(int(row.sample), []).append((layer, feature, int(row.rank),
@@ -132,7 +134,7 @@ class FeatureFiles:
         top, bottom = self.logits(layer, feature)
         values = rows["value"].to_numpy()
         return {
-            "transcoder_id": self.transcoders.ids.get(layer, str(layer)),
+            "transcoder_id": self.transcoders.ids.get(layer, str(layer)),  # (a CLT: {})
             "index": int(feature),
             "examples_quantiles": [{
                 "quantile_name": "Top activations",
@@ -169,14 +171,18 @@ class FeatureFiles:
             x = seen[layer][0].float()
             if reads == "mlp_normalized":
                 x = normalized(module, x)
-            t = self.transcoders[layer]
+            t = encoder_of(self.transcoders, layer)
             out[layer] = t.encode(x.to(t.W_enc.device, t.W_enc.dtype)).float().cpu()
         return out
 
     def logits(self, layer: int, feature: int) -> tuple[list[str], list[str]]:
         """The LOGITS tokens the feature's decoder row raises most, and lowers most, through the
-        unembedding (its direct effect, the final norm's scale aside)."""
-        row = self.transcoders[layer].W_dec[feature].detach().float()
+        unembedding (its direct effect, the final norm's scale aside; a cross-layer feature's
+        writes to every later layer summed)."""
+        if isinstance(self.transcoders, CrossLayerTranscoder):
+            row = self.transcoders.W_dec[layer][feature].detach().float().sum(0)
+        else:
+            row = self.transcoders[layer].W_dec[feature].detach().float()
         unembed = self.parts.unembed.detach().float()
         effect = unembed @ row.to(unembed.device)
         k = min(LOGITS, len(effect))

@@ -21,11 +21,12 @@ import torch
 from probe.errors import ConfigError
 from probe.layout import unit_axis
 from probe.models.anatomy import MLP_MODULES, MLP_NORM_MODULES
-from probe.models.transcoder import Transcoder, TranscoderSet, norm_kind, normalized
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.transcoder import Transcoder, norm_kind, normalized
 
 SITE = "transcoder.features"
 _BLOCK = re.compile(r"^(?:.*\.)?(\d+)\.(.+)$")
-_sets: dict[str, TranscoderSet] = {}  # (one load of a set per process, whatever its modules)
+_sets: dict[str, AnyTranscoders] = {}  # (one load of a set per process, whatever its modules)
 
 
 def transcoder_site(selection) -> TranscoderSite | None:
@@ -36,7 +37,7 @@ def transcoder_site(selection) -> TranscoderSite | None:
     return TranscoderSite(selection.name, selection.module, str(selection.transcoders))
 
 
-def load_set(path: str) -> TranscoderSet:
+def load_set(path: str) -> AnyTranscoders:
     from probe.models.transcoder_files import load_transcoders
 
     key = str(Path(path).expanduser().resolve())
@@ -68,14 +69,19 @@ class TranscoderSite:
             )
         assert match is not None  # (role is None without a match)
         self.block = int(match.group(1))
-        if self.block not in tset.transcoders:
+        layers = (
+            list(range(len(tset)))
+            if isinstance(tset, CrossLayerTranscoder)
+            else sorted(tset.transcoders)
+        )
+        if self.block not in layers:
             raise ConfigError(
                 f"probe transcoders={path!r}: {name!r} is block {self.block}, and the set holds "
-                f"layers {sorted(tset.transcoders)}; select the blocks it has"
+                f"layers {layers}; select the blocks it has"
             )
         if self.reads == "mlp_normalized":
             norm_kind(module)  # (a norm it cannot normalise by: refused before the run)
-        self.transcoder: Transcoder = tset.transcoders[self.block]
+        self.transcoder: Transcoder = encoder_of(tset, self.block)
         self.placed: dict[torch.device, Transcoder] = {}
 
     def on(self, device: torch.device) -> Transcoder:
@@ -98,6 +104,21 @@ class TranscoderSite:
         if self.reads == "mlp_normalized":
             u = normalized(self.module, u)
         return t.encode(u).movedim(-1, axis)
+
+
+def encoder_of(tset: AnyTranscoders, layer: int) -> Transcoder:
+    """Layer `layer`'s encoder as a Transcoder: a per-layer set's own, or a cross-layer
+    transcoder's encoder of that layer (its decoders, which write to every later layer, left out:
+    a zero decoder of width 1)."""
+    if not isinstance(tset, CrossLayerTranscoder):
+        return tset.transcoders[layer]
+    with torch.no_grad():
+        d_tc = tset.d_tc
+        return Transcoder(
+            tset.W_enc[layer].clone(), tset.b_enc[layer].clone(), torch.zeros(d_tc, 1),
+            torch.zeros(1), layer=layer, activation=tset.activation, k=tset.k,
+            threshold=None if tset.threshold is None else tset.threshold[layer].clone(),
+        )  # fmt: skip
 
 
 def take_features(batch, site: TranscoderSite, x: torch.Tensor, sel) -> None:

@@ -1,7 +1,8 @@
 """A transcoder set's features as a run site (a probe's `transcoders`): each feature's top-k
 examples over the dataset equal a hand maximum of the features computed with plain forward hooks
 and plain torch, for a set reading the MLP's input (on the MLPs) and one reading the norm's
-normalised input (on the norms); a probe on modules the set does not read is refused by name."""
+normalised input (on the norms), and for a cross-layer transcoder; a probe on modules the set does
+not read is refused by name."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 
 import probe
 from probe.errors import ConfigError
+from probe.models.clt_files import save_cross_layer
+from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 from probe.models.transcoder_files import save_transcoders
-from probe.testing.random_transcoders import random_transcoders
+from probe.testing.random_transcoders import random_cross_layer, random_transcoders
 from probe.testing.tiny_lms import make_tiny, make_tokenizer
 from tests.helpers import run_probe
 
@@ -47,12 +50,16 @@ def hand_topk(model_dir, ids, tset, module: str) -> dict[int, tuple[np.ndarray, 
     for h in hooks:
         h.remove()
     out = {}
-    for layer, t in tset.transcoders.items():
+    for layer in range(len(tset)):
         x = inputs[layer]
         if tset.reads == "mlp_normalized":  # LayerNorm's x centred over 1/std, no weight or bias
             xc = x - x.mean(-1, keepdim=True)
             x = xc / (xc.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
-        acts = torch.relu(x @ t.W_enc.detach().double() + t.b_enc.detach().double())
+        if isinstance(tset, CrossLayerTranscoder):  # layer l's encoder: W_enc[l], b_enc[l]
+            W, b = tset.W_enc[layer], tset.b_enc[layer]
+        else:
+            W, b = tset[layer].W_enc, tset[layer].b_enc
+        acts = torch.relu(x @ W.detach().double() + b.detach().double())
         acts = acts.reshape(-1, acts.shape[-1]).T.numpy()  # (units, sample-major tokens)
         order = np.lexsort((np.arange(acts.shape[1])[None].repeat(len(acts), 0), -acts), axis=1)
         top = order[:, :K]
@@ -60,11 +67,20 @@ def hand_topk(model_dir, ids, tset, module: str) -> dict[int, tuple[np.ndarray, 
     return out
 
 
-@pytest.mark.parametrize(("reads", "module"), [("mlp_in", "mlp"), ("mlp_normalized", "ln_2")])
-def test_feature_examples_are_the_hand_maximum(lm, tmp_path, reads, module):
+@pytest.mark.parametrize(
+    ("reads", "module", "kind"),
+    [("mlp_in", "mlp", "plt"), ("mlp_normalized", "ln_2", "plt"), ("resid_mid", "ln_2", "clt")],
+)
+def test_feature_examples_are_the_hand_maximum(lm, tmp_path, reads, module, kind):
+    """Per-layer sets reading the MLP's input and the norm's normalised input, and a cross-layer
+    transcoder reading the norm's input (each layer's encoder)."""
     root, model, ids = lm
-    tset = random_transcoders(reads=reads, seed=3)
-    save_transcoders(tset, tmp_path / "tc")
+    if kind == "clt":
+        tset = random_cross_layer(reads=reads, seed=3)
+        save_cross_layer(tset, tmp_path / "tc")
+    else:
+        tset = random_transcoders(reads=reads, seed=3)
+        save_transcoders(tset, tmp_path / "tc")
     _, f = run_probe(tmp_path / "run", "model=hf", f"model.name={model}", "model.task=causal_lm",
                      "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=8",
                      "probes=none", f"+probes.tc.layers=[@blocks.{module}]",
@@ -77,7 +93,7 @@ def test_feature_examples_are_the_hand_maximum(lm, tmp_path, reads, module):
         for layer, (values, keys) in want.items():
             got = run.topk(f"transformer.h.{layer}.{module}", "transcoder.features")
             got = got.sort_values(["unit", "rank"])
-            units = tset[layer].d_tc
+            units = tset.d_tc if kind == "clt" else tset[layer].d_tc
             np.testing.assert_allclose(
                 got["value"].to_numpy().reshape(units, K), values, rtol=1e-5, atol=1e-6
             )
