@@ -187,3 +187,13 @@ def test_a_clt_that_does_not_fit_the_model_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"W_dec\[0\] has shape \(12, 1, 8\), want \(12, 3, 8\)"):
         CrossLayerTranscoder(clt.W_enc.data, clt.b_enc.data,
                              [w.data[:, :1] for w in clt.W_dec], clt.b_dec.data)  # fmt: skip
+
+
+def test_feature_edits_refuse_a_clt_by_name(tmp_path):
+    from probe.intervene.feature_edit import load_set
+
+    save_cross_layer(random_cross_layer(D, LAYERS), tmp_path / "clt")
+    with pytest.raises(
+        ConfigError, match="is a cross-layer transcoder; feature edits .* per-layer"
+    ):
+        load_set(str(tmp_path / "clt"), "edit.x", {})

@@ -215,6 +215,14 @@ class CltFit:
                 )
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
+            for s in self.sites.values():
+                for site in (s.inputs, s.outputs):
+                    if run.file[_path(site)].attrs.get("row_unit") != "tokens":
+                        raise DataError(
+                            f"{site[0]!r} {site[1]!r} is not stored one row per token: a CLT fit "
+                            "pairs every block's rows of one token; capture with rows=tokens "
+                            "(probes=mlp_io)"
+                        )
             ranges = None
             for s in self.sites.values():
                 (src,) = sources_of(run, *s.inputs, pair=s.outputs)
