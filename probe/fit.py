@@ -47,9 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bandwidth", type=float, default=0.05, help="jumprelu: STE kernel width (0.05)"
     )
+    parser.add_argument(
+        "--keep-special", action="store_true",
+        help="train and measure on rows of position 0 and of special tokens too (left out)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
     parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
     parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
+    parser.add_argument(
+        "--workers", type=int, default=None,
+        help="layers fitted side by side in processes (default: one per 4 cores, <= layers)",
+    )  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=None, help="default: RUN/transcoders (--kind clt: RUN/clt)"
     )
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
     from probe.analysis.fit.fitting import Fit
     from probe.analysis.fit.options import FitOptions
-    from probe.errors import ProbeError
+    from probe.errors import ConfigError, ProbeError
 
     run = args.run.parent if args.run.is_file() else args.run
     options = FitOptions(
@@ -67,21 +75,23 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps, epochs=args.epochs, lr=args.lr, sparsity=args.sparsity,
         batch_size=args.batch_size, test_fraction=args.test_fraction, seed=args.seed,
         threshold=args.threshold, bandwidth=args.bandwidth, checkpoint_every=args.checkpoint_every,
+        keep_special=args.keep_special,
     )  # fmt: skip
     try:
         if not (run / "probe.h5").is_file():
             from probe.errors import DataError
 
             raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: give 1 or more processes")
         if args.kind == "clt":
             fit = clt_fit(run, args, options)
+            table = fit.run()
         elif args.kind == "plt":
             fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
+            table = fit.run(args.workers)
         else:
-            from probe.errors import ConfigError
-
             raise ConfigError(f"--kind {args.kind!r}; choose plt (per-layer) or clt (cross-layer)")
-        table = fit.run()
     except ProbeError as e:
         print(f"probe.fit: error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from probe.data.token_data import first_special_token
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute, token_ids
 from probe.graphs.attribution_graph import AttributionGraph
@@ -38,12 +39,14 @@ def attribution_graph(
     tokenizer=None,
     *,
     overrides: dict | None = None,
+    prepend_bos: bool = True,
     **options,
 ) -> AttributionGraph:
     """The pruned attribution graph of `prompt` through `transcoders` on `model` (see the module
-    docstring); `overrides` are `model.anatomy` keys for a family probe does not know."""
+    docstring); `overrides` are `model.anatomy` keys for a family probe does not know;
+    `prepend_bos=False` takes the prompt's tokens as they are."""
     opts = GraphOptions.of(**options)
-    ids = prompt_tokens(prompt, tokenizer)
+    ids = prompt_tokens(prompt, tokenizer, prepend_bos)
     graph = attribute(
         model, ids, transcoder_set(transcoders), opts, tokenizer=tokenizer, overrides=overrides,
         prompt=prompt if isinstance(prompt, str) else None,
@@ -65,9 +68,10 @@ def transcoder_set(transcoders) -> AnyTranscoders:
     )
 
 
-def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
-    """The prompt's token ids (1-D); with a tokenizer, a special token first (circuit-tracer's
-    ensure_tokenized)."""
+def prompt_tokens(prompt, tokenizer=None, prepend_bos: bool = True) -> torch.Tensor:
+    """The prompt's token ids (1-D); with a tokenizer and `prepend_bos`, a special token first
+    where the prompt does not start with one (circuit-tracer's ensure_tokenized). The one rule
+    of the API and of a run's graphs (graph.prepend_bos)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ConfigError(
@@ -77,10 +81,9 @@ def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
     else:
         ids = torch.as_tensor(prompt)
     ids = token_ids(ids)
-    if tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
+    if not prepend_bos or tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
         return ids
-    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id]
-    first = next((t for t in [*candidates, *tokenizer.all_special_ids] if t is not None), None)
+    first = first_special_token(tokenizer)
     if first is None:
         return ids
     return torch.cat([torch.tensor([first]), ids])

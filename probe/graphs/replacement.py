@@ -102,10 +102,17 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
     ]
     if n == 0:
         missing.insert(0, "blocks (no stack of layers found)")
+    if missing == ["unembed"] and not _has_head(model):
+        raise ConfigError(
+            f"graphs: the {body.family!r} model has no LM head ({type(model).__name__} makes no "
+            "logits), and a graph attributes the next-token logits; load the model with its head "
+            "(AutoModelForCausalLM; model.task=causal_lm in a run)"
+        )
     if missing:
         raise ConfigError(
             f"graphs: the local replacement model of a {body.family!r} model cannot be built: "
-            f"probe does not know its {', '.join(missing)}. Set them by hand: {KEYS}"
+            f"probe does not know its {', '.join(missing)}. Set them by hand: {KEYS} (in a "
+            "run; probe.attribution_graph(..., overrides={'mlp_out': ...}) in the API)"
         )
     modules = dict(model.named_modules())
     # (transformers' method: Module.__getattr__'s type knows submodules and tensors only)
@@ -130,6 +137,13 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
         embed,
         unembed,
     )
+
+
+def _has_head(model: nn.Module) -> bool:
+    """Whether a transformers model has an output embedding (its LM head); a model of another
+    library is given the benefit of the doubt (its unembedding may be set by hand)."""
+    get = getattr(model, "get_output_embeddings", None)
+    return not callable(get) or get() is not None
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
