@@ -27,7 +27,8 @@ import torch
 from probe.errors import ConfigError, DataError
 from probe.graphs.graph_json import cantor_pairing
 from probe.hooks.hookset import HookSet
-from probe.models.transcoder import TranscoderSet, normalized
+from probe.models.cross_layer_transcoder import AnyTranscoders, layer_transcoder
+from probe.models.transcoder import Transcoder, normalized
 
 SITE = "transcoder.features"
 FEATURES_DIR = "features"  # beside the viewer's JSON
@@ -56,9 +57,17 @@ def feature_modules(run) -> dict[int, str]:
 class FeatureFiles:
     """The example files of a graph run's features, from RUN's examples and the model."""
 
-    def __init__(self, model, parts, transcoders: TranscoderSet, tokenizer, run_path) -> None:
+    def __init__(self, model, parts, transcoders: AnyTranscoders, tokenizer, run_path) -> None:
         self.model, self.parts, self.transcoders = model, parts, transcoders
         self.tokenizer, self.run_path = tokenizer, Path(run_path)
+        self.layers: dict[int, Transcoder] = {}
+
+    def layer(self, layer: int) -> Transcoder:
+        """The transcoder of `layer` (a cross-layer transcoder's layer_view: its encoder, and its
+        writes summed over the layers it writes to), made once."""
+        if layer not in self.layers:
+            self.layers[layer] = layer_transcoder(self.transcoders, layer)
+        return self.layers[layer]
 
     def write(self, features: list[tuple[int, int]], folder: Path) -> int:
         """`folder`/features/<feature>.json for each (layer, feature); how many were written.
@@ -100,7 +109,7 @@ class FeatureFiles:
         around each of RUN's top tokens and the feature's activation at each, from one forward
         of the model per sample (its tokens up to the last one an example shows)."""
         before, after = CONTEXT
-        by = {}
+        by: dict[int, list] = {}
         for (layer, feature), table in rows.items():
             for row in table.itertuples():
                 by.setdefault(int(row.sample), []).append((layer, feature, int(row.rank),
@@ -170,14 +179,14 @@ class FeatureFiles:
             x = seen[layer][0].float()
             if reads == "mlp_normalized":
                 x = normalized(module, x)
-            t = self.transcoders[layer]
+            t = self.layer(layer)
             out[layer] = t.encode(x.to(t.W_enc.device, t.W_enc.dtype)).float().cpu()
         return out
 
     def logits(self, layer: int, feature: int) -> tuple[list[str], list[str]]:
         """The LOGITS tokens the feature's decoder row raises most, and lowers most, through the
         unembedding (its direct effect, the final norm's scale aside)."""
-        row = self.transcoders[layer].W_dec[feature].detach().float()
+        row = self.layer(layer).W_dec[feature].detach().float()
         unembed = self.parts.unembed.detach().float()
         effect = unembed @ row.to(unembed.device)
         k = min(LOGITS, len(effect))

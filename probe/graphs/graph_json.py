@@ -162,7 +162,7 @@ def graph_model(
     if features is not None:  # (the viewer reads transcoder_list[layer] of a custom- scan)
         scan_name = scan_name if scan_name.startswith("custom-") else f"custom-{scan_name}"
         transcoder_list = [features] * graph.n_layers
-    metadata = {
+    metadata: dict[str, object] = {
         "slug": slug,
         "scan": scan_name,
         "transcoder_list": transcoder_list,

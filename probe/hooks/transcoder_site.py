@@ -1,4 +1,5 @@
-"""A transcoder set's features as a site of the modules it reads (a probe's `transcoders` key):
+"""A transcoder set's (or a cross-layer transcoder's) features as a site of the modules it reads
+(a probe's `transcoders` key):
 `transcoder.features`, each feature a unit, so the run's statistics and examples (`stats.topk`)
 say what each feature responds to over a dataset, as an SAE's latents do (probe.hooks.sae_site).
 
@@ -21,11 +22,12 @@ import torch
 from probe.errors import ConfigError
 from probe.layout import unit_axis
 from probe.models.anatomy import MLP_MODULES, MLP_NORM_MODULES
-from probe.models.transcoder import Transcoder, TranscoderSet, norm_kind, normalized
+from probe.models.cross_layer_transcoder import AnyTranscoders, layer_transcoder
+from probe.models.transcoder import Transcoder, norm_kind, normalized
 
 SITE = "transcoder.features"
 _BLOCK = re.compile(r"^(?:.*\.)?(\d+)\.(.+)$")
-_sets: dict[str, TranscoderSet] = {}  # (one load of a set per process, whatever its modules)
+_sets: dict[str, AnyTranscoders] = {}  # (one load of a set per process, whatever its modules)
 
 
 def transcoder_site(selection) -> TranscoderSite | None:
@@ -36,7 +38,7 @@ def transcoder_site(selection) -> TranscoderSite | None:
     return TranscoderSite(selection.name, selection.module, str(selection.transcoders))
 
 
-def load_set(path: str) -> TranscoderSet:
+def load_set(path: str) -> AnyTranscoders:
     from probe.models.transcoder_files import load_transcoders
 
     key = str(Path(path).expanduser().resolve())
@@ -68,14 +70,15 @@ class TranscoderSite:
             )
         assert match is not None  # (role is None without a match)
         self.block = int(match.group(1))
-        if self.block not in tset.transcoders:
+        if not 0 <= self.block < len(tset):
             raise ConfigError(
                 f"probe transcoders={path!r}: {name!r} is block {self.block}, and the set holds "
-                f"layers {sorted(tset.transcoders)}; select the blocks it has"
+                f"layers 0..{len(tset) - 1}; select the blocks it has"
             )
         if self.reads == "mlp_normalized":
             norm_kind(module)  # (a norm it cannot normalise by: refused before the run)
-        self.transcoder: Transcoder = tset.transcoders[self.block]
+        # (a cross-layer transcoder: its layer's encoder; probe.models.cross_layer_transcoder)
+        self.transcoder: Transcoder = layer_transcoder(tset, self.block)
         self.placed: dict[torch.device, Transcoder] = {}
 
     def on(self, device: torch.device) -> Transcoder:

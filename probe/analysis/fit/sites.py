@@ -6,6 +6,7 @@ them out)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ def held_out(samples: np.ndarray, num_samples: int, fraction: float, seed: int) 
     return draws[np.asarray(samples, np.int64)] < fraction
 
 
-def special_token_ids(config: dict) -> frozenset[int] | None:
+def special_token_ids(config: Mapping) -> frozenset[int] | None:
     """The special token ids of a run's tokenizer (dataset.tokenizer, else model.name); None
     where no tokenizer loads (a run of bare ids)."""
     from probe.data.text import _tokenizer
