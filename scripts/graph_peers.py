@@ -12,7 +12,11 @@ Both sides load the same tiny model and the same random transcoders from disk:
 - the transcoders: circuit-tracer 0.5's ReLU/skip layout (layer_<i>.safetensors with W_enc
   (d_tc, d_in), W_dec (d_tc, d_out), b_enc, b_dec, optional W_skip (d_out, d_in) and JumpReLU's
   `activation_function.threshold`) and its config.yaml, loaded there by
-  circuit_tracer.utils.caching.load_transcoders_from_cache (its loader of a local folder).
+  circuit_tracer.utils.caching.load_transcoders_from_cache (its loader of a local folder);
+  the CLT cases ("clt ..."): a random cross-layer transcoder written by probe's
+  save_cross_layer in circuit-tracer's CLT layout (W_enc_<l>/W_dec_<l>.safetensors, config.yaml
+  with model_kind cross_layer_transcoder), read by the same loader (its load_clt) and by probe's
+  load_transcoders.
 
 `compare` (probe's venv) runs circuit-tracer's `attribute` -> Graph, `prune_graph` and
 `compute_graph_scores` in circuit-tracer's venv as a subprocess (`peer`, which imports nothing

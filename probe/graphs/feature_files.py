@@ -27,9 +27,8 @@ import torch
 from probe.errors import ConfigError, DataError
 from probe.graphs.graph_json import cantor_pairing
 from probe.hooks.hookset import HookSet
-from probe.hooks.transcoder_site import encoder_of
-from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
-from probe.models.transcoder import normalized
+from probe.models.cross_layer_transcoder import AnyTranscoders, layer_transcoder
+from probe.models.transcoder import Transcoder, normalized
 
 SITE = "transcoder.features"
 FEATURES_DIR = "features"  # beside the viewer's JSON
@@ -62,6 +61,14 @@ class FeatureFiles:
         self.model, self.parts, self.transcoders = model, parts, transcoders
         self.tokenizer = tokenizer
         self.run_path = Path()
+        self.layers: dict[int, Transcoder] = {}
+
+    def layer(self, layer: int) -> Transcoder:
+        """The transcoder of `layer` (a cross-layer transcoder's layer_view: its encoder, and its
+        writes summed over the layers it writes to), made once."""
+        if layer not in self.layers:
+            self.layers[layer] = layer_transcoder(self.transcoders, layer)
+        return self.layers[layer]
 
     def write(self, run, features: list[tuple[int, int]], folder: Path) -> int:
         """`folder`/features/<feature>.json for each (layer, feature) from `run` (an open
@@ -171,18 +178,14 @@ class FeatureFiles:
             x = seen[layer][0].float()
             if reads == "mlp_normalized":
                 x = normalized(module, x)
-            t = encoder_of(self.transcoders, layer)
+            t = self.layer(layer)
             out[layer] = t.encode(x.to(t.W_enc.device, t.W_enc.dtype)).float().cpu()
         return out
 
     def logits(self, layer: int, feature: int) -> tuple[list[str], list[str]]:
         """The LOGITS tokens the feature's decoder row raises most, and lowers most, through the
-        unembedding (its direct effect, the final norm's scale aside; a cross-layer feature's
-        writes to every later layer summed)."""
-        if isinstance(self.transcoders, CrossLayerTranscoder):
-            row = self.transcoders.W_dec[layer][feature].detach().float().sum(0)
-        else:
-            row = self.transcoders[layer].W_dec[feature].detach().float()
+        unembedding (its direct effect, the final norm's scale aside)."""
+        row = self.layer(layer).W_dec[feature].detach().float()
         unembed = self.parts.unembed.detach().float()
         effect = unembed @ row.to(unembed.device)
         k = min(LOGITS, len(effect))

@@ -1,4 +1,5 @@
-"""A transcoder set's features as a site of the modules it reads (a probe's `transcoders` key):
+"""A transcoder set's (or a cross-layer transcoder's) features as a site of the modules it reads
+(a probe's `transcoders` key):
 `transcoder.features`, each feature a unit, so the run's statistics and examples (`stats.topk`)
 say what each feature responds to over a dataset, as an SAE's latents do (probe.hooks.sae_site).
 
@@ -21,7 +22,7 @@ import torch
 from probe.errors import ConfigError
 from probe.layout import unit_axis
 from probe.models.anatomy import MLP_MODULES, MLP_NORM_MODULES
-from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.cross_layer_transcoder import AnyTranscoders, layer_transcoder
 from probe.models.transcoder import Transcoder, norm_kind, normalized
 
 SITE = "transcoder.features"
@@ -69,19 +70,15 @@ class TranscoderSite:
             )
         assert match is not None  # (role is None without a match)
         self.block = int(match.group(1))
-        layers = (
-            list(range(len(tset)))
-            if isinstance(tset, CrossLayerTranscoder)
-            else sorted(tset.transcoders)
-        )
-        if self.block not in layers:
+        if not 0 <= self.block < len(tset):
             raise ConfigError(
                 f"probe transcoders={path!r}: {name!r} is block {self.block}, and the set holds "
-                f"layers {layers}; select the blocks it has"
+                f"layers 0..{len(tset) - 1}; select the blocks it has"
             )
         if self.reads == "mlp_normalized":
             norm_kind(module)  # (a norm it cannot normalise by: refused before the run)
-        self.transcoder: Transcoder = encoder_of(tset, self.block)
+        # (a cross-layer transcoder: its layer's encoder; probe.models.cross_layer_transcoder)
+        self.transcoder: Transcoder = layer_transcoder(tset, self.block)
         self.placed: dict[torch.device, Transcoder] = {}
 
     def on(self, device: torch.device) -> Transcoder:
@@ -104,21 +101,6 @@ class TranscoderSite:
         if self.reads == "mlp_normalized":
             u = normalized(self.module, u)
         return t.encode(u).movedim(-1, axis)
-
-
-def encoder_of(tset: AnyTranscoders, layer: int) -> Transcoder:
-    """Layer `layer`'s encoder as a Transcoder: a per-layer set's own, or a cross-layer
-    transcoder's encoder of that layer (its decoders, which write to every later layer, left out:
-    a zero decoder of width 1)."""
-    if not isinstance(tset, CrossLayerTranscoder):
-        return tset.transcoders[layer]
-    with torch.no_grad():
-        d_tc = tset.d_tc
-        return Transcoder(
-            tset.W_enc[layer].clone(), tset.b_enc[layer].clone(), torch.zeros(d_tc, 1),
-            torch.zeros(1), layer=layer, activation=tset.activation, k=tset.k,
-            threshold=None if tset.threshold is None else tset.threshold[layer].clone(),
-        )  # fmt: skip
 
 
 def take_features(batch, site: TranscoderSite, x: torch.Tensor, sel) -> None:

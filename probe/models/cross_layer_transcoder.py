@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from probe.errors import ConfigError
-from probe.models.transcoder import ACTIVATIONS, INPUT_HOOKS, READS, TranscoderSet
+from probe.models.transcoder import ACTIVATIONS, INPUT_HOOKS, READS, Transcoder, TranscoderSet
 
 
 class CrossLayerTranscoder(nn.Module):
@@ -156,6 +156,18 @@ class CrossLayerTranscoder(nn.Module):
             return x.new_zeros(*x.shape[:-1], self.d_out)
         return x.to(self.W_skip.dtype) @ self.W_skip[layer]
 
+    @torch.no_grad()
+    def layer_view(self, layer: int) -> Transcoder:
+        """Layer `layer`'s features as a per-layer Transcoder (for what reads one layer's
+        features: a probe's feature statistics, a graph's feature files): its encoder, and as
+        decoder each feature's writes summed over the layers it writes to (what it adds to the
+        residual stream, so its direct effect on the logits), with b_dec[layer]."""
+        return Transcoder(
+            self.W_enc[layer].clone(), self.b_enc[layer].clone(), self.W_dec[layer].sum(1),
+            self.b_dec[layer].clone(), layer=layer, activation=self.activation, k=self.k,
+            threshold=self.threshold[layer].clone() if self.threshold is not None else None,
+        )  # fmt: skip
+
     def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every layer's prediction of its MLP's output from what every layer reads."""
         acts = [self.encode(layer, x) for layer, x in enumerate(inputs)]
@@ -168,3 +180,10 @@ class CrossLayerTranscoder(nn.Module):
 
 # what a graph, an edit or a check takes: a per-layer set or a cross-layer transcoder
 AnyTranscoders = TranscoderSet | CrossLayerTranscoder
+
+
+def layer_transcoder(transcoders: AnyTranscoders, layer: int) -> Transcoder:
+    """A set's transcoder of `layer`, or a CLT's layer_view of it."""
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return transcoders.layer_view(layer)
+    return transcoders[layer]

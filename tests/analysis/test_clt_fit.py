@@ -16,7 +16,7 @@ import probe
 from probe.analysis.fit import clt as clt_fit
 from probe.analysis.fit.sites import held_out
 from probe.fit import main
-from probe.testing.tiny_lms import make_tiny
+from probe.testing.tiny_lms import make_tiny, make_tokenizer
 from tests.helpers import run_probe
 
 WIDTH, LAYERS = 32, 2  # the tiny GPT-2's hidden size and blocks
@@ -27,9 +27,9 @@ FAST = ["--width", "128", "--batch-size", "256", "--lr", "3e-3"]
 def lm_run(tmp_path_factory):
     """A tiny GPT-2's MLP inputs and outputs, 128 x 32 token rows."""
     root = tmp_path_factory.mktemp("clt_fit")
-    model = make_tiny("gpt2", root / "gpt2", vocab_size=50)
+    model = make_tokenizer(make_tiny("gpt2", root / "gpt2", vocab_size=50))  # (specials: ids 0-3)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 50, (128, 32), generator=g)
+    ids = torch.randint(0, 50, (128, 32), generator=g)  # (0-3: the tokenizer's special tokens)
     torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
     _, f = run_probe(root / "run", "model=hf", f"model.name={model}", "model.task=causal_lm",
                      "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=64",
@@ -41,14 +41,22 @@ def lm_run(tmp_path_factory):
 
 
 def recompute(run_dir, out, test_fraction=0.1, seed=0) -> pd.DataFrame:
-    """Per layer over the held-out rows, float64, from the files' tensors: acts_l of layer l's
+    """Per layer over the held-out rows but those of position 0 and of the tokenizer's special
+    tokens, float64, from the files' tensors: acts_l of layer l's
     MLP input (W_enc_l (d_tc, d_in), b_enc_l, threshold_l or config.yaml's k), out_l' = sum over
     l <= l' of acts_l W_dec_l[:, l' - l] + b_dec_l'; FVU of out_l', L0 and dead of acts_l."""
+    from transformers import AutoTokenizer
+
     config = yaml.safe_load((out / "config.yaml").read_text())
     enc = [load_file(out / f"W_enc_{i}.safetensors") for i in range(LAYERS)]
     dec = [load_file(out / f"W_dec_{i}.safetensors")[f"W_dec_{i}"].double() for i in range(LAYERS)]
     with probe.open_run(run_dir) as run:
-        held = held_out(run.tokens()["sample"].to_numpy(), run.num_samples, test_fraction, seed)
+        tokens = run.tokens()
+        held = held_out(tokens["sample"].to_numpy(), run.num_samples, test_fraction, seed)
+        specials = AutoTokenizer.from_pretrained(run.config["model"]["name"]).all_special_ids
+        special = (tokens["position"] == 0) | tokens["id"].isin(specials)
+        assert 0 < special.sum() < len(tokens) and (tokens["position"] > 0)[special].any()
+        held &= ~special.to_numpy()
         acts, ys = [], []
         for i in range(LAYERS):
             x = torch.from_numpy(run.array(f"transformer.h.{i}.mlp", "input")[:][held]).double()
@@ -66,7 +74,7 @@ def recompute(run_dir, out, test_fraction=0.1, seed=0) -> pd.DataFrame:
         rows.append({"layer": t, "fvu": float((y - pred).pow(2).sum() / (y - y.mean(0)).pow(2).sum()),
                      "l0": float((acts[t] != 0).sum(1).double().mean()),
                      "dead": float(((acts[t] != 0).sum(0) == 0).double().mean()),
-                     "held_out_rows": int(held.sum())})  # fmt: skip
+                     "held_out_rows": int(held.sum()), "left_out_rows": int(special.sum())})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -84,6 +92,7 @@ def test_a_fitted_clt_explains_every_layer_and_fit_csv_is_what_the_files_give(lm
     np.testing.assert_allclose(fit["l0"], again["l0"], rtol=1e-9)
     np.testing.assert_allclose(fit["dead"], again["dead"], atol=1e-12)
     assert fit["held_out_rows"].tolist() == again["held_out_rows"].tolist()
+    assert fit["left_out_rows"].tolist() == again["left_out_rows"].tolist()
     clt = probe.models.transcoder_files.load_transcoders(out)
     assert len(clt) == LAYERS and clt.d_tc == 128 and clt.activation == activation
 

@@ -187,3 +187,32 @@ def test_a_clt_that_does_not_fit_the_model_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"W_dec\[0\] has shape \(12, 1, 8\), want \(12, 3, 8\)"):
         CrossLayerTranscoder(clt.W_enc.data, clt.b_enc.data,
                              [w.data[:, :1] for w in clt.W_dec], clt.b_dec.data)  # fmt: skip
+
+
+def test_feature_edits_refuse_a_clt_by_name(tmp_path):
+    from probe.intervene.feature_edit import load_set
+
+    save_cross_layer(random_cross_layer(D, LAYERS), tmp_path / "clt")
+    with pytest.raises(
+        ConfigError, match="is a cross-layer transcoder; feature edits .* per-layer"
+    ):
+        load_set(str(tmp_path / "clt"), "edit.x", {})
+
+
+def test_a_clt_layer_as_a_probe_site_and_its_summed_writes(tmp_path):
+    """A probe's `transcoders` key on a CLT: block l's features are the CLT's layer-l encoder;
+    its layer_view's decoder row is the feature's writes summed over the layers it writes to."""
+    from probe.hooks.transcoder_site import TranscoderSite
+
+    clt = random_cross_layer(D, LAYERS, reads="mlp_in", activation="jumprelu", dtype=torch.float64)
+    save_cross_layer(clt, tmp_path / "clt")
+    site = TranscoderSite("transformer.h.1.mlp", torch.nn.Identity(), str(tmp_path / "clt"))
+    x = torch.randn(5, 7, D, dtype=torch.float64)
+    with torch.no_grad():
+        want = clt.encode(1, x)
+        assert (want > 0).any() and (want == 0).any()
+        torch.testing.assert_close(site.features(x.float(), -1), want.float(), rtol=1e-5, atol=1e-6)
+        summed = clt.W_dec[1][:, 0] + clt.W_dec[1][:, 1]  # layer 1 writes to layers 1 and 2
+        torch.testing.assert_close(clt.layer_view(1).W_dec, summed, rtol=0, atol=1e-15)
+    with pytest.raises(ConfigError, match=r"block 3, and the set holds layers 0..2"):
+        TranscoderSite("transformer.h.3.mlp", torch.nn.Identity(), str(tmp_path / "clt"))

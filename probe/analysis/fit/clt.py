@@ -4,7 +4,9 @@ The run stores, per block, the MLP's input (`mlp_in`) or its norm's input (`resi
 MLP's output as token rows (`probes=mlp_io`); rows of one token are the same row index in every
 site. A CLT needs every block 0..n-1. Rows are read in contiguous blocks of `BLOCK_ROWS` from
 every site at once (shuffled by block and within a block: memory holds one block of 2 x n sites),
-held-out samples (probe.analysis.fit.sites.held_out) never train.
+held-out samples (probe.analysis.fit.sites.held_out) never train, and rows of position 0 and of
+special tokens (sites.left_out) neither train nor count in fit.csv unless `keep_special`, as for
+per-layer fits; fit.csv's `left_out_rows` says how many there were.
 
 The trainer (plain torch, Adam), on rows scaled per site so their mean squared norm is their width
 (factors from the first batch, folded into the written weights):
@@ -38,14 +40,14 @@ import torch
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import LayerSites, find_sites, held_out
+from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, special_token_ids
 from probe.errors import ConfigError, DataError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
-               "held_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
+               "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
 
 
 class _JumpReLU(torch.autograd.Function):
@@ -215,12 +217,43 @@ class CltFit:
                 )
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
+            self.special = None if self.options.keep_special else special_token_ids(run.config)
+            tokens = run.tokens()
+            self.left_out_rows = (
+                0
+                if self.options.keep_special
+                else int(left_out(tokens["position"], tokens["id"], self.special).sum())
+            )
+            if not self.options.keep_special and self.special is None:
+                log.warning(
+                    "no tokenizer loads for %s: position-0 rows are left out, special tokens "
+                    "elsewhere are not known and stay in (--keep-special keeps position 0 too)",
+                    self.run_path,
+                )
+            for s in self.sites.values():
+                for site in (s.inputs, s.outputs):
+                    if run.file[_path(site)].attrs.get("row_unit") != "tokens":
+                        raise DataError(
+                            f"{site[0]!r} {site[1]!r} is not stored one row per token: a CLT fit "
+                            "pairs every block's rows of one token; capture with rows=tokens "
+                            "(probes=mlp_io)"
+                        )
             ranges = None
             for s in self.sites.values():
                 (src,) = sources_of(run, *s.inputs, pair=s.outputs)
                 ranges = src.ranges if ranges is None else _intersect(ranges, src.ranges)
             self.pieces = [(lo, min(lo + BLOCK_ROWS, hi)) for lo, hi in ranges or []
                            for lo in range(lo, hi, BLOCK_ROWS)]  # fmt: skip
+
+    def keep(self, f, lo: int, hi: int, train: bool) -> np.ndarray:
+        """Which of rows lo..hi train (or, `train` False, are measured): not held out (held
+        out), and not of position 0 or a special token unless keep_special."""
+        o = self.options
+        held = held_out(f["tokens/sample"][lo:hi], self.num_samples, o.test_fraction, o.seed)
+        keep = ~held if train else held
+        if not o.keep_special:
+            keep &= ~left_out(f["tokens/position"][lo:hi], f["tokens/id"][lo:hi], self.special)
+        return keep
 
     def batches(self, run, train: bool, epoch: int, shuffle: bool = True):
         """([x_l], [y_l]) batches of the training (or held-out) rows, float32."""
@@ -232,8 +265,7 @@ class CltFit:
         sites: list[LayerSites] = [self.sites[layer] for layer in sorted(self.sites)]
         for i in order:
             lo, hi = self.pieces[i]
-            held = held_out(f["tokens/sample"][lo:hi], self.num_samples, o.test_fraction, o.seed)
-            keep = ~held if train else held
+            keep = self.keep(f, lo, hi, train)
             if not keep.any():
                 continue
             xs = [torch.from_numpy(f[layer_path(*s.inputs)][lo:hi][keep]).float() for s in sites]
@@ -255,11 +287,7 @@ class CltFit:
             d_out = run.file[_path(first.outputs)].shape[-1]
             model = TrainingCLT(n, d_in, d_out, o, seed=o.seed)
             opt = torch.optim.Adam(model.parameters(), lr=o.lr)
-            train_rows = sum(
-                int((~held_out(run.file["tokens/sample"][lo:hi], self.num_samples,
-                               o.test_fraction, o.seed)).sum())
-                for lo, hi in self.pieces
-            )  # fmt: skip
+            train_rows = sum(int(self.keep(run.file, lo, hi, True).sum()) for lo, hi in self.pieces)
             if train_rows == 0:
                 raise DataError(
                     f"no training rows: --test-fraction {o.test_fraction} holds out every sample"
@@ -288,7 +316,8 @@ class CltFit:
         table = pd.DataFrame(
             [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
               "width": clt.d_tc, "k": o.k if o.activation == "topk" else None, "steps": step,
-              "rows": rows, **metrics[layer], "seconds": seconds} for layer in range(n)],
+              "rows": rows, "left_out_rows": self.left_out_rows, **metrics[layer],
+              "seconds": seconds} for layer in range(n)],
             columns=CLT_COLUMNS,
         )  # fmt: skip
         table.to_csv(self.out / "fit.csv", index=False)
