@@ -176,8 +176,9 @@ def test_evaluate_gives_the_fits_numbers(lm_run, fitted, tmp_path, capsys):
 
 def test_a_published_mlp_normalized_set_is_measured_through_the_norm(lm_run, fitted, tmp_path):
     """A set reading ln_2's normalised input: its row measures from the captured ln_2 inputs
-    normalised by hand, its spliced loss from hooks normalising by hand."""
-    from transformers import AutoModelForCausalLM
+    normalised by hand (held-out rows, position 0 and special tokens left out), its spliced loss
+    from hooks normalising by hand."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run, model_dir = lm_run
     theirs = load_transcoders(fitted["mlp_in"])
@@ -194,7 +195,11 @@ def test_a_published_mlp_normalized_set_is_measured_through_the_norm(lm_run, fit
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
 
     with probe.open_run(run) as opened:
-        rows = held_out(opened.tokens()["sample"].to_numpy(), opened.num_samples, 0.1, 0)
+        tokens = opened.tokens()
+        rows = held_out(tokens["sample"].to_numpy(), opened.num_samples, 0.1, 0)
+        specials = AutoTokenizer.from_pretrained(model_dir).all_special_ids
+        rows &= ~((tokens["position"] == 0) | tokens["id"].isin(specials)).to_numpy()
+        assert (got["held_out_rows"].iloc[:2] == rows.sum()).all()
         for layer in (0, 1):
             t = tset[layer].double()
             x = norm(
