@@ -106,12 +106,16 @@ def sample_tokens(run, samples: np.ndarray) -> list[torch.Tensor]:
 
 
 def _batches(sequences: list[torch.Tensor], batch_tokens: int) -> Iterator[list[torch.Tensor]]:
+    """`sequences` in order, in batches whose padded size (count x longest) stays within
+    `batch_tokens` (a longer sequence alone)."""
     batch: list[torch.Tensor] = []
+    width = 0
     for seq in sequences:
-        if batch and (len(batch) + 1) * max(len(seq), *(len(b) for b in batch)) > batch_tokens:
+        if batch and (len(batch) + 1) * max(width, len(seq)) > batch_tokens:
             yield batch
-            batch = []
+            batch, width = [], 0
         batch.append(seq)
+        width = max(width, len(seq))
     if batch:
         yield batch
 
