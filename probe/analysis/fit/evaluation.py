@@ -30,8 +30,8 @@ from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.sites import find_sites
 from probe.analysis.fit.splice import splice_points
-from probe.errors import DataError
-from probe.models.transcoder import normalized
+from probe.errors import ConfigError, DataError
+from probe.models.transcoder import TranscoderSet, normalized
 from probe.models.transcoder_files import check_transcoders, load_transcoders
 
 log = logging.getLogger("probe.fit")
@@ -48,6 +48,12 @@ def evaluate_set(set_path: str | Path, run_path: str | Path, *, every: bool = Fa
     from probe.read.runs import open_run
 
     tset = load_transcoders(set_path)
+    if not isinstance(tset, TranscoderSet):
+        raise ConfigError(
+            f"--evaluate {str(set_path)!r} is a cross-layer transcoder (model_kind "
+            "cross_layer_transcoder): --evaluate measures per-layer transcoder sets "
+            "(model_kind transcoder_set) only"
+        )
     tset.to(dtype=torch.float32)
     layers = sorted(tset.transcoders)
     rows_reads = "resid_mid" if tset.reads == "mlp_normalized" else tset.reads
