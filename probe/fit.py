@@ -1,8 +1,13 @@
 """`python -m probe.fit RUN`: one transcoder per block from a run's captures of each MLP's input
 and output (probe.analysis.fit), written as circuit-tracer's transcoder set (config.yaml,
-layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features per layer); `--kind clt`:
-one cross-layer transcoder over every block (probe.analysis.fit.clt), written in circuit-tracer's
-CLT layout (config.yaml, W_enc_<i>.safetensors, W_dec_<i>.safetensors) with fit.csv."""
+layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features and the next-token loss
+with each transcoder spliced in, per layer) and held_out.csv (the samples measured); `--kind
+clt`: one cross-layer transcoder over every block (probe.analysis.fit.clt), written in
+circuit-tracer's CLT layout (config.yaml, W_enc_<i>.safetensors, W_dec_<i>.safetensors) with
+fit.csv.
+
+`python -m probe.fit --evaluate SET RUN`: the same measures of a per-layer set someone else
+trained (a circuit-tracer YAML or folder) on RUN's samples, printed or written to `--out CSV`."""
 
 import argparse
 import logging
@@ -13,12 +18,26 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="python -m probe.fit", description=__doc__.splitlines()[0]
-    )
+        prog="python -m probe.fit", description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog=__doc__.split("\n\n")[1].replace("\n", " "),
+    )  # fmt: skip
     parser.add_argument("run", type=Path, help="a run directory (or its probe.h5) of token rows")
     parser.add_argument(
         "--kind", default="plt",
         help="plt: a transcoder per block (default); clt: one cross-layer transcoder",
+    )  # fmt: skip
+    parser.add_argument(
+        "--evaluate", type=Path, default=None, metavar="SET",
+        help="measure SET (a transcoder-set YAML or folder) on RUN instead of fitting",
+    )  # fmt: skip
+    parser.add_argument(
+        "--all-samples", action="store_true",
+        help="--evaluate: measure on every sample of RUN, not only those --seed and "
+        "--test-fraction hold out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-losses", action="store_true",
+        help="fit without the loss columns (ce_*, kl), which build the run's model",
     )  # fmt: skip
     parser.add_argument("--layers", nargs="*", type=int, default=None, help="blocks (default: all)")
     parser.add_argument("--activation", default="relu", help="relu (default), jumprelu or topk")
@@ -59,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         help="layers fitted side by side in processes (default: one per 4 cores, <= layers)",
     )  # fmt: skip
     parser.add_argument(
-        "--out", type=Path, default=None, help="default: RUN/transcoders (--kind clt: RUN/clt)"
-    )
+        "--out", type=Path, default=None,
+        help="default: RUN/transcoders (--kind clt: RUN/clt); --evaluate: the CSV to write "
+        "(default: printed)",
+    )  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="continue the fit in --out")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
@@ -82,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             from probe.errors import DataError
 
             raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
+        if args.evaluate is not None:
+            return evaluate(args, run)
         if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers {args.workers}: give 1 or more processes")
         if args.kind == "clt":
             fit = clt_fit(run, args, options)
             table = fit.run()
         elif args.kind == "plt":
-            fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
+            fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm,
+                      losses=not args.no_losses)  # fmt: skip
             table = fit.run(args.workers)
         else:
             raise ConfigError(f"--kind {args.kind!r}; choose plt (per-layer) or clt (cross-layer)")
@@ -113,6 +137,25 @@ def clt_fit(run: Path, args, options):
     if args.resume:
         raise ConfigError("--resume with --kind clt: a CLT fit is not checkpointed; fit again")
     return CltFit(run, args.out, options, args.mlp, args.norm)
+
+
+def evaluate(args: argparse.Namespace, run: Path) -> int:
+    """--evaluate SET RUN: the table printed, or written to --out with the samples measured
+    beside it (<out>.held_out.csv)."""
+    from probe.analysis.fit.evaluation import evaluate_set
+
+    table, samples = evaluate_set(args.evaluate, run, every=args.all_samples,
+                                  test_fraction=args.test_fraction, seed=args.seed,
+                                  mlp=args.mlp, norm=args.norm,
+                                  keep_special=args.keep_special)  # fmt: skip
+    if args.out is None:
+        print(table.to_string(index=False))
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    samples.to_csv(args.out.with_suffix(".held_out.csv"), index=False)
+    print(args.out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def _start(threads: int, level: int) -> None:
 
 
 def _fit_layer(spec: FitSpec, layer: int) -> int:
-    fit = spec.fit(spec.run, spec.out, spec.options, [layer], True, spec.mlp, spec.norm)
+    fit = spec.fit(
+        spec.run, spec.out, spec.options, [layer], True, spec.mlp, spec.norm, losses=False
+    )  # (the parent measures the losses)
     fit.fit_layer(fit.sites[layer])
     return layer
 
