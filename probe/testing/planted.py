@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ def _model(spec: PlantedSpec):
     )  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        model = GPT2LMHeadModel(config)
+        model: Any = GPT2LMHeadModel(config)
     g = torch.Generator().manual_seed(spec.seed + 1)
     with torch.no_grad():
         model.transformer.wte.weight.copy_(
