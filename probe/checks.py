@@ -159,6 +159,7 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
     at_least("graph.max_logits", g.max_logits, 1)
     at_least("graph.max_feature_nodes", g.max_feature_nodes, 1, " (null: every active feature)")
     at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
+    at_least("graph.update_interval", g.update_interval, 1, " (batches between re-rankings)")
     if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
         raise ConfigError(
             f"graph.floor={g.floor} must be a fraction in [0, 1): per row, the smallest edges "
@@ -271,6 +272,16 @@ def check_data(d: DataSpec) -> None:
         )
     if d.name == "text":
         _check_labels(d)
+        if d.prepend_bos and d.seq_len < 2:
+            raise ConfigError(
+                f"dataset.seq_len={d.seq_len} with dataset.prepend_bos=true leaves no room for "
+                "text after the special token; give seq_len >= 2"
+            )
+    elif d.prepend_bos:
+        raise ConfigError(
+            f"dataset.prepend_bos=true applies to dataset=text (the ids of dataset={d.name} are "
+            "taken as given); prepend the token to the ids yourself, or set it false"
+        )
 
 
 def _check_file_kind(d: DataSpec) -> None:
@@ -334,8 +345,11 @@ def check_probe(name: str, spec: ProbeSpec, sites: bool = True) -> None:
             raise ConfigError(
                 f"probe {name!r}: capture site {site!r} is unknown; choose from {', '.join(SITES)}"
             )
-    if sites and not spec.capture:
-        raise ConfigError(f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)}")
+    if sites and not spec.capture and not spec.transcoders:
+        raise ConfigError(
+            f"probe {name!r}: capture is empty; list sites from {', '.join(SITES)} (or give "
+            "transcoders=SET for its features alone)"
+        )
     for key, known in (("reduce", REDUCTIONS), ("dtype", DTYPES), ("rows", ROWS)):
         choice(f"probe {name!r}: {key}", getattr(spec, key), known)
     if spec.rows == "tokens" and spec.reduce != "none":

@@ -129,6 +129,7 @@ class DatasetConfig:
     tokenizer: str | None = None  # None: the model's
     seq_len: int = 128
     pack: bool = False  # text: concatenate documents into full rows instead of one row each
+    prepend_bos: bool = False  # text: each row starts with a special token (circuit-tracer's rule)
     text_field: str = "text"  # .jsonl / .parquet column holding the text
     label_field: str | None = None  # text: a document's class -> /samples/target
     word_labels_field: str | None = None  # text: a label per word -> /tokens/label
@@ -159,6 +160,8 @@ class ProbeSpec:
     sae: Any = (
         None  # an SAE on the output: a folder (SAELens layout) or {path, dense, splice, error_term}
     )
+    # a transcoder set (its YAML or folder): its features at each selected module it reads
+    transcoders: str | None = None
 
 
 @dataclass
@@ -297,7 +300,11 @@ class GraphConfig:
     `edge_threshold` of the edge influence; graph_edges.csv holds the pruned graph's edges or
     `all` of them; `batch_size` target rows per backward pass and `floor` the share of a row's
     |weight| sum under which its smallest edges are dropped (null: the attribution's
-    defaults)."""
+    defaults); `zero_bos` leaves position 0's features and error out of the nodes;
+    `prepend_bos` puts the tokenizer's special token first in a prompt that does not start with
+    one, the rule `probe.attribution_graph` follows (circuit-tracer's); `examples` names a run
+    holding the set's features as a site with their top-k examples, from which each kept feature
+    gets circuit-tracer's example file (probe.graphs.feature_files)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -308,6 +315,10 @@ class GraphConfig:
     edges: str = "pruned"
     batch_size: int | None = None
     floor: float | None = None
+    zero_bos: bool = True  # position 0's features and error are not nodes
+    update_interval: int = 4  # batches between re-rankings of the features by influence
+    prepend_bos: bool = True  # a special token first where a prompt starts without one
+    examples: str | None = None  # a run holding the set's feature examples: the viewer's files
 
 
 @dataclass

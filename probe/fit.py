@@ -1,6 +1,8 @@
 """`python -m probe.fit RUN`: one transcoder per block from a run's captures of each MLP's input
 and output (probe.analysis.fit), written as circuit-tracer's transcoder set (config.yaml,
-layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features per layer)."""
+layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features per layer); `--kind clt`:
+one cross-layer transcoder over every block (probe.analysis.fit.clt), written in circuit-tracer's
+CLT layout (config.yaml, W_enc_<i>.safetensors, W_dec_<i>.safetensors) with fit.csv."""
 
 import argparse
 import logging
@@ -16,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m probe.fit", description=__doc__.splitlines()[0]
     )
     parser.add_argument("run", type=Path, help="a run directory (or its probe.h5) of token rows")
+    parser.add_argument(
+        "--kind", default="plt",
+        help="plt: a transcoder per block (default); clt: one cross-layer transcoder",
+    )  # fmt: skip
     parser.add_argument("--layers", nargs="*", type=int, default=None, help="blocks (default: all)")
     parser.add_argument(
         "--activation", default="relu",
@@ -88,16 +94,26 @@ def main(argv: list[str] | None = None) -> int:
         "--bandwidth", type=float, default=d.bandwidth,
         help=f"jumprelu: STE kernel width ({d.bandwidth})",
     )  # fmt: skip
+    parser.add_argument(
+        "--keep-special", action="store_true",
+        help="train and measure on rows of position 0 and of special tokens too (left out)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
     parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
     parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
-    parser.add_argument("--out", type=Path, default=None, help="default: RUN/transcoders")
+    parser.add_argument(
+        "--workers", type=int, default=None,
+        help="layers fitted side by side in processes (default: one per 4 cores, <= layers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: RUN/transcoders (--kind clt: RUN/clt)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue the fit in --out")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
     from probe.analysis.fit.fitting import Fit
-    from probe.errors import ProbeError
+    from probe.errors import ConfigError, ProbeError
 
     run = args.run.parent if args.run.is_file() else args.run
     options = FitOptions(
@@ -108,20 +124,44 @@ def main(argv: list[str] | None = None) -> int:
         aux_coefficient=args.aux_coefficient, dead_rows=args.dead_rows,
         batch_size=args.batch_size, test_fraction=args.test_fraction, seed=args.seed,
         threshold=args.threshold, bandwidth=args.bandwidth, checkpoint_every=args.checkpoint_every,
+        keep_special=args.keep_special,
     )  # fmt: skip
     try:
         if not (run / "probe.h5").is_file():
             from probe.errors import DataError
 
             raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
-        fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
-        table = fit.run()
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: give 1 or more processes")
+        if args.kind == "clt":
+            fit = clt_fit(run, args, options)
+            table = fit.run()
+        elif args.kind == "plt":
+            fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
+            table = fit.run(args.workers)
+        else:
+            raise ConfigError(f"--kind {args.kind!r}; choose plt (per-layer) or clt (cross-layer)")
     except ProbeError as e:
         print(f"probe.fit: error: {e}", file=sys.stderr)
         return 2
     print(table.to_string(index=False))
     print(f"{fit.out / 'config.yaml'}")
     return 0
+
+
+def clt_fit(run: Path, args, options):
+    """The cross-layer fit of `run` (--layers and --resume refused by name)."""
+    from probe.analysis.fit.clt import CltFit
+    from probe.errors import ConfigError
+
+    if args.layers:
+        raise ConfigError(
+            f"--layers {args.layers} with --kind clt: a cross-layer transcoder spans every block; "
+            "leave --layers out"
+        )
+    if args.resume:
+        raise ConfigError("--resume with --kind clt: a CLT fit is not checkpointed; fit again")
+    return CltFit(run, args.out, options, args.mlp, args.norm)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ GRAD_EDIT_SITES = VALUE_GRAD_SITES  # the edits that act in the backward
 # the value before an edit, kept by a probe with `unedited: true`
 UNEDITED_SITES = tuple(f"unedited_{s}" for s in EDIT_SITES)
 SAE_SITES = ("sae.latents", "sae.error")  # an SAE's latents and error on a layer's output
+TRANSCODER_SITES = ("transcoder.features",)  # a transcoder's features of the module's input
 FAMILIES = tuple(
-    dict.fromkeys((*PROBE_SITES, *PARAM_SITES, *UNEDITED_SITES, *SAE_SITES))
+    dict.fromkeys((*PROBE_SITES, *PARAM_SITES, *UNEDITED_SITES, *SAE_SITES, *TRANSCODER_SITES))
 )  # every family a dataset name starts with
 DERIVED = ("sum", "units", "gap")  # what an attribution site's datasets derive from its map
 

@@ -105,6 +105,7 @@ class DataSpec:
     tokenizer: str | None = None
     seq_len: int = 128
     pack: bool = False
+    prepend_bos: bool = False
     text_field: str = "text"
     label_field: str | None = None
     word_labels_field: str | None = None
@@ -129,6 +130,7 @@ class ProbeSpec:
     cam_grid: tuple[int, ...] | None = None
     cam_skip_tokens: int = 0
     sae: SaeSpec | None = None  # (the parse turns the config's folder or mapping into one)
+    transcoders: str | None = None  # a transcoder set: its features (probe.hooks.transcoder_site)
 
 
 @dataclass(frozen=True)
@@ -275,8 +277,10 @@ class GraphSpec:
     (probe.graphs, docs/graphs.md), one per prompt of dataset=text|tokens, when `transcoders`
     names a transcoder set (None: off); the salient logits (`logit_prob`, `max_logits`), the
     features attributed (`max_feature_nodes`, None: all), pruning's thresholds, which edges
-    graph_edges.csv holds (pruned, all), and the attribution's `batch_size` and `floor` (None:
-    its defaults)."""
+    graph_edges.csv holds (pruned, all), the attribution's `batch_size` and `floor` (None:
+    its defaults), `zero_bos` and `update_interval` (GraphOptions'), and `prepend_bos`: a
+    special token first in each prompt that does not start with one (prompt_tokens' rule);
+    `examples` a run of the set's feature examples (probe.graphs.feature_files)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -287,6 +291,10 @@ class GraphSpec:
     edges: str = "pruned"
     batch_size: int | None = None
     floor: float | None = None
+    zero_bos: bool = True
+    update_interval: int = 4
+    prepend_bos: bool = True
+    examples: str | None = None
 
     @property
     def on(self) -> bool:

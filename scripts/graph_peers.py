@@ -74,6 +74,11 @@ CASES = [
         "gpt2 with ln_2 weight 1, bias 0: mlp_in vs ct ln2.hook_normalized",
         "gpt2-unit-ln2", "mlp_in", "relu", False, "ln2.hook_normalized", None,
     ),
+    # cross-layer transcoders (activation "clt <activation>"), in circuit-tracer's CLT layout
+    ("gpt2 clt resid_mid relu", "gpt2", "resid_mid", "clt relu", False, None, None),
+    ("llama clt mlp_in jumprelu", "llama", "mlp_in", "clt jumprelu", False, None, None),
+    ("gpt2 clt mlp_normalized jumprelu, max_feature_nodes=200", "gpt2", "mlp_normalized",
+     "clt jumprelu", False, None, 200),
 ]  # fmt: skip
 
 
@@ -361,11 +366,19 @@ def compare_case(case, args) -> dict:
     if not (model_dir / "config.json").exists():
         build_model(family, model_dir)
     model = load_hf(model_dir)
-    tset = make_transcoders(64, 2, reads, activation, skip, seed=3)
-    tc_dir = save_ct_transcoders(
-        tset, WORK / f"tc-{label.replace(' ', '_').replace(',', '').replace('=', '')}",
-        ct_hook or CT_HOOK[reads],
-    )  # fmt: skip
+    tc_dir = WORK / f"tc-{label.replace(' ', '_').replace(',', '').replace('=', '')}"
+    if activation.startswith("clt "):  # both sides read circuit-tracer's CLT files
+        from probe.models.clt_files import save_cross_layer
+        from probe.models.transcoder_files import load_transcoders
+        from probe.testing.random_transcoders import random_cross_layer
+
+        clt = random_cross_layer(64, 2, reads=reads, activation=activation[4:], seed=3)
+        save_cross_layer(clt, tc_dir)
+        transcoders = load_transcoders(tc_dir)
+    else:
+        tset = make_transcoders(64, 2, reads, activation, skip, seed=3)
+        save_ct_transcoders(tset, tc_dir, ct_hook or CT_HOOK[reads])
+        transcoders = load_ct_transcoders(tc_dir, reads)
     ids = prompt_ids(args.compare_tokens, seed=1)
     tokens = WORK / "tokens.json"
     tokens.write_text(json.dumps(ids.tolist()))
@@ -378,7 +391,7 @@ def compare_case(case, args) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"circuit-tracer failed on {label}:\n{done.stderr[-3000:]}")
     ct = dict(np.load(out))
-    g = ours(model, ids, load_ct_transcoders(tc_dir, reads), args.batch_size, max_nodes)
+    g = ours(model, ids, transcoders, args.batch_size, max_nodes)
     return diff(label, g, ct)
 
 

@@ -175,14 +175,17 @@ def _text(identity: dict, base, to_base, dataset_cfg) -> Provenance:
         seq_len=source.seq_len,
         pack=int(packed),
     )
+    if source.prefix:
+        identity["prepend_bos"] = 1
     ids = functools.cache(lambda: document_ids(source.path, source.lines))
     if not packed:
         names = {"class_names": source.class_names, "token_label_names": source.label_names}
         lists = {k: v for k, v in names.items() if v is not None}
         return Provenance(identity, {"document": _lookup(ids, to_base)}, lists)
     starts = np.asarray(source.starts, dtype=np.int64)
-    first = np.arange(0, source.tokens, source.seq_len, dtype=np.int64)  # each row's first token
-    last = np.minimum(first + source.seq_len, source.tokens) - 1
+    stride = source.seq_len - source.prefix  # joined ids per row
+    first = np.arange(0, source.tokens, stride, dtype=np.int64)  # each row's first joined id
+    last = np.minimum(first + stride, source.tokens) - 1
     at_first, at_last = (np.searchsorted(starts, t, side="right") - 1 for t in (first, last))
     return Provenance(
         identity,

@@ -9,7 +9,14 @@ import json
 from pathlib import Path
 
 from probe.data.labels import fields, labelled, padded_labels
-from probe.data.token_data import TextSource, TokenDataset, _first_line, _right_pad
+from probe.data.token_data import (
+    TextSource,
+    TokenDataset,
+    _first_line,
+    _right_pad,
+    first_special_token,
+    with_special_first,
+)
 from probe.errors import ConfigError, DataError
 
 # what save_pretrained writes for a tokenizer (one of them at least), by tokenizer kind
@@ -21,29 +28,50 @@ _CHUNK = 1024  # documents tokenized per call when packing (stop early once enou
 def text_dataset(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDataset:
     """Unpacked: one row per document (the tokenizer's own special tokens, cut to seq_len), padded to
     the longest row of the whole file, so a row does not change with num_samples. Packed: documents
-    joined by EOS into rows of exactly seq_len. Text rows always carry an attention_mask."""
+    joined by EOS into rows of exactly seq_len. Text rows always carry an attention_mask. With
+    `dataset.prepend_bos`, each row starts with a special token (first_special_token), as
+    circuit-tracer's prompts do: an unpacked row whose first token is not special gets one (its
+    document then cut to seq_len - 1 tokens); a packed row is the token and seq_len - 1 joined
+    ids."""
     docs, lines = _documents(p, cfg.text_field)
     tok = _tokenizer(cfg.tokenizer or model_cfg.name, cfg.tokenizer is not None)
     source = TextSource(p, lines, str(cfg.tokenizer or model_cfg.name), cfg.seq_len)
     pad = next((t for t in (tok.pad_token_id, tok.eos_token_id) if t is not None), 0)
     T = cfg.seq_len
     names = [n for n in (cfg.label_field, cfg.word_labels_field) if n]
+    special = first_special_token(tok) if cfg.prepend_bos else None
+    if cfg.prepend_bos and special is None:
+        raise ConfigError(
+            f"dataset.prepend_bos=true, but the tokenizer {source.tokenizer!r} has no special "
+            "token (no BOS, pad, EOS or other); set dataset.prepend_bos=false"
+        )
     if not cfg.pack:  # (labels with pack=true are refused by probe.checks)
         records = fields(p, lines, names) if names else {}
         rows, token_rows, targets, classes, label_names = labelled(
             tok, docs, lines, records, cfg, p
         )
+        if special is not None:
+            specials = set(tok.all_special_ids)
+            firsts = [bool(r) and r[0] in specials for r in rows]
+            rows = [with_special_first(r, special, specials, T) for r in rows]
+            if token_rows is not None:  # (a token's label moves with it)
+                token_rows = [
+                    t if first else [-1, *t[: T - 1]]
+                    for t, first in zip(token_rows, firsts, strict=True)
+                ]
         if not any(rows):
             raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
         width = max(len(r) for r in rows)  # (right-padded whatever the tokenizer's padding_side:
         ids, mask = _right_pad(rows, pad, width)  # a token keeps its unpadded position)
         token_labels = None if token_rows is None else padded_labels(token_rows, width)
         source = TextSource(p, lines, source.tokenizer, T, class_names=classes,
-                            label_names=label_names)  # fmt: skip
+                            label_names=label_names, prefix=int(special is not None))  # fmt: skip
         return TokenDataset(ids, mask, targets, source, token_labels)
     flat: list[int] = []
     starts: list[int] = []
-    need = None if num_samples is None else num_samples * T
+    lead = [] if special is None else [special]  # (special is None: not cfg.prepend_bos)
+    step = T - len(lead)  # joined ids per row
+    need = None if num_samples is None else num_samples * step
     for start in range(0, len(docs), _CHUNK):
         chunk = docs[start : start + _CHUNK]
         for doc in tok(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
@@ -55,8 +83,8 @@ def text_dataset(p: Path, cfg, model_cfg, num_samples: int | None) -> TokenDatas
             break
     if not flat:
         raise DataError(f"dataset.path={str(p)!r}: the documents give no tokens")
-    rows = [flat[i : i + T] for i in range(0, len(flat), T)]
-    packed = TextSource(p, lines, source.tokenizer, T, starts, len(flat))
+    rows = [[*lead, *flat[i : i + step]] for i in range(0, len(flat), step)]
+    packed = TextSource(p, lines, source.tokenizer, T, starts, len(flat), prefix=len(lead))
     return TokenDataset(*_right_pad(rows, pad, T), None, packed)
 
 

@@ -10,12 +10,29 @@ import torch
 from torch.utils.data import Dataset
 
 
+def first_special_token(tokenizer) -> int | None:
+    """The special token a row starts with where its first token is not one (circuit-tracer's
+    rule): the tokenizer's BOS, else its pad, else its EOS, else its first special token; None
+    where it has none."""
+    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id]
+    return next((t for t in [*candidates, *tokenizer.all_special_ids] if t is not None), None)
+
+
+def with_special_first(ids: list[int], special: int | None, specials: set[int], width: int):
+    """`ids` starting with `special` (cut to `width` tokens) unless its first token is special."""
+    if special is None or (ids and ids[0] in specials):
+        return ids
+    return [special, *ids[: width - 1]]
+
+
 @dataclass(frozen=True)
 class TextSource:
     """Where dataset=text rows come from, kept so `probe.data.provenance` can name a row's document:
     `lines` holds each non-empty document's 0-based line (.txt, .jsonl) or row (.parquet) in the
     file; packed, `starts` holds each tokenized document's first offset in the joined ids (an EOS
-    separator belongs to the document it ends) and `tokens` their count."""
+    separator belongs to the document it ends) and `tokens` their count; `prefix` tokens (a
+    special token: dataset.prepend_bos) lead each packed row, so a row holds seq_len - prefix of
+    the joined ids."""
 
     path: Path
     lines: list[int]
@@ -25,6 +42,7 @@ class TextSource:
     tokens: int = 0
     class_names: list[str] | None = None  # dataset.label_field's string classes, by index
     label_names: list[str] | None = None  # dataset.word_labels_field's string labels, by index
+    prefix: int = 0
 
 
 class TokenDataset(Dataset):

@@ -6,8 +6,9 @@ One forward runs `batch_size` copies of the prompt under the replacement model. 
 computes `batch_size` target rows at once: batch row b is seeded with its target's direction at
 its target's place (a feature: its encoder column at its position at the transcoder's input; a
 logit: the demeaned unembedding row at the last position at the final norm's output), and tensor
-hooks read the gradient at every MLP output (contracted with the active features' activation x
-decoder rows and with the error vectors) and at the embeddings' output (contracted with the token
+hooks read the gradient at every MLP output (contracted with the activation x decoder rows of the
+active features that write there, a cross-layer transcoder's earlier layers' too, and with the
+error vectors) and at the embeddings' output (contracted with the token
 embeddings). The rows in flight are dense (batch_size x columns); what is kept of them is sparse.
 
 The floor is a bound, not a cut: per row the smallest entries are dropped only while their
@@ -44,7 +45,7 @@ from probe.errors import ConfigError
 from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.replacement import LocalReplacement, check_interface
 from probe.hooks.hookset import HookSet
-from probe.models.transcoder import TranscoderSet
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
 
 EDGES = ("pruned", "all")
 EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (floor 0)
@@ -53,6 +54,7 @@ EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (f
 DEFAULT_FLOOR = 1e-6
 BLOCK_MIN, BLOCK_MAX = 1 << 16, 1 << 22  # entries of the first and the largest storage block
 PIECE = 1 << 24  # elements of a gathered gradient per contraction (bounds the rows' scratch)
+PROGRESS_BATCHES = 8  # backward passes a graph takes before its progress bar shows
 # a row's target: (layer, or "final" for a logit), position, the vector seeded at its input
 Seed = tuple[int | Literal["final"], int, torch.Tensor]
 
@@ -139,16 +141,27 @@ def _is_int(value) -> bool:
 
 
 @dataclass
+class _Writes:
+    """What active features write into one layer's MLP output: the features' indices among the
+    active ones, their positions, and activation x decoder row (k, d) float32."""
+
+    active: torch.Tensor  # (k,) int64, increasing
+    pos: torch.Tensor  # (k,)
+    vectors: torch.Tensor  # (k, d)
+
+
+@dataclass
 class _Nodes:
-    """The prompt's active features (in (layer, pos, feature) order), their writes and
-    encoder directions, the error vectors and the token embeddings."""
+    """The prompt's active features (in (layer, pos, feature) order), their writes into each
+    layer's MLP output (a per-layer set: that layer's features; a CLT: every earlier layer's
+    too), their encoder directions, the error vectors and the token embeddings."""
 
     layer: torch.Tensor  # (n_active,)
     pos: torch.Tensor
     feature: torch.Tensor
     activation: torch.Tensor  # float32
     starts: list[int]  # first active index of each layer, and n_active
-    decoders: list[torch.Tensor]  # per layer (k_l, d) float32: activation x decoder row
+    writes: list[_Writes]  # per output layer
     encoders: list[torch.Tensor]  # per layer (k_l, d_in): encoder columns
     errors: torch.Tensor  # (n_layers, n_pos, d) float32
     tokens: torch.Tensor  # (n_pos, d) float32
@@ -158,19 +171,28 @@ class _Nodes:
         return int(self.layer.shape[0])
 
 
+def _progress(rows: int, batch: int):
+    """A progress bar over a graph's target rows (tqdm, on stderr), shown from PROGRESS_BATCHES
+    backward passes on: a short prompt's graph prints nothing."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=rows, unit="row", desc="graph rows", leave=False, mininterval=1.0,
+                disable=rows <= PROGRESS_BATCHES * batch)  # fmt: skip
+
+
 def attribute(
     model: torch.nn.Module,
     tokens,
-    transcoders: TranscoderSet,
+    transcoders: AnyTranscoders,
     options: GraphOptions | None = None,
     *,
     tokenizer=None,
     overrides: dict | None = None,
     prompt: str | None = None,
 ) -> AttributionGraph:
-    """The attribution graph of `tokens` (a prompt's ids, 1-D) through `transcoders` on `model`
-    (unpruned; probe.graphs.pruning fills the pruning fields). `tokenizer` names the tokens;
-    `overrides` are `model.anatomy` keys."""
+    """The attribution graph of `tokens` (a prompt's ids, 1-D) through `transcoders` (a per-layer
+    TranscoderSet or a CrossLayerTranscoder) on `model` (unpruned; probe.graphs.pruning fills
+    the pruning fields). `tokenizer` names the tokens; `overrides` are `model.anatomy` keys."""
     options = options or GraphOptions()
     ids = token_ids(tokens)
     _check_context(model, ids)
@@ -190,12 +212,14 @@ def attribute(
         n_max = min(options.max_feature_nodes or n_active, n_active)
         floor = options.floor_for(n_max + (n_layers + 1) * n_pos + n_logits)
         reader = _Reader(rep, nodes, n_cols, B)
-        with reader.hooks:
+        progress = _progress(n_logits + n_max, B)
+        with reader.hooks, progress:
             reader.register()
             for i in range(0, n_logits, B):
                 idx = torch.arange(i, min(i + B, n_logits))
                 seeds: list[Seed] = [("final", n_pos - 1, logit_vecs[j]) for j in idx.tolist()]
                 rows.add(n_cols + idx, reader.rows(seeds), floor)
+                progress.update(len(idx))
                 release_free_memory()
             visited = torch.zeros(n_active, dtype=torch.bool)
             while int(visited.sum()) < n_max:
@@ -213,6 +237,7 @@ def attribute(
                     ]
                     rows.add(batch, reader.rows(seeds), floor)
                     visited[batch] = True
+                    progress.update(len(batch))
                     release_free_memory()
         del out, reader
     selected = torch.where(visited)[0]
@@ -231,7 +256,7 @@ def attribute(
         adjacency=adjacency,
         floor=floor,
         prompt=prompt,
-        scan=[transcoders.ids[k] for k in sorted(transcoders.ids)] or None,
+        scan=_scan(transcoders),
         active_features=n_active,
     )
 
@@ -277,8 +302,17 @@ def _logits_of(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
 
 
+def _scan(transcoders: AnyTranscoders) -> list[str] | str | None:
+    """circuit-tracer's scan of the graph: a set's transcoder ids, a CLT's name."""
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return transcoders.scan
+    return [transcoders.ids[k] for k in sorted(transcoders.ids)] or None
+
+
 @torch.no_grad()
-def _nodes(rep: LocalReplacement, transcoders: TranscoderSet, zero_bos: bool) -> _Nodes:
+def _nodes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bool) -> _Nodes:
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return _clt_nodes(rep, transcoders, zero_bos)
     layers, poss, feats, acts, decoders, encoders, errors, starts = [], [], [], [], [], [], [], []
     start = 0
     for layer in range(len(transcoders)):
@@ -305,9 +339,64 @@ def _nodes(rep: LocalReplacement, transcoders: TranscoderSet, zero_bos: bool) ->
     starts.append(start)
     assert rep.captured.embed is not None  # (the replacement's forward ran)
     embed = rep.captured.embed[0].detach().float()
+    writes = [
+        _Writes(torch.arange(starts[layer], starts[layer + 1], device=poss[layer].device),
+                poss[layer], decoders[layer])
+        for layer in range(len(transcoders))
+    ]  # fmt: skip
     return _Nodes(
         torch.cat(layers).cpu(), torch.cat(poss).cpu(), torch.cat(feats).cpu(),
-        torch.cat(acts).cpu(), starts, decoders, encoders, torch.stack(errors), embed,
+        torch.cat(acts).cpu(), starts, writes, encoders, torch.stack(errors), embed,
+    )  # fmt: skip
+
+
+def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zero_bos: bool) -> _Nodes:
+    """A CLT's nodes (circuit-tracer's definitions): a feature per (layer, position, feature)
+    active at its layer's input; its write into layer l' >= layer is activation x W_dec[layer]
+    [feature, l' - layer]; layer l''s error is its MLP's output minus every write into it, b_dec
+    and the skip path. Position 0's features and error are dropped with `zero_bos`."""
+    n = len(clt)
+    inputs = [rep.captured.inputs[layer][0] for layer in range(n)]
+    acts = []
+    for layer, x in enumerate(inputs):
+        a = clt.encode(layer, x)
+        if zero_bos:
+            a[0] = 0
+        acts.append(a)
+    recon = clt.decode(acts)
+    layers, poss, feats, values, encoders, errors, starts = [], [], [], [], [], [], []
+    found = []
+    start = 0
+    for layer, a in enumerate(acts):
+        pos, feat = torch.nonzero(a, as_tuple=True)
+        value = a[pos, feat]
+        found.append((pos, feat, value, start))
+        starts.append(start)
+        start += int(pos.shape[0])
+        layers.append(torch.full_like(pos, layer))
+        poss.append(pos)
+        feats.append(feat)
+        values.append(value.float())
+        encoders.append(clt.W_enc[layer][:, feat].T)
+        out = recon[layer] + clt.skip(layer, inputs[layer])
+        error = rep.captured.mlp_values[layer][0].float() - out.float()
+        if zero_bos:
+            error[0] = 0
+        errors.append(error)
+    starts.append(start)
+    writes = []
+    for target in range(n):
+        parts = [
+            (torch.arange(s, s + len(pos), device=pos.device), pos,
+             (value[:, None] * clt.W_dec[source][feat, target - source]).float())
+            for source, (pos, feat, value, s) in enumerate(found[: target + 1])
+        ]  # fmt: skip
+        writes.append(_Writes(*(torch.cat(column) for column in zip(*parts, strict=True))))
+    assert rep.captured.embed is not None  # (the replacement's forward ran)
+    embed = rep.captured.embed[0].detach().float()
+    return _Nodes(
+        torch.cat(layers).cpu(), torch.cat(poss).cpu(), torch.cat(feats).cpu(),
+        torch.cat(values).cpu(), starts, writes, encoders, torch.stack(errors), embed,
     )  # fmt: skip
 
 
@@ -338,7 +427,7 @@ class _Reader:
         self.buffer: torch.Tensor | None = None
         n_pos = nodes.tokens.shape[0]
         self.error_start = nodes.n_active
-        self.token_start = nodes.n_active + len(nodes.decoders) * n_pos
+        self.token_start = nodes.n_active + len(nodes.writes) * n_pos
         self.n_pos = n_pos
 
     def register(self) -> None:
@@ -350,8 +439,9 @@ class _Reader:
 
     def _mlp_reader(self, layer: int):
         nodes, n_pos = self.nodes, self.n_pos
-        lo, hi = nodes.starts[layer], nodes.starts[layer + 1]
-        pos = nodes.pos[lo:hi].to(nodes.errors.device)
+        writes = nodes.writes[layer]
+        device = nodes.errors.device
+        pos, active = writes.pos.to(device), writes.active.to(device)
         cols = torch.arange(n_pos) + self.error_start + layer * n_pos
 
         def read(grad):
@@ -359,11 +449,12 @@ class _Reader:
             buf = self.buffer
             assert buf is not None  # (rows() sets it for the backward that calls this)
             step = max(1, PIECE // max(1, g.shape[0] * g.shape[-1]))
-            for s in range(0, hi - lo, step):
+            for s in range(0, int(pos.shape[0]), step):
                 part = g[:, pos[s : s + step]]
-                buf[:, lo + s : lo + s + part.shape[1]] += torch.einsum(
-                    "bkd,kd->bk", part, nodes.decoders[layer][s : s + step]
-                )
+                buf.index_add_(
+                    1, active[s : s + step],
+                    torch.einsum("bkd,kd->bk", part, writes.vectors[s : s + step]),
+                )  # fmt: skip
             buf[:, cols] += torch.einsum("bpd,pd->bp", g, nodes.errors[layer])
 
         return read

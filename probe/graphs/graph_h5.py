@@ -67,10 +67,18 @@ GRAPH = GroupKind(
 )  # fmt: skip
 
 
-def append_graph(tables: GroupTables, prompt: int, graph: Any) -> None:
-    """`graph` as prompt `prompt`'s rows of /graph (its prompts row last, flushed)."""
+def append_graph(tables: GroupTables, prompt: int, graph: Any) -> int:
+    """`graph` as prompt `prompt`'s rows of /graph (its prompts row last, flushed); the bytes of
+    its node and edge rows (strings counted by their UTF-8 length)."""
     nodes, edges = graph_rows(graph, prompt)
     tables.append(prompt_row(graph, prompt), {"nodes": nodes, "edges": edges})
+    return sum(_nbytes(column) for rows in (nodes, edges) for column in rows.values())
+
+
+def _nbytes(column: np.ndarray) -> int:
+    if column.dtype == object:
+        return sum(len(str(v).encode()) for v in column)
+    return int(column.nbytes)
 
 
 # -- one graph as rows ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,11 +126,14 @@ def graph_model(
     scan: str | list[str] | None = None,
     node_threshold: float | None = None,
     clerps: dict[int, str] | None = None,
+    features: str | None = None,
 ) -> dict:
     """circuit-tracer's frontend Model of `graph` (pruned first at 0.8/0.98 if it is not) as a
     dict: metadata, qParams, nodes, links. `scan` overrides the graph's transcoder ids;
     `node_threshold` is the metadata's (the run's graph.node_threshold); `clerps` {node number:
-    label} fills feature nodes' `clerp` (the viewer's label)."""
+    label} fills feature nodes' `clerp` (the viewer's label); `features` the folder of the
+    features' example files as circuit-tracer's viewer reaches it (probe.graphs.feature_files:
+    every layer's source, a `custom-` scan, and `features` as Neuronpedia's base URL)."""
     if not isinstance(slug, str) or not slug or "/" in slug:
         raise ConfigError(f"graph JSON slug {slug!r}: a non-empty file name without '/'")
     graph = pruned_copy(graph)
@@ -156,7 +160,10 @@ def graph_model(
         if n["node_id"] in connected or n["feature_type"] in ("embedding", "logit")
     ]
     scan_name, transcoder_list = scan_of(graph, scan)
-    metadata = {
+    if features is not None:  # (the viewer reads transcoder_list[layer] of a custom- scan)
+        scan_name = scan_name if scan_name.startswith("custom-") else f"custom-{scan_name}"
+        transcoder_list = [features] * graph.n_layers
+    metadata: dict[str, Any] = {
         "slug": slug,
         "scan": scan_name,
         "transcoder_list": transcoder_list,
@@ -165,6 +172,8 @@ def graph_model(
         "node_threshold": None if node_threshold is None else float(node_threshold),
         "schema_version": SCHEMA_VERSION,
     }
+    if features is not None:
+        metadata["feature_details"] = {"feature_json_base_url": "features"}
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""}
     return {"metadata": metadata, "qParams": qparams, "nodes": used, "links": links}
 

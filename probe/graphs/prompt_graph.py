@@ -4,9 +4,10 @@ attribution graph, attributed and pruned, for a notebook.
 The prompt is text (tokenized without the tokenizer's own special tokens) or token ids; with a
 tokenizer, a prompt that does not begin with a special token gets one prepended, as circuit-tracer
 does (position 0's activations are outliers; its features and error are not nodes). `transcoders`
-is a TranscoderSet, or the path of a circuit-tracer YAML or of a folder holding one. `options` are
-GraphOptions' fields (logit_prob, max_logits, max_feature_nodes, node_threshold, edge_threshold,
-batch_size, floor, edges, zero_bos, update_interval).
+is a TranscoderSet or a CrossLayerTranscoder, or the path of a circuit-tracer YAML (either kind)
+or of a folder holding one. `options` are GraphOptions' fields (logit_prob, max_logits,
+max_feature_nodes, node_threshold, edge_threshold, batch_size, floor, edges, zero_bos,
+update_interval).
 
     graph = probe.attribution_graph(model, "the cat sat on the", "transcoders/", tokenizer=tok)
     graph.nodes()            # DataFrame: node, kind, layer, pos, feature, token, activation, ...
@@ -22,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from probe.data.token_data import first_special_token
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute, token_ids
 from probe.graphs.attribution_graph import AttributionGraph
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
 from probe.models.transcoder import TranscoderSet
 from probe.models.transcoder_files import load_transcoders
 
@@ -36,12 +39,14 @@ def attribution_graph(
     tokenizer=None,
     *,
     overrides: dict | None = None,
+    prepend_bos: bool = True,
     **options,
 ) -> AttributionGraph:
     """The pruned attribution graph of `prompt` through `transcoders` on `model` (see the module
-    docstring); `overrides` are `model.anatomy` keys for a family probe does not know."""
+    docstring); `overrides` are `model.anatomy` keys for a family probe does not know;
+    `prepend_bos=False` takes the prompt's tokens as they are."""
     opts = GraphOptions.of(**options)
-    ids = prompt_tokens(prompt, tokenizer)
+    ids = prompt_tokens(prompt, tokenizer, prepend_bos)
     graph = attribute(
         model, ids, transcoder_set(transcoders), opts, tokenizer=tokenizer, overrides=overrides,
         prompt=prompt if isinstance(prompt, str) else None,
@@ -49,21 +54,24 @@ def attribution_graph(
     return graph.prune(opts.node_threshold, opts.edge_threshold)
 
 
-def transcoder_set(transcoders) -> TranscoderSet:
-    """A TranscoderSet as given, or loaded from a YAML path or a folder holding one."""
-    if isinstance(transcoders, TranscoderSet):
+def transcoder_set(transcoders) -> AnyTranscoders:
+    """A TranscoderSet or CrossLayerTranscoder as given, or loaded from a YAML path or a folder
+    holding one."""
+    if isinstance(transcoders, TranscoderSet | CrossLayerTranscoder):
         return transcoders
     if isinstance(transcoders, str | Path):
         return load_transcoders(transcoders)
     raise ConfigError(
-        f"graphs: transcoders is a {type(transcoders).__name__}; pass a TranscoderSet, or the path "
+        f"graphs: transcoders is a {type(transcoders).__name__}; pass a TranscoderSet or a "
+        "CrossLayerTranscoder, or the path "
         "of a transcoder-set YAML or of a folder holding one"
     )
 
 
-def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
-    """The prompt's token ids (1-D); with a tokenizer, a special token first (circuit-tracer's
-    ensure_tokenized)."""
+def prompt_tokens(prompt, tokenizer=None, prepend_bos: bool = True) -> torch.Tensor:
+    """The prompt's token ids (1-D); with a tokenizer and `prepend_bos`, a special token first
+    where the prompt does not start with one (circuit-tracer's ensure_tokenized). The one rule
+    of the API and of a run's graphs (graph.prepend_bos)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ConfigError(
@@ -73,10 +81,9 @@ def prompt_tokens(prompt, tokenizer=None) -> torch.Tensor:
     else:
         ids = torch.as_tensor(prompt)
     ids = token_ids(ids)
-    if tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
+    if not prepend_bos or tokenizer is None or int(ids[0]) in set(tokenizer.all_special_ids):
         return ids
-    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id]
-    first = next((t for t in [*candidates, *tokenizer.all_special_ids] if t is not None), None)
+    first = first_special_token(tokenizer)
     if first is None:
         return ids
     return torch.cat([torch.tensor([first]), ids])

@@ -10,7 +10,8 @@ While a `LocalReplacement` is entered, three things are frozen at their values o
 - every norm's scale (LayerNorm's 1/std, RMSNorm's 1/rms): the norm's output keeps its value and
   its gradient is that of `centre(x) * scale.detach() * weight` (centring stays linear);
 - every MLP: its output keeps its value and its gradient is that of its transcoder's skip path
-  alone (`x @ W_skip.T`, nothing without a skip matrix), where x is what the transcoder reads
+  alone (`x @ W_skip.T`; a cross-layer transcoder's `x @ W_skip[l]`; nothing without a skip
+  matrix), where x is what the transcoder reads
   (`mlp_in`: the MLP's input; `resid_mid`: the MLP norm's input; `mlp_normalized`: the MLP
   norm's input centred (LayerNorm) times its frozen scale, the norm's weight and bias left out,
   so its gradient is linear too). The MLP's output is, by
@@ -41,7 +42,8 @@ from probe.errors import ConfigError, ModelError
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import block_names
 from probe.models.anatomy import anatomy
-from probe.models.transcoder import TranscoderSet, norm_kind
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.transcoder import norm_kind
 
 MODES = ("attribute", "record", "replay")
 KEYS = (
@@ -100,10 +102,17 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
     ]
     if n == 0:
         missing.insert(0, "blocks (no stack of layers found)")
+    if missing == ["unembed"] and not _has_head(model):
+        raise ConfigError(
+            f"graphs: the {body.family!r} model has no LM head ({type(model).__name__} makes no "
+            "logits), and a graph attributes the next-token logits; load the model with its head "
+            "(AutoModelForCausalLM; model.task=causal_lm in a run)"
+        )
     if missing:
         raise ConfigError(
             f"graphs: the local replacement model of a {body.family!r} model cannot be built: "
-            f"probe does not know its {', '.join(missing)}. Set them by hand: {KEYS}"
+            f"probe does not know its {', '.join(missing)}. Set them by hand: {KEYS} (in a "
+            "run; probe.attribution_graph(..., overrides={'mlp_out': ...}) in the API)"
         )
     modules = dict(model.named_modules())
     # (transformers' method: Module.__getattr__'s type knows submodules and tensors only)
@@ -128,6 +137,13 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
         embed,
         unembed,
     )
+
+
+def _has_head(model: nn.Module) -> bool:
+    """Whether a transformers model has an output embedding (its LM head); a model of another
+    library is given the benefit of the doubt (its unembedding may be set by hand)."""
+    get = getattr(model, "get_output_embeddings", None)
+    return not callable(get) or get() is not None
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -177,7 +193,7 @@ class LocalReplacement:
     def __init__(
         self,
         model: nn.Module,
-        transcoders: TranscoderSet,
+        transcoders: AnyTranscoders,
         overrides: dict | None = None,
         mode: str = "attribute",
     ):
@@ -248,7 +264,7 @@ class LocalReplacement:
         self._hooks.forward_pre(self.model, self._begin, name="model")
 
     def transcoders_parameters(self) -> list[torch.Tensor]:
-        return [p for t in self.transcoders.transcoders.values() for p in t.parameters()]
+        return list(self.transcoders.parameters())
 
     # -- hooks ---------------------------------------------------------------------------------
     def _begin(self, module, args):
@@ -299,7 +315,7 @@ class LocalReplacement:
         torch.set_grad_enabled(False)
 
     def _mlp_hook(self, layer: int):
-        transcoder = self.transcoders[layer]
+        skip_path = _skip_path(self.transcoders, layer)
 
         def hook(module, args, out):
             torch.set_grad_enabled(self._mlp_grad)
@@ -313,9 +329,9 @@ class LocalReplacement:
                 self.saved["mlp"][layer] = out.detach()
                 self.saved["inputs"][layer] = x.detach()
                 return out
-            skip = _skip(transcoder, x)
+            skip = skip_path(x)
             if self.mode == "replay":
-                before = _skip(transcoder, self.saved["inputs"][layer])
+                before = skip_path(self.saved["inputs"][layer])
                 new = self.saved["mlp"][layer] + (skip - before).to(out.dtype)
             else:
                 new = out.detach() + (skip - skip.detach()).to(out.dtype)
@@ -354,12 +370,18 @@ class LocalReplacement:
         return out.detach() + (lin - lin.detach()).to(out.dtype), weights
 
 
-def _skip(transcoder, x: torch.Tensor) -> torch.Tensor:
-    """The transcoder's skip path; without a skip matrix a zero that still depends on x (so the
-    transcoder's input stays on the backward's path, as circuit-tracer's `x * 0`)."""
+def _skip_path(transcoders: AnyTranscoders, layer: int):
+    """Layer `layer`'s skip path as a function of what it reads; without a skip matrix a zero
+    that still depends on x (so the transcoder's input stays on the backward's path, as
+    circuit-tracer's `x * 0`)."""
+    if isinstance(transcoders, CrossLayerTranscoder):
+        if transcoders.W_skip is None:
+            return lambda x: x[..., :1] * 0
+        return lambda x: transcoders.skip(layer, x)
+    transcoder = transcoders[layer]
     if transcoder.W_skip is None:
-        return x[..., :1] * 0
-    return transcoder.skip(x)
+        return lambda x: x[..., :1] * 0
+    return transcoder.skip
 
 
 def _apply(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -441,9 +463,22 @@ def _register_attention(original: str) -> None:
     AttentionMaskInterface.register(name, mask_function)  # type: ignore[arg-type]
 
 
-def check_widths(parts: Parts, transcoders: TranscoderSet) -> None:
+def check_widths(parts: Parts, transcoders: AnyTranscoders) -> None:
     """Refuse, by name, a set whose layers or widths do not fit the model."""
     width = parts.unembed.shape[1]
+    if isinstance(transcoders, CrossLayerTranscoder):
+        if len(transcoders) != parts.n_layers:
+            raise ConfigError(
+                f"graphs: the cross-layer transcoder {transcoders.source} has {len(transcoders)} "
+                f"layers, the model {parts.n_layers} blocks; a graph needs a CLT over every block"
+            )
+        if transcoders.d_in != width or transcoders.d_out != width:
+            raise ConfigError(
+                f"graphs: the cross-layer transcoder {transcoders.source} reads "
+                f"{transcoders.d_in} and writes {transcoders.d_out}, the model's residual stream "
+                f"is {width} wide"
+            )
+        return
     if len(transcoders) != parts.n_layers:
         raise ConfigError(
             f"graphs: the transcoder set {transcoders.source or ''} has {len(transcoders)} "

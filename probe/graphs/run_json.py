@@ -16,10 +16,13 @@ from probe.graphs.graph_json import METADATA_JSON, graph_model
 GRAPH_JSON_DIR = "graph_json"  # a run's folder of JSON graphs, the folder the viewer serves
 
 
-def write_run_graph_json(run_dir: str | Path, folder: str | Path | None = None) -> Path:
+def write_run_graph_json(
+    run_dir: str | Path, folder: str | Path | None = None, features: str | None = None
+) -> Path:
     """Every prompt's graph in a run's probe.h5 as `prompt_<i>.json` in `folder` (default
     RUN/graph_json), with their index graph-metadata.json, one prompt in memory at a time;
-    node_threshold from the run's graph.* options. Returns the folder."""
+    node_threshold from the run's graph.* options; `features` where the viewer finds the
+    features' example files (graph_json.graph_model). Returns the folder."""
     path = graph_path(run_dir)
     with h5py.File(path, "r") as f:
         g = graph_group(f, path)
@@ -31,7 +34,9 @@ def write_run_graph_json(run_dir: str | Path, folder: str | Path | None = None) 
     for prompt in prompts:
         graph = load_graph(path, prompt)
         slug = f"prompt_{prompt}"
-        model = graph_model(graph, slug, node_threshold=options.get("node_threshold"))
+        model = graph_model(
+            graph, slug, node_threshold=options.get("node_threshold"), features=features
+        )
         (folder / f"{slug}.json").write_text(json.dumps(model, indent=2))
         entries.append(model["metadata"])
     index = folder / METADATA_JSON

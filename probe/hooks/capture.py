@@ -24,6 +24,7 @@ from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import Selection
 from probe.hooks.names import dataset_name, flatten, replace_tensors
 from probe.hooks.sae_site import SaeSite, sae_site, take_sae
+from probe.hooks.transcoder_site import TranscoderSite, take_features, transcoder_site
 from probe.layout import TokenBatch, reduced, token_rows, unit_axis
 from probe.site_keys import ATTRIBUTION_SITES, SiteKey
 
@@ -115,6 +116,7 @@ class HookedModule:
     module: torch.nn.Module
     selection: Selection
     sae: SaeSite | None = None  # a sparse autoencoder on its output (probe.hooks.sae_site)
+    transcoder: TranscoderSite | None = None  # a transcoder on its input (transcoder_site)
 
     def __post_init__(self):
         self.captured = frozenset(self.selection.sites)
@@ -148,7 +150,10 @@ class Capture:
         self.keep_values = keep_values
         self.pool = AlignedPool()  # copies of CPU captures, reused once a batch is written
         self.index_offset = index_offset  # this process's first sample in the dataset (torchrun)
-        self.hooked = [HookedModule(s.name, s.module, s, sae=sae_site(s)) for s in selections]
+        self.hooked = [
+            HookedModule(s.name, s.module, s, sae=sae_site(s), transcoder=transcoder_site(s))
+            for s in selections
+        ]
         probes = ", ".join(dict.fromkeys(s.probe for s in selections))
         self.hooks = HookSet(f"capture ({probes})" if probes else "capture")
         self.batch: BatchCapture | None = None
@@ -167,7 +172,7 @@ class Capture:
 
     def _hang(self) -> None:
         for t in self.hooked:
-            if t.wants("input", "grad_input"):
+            if t.wants("input", "grad_input") or t.transcoder is not None:
                 self.hooks.forward_pre(t.module, self._pre_hook(t), name=t.name)
             if t.wants("output", "grad_output"):
                 self.hooks.forward(t.module, self._post_hook(t), name=t.name)
@@ -274,6 +279,8 @@ class Capture:
         onward = x
         if t.sae is not None and site == "output" and call == 0 and path in ("", ".0"):
             onward = take_sae(batch, t.name, t.sae, x, sel)
+        if t.transcoder is not None and site == "input" and call == 0 and path in ("", ".0"):
+            take_features(batch, t.transcoder, x, sel)
         captured = site in t.captured and batch.recording
         if captured and sel.unedited and (t.name, key) in batch.edited:
             batch.take((t.name, str(site_key.unedited())), batch.edited[t.name, key][0], sel)

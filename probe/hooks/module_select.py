@@ -42,6 +42,7 @@ class Selection:
     cam_grid: tuple[int, int] | None = None  # CAMs of a token layout: its grid
     cam_skip_tokens: int = 0
     sae: Any = None  # the probe's SaeSpec, then its loaded SaeSite (probe.hooks.sae_site)
+    transcoders: Any = None  # a set's path, then its TranscoderSite (probe.hooks.transcoder_site)
 
     @property
     def module_type(self) -> str:
@@ -209,13 +210,16 @@ def select_modules(model: nn.Module, probes: Mapping[str, ProbeSpec]) -> list[Se
                     "cam_grid": spec.cam_grid,
                     "cam_skip_tokens": spec.cam_skip_tokens,
                     "sae": spec.sae,
+                    "transcoders": spec.transcoders,
                 },
             )
-            layout = ("reduce", "dtype", "unit_axis", "rows", "cam_grid", "cam_skip_tokens", "sae")
+            layout = ("reduce", "dtype", "unit_axis", "rows", "cam_grid", "cam_skip_tokens", "sae",
+                      "transcoders")  # fmt: skip
             if tuple(entry[k] for k in layout) != tuple(getattr(spec, k) for k in layout):
                 raise ConfigError(
                     f"module {n!r} is selected by probes {entry['probe']!r} and {probe_name!r} with "
-                    "different reduce/dtype/unit_axis/rows/cam_grid/sae; exclude it from one of them"
+                    "different reduce/dtype/unit_axis/rows/cam_grid/sae/transcoders; exclude it "
+                    "from one of them"
                 )
             entry["sites"] += [s for s in spec.capture if s not in entry["sites"]]
             if "param_grad" in spec.capture:
@@ -235,6 +239,7 @@ def select_modules(model: nn.Module, probes: Mapping[str, ProbeSpec]) -> list[Se
             tuple(e["cam_grid"]) if e["cam_grid"] else None,
             int(e["cam_skip_tokens"] or 0),
             e["sae"],
+            e["transcoders"],
         )
         for n, e in sorted(merged.items(), key=lambda kv: order[kv[0]])
     ]

@@ -132,5 +132,11 @@ def load_set(path: str, label: str, cache: dict):
     if path not in cache:
         from probe.models.transcoder_files import load_transcoders
 
-        cache[path] = load_transcoders(path)
+        loaded = load_transcoders(path)
+        if not hasattr(loaded, "transcoders"):  # a cross-layer transcoder
+            raise ConfigError(
+                f"{label}: {path} is a cross-layer transcoder; feature edits write one layer's "
+                "feature into that layer's MLP output, so they take a per-layer transcoder set"
+            )
+        cache[path] = loaded
     return cache[path]

@@ -188,3 +188,10 @@ def resolve(model: nn.Module, blocks: list[str], pattern: str, label: str, overr
         "model.anatomy.mlp_out=SUFFIX (below each block, e.g. self_attn, self_attn.o_proj, mlp), model.anatomy.final_norm=NAME, "
         "model.anatomy.unembed=NAME, model.anatomy.heads=N"
     )
+
+
+# each pre-norm family's MLP and the norm before it, as block suffixes (a transcoder's modules)
+MLP_MODULES = tuple(
+    dict.fromkeys(f["mlp_out"] for f in FAMILIES.values() if not f.get("post_norm"))
+)
+MLP_NORM_MODULES = tuple(dict.fromkeys(f["mlp_norm"] for f in FAMILIES.values() if "mlp_norm" in f))

@@ -168,6 +168,10 @@ class TranscoderSet:
     def __getitem__(self, layer: int) -> Transcoder:
         return self.transcoders[layer]
 
+    def parameters(self) -> list[torch.Tensor]:
+        """Every transcoder's parameters."""
+        return [p for t in self.transcoders.values() for p in t.parameters()]
+
     def to(self, device=None, dtype=None) -> TranscoderSet:
         """Every transcoder moved to `device` and cast to `dtype` (in place); self."""
         for t in self.transcoders.values():

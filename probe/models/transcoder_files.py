@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import torch
 
 from probe.errors import ConfigError
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.set_files import local_file
 from probe.models.transcoder import INPUT_HOOKS, OUTPUT_HOOKS, Transcoder, TranscoderSet
 
 CONFIG_FILE = "config.yaml"
@@ -51,30 +52,6 @@ RESAVE = (
     "save the set again in circuit-tracer's layout (probe.models.transcoder_files."
     "save_transcoders, or circuit-tracer's TranscoderSet.to_safetensors)"
 )
-
-
-def parse_hf_uri(uri: str) -> tuple[str, str, str | None]:
-    """(repo id, file path in the repo, revision or None) of `hf://org/repo/path?revision=x`."""
-    parsed = urlparse(uri)
-    repo, _, file_path = parsed.path.lstrip("/").partition("/")
-    if parsed.scheme != "hf" or not parsed.netloc or not repo or not file_path:
-        raise ConfigError(
-            f"{uri!r} is not a HuggingFace file URI: write hf://ORG/REPO/PATH/IN/REPO"
-            "[?revision=REV], as circuit-tracer's configs do"
-        )
-    revision = parse_qs(parsed.query).get("revision", [None])[0] or None
-    return f"{parsed.netloc}/{repo}", file_path, revision
-
-
-def _local(filepath: str, folder: Path) -> Path:
-    """The file a YAML's `filepath` names: downloaded (hf://), absolute, or in the YAML's folder."""
-    if filepath.startswith("hf://"):
-        repo_id, file_path, revision = parse_hf_uri(filepath)
-        from huggingface_hub import hf_hub_download  # (only an hf:// set needs it)
-
-        return Path(hf_hub_download(repo_id=repo_id, filename=file_path, revision=revision))
-    path = Path(filepath).expanduser()
-    return path if path.is_absolute() else folder / path
 
 
 def _config_path(path: Path) -> Path:
@@ -137,9 +114,10 @@ def _hook(config: dict, key: str, known, yaml_path: Path) -> str:
     return str(value)  # one of known's names
 
 
-def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> TranscoderSet:
+def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> AnyTranscoders:
     """The set a transcoder-set YAML (or a folder holding one) names, each file's layout found
-    from its keys and shapes, in `dtype` (None: as stored), on the CPU."""
+    from its keys and shapes, in `dtype` (None: as stored), on the CPU; a config with
+    `model_kind: cross_layer_transcoder` gives a CrossLayerTranscoder (probe.models.clt_files)."""
     import yaml
 
     yaml_path = _config_path(Path(path).expanduser())
@@ -151,12 +129,22 @@ def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> Tran
         raise ConfigError(f"{yaml_path} holds {config!r}, not a transcoder-set config")
     reads = INPUT_HOOKS[_hook(config, "feature_input_hook", INPUT_HOOKS, yaml_path)]
     _hook(config, "feature_output_hook", OUTPUT_HOOKS, yaml_path)
+    kind = config.get("model_kind", "transcoder_set")
+    if kind == "cross_layer_transcoder":
+        from probe.models.clt_files import read_cross_layer
+
+        return read_cross_layer(yaml_path, config, reads, dtype)
+    if kind != "transcoder_set":
+        raise ConfigError(
+            f"{yaml_path}: model_kind={kind!r}; probe reads circuit-tracer's transcoder_set and "
+            "cross_layer_transcoder"
+        )
     transcoders, ids = {}, {}
     for entry in _entries(config, yaml_path):
         layer = entry["layer"]
         if layer in transcoders:
             raise ConfigError(f"{yaml_path} names two transcoders for layer {layer}: keep one")
-        file = _local(str(entry["filepath"]), yaml_path.parent)
+        file = local_file(str(entry["filepath"]), yaml_path.parent)
         t = read_transcoder(file, layer, activation=entry.get("activation"), k=entry.get("k"))
         transcoders[layer] = t.to(dtype) if dtype is not None else t
         ids[layer] = str(entry.get("id", f"layer_{layer}"))
@@ -388,14 +376,28 @@ def _config_dims(config) -> tuple[int | None, int | None]:
     return width, depth
 
 
-def check_transcoders(tset: TranscoderSet, model) -> None:
+def check_transcoders(tset: AnyTranscoders, model) -> None:
     """ConfigError unless every transcoder reads and writes the model's hidden size and the set
-    has one transcoder per block. `model`: a HF model (or its config)."""
+    has one transcoder per block (a CLT: one layer per block). `model`: a HF model (or its
+    config)."""
     width, depth = _config_dims(getattr(model, "config", model))
     name = getattr(getattr(model, "config", model), "_name_or_path", "") or type(model).__name__
     trained = f" (trained on {tset.model_name})" if tset.model_name else ""
     if width is None:
         raise ConfigError(f"{name}: its config names no hidden size; give a HuggingFace model")
+    if isinstance(tset, CrossLayerTranscoder):
+        if tset.d_in != width or tset.d_out != width:
+            raise ConfigError(
+                f"the cross-layer transcoder {tset.source}{trained} reads d_in={tset.d_in} and "
+                f"writes d_out={tset.d_out} (W_enc {tuple(tset.W_enc.shape)} (n_layers, d_in, "
+                f"d_tc)), but {name} has hidden size {width}: give a CLT trained on this model"
+            )
+        if depth is not None and len(tset) != depth:
+            raise ConfigError(
+                f"the cross-layer transcoder {tset.source}{trained} has {len(tset)} layers but "
+                f"{name} has {depth} blocks: give a CLT over every block of this model"
+            )
+        return
     for layer, t in tset.transcoders.items():
         if t.d_in != width or t.d_out != width:
             raise ConfigError(

@@ -27,18 +27,21 @@ MAX_LINEAR = 8
 PLOT_EXTRA = "probe.plot needs matplotlib: pip install 'probe[plot]' (or pip install matplotlib)"
 
 
-def run_title(config, name: str = "") -> str:
-    """'run 0 | model resnet18 | probes all_convs | 64 samples | objective cross_entropy'."""
+def run_title(config, name: str = "", samples: int | None = None) -> str:
+    """'run 0 | model resnet18 | probes all_convs | 64 samples | objective cross_entropy';
+    `samples` the run's count (its file's), else dataset.num_samples where set."""
     model = config.get("model") or {}
     model_name = str(model.get("name", "?"))
     target = model.get("_target_")
     if model_name == "custom" and target:
         model_name = f"custom {str(target).rsplit('.', 1)[-1]}"
-    probes = ", ".join(map(str, config.get("probes") or {})) or "none"
-    samples = (config.get("dataset") or {}).get("num_samples", "?")
+    probes_cfg = config.get("probes")
+    probes = (", ".join(map(str, probes_cfg)) if hasattr(probes_cfg, "keys") else "") or "none"
+    if samples is None:
+        samples = (config.get("dataset") or {}).get("num_samples")
     objective = (config.get("objective") or {}).get("name", "?")
     parts = [f"run {name}" if name else "", f"model {model_name}", f"probes {probes}"]
-    parts += [f"{samples} samples", f"objective {objective}"]
+    parts += [f"{'all' if samples is None else samples} samples", f"objective {objective}"]
     return " | ".join(p for p in parts if p)
 
 
@@ -93,7 +96,7 @@ def run_figures(
 
     if run.watched:
         return train_run_figures(run, notes)
-    title = run_title(run.config, run.path.name)
+    title = run_title(run.config, run.path.name, run.num_samples)
     figures = {"depth.png": depth_figure(run.summary, title)}
     figures["histograms.png"] = histogram_figure(run, title=f"output histograms: {title}")
     if figures["depth.png"] is None:

@@ -3,13 +3,15 @@
 The picture: layers up (the tokens' embeddings at the bottom, row 0; block L's features and
 errors at row L + 1; the logits at the top, row n_layers + 1), positions across (the prompt's
 tokens as the x labels); the nodes pruning kept, coloured by kind, those of one (row, position)
-spread side by side in node order; the `top` strongest kept edges between them as lines whose
+spread over the cell in node order, LINE to a line and lines stacked within the row (so a cell of
+dozens of features is a grid, not a bar); the `top` strongest kept edges between them as lines whose
 width grows with |weight| and whose colour is its sign (blue positive, red negative).
 
 `python -m probe.plot RUN` draws graph_<prompt>.png for the first GRAPH_FIGURES prompts of a
 run holding /graph; report.html's graphs section shows them with graph_scores.csv and the
 top of graph_features.csv, each feature with its top activating examples among the run's
-prompts (from graph_nodes.csv: the tokens before the position where it was most active).
+prompts (from graph_nodes.csv: the tokens before the position where it was most active) and,
+with graph.examples, among the dataset's (its example file).
 """
 
 from __future__ import annotations
@@ -26,19 +28,25 @@ GRAPH_FIGURES = 3  # prompts drawn by python -m probe.plot and shown in report.h
 TOP_EDGES = 150
 COLOURS = {"token": "#7f7f7f", "feature": "#1f77b4", "error": "#ff7f0e", "logit": "#2ca02c"}
 SPREAD = 0.8  # the width of a position's column the nodes of one cell share
+LINE = 8  # nodes of one cell side by side before the next line
+HEIGHT = 0.6  # the height of a row the lines of one cell share
 
 
 def node_positions(graph: AttributionGraph) -> pd.DataFrame:
     """The drawn nodes (pruning's kept ones; every node of an unpruned graph): the node table's
-    rows with `x` (position, spread within the cell) and `y` (row: layer + 1)."""
+    rows with `x` (position, spread within the cell) and `y` (row: layer + 1, lines of a crowded
+    cell spread within HEIGHT of it)."""
     nodes = graph.nodes()
     nodes = nodes[nodes["kept"]].copy()
-    nodes["y"] = (nodes["layer"] + 1).astype(float)
-    cell = nodes.groupby(["y", "pos"])["node"]
-    rank = cell.rank(method="first").to_numpy() - 1
+    row = (nodes["layer"] + 1).astype(float)
+    cell = nodes.assign(row=row).groupby(["row", "pos"])["node"]
+    rank = cell.rank(method="first").to_numpy().astype(int) - 1
     count = cell.transform("size").to_numpy()
-    step = SPREAD / np.maximum(count, 1)
-    nodes["x"] = nodes["pos"].to_numpy() + (rank - (count - 1) / 2) * step
+    lines = -(-count // LINE)  # (ceil)
+    line, column = rank // LINE, rank % LINE
+    across = np.minimum(count, LINE)  # nodes on a full line of the cell
+    nodes["x"] = nodes["pos"].to_numpy() + (column - (across - 1) / 2) * (SPREAD / across)
+    nodes["y"] = row.to_numpy() + (line - (lines - 1) / 2) * (HEIGHT / lines)
     return nodes
 
 
@@ -144,10 +152,35 @@ def section(run_dir: Path, figures: dict | None = None, top: int = 20) -> str:
                                                  na_values={"activation": [""]}), frame)  # fmt: skip
             frame["top examples"] = [found.get((int(a), int(b)), "") for a, b in
                                      zip(frame["layer"], frame["feature"], strict=True)]  # fmt: skip
+        files = run_dir / "graph_json" / "features"
+        if files.is_dir() and len(frame):
+            frame["dataset examples"] = [dataset_examples(files, int(a), int(b)) for a, b in
+                                         zip(frame["layer"], frame["feature"], strict=True)]  # fmt: skip
         parts.append(f"<h4>Features in most pruned graphs, the first {top} (graph_features.csv; "
                      "top examples: the prompts' tokens where each was most active, the token "
-                     "in bold)</h4>" + frame.to_html(index=False, border=0, escape=False))  # fmt: skip
+                     "in bold; dataset examples: graph.examples' top activations)</h4>" + frame.to_html(index=False, border=0, escape=False))  # fmt: skip
     return "".join(parts)
+
+
+def dataset_examples(folder: Path, layer: int, feature: int, k: int = 3, before: int = 6) -> str:
+    """HTML of a feature's `k` best examples from its graph.examples file (the `before` tokens
+    and the token in bold, with the activation); '' without a file."""
+    import json
+
+    from probe.graphs.graph_json import cantor_pairing
+
+    path = Path(folder) / f"{cantor_pairing(layer, feature)}.json"
+    if not path.is_file():
+        return ""
+    examples = json.loads(path.read_text())["examples_quantiles"][0]["examples"][:k]
+    shown = []
+    for ex in examples:
+        i = ex["train_token_ind"]
+        text = html.escape("".join(ex["tokens"][max(0, i - before) : i]))
+        shown.append(
+            f"{text}<b>{html.escape(ex['tokens'][i])}</b> ({ex['tokens_acts_list'][i]:.2f})"
+        )
+    return "<br>".join(shown)
 
 
 def feature_examples(nodes: pd.DataFrame, features: pd.DataFrame, k: int = 3,

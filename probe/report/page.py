@@ -115,7 +115,7 @@ def identity(run) -> pd.DataFrame:
                 "state": run.state,
                 "samples": run.num_samples,
                 "store": run.attrs.get("store_mode", ""),
-                "title": run_title(cfg),
+                "title": run_title(cfg, samples=run.num_samples),
                 "layers": len(run.layers),
             }
         ]
@@ -245,7 +245,11 @@ def write(path: Path, analyze: str = "auto", layer=None, sample: int = 0) -> Pat
     else:
         body = run_body(path, analyze, layer, sample)
         with open_run(path) as run:
-            title = (train_title if run.watched else run_title)(run.config, path.name)
+            title = (
+                train_title(run.config, path.name)
+                if run.watched
+                else run_title(run.config, path.name, run.num_samples)
+            )
     out = path / "report.html"
     out.write_text(page(title, body), encoding="utf-8")
     return out

@@ -18,7 +18,7 @@ from probe.analysis.fit.sites import held_out
 from probe.analysis.fit.trainer import TrainingTranscoder, train_step
 from probe.fit import main
 from probe.models.transcoder_files import load_transcoders
-from probe.testing.tiny_lms import make_tiny
+from probe.testing.tiny_lms import make_tiny, make_tokenizer
 from tests.helpers import run_probe
 
 WIDTH = 32  # the tiny GPT-2's hidden size
@@ -29,9 +29,9 @@ FAST = ["--width", "128", "--batch-size", "256", "--lr", "3e-3"]
 def lm_run(tmp_path_factory):
     """A tiny GPT-2's MLP inputs and outputs and ln_2 inputs, 128 x 32 token rows."""
     root = tmp_path_factory.mktemp("fit")
-    model = make_tiny("gpt2", root / "gpt2", vocab_size=50)
+    model = make_tokenizer(make_tiny("gpt2", root / "gpt2", vocab_size=50))  # (specials: ids 0-3)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 50, (128, 32), generator=g)
+    ids = torch.randint(0, 50, (128, 32), generator=g)  # (0-3: the tokenizer's special tokens)
     torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
     _, f = run_probe(root / "run", "model=hf", f"model.name={model}", "model.task=causal_lm",
                      "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=64",
@@ -42,13 +42,21 @@ def lm_run(tmp_path_factory):
     return root / "run"
 
 
-def recompute(run_dir, out, reads="mlp_in", test_fraction=0.1, seed=0) -> pd.DataFrame:
-    """FVU and L0 of the saved set over the run's held-out rows, float64 plain torch."""
+def recompute(run_dir, out, reads="mlp_in", test_fraction=0.1, seed=0, keep_special=False):
+    """FVU and L0 of the saved set over the run's held-out rows, float64 plain torch; without
+    `keep_special`, rows of position 0 and of the tokenizer's special tokens left out."""
+    from transformers import AutoTokenizer
+
     tset = load_transcoders(out)
     rows = []
     with probe.open_run(run_dir) as run:
-        samples = run.tokens()["sample"].to_numpy()
-        held = held_out(samples, run.num_samples, test_fraction, seed)
+        tokens = run.tokens()
+        held = held_out(tokens["sample"].to_numpy(), run.num_samples, test_fraction, seed)
+        specials = AutoTokenizer.from_pretrained(run.config["model"]["name"]).all_special_ids
+        special = (tokens["position"] == 0) | tokens["id"].isin(specials)
+        assert 0 < special.sum() < len(tokens) and (tokens["position"] > 0)[special].any()
+        if not keep_special:
+            held &= ~special.to_numpy()
         for layer, t in tset.transcoders.items():
             source = (
                 f"transformer.h.{layer}.mlp" if reads == "mlp_in" else f"transformer.h.{layer}.ln_2"
@@ -86,6 +94,10 @@ def test_fitted_transcoders_explain_the_mlp_and_fit_csv_is_what_the_files_give(l
     assert (fit["l0"] < 128).all() and (fit["steps"] == 150).all()
     again = recompute(lm_run, out)
     np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-9)
+    with probe.open_run(lm_run) as run:
+        tokens = run.tokens()
+    left_out = ((tokens["position"] == 0) | (tokens["id"] <= 3)).sum()
+    assert (fit["left_out_rows"] == left_out).all() and left_out > 128  # some inside the rows
     np.testing.assert_allclose(fit["l0"], again["l0"], rtol=1e-12)
     assert fit["held_out_rows"].tolist() == again["held_out_rows"].tolist()
     curve = pd.read_csv(out / "fit_curve.csv")
@@ -95,7 +107,7 @@ def test_fitted_transcoders_explain_the_mlp_and_fit_csv_is_what_the_files_give(l
 
 @pytest.mark.parametrize(("activation", "extra"), [
     ("jumprelu", ["--reads", "resid_mid", "--skip"]),
-    ("topk", ["--k", "8"]),
+    ("topk", ["--k", "8", "--keep-special"]),
 ])  # fmt: skip
 def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
     out = tmp_path / activation
@@ -106,7 +118,7 @@ def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
     tset = load_transcoders(out)
     assert tset.reads == reads and tset[0].activation == activation
     assert (tset[0].W_skip is not None) == ("--skip" in extra)
-    again = recompute(lm_run, out, reads)
+    again = recompute(lm_run, out, reads, keep_special="--keep-special" in extra)
     np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-9)
     np.testing.assert_allclose(fit["l0"], again["l0"], rtol=1e-12)
     assert (fit["fvu"] < 1).all()
@@ -150,6 +162,23 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
         "other options than layer_0.pt was fitted with: lr=0.003 (now 0.01);"
         in capsys.readouterr().err
     )
+
+
+def test_layers_fitted_in_worker_processes_equal_one_process(lm_run, tmp_path, capsys):
+    """--workers 2 trains the two layers in two spawned processes: the same set as one process
+    (up to the threads' float order)."""
+    args = ["--steps", "10", *FAST]
+    assert main([str(lm_run), "--out", str(tmp_path / "one"), "--workers", "1", *args]) == 0
+    assert main([str(lm_run), "--out", str(tmp_path / "two"), "--workers", "2", *args]) == 0
+    one, two = (load_transcoders(tmp_path / d) for d in ("one", "two"))
+    for layer in (0, 1):
+        for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+            torch.testing.assert_close(getattr(two[layer], name), getattr(one[layer], name),
+                                       rtol=1e-4, atol=1e-6)  # fmt: skip
+    a, b = (pd.read_csv(tmp_path / d / "fit.csv").drop(columns="seconds") for d in ("one", "two"))
+    pd.testing.assert_frame_equal(a, b, rtol=1e-4)
+    assert main([str(lm_run), "--out", str(tmp_path / "bad"), "--workers", "0", *args]) == 2
+    assert "--workers 0: give 1 or more processes" in capsys.readouterr().err
 
 
 def test_the_trainer_is_its_loss_under_adam():

@@ -160,7 +160,9 @@ def test_text_txt_and_parquet_ids(tmp_path, tok_dir):
     ]
 
 
-def test_packed_rows_name_their_first_and_last_documents(tmp_path, tok_dir, tok):
+@pytest.mark.parametrize("prepend_bos", [False, True])
+def test_packed_rows_name_their_first_and_last_documents(tmp_path, tok_dir, tok, prepend_bos):
+    """With dataset.prepend_bos each packed row is a special token and 4 joined ids."""
     path = write_jsonl(tmp_path, ["a", "b", "c"])
     flat, owner = [], []  # owner: the document of each joined token; EOS ends the one before
     for d, doc in enumerate(DOCS):
@@ -170,17 +172,28 @@ def test_packed_rows_name_their_first_and_last_documents(tmp_path, tok_dir, tok)
         ids = tok.encode(doc, add_special_tokens=False)
         flat += ids
         owner += [d] * len(ids)
-    cfg, batches = text(path, tok_dir, seq_len=5, pack=True)
-    rows = range(0, len(flat), 5)
-    assert batches.dataset.input_ids[:, 0].tolist() == [flat[i] for i in rows]
+    cfg, batches = text(path, tok_dir, seq_len=5, pack=True, prepend_bos=prepend_bos)
+    n = 4 if prepend_bos else 5  # joined ids per row
+    rows = range(0, len(flat), n)
+    ids = batches.dataset.input_ids
+    if prepend_bos:
+        assert ids[:, 0].tolist() == [tok.bos_token_id] * len(rows)
+        ids = ids[:, 1:]
+    assert ids[:, 0].tolist() == [flat[i] for i in rows]
     p = describe(cfg, batches)
     index = np.arange(len(rows))
     first = ["abc"[owner[i]] for i in rows]
-    last = ["abc"[owner[min(i + 5, len(flat)) - 1]] for i in rows]
-    assert p.per_sample["document"](index).tolist() == first == ["a", "a", "b", "c", "c"]
-    assert p.per_sample["last_document"](index).tolist() == last == ["a", "b", "c", "c", "c"]
-    assert p.identity["pack"] == 1
-    cut = describe(*text(path, tok_dir, seq_len=5, pack=True, num_samples=2))
+    last = ["abc"[owner[min(i + n, len(flat)) - 1]] for i in rows]
+    want_first, want_last = (
+        (["a", "a", "b", "c", "c", "c"], ["a", "b", "c", "c", "c", "c"])
+        if prepend_bos
+        else (["a", "a", "b", "c", "c"], ["a", "b", "c", "c", "c"])
+    )
+    assert p.per_sample["document"](index).tolist() == first == want_first
+    assert p.per_sample["last_document"](index).tolist() == last == want_last
+    assert p.identity["pack"] == 1 and p.identity.get("prepend_bos", 0) == int(prepend_bos)
+    cut = describe(*text(path, tok_dir, seq_len=5, pack=True, num_samples=2,
+                         prepend_bos=prepend_bos))  # fmt: skip
     assert cut.per_sample["document"](np.arange(2)).tolist() == first[:2]
     with pytest.raises(IndexError):
         cut.per_sample["document"](np.array([2]))

@@ -244,6 +244,30 @@ def test_text_packed_joins_documents_with_eos(tmp_path, tok, specials):
     assert torch.equal(ds.input_ids, want_ids[:2])
 
 
+@pytest.mark.parametrize("specials", [False, True])
+def test_text_prepend_bos_starts_each_row_with_a_special_token(tmp_path, specials):
+    """Unpacked: [BOS] + the document cut to seq_len - 1, unless the tokenizer put a special token
+    first already; word labels move with their tokens. Packed: test_provenance."""
+    tok_dir = make_tokenizer(tmp_path / "tok", specials=specials)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    path = write_docs(tmp_path, ".txt")
+    ds, _ = build("text", path=path, tokenizer=str(tok_dir), seq_len=8, prepend_bos=True)
+    plain, _ = build("text", path=path, tokenizer=str(tok_dir), seq_len=8)
+    if specials:  # rows start with [BOS] already: nothing changes
+        assert torch.equal(ds.input_ids, plain.input_ids)
+    else:
+        rows = [[tok.bos_token_id, *tok.encode(d)[:7]] for d in DOCS]
+        want_ids, want_mask = padded(rows, tok.pad_token_id, 8)
+        assert torch.equal(ds.input_ids, want_ids) and torch.equal(ds.attention_mask, want_mask)
+    with pytest.raises(ConfigError, match="dataset.prepend_bos=true applies to dataset=text"):
+        checked("tokens", path=save(tmp_path, torch.ones(2, 3, dtype=torch.long)),
+                prepend_bos="true")  # fmt: skip
+    with pytest.raises(ConfigError, match="dataset.seq_len=1 with dataset.prepend_bos=true"):
+        checked("text", path=path, seq_len=1, prepend_bos="true", pack="true")
+
+
 def test_text_falls_back_to_the_model_name_for_the_tokenizer(tmp_path, tok_dir, tok):
     ds, _ = build("text", path=write_docs(tmp_path, ".txt"), model=str(tok_dir), seq_len=3)
     assert ds.input_ids[1].tolist() == tok.encode(DOCS[1])

@@ -170,3 +170,33 @@ def test_label_errors_name_the_record_and_the_way_out(labelled_docs, tmp_path):
     with pytest.raises(DataError) as e:
         build(bad, "dataset.word_labels_field=tags", "dataset.label_subtokens=last")
     assert "first or all" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+def test_prepend_bos_moves_each_label_with_its_token(labelled_docs, kind, tmp_path):
+    """dataset.prepend_bos: a row without a special token first gets one, labelled -1, and its
+    tokens and labels shift by one (cut to seq_len); a row that has one is unchanged."""
+    from probe.data.token_sets import token_dataset
+    from probe.plan import DataSpec, ModelSpec
+
+    _, path = labelled_docs
+    tok = TOKENIZERS[kind](tmp_path / "tok")
+    specials = set(tok.all_special_ids)
+    model = ModelSpec(name="no-such-model", library="hf")
+
+    def build(prepend_bos: bool):
+        spec = DataSpec(name="text", path=str(path), tokenizer=str(tmp_path / "tok"), seq_len=6,
+                        word_labels_field="tags", prepend_bos=prepend_bos)  # fmt: skip
+        ds = token_dataset(spec, model, 0, None, None)[0]
+        return [(i[m].tolist(), t[m].tolist()) for i, t, m in
+                zip(ds.input_ids, ds.token_labels, ds.attention_mask.bool(), strict=True)]  # fmt: skip
+
+    shifted = 0
+    for (ids, labels), (plain, plain_labels) in zip(build(True), build(False), strict=True):
+        if plain[0] in specials:
+            assert (ids, labels) == (plain, plain_labels)
+        else:
+            shifted += 1
+            assert ids == [ids[0], *plain[:5]] and ids[0] in specials
+            assert labels == [-1, *plain_labels[:5]]
+    assert shifted == (0 if kind == "wordpiece" else len(DOCS))

@@ -245,6 +245,9 @@ def test_post_norm_and_unknown_families_are_refused_by_name(models):
             attribute(model, PROMPT, transcoders())
     finally:
         model.config.model_type = "gpt2"
+    headless = model.transformer  # (GPT2Model: the same blocks, no LM head)
+    with pytest.raises(ConfigError, match="'gpt2' model has no LM head \\(GPT2Model makes no"):
+        attribute(headless, PROMPT, transcoders())
 
 
 def test_bad_input_is_refused_by_name(models):

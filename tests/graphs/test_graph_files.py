@@ -56,8 +56,7 @@ def test_prompts_appended_read_back_each_and_a_missing_one_is_named(tmp_path):
     path = tmp_path / "run.h5"
     with h5py.File(path, "w") as f:
         out = GroupTables(f, GRAPH, {"options": "{}"})
-        for i, g in enumerate(graphs):
-            append_graph(out, 10 + i, g)
+        written = [append_graph(out, 10 + i, g) for i, g in enumerate(graphs)]
     for i, g in enumerate(graphs):
         same_graph(g, load_graph(path, 10 + i))
     with pytest.raises(
@@ -69,6 +68,13 @@ def test_prompts_appended_read_back_each_and_a_missing_one_is_named(tmp_path):
         assert list(nodes) == [g.n_nodes for g in graphs]
         assert list(f["graph/prompts/node_start"][:]) == [0, *np.cumsum(nodes)[:-1]]
         assert len(f["graph/edges/weight"]) == sum(g.adjacency._nnz() for g in graphs)
+        # each prompt's bytes (what a run's size projection counts): its node and edge rows
+        stored = 0
+        for table in ("nodes", "edges"):
+            for ds in f[f"graph/{table}"].values():
+                values = ds[:]
+                stored += sum(len(v) for v in values) if ds.dtype.kind == "O" else values.nbytes
+        assert sum(written) == stored and min(written) > 0
 
 
 def test_a_write_cut_short_is_cut_off_when_the_file_is_opened_again(tmp_path):

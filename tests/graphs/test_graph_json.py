@@ -164,3 +164,64 @@ def test_circuit_tracers_server_lists_and_serves_the_graphs(graph, tmp_path):
         server.stop()
     assert sorted(listed) == ["one", "two"]
     assert served == json.loads((tmp_path / "two.json").read_text())
+
+
+# Neuronpedia's graph schema (apps/webapp/app/api/graph/graph-schema.json in its repository,
+# draft-07): the keys it requires and the types it gives them, written out here
+_STRING, _NUMBER = {"type": "string"}, {"type": "number"}
+NEURONPEDIA_GRAPH = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "required": ["metadata", "qParams", "nodes", "links"],
+    "properties": {
+        "metadata": {
+            "type": "object",
+            "required": ["slug", "scan", "prompt_tokens", "prompt"],
+            "properties": {
+                "slug": _STRING, "scan": _STRING, "prompt": _STRING,
+                "prompt_tokens": {"type": "array", "items": _STRING},
+                "feature_details": {"type": "object", "properties": {
+                    "feature_json_base_url": _STRING, "neuronpedia_source_set": _STRING}},
+                "node_threshold": _NUMBER,
+                "info": {"type": "object"},
+                "generation_settings": {"type": "object", "properties": {
+                    "max_n_logits": {"type": "integer"}, "desired_logit_prob": _NUMBER,
+                    "batch_size": {"type": "integer"}, "max_feature_nodes": {"type": "integer"}}},
+                "pruning_settings": {"type": "object", "properties": {
+                    "node_threshold": _NUMBER, "edge_threshold": _NUMBER}},
+            },
+        },
+        "qParams": {"type": "object", "properties": {
+            "pinnedIds": {"type": "array", "items": _STRING}, "supernodes": {"type": "array"},
+            "linkType": _STRING, "clickedId": _STRING, "sg_pos": _STRING}},
+        "nodes": {"type": "array", "items": {
+            "type": "object",
+            "required": ["node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId",
+                         "clerp"],
+            "properties": {
+                "node_id": _STRING, "feature": {"type": ["integer", "null"]},
+                "layer": {"type": ["string", "integer"]}, "ctx_idx": {"type": "integer"},
+                "feature_type": _STRING, "jsNodeId": _STRING, "clerp": _STRING,
+                "influence": {"type": ["number", "null"]},
+                "activation": {"type": ["number", "null"]},
+            },
+        }},
+        "links": {"type": "array", "items": {
+            "type": "object", "required": ["source", "target", "weight"],
+            "properties": {"source": _STRING, "target": _STRING, "weight": _NUMBER},
+        }},
+    },
+}  # fmt: skip
+
+
+def test_json_validates_against_neuronpedias_graph_schema(graph, tmp_path):
+    """The viewer JSON is a graph Neuronpedia takes; a JSON missing a required key is not (the
+    check itself)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    data = json.loads(write_graph_json(graph, tmp_path, "tiny", node_threshold=0.8).read_text())
+    jsonschema.Draft7Validator.check_schema(NEURONPEDIA_GRAPH)
+    jsonschema.validate(data, NEURONPEDIA_GRAPH, cls=jsonschema.Draft7Validator)
+    assert data["nodes"] and data["links"]
+    del data["nodes"][0]["jsNodeId"]
+    with pytest.raises(jsonschema.ValidationError, match="'jsNodeId' is a required property"):
+        jsonschema.validate(data, NEURONPEDIA_GRAPH, cls=jsonschema.Draft7Validator)

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 
+import probe
 from probe.graphs.graph_files import load_graph
 from probe.launch.parts import attribution_graphs
 from probe.testing.compose import QUIET
@@ -368,8 +369,9 @@ def test_a_transcoder_set_of_another_width_is_refused_before_the_loop(
 
 
 def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, monkeypatch):
-    """dataset=text: each packed row a prompt, its tokens and logits named and its text decoded
-    by dataset.tokenizer, as `attribute` names them given the same tokenizer."""
+    """dataset=text: each row a prompt, a special token first as the API puts it
+    (probe.attribution_graph on the row's ids: the same graph), its tokens and logits named and
+    its text decoded by dataset.tokenizer; graph.prepend_bos=false takes the rows as they are."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from probe.graphs.attribution import GraphOptions, attribute
@@ -394,16 +396,24 @@ def test_text_prompts_are_named_by_the_tokenizer(cli_here, tiny_gpt2, tmp_path, 
         texts = list(f["graph/prompts/text"].asstr()[:])
     nodes = read(run_dir, "graph_nodes.csv")
     assert count >= 2 and sorted(set(nodes["prompt"])) == list(range(count))
+    rows = [tok(line)["input_ids"][:5] for line in (tmp_path / "docs.txt").read_text().split("\n")]
     for i in range(count):
         graph = load_graph(run_dir, i)
         ids = graph.tokens
-        assert 0 < len(ids) <= 5 and texts[i] == tok.decode(ids.tolist())
+        assert ids.tolist() == [tok.bos_token_id, *rows[i]]  # (the tokenizer adds none itself)
+        assert texts[i] == tok.decode(ids.tolist())
+        api = probe.attribution_graph(model, torch.tensor(rows[i]), transcoders, tokenizer=tok)
+        assert api.tokens.tolist() == ids.tolist()
+        torch.testing.assert_close(api.adjacency.to_dense(), graph.adjacency.to_dense())
         want = prune(attribute(model, ids, transcoders, GraphOptions(), tokenizer=tok))
         assert graph.token_strings == want.token_strings == [tok.decode([t]) for t in ids.tolist()]
         assert graph.logit_strings == want.logit_strings
         got = nodes[nodes["prompt"] == i].drop(columns="prompt").reset_index(drop=True)
         table = want.nodes()
         assert got["token"].tolist() == table["token"].tolist()
+    code, text = cli_here(*args, "graph.prepend_bos=false", run_dir=tmp_path / "plain")
+    assert code == 0, text
+    assert load_graph(tmp_path / "plain", 0).tokens.tolist() == rows[0]
 
 
 def test_the_command_reads_a_saved_transcoder_set_and_writes_its_graphs(
@@ -445,10 +455,11 @@ def test_the_graph_keys_become_the_attributions_options():
     from probe.specs import GraphSpec
 
     spec = GraphSpec(transcoders="t.yaml", logit_prob=0.5, max_logits=3, max_feature_nodes=7,
-                     node_threshold=0.6, edge_threshold=0.9, edges="all", floor=0.01)  # fmt: skip
+                     node_threshold=0.6, edge_threshold=0.9, edges="all", floor=0.01,
+                     zero_bos=False, update_interval=2)  # fmt: skip
     got = attribution_graphs.graph_options(spec)
     assert got == GraphOptions(logit_prob=0.5, max_logits=3, max_feature_nodes=7,
                                node_threshold=0.6, edge_threshold=0.9, edges="all",
-                               floor=0.01)  # fmt: skip
+                               floor=0.01, zero_bos=False, update_interval=2)  # fmt: skip
     assert got.batch_size == GraphOptions().batch_size  # (graph.batch_size null)
     assert attribution_graphs.graph_options(GraphSpec(batch_size=8)).batch_size == 8

@@ -16,13 +16,9 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import save_file
 
 from probe.errors import ConfigError
+from probe.models.set_files import parse_hf_uri
 from probe.models.transcoder import Transcoder, TranscoderSet
-from probe.models.transcoder_files import (
-    check_transcoders,
-    load_transcoders,
-    parse_hf_uri,
-    save_transcoders,
-)
+from probe.models.transcoder_files import check_transcoders, load_transcoders, save_transcoders
 
 D, D_TC, LAYERS = 8, 24, 2
 

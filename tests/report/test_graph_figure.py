@@ -46,8 +46,9 @@ def test_drawn_nodes_and_edges_are_the_pruned_tables(graph):
     for kind, offsets in drawn.items():
         part = kept[kept["kind"] == kind]
         assert len(offsets) == len(part)
-        # rows: layer + 1 (tokens 0, logits n_layers + 1); x within half a column of the position
-        np.testing.assert_array_equal(offsets[:, 1], part["layer"].to_numpy() + 1)
+        # rows: layer + 1 (tokens 0, logits n_layers + 1), a crowded cell's lines within 0.3 of
+        # it; x within 0.4 of the position
+        assert np.all(np.abs(offsets[:, 1] - (part["layer"].to_numpy() + 1)) <= 0.3)
         assert np.all(np.abs(offsets[:, 0] - part["pos"].to_numpy()) <= 0.4)
         at.update({n: tuple(xy) for n, xy in zip(part["node"], offsets, strict=True)})
     assert len(set(at.values())) == len(at)  # no two nodes on one spot
@@ -64,6 +65,25 @@ def test_drawn_nodes_and_edges_are_the_pruned_tables(graph):
     assert np.all((colours[:, 2] > colours[:, 0]) == (strongest["weight"].to_numpy() >= 0))
     assert [t.get_text() for t in ax.get_xticklabels()] == graph.token_strings
     plt.close(fig)
+
+
+def test_a_crowded_cell_is_a_grid():
+    """20 features of one (layer, position): lines of LINE side by side, 3 lines stacked, no two
+    on one spot, every one within the cell."""
+    from probe.report import graph_figure as gf
+
+    class Crowded:
+        def nodes(self):
+            return pd.DataFrame({"node": range(21), "kind": ["feature"] * 20 + ["logit"],
+                                 "layer": [1] * 20 + [2], "pos": [4] * 21, "kept": True})  # fmt: skip
+
+    drawn = gf.node_positions(Crowded())  # type: ignore[arg-type]
+    cell = drawn[drawn["kind"] == "feature"]
+    assert sorted(np.round(cell["y"], 6).unique()) == pytest.approx([1.8, 2.0, 2.2])
+    assert (cell.groupby("y").size().to_numpy() == [8, 8, 4]).all()
+    assert len(set(zip(cell["x"], cell["y"], strict=True))) == 20
+    assert cell["x"].between(4 - 0.4, 4 + 0.4).all()
+    assert drawn[drawn["kind"] == "logit"][["x", "y"]].to_numpy().tolist() == [[4.0, 3.0]]
 
 
 def test_a_files_graphs_are_drawn_and_reported(graph, tmp_path):

@@ -246,3 +246,16 @@ def test_sweep_report_gathers_the_runs_a_browser_shows(sweep, tmp_path):
     assert set(zip(cka.run_a, cka.run_b, strict=True)) == {(0, 1)} and len(same) >= 3
     assert (same.samples == 4).all() and np.allclose(same.cka, 1.0, atol=1e-9)
     assert "cka" in [i["alt"] for i in shown.images] and coloured(pixels) > 10_000
+
+
+def test_the_title_says_the_runs_own_sample_count_and_none_for_no_probes():
+    """A run of every sample (dataset.num_samples null) and no probes (a graphs-only run): the
+    title counts the file's samples, and says `probes none`, never None."""
+    from probe.report.figures import run_title
+
+    config = {"model": {"name": "gpt2"}, "probes": None, "dataset": {"num_samples": None}}
+    assert (
+        run_title(config, "r", 12) == "run r | model gpt2 | probes none | 12 samples | objective ?"
+    )
+    assert "| all samples |" in run_title(config)
+    assert "probes a, b | 5 samples" in run_title({"probes": {"a": {}, "b": {}}}, samples=5)

@@ -8,7 +8,9 @@ bounded memory.
 
 Each layer checkpoints its parameters, optimizer and stream position every `checkpoint_every`
 steps in `out/checkpoints/`; a resumed fit gives the uninterrupted one's weights. Held-out rows
-(whole samples: `held_out`) never train; fit.csv reports on them.
+(whole samples: `held_out`) never train; fit.csv reports on them. Rows of position 0 and of
+special tokens (`sites.left_out`) neither train nor count in fit.csv's row measures unless
+`keep_special`; fit.csv's `left_out_rows` says how many there were.
 """
 
 from __future__ import annotations
@@ -25,15 +27,26 @@ import torch
 
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import LayerSites, find_sites, held_out
+from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, special_token_ids
 from probe.analysis.fit.trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder
 
 log = logging.getLogger("probe.fit")
 FIT_COLUMNS = ["layer", "reads", "activation", "width", "k", "skip", "steps", "rows",
-               "held_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
+               "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
 CHECKPOINTS = "checkpoints"
+PROGRESS_LINES = 10  # a layer's progress lines while it trains
+
+
+def _progress(layer: int, step: int, total: int, rows: int, curve: list) -> None:
+    """A log line of a layer's training: its step, rows, and the batch FVU and penalty averaged
+    over the steps since the line before."""
+    recent = curve[-max(1, total // PROGRESS_LINES) :]
+    fvu, penalty = (sum(c[i] for c in recent) / len(recent) for i in (1, 2))
+    log.info("layer %d: step %d/%d, %s rows, train fvu %.4f, penalty %.4g", layer, step, total,
+             f"{rows:,}", fvu, penalty)  # fmt: skip
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -53,11 +66,25 @@ class Fit:
         self.options = options or FitOptions()
         self.options.check()
         self.run_path = Path(run_path)
+        self.mlp, self.norm = mlp, norm
         self.out = Path(out) if out is not None else self.run_path / "transcoders"
         with open_run(self.run_path) as run:
             self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
+            self.special = None if self.options.keep_special else special_token_ids(run.config)
+            tokens = run.tokens()
+            self.left_out_rows = (
+                0
+                if self.options.keep_special
+                else int(left_out(tokens["position"], tokens["id"], self.special).sum())
+            )
+        if not self.options.keep_special and self.special is None:
+            log.warning(
+                "no tokenizer loads for %s: position-0 rows are left out, special tokens "
+                "elsewhere are not known and stay in (--keep-special keeps position 0 too)",
+                self.run_path,
+            )
         blocks = sorted(self.sites)
         if layers:
             missing = sorted(set(layers) - set(blocks))
@@ -100,16 +127,33 @@ class Fit:
                 held_out(index["sample"].numpy(), self.num_samples, o.test_fraction, o.seed)
             )
             keep = ~held if train else held
+            if not o.keep_special:
+                keep &= ~torch.from_numpy(
+                    left_out(index["position"].numpy(), index["token"].numpy(), self.special)
+                )
             if keep.any():
                 yield rows[keep], out[keep]
 
-    def run(self) -> pd.DataFrame:
-        """Train every layer not done; write the set (config.yaml, layer_<i>.safetensors),
-        fit.csv and fit_curve.csv; the fit.csv table."""
+    def run(self, workers: int | None = None) -> pd.DataFrame:
+        """Train every layer not done, in `workers` processes (None: workers.default_workers);
+        write the set (config.yaml, layer_<i>.safetensors), fit.csv and fit_curve.csv; the
+        fit.csv table."""
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        for layer in self.layers:
-            self.fit_layer(self.sites[layer])
+        todo = [layer for layer in self.layers if not self._done(layer)]
+        workers = default_workers(len(todo)) if workers is None else min(workers, len(todo))
+        if workers > 1:
+            spec = FitSpec(
+                type(self), str(self.run_path), str(self.out), self.options, self.mlp, self.norm
+            )
+            fit_in_workers(spec, todo, workers)
+        else:
+            for layer in todo:
+                self.fit_layer(self.sites[layer])
         return self.write()
+
+    def _done(self, layer: int) -> bool:
+        path = self.checkpoints / f"layer_{layer}.pt"
+        return path.is_file() and torch.load(path, weights_only=False)["done"]
 
     def fit_layer(self, sites: LayerSites) -> dict:
         from probe.read.runs import open_run
@@ -153,6 +197,8 @@ class Fit:
                     parts = train_step(model, opt, x, y)
                     step, rows = step + 1, rows + len(x)
                     curve.append((step, parts["fvu"], parts["penalty"]))
+                    if step % max(1, total // PROGRESS_LINES) == 0 and step < total:
+                        _progress(sites.layer, step, total, rows, curve)
                     if step % o.checkpoint_every == 0 or step == total:
                         save(False)
                     if step == total:
@@ -169,7 +215,7 @@ class Fit:
             t = model.transcoder(sites.layer)
             metrics = evaluate(t, self.pairs(self.stream(sites, run, shuffle=False), train=False))
         write_transcoder(t, self.out / f"layer_{sites.layer}.safetensors")
-        state = save(True, metrics=metrics)
+        state = save(True, metrics=metrics, left_out_rows=self.left_out_rows)
         log.info("layer %d: %d steps, fvu %.4f, l0 %.1f, dead %.3f", sites.layer, step,
                  metrics["fvu"], metrics["l0"], metrics["dead"])  # fmt: skip
         return state
@@ -188,7 +234,8 @@ class Fit:
                          "width": s["model"]["W_enc"].shape[1],
                          "k": o.k if o.activation in ("topk", "batchtopk") else None, "skip": o.skip,
                          "steps": s["step"], "rows": s["rows"],
-                         "held_out_rows": m["held_out_rows"], "fvu": m["fvu"], "l0": m["l0"],
+                         "held_out_rows": m["held_out_rows"],
+                         "left_out_rows": s.get("left_out_rows", 0), "fvu": m["fvu"], "l0": m["l0"],
                          "dead": m["dead"], "seconds": round(s["seconds"], 3)})  # fmt: skip
             curve += [{"layer": s["layer"], "step": st, "fvu": f, "penalty": p}
                       for st, f, p in s["curve"]]  # fmt: skip

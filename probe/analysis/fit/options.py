@@ -50,6 +50,7 @@ class FitOptions:
     bandwidth: float = 0.05  # jumprelu's straight-through kernel width
     checkpoint_every: int = 200
     buffer_rows: int | None = None
+    keep_special: bool = False  # train and measure on position-0 and special-token rows too
 
     def check(self) -> None:
         if self.activation not in FIT_ACTIVATIONS:

@@ -1,18 +1,19 @@
 """Where a fit reads: each block's MLP input (or its norm's input) and output among a run's
-captures, and which samples are held out."""
+captures, which samples are held out, and which rows it leaves out (position 0 and special
+tokens, whose outlier activations would dominate a fit and its measures, as the field leaves
+them out)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from probe.errors import DataError
-from probe.models.anatomy import FAMILIES
-
-MLP_NAMES = tuple(dict.fromkeys(f["mlp_out"] for f in FAMILIES.values() if not f.get("post_norm")))
-NORM_NAMES = tuple(dict.fromkeys(f["mlp_norm"] for f in FAMILIES.values() if "mlp_norm" in f))
+from probe.models.anatomy import MLP_MODULES as MLP_NAMES
+from probe.models.anatomy import MLP_NORM_MODULES as NORM_NAMES
 
 
 def held_out(samples: np.ndarray, num_samples: int, fraction: float, seed: int) -> np.ndarray:
@@ -20,6 +21,31 @@ def held_out(samples: np.ndarray, num_samples: int, fraction: float, seed: int) 
     fraction` (whole samples, so no sequence gives rows to both sides)."""
     draws = np.random.default_rng(seed).random(max(num_samples, int(samples.max(initial=-1)) + 1))
     return draws[np.asarray(samples, np.int64)] < fraction
+
+
+def special_token_ids(config: Any) -> frozenset[int] | None:
+    """The special token ids of a run's tokenizer (dataset.tokenizer, else model.name); None
+    where no tokenizer loads (a run of bare ids)."""
+    from probe.data.text import _tokenizer
+    from probe.errors import ProbeError
+
+    named = (config.get("dataset") or {}).get("tokenizer")
+    name = named or (config.get("model") or {}).get("name")
+    if not name:
+        return None
+    try:
+        return frozenset(int(i) for i in _tokenizer(str(name), named is not None).all_special_ids)
+    except ProbeError:
+        return None
+
+
+def left_out(position, token, special: frozenset[int] | None) -> np.ndarray:
+    """Which token rows a fit leaves out: position 0 and the special tokens (`special`; None:
+    position 0 only)."""
+    out = np.asarray(position) == 0
+    if special:
+        out |= np.isin(np.asarray(token), np.fromiter(special, np.int64, len(special)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probe.errors import ConfigError
+from probe.errors import ConfigError, ProbeError
 from probe.graphs.graph_h5 import GRAPH, append_graph
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
@@ -36,7 +36,7 @@ from probe.store.sink import Sink
 
 if TYPE_CHECKING:
     from probe.graphs.attribution_graph import AttributionGraph
-    from probe.models.transcoder import TranscoderSet
+    from probe.models.cross_layer_transcoder import AnyTranscoders
 
 # The graphs' machinery (the replacement model, the attribution, pruning, the tables, the
 # transcoders' files) is imported where a run asks for graphs: every other run's start would
@@ -46,8 +46,9 @@ log = logging.getLogger("probe")
 
 
 # -- the computation (one place each, so a test can stand in for them) ---------------------------
-def load_transcoder_set(path: str) -> TranscoderSet:
-    """The transcoder set of graph.transcoders (checked against the model in `start`)."""
+def load_transcoder_set(path: str) -> AnyTranscoders:
+    """The transcoder set (or cross-layer transcoder) of graph.transcoders (checked against the
+    model in `start`)."""
     from probe.models.transcoder_files import load_transcoders
 
     return load_transcoders(path)
@@ -117,6 +118,8 @@ class AttributionGraphs(RunPart):
         transcoders = load_transcoder_set(str(spec.transcoders))
         overrides = _overrides(setup.plan)
         check_transcoders(setup.model, transcoders, overrides)
+        if spec.examples:
+            _check_examples(str(spec.examples))
         return cls(spec, transcoders, _tokenizer(setup.plan), overrides)
 
     def per_batch(self) -> bool:
@@ -152,8 +155,10 @@ class AttributionGraphs(RunPart):
             if prompt in have:
                 continue
             graph = self.graph_of(tokens)
-            append_graph(out, prompt, graph)
+            written = append_graph(out, prompt, graph)
             _log_graph(prompt, graph)
+            if count == len(have) + 1:  # the first graph made here: the file's size projected
+                _log_projection(written, total - len(have))
             replay.check("attributing graphs", count, total, "prompts")
         out.mark(True)
 
@@ -169,7 +174,8 @@ class AttributionGraphs(RunPart):
         return graph
 
     def prompts(self, replay: Replay) -> Iterator[tuple[int, torch.Tensor]]:
-        """(the dataset's sample index, its token ids without padding) of this rank's samples."""
+        """(the dataset's sample index, its token ids without padding, a special token first by
+        `first_special`) of this rank's samples."""
         index = replay.shard.samples.start
         for _, batch in replay.batches():
             inputs = batch.inputs
@@ -177,8 +183,15 @@ class AttributionGraphs(RunPart):
             mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
             for row in range(len(ids)):
                 tokens = ids[row] if mask is None else ids[row][mask[row].bool()]
-                yield index, tokens.long().cpu()
+                yield index, self.first_special(tokens.long().cpu())
                 index += 1
+
+    def first_special(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The prompt's tokens by the API's rule (prompt_tokens): a special token first where
+        graph.prepend_bos and the prompt starts without one."""
+        from probe.graphs.prompt_graph import prompt_tokens
+
+        return prompt_tokens(tokens, self.tokenizer, self.spec.prepend_bos)
 
     def prompt_count(self, replay: Replay) -> int:
         """This rank's prompts."""
@@ -196,8 +209,62 @@ class AttributionGraphs(RunPart):
         from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
 
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
-        written.append(write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR))
+        source = None
+        if self.spec.examples:
+            from probe.graphs.feature_files import LOCAL_SOURCE
+
+            source = LOCAL_SOURCE
+        folder = write_run_graph_json(done.h5_path, done.run_dir / GRAPH_JSON_DIR, source)
+        written.append(folder)
+        if self.spec.examples:
+            self.write_feature_files(done.run_dir, folder)
         log.info("wrote /graph in %s and %s", done.h5_path.name, ", ".join(p.name for p in written))
+
+    def write_feature_files(self, run_dir: Path, folder: Path) -> None:
+        """Each kept feature's example file (graph.examples) beside the viewer's JSON."""
+        import pandas as pd
+
+        from probe.graphs.feature_files import FeatureFiles
+        from probe.graphs.replacement import replacement_parts
+
+        nodes = pd.read_csv(run_dir / "graph_nodes.csv")
+        kept = nodes[(nodes["kind"] == "feature") & nodes["kept"]]
+        features = sorted(set(zip(kept["layer"].astype(int), kept["feature"].astype(int),
+                                  strict=True)))  # fmt: skip
+        from probe.read.runs import open_run
+
+        model = self.setup.model
+        parts = replacement_parts(model, self.overrides)
+        files = FeatureFiles(model, parts, self.transcoders, self.tokenizer)
+        with open_run(str(self.spec.examples)) as run:
+            count = files.write(run, features, folder)
+        log.info("graph: %d features' example files in %s", count, folder / "features")
+
+
+def _log_projection(first: int, prompts: int) -> None:
+    """The run plan's part for graphs, known once one is made: its rows' bytes times the
+    prompts to make (the run's other data, graph_json/ and the csv tables besides)."""
+    from probe.launch.size_plan import human
+
+    log.info("graph: the first prompt's graph is %s in /graph; %d prompts project to about %s",
+             human(first), prompts, human(first * prompts))  # fmt: skip
+
+
+def _check_examples(path: str) -> None:
+    """graph.examples: a run holding transcoder features, named before the loop."""
+    from probe.graphs.feature_files import feature_modules
+    from probe.read.runs import open_run
+
+    try:
+        with open_run(path) as run:
+            feature_modules(run)
+    except ProbeError:
+        raise
+    except OSError as e:
+        raise ConfigError(
+            f"graph.examples={path!r} is not a run directory ({e}); give a run of the model over "
+            "a dataset with a probe of transcoders=SET and stats.topk=K"
+        ) from None
 
 
 def _check_same_options(out: GroupTables, attrs: dict[str, str], path: Path) -> None:

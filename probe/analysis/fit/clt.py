@@ -1,0 +1,355 @@
+"""A cross-layer transcoder fitted to a run's captures (`python -m probe.fit RUN --kind clt`).
+
+The run stores, per block, the MLP's input (`mlp_in`) or its norm's input (`resid_mid`) and the
+MLP's output as token rows (`probes=mlp_io`); rows of one token are the same row index in every
+site. A CLT needs every block 0..n-1. Rows are read in contiguous blocks of `BLOCK_ROWS` from
+every site at once (shuffled by block and within a block: memory holds one block of 2 x n sites),
+held-out samples (probe.analysis.fit.sites.held_out) never train.
+
+The trainer (plain torch, Adam), on rows scaled per site so their mean squared norm is their width
+(factors from the first batch, folded into the written weights):
+
+- a feature of layer l reads layer l's input and writes to every layer l' >= l:
+  out_l' = sum over l <= l' of acts_l @ W_dec[l][:, l' - l] + b_dec[l'];
+- loss = sum over output layers of the mean squared error (over rows and units) + the sparsity
+  penalty: jumprelu: `sparsity` x L0 (straight-through estimator, a rectangle kernel of
+  `bandwidth` for the thresholds' gradient, thresholds learnt as logs); topk: none (k features
+  of each layer per row); relu: `sparsity` x activations times the norms of their whole decoders;
+  jumprelu and topk keep each feature's whole decoder (every output slot) at unit norm;
+- init: decoders random at unit norm, W_enc[l] = the first slot's transpose (d_in = d_out), b_enc
+  0, b_dec[l] at the scaled outputs' mean, thresholds `threshold`.
+
+fit.csv holds one row per layer over the held-out rows: `fvu` of that layer's output (everything
+written into it), `l0` and `dead` of that layer's features. The CLT is written in circuit-tracer
+0.5's CLT layout (probe.models.clt_files.save_cross_layer).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.sites import LayerSites, find_sites, held_out
+from probe.errors import ConfigError, DataError
+from probe.models.cross_layer_transcoder import CrossLayerTranscoder
+
+log = logging.getLogger("probe.fit")
+BLOCK_ROWS = 8192  # rows read from every site at once
+# the CLT trainer's own defaults (the per-layer trainer's, in options.py, apply to its loss only)
+CLT_LR = 1e-3
+CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0}
+CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
+               "held_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
+
+
+class _JumpReLU(torch.autograd.Function):
+    """pre * (pre > threshold); the threshold's gradient through a rectangle kernel of width
+    `bandwidth` (Rajamanoharan et al. 2024), the pre-activations' the plain one."""
+
+    @staticmethod
+    def forward(ctx, pre, threshold, bandwidth):
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return pre * (pre > threshold)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, threshold = ctx.saved_tensors
+        kernel = ((pre - threshold).abs() < ctx.bandwidth / 2).to(pre.dtype)
+        d_threshold = (-(threshold / ctx.bandwidth) * kernel * grad).sum(0)
+        return (pre > threshold) * grad, d_threshold, None
+
+
+class _Step(torch.autograd.Function):
+    """(pre > threshold) as a number (the L0 penalty); its threshold gradient the same kernel's."""
+
+    @staticmethod
+    def forward(ctx, pre, threshold, bandwidth):
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, threshold = ctx.saved_tensors
+        kernel = ((pre - threshold).abs() < ctx.bandwidth / 2).to(pre.dtype)
+        return torch.zeros_like(pre), (-(1.0 / ctx.bandwidth) * kernel * grad).sum(0), None
+
+
+class TrainingCLT(nn.Module):
+    """The parameters a CLT fit learns, on scaled rows (x_l * x_scale[l] -> y_l * y_scale[l])."""
+
+    x_scale: torch.Tensor  # buffers (registered in __init__)
+    y_scale: torch.Tensor
+
+    def __init__(self, n: int, d_in: int, d_out: int, options: FitOptions, seed: int):
+        super().__init__()
+        self.options, self.n = options, n
+        d_tc = options.width or 8 * d_in
+        g = torch.Generator().manual_seed(seed)
+        decoders = []
+        for layer in range(n):
+            w = torch.randn(d_tc, n - layer, d_out, generator=g)
+            w = w / w.flatten(1).norm(dim=1)[:, None, None]
+            decoders.append(w * (0.1 if options.activation == "relu" else 1))
+        if d_in == d_out:
+            W_enc = torch.stack([w[:, 0].T / w[:, 0].norm(dim=1) for w in decoders])
+        else:
+            W_enc = torch.randn(n, d_in, d_tc, generator=g) / d_in**0.5
+        self.W_enc = nn.Parameter(W_enc.contiguous())
+        self.b_enc = nn.Parameter(torch.zeros(n, d_tc))
+        self.W_dec = nn.ParameterList([nn.Parameter(w) for w in decoders])
+        self.b_dec = nn.Parameter(torch.zeros(n, d_out))
+        self.log_threshold = (
+            nn.Parameter(torch.full((n, d_tc), math.log(options.threshold)))
+            if options.activation == "jumprelu" else None
+        )  # fmt: skip
+        self.register_buffer("x_scale", torch.ones(n))
+        self.register_buffer("y_scale", torch.ones(n))
+
+    def start(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
+        """Scales from a first batch of raw rows; b_dec at the scaled outputs' mean."""
+        with torch.no_grad():
+            for layer, (x, y) in enumerate(zip(xs, ys, strict=True)):
+                self.x_scale[layer] = (x.shape[1] / x.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt()
+                self.y_scale[layer] = (y.shape[1] / y.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt()
+                self.b_dec[layer] = (y * self.y_scale[layer]).mean(0)
+
+    def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list, torch.Tensor]:
+        """(each layer's prediction, each layer's activations, penalty) on scaled rows."""
+        o = self.options
+        acts, penalty = [], xs[0].new_zeros(())
+        for layer, x in enumerate(xs):
+            pre = x @ self.W_enc[layer] + self.b_enc[layer]
+            if o.activation == "relu":
+                a = torch.relu(pre)
+                norms = self.W_dec[layer].flatten(1).norm(dim=1)
+                penalty = penalty + (a * norms).sum(-1).mean()
+            elif o.activation == "jumprelu":
+                assert self.log_threshold is not None  # a jumprelu fit has its thresholds
+                threshold = self.log_threshold[layer].exp()
+                a = _JumpReLU.apply(pre, threshold, o.bandwidth)
+                penalty = penalty + _Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+            else:
+                top = torch.topk(pre, min(o.k, pre.shape[-1]), dim=-1)
+                a = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+            acts.append(a)
+        outs = [self.b_dec[layer].expand(len(xs[0]), -1) for layer in range(self.n)]
+        for source, a in enumerate(acts):
+            writes = torch.einsum("bf,fjd->bjd", a, self.W_dec[source])
+            for j in range(self.n - source):
+                outs[source + j] = outs[source + j] + writes[:, j]
+        return outs, acts, penalty
+
+    def loss(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """The training loss on raw rows (sum over output layers of the MSE, plus the penalty)
+        and its parts."""
+        xs = [x * self.x_scale[i] for i, x in enumerate(xs)]
+        ys = [y * self.y_scale[i] for i, y in enumerate(ys)]
+        preds, _, penalty = self(xs)
+        mses = [(p - y).pow(2).mean() for p, y in zip(preds, ys, strict=True)]
+        mse = torch.stack(mses).sum()
+        o = self.options
+        loss = mse + (o.sparsity if o.sparsity is not None else CLT_PENALTY[o.activation]) * penalty
+        with torch.no_grad():
+            fvu = [float(m / (y - y.mean(0)).pow(2).mean().clamp_min(1e-12)) for m, y in zip(mses, ys, strict=True)]  # fmt: skip
+        parts = {"mse": float(mse.detach()), "penalty": float(penalty.detach())}
+        return loss, parts | {"fvu": float(np.mean(fvu))}
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Each feature's whole decoder at unit norm for jumprelu and topk."""
+        if self.options.activation != "relu":
+            for w in self.W_dec:
+                w.div_(w.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None])
+
+    @torch.no_grad()
+    def cross_layer(self, reads: str, model_name: str | None, scan: str) -> CrossLayerTranscoder:
+        """The learnt CLT on the model's units (scales folded into the weights)."""
+        a, c, o = self.x_scale, self.y_scale, self.options
+        decoders = [w / c[layer:, None] for layer, w in enumerate(self.W_dec)]
+        return CrossLayerTranscoder(
+            self.W_enc * a[:, None, None], self.b_enc.clone(), [w.clone() for w in decoders],
+            self.b_dec / c[:, None], activation=o.activation,
+            threshold=self.log_threshold.exp() if self.log_threshold is not None else None,
+            k=o.k if o.activation == "topk" else None, reads=reads, model_name=model_name,
+            scan=scan,
+        )  # fmt: skip
+
+
+class CltFit:
+    """A CLT fitted to the run at `run_path` into `out` (default RUN/clt): `run()` trains,
+    writes the CLT and fit.csv, and returns fit.csv's table."""
+
+    def __init__(self, run_path, out=None, options: FitOptions | None = None,
+                 mlp: str | None = None, norm: str | None = None):  # fmt: skip
+        from probe.read.runs import open_run
+        from probe.read.stream import sources_of
+
+        self.options = options or FitOptions()
+        self.options.check()
+        if self.options.activation not in CLT_PENALTY:
+            raise ConfigError(
+                f"--activation {self.options.activation} with --kind clt: a CLT trains "
+                f"{', '.join(CLT_PENALTY)}; choose one of those"
+            )
+        if self.options.skip:
+            raise ConfigError(
+                "--skip with --kind clt: circuit-tracer's CLT layout has no skip matrix; fit "
+                "without --skip"
+            )
+        self.run_path = Path(run_path)
+        self.out = Path(out) if out is not None else self.run_path / "clt"
+        if (self.out / "config.yaml").is_file():
+            raise ConfigError(f"{self.out} already holds a fit: give another --out")
+        with open_run(self.run_path) as run:
+            self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
+            blocks = sorted(self.sites)
+            missing = sorted(set(range(max(blocks) + 1)) - set(blocks))
+            if missing:
+                where = "MLP input" if self.options.reads == "mlp_in" else "MLP norm's input"
+                raise DataError(
+                    f"a cross-layer transcoder reads and writes every block, but the run holds no "
+                    f"{where} and MLP output rows of block(s) {missing}: run with probes=mlp_io "
+                    "over every block (or fit per-layer transcoders: --kind plt)"
+                )
+            self.num_samples = run.num_samples
+            self.model_name = str(run.config.get("model", {}).get("name", "") or "")
+            ranges = None
+            for s in self.sites.values():
+                (src,) = sources_of(run, *s.inputs, pair=s.outputs)
+                ranges = src.ranges if ranges is None else _intersect(ranges, src.ranges)
+            self.pieces = [(lo, min(lo + BLOCK_ROWS, hi)) for lo, hi in ranges or []
+                           for lo in range(lo, hi, BLOCK_ROWS)]  # fmt: skip
+
+    def batches(self, run, train: bool, epoch: int, shuffle: bool = True):
+        """([x_l], [y_l]) batches of the training (or held-out) rows, float32."""
+        from probe.store.fileformat import layer_path
+
+        o, f = self.options, run.file
+        rng = np.random.default_rng(o.seed + 1000 * epoch)
+        order = rng.permutation(len(self.pieces)) if shuffle else range(len(self.pieces))
+        sites: list[LayerSites] = [self.sites[layer] for layer in sorted(self.sites)]
+        for i in order:
+            lo, hi = self.pieces[i]
+            held = held_out(f["tokens/sample"][lo:hi], self.num_samples, o.test_fraction, o.seed)
+            keep = ~held if train else held
+            if not keep.any():
+                continue
+            xs = [torch.from_numpy(f[layer_path(*s.inputs)][lo:hi][keep]).float() for s in sites]
+            ys = [torch.from_numpy(f[layer_path(*s.outputs)][lo:hi][keep]).float() for s in sites]
+            perm = torch.from_numpy(rng.permutation(len(xs[0]))) if shuffle else None
+            for b in range(0, len(xs[0]), o.batch_size):
+                idx = perm[b : b + o.batch_size] if perm is not None else slice(b, b + o.batch_size)
+                yield [x[idx] for x in xs], [y[idx] for y in ys]
+
+    def run(self) -> pd.DataFrame:
+        from probe.models.clt_files import save_cross_layer
+        from probe.read.runs import open_run
+
+        o, started = self.options, time.perf_counter()
+        with open_run(self.run_path) as run:
+            n = len(self.sites)
+            first = self.sites[0]
+            d_in = run.file[_path(first.inputs)].shape[-1]
+            d_out = run.file[_path(first.outputs)].shape[-1]
+            model = TrainingCLT(n, d_in, d_out, o, seed=o.seed)
+            opt = torch.optim.Adam(model.parameters(), lr=o.lr if o.lr is not None else CLT_LR)
+            train_rows = sum(
+                int((~held_out(run.file["tokens/sample"][lo:hi], self.num_samples,
+                               o.test_fraction, o.seed)).sum())
+                for lo, hi in self.pieces
+            )  # fmt: skip
+            if train_rows == 0:
+                raise DataError(
+                    f"no training rows: --test-fraction {o.test_fraction} holds out every sample"
+                )
+            total = o.steps or max(1, math.ceil(o.epochs * math.ceil(train_rows / o.batch_size)))
+            step, epoch, rows, curve = 0, 0, 0, []
+            while step < total:
+                for xs, ys in self.batches(run, True, epoch):
+                    if step == 0:
+                        model.start(xs, ys)
+                    opt.zero_grad(set_to_none=True)
+                    loss, parts = model.loss(xs, ys)
+                    loss.backward()
+                    opt.step()
+                    model.after_step()
+                    step, rows = step + 1, rows + len(xs[0])
+                    curve.append((step, parts["fvu"], parts["penalty"]))
+                    if step == total:
+                        break
+                epoch += 1
+            short = self.model_name.rstrip("/").split("/")[-1] or "model"
+            clt = model.cross_layer(o.reads, self.model_name or None, f"{short}-clt-{o.activation}")
+            metrics = evaluate(clt, self.batches(run, False, 0, shuffle=False))
+        save_cross_layer(clt, self.out)
+        seconds = round(time.perf_counter() - started, 3)
+        table = pd.DataFrame(
+            [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
+              "width": clt.d_tc, "k": o.k if o.activation == "topk" else None, "steps": step,
+              "rows": rows, **metrics[layer], "seconds": seconds} for layer in range(n)],
+            columns=CLT_COLUMNS,
+        )  # fmt: skip
+        table.to_csv(self.out / "fit.csv", index=False)
+        pd.DataFrame(curve, columns=["step", "fvu", "penalty"]).to_csv(
+            self.out / "fit_curve.csv", index=False
+        )
+        for r in table.itertuples():
+            log.info("clt layer %d: fvu %.4f, l0 %.1f, dead %.3f", r.layer, r.fvu, r.l0, r.dead)
+        return table
+
+
+def _path(site: tuple[str, str]) -> str:
+    from probe.store.fileformat import layer_path
+
+    return layer_path(*site)
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = [(max(x0, y0), min(x1, y1)) for x0, x1 in a for y0, y1 in b]
+    return sorted((lo, hi) for lo, hi in out if hi > lo)
+
+
+@torch.no_grad()
+def evaluate(clt: CrossLayerTranscoder, batches) -> list[dict]:
+    """Per layer over `batches` of ([x_l], [y_l]): FVU of its output (sum of squared errors over
+    the sum of squares about the rows' mean, float64), mean active features of the layer per row,
+    the share of its features never active, the rows."""
+    clt = copy.deepcopy(clt).double()
+    n = len(clt)
+    sse, active, rows = np.zeros(n), np.zeros(n), 0
+    total = torch.zeros(n, clt.d_out, dtype=torch.float64)  # per layer, the outputs' sum
+    sq = torch.zeros(n, clt.d_out, dtype=torch.float64)  # and their squares' sum
+    fired = torch.zeros(n, clt.d_tc, dtype=torch.bool)
+    for xs, ys in batches:
+        xs, ys = [x.double() for x in xs], [y.double() for y in ys]
+        acts = [clt.encode(layer, x) for layer, x in enumerate(xs)]
+        preds = clt.decode(acts)
+        for layer in range(n):
+            y = ys[layer]
+            sse[layer] += float((y - preds[layer]).pow(2).sum())
+            on = acts[layer] != 0
+            active[layer] += float(on.sum())
+            fired[layer] |= on.any(0)
+            total[layer] += y.sum(0)
+            sq[layer] += y.pow(2).sum(0)
+        rows += len(xs[0])
+    if not rows:
+        return [{"held_out_rows": 0, "fvu": math.nan, "l0": math.nan, "dead": math.nan}] * n
+    out = []
+    for layer in range(n):
+        sst = float((sq[layer] - total[layer].pow(2) / rows).sum())
+        out.append({"held_out_rows": rows, "fvu": sse[layer] / sst if sst > 0 else math.nan,
+                    "l0": active[layer] / rows,
+                    "dead": 1 - float(fired[layer].double().mean())})  # fmt: skip
+    return out

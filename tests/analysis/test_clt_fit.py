@@ -1,0 +1,103 @@
+"""python -m probe.fit RUN --kind clt: a cross-layer transcoder trained on a tiny GPT-2's captured
+MLP inputs and outputs explains most of each layer's held-out variance; fit.csv's FVU, L0 and
+dead share equal a plain-torch recomputation from the written files (circuit-tracer's CLT
+layout, read here with safetensors alone); bad input exits 2 by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import probe
+from probe.analysis.fit import clt as clt_fit
+from probe.analysis.fit.sites import held_out
+from probe.fit import main
+from probe.testing.tiny_lms import make_tiny
+from tests.helpers import run_probe
+
+WIDTH, LAYERS = 32, 2  # the tiny GPT-2's hidden size and blocks
+FAST = ["--width", "128", "--batch-size", "256", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A tiny GPT-2's MLP inputs and outputs, 128 x 32 token rows."""
+    root = tmp_path_factory.mktemp("clt_fit")
+    model = make_tiny("gpt2", root / "gpt2", vocab_size=50)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (128, 32), generator=g)
+    torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
+    _, f = run_probe(root / "run", "model=hf", f"model.name={model}", "model.task=causal_lm",
+                     "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=64",
+                     "probes=none", "+probes.tc.layers=[@blocks.mlp]",
+                     "+probes.tc.capture=[input,output]", "+probes.tc.rows=tokens",
+                     "+probes.tc.match=any")  # fmt: skip
+    f.close()
+    return root / "run"
+
+
+def recompute(run_dir, out, test_fraction=0.1, seed=0) -> pd.DataFrame:
+    """Per layer over the held-out rows, float64, from the files' tensors: acts_l of layer l's
+    MLP input (W_enc_l (d_tc, d_in), b_enc_l, threshold_l or config.yaml's k), out_l' = sum over
+    l <= l' of acts_l W_dec_l[:, l' - l] + b_dec_l'; FVU of out_l', L0 and dead of acts_l."""
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    enc = [load_file(out / f"W_enc_{i}.safetensors") for i in range(LAYERS)]
+    dec = [load_file(out / f"W_dec_{i}.safetensors")[f"W_dec_{i}"].double() for i in range(LAYERS)]
+    with probe.open_run(run_dir) as run:
+        held = held_out(run.tokens()["sample"].to_numpy(), run.num_samples, test_fraction, seed)
+        acts, ys = [], []
+        for i in range(LAYERS):
+            x = torch.from_numpy(run.array(f"transformer.h.{i}.mlp", "input")[:][held]).double()
+            ys.append(torch.from_numpy(run.array(f"transformer.h.{i}.mlp", "output")[:][held]).double())  # fmt: skip
+            pre = x @ enc[i][f"W_enc_{i}"].double().T + enc[i][f"b_enc_{i}"].double()
+            if f"threshold_{i}" in enc[i]:
+                acts.append(pre * (pre > enc[i][f"threshold_{i}"].double()))
+            else:
+                top = pre.topk(config["k"], dim=1)
+                acts.append(torch.zeros_like(pre).scatter(1, top.indices, top.values.clamp_min(0)))
+    rows = []
+    for t in range(LAYERS):
+        pred = enc[t][f"b_dec_{t}"].double() + sum(acts[s] @ dec[s][:, t - s] for s in range(t + 1))
+        y = ys[t]
+        rows.append({"layer": t, "fvu": float((y - pred).pow(2).sum() / (y - y.mean(0)).pow(2).sum()),
+                     "l0": float((acts[t] != 0).sum(1).double().mean()),
+                     "dead": float(((acts[t] != 0).sum(0) == 0).double().mean()),
+                     "held_out_rows": int(held.sum())})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("activation", ["jumprelu", "topk"])
+def test_a_fitted_clt_explains_every_layer_and_fit_csv_is_what_the_files_give(lm_run, tmp_path, activation):  # fmt: skip
+    out = tmp_path / activation
+    extra = ["--k", "8"] if activation == "topk" else ["--sparsity", "1e-3"]
+    args = [str(lm_run), "--kind", "clt", "--activation", activation, "--steps", "100"]
+    assert main([*args, "--out", str(out), *FAST, *extra]) == 0
+    fit = pd.read_csv(out / "fit.csv")
+    assert fit["layer"].tolist() == [0, 1] and (fit["kind"] == "clt").all()
+    assert (fit["fvu"] < 0.5).all(), fit  # predicting the mean: 1.0
+    again = recompute(lm_run, out)
+    np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-6)
+    np.testing.assert_allclose(fit["l0"], again["l0"], rtol=1e-9)
+    np.testing.assert_allclose(fit["dead"], again["dead"], atol=1e-12)
+    assert fit["held_out_rows"].tolist() == again["held_out_rows"].tolist()
+    clt = probe.models.transcoder_files.load_transcoders(out)
+    assert len(clt) == LAYERS and clt.d_tc == 128 and clt.activation == activation
+
+
+def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
+    def refused(*args) -> str:
+        assert main([str(lm_run), "--kind", "clt", "--out", str(tmp_path / "bad"), *args]) == 2
+        return capsys.readouterr().err
+
+    assert "--kind 'xlt'; choose plt" in refused("--kind", "xlt")
+    assert "--layers [1] with --kind clt" in refused("--layers", "1")
+    assert "--skip with --kind clt" in refused("--skip")
+    assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
+    found = clt_fit.find_sites
+    monkeypatch.setattr(clt_fit, "find_sites", lambda *a: {1: found(*a)[1]})  # block 0 missing
+    err = refused()
+    assert "no MLP input and MLP output rows of block(s) [0]: run with probes=mlp_io" in err
