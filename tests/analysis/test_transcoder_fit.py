@@ -352,6 +352,12 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
         "--layers", "7"
     )
     assert "--test-fraction 1.5" in refused("--test-fraction", "1.5")
+    assert "--lr-warmup 1.5 (a share of the steps: want it in [0, 1])" in refused(
+        "--lr-warmup", "1.5"
+    )
+    assert "--lr-warmup 0.5 + --lr-decay 0.6 (above 1)" in refused(
+        "--lr-warmup", "0.5", "--lr-decay", "0.6"
+    )
     assert "--reads mlp_normalized: a fit reads captured" in refused("--reads", "mlp_normalized")
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
     assert "not a run directory" in (
