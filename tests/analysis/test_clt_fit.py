@@ -105,6 +105,9 @@ def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
     assert "--kind 'xlt'; choose plt" in refused("--kind", "xlt")
     assert "--layers [1] with --kind clt" in refused("--layers", "1")
     assert "--skip with --kind clt" in refused("--skip")
+    assert "--activation batchtopk with --kind clt: a CLT trains relu, jumprelu, topk" in refused(
+        "--activation", "batchtopk"
+    )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
     found = clt_fit.find_sites
     monkeypatch.setattr(clt_fit, "find_sites", lambda *a: {1: found(*a)[1]})  # block 0 missing

@@ -41,47 +41,17 @@ from torch import nn
 
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, special_token_ids
+from probe.analysis.fit.trainer import JumpReLU, Step
 from probe.errors import ConfigError, DataError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
+# the CLT trainer's own defaults (the per-layer trainer's, in options.py, apply to its loss only)
+CLT_LR = 1e-3
+CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0}
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
                "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
-
-
-class _JumpReLU(torch.autograd.Function):
-    """pre * (pre > threshold); the threshold's gradient through a rectangle kernel of width
-    `bandwidth` (Rajamanoharan et al. 2024), the pre-activations' the plain one."""
-
-    @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return pre * (pre > threshold)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, threshold = ctx.saved_tensors
-        kernel = ((pre - threshold).abs() < ctx.bandwidth / 2).to(pre.dtype)
-        d_threshold = (-(threshold / ctx.bandwidth) * kernel * grad).sum(0)
-        return (pre > threshold) * grad, d_threshold, None
-
-
-class _Step(torch.autograd.Function):
-    """(pre > threshold) as a number (the L0 penalty); its threshold gradient the same kernel's."""
-
-    @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return (pre > threshold).to(pre.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, threshold = ctx.saved_tensors
-        kernel = ((pre - threshold).abs() < ctx.bandwidth / 2).to(pre.dtype)
-        return torch.zeros_like(pre), (-(1.0 / ctx.bandwidth) * kernel * grad).sum(0), None
 
 
 class TrainingCLT(nn.Module):
@@ -136,8 +106,8 @@ class TrainingCLT(nn.Module):
             elif o.activation == "jumprelu":
                 assert self.log_threshold is not None  # a jumprelu fit has its thresholds
                 threshold = self.log_threshold[layer].exp()
-                a = _JumpReLU.apply(pre, threshold, o.bandwidth)
-                penalty = penalty + _Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+                a = JumpReLU.apply(pre, threshold, o.bandwidth)
+                penalty = penalty + Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
             else:
                 top = torch.topk(pre, min(o.k, pre.shape[-1]), dim=-1)
                 a = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
@@ -157,7 +127,8 @@ class TrainingCLT(nn.Module):
         preds, _, penalty = self(xs)
         mses = [(p - y).pow(2).mean() for p, y in zip(preds, ys, strict=True)]
         mse = torch.stack(mses).sum()
-        loss = mse + self.options.penalty * penalty
+        o = self.options
+        loss = mse + (o.sparsity if o.sparsity is not None else CLT_PENALTY[o.activation]) * penalty
         with torch.no_grad():
             fvu = [float(m / (y - y.mean(0)).pow(2).mean().clamp_min(1e-12)) for m, y in zip(mses, ys, strict=True)]  # fmt: skip
         parts = {"mse": float(mse.detach()), "penalty": float(penalty.detach())}
@@ -195,6 +166,11 @@ class CltFit:
 
         self.options = options or FitOptions()
         self.options.check()
+        if self.options.activation not in CLT_PENALTY:
+            raise ConfigError(
+                f"--activation {self.options.activation} with --kind clt: a CLT trains "
+                f"{', '.join(CLT_PENALTY)}; choose one of those"
+            )
         if self.options.skip:
             raise ConfigError(
                 "--skip with --kind clt: circuit-tracer's CLT layout has no skip matrix; fit "
@@ -286,7 +262,7 @@ class CltFit:
             d_in = run.file[_path(first.inputs)].shape[-1]
             d_out = run.file[_path(first.outputs)].shape[-1]
             model = TrainingCLT(n, d_in, d_out, o, seed=o.seed)
-            opt = torch.optim.Adam(model.parameters(), lr=o.lr)
+            opt = torch.optim.Adam(model.parameters(), lr=o.lr if o.lr is not None else CLT_LR)
             train_rows = sum(int(self.keep(run.file, lo, hi, True).sum()) for lo, hi in self.pieces)
             if train_rows == 0:
                 raise DataError(
