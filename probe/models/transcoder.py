@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from probe.errors import ConfigError
+from probe.models.norms import centred_and_scale, formula_of
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
 # where a transcoder reads: circuit-tracer's feature_input_hook
@@ -176,25 +177,16 @@ class TranscoderSet:
 
 
 def norm_kind(module: nn.Module) -> tuple[bool, float]:
-    """(centres, eps) of a norm: LayerNorm centres, RMSNorm does not; another kind is refused."""
-    if isinstance(module, nn.LayerNorm):
-        return True, float(module.eps)
-    if "RMSNorm" in type(module).__name__:
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is not None:
-            return False, float(eps)
-    raise ConfigError(
-        f"cannot take the normalised input of a {type(module).__name__} (reads=mlp_normalized, "
-        "or a frozen norm scale in a graph); probe knows torch's LayerNorm and the RMSNorms of "
-        "Llama, Mistral and Qwen"
-    )
+    """(centres, eps) of a norm (probe.models.norms.formula_of): LayerNorm centres, an RMSNorm
+    does not; another kind is refused."""
+    formula, eps = formula_of(module)
+    return formula.centres, eps
 
 
 def normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What `module` (a LayerNorm or RMSNorm) makes of `x` before its weight and bias: x centred
     (LayerNorm) times 1/sqrt(mean square + eps), in float32 or wider, in x's dtype
     (TransformerLens's `hook_normalized`; reads=mlp_normalized)."""
-    centres, eps = norm_kind(module)
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    xc = xf - xf.mean(-1, keepdim=True) if centres else xf
-    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    formula, eps = formula_of(module)
+    xc, scale = centred_and_scale(formula, eps, x)
+    return (xc * scale).to(x.dtype)
