@@ -16,7 +16,9 @@ While a `LocalReplacement` is entered, three things are frozen at their values o
   (`mlp_in`: the MLP's input; `resid_mid`: the MLP norm's input; `mlp_normalized`: the MLP
   norm's input centred (LayerNorm) times its frozen scale, the norm's weight and bias left out,
   so its gradient is linear too). Where a norm follows the MLP (Gemma's post_mlp_norm), the
-  MLP's write is that norm's output, as circuit-tracer's `hook_mlp_out`. The MLP's output is, by
+  MLP's write is that norm's output, as circuit-tracer's `hook_mlp_out`; a set that writes
+  `mlp_module_out` (`mlp.hook_out`) writes the MLP module's output, the norm after it frozen
+  like the others. The MLP's output is, by
   definition, the transcoder's active features' writes plus an error (the real output minus the
   transcoder's), so the paths through other features are cut: what flows back is direct.
 
@@ -265,6 +267,13 @@ class LocalReplacement:
             self._where[id(m)] = ("mlp_norm", i)
         for i, m in enumerate(self.parts.post_attn_norms):
             self._where[id(m)] = ("post_attn_norm", i)
+        # the MLP's write: the residual's (mlp_out: after a post-norm, as hook_mlp_out), or the
+        # MLP module's own output (mlp_module_out: mlp.hook_out, a post-norm then frozen)
+        before_post = transcoders.writes == "mlp_module_out"
+        self.frozen_post_mlp = self.parts.post_mlp_norms if before_post else []
+        self.mlp_writes = self.parts.mlps if before_post else self.parts.mlp_writes
+        for i, m in enumerate(self.frozen_post_mlp):
+            self._where[id(m)] = ("post_mlp_norm", i)
         self._where[id(self.parts.final_norm)] = ("final_norm", self.parts.n_layers)
         self._formulas: dict[int, tuple[Formula, float]] = {}  # proven on the prompt
         self._mlp_in: dict[int, torch.Tensor | None] = {}
@@ -300,12 +309,13 @@ class LocalReplacement:
         _register_attention(self._original)
         self.config._attn_implementation = f"{ATTENTION_NAME}_{self._original}"
         LocalReplacement._active = self
-        norms = [*self.parts.attn_norms, *self.parts.mlp_norms, *self.parts.post_attn_norms]
+        norms = [*self.parts.attn_norms, *self.parts.mlp_norms, *self.parts.post_attn_norms,
+                 *self.frozen_post_mlp]  # fmt: skip
         for m in [*norms, self.parts.final_norm]:
             self._hooks.forward(m, self._norm_hook, name="norm")
         for layer, m in enumerate(self.parts.mlps):
             self._hooks.forward_pre(m, self._mlp_begins(layer), name=f"mlp {layer}")
-        for layer, m in enumerate(self.parts.mlp_writes):
+        for layer, m in enumerate(self.mlp_writes):
             self._hooks.forward(m, self._mlp_hook(layer), name=f"mlp write {layer}")
         if not self.parts.post_attn_norms:
             for layer, m in enumerate(self.parts.attns):
@@ -364,6 +374,8 @@ class LocalReplacement:
                 out = out.detach() + (lin - lin.detach()).to(out.dtype)
         if kind == "post_attn_norm":
             self._keep("attn write", layer, out)
+        if kind == "post_mlp_norm":
+            self._keep("mlp write", layer, out)
         if kind == "mlp_norm" and self.transcoders.reads == "mlp_normalized":
             # the norm's output before its weight and bias, the scale frozen: linear in x
             self._normalized[layer] = (xc * scale).to(x.dtype)
@@ -397,7 +409,8 @@ class LocalReplacement:
             x = {"mlp_in": self._mlp_in.get(layer), "resid_mid": self._resid_mid.get(layer),
                  "mlp_normalized": self._normalized.get(layer)}[reads]  # fmt: skip
             assert x is not None  # the MLP's input, or what the norm hooks kept before it
-            self._keep("mlp write", layer, out)
+            if not self.frozen_post_mlp:  # (else the norm after it writes to the residual)
+                self._keep("mlp write", layer, out)
             self.captured.inputs[layer] = x
             self.captured.mlp_values[layer] = out.detach()
             if self.mode == "record":

@@ -91,7 +91,7 @@ def assert_edges_are_direct_effects(model, ts, graph, stride: int = 20) -> None:
     dense = graph.adjacency.to_dense().double()
     n = graph.n_nodes
     targets = torch.cat([torch.arange(graph.n_features), torch.arange(n - graph.n_logits, n)])
-    writes = rep.parts.mlp_writes
+    writes = rep.mlp_writes
     sources = [("feature", i) for i in range(0, graph.n_features, stride)]
     sources += [("error", i) for i in range(graph.n_errors)]
     sources += [("token", p) for p in range(graph.n_pos)]
@@ -110,20 +110,24 @@ def assert_edges_are_direct_effects(model, ts, graph, stride: int = 20) -> None:
         torch.testing.assert_close(moved, column, rtol=1e-5, atol=1e-6 * scale)
 
 
-CASES = [  # family, reads, activation, skip
+CASES = [  # family, reads, activation, skip, writes
     ("gemma2", "mlp_normalized", "jumprelu", True),
+    ("gemma2", "mlp_in", "relu", True, "mlp_module_out"),
     ("gemma3", "mlp_in", "relu", False),
     ("qwen3", "resid_mid", "relu", True),
     ("mistral", "mlp_normalized", "topk", False),
 ]
 
 
-@pytest.mark.parametrize("family,reads,activation,skip", CASES)
-def test_each_familys_edges_are_direct_effects_in_its_frozen_forward(family, reads, activation, skip):  # fmt: skip
+@pytest.mark.parametrize(
+    "family,reads,activation,skip,writes", [(*c, "mlp_out")[:5] for c in CASES]
+)
+def test_each_familys_edges_are_direct_effects_in_its_frozen_forward(family, reads, activation, skip, writes):  # fmt: skip
     model = tiny(family)
     layers = model.config.num_hidden_layers
     ts = random_transcoders(32, layers, reads=reads, activation=activation, skip=skip,
                             expansion=2, dtype=torch.float64)  # fmt: skip
+    ts.writes = writes
     graph = attribute(model, PROMPT, ts, GraphOptions(batch_size=64, floor=0.0))
     assert graph.n_features > 40 and graph.n_logits >= 1
     assert_edges_are_direct_effects(model, ts, graph)
@@ -156,6 +160,13 @@ def test_gemma2_reads_the_pre_feedforward_norms_x_over_rms_and_writes_after_the_
     eps = model.config.rms_norm_eps
     torch.testing.assert_close(rep.saved["inputs"][0], x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # fmt: skip
     torch.testing.assert_close(rep.saved["mlp"][0], seen["out"])
+    ts.writes = "mlp_module_out"  # mlp.hook_out: the MLP module's own output, before the norm
+    hooks.forward(layer0.mlp, lambda m, a, o: seen.update(mlp=o))
+    rep = LocalReplacement(model, ts, mode="record")
+    with torch.no_grad(), rep, hooks:
+        model(PROMPT[None])
+    torch.testing.assert_close(rep.saved["mlp"][0], seen["mlp"])
+    assert not torch.allclose(seen["mlp"], seen["out"])
 
 
 class OnePlusNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
@@ -251,3 +262,45 @@ def test_gemma2_given_anatomy_keys_by_hand_is_exact_or_refused(monkeypatch):
     named = GEMMA_KEYS | {"post_attn_norm": "post_attention_layernorm",
                           "post_mlp_norm": "post_feedforward_layernorm"}  # fmt: skip
     same_graph(probe.attribution_graph(model, PROMPT, ts, overrides=named, floor=0.0), want)
+
+
+def test_gemma_scope_sets_on_disk_give_the_graph_of_the_set_in_memory(tmp_path):
+    """A Gemma Scope set (layer_<i>.npz) on a Gemma-2 and a Gemma Scope 2 set (lower-case
+    safetensors, affine_skip_connection) on a Gemma-3, each named by a YAML with circuit-tracer's
+    Gemma hooks (ln2.hook_normalized -> hook_mlp_out): loaded with those places, their graphs
+    are the in-memory sets' graphs; mlp.hook_out loads as mlp_module_out and saves back as it."""
+    import yaml
+    from safetensors.torch import save_file
+
+    from probe.models.transcoder_files import load_transcoders, save_transcoders
+
+    hooks = {"feature_input_hook": "ln2.hook_normalized", "feature_output_hook": "hook_mlp_out"}
+    ts = random_transcoders(32, 2, reads="mlp_normalized", activation="jumprelu", expansion=1,
+                            dtype=torch.float64)  # fmt: skip
+    save_transcoders(ts, tmp_path / "gs", layout="gemma_scope")
+    gs = load_transcoders(tmp_path / "gs", dtype=torch.float64)
+    assert (gs.reads, gs.writes) == ("mlp_normalized", "mlp_out")
+    model = tiny("gemma2")
+    same_graph(attribute(model, PROMPT, gs, GraphOptions(floor=0.0)).prune(),
+               attribute(model, PROMPT, ts, GraphOptions(floor=0.0)).prune())  # fmt: skip
+    skip = random_transcoders(32, 2, reads="mlp_normalized", activation="jumprelu", skip=True,
+                              expansion=1, seed=1, dtype=torch.float64)  # fmt: skip
+    (tmp_path / "gs2").mkdir()
+    for layer, t in skip.transcoders.items():
+        save_file({"w_enc": t.W_enc.detach(), "w_dec": t.W_dec.detach(), "b_enc": t.b_enc.detach(),
+                   "b_dec": t.b_dec.detach(), "threshold": t.threshold.detach(),
+                   "affine_skip_connection": t.W_skip.detach().T.contiguous()},
+                  tmp_path / "gs2" / f"params_{layer}.safetensors")  # fmt: skip
+    config = {"model_kind": "transcoder_set", **hooks,
+              "transcoders": [f"params_{i}.safetensors" for i in range(2)]}  # fmt: skip
+    (tmp_path / "gs2" / "config.yaml").write_text(yaml.safe_dump(config))
+    gs2 = load_transcoders(tmp_path / "gs2")
+    model = tiny("gemma3")
+    same_graph(attribute(model, PROMPT, gs2, GraphOptions(floor=0.0)).prune(),
+               attribute(model, PROMPT, skip, GraphOptions(floor=0.0)).prune())  # fmt: skip
+    config["feature_output_hook"] = "mlp.hook_out"
+    (tmp_path / "gs2" / "config.yaml").write_text(yaml.safe_dump(config))
+    inner = load_transcoders(tmp_path / "gs2")
+    assert inner.writes == "mlp_module_out"
+    saved = save_transcoders(inner, tmp_path / "again")
+    assert yaml.safe_load(saved.read_text())["feature_output_hook"] == "mlp.hook_out"
