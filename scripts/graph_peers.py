@@ -89,6 +89,9 @@ CASES = [
     ("gemma2 resid_mid relu", "gemma2", "resid_mid", "relu", False, None, None),
     ("gemma3 mlp_normalized jumprelu skip", "gemma3", "mlp_normalized", "jumprelu", True, None, None),
     ("gemma3 mlp_in relu", "gemma3", "mlp_in", "relu", False, None, None),
+    # circuit-tracer's token vectors times Gemma-3's embedding scale (see token_columns)
+    ("gemma3 mlp_normalized jumprelu skip, ct token vectors scaled", "gemma3", "mlp_normalized",
+     "jumprelu", True, None, None),
     ("qwen3 mlp_in jumprelu skip", "qwen3", "mlp_in", "jumprelu", True, None, None),
     ("llama (nnsight) mlp_in relu skip", "llama-nnsight", "mlp_in", "relu", True, None, None),
 ]  # fmt: skip
@@ -368,6 +371,8 @@ def run_peer(args) -> None:
         from transformers import AutoModelForCausalLM
 
         model = ct_nnsight_model(Path(args.model), Path(args.transcoders))
+        if args.scaled_token_vectors:  # the embedding module's output, as the gradient's place
+            model.embed_weight = model.embed_weight * model.config.hidden_size**0.5
         hf = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager").eval()
         with torch.no_grad():  # the model as transformers 4 computes it
             tl_logits = hf_logits = hf(ids[None]).logits[0, -1].float()
@@ -458,6 +463,8 @@ def compare_case(case, args) -> dict:
         role += ["--max-feature-nodes", str(max_nodes)]
     if family in NNSIGHT:
         role += ["--nnsight"]
+    if "ct token vectors scaled" in label:
+        role += ["--scaled-token-vectors"]
     done = peer_call(args.peer_python, role)
     if done.returncode != 0:
         raise RuntimeError(f"circuit-tracer failed on {label}:\n{done.stderr[-3000:]}")
@@ -467,7 +474,30 @@ def compare_case(case, args) -> dict:
     with torch.no_grad():  # transformers 5 (probe) against circuit-tracer's transformers 4
         logits = model(ids[None]).logits[0, -1].float().numpy()
     row["hf5 vs peer logits"] = float(np.abs(logits - ct["peer_logits"]).max())
+    if "note" not in row:
+        row.update(token_columns(g, ct, model))
     return row
+
+
+def token_columns(g, ct, model) -> dict:
+    """The adjacency without the token nodes' columns, and probe's token columns over
+    circuit-tracer's: circuit-tracer's nnsight backend takes a token's vector as the raw
+    embedding row, so where the embedding module scales its output (Gemma-3's
+    Gemma3TextScaledWordEmbedding) its token edges are 1 / scale of the direct effect, which
+    probe takes at the module's output (the frozen-forward perturbation's)."""
+    a = g.adjacency.to_dense().double().numpy()
+    b = ct["adjacency"].astype(np.float64)
+    tok = slice(g.offsets["token"], g.offsets["token"] + g.n_pos)
+    others = np.ones(a.shape[1], bool)
+    others[tok] = False
+    out = {"adjacency, tokens' columns aside": rel(a[:, others], b[:, others])}
+    big = np.abs(b[:, tok]) > 1e-3 * np.abs(b[:, tok]).max()
+    ratio = a[:, tok][big] / b[:, tok][big]
+    scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", 1.0)
+    out["tokens' columns probe / ct"] = (
+        f"{ratio.min():.6g}..{ratio.max():.6g} (embed scale {scale:.6g})"
+    )
+    return out
 
 
 def diff(label, g, ct) -> dict:

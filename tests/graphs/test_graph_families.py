@@ -169,7 +169,7 @@ def test_gemma2_reads_the_pre_feedforward_norms_x_over_rms_and_writes_after_the_
     assert not torch.allclose(seen["mlp"], seen["out"])
 
 
-class OnePlusNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
+class GemmaStyleLlamaRMSNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
     """A LlamaRMSNorm subclass computing Gemma's x / rms * (1 + weight)."""
 
     def forward(self, x):
@@ -178,7 +178,7 @@ class OnePlusNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
         return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class TanhNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
+class TanhLlamaRMSNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
     """A LlamaRMSNorm subclass computing none of the known formulas."""
 
     def forward(self, x):
@@ -214,18 +214,18 @@ def same_graph(a, b) -> None:
 def test_a_one_plus_weight_subclass_gives_the_exact_graph_through_the_api(llama_graph):
     """The same function as the Llama (weights w - 1, gain 1 + weight): the Llama's graph."""
     ts, _, want = llama_graph
-    model = with_norms(tiny("llama"), OnePlusNorm, shift=-1.0)
+    model = with_norms(tiny("llama"), GemmaStyleLlamaRMSNorm, shift=-1.0)
     got = probe.attribution_graph(model, PROMPT, ts, floor=0.0)
     same_graph(got, want)
     assert got.scores == pytest.approx(want.scores, rel=1e-6)
 
 
 def test_a_norm_of_no_known_formula_is_refused_by_name():
-    model = with_norms(tiny("llama"), TanhNorm)
+    model = with_norms(tiny("llama"), TanhLlamaRMSNorm)
     ts = random_transcoders(32, 2, dtype=torch.float64)
     with pytest.raises(ConfigError) as e:
         probe.attribution_graph(model, PROMPT, ts)
-    for words in ("model.layers.0.input_layernorm", "TanhNorm", "x / sqrt(mean(x^2) + eps) * weight",
+    for words in ("model.layers.0.input_layernorm", "TanhLlamaRMSNorm", "x / sqrt(mean(x^2) + eps) * weight",
                   "off by", "register_norm"):  # fmt: skip
         assert words in str(e.value)
 
@@ -233,7 +233,7 @@ def test_a_norm_of_no_known_formula_is_refused_by_name():
 def test_a_known_class_computing_another_formula_is_refused(monkeypatch):
     """LlamaRMSNorm itself made to compute (1 + weight): its class's formula no longer holds."""
     cls = transformers.models.llama.modeling_llama.LlamaRMSNorm
-    monkeypatch.setattr(cls, "forward", OnePlusNorm.forward)
+    monkeypatch.setattr(cls, "forward", GemmaStyleLlamaRMSNorm.forward)
     ts = random_transcoders(32, 2, dtype=torch.float64)
     with pytest.raises(ConfigError, match=r"input_layernorm.*LlamaRMSNorm.*its class"):
         probe.attribution_graph(tiny("llama"), PROMPT, ts)

@@ -12,7 +12,7 @@ import probe
 from probe.graphs.graph_files import load_graph
 from probe.models.transcoder_files import save_transcoders
 from probe.testing.random_transcoders import random_transcoders
-from tests.graphs.test_graph_families import PROMPT, OnePlusNorm, TanhNorm, tiny
+from tests.graphs.test_graph_families import PROMPT, GemmaStyleLlamaRMSNorm, TanhLlamaRMSNorm, tiny
 
 
 def test_the_cli_gives_the_exact_graph_or_exits_2(cli_here, tmp_path, monkeypatch):
@@ -22,20 +22,22 @@ def test_the_cli_gives_the_exact_graph_or_exits_2(cli_here, tmp_path, monkeypatc
     plain = tiny("llama").float()
     want = probe.attribution_graph(plain, PROMPT, ts, prepend_bos=False, floor=0.0)
     shifted = {k: v - 1 if "norm" in k else v for k, v in plain.state_dict().items()}
-    plain.load_state_dict(shifted)  # the weights OnePlusNorm's 1 + weight makes w again
+    plain.load_state_dict(shifted)  # the weights GemmaStyleLlamaRMSNorm's 1 + weight makes w again
     plain.save_pretrained(tmp_path / "model")
     torch.save({"input_ids": PROMPT[None]}, tmp_path / "ids.pt")
     args = ["model=hf", f"model.name={tmp_path / 'model'}", "model.task=causal_lm", "probes=none",
             "dataset=tokens", f"dataset.path={tmp_path / 'ids.pt'}",
             f"graph.transcoders={tmp_path / 'set'}", "graph.prepend_bos=false", "graph.floor=0"]  # fmt: skip
     modeling = transformers.models.llama.modeling_llama
-    monkeypatch.setattr(modeling, "LlamaRMSNorm", OnePlusNorm)  # the model is built with it
+    monkeypatch.setattr(
+        modeling, "LlamaRMSNorm", GemmaStyleLlamaRMSNorm
+    )  # the model is built with it
     code, text = cli_here(*args)
     assert code == 0, text
     got = load_graph(tmp_path / "run", 0)
     assert torch.equal(got.features, want.features) and torch.equal(got.node_kept, want.node_kept)
     scale = float(want.adjacency.to_dense().abs().max())
     torch.testing.assert_close(got.adjacency.to_dense(), want.adjacency.to_dense(), rtol=1e-4, atol=1e-5 * scale)  # fmt: skip
-    monkeypatch.setattr(modeling, "LlamaRMSNorm", TanhNorm)
+    monkeypatch.setattr(modeling, "LlamaRMSNorm", TanhLlamaRMSNorm)
     code, text = cli_here(*args, run_dir=tmp_path / "refused")
-    assert code == 2 and "TanhNorm" in text and "input_layernorm" in text, text
+    assert code == 2 and "TanhLlamaRMSNorm" in text and "input_layernorm" in text, text
