@@ -753,6 +753,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--nnsight", action="store_true", help="peer: circuit-tracer's nnsight backend"
     )
+    parser.add_argument("--scaled-token-vectors", action="store_true",
+                        help="peer: token vectors times sqrt(width) (Gemma-3's embedding scale)")  # fmt: skip
     parser.add_argument("--floor", type=float, help="mem, probe: the floor (default: its rule)")
     parser.add_argument(
         "--mmap-threshold",
