@@ -223,6 +223,7 @@ class Captured:
     attention_calls: int = 0
     # the first prompt copy's residual stream and writes, for the residual check
     residual: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    blocks_checked: int = 0
 
 
 class LocalReplacement:
@@ -343,14 +344,25 @@ class LocalReplacement:
         return out
 
     def _keep(self, kind: str, layer: int, value: torch.Tensor) -> None:
-        """The first prompt copy's `value` for the residual check (not in a replay)."""
-        if self.mode != "replay":
-            self.captured.residual[kind, layer] = value[:1].detach().clone()
+        """The first prompt copy's `value` for the residual check (not in a replay); at the next
+        block's input (or the final norm's) a block's sums are checked and its values dropped,
+        so at most two blocks' are held."""
+        if self.mode == "replay":
+            return
+        r = self.captured.residual
+        r[kind, layer] = value[:1].detach().clone()
+        if kind in ("attn_norm input", "final_norm input") and layer >= 1:
+            check_block(self.parts, r, layer - 1)
+            for key in [k for k in r if k[1] == layer - 1]:
+                del r[key]
+            self.captured.blocks_checked += 1
 
     def _formula(self, module, x, out) -> tuple[Formula, float]:
         """The norm's formula, proven on this forward's input and output (a replay reuses the
         record's)."""
         if self.mode != "replay" or id(module) not in self._formulas:
+            if self.mode == "attribute":  # (every copy of the prompt is the same)
+                x, out = x[:1], out[:1]
             self._formulas[id(module)] = prove(module, self.parts.name(module), x, out)
         return self._formulas[id(module)]
 
@@ -583,32 +595,50 @@ def check_interface(replacement: LocalReplacement) -> None:
 
 
 def check_residual(replacement: LocalReplacement) -> None:
-    """After a forward (not a replay): each block's residual output (the next norm's input) is
-    its input plus its attention's write plus its MLP's write (the middle, the MLP norm's input,
-    input plus the attention's write), or a ConfigError naming the block: something between a
-    write and the residual stream that the anatomy does not know (a norm after the attention or
-    the MLP, a scale) would make the graph silently different."""
-    r, parts = replacement.captured.residual, replacement.parts
-    n = parts.n_layers
-    if not r:
+    """After a forward (not a replay): every block's residual was checked (check_block, as the
+    forward went), or a ConfigError saying which of its values never came."""
+    if replacement.mode == "replay":
         return
-    for layer in range(n):
-        into = r["attn_norm input", layer]
-        mid = r["mlp_norm input", layer]
-        out = r["attn_norm input", layer + 1] if layer + 1 < n else r["final_norm input", n]
-        attn, mlp = r["attn write", layer], r["mlp write", layer]
-        sums = [("output", out, into + attn + mlp)] if parts.parallel else [
-            ("middle (the MLP norm's input)", mid, into + attn), ("output", out, mid + mlp)]  # fmt: skip
-        for what, got, want in sums:
-            largest, ok = mismatch(got, want)
-            if not ok:
-                block = parts.name(parts.attn_norms[layer]).rsplit(".", 1)[0]
-                raise ConfigError(
-                    f"graphs: block {block!r} of the {parts.family!r} model: its residual "
-                    f"{what} is not the sum of its input and the writes of its attention "
-                    f"({parts.name((parts.post_attn_norms or parts.attns)[layer])}) and MLP "
-                    f"({parts.name(parts.mlp_writes[layer])}) (off by up to {largest:.3g}), so "
-                    "a norm or another computation between a write and the residual stream is "
-                    "not known and the graph would be wrong; name norms after the attention or "
-                    "the MLP with model.anatomy.post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX"
-                )
+    n, done = replacement.parts.n_layers, replacement.captured.blocks_checked
+    if done != n:
+        raise ConfigError(
+            f"graphs: the residual of only {done} of the {replacement.parts.family!r} model's "
+            f"{n} blocks could be checked (held: {sorted(replacement.captured.residual)}): the "
+            "anatomy's norms, attention and MLP are not the ones the forward runs; set "
+            f"them with {KEYS}"
+        )
+
+
+def check_block(parts: Parts, r: dict, layer: int) -> None:
+    """Block `layer`'s residual output (the next norm's input) is its input plus its attention's
+    write plus its MLP's write (the middle, the MLP norm's input, its input plus the attention's
+    write), or a ConfigError naming the block: something between a write and the residual
+    stream that the anatomy does not know (a norm after the attention or the MLP, a scale)
+    would make the graph silently different."""
+    n = parts.n_layers
+    need = [("attn_norm input", layer), ("mlp_norm input", layer), ("attn write", layer),
+            ("mlp write", layer), ("attn_norm input", layer + 1) if layer + 1 < n
+            else ("final_norm input", n)]  # fmt: skip
+    block = parts.name(parts.attn_norms[layer]).rsplit(".", 1)[0]
+    missing = [f"{kind} {i}" for kind, i in need if (kind, i) not in r]
+    if missing:
+        raise ConfigError(
+            f"graphs: block {block!r} of the {parts.family!r} model: its residual cannot be "
+            f"checked ({', '.join(missing)} never came in the forward); the anatomy's modules "
+            f"are not the ones the forward runs; set them with {KEYS}"
+        )
+    into, mid, attn, mlp, out = (r[key] for key in need)
+    sums = [("output", out, into + attn + mlp)] if parts.parallel else [
+        ("middle (the MLP norm's input)", mid, into + attn), ("output", out, mid + mlp)]  # fmt: skip
+    for what, got, want in sums:
+        largest, ok = mismatch(got, want)
+        if not ok:
+            raise ConfigError(
+                f"graphs: block {block!r} of the {parts.family!r} model: its residual "
+                f"{what} is not the sum of its input and the writes of its attention "
+                f"({parts.name((parts.post_attn_norms or parts.attns)[layer])}) and MLP "
+                f"({parts.name(parts.mlp_writes[layer])}) (off by up to {largest:.3g}), so "
+                "a norm or another computation between a write and the residual stream is "
+                "not known and the graph would be wrong; name norms after the attention or "
+                "the MLP with model.anatomy.post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX"
+            )
