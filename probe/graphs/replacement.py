@@ -270,7 +270,7 @@ class LocalReplacement:
             self._where[id(m)] = ("post_attn_norm", i)
         # the MLP's write: the residual's (mlp_out: after a post-norm, as hook_mlp_out), or the
         # MLP module's own output (mlp_module_out: mlp.hook_out, a post-norm then frozen)
-        before_post = transcoders.writes == "mlp_module_out"
+        before_post = getattr(transcoders, "writes", "mlp_out") == "mlp_module_out"
         self.frozen_post_mlp = self.parts.post_mlp_norms if before_post else []
         self.mlp_writes = self.parts.mlps if before_post else self.parts.mlp_writes
         for i, m in enumerate(self.frozen_post_mlp):
