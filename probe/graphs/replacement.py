@@ -59,7 +59,7 @@ from probe.models.transcoder import TranscoderSet
 
 MODES = ("attribute", "record", "replay")
 KEYS = (
-    "model.anatomy.mlp_out=SUFFIX (each block's MLP), mlp_norm=SUFFIX and attn_norm=SUFFIX (the "
+    "+model.anatomy.mlp_out=SUFFIX (each block's MLP), mlp_norm=SUFFIX and attn_norm=SUFFIX (the "
     "norms before the MLP and the attention), final_norm=NAME, unembed=NAME (and, for norms "
     "after the attention and the MLP, post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX)"
 )
@@ -197,9 +197,9 @@ def _refuse_unplaced_norms(body, modules: dict[str, nn.Module]) -> None:
             f"graphs: the {body.family!r} model has norms the local replacement model cannot "
             f"place: {', '.join(unplaced[:6])}{' ...' if len(unplaced) > 6 else ''}; their scales "
             "would stay live and the graph would be wrong. Name them: a norm after the attention "
-            "or the MLP is model.anatomy.post_attn_norm=SUFFIX / post_mlp_norm=SUFFIX (Gemma's "
+            "or the MLP is +model.anatomy.post_attn_norm=SUFFIX / post_mlp_norm=SUFFIX (Gemma's "
             "sandwich norms), a norm that only shapes attention patterns (q/k norms) "
-            "model.anatomy.pattern_norms=[SUFFIX, ...] (overrides={...} in the API)"
+            "+model.anatomy.pattern_norms=[SUFFIX,...] (overrides={...} in the API)"
         )
 
 
@@ -640,5 +640,5 @@ def check_block(parts: Parts, r: dict, layer: int) -> None:
                 f"({parts.name(parts.mlp_writes[layer])}) (off by up to {largest:.3g}), so "
                 "a norm or another computation between a write and the residual stream is "
                 "not known and the graph would be wrong; name norms after the attention or "
-                "the MLP with model.anatomy.post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX"
+                "the MLP with +model.anatomy.post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX"
             )
