@@ -39,6 +39,14 @@ Set up circuit-tracer's venv (torch first, from the same wheel as probe's, so pi
 `python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.14.1 &&
 /work/venv-ct/bin/pip install circuit-tracer==0.5.0` (transformers 4.57.3, transformer-lens
 3.2.1, nnsight 0.8.1 came with it); `--peer-python` names another.
+
+The Gemma-2, Gemma-3, Qwen3 and second Llama cases run circuit-tracer's nnsight backend on the
+HuggingFace model itself (its TransformerLens backend shares one rotary table across layers, so a
+Gemma-3 with two rope bases is not the same function there). circuit-tracer 0.5's nnsight backend
+imports `nnsight.intervention.tracing`, which nnsight 0.8 no longer has: put nnsight 0.6 first on
+the peer's path, `pip install --target DIR "nnsight>=0.6,<0.7" astor python-socketio msgspec
+zstandard` (with DIR/IPython/__init__.py defining `get_ipython()` returning None) and
+GRAPH_PEERS_PEER_PATH=DIR.
 """
 
 from __future__ import annotations
@@ -78,12 +86,28 @@ CASES = [
         "gpt2 with ln_2 weight 1, bias 0: mlp_in vs ct ln2.hook_normalized",
         "gpt2-unit-ln2", "mlp_in", "relu", False, "ln2.hook_normalized", None,
     ),
+    # circuit-tracer's nnsight backend on the HuggingFace model itself (its per-architecture
+    # mappings: Gemma-2's Gemma Scope places ln2.hook_normalized -> hook_mlp_out, the MLP's write
+    # after the post-feedforward norm)
+    ("gemma2 mlp_normalized jumprelu skip", "gemma2", "mlp_normalized", "jumprelu", True, None, None),
+    ("gemma2 resid_mid relu", "gemma2", "resid_mid", "relu", False, None, None),
+    ("gemma3 mlp_normalized jumprelu skip", "gemma3", "mlp_normalized", "jumprelu", True, None, None),
+    ("gemma3 mlp_in relu", "gemma3", "mlp_in", "relu", False, None, None),
+    # circuit-tracer's token vectors times Gemma-3's embedding scale (see token_columns)
+    ("gemma3 mlp_normalized jumprelu skip, ct token vectors scaled", "gemma3", "mlp_normalized",
+     "jumprelu", True, None, None),
+    ("qwen3 mlp_in jumprelu skip", "qwen3", "mlp_in", "jumprelu", True, None, None),
+    ("llama (nnsight) mlp_in relu skip", "llama-nnsight", "mlp_in", "relu", True, None, None),
     # cross-layer transcoders (activation "clt <activation>"), in circuit-tracer's CLT layout
     ("gpt2 clt resid_mid relu", "gpt2", "resid_mid", "clt relu", False, None, None),
     ("llama clt mlp_in jumprelu", "llama", "mlp_in", "clt jumprelu", False, None, None),
     ("gpt2 clt mlp_normalized jumprelu, max_feature_nodes=200", "gpt2", "mlp_normalized",
      "clt jumprelu", False, None, 200),
 ]  # fmt: skip
+NNSIGHT = ("gemma2", "gemma3", "qwen3", "llama-nnsight")  # families run on circuit-tracer's nnsight
+# the MLP's write: the MLP's output, or (Gemma-2, Gemma-3) the post-feedforward norm's
+CT_OUTPUT = {"gemma2": "hook_mlp_out", "gemma3": "hook_mlp_out", "qwen3": "mlp.hook_out",
+             "llama-nnsight": "mlp.hook_out"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +121,9 @@ def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> 
     from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    if family.startswith("gpt2"):
+    if family in NNSIGHT:
+        model = nnsight_family_model(family, n_ctx)
+    elif family.startswith("gpt2"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
@@ -123,6 +149,10 @@ def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> 
                     p.copy_(1 + 0.3 * torch.randn_like(p))
                 else:
                     p.copy_(0.1 * torch.randn_like(p))
+        if family in ("gemma2", "gemma3"):  # Gemma's gain is 1 + weight: gains 1 + 0.3 N(0, 1)
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.sub_(1.0)
         if family == "gpt2-unit-ln2":
             for block in model.transformer.h:
                 block.ln_2.weight.fill_(1.0)
@@ -142,6 +172,33 @@ def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> 
     tok_config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps(tok_config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
     return folder
+
+
+def nnsight_family_model(family: str, n_ctx: int):
+    """A tiny random Gemma-2 (softcaps, a sliding window of 4), Gemma-3 (q/k norms, local and
+    global layers with their two rope bases), Qwen3 or Llama, written by transformers 5 and read
+    by circuit-tracer's transformers 4 (the logits of both are compared)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=n_ctx, initializer_range=0.15, bos_token_id=BOS,
+                  eos_token_id=BOS, pad_token_id=BOS, tie_word_embeddings=False)  # fmt: skip
+    if family == "gemma2":
+        config = transformers.Gemma2Config(
+            sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+            query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"], **common,
+        )  # fmt: skip
+        return transformers.Gemma2ForCausalLM(config)
+    if family == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            sliding_window=4, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"], **common,
+        )  # fmt: skip
+        return transformers.Gemma3ForCausalLM(config)
+    if family == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
 def load_hf(folder: Path):
@@ -175,7 +232,9 @@ def make_transcoders(width, layers, reads, activation, skip, *, l0=None, seed=0)
     return tset
 
 
-def save_ct_transcoders(tset, folder: Path, input_hook: str) -> Path:
+def save_ct_transcoders(
+    tset, folder: Path, input_hook: str, output_hook: str = "hook_mlp_out"
+) -> Path:
     """`tset` in circuit-tracer 0.5's ReLU/skip layout: layer_<i>.safetensors and config.yaml."""
     import yaml
     from safetensors.torch import save_file
@@ -199,7 +258,7 @@ def save_ct_transcoders(tset, folder: Path, input_hook: str) -> Path:
     config = {
         "model_kind": "transcoder_set",
         "feature_input_hook": input_hook,
-        "feature_output_hook": "hook_mlp_out",
+        "feature_output_hook": output_hook,
         "scan": "graph-peers",
         "transcoders": paths,
     }
@@ -294,6 +353,21 @@ def ct_model(model_dir: Path, tc_dir: Path):
     return model, hf
 
 
+def ct_nnsight_model(model_dir: Path, tc_dir: Path):
+    """circuit-tracer's nnsight replacement model on the saved HF model itself."""
+    import torch
+    from circuit_tracer.replacement_model.replacement_model_nnsight import NNSightReplacementModel
+    from circuit_tracer.utils.caching import load_transcoders_from_cache
+
+    transcoders, _ = load_transcoders_from_cache(
+        tc_dir.name, cache_dir=tc_dir.parent, device=torch.device("cpu"), dtype=torch.float32,
+        lazy_encoder=False, lazy_decoder=False,
+    )  # fmt: skip
+    return NNSightReplacementModel.from_pretrained_and_transcoders(
+        str(model_dir), transcoders, device=torch.device("cpu"), dtype=torch.float32
+    )
+
+
 def run_peer(args) -> None:
     """circuit-tracer's graph of the prompt, pruned and scored, into an npz."""
     import torch
@@ -301,11 +375,21 @@ def run_peer(args) -> None:
     from circuit_tracer.graph import compute_graph_scores, compute_node_influence, prune_graph
 
     torch.set_num_threads(args.threads)
-    model, hf = ct_model(Path(args.model), Path(args.transcoders))
     ids = torch.tensor(json.loads(Path(args.tokens).read_text()))
-    with torch.no_grad():  # the function both sides compute
-        tl_logits = model(ids[None])[0, -1].float()
-        hf_logits = hf(ids[None]).logits[0, -1].float()
+    if args.nnsight:
+        from transformers import AutoModelForCausalLM
+
+        model = ct_nnsight_model(Path(args.model), Path(args.transcoders))
+        if args.scaled_token_vectors:  # the embedding module's output, as the gradient's place
+            model.embed_weight = model.embed_weight * model.config.hidden_size**0.5
+        hf = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager").eval()
+        with torch.no_grad():  # the model as transformers 4 computes it
+            tl_logits = hf_logits = hf(ids[None]).logits[0, -1].float()
+    else:
+        model, hf = ct_model(Path(args.model), Path(args.transcoders))
+        with torch.no_grad():  # the function both sides compute
+            tl_logits = model(ids[None])[0, -1].float()
+            hf_logits = hf(ids[None]).logits[0, -1].float()
     graph = attribute(
         ids, model, batch_size=args.batch_size, max_feature_nodes=args.max_feature_nodes,
         max_n_logits=10, desired_logit_prob=0.95,
@@ -330,6 +414,7 @@ def run_peer(args) -> None:
         cumulative=pruned.cumulative_scores.numpy(),
         scores=np.array([replacement, completeness]),
         tl_vs_hf=np.float64((tl_logits - hf_logits).abs().max()),
+        peer_logits=hf_logits.numpy(),
     )
 
 
@@ -350,6 +435,8 @@ def peer_call(python, role_args, threads=2, env=None) -> subprocess.CompletedPro
     env = dict(env or os.environ)
     if python == PEER_PYTHON or "venv-ct" in python:
         env.pop("PYTHONPATH", None)
+        if os.environ.get("GRAPH_PEERS_PEER_PATH"):  # e.g. nnsight 0.6 for the nnsight backend
+            env["PYTHONPATH"] = os.environ["GRAPH_PEERS_PEER_PATH"]
     env |= {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
     cmd = [python, str(Path(__file__).resolve()), *role_args]
@@ -370,7 +457,7 @@ def compare_case(case, args) -> dict:
     if not (model_dir / "config.json").exists():
         build_model(family, model_dir)
     model = load_hf(model_dir)
-    tc_dir = WORK / f"tc-{label.replace(' ', '_').replace(',', '').replace('=', '')}"
+    tc_dir = WORK / f"tc-{''.join(c for c in label.replace(' ', '_') if c not in ',=()')}"
     if activation.startswith("clt "):  # both sides read circuit-tracer's CLT files
         from probe.models.clt_files import save_cross_layer
         from probe.models.transcoder_files import load_transcoders
@@ -381,7 +468,9 @@ def compare_case(case, args) -> dict:
         transcoders = load_transcoders(tc_dir)
     else:
         tset = make_transcoders(64, 2, reads, activation, skip, seed=3)
-        save_ct_transcoders(tset, tc_dir, ct_hook or CT_HOOK[reads])
+        save_ct_transcoders(
+            tset, tc_dir, ct_hook or CT_HOOK[reads], CT_OUTPUT.get(family, "hook_mlp_out")
+        )
         transcoders = load_ct_transcoders(tc_dir, reads)
     ids = prompt_ids(args.compare_tokens, seed=1)
     tokens = WORK / "tokens.json"
@@ -391,12 +480,43 @@ def compare_case(case, args) -> dict:
             str(tokens), "--out", str(out), "--batch-size", str(args.batch_size)]  # fmt: skip
     if max_nodes:
         role += ["--max-feature-nodes", str(max_nodes)]
+    if family in NNSIGHT:
+        role += ["--nnsight"]
+    if "ct token vectors scaled" in label:
+        role += ["--scaled-token-vectors"]
     done = peer_call(args.peer_python, role)
     if done.returncode != 0:
         raise RuntimeError(f"circuit-tracer failed on {label}:\n{done.stderr[-3000:]}")
     ct = dict(np.load(out))
     g = ours(model, ids, transcoders, args.batch_size, max_nodes)
-    return diff(label, g, ct)
+    row = diff(label, g, ct)
+    with torch.no_grad():  # transformers 5 (probe) against circuit-tracer's transformers 4
+        logits = model(ids[None]).logits[0, -1].float().numpy()
+    row["hf5 vs peer logits"] = float(np.abs(logits - ct["peer_logits"]).max())
+    if "note" not in row:
+        row.update(token_columns(g, ct, model))
+    return row
+
+
+def token_columns(g, ct, model) -> dict:
+    """The adjacency without the token nodes' columns, and probe's token columns over
+    circuit-tracer's: circuit-tracer's nnsight backend takes a token's vector as the raw
+    embedding row, so where the embedding module scales its output (Gemma-3's
+    Gemma3TextScaledWordEmbedding) its token edges are 1 / scale of the direct effect, which
+    probe takes at the module's output (the frozen-forward perturbation's)."""
+    a = g.adjacency.to_dense().double().numpy()
+    b = ct["adjacency"].astype(np.float64)
+    tok = slice(g.offsets["token"], g.offsets["token"] + g.n_pos)
+    others = np.ones(a.shape[1], bool)
+    others[tok] = False
+    out = {"adjacency, tokens' columns aside": rel(a[:, others], b[:, others])}
+    big = np.abs(b[:, tok]) > 1e-3 * np.abs(b[:, tok]).max()
+    ratio = a[:, tok][big] / b[:, tok][big]
+    scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", 1.0)
+    out["tokens' columns probe / ct"] = (
+        f"{ratio.min():.6g}..{ratio.max():.6g} (embed scale {scale:.6g})"
+    )
+    return out
 
 
 def diff(label, g, ct) -> dict:
@@ -649,6 +769,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--side", choices=("ours", "peer"))
     parser.add_argument("--max-feature-nodes", type=int)
+    parser.add_argument(
+        "--nnsight", action="store_true", help="peer: circuit-tracer's nnsight backend"
+    )
+    parser.add_argument("--scaled-token-vectors", action="store_true",
+                        help="peer: token vectors times sqrt(width) (Gemma-3's embedding scale)")  # fmt: skip
     parser.add_argument("--floor", type=float, help="mem, probe: the floor (default: its rule)")
     parser.add_argument(
         "--mmap-threshold",

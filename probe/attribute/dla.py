@@ -15,8 +15,7 @@ import torch
 
 from probe.errors import ConfigError
 from probe.hooks.hookset import HookSet
-
-NORMS = ("LayerNorm", "RMSNorm")
+from probe.models.norms import formula_of
 
 
 class DirectLogit:
@@ -120,11 +119,11 @@ class DirectLogit:
 
     def _frozen(self, final: torch.Tensor):
         """(center?, 1 / scale, gamma) of the final norm at the final residual."""
-        eps = float(getattr(self.norm, "eps", getattr(self.norm, "variance_epsilon", 1e-5)))
-        layer_norm = "RMSNorm" not in type(self.norm).__name__
+        formula, eps = formula_of(self.norm, gain=True)  # (its gain's convention too)
+        layer_norm = formula.centres
         centred = final - final.mean(-1, keepdim=True) if layer_norm else final
         scale = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
-        gamma = self.norm.weight.double().to(final.device)
+        gamma = self.norm.weight.double().to(final.device) + formula.offset
         return layer_norm, scale, gamma
 
     @staticmethod
@@ -202,12 +201,16 @@ def _refuse(model, body, norm) -> None:
             f"lens=dla: {body.family} is a post-norm model (each block normalises its residual), "
             "so no component's write reaches the logits linearly; use lens=logit"
         )
-    kind = type(norm).__name__
-    if not any(kind.endswith(k) for k in NORMS):
+    if body.sandwich:
         raise ConfigError(
-            f"lens=dla: the final norm is a {kind}, which it cannot freeze (LayerNorm and "
-            "RMSNorm only); use lens=logit"
+            f"lens=dla: {body.family} norms each attention's and MLP's output again before the "
+            "residual stream (post_attn_norm, post_mlp_norm), so the projections' writes are not "
+            "what the residual gets; use lens=logit"
         )
+    try:
+        formula_of(norm, gain=True)
+    except ConfigError as e:
+        raise ConfigError(f"lens=dla: the final norm cannot be frozen: {e}; use lens=logit") from e
     if not body.heads or not body.attn_out or len(body.attn_out) != len(body.mlp_out):
         raise ConfigError(
             f"lens=dla needs each block's attention output projection, its heads and its MLP; "

@@ -100,6 +100,12 @@ def parts_of(model: nn.Module, overrides: dict | None = None) -> Parts:
             "stream), so the residual is not a sum of the components' writes and no edge can be "
             "scored or patched; use a pre-norm model (GPT-2, Llama, Mistral, Qwen, GPT-NeoX)"
         )
+    if body.sandwich:
+        raise ConfigError(
+            f"circuits: {body.family!r} norms each attention's and MLP's output again before the "
+            "residual stream (post_attn_norm, post_mlp_norm: Gemma-2, Gemma-3), so the residual "
+            "is not a sum of the projections' writes; use a family without them"
+        )
     _require(body)
     modules = dict(model.named_modules())
     n = len(body.blocks)

@@ -7,14 +7,19 @@ While a `LocalReplacement` is entered, three things are frozen at their values o
 - every attention pattern: the attention runs through an attention function registered with
   transformers' attention interface whose value is the model's own implementation's and whose
   gradient is that of `pattern.detach() @ V` (the pattern from the family's eager function);
-- every norm's scale (LayerNorm's 1/std, RMSNorm's 1/rms): the norm's output keeps its value and
-  its gradient is that of `centre(x) * scale.detach() * weight` (centring stays linear);
+- every norm's scale (LayerNorm's 1/std, RMSNorm's 1/rms), the sandwich norms after the
+  attention included (Gemma-2, Gemma-3): the norm's output keeps its value and its gradient is
+  that of `centre(x) * scale.detach() * gain` (centring stays linear; the gain is the weight, or
+  1 + weight for Gemma's RMSNorm: probe.models.norms);
 - every MLP: its output keeps its value and its gradient is that of its transcoder's skip path
   alone (`x @ W_skip.T`; a cross-layer transcoder's `x @ W_skip[l]`; nothing without a skip
   matrix), where x is what the transcoder reads
   (`mlp_in`: the MLP's input; `resid_mid`: the MLP norm's input; `mlp_normalized`: the MLP
   norm's input centred (LayerNorm) times its frozen scale, the norm's weight and bias left out,
-  so its gradient is linear too). The MLP's output is, by
+  so its gradient is linear too). Where a norm follows the MLP (Gemma's post_mlp_norm), the
+  MLP's write is that norm's output, as circuit-tracer's `hook_mlp_out`; a set that writes
+  `mlp_module_out` (`mlp.hook_out`) writes the MLP module's output, the norm after it frozen
+  like the others. The MLP's output is, by
   definition, the transcoder's active features' writes plus an error (the real output minus the
   transcoder's), so the paths through other features are cut: what flows back is direct.
 
@@ -27,6 +32,14 @@ Token nodes are the token embeddings (the input embeddings module's output); GPT
 embedding is not a node, as in circuit-tracer. Post-norm models (BERT) and families whose anatomy
 is unknown are refused by name; so is an attention that does not go through transformers'
 attention interface (its pattern could not be frozen).
+
+Nothing is taken on trust, with `model.anatomy` keys or without: every forward that is not a
+replay checks, on the prompt, that each norm's output is the formula it is frozen as (an
+unknown class is tried against each known formula: probe.models.norms), that each attention's
+output is its frozen pattern times its values, and that each block's residual output is its
+input plus the attention's and the MLP's writes; a norm inside a block that is none of the
+anatomy's is refused before the forward. A mismatch is a ConfigError naming the module, its
+class and the largest difference: a graph is exact or refused, never silently different.
 """
 
 from __future__ import annotations
@@ -43,12 +56,13 @@ from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import block_names
 from probe.models.anatomy import anatomy
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
-from probe.models.transcoder import norm_kind
+from probe.models.norms import Formula, apply_gain, centred_and_scale, class_name, mismatch, prove
 
 MODES = ("attribute", "record", "replay")
 KEYS = (
-    "model.anatomy.mlp_out=SUFFIX (each block's MLP), mlp_norm=SUFFIX and attn_norm=SUFFIX (the "
-    "norms before the MLP and the attention), final_norm=NAME, unembed=NAME"
+    "+model.anatomy.mlp_out=SUFFIX (each block's MLP), mlp_norm=SUFFIX and attn_norm=SUFFIX (the "
+    "norms before the MLP and the attention), final_norm=NAME, unembed=NAME (and, for norms "
+    "after the attention and the MLP, post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX)"
 )
 ATTENTION_NAME = "probe_frozen_patterns"
 
@@ -61,8 +75,10 @@ class _AttentionConfig(Protocol):
 
 @dataclass
 class Parts:
-    """The modules the replacement model hooks: per block its attention norm, MLP norm and MLP;
-    the final norm, the input embeddings and the unembedding weight (vocab, width)."""
+    """The modules the replacement model hooks: per block its attention norm, MLP norm and MLP,
+    its attention and, for sandwich norms (Gemma-2, Gemma-3), the norms after the attention and
+    the MLP; the final norm, the input embeddings, the unembedding weight (vocab, width), whether
+    attention and MLP read the same residual, and every module's name."""
 
     family: str
     attn_norms: list[nn.Module]
@@ -71,6 +87,19 @@ class Parts:
     final_norm: nn.Module
     embed: nn.Module
     unembed: torch.Tensor
+    attns: list[nn.Module] = field(default_factory=list)
+    post_attn_norms: list[nn.Module] = field(default_factory=list)
+    post_mlp_norms: list[nn.Module] = field(default_factory=list)
+    parallel: bool = False
+    names: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def mlp_writes(self) -> list[nn.Module]:
+        """Each block's module whose output is the MLP's write to the residual stream."""
+        return self.post_mlp_norms or self.mlps
+
+    def name(self, module: nn.Module) -> str:
+        return self.names.get(id(module), type(module).__name__)
 
     @property
     def n_layers(self) -> int:
@@ -97,6 +126,9 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
             ("attn_norm", len(body.attn_norm) == n),
             ("final_norm", body.final_norm is not None),
             ("unembed", body.unembed is not None),
+            ("attn", len(body.attn) == n),
+            ("post_attn_norm", len(body.post_attn_norm) in (0, n)),
+            ("post_mlp_norm", len(body.post_mlp_norm) in (0, n)),
         )
         if not got
     ]
@@ -115,6 +147,7 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
             "run; probe.attribution_graph(..., overrides={'mlp_out': ...}) in the API)"
         )
     modules = dict(model.named_modules())
+    _refuse_unplaced_norms(body, modules)
     # (transformers' method: Module.__getattr__'s type knows submodules and tensors only)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
     if embed is None:
@@ -136,7 +169,39 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
         modules[body.final_norm],
         embed,
         unembed,
+        attns=[modules[m] for m in body.attn],
+        post_attn_norms=[modules[m] for m in body.post_attn_norm],
+        post_mlp_norms=[modules[m] for m in body.post_mlp_norm],
+        parallel=body.parallel,
+        names={id(m): name for name, m in modules.items()},
     )
+
+
+def _refuse_unplaced_norms(body, modules: dict[str, nn.Module]) -> None:
+    """Refuse a norm (a module whose class name says Norm) that the anatomy does not place: not
+    before or after a block's attention or MLP, not inside an MLP (replaced whole), not one that
+    only shapes an attention pattern (pattern_norms), not the final norm. Its scale would stay
+    live in the backward: the graph would be silently different."""
+    placed = {*body.attn_norm, *body.mlp_norm, *body.post_attn_norm, *body.post_mlp_norm,
+              *body.pattern_norms, body.final_norm}  # fmt: skip
+    inside = tuple(f"{m}." for m in body.mlp_out)
+    unplaced = [
+        f"{name} ({type(m).__name__})"
+        for name, m in modules.items()
+        if "norm" in type(m).__name__.lower()
+        and not any(True for _ in m.children())
+        and name not in placed
+        and not name.startswith(inside)
+    ]
+    if unplaced:
+        raise ConfigError(
+            f"graphs: the {body.family!r} model has norms the local replacement model cannot "
+            f"place: {', '.join(unplaced[:6])}{' ...' if len(unplaced) > 6 else ''}; their scales "
+            "would stay live and the graph would be wrong. Name them: a norm after the attention "
+            "or the MLP is +model.anatomy.post_attn_norm=SUFFIX / post_mlp_norm=SUFFIX (Gemma's "
+            "sandwich norms), a norm that only shapes attention patterns (q/k norms) "
+            "+model.anatomy.pattern_norms=[SUFFIX,...] (overrides={...} in the API)"
+        )
 
 
 def _has_head(model: nn.Module) -> bool:
@@ -144,29 +209,6 @@ def _has_head(model: nn.Module) -> bool:
     library is given the benefit of the doubt (its unembedding may be set by hand)."""
     get = getattr(model, "get_output_embeddings", None)
     return not callable(get) or get() is not None
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-
-
-def _norm_parts(module: nn.Module, x: torch.Tensor, scale: torch.Tensor | None = None):
-    """(centred x, scale) in the compute dtype; the scale (detached) from x unless given."""
-    centres, eps = norm_kind(module)
-    xf = x.to(_compute_dtype(x))
-    xc = xf - xf.mean(-1, keepdim=True) if centres else xf
-    if scale is None:
-        with torch.no_grad():
-            scale = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
-    return xc, scale
-
-
-def _norm_linear(module: nn.Module, xc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    out = xc * scale
-    weight = getattr(module, "weight", None)
-    if weight is not None:
-        out = out * weight.to(out.dtype)
-    return out
 
 
 @dataclass
@@ -180,6 +222,9 @@ class Captured:
     embed: torch.Tensor | None = None
     final: torch.Tensor | None = None
     attention_calls: int = 0
+    # the first prompt copy's residual stream and writes, for the residual check
+    residual: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    blocks_checked: int = 0
 
 
 class LocalReplacement:
@@ -222,7 +267,18 @@ class LocalReplacement:
             self._where[id(m)] = ("attn_norm", i)
         for i, m in enumerate(self.parts.mlp_norms):
             self._where[id(m)] = ("mlp_norm", i)
+        for i, m in enumerate(self.parts.post_attn_norms):
+            self._where[id(m)] = ("post_attn_norm", i)
+        # the MLP's write: the residual's (mlp_out: after a post-norm, as hook_mlp_out), or the
+        # MLP module's own output (mlp_module_out: mlp.hook_out, a post-norm then frozen)
+        before_post = getattr(transcoders, "writes", "mlp_out") == "mlp_module_out"
+        self.frozen_post_mlp = self.parts.post_mlp_norms if before_post else []
+        self.mlp_writes = self.parts.mlps if before_post else self.parts.mlp_writes
+        for i, m in enumerate(self.frozen_post_mlp):
+            self._where[id(m)] = ("post_mlp_norm", i)
         self._where[id(self.parts.final_norm)] = ("final_norm", self.parts.n_layers)
+        self._formulas: dict[int, tuple[Formula, float]] = {}  # proven on the prompt
+        self._mlp_in: dict[int, torch.Tensor | None] = {}
         self._resid_mid: dict[int, torch.Tensor] = {}
         self._normalized: dict[int, torch.Tensor] = {}
         self._grad_flags: list[tuple[torch.Tensor, bool]] = []
@@ -255,11 +311,17 @@ class LocalReplacement:
         _register_attention(self._original)
         self.config._attn_implementation = f"{ATTENTION_NAME}_{self._original}"
         LocalReplacement._active = self
-        for m in [*self.parts.attn_norms, *self.parts.mlp_norms, self.parts.final_norm]:
+        norms = [*self.parts.attn_norms, *self.parts.mlp_norms, *self.parts.post_attn_norms,
+                 *self.frozen_post_mlp]  # fmt: skip
+        for m in [*norms, self.parts.final_norm]:
             self._hooks.forward(m, self._norm_hook, name="norm")
         for layer, m in enumerate(self.parts.mlps):
-            self._hooks.forward_pre(m, self._mlp_begins, name=f"mlp {layer}")
-            self._hooks.forward(m, self._mlp_hook(layer), name=f"mlp {layer}")
+            self._hooks.forward_pre(m, self._mlp_begins(layer), name=f"mlp {layer}")
+        for layer, m in enumerate(self.mlp_writes):
+            self._hooks.forward(m, self._mlp_hook(layer), name=f"mlp write {layer}")
+        if not self.parts.post_attn_norms:
+            for layer, m in enumerate(self.parts.attns):
+                self._hooks.forward(m, self._attn_write(layer), name=f"attention {layer}")
         self._hooks.forward(self.parts.embed, self._embed_hook, name="embed")
         self._hooks.forward_pre(self.model, self._begin, name="model")
 
@@ -270,6 +332,7 @@ class LocalReplacement:
     def _begin(self, module, args):
         self.captured = Captured()
         self._resid_mid = {}
+        self._mlp_in = {}
         self._normalized = {}
         self._pattern_index = 0
         if self.mode == "record":
@@ -281,26 +344,51 @@ class LocalReplacement:
         self.captured.embed = out
         return out
 
+    def _keep(self, kind: str, layer: int, value: torch.Tensor) -> None:
+        """The first prompt copy's `value` for the residual check (not in a replay); at the next
+        block's input (or the final norm's) a block's sums are checked and its values dropped,
+        so at most two blocks' are held."""
+        if self.mode == "replay":
+            return
+        r = self.captured.residual
+        r[kind, layer] = value[:1].detach().clone()
+        if kind in ("attn_norm input", "final_norm input") and layer >= 1:
+            check_block(self.parts, r, layer - 1)
+            for key in [k for k in r if k[1] == layer - 1]:
+                del r[key]
+            self.captured.blocks_checked += 1
+
+    def _formula(self, module, x, out) -> tuple[Formula, float]:
+        """The norm's formula, proven on this forward's input and output (a replay reuses the
+        record's)."""
+        if self.mode != "replay" or id(module) not in self._formulas:
+            if self.mode == "attribute":  # (every copy of the prompt is the same)
+                x, out = x[:1], out[:1]
+            self._formulas[id(module)] = prove(module, self.parts.name(module), x, out)
+        return self._formulas[id(module)]
+
     def _norm_hook(self, module, args, out):
         kind, layer = self._where[id(module)]
         x = args[0]
         key = (kind, layer)
+        formula, eps = self._formula(module, x, out)
         if kind == "mlp_norm":
             self._resid_mid[layer] = x
+        self._keep(f"{kind} input", layer, x)
         if self.mode == "replay":
-            xc, scale = _norm_parts(module, x, self.saved["scales"][key])
-            new = _norm_linear(module, xc, scale)
-            bias = getattr(module, "bias", None)
-            if bias is not None:
-                new = new + bias.to(new.dtype)
-            out = new.to(out.dtype)
+            xc, scale = centred_and_scale(formula, eps, x, self.saved["scales"][key])
+            out = apply_gain(formula, module, xc * scale).to(out.dtype)
         else:
-            xc, scale = _norm_parts(module, x)
+            xc, scale = centred_and_scale(formula, eps, x)
             if self.mode == "record":
                 self.saved["scales"][key] = scale
             else:
-                lin = _norm_linear(module, xc, scale)
+                lin = apply_gain(formula, module, xc * scale)
                 out = out.detach() + (lin - lin.detach()).to(out.dtype)
+        if kind == "post_attn_norm":
+            self._keep("attn write", layer, out)
+        if kind == "post_mlp_norm":
+            self._keep("mlp write", layer, out)
         if kind == "mlp_norm" and self.transcoders.reads == "mlp_normalized":
             # the norm's output before its weight and bias, the scale frozen: linear in x
             self._normalized[layer] = (xc * scale).to(x.dtype)
@@ -308,11 +396,22 @@ class LocalReplacement:
             self.captured.final = out
         return out
 
-    def _mlp_begins(self, module, args):
-        """The MLP's own computation needs no backward (only the skip path flows back): it runs
-        without autograd, the grad mode restored by the MLP's forward hook."""
-        self._mlp_grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+    def _attn_write(self, layer: int):
+        def hook(module, args, out):
+            self._keep("attn write", layer, out[0] if isinstance(out, tuple) else out)
+
+        return hook
+
+    def _mlp_begins(self, layer: int):
+        """The MLP's own computation (and a norm after it) needs no backward (only the skip path
+        flows back): it runs without autograd, the grad mode restored by the MLP write's hook."""
+
+        def hook(module, args):
+            self._mlp_in[layer] = args[0] if args else None
+            self._mlp_grad = torch.is_grad_enabled()
+            torch.set_grad_enabled(False)
+
+        return hook
 
     def _mlp_hook(self, layer: int):
         skip_path = _skip_path(self.transcoders, layer)
@@ -320,9 +419,11 @@ class LocalReplacement:
         def hook(module, args, out):
             torch.set_grad_enabled(self._mlp_grad)
             reads = self.transcoders.reads
-            x = {"mlp_in": args[0] if args else None, "resid_mid": self._resid_mid.get(layer),
+            x = {"mlp_in": self._mlp_in.get(layer), "resid_mid": self._resid_mid.get(layer),
                  "mlp_normalized": self._normalized.get(layer)}[reads]  # fmt: skip
             assert x is not None  # the MLP's input, or what the norm hooks kept before it
+            if not self.frozen_post_mlp:  # (else the norm after it writes to the residual)
+                self._keep("mlp write", layer, out)
             self.captured.inputs[layer] = x
             self.captured.mlp_values[layer] = out.detach()
             if self.mode == "record":
@@ -363,10 +464,19 @@ class LocalReplacement:
                 module, query[:rows], key[:rows], value[:rows], mask,
                 **{k: v for k, v in kwargs.items() if k != "dropout"},
             )  # fmt: skip
+        lin = _apply(pattern, value)
+        largest, ok = mismatch(out, lin.to(out.dtype))
+        if not ok:
+            raise ConfigError(
+                f"graphs: the attention {self.parts.name(module)!r} ({class_name(module)}) does "
+                "not compute its frozen pattern times its values (the pattern from its family's "
+                f"eager_attention_forward): they differ by up to {largest:.3g} on this prompt, "
+                "so no graph can freeze it exactly; load the model with "
+                "attn_implementation='eager'"
+            )
         if self.mode == "record":
             self.saved["patterns"].append(pattern)
             return out, weights
-        lin = _apply(pattern, value)
         return out.detach() + (lin - lin.detach()).to(out.dtype), weights
 
 
@@ -501,3 +611,54 @@ def check_interface(replacement: LocalReplacement) -> None:
             f"graphs: {calls} of the {replacement.parts.family!r} model's {n} attention layers "
             "called transformers' attention interface, so their patterns could not be frozen"
         )
+    check_residual(replacement)
+
+
+def check_residual(replacement: LocalReplacement) -> None:
+    """After a forward (not a replay): every block's residual was checked (check_block, as the
+    forward went), or a ConfigError saying which of its values never came."""
+    if replacement.mode == "replay":
+        return
+    n, done = replacement.parts.n_layers, replacement.captured.blocks_checked
+    if done != n:
+        raise ConfigError(
+            f"graphs: the residual of only {done} of the {replacement.parts.family!r} model's "
+            f"{n} blocks could be checked (held: {sorted(replacement.captured.residual)}): the "
+            "anatomy's norms, attention and MLP are not the ones the forward runs; set "
+            f"them with {KEYS}"
+        )
+
+
+def check_block(parts: Parts, r: dict, layer: int) -> None:
+    """Block `layer`'s residual output (the next norm's input) is its input plus its attention's
+    write plus its MLP's write (the middle, the MLP norm's input, its input plus the attention's
+    write), or a ConfigError naming the block: something between a write and the residual
+    stream that the anatomy does not know (a norm after the attention or the MLP, a scale)
+    would make the graph silently different."""
+    n = parts.n_layers
+    need = [("attn_norm input", layer), ("mlp_norm input", layer), ("attn write", layer),
+            ("mlp write", layer), ("attn_norm input", layer + 1) if layer + 1 < n
+            else ("final_norm input", n)]  # fmt: skip
+    block = parts.name(parts.attn_norms[layer]).rsplit(".", 1)[0]
+    missing = [f"{kind} {i}" for kind, i in need if (kind, i) not in r]
+    if missing:
+        raise ConfigError(
+            f"graphs: block {block!r} of the {parts.family!r} model: its residual cannot be "
+            f"checked ({', '.join(missing)} never came in the forward); the anatomy's modules "
+            f"are not the ones the forward runs; set them with {KEYS}"
+        )
+    into, mid, attn, mlp, out = (r[key] for key in need)
+    sums = [("output", out, into + attn + mlp)] if parts.parallel else [
+        ("middle (the MLP norm's input)", mid, into + attn), ("output", out, mid + mlp)]  # fmt: skip
+    for what, got, want in sums:
+        largest, ok = mismatch(got, want)
+        if not ok:
+            raise ConfigError(
+                f"graphs: block {block!r} of the {parts.family!r} model: its residual "
+                f"{what} is not the sum of its input and the writes of its attention "
+                f"({parts.name((parts.post_attn_norms or parts.attns)[layer])}) and MLP "
+                f"({parts.name(parts.mlp_writes[layer])}) (off by up to {largest:.3g}), so "
+                "a norm or another computation between a write and the residual stream is "
+                "not known and the graph would be wrong; name norms after the attention or "
+                "the MLP with +model.anatomy.post_attn_norm=SUFFIX and post_mlp_norm=SUFFIX"
+            )

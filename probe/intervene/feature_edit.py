@@ -84,9 +84,10 @@ class FeatureWrite:
 
 
 def feature_modules(model: nn.Module, layer: int, reads: str, label: str):
-    """((reading module's name, module), (MLP's name, module)) of block `layer`: the MLP's input
-    (reads=mlp_in) or the norm before it (reads=resid_mid, mlp_normalized) and the MLP (the
-    anatomy's mlp_out)."""
+    """((reading module's name, module), (writing module's name, module)) of block `layer`: the
+    MLP's input (reads=mlp_in) or the norm before it (reads=resid_mid, mlp_normalized), and the
+    module whose output is the MLP's write (the anatomy's mlp_write: the MLP, or Gemma's norm
+    after it)."""
     body = anatomy(model, block_names(model))
     modules = dict(model.named_modules())
     if not body.mlp_out:
@@ -100,8 +101,9 @@ def feature_modules(model: nn.Module, layer: int, reads: str, label: str):
             f"give a layer in [0, {len(body.mlp_out)})"
         )
     mlp = body.mlp_out[layer]
+    write = body.mlp_write[layer]  # the MLP, or the norm after it (Gemma's post_mlp_norm)
     if reads == "mlp_in":
-        return (mlp, modules[mlp]), (mlp, modules[mlp])
+        return (mlp, modules[mlp]), (write, modules[write])
     if len(body.mlp_norm) != len(body.mlp_out):
         raise ConfigError(
             f"{label}: the transcoders read {reads}, from the input of each block's norm before "
@@ -109,7 +111,7 @@ def feature_modules(model: nn.Module, layer: int, reads: str, label: str):
             "model.anatomy.mlp_norm=SUFFIX"
         )
     norm = body.mlp_norm[layer]
-    return (norm, modules[norm]), (mlp, modules[mlp])
+    return (norm, modules[norm]), (write, modules[write])
 
 
 def check_feature(label: str, transcoders, layer: int, feature: int) -> None:

@@ -14,6 +14,12 @@ modules, or one fused module whose columns `qkv_layout` describes: `fused` is GP
 [all queries | all keys | all values], `per_head` GPT-NeoX's [head 0: q k v | head 1: ...]),
 the key/value heads of grouped-query attention (`kv_heads`), the head width (`head_dim`) and
 whether attention and MLP read the same residual (`parallel`, GPT-NeoX's parallel residual).
+
+Gemma-2 and Gemma-3 put a second norm after the attention and after the MLP ("sandwich" norms:
+the residual gets post_norm(mlp(pre_norm(x)))): `post_attn_norm` and `post_mlp_norm` name them,
+and the block's writes to the residual stream are their outputs (`attn_write`, `mlp_write`).
+`pattern_norms` are norms inside the attention that only shape its pattern (Qwen3's and
+Gemma-3's q/k norms). Another norm inside a block is one a graph cannot place (refused there).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class Family(_Modules, total=False):
     qkv_layout: str
     parallel: str  # the config attribute that says so
     post_norm: bool
+    post_attn_norm: str  # sandwich norms (Gemma-2, Gemma-3): after the attention, the MLP
+    post_mlp_norm: str
+    pattern_norms: list[str]  # norms inside the attention that only shape its pattern
 
 
 LLAMA: Family = {
@@ -54,6 +63,12 @@ LLAMA: Family = {
     "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
     "qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "qkv_layout": "split",
 }  # fmt: skip
+QWEN3: Family = {**LLAMA, "pattern_norms": ["self_attn.q_norm", "self_attn.k_norm"]}
+GEMMA2: Family = {
+    **LLAMA, "mlp_norm": "pre_feedforward_layernorm",
+    "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
+}  # fmt: skip
+GEMMA3: Family = {**GEMMA2, "pattern_norms": ["self_attn.q_norm", "self_attn.k_norm"]}
 QKV_LAYOUTS = ("split", "fused", "per_head")
 FAMILIES: dict[str, Family] = {  # per model_type: module suffixes below each block, and top-level candidates
     "gpt2": {
@@ -61,7 +76,8 @@ FAMILIES: dict[str, Family] = {  # per model_type: module suffixes below each bl
         "unembed": ["lm_head"], "embed": ["transformer.wte", "transformer.wpe", "wte", "wpe"],
         "attn_norm": "ln_1", "mlp_norm": "ln_2", "qkv": "attn.c_attn", "qkv_layout": "fused",
     },
-    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
+    "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": QWEN3, "gemma": LLAMA,
+    "gemma2": GEMMA2, "gemma3_text": GEMMA3,
     "gpt_neox": {
         "attn": "attention", "attn_out": "attention.dense", "mlp_out": "mlp",
         "final_norm": ["gpt_neox.final_layer_norm", "final_layer_norm"],
@@ -101,6 +117,25 @@ class Anatomy:
     head_dim: int | None = None
     parallel: bool = False  # attention and MLP read the same residual (GPT-NeoX)
     width: int | None = None  # the residual stream's (set by probe.attribute.readout's lens)
+    post_attn_norm: list[str] = field(default_factory=list)  # sandwich norms (Gemma-2, -3)
+    post_mlp_norm: list[str] = field(default_factory=list)
+    pattern_norms: list[str] = field(default_factory=list)  # per block, e.g. q/k norms
+
+    @property
+    def sandwich(self) -> bool:
+        """Whether the attention's or the MLP's output is normed again before the residual."""
+        return bool(self.post_attn_norm or self.post_mlp_norm)
+
+    @property
+    def mlp_write(self) -> list[str]:
+        """Each block's module whose output the residual stream gets from the MLP: the MLP, or
+        the norm after it (Gemma-2, Gemma-3)."""
+        return self.post_mlp_norm or self.mlp_out
+
+    @property
+    def attn_write(self) -> list[str]:
+        """Each block's module whose output the residual stream gets from the attention."""
+        return self.post_attn_norm or self.attn
 
     def alias(self, name: str) -> list[str]:
         return {
@@ -153,10 +188,13 @@ def _config_int(config, keys) -> int | None:
 def _reading(out: Anatomy, known: dict, config, modules: dict) -> None:
     """Where each block reads the residual stream (norms, q/k/v projections), the key/value
     heads, the head width and the parallel residual; names that are absent are left out."""
-    for key in ("attn_norm", "mlp_norm"):
+    for key in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
         suffix = known.get(key)
         if suffix:
             setattr(out, key, [n for b in out.blocks if (n := f"{b}.{suffix}") in modules])
+    pattern = known.get("pattern_norms") or []
+    pattern = [pattern] if isinstance(pattern, str) else list(pattern)
+    out.pattern_norms = [n for b in out.blocks for s in pattern if (n := f"{b}.{s}") in modules]
     qkv = known.get("qkv")
     if qkv:
         suffixes = (qkv,) if isinstance(qkv, str) else tuple(qkv)

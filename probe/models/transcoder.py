@@ -8,7 +8,11 @@ d_tc), W_dec (d_tc, d_out), W_skip (d_out, d_in). Where it reads is the set's `r
 `mlp_normalized` (the norm before the MLP without its weight and bias: the norm's input centred,
 for a LayerNorm, times 1/std or 1/rms; TransformerLens's `ln2.hook_normalized`), `mlp_in` (the
 MLP's input, after the norm's weight and bias; TransformerLens's `mlp.hook_in`) or `resid_mid`
-(the residual before that norm; `hook_resid_mid`); it writes the MLP's output (`mlp_out`).
+(the residual before that norm; `hook_resid_mid`). Where it writes is the set's `writes`:
+`mlp_out` (what the residual stream gets from the MLP: the MLP's output, or for Gemma-2 and
+Gemma-3 the output of the norm after it; TransformerLens's and circuit-tracer's `hook_mlp_out`)
+or `mlp_module_out` (the MLP module's own output, `mlp.hook_out`: the same place but for a
+family with a norm after the MLP, where that norm is then frozen like the others).
 
 probe.models.transcoder_files loads a set from circuit-tracer's YAML and the file layouts it
 reads; probe.analysis.fit trains one from a run's captures.
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from probe.errors import ConfigError
+from probe.models.norms import centred_and_scale, formula_of
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
 # where a transcoder reads: circuit-tracer's feature_input_hook
@@ -32,7 +37,9 @@ INPUT_HOOKS = {
     "mlp.hook_in": "mlp_in",
     "hook_resid_mid": "resid_mid",
 }
-OUTPUT_HOOKS = ("mlp.hook_out", "hook_mlp_out")
+# where it writes: circuit-tracer's feature_output_hook
+OUTPUT_HOOKS = {"hook_mlp_out": "mlp_out", "mlp.hook_out": "mlp_module_out"}
+WRITES = tuple(OUTPUT_HOOKS.values())
 
 
 class Transcoder(nn.Module):
@@ -155,6 +162,11 @@ class TranscoderSet:
                 f"transcoders read {self.reads!r}; choose from {', '.join(READS)} "
                 f"(circuit-tracer's feature_input_hook {', '.join(INPUT_HOOKS)})"
             )
+        if self.writes not in WRITES:
+            raise ConfigError(
+                f"transcoders write {self.writes!r}; choose from {', '.join(WRITES)} "
+                f"(circuit-tracer's feature_output_hook {', '.join(OUTPUT_HOOKS)})"
+            )
         layers = sorted(self.transcoders)
         if layers != list(range(len(layers))):
             raise ConfigError(
@@ -180,25 +192,16 @@ class TranscoderSet:
 
 
 def norm_kind(module: nn.Module) -> tuple[bool, float]:
-    """(centres, eps) of a norm: LayerNorm centres, RMSNorm does not; another kind is refused."""
-    if isinstance(module, nn.LayerNorm):
-        return True, float(module.eps)
-    if "RMSNorm" in type(module).__name__:
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is not None:
-            return False, float(eps)
-    raise ConfigError(
-        f"cannot take the normalised input of a {type(module).__name__} (reads=mlp_normalized, "
-        "or a frozen norm scale in a graph); probe knows torch's LayerNorm and the RMSNorms of "
-        "Llama, Mistral and Qwen"
-    )
+    """(centres, eps) of a norm (probe.models.norms.formula_of): LayerNorm centres, an RMSNorm
+    does not; another kind is refused."""
+    formula, eps = formula_of(module)
+    return formula.centres, eps
 
 
 def normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What `module` (a LayerNorm or RMSNorm) makes of `x` before its weight and bias: x centred
     (LayerNorm) times 1/sqrt(mean square + eps), in float32 or wider, in x's dtype
     (TransformerLens's `hook_normalized`; reads=mlp_normalized)."""
-    centres, eps = norm_kind(module)
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    xc = xf - xf.mean(-1, keepdim=True) if centres else xf
-    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    formula, eps = formula_of(module)
+    xc, scale = centred_and_scale(formula, eps, x)
+    return (xc * scale).to(x.dtype)

@@ -47,6 +47,7 @@ SAVE_LAYOUTS = ("relu_skip", "gemma_scope")
 SAELENS_ARCHITECTURES = {"transcoder": "relu", "skip_transcoder": "relu"}
 SAELENS_ARCHITECTURES |= {"jumprelu_transcoder": "jumprelu"}
 HOOK_OF_READS = {reads: hook for hook, reads in INPUT_HOOKS.items()}
+HOOK_OF_WRITES = {writes: hook for hook, writes in OUTPUT_HOOKS.items()}
 THRESHOLD_KEYS = ("activation_function.threshold", "threshold")
 RESAVE = (
     "save the set again in circuit-tracer's layout (probe.models.transcoder_files."
@@ -128,7 +129,7 @@ def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> AnyT
     if not isinstance(config, dict):
         raise ConfigError(f"{yaml_path} holds {config!r}, not a transcoder-set config")
     reads = INPUT_HOOKS[_hook(config, "feature_input_hook", INPUT_HOOKS, yaml_path)]
-    _hook(config, "feature_output_hook", OUTPUT_HOOKS, yaml_path)
+    writes = OUTPUT_HOOKS[_hook(config, "feature_output_hook", OUTPUT_HOOKS, yaml_path)]
     kind = config.get("model_kind", "transcoder_set")
     if kind == "cross_layer_transcoder":
         from probe.models.clt_files import read_cross_layer
@@ -157,7 +158,7 @@ def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> AnyT
             "block 0..n-1"
         )
     return TranscoderSet(
-        transcoders, reads=reads, model_name=config.get("model_name"), ids=ids,
+        transcoders, reads=reads, writes=writes, model_name=config.get("model_name"), ids=ids,
         source=str(yaml_path),
     )  # fmt: skip
 
@@ -425,7 +426,9 @@ def save_transcoders(tset: TranscoderSet, folder: str | Path, layout: str = "rel
     folder.mkdir(parents=True, exist_ok=True)
     for layer, t in sorted(tset.transcoders.items()):
         write_transcoder(t, folder / _file_name(layer, layout), layout)
-    return write_set_config(folder, tset.transcoders, tset.reads, tset.model_name, tset.ids, layout)
+    return write_set_config(
+        folder, tset.transcoders, tset.reads, tset.model_name, tset.ids, layout, tset.writes
+    )
 
 
 def _file_name(layer: int, layout: str) -> str:
@@ -434,7 +437,7 @@ def _file_name(layer: int, layout: str) -> str:
 
 def write_set_config(folder: Path, transcoders: dict[int, Transcoder], reads: str,
                      model_name: str | None = None, ids: dict[int, str] | None = None,
-                     layout: str = "relu_skip") -> Path:  # fmt: skip
+                     layout: str = "relu_skip", writes: str = "mlp_out") -> Path:  # fmt: skip
     """config.yaml in `folder` naming layer_<i> files of `transcoders` (written beside it)."""
     import yaml
 
@@ -449,7 +452,7 @@ def write_set_config(folder: Path, transcoders: dict[int, Transcoder], reads: st
         "model_name": model_name or "",
         "model_kind": "transcoder_set",
         "feature_input_hook": HOOK_OF_READS[reads],
-        "feature_output_hook": "hook_mlp_out",
+        "feature_output_hook": HOOK_OF_WRITES[writes],
         "transcoders": entries,
     }
     path = Path(folder) / CONFIG_FILE
