@@ -18,28 +18,9 @@ from probe.analysis.fit.sites import held_out
 from probe.analysis.fit.trainer import TrainingTranscoder, train_step
 from probe.fit import main
 from probe.models.transcoder_files import load_transcoders
-from probe.testing.tiny_lms import make_tiny, make_tokenizer
-from tests.helpers import run_probe
 
 WIDTH = 32  # the tiny GPT-2's hidden size
 FAST = ["--width", "128", "--batch-size", "256", "--lr", "3e-3"]
-
-
-@pytest.fixture(scope="module")
-def lm_run(tmp_path_factory):
-    """A tiny GPT-2's MLP inputs and outputs and ln_2 inputs, 128 x 32 token rows."""
-    root = tmp_path_factory.mktemp("fit")
-    model = make_tokenizer(make_tiny("gpt2", root / "gpt2", vocab_size=50))  # (specials: ids 0-3)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 50, (128, 32), generator=g)  # (0-3: the tokenizer's special tokens)
-    torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
-    _, f = run_probe(root / "run", "model=hf", f"model.name={model}", "model.task=causal_lm",
-                     "dataset=tokens", f"dataset.path={root / 'ids.pt'}", "dataset.batch_size=64",
-                     "probes=none", "+probes.tc.layers=[@blocks.mlp,@blocks.ln_2]",
-                     "+probes.tc.capture=[input,output]", "+probes.tc.rows=tokens",
-                     "+probes.tc.match=any")  # fmt: skip
-    f.close()
-    return root / "run"
 
 
 def per_layer(out) -> pd.DataFrame:

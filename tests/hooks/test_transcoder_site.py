@@ -31,10 +31,9 @@ def lm(tmp_path_factory):
     return root, model, ids
 
 
-def hand_topk(model_dir, ids, tset, module: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """{layer: (values (units, K), (sample, position) keys (units, K))}: the features of each
-    block's `module` input (the norm's normalised by hand for mlp_normalized), top K over every
-    token, ties by the smaller (sample, position)."""
+def block_inputs(model_dir, ids, module: str) -> dict[int, torch.Tensor]:
+    """{block: the input of its `module` (mlp, ln_2) over `ids`, float64}, by plain forward
+    pre-hooks on the tiny GPT-2."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -49,6 +48,14 @@ def hand_topk(model_dir, ids, tset, module: str) -> dict[int, tuple[np.ndarray, 
         model(ids)
     for h in hooks:
         h.remove()
+    return inputs
+
+
+def hand_topk(model_dir, ids, tset, module: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{layer: (values (units, K), (sample, position) keys (units, K))}: the features of each
+    block's `module` input (the norm's normalised by hand for mlp_normalized), top K over every
+    token, ties by the smaller (sample, position)."""
+    inputs = block_inputs(model_dir, ids, module)
     out = {}
     for layer in range(len(tset)):
         x = inputs[layer]

@@ -18,7 +18,7 @@ from probe.testing.peers import circuit_tracer_source
 from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import make_tiny, make_tokenizer
 from tests.helpers import run_probe
-from tests.hooks.test_transcoder_site import K, hand_topk
+from tests.hooks.test_transcoder_site import K, block_inputs, hand_topk
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +110,7 @@ def test_kept_features_get_their_dataset_examples(runs):
 
 def hand_features(model_dir, ids, tset) -> dict[int, torch.Tensor]:
     """{layer: (samples, positions, d_tc)} features of each block's MLP input, float64."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    inputs = {}
-    hooks = [
-        block.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: inputs.__setitem__(i, args[0].detach().double())
-        )
-        for i, block in enumerate(model.transformer.h)
-    ]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
+    inputs = block_inputs(model_dir, ids, "mlp")
     return {
         layer: torch.relu(inputs[layer] @ t.W_enc.detach().double() + t.b_enc.detach().double())
         for layer, t in tset.transcoders.items()

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, special_token_ids
+from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, left_out_rows
 from probe.analysis.fit.trainer import JumpReLU, Step
 from probe.errors import ConfigError, DataError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
@@ -193,19 +193,7 @@ class CltFit:
                 )
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
-            self.special = None if self.options.keep_special else special_token_ids(run.config)
-            tokens = run.tokens()
-            self.left_out_rows = (
-                0
-                if self.options.keep_special
-                else int(left_out(tokens["position"], tokens["id"], self.special).sum())
-            )
-            if not self.options.keep_special and self.special is None:
-                log.warning(
-                    "no tokenizer loads for %s: position-0 rows are left out, special tokens "
-                    "elsewhere are not known and stay in (--keep-special keeps position 0 too)",
-                    self.run_path,
-                )
+            self.special, self.left_out_rows = left_out_rows(run, self.options.keep_special)
             for s in self.sites.values():
                 for site in (s.inputs, s.outputs):
                     if run.file[_path(site)].attrs.get("row_unit") != "tokens":

@@ -28,7 +28,7 @@ import torch
 from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model, sample_tokens
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, special_token_ids
+from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, left_out_rows
 from probe.analysis.fit.splice import splice_points
 from probe.analysis.fit.trainer import TrainingTranscoder, train_step
 from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
@@ -78,22 +78,10 @@ class Fit:
             self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
-            self.special = None if self.options.keep_special else special_token_ids(run.config)
-            tokens = run.tokens()
-            self.left_out_rows = (
-                0
-                if self.options.keep_special
-                else int(left_out(tokens["position"], tokens["id"], self.special).sum())
-            )
+            self.special, self.left_out_rows = left_out_rows(run, self.options.keep_special)
             self.losses = losses
             if losses:  # the run's model, built now: a fit must not fail on it when trained
                 run_model(run)
-        if not self.options.keep_special and self.special is None:
-            log.warning(
-                "no tokenizer loads for %s: position-0 rows are left out, special tokens "
-                "elsewhere are not known and stay in (--keep-special keeps position 0 too)",
-                self.run_path,
-            )
         blocks = sorted(self.sites)
         if layers:
             missing = sorted(set(layers) - set(blocks))

@@ -5,6 +5,7 @@ them out)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ import numpy as np
 from probe.errors import DataError
 from probe.models.anatomy import MLP_MODULES as MLP_NAMES
 from probe.models.anatomy import MLP_NORM_MODULES as NORM_NAMES
+
+log = logging.getLogger("probe.fit")
 
 
 def held_out(samples: np.ndarray, num_samples: int, fraction: float, seed: int) -> np.ndarray:
@@ -46,6 +49,23 @@ def left_out(position, token, special: frozenset[int] | None) -> np.ndarray:
     if special:
         out |= np.isin(np.asarray(token), np.fromiter(special, np.int64, len(special)))
     return out
+
+
+def left_out_rows(run, keep_special: bool) -> tuple[frozenset[int] | None, int]:
+    """(the special token ids a fit of `run` leaves out, None where no tokenizer loads or with
+    `keep_special`; how many of its token rows it leaves out), with a warning where no tokenizer
+    loads (position 0 alone is left out then)."""
+    if keep_special:
+        return None, 0
+    special = special_token_ids(run.config)
+    if special is None:
+        log.warning(
+            "no tokenizer loads for %s: position-0 rows are left out, special tokens elsewhere "
+            "are not known and stay in (--keep-special keeps position 0 too)",
+            run.path,
+        )
+    tokens = run.tokens()
+    return special, int(left_out(tokens["position"], tokens["id"], special).sum())
 
 
 @dataclass(frozen=True)
