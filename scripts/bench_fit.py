@@ -1,0 +1,141 @@
+"""Benchmark: `python -m probe.fit`'s peak memory and rows per second, for one layer and for all
+layers, at two sizes of a run: memory bounded in the number of rows (streamed, not a layer's rows
+held).
+
+    PYTHONPATH=. python scripts/bench_fit.py                       # 128 and 1024 samples x 128
+    PYTHONPATH=. python scripts/bench_fit.py --samples 128 --scale 8 --out docs/bench/fit.md
+
+The GPT-2-shaped model of the token benchmarks (6 blocks, width 256, seeded random), seeded random
+ids; one capture per size (`probes=mlp_io`), then per size a fit of block 0 and a fit of every
+block, each in a fresh process that runs probe.fit's `main` and reports its peak RSS above its
+RSS once probe.fit, torch and the model's libraries are imported (VmHWM after clearing it), the
+largest peak RSS among the processes it started and waited for (workers, if any), its wall
+seconds and the training rows it fitted (fit.csv). One pass over the training rows (`--epochs 1`)
+at width 512, topk k 32: the rows are all read, the arithmetic kept small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bench_common as bc  # first: it puts the repository root on sys.path
+
+POSITIONS = 128
+FIT = ["--activation", "topk", "--k", "32", "--width", "512", "--epochs", "1"]
+
+
+def child(argv: list[str]) -> None:
+    """Run probe.fit's main on `argv` in this process; print one JSON line of its memory."""
+    import pandas as pd
+    import torch  # noqa: F401  (imported before the baseline: its memory is not the fit's)
+
+    import probe.analysis.fit.fitting  # noqa: F401
+    from probe.fit import main
+
+    start = bc.status_mb("VmRSS") or 0.0
+    bc.reset_peak()
+    t0 = time.perf_counter()
+    code = main(argv)
+    wall = time.perf_counter() - t0
+    out = Path(argv[argv.index("--out") + 1])
+    fit = pd.read_csv(out / "fit.csv")
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(json.dumps({"code": code, "start_mb": start, "peak_mb": bc.peak_rss_mb(),
+                      "children_peak_mb": children, "wall": wall, "rows": int(fit.rows.sum()),
+                      "seconds": float(fit.seconds.sum()), "layers": len(fit)}))  # fmt: skip
+
+
+def capture(work: Path, samples: int, seed: int) -> tuple[Path, float]:
+    import torch
+
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        bc.save_gpt2(model_dir, POSITIONS, seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, bc.VOCAB, (samples, POSITIONS), generator=g)
+    path = work / f"ids{samples}.pt"
+    torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
+    run = work / f"run{samples}"
+    argv = [sys.executable, "-m", "probe", "model=hf", f"model.name={model_dir}",
+            "model.task=causal_lm", "dataset=tokens", f"dataset.path={path}",
+            "dataset.batch_size=32", "probes=mlp_io", f"hydra.run.dir={run}"]  # fmt: skip
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True, cwd=bc.ROOT, capture_output=True)
+    return run, time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--samples", type=int, default=128, help="sequences of 128 tokens (128)")
+    p.add_argument("--scale", type=int, default=8, help="the larger run's samples / --samples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", default="/tmp/bench-fit")
+    p.add_argument("--out", default=None, help="also write the results as markdown to OUT")
+    p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        child(args.child)
+        return
+    import shutil
+
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rows, results = [], []
+    for samples in (args.samples, args.samples * args.scale):
+        run, capture_s = capture(work, samples, args.seed)
+        h5 = sum(f.stat().st_size for f in run.rglob("*.h5")) / 2**20
+        print(f"{samples} samples captured in {capture_s:.1f} s ({h5:.0f} MB)", flush=True)
+        for label, layers in (("block 0", ["--layers", "0"]), ("all 6 blocks", [])):
+            out = work / f"fit{samples}-{len(layers)}"
+            argv = [str(run), *FIT, *layers, "--out", str(out)]
+            got = bc.child_json([str(Path(__file__).relative_to(bc.ROOT)), "--child", *argv])
+            if "error" in got:
+                raise SystemExit(f"probe.fit {' '.join(argv)}: {got['error']}")
+            got.update(samples=samples, label=label, h5_mb=h5, capture_s=capture_s)
+            results.append(got)
+            print(json.dumps(got), flush=True)
+            layer_mb = samples * POSITIONS * bc.WIDTH * 4 * 2 / 2**20
+            rows.append([f"{samples} x {POSITIONS}", label, got["rows"],
+                         f"{got['peak_mb'] - got['start_mb']:.0f}",
+                         f"{got['children_peak_mb']:.0f}" if got["children_peak_mb"] else None,
+                         f"{layer_mb * (1 if layers else bc.LAYERS):.0f}",
+                         f"{got['wall']:.1f}", f"{got['rows'] / got['wall']:.0f}"])  # fmt: skip
+    cols = ["rows of a run", "fit", "training rows", "peak RSS above start, MB",
+            "workers' peak RSS, MB", "its rows (in + out, float32), MB", "wall s", "rows/s"]
+    head = ["# probe.fit: peak memory and rows per second", "",
+            f"Measured {datetime.date.today()} with `python scripts/bench_fit.py"
+            f" --samples {args.samples} --scale {args.scale}` on {os.cpu_count()} shared CPU "
+            f"cores (CPU only), torch {__import__('torch').__version__}, Python "
+            f"{platform.python_version()}."]  # fmt: skip
+    notes = [
+        f"model: the token benchmarks' GPT-2 shape ({bc.LAYERS} blocks, width {bc.WIDTH}, "
+        "seeded random), seeded random ids; `probes=mlp_io` captures each block's MLP input "
+        "and output",
+        "fit: `python -m probe.fit RUN " + " ".join(FIT) + " [--layers 0]` (one pass over "
+        "the training rows), in a fresh process per line",
+        "peak RSS above start: the fit process's VmHWM (cleared after imports) minus its RSS "
+        "then; workers' peak: ru_maxrss of the processes it waited for (empty: none)",
+        "its rows: what the fitted blocks' input and output rows would take in memory if held "
+        "whole",
+        "rows/s: training rows of every fitted block over the fit's wall seconds (held-out "
+        "evaluation and writing included)",
+    ]
+    report = bc.markdown(head, cols, rows, notes)
+    print(report)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).write_text(report)
+
+
+if __name__ == "__main__":
+    main()
