@@ -9,7 +9,7 @@ The GPT-2-shaped model of the token benchmarks (6 blocks, width 256, seeded rand
 ids; one capture per size (`probes=mlp_io`), then per size a fit of block 0 and a fit of every
 block, each in a fresh process that runs probe.fit's `main` and reports its peak RSS above its
 RSS once probe.fit, torch and the model's libraries are imported (VmHWM after clearing it), the
-largest peak RSS among the processes it started and waited for (workers, if any), its wall
+peak of its process tree's RSS (itself and any workers, sampled every 20 ms), its wall
 seconds and the training rows it fitted (fit.csv). One pass over the training rows (`--epochs 1`)
 at width 512, topk k 32: the rows are all read, the arithmetic kept small.
 """
@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -33,8 +32,26 @@ POSITIONS = 128
 FIT = ["--activation", "topk", "--k", "32", "--width", "512", "--epochs", "1"]
 
 
+def tree_rss_mb(pid: int) -> float:
+    """VmRSS of process `pid` and every process below it, in MB (0 for one that ended)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def child(argv: list[str]) -> None:
     """Run probe.fit's main on `argv` in this process; print one JSON line of its memory."""
+    import threading
+
     import pandas as pd
     import torch  # noqa: F401  (imported before the baseline: its memory is not the fit's)
 
@@ -43,14 +60,23 @@ def child(argv: list[str]) -> None:
 
     start = bc.status_mb("VmRSS") or 0.0
     bc.reset_peak()
+    tree_peak, done = [start], threading.Event()
+
+    def sample() -> None:  # the process tree's RSS (workers, if the fit starts any)
+        while not done.wait(0.02):
+            tree_peak[0] = max(tree_peak[0], tree_rss_mb(os.getpid()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     code = main(argv)
     wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
     out = Path(argv[argv.index("--out") + 1])
     fit = pd.read_csv(out / "fit.csv")
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps({"code": code, "start_mb": start, "peak_mb": bc.peak_rss_mb(),
-                      "children_peak_mb": children, "wall": wall, "rows": int(fit.rows.sum()),
+                      "tree_peak_mb": tree_peak[0], "wall": wall, "rows": int(fit.rows.sum()),
                       "seconds": float(fit.seconds.sum()), "layers": len(fit)}))  # fmt: skip
 
 
@@ -107,11 +133,19 @@ def main() -> None:
             layer_mb = samples * POSITIONS * bc.WIDTH * 4 * 2 / 2**20
             rows.append([f"{samples} x {POSITIONS}", label, got["rows"],
                          f"{got['peak_mb'] - got['start_mb']:.0f}",
-                         f"{got['children_peak_mb']:.0f}" if got["children_peak_mb"] else None,
+                         f"{got['tree_peak_mb'] - got['start_mb']:.0f}",
                          f"{layer_mb * (1 if layers else bc.LAYERS):.0f}",
                          f"{got['wall']:.1f}", f"{got['rows'] / got['wall']:.0f}"])  # fmt: skip
-    cols = ["rows of a run", "fit", "training rows", "peak RSS above start, MB",
-            "workers' peak RSS, MB", "its rows (in + out, float32), MB", "wall s", "rows/s"]
+    cols = [
+        "rows of a run",
+        "fit",
+        "training rows",
+        "peak RSS above start, MB",
+        "workers' peak RSS, MB",
+        "its rows (in + out, float32), MB",
+        "wall s",
+        "rows/s",
+    ]
     head = ["# probe.fit: peak memory and rows per second", "",
             f"Measured {datetime.date.today()} with `python scripts/bench_fit.py"
             f" --samples {args.samples} --scale {args.scale}` on {os.cpu_count()} shared CPU "
@@ -124,7 +158,8 @@ def main() -> None:
         "fit: `python -m probe.fit RUN " + " ".join(FIT) + " [--layers 0]` (one pass over "
         "the training rows), in a fresh process per line",
         "peak RSS above start: the fit process's VmHWM (cleared after imports) minus its RSS "
-        "then; workers' peak: ru_maxrss of the processes it waited for (empty: none)",
+        "then; process tree's: the RSS of the fit process and every process it started "
+        "(workers, if any), summed, sampled every 20 ms, minus the same start",
         "its rows: what the fitted blocks' input and output rows would take in memory if held "
         "whole",
         "rows/s: training rows of every fitted block over the fit's wall seconds (held-out "

@@ -53,35 +53,35 @@ HEADER = "# Transcoders: probe's fit side by side with sparsify and SAELens"
 
 
 # -- the model and its tokens ------------------------------------------------------------------
-def planted_available() -> bool:
-    try:
-        import probe.testing.planted  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def build_model(kind: str, model_dir: Path, samples: int, seed: int) -> dict:
-    """Save the model into `model_dir` and `samples` x SEQ token ids sampled from it beside it;
-    what was built (for the report)."""
+def build_model(kind: str, root: Path, samples: int, seed: int) -> dict:
+    """The model in root/model and `samples` x SEQ token ids sampled from it in root/ids.pt; what
+    was built (for the report) and, for the planted model, its planted encoder directions."""
     import torch
 
     if kind == "planted":
-        from probe.testing import planted
+        from probe.testing.planted import PlantedSpec, make_planted
 
-        return planted.build_for_bench(model_dir, samples, SEQ, seed)  # type: ignore[attr-defined]
+        spec = PlantedSpec(sequences=samples, length=SEQ, seed=seed)
+        planted = make_planted(root, spec)
+        rates = ", ".join(f"{float(r.sum()):.1f}" for r in planted.fire_rates.values())
+        return {"model": f"the planted GPT-2 (probe.testing.planted, PlantedSpec(sequences="
+                f"{samples}, seed={seed})): {spec.n_layer} blocks, d_model {spec.d_model}, "
+                f"ReLU MLPs of {spec.n_inner} planted units, vocab {spec.vocab_size}; planted "
+                f"L0 (mean active units a token) per block: {rates}; tokens sampled from it",
+                "encoders": planted.encoders}  # fmt: skip
     from transformers import AutoModelForCausalLM
 
     from probe.testing.tiny_lms import make_tiny
 
-    make_tiny("gpt2", model_dir, vocab_size=100)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    make_tiny("gpt2", root / "model", vocab_size=100)
+    model = AutoModelForCausalLM.from_pretrained(root / "model").eval()
     ids = sample_tokens(model, samples, SEQ, seed)
-    torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, model_dir / "ids.pt")
+    torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, root / "ids.pt")
     cfg = model.config
-    return {"model": f"tiny random GPT-2 (probe.testing.tiny_lms.make_tiny): {cfg.n_layer} "
-            f"blocks, d_model {cfg.n_embd}, MLP {4 * cfg.n_embd} ({cfg.activation_function}), "
-            f"vocab {cfg.vocab_size}; tokens sampled from it"}  # fmt: skip
+    return {"model": f"a stand-in: tiny random GPT-2 (probe.testing.tiny_lms.make_tiny): "
+            f"{cfg.n_layer} blocks, d_model {cfg.n_embd}, MLP {4 * cfg.n_embd} "
+            f"({cfg.activation_function}), vocab {cfg.vocab_size}; tokens sampled from it (its "
+            "MLPs barely matter to the loss: ce_recovered is noise)", "encoders": None}  # fmt: skip
 
 
 def sample_tokens(model, samples: int, seq: int, seed: int):
@@ -117,17 +117,17 @@ def sparsify_child(args) -> None:
     """Train sparsify's TopK transcoders with its own Trainer on the model's training samples;
     export them as probe's transcoder set into args.set_out; print one JSON line."""
     import torch
+    from sparsify import SparseCoderConfig, TrainConfig, Trainer
     from transformers import AutoModelForCausalLM
 
     import probe
     from probe.analysis.fit.sites import held_out
     from probe.models.transcoder import Transcoder
     from probe.models.transcoder_files import write_set_config, write_transcoder
-    from sparsify import SparseCoderConfig, Trainer, TrainConfig
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
-    ids = torch.load(Path(args.model_dir) / "ids.pt")["input_ids"]
+    ids = torch.load(args.ids)["input_ids"]
     with probe.open_run(args.run) as run:
         num_samples = run.num_samples
     train = ids[~held_out(torch.arange(len(ids)).numpy(), num_samples, 0.1, args.seed)]
@@ -163,8 +163,7 @@ def sparsify_child(args) -> None:
         transcoders[layer] = t
     write_set_config(out, transcoders, "mlp_in", None,
                      {i: f"sparsify-topk-{i}" for i in transcoders})  # fmt: skip
-    steps = len(rows) // cfg.batch_size
-    print(json.dumps({"seconds": seconds, "rows_per_layer": steps * cfg.batch_size * SEQ,
+    print(json.dumps({"seconds": seconds, "rows_per_layer": len(rows) * SEQ,
                       "layers": len(transcoders), "optimizer": cfg.optimizer,
                       "lr": [pg["lr"] for pg in trainer.optimizers[0].param_groups],
                       "auxk_alpha": cfg.auxk_alpha}))  # fmt: skip
@@ -184,8 +183,11 @@ def saelens_trainable() -> dict:
 
 
 # -- one evaluation ----------------------------------------------------------------------------
-def evaluate_set(set_dir: Path, run_dir: Path, model_dir: Path, seed: int) -> list[dict]:
-    """Per layer and `all`: held-out fvu, l0, dead and the spliced next-token loss measures."""
+def evaluate_set(
+    set_dir: Path, run_dir: Path, model_dir: Path, ids_path: Path, seed: int, encoders: dict | None
+) -> list[dict]:
+    """Per layer and `all`: held-out fvu, l0, dead, the spliced next-token loss measures and
+    (planted model) the share of planted directions found by an encoder row (cosine >= 0.9)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -193,19 +195,25 @@ def evaluate_set(set_dir: Path, run_dir: Path, model_dir: Path, seed: int) -> li
     from probe.analysis.fit.measures import evaluate
     from probe.analysis.fit.sites import held_out
     from probe.models.transcoder_files import load_transcoders
+    from probe.testing.planted import directions_found
 
     tset = load_transcoders(set_dir, dtype=torch.float32)
     rows = []
     with probe.open_run(run_dir) as run:
-        samples = run.tokens()["sample"].to_numpy()
-        held = held_out(samples, run.num_samples, 0.1, seed)
+        tok = run.tokens()
+        held = held_out(tok["sample"].to_numpy(), run.num_samples, 0.1, seed)
         num_samples = run.num_samples
+        ids = torch.load(ids_path)["input_ids"]
+        if not bool((ids[tok["sample"].to_numpy(), tok["position"].to_numpy()]
+                     == torch.as_tensor(tok["id"].to_numpy().copy())).all()):  # fmt: skip
+            raise SystemExit(f"{run_dir}'s token rows are not {ids_path}'s ids: sample index")
         for layer, t in sorted(tset.transcoders.items()):
             x = torch.from_numpy(run.array(f"transformer.h.{layer}.mlp", "input")[:][held])
             y = torch.from_numpy(run.array(f"transformer.h.{layer}.mlp", "output")[:][held])
             m = evaluate(t, [(x[i : i + 4096], y[i : i + 4096]) for i in range(0, len(x), 4096)])
+            if encoders is not None:
+                m["found"] = directions_found(encoders[layer].double(), t.W_enc.detach().T.double())
             rows.append({"layer": layer, **m})
-    ids = torch.load(model_dir / "ids.pt")["input_ids"]
     test_ids = ids[held_out(torch.arange(len(ids)).numpy(), num_samples, 0.1, seed)]
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     layers = sorted(tset.transcoders)
@@ -281,9 +289,9 @@ def fmt(v, digits=3):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", choices=["auto", "planted", "tiny"], default="auto")
+    p.add_argument("--model", choices=["planted", "tiny"], default="planted")
     p.add_argument("--samples", type=int, default=2048, help="sequences of 32 tokens (2048)")
-    p.add_argument("--epochs", type=float, default=10.0, help="passes over the training rows")
+    p.add_argument("--epochs", type=float, default=4.0, help="passes over the training rows")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--batch-rows", type=int, default=1024, help="rows per step (32 sequences)")
@@ -294,6 +302,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the report as markdown to OUT")
     p.add_argument("--sparsify-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--ids", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--set-out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -305,11 +314,10 @@ def main() -> None:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    kind = args.model if args.model != "auto" else ("planted" if planted_available() else "tiny")
-    model_dir, run_dir = work / "model", work / "run"
-    built = build_model(kind, model_dir, args.samples, args.seed)
+    model_dir, ids_path, run_dir = work / "model", work / "ids.pt", work / "run"
+    built = build_model(args.model, work, args.samples, args.seed)
     capture = ["-m", "probe", "model=hf", f"model.name={model_dir}", "model.task=causal_lm",
-               "dataset=tokens", f"dataset.path={model_dir / 'ids.pt'}", "dataset.batch_size=64",
+               "dataset=tokens", f"dataset.path={ids_path}", "dataset.batch_size=64",
                "probes=mlp_io", f"hydra.run.dir={run_dir}"]  # fmt: skip
     capture_s = run_timed(capture, work / "capture.log")
     print(f"captured in {capture_s:.1f} s", flush=True)
@@ -333,7 +341,7 @@ def main() -> None:
 
     out = work / "sparsify_topk"
     argv = [str(Path(__file__).relative_to(bc.ROOT)), "--sparsify-child", "--model-dir",
-            str(model_dir), "--run", str(run_dir), "--set-out", str(out), "--epochs",
+            str(model_dir), "--ids", str(ids_path), "--run", str(run_dir), "--set-out", str(out), "--epochs",
             str(args.epochs), "--width", str(args.width), "--k", str(args.k), "--batch-rows",
             str(args.batch_rows), "--seed", str(args.seed)]  # fmt: skip
     load = os.getloadavg()[0]
@@ -349,18 +357,37 @@ def main() -> None:
 
     table = []
     for name, t in trained.items():
-        for r in evaluate_set(t["set"], run_dir, model_dir, args.seed):
-            table.append({"trainer": name, **r, **({
-                "rows": t["rows"], "wall": t["wall"], "rows_per_s": t["rows"] / t["wall"],
-                "train_rows_per_s": t["rows"] / t["seconds"]} if r["layer"] == "all" else {})})
-    cols = ["trainer", "layer", "fvu", "l0", "dead", "ce_recovered", "kl", "ce_spliced",
-            "rows", "wall s", "rows/s (wall)", "rows/s (training)"]  # fmt: skip
+        for r in evaluate_set(t["set"], run_dir, model_dir, ids_path, args.seed, built["encoders"]):
+            table.append(
+                {
+                    "trainer": name,
+                    **r,
+                    **(
+                        {
+                            "rows": t["rows"],
+                            "wall": t["wall"],
+                            "rows_per_s": t["rows"] / t["wall"],
+                            "train_rows_per_s": t["rows"] / t["seconds"],
+                        }
+                        if r["layer"] == "all"
+                        else {}
+                    ),
+                }
+            )
+    cols = ["trainer", "layer", "fvu", "l0", "dead", "found", "ce_recovered", "kl",
+            "ce_spliced", "rows", "wall s", "rows/s (wall)", "rows/s (training)"]  # fmt: skip
     lines = [[r["trainer"], r["layer"], fmt(r["fvu"], 4), fmt(r["l0"], 2), fmt(r["dead"]),
-              fmt(r["ce_recovered"]), fmt(r["kl"], 4), fmt(r["ce_spliced"], 4), r.get("rows"),
+              fmt(r.get("found")), fmt(r["ce_recovered"]), fmt(r["kl"], 4),
+              fmt(r["ce_spliced"], 4), r.get("rows"),
               fmt(r.get("wall"), 1), fmt(r.get("rows_per_s"), 0),
               fmt(r.get("train_rows_per_s"), 0)] for r in table]  # fmt: skip
-    lines.append(["SAELens " + str(saelens.get("version")), "-", None, None, None, None, None,
-                  None, None, None, None, None])  # fmt: skip
+    lines.append(
+        [
+            "SAELens " + str(saelens.get("version")),
+            "cannot train a transcoder",
+            *[None] * (len(cols) - 2),
+        ]
+    )
     first = table[0]
     notes = [
         f"model: {built['model']}; {args.samples} x {SEQ} tokens, held out: probe.fit's split "
@@ -368,13 +395,16 @@ def main() -> None:
         f"budget: width {args.width}, k {args.k}, {args.epochs:g} passes over the training "
         f"samples, {args.batch_rows} rows a step",
         f"clean next-token CE {first['ce_clean']:.4f}; per-layer ce_zero: "
-        + ", ".join(f"{r['layer']}: {r['ce_zero']:.4f}" for r in table
-                    if r["trainer"] == first["trainer"]),  # fmt: skip
+        + ", ".join(
+            f"{r['layer']}: {r['ce_zero']:.4f}" for r in table if r["trainer"] == first["trainer"]
+        ),  # fmt: skip
         "rows: training rows of every layer together; rows/s (wall): over the trainer command's "
         "wall seconds (process start, imports, evaluation or saving included); rows/s "
         "(training): over its own training seconds (probe: fit.csv seconds, which include its "
         "held-out evaluation; sparsify: Trainer.fit(), the LM forward included)",
         f"capture of the rows (`probes=mlp_io`, once, shared by every probe fit): {capture_s:.1f} s",
+        "found: share of the planted units' encoder directions that a learned encoder row "
+        "matches at cosine >= 0.9 (probe.testing.planted.directions_found)",
         "sparsify: its Trainer on the same model and training samples (it takes token ids, not "
         f"cached rows), optimizer {trained['sparsify topk']['child']['optimizer']}, lr "
         f"{trained['sparsify topk']['child']['lr']}, auxk_alpha "
