@@ -30,7 +30,7 @@ from torch import nn
 
 from probe.analysis.fit.sites import held_out
 from probe.analysis.fit.splice import Splice, SplicePoint
-from probe.errors import ConfigError, DataError
+from probe.errors import ConfigError, DataError, ProbeError
 from probe.models.transcoder import Transcoder
 
 log = logging.getLogger("probe.fit")
@@ -45,8 +45,14 @@ def run_model(run) -> nn.Module:
     from probe.plan import model_spec
 
     config = run.config
-    spec = dataclasses.replace(model_spec(config), dtype="float32")
-    model = build_model(spec, int(config.get("seed", 0) or 0)).float()
+    try:
+        spec = dataclasses.replace(model_spec(config), dtype="float32")
+        model = build_model(spec, int(config.get("seed", 0) or 0)).float()
+    except ProbeError as e:
+        raise type(e)(
+            f"the loss measures run the run's own model, which its config does not rebuild "
+            f"here: {e} ({NO_LOSSES})"
+        ) from None
     heads = getattr(model, "get_output_embeddings", None)
     if callable(heads) and heads() is None:
         raise ConfigError(no_head(model, spec.name))
