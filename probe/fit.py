@@ -1,6 +1,10 @@
 """`python -m probe.fit RUN`: one transcoder per block from a run's captures of each MLP's input
 and output (probe.analysis.fit), written as circuit-tracer's transcoder set (config.yaml,
-layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features per layer)."""
+layer_<i>.safetensors) with fit.csv (held-out FVU, L0, dead features and the next-token loss
+with each transcoder spliced in, per layer) and held_out.csv (the samples measured).
+
+`python -m probe.fit --evaluate SET RUN`: the same measures of a set someone else trained (a
+circuit-tracer YAML or folder) on RUN's samples, printed or written to `--out CSV`."""
 
 import argparse
 import logging
@@ -11,9 +15,23 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
-        prog="python -m probe.fit", description=__doc__.splitlines()[0]
-    )
+        prog="python -m probe.fit", description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog=__doc__.split("\n\n")[1].replace("\n", " "),
+    )  # fmt: skip
     parser.add_argument("run", type=Path, help="a run directory (or its probe.h5) of token rows")
+    parser.add_argument(
+        "--evaluate", type=Path, default=None, metavar="SET",
+        help="measure SET (a transcoder-set YAML or folder) on RUN instead of fitting",
+    )  # fmt: skip
+    parser.add_argument(
+        "--all-samples", action="store_true",
+        help="--evaluate: measure on every sample of RUN, not only those --seed and "
+        "--test-fraction hold out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-losses", action="store_true",
+        help="fit without the loss columns (ce_*, kl), which build the run's model",
+    )  # fmt: skip
     parser.add_argument("--layers", nargs="*", type=int, default=None, help="blocks (default: all)")
     parser.add_argument("--activation", default="relu", help="relu (default), jumprelu or topk")
     parser.add_argument("--k", type=int, default=16, help="topk: active features per row (16)")
@@ -44,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
     parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
     parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
-    parser.add_argument("--out", type=Path, default=None, help="default: RUN/transcoders")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="default: RUN/transcoders; --evaluate: the CSV to write (default: printed)",
+    )  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="continue the fit in --out")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
@@ -65,13 +86,34 @@ def main(argv: list[str] | None = None) -> int:
             from probe.errors import DataError
 
             raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
-        fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm)
+        if args.evaluate is not None:
+            return evaluate(args, run)
+        fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm,
+                  losses=not args.no_losses)  # fmt: skip
         table = fit.run()
     except ProbeError as e:
         print(f"probe.fit: error: {e}", file=sys.stderr)
         return 2
     print(table.to_string(index=False))
     print(f"{fit.out / 'config.yaml'}")
+    return 0
+
+
+def evaluate(args: argparse.Namespace, run: Path) -> int:
+    """--evaluate SET RUN: the table printed, or written to --out with the samples measured
+    beside it (<out>.held_out.csv)."""
+    from probe.analysis.fit.evaluation import evaluate_set
+
+    table, samples = evaluate_set(args.evaluate, run, every=args.all_samples,
+                                  test_fraction=args.test_fraction, seed=args.seed,
+                                  mlp=args.mlp, norm=args.norm)  # fmt: skip
+    if args.out is None:
+        print(table.to_string(index=False))
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    samples.to_csv(args.out.with_suffix(".held_out.csv"), index=False)
+    print(args.out)
     return 0
 
 

@@ -151,6 +151,12 @@ def parse(cfg, *, in_hand: bool = False) -> RunPlan:
     return plan
 
 
+def model_spec(cfg) -> ModelSpec:
+    """The ModelSpec of a config's `model` node alone (a run's stored config: what built the
+    run's model, e.g. for `python -m probe.fit`'s loss measures)."""
+    return _group(ModelSpec, schema.ModelConfig, cfg.model)
+
+
 @dataclass(frozen=True)
 class TrainingPlan:
     """Everything `python -m probe.train` is told (conf/train.yaml), parsed and checked: a run's

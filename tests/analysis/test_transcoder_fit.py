@@ -42,6 +42,12 @@ def lm_run(tmp_path_factory):
     return root / "run"
 
 
+def per_layer(out) -> pd.DataFrame:
+    """fit.csv's per-layer rows (without the `all` row of the loss measures)."""
+    fit = pd.read_csv(out / "fit.csv")
+    return fit[fit["layer"].astype(str) != "all"].astype({"layer": int}).reset_index(drop=True)
+
+
 def recompute(run_dir, out, reads="mlp_in", test_fraction=0.1, seed=0) -> pd.DataFrame:
     """FVU and L0 of the saved set over the run's held-out rows, float64 plain torch."""
     tset = load_transcoders(out)
@@ -80,7 +86,7 @@ def recompute(run_dir, out, reads="mlp_in", test_fraction=0.1, seed=0) -> pd.Dat
 def test_fitted_transcoders_explain_the_mlp_and_fit_csv_is_what_the_files_give(lm_run, tmp_path):
     out = tmp_path / "tc"
     assert main([str(lm_run), "--steps", "150", "--out", str(out), *FAST]) == 0
-    fit = pd.read_csv(out / "fit.csv")
+    fit = per_layer(out)
     assert fit["layer"].tolist() == [0, 1] and (fit["width"] == 4 * WIDTH).all()
     assert (fit["fvu"] < 0.5).all(), fit  # predicting the mean: 1.0
     assert (fit["l0"] < 128).all() and (fit["steps"] == 150).all()
@@ -101,7 +107,7 @@ def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
     out = tmp_path / activation
     assert main([str(lm_run), "--steps", "60", "--activation", activation, "--out", str(out),
                  *FAST, *extra]) == 0  # fmt: skip
-    fit = pd.read_csv(out / "fit.csv")
+    fit = per_layer(out)
     reads = "resid_mid" if "resid_mid" in extra else "mlp_in"
     tset = load_transcoders(out)
     assert tset.reads == reads and tset[0].activation == activation

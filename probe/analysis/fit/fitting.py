@@ -23,16 +23,22 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model, sample_tokens
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.sites import LayerSites, find_sites, held_out
+from probe.analysis.fit.splice import splice_points
 from probe.analysis.fit.trainer import TrainingTranscoder, train_step
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder
 
 log = logging.getLogger("probe.fit")
 FIT_COLUMNS = ["layer", "reads", "activation", "width", "k", "skip", "steps", "rows",
-               "held_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
+               "held_out_rows", "fvu", "l0", "dead", "ce_clean", "ce_spliced", "ce_zero",
+               "ce_recovered", "kl", "seconds"]  # fmt: skip
+# `python -m probe.fit --evaluate`'s table: fit.csv's less what only a training has
+EVALUATE_COLUMNS = [c for c in FIT_COLUMNS if c not in ("steps", "rows", "seconds")]
+HELD_OUT = "held_out.csv"  # the samples fit.csv's measures are over (sample, tokens)
 CHECKPOINTS = "checkpoints"
 
 
@@ -47,7 +53,7 @@ class Fit:
 
     def __init__(self, run_path, out=None, options: FitOptions | None = None,
                  layers: list[int] | None = None, resume: bool = False, mlp: str | None = None,
-                 norm: str | None = None):  # fmt: skip
+                 norm: str | None = None, losses: bool = True):  # fmt: skip
         from probe.read.runs import open_run
 
         self.options = options or FitOptions()
@@ -58,6 +64,9 @@ class Fit:
             self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
+            self.losses = losses
+            if losses:  # the run's model, built now: a fit must not fail on it when trained
+                run_model(run)
         blocks = sorted(self.sites)
         if layers:
             missing = sorted(set(layers) - set(blocks))
@@ -174,12 +183,18 @@ class Fit:
         return state
 
     def write(self) -> pd.DataFrame:
-        """fit.csv, fit_curve.csv and config.yaml over every finished layer in `out`."""
+        """fit.csv (with the loss measures: layers spliced alone and `all` at once),
+        held_out.csv, fit_curve.csv and config.yaml over every finished layer in `out`."""
         from probe.models.transcoder_files import read_transcoder
 
         states = [torch.load(p, weights_only=False) for p in self.checkpoints.glob("layer_*.pt")]
         states = sorted((s for s in states if s["done"]), key=lambda s: s["layer"])
         o = self.options
+        transcoders = {
+            s["layer"]: read_transcoder(self.out / f"layer_{s['layer']}.safetensors", s["layer"])
+            for s in states
+        }
+        losses = self.loss_measures(transcoders)
         rows, curve = [], []
         for s in states:
             m = s["metrics"]
@@ -188,19 +203,36 @@ class Fit:
                          "k": o.k if o.activation == "topk" else None, "skip": o.skip,
                          "steps": s["step"], "rows": s["rows"],
                          "held_out_rows": m["held_out_rows"], "fvu": m["fvu"], "l0": m["l0"],
-                         "dead": m["dead"], "seconds": round(s["seconds"], 3)})  # fmt: skip
+                         "dead": m["dead"], **losses.get(s["layer"], {}),
+                         "seconds": round(s["seconds"], 3)})  # fmt: skip
             curve += [{"layer": s["layer"], "step": st, "fvu": f, "penalty": p}
                       for st, f, p in s["curve"]]  # fmt: skip
+        if "all" in losses:
+            rows.append({"layer": "all", "reads": o.reads, "activation": o.activation,
+                         "k": o.k if o.activation == "topk" else None, "skip": o.skip,
+                         **losses["all"]})  # fmt: skip
         table = pd.DataFrame(rows, columns=FIT_COLUMNS)
         table.to_csv(self.out / "fit.csv", index=False)
         pd.DataFrame(curve, columns=["layer", "step", "fvu", "penalty"]).to_csv(
             self.out / "fit_curve.csv", index=False
         )
-        transcoders = {
-            s["layer"]: read_transcoder(self.out / f"layer_{s['layer']}.safetensors", s["layer"])
-            for s in states
-        }
         short = self.model_name.rstrip("/").split("/")[-1] or "model"
         write_set_config(self.out, transcoders, o.reads, self.model_name or None,
                          {layer: f"{short}-{o.activation}-{layer}" for layer in transcoders})  # fmt: skip
         return table
+
+    def loss_measures(self, transcoders: dict) -> dict:
+        """The loss measures (probe.analysis.fit.losses) of `transcoders` over the held-out
+        samples, each layer alone and `all`; writes held_out.csv (the samples, always)."""
+        from probe.read.runs import open_run
+
+        o = self.options
+        with open_run(self.run_path) as run:
+            samples = held_out_samples(run, o.test_fraction, o.seed)
+            samples.to_csv(self.out / HELD_OUT, index=False)
+            if not self.losses or not transcoders:
+                return {}
+            model = run_model(run)
+            points = splice_points(model, sorted(transcoders), o.reads, self.sites)
+            sequences = sample_tokens(run, samples["sample"].to_numpy())
+            return loss_measures(model, sequences, points, transcoders)

@@ -1,0 +1,112 @@
+"""`python -m probe.fit --evaluate SET RUN`: fit.csv's measures of a transcoder set someone else
+trained (a circuit-tracer YAML or folder: probe.models.transcoder_files.load_transcoders) on a
+run's samples, so a user compares their fit with a published set on the same rows.
+
+The row measures (held-out FVU, L0, dead: probe.analysis.fit.measures) read the run's captured
+rows of what the set reads and the MLPs' outputs (for `mlp_normalized`, the captured norm inputs
+normalised by the model's own norms); a run without those captures leaves them empty. The loss
+measures (probe.analysis.fit.losses) splice the set into the run's model. The samples are those
+a fit with the same `seed` and `test_fraction` holds out, or every sample (`every`).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from itertools import chain
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from probe.analysis.fit.losses import (
+    BATCH_TOKENS,
+    held_out_samples,
+    loss_measures,
+    run_model,
+    sample_tokens,
+)
+from probe.analysis.fit.measures import evaluate
+from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.sites import find_sites
+from probe.analysis.fit.splice import splice_points
+from probe.errors import DataError
+from probe.models.transcoder import normalized
+from probe.models.transcoder_files import check_transcoders, load_transcoders
+
+log = logging.getLogger("probe.fit")
+
+
+def evaluate_set(set_path: str | Path, run_path: str | Path, *, every: bool = False,
+                 test_fraction: float = 0.1, seed: int = 0, mlp: str | None = None,
+                 norm: str | None = None, batch_tokens: int | None = None,
+                 ) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+    """(the measures, one row per layer and one `all`, in fit.csv's columns less the
+    training's; the samples measured, held_out.csv's rows)."""
+    from probe.analysis.fit.fitting import EVALUATE_COLUMNS
+    from probe.read.runs import open_run
+
+    tset = load_transcoders(set_path)
+    tset.to(dtype=torch.float32)
+    layers = sorted(tset.transcoders)
+    rows_reads = "resid_mid" if tset.reads == "mlp_normalized" else tset.reads
+    options = FitOptions(reads=rows_reads, test_fraction=test_fraction, seed=seed)
+    options.check()
+    with open_run(run_path) as run:
+        model = run_model(run)
+        check_transcoders(tset, model)
+        try:
+            sites = find_sites(run.keys, rows_reads, mlp, norm)
+        except DataError as e:
+            log.info("row measures left empty: %s", e)
+            sites = {}
+        points = splice_points(
+            model, layers, tset.reads, sites if set(layers) <= set(sites) else None
+        )
+        samples = held_out_samples(run, test_fraction, seed, every)
+        sequences = sample_tokens(run, samples["sample"].to_numpy())
+        losses = loss_measures(model, sequences, points, tset.transcoders,
+                               batch_tokens or BATCH_TOKENS)  # fmt: skip
+        normalize = (
+            {layer: model.get_submodule(points[layer].source) for layer in layers}
+            if tset.reads == "mlp_normalized" else {}
+        )  # fmt: skip
+    rows = _row_measures(tset, run_path, options, sites, normalize, every, mlp, norm)
+    table = []
+    for layer in layers:
+        t = tset[layer]
+        table.append({"layer": layer, "reads": tset.reads, "activation": t.activation,
+                      "width": t.d_tc, "k": t.k, "skip": t.W_skip is not None,
+                      **rows.get(layer, {}), **losses[layer]})  # fmt: skip
+    first = tset[layers[0]]
+    table.append({"layer": "all", "reads": tset.reads, "activation": first.activation,
+                  "k": first.k, "skip": first.W_skip is not None, **losses["all"]})  # fmt: skip
+    return pd.DataFrame(table, columns=EVALUATE_COLUMNS), samples
+
+
+def _row_measures(tset, run_path, options: FitOptions, sites: dict, normalize: dict,
+                  every: bool, mlp: str | None, norm: str | None) -> dict[int, dict]:  # fmt: skip
+    """FVU, L0 and dead of each layer whose rows the run holds, over the rows a fit with
+    `options` measures (held out, or every row with `every`); `normalize`: layer -> the norm
+    whose normalisation of the captured rows the set reads (mlp_normalized)."""
+    from probe.analysis.fit.fitting import Fit
+    from probe.read.runs import open_run
+
+    if not sites:
+        return {}
+    out = {}
+    with tempfile.TemporaryDirectory() as unused:  # (a Fit that only reads rows: writes nothing)
+        fit = Fit(run_path, Path(unused) / "fit", options, mlp=mlp, norm=norm, losses=False)
+        with open_run(run_path) as run:
+            for layer, t in sorted(tset.transcoders.items()):
+                if layer not in sites:
+                    continue
+                pairs = fit.pairs(fit.stream(sites[layer], run, shuffle=False), train=False)
+                if every:
+                    train = fit.pairs(fit.stream(sites[layer], run, shuffle=False), train=True)
+                    pairs = chain(train, pairs)
+                if layer in normalize:
+                    module = normalize[layer]
+                    pairs = ((normalized(module, x.double()), y) for x, y in pairs)
+                out[layer] = evaluate(t, pairs)
+    return out
