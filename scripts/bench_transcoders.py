@@ -50,6 +50,22 @@ import bench_common as bc  # first: it puts the repository root on sys.path
 
 SEQ = 32
 HEADER = "# Transcoders: probe's fit side by side with sparsify and SAELens"
+SETUP = """The peers live in their own environment, beside probe (torch pinned: nothing else moves it):
+
+```bash
+python3.11 -m venv bench-venv
+bench-venv/bin/pip install torch==2.14.1 torchvision==0.29.1 transformers==5.24.0 \\
+    h5py pandas hydra-core safetensors
+echo torch==2.14.1 > constraints.txt
+bench-venv/bin/pip install -c constraints.txt eai-sparsify sae-lens
+PYTHONPATH=. bench-venv/bin/python scripts/bench_transcoders.py --out docs/bench/transcoders.md
+```
+
+Every trainer trains on the same model's rows at the same budget; every trained set is exported
+to probe's transcoder files and measured by the same evaluation, `python -m probe.fit --evaluate
+SET RUN` (held-out FVU, L0, dead share, and the next-token loss with the transcoder spliced in).
+The planted MLPs themselves, written as a transcoder set, are the reference row: a perfect
+transcoder scores fvu 0, ce_recovered 1, kl 0 and finds every planted direction."""
 
 
 # -- the model and its tokens ------------------------------------------------------------------
@@ -183,45 +199,69 @@ def saelens_trainable() -> dict:
 
 
 # -- one evaluation ----------------------------------------------------------------------------
-def evaluate_set(
-    set_dir: Path, run_dir: Path, model_dir: Path, ids_path: Path, seed: int, encoders: dict | None
-) -> list[dict]:
-    """Per layer and `all`: held-out fvu, l0, dead, the spliced next-token loss measures and
-    (planted model) the share of planted directions found by an encoder row (cosine >= 0.9)."""
+def evaluate_set(set_dir: Path, run_dir: Path, model_dir: Path, ids_path: Path, seed: int,
+                 encoders: dict | None, work: Path) -> list[dict]:  # fmt: skip
+    """Per layer and `all`: probe's evaluation of the set (`python -m probe.fit --evaluate SET
+    RUN`: held-out fvu, l0, dead, ce_clean, ce_spliced, ce_zero, ce_recovered, kl), the share of
+    planted directions found by an encoder row (planted model), and the same loss measures
+    computed again here with plain forward hooks (`hooks_*`)."""
+    import pandas as pd
     import torch
     from transformers import AutoModelForCausalLM
 
     import probe
-    from probe.analysis.fit.measures import evaluate
     from probe.analysis.fit.sites import held_out
     from probe.models.transcoder_files import load_transcoders
     from probe.testing.planted import directions_found
 
+    csv = work / f"evaluate_{set_dir.name}.csv"
+    argv = ["-m", "probe.fit", "--evaluate", str(set_dir), str(run_dir), "--seed", str(seed),
+            "--out", str(csv)]  # fmt: skip
+    run_timed(argv, work / f"evaluate_{set_dir.name}.log")
+    rows = pd.read_csv(csv).to_dict("records")
     tset = load_transcoders(set_dir, dtype=torch.float32)
-    rows = []
     with probe.open_run(run_dir) as run:
         tok = run.tokens()
-        held = held_out(tok["sample"].to_numpy(), run.num_samples, 0.1, seed)
         num_samples = run.num_samples
-        ids = torch.load(ids_path)["input_ids"]
-        if not bool((ids[tok["sample"].to_numpy(), tok["position"].to_numpy()]
-                     == torch.as_tensor(tok["id"].to_numpy().copy())).all()):  # fmt: skip
-            raise SystemExit(f"{run_dir}'s token rows are not {ids_path}'s ids: sample index")
-        for layer, t in sorted(tset.transcoders.items()):
-            x = torch.from_numpy(run.array(f"transformer.h.{layer}.mlp", "input")[:][held])
-            y = torch.from_numpy(run.array(f"transformer.h.{layer}.mlp", "output")[:][held])
-            m = evaluate(t, [(x[i : i + 4096], y[i : i + 4096]) for i in range(0, len(x), 4096)])
-            if encoders is not None:
-                m["found"] = directions_found(encoders[layer].double(), t.W_enc.detach().T.double())
-            rows.append({"layer": layer, **m})
+    ids = torch.load(ids_path)["input_ids"]
+    if not bool((ids[tok["sample"].to_numpy(), tok["position"].to_numpy()]
+                 == torch.as_tensor(tok["id"].to_numpy().copy())).all()):  # fmt: skip
+        raise SystemExit(f"{run_dir}'s token rows are not {ids_path}'s ids: sample index")
     test_ids = ids[held_out(torch.arange(len(ids)).numpy(), num_samples, 0.1, seed)]
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     layers = sorted(tset.transcoders)
     for r in rows:
-        r.update(spliced_losses(model, test_ids, tset, [r["layer"]]))
-    every = {"layer": "all", "fvu": None, "l0": None, "dead": None}
-    every.update(spliced_losses(model, test_ids, tset, layers))
-    return [*rows, every]
+        chosen = layers if r["layer"] == "all" else [int(r["layer"])]
+        hooks = spliced_losses(model, test_ids, tset, chosen)
+        r.update({f"hooks_{k}": v for k, v in hooks.items()})
+        if encoders is not None and r["layer"] != "all":
+            t = tset[int(r["layer"])]
+            r["found"] = directions_found(encoders[t.layer].double(), t.W_enc.detach().T.double())
+    return rows
+
+
+def planted_mlp_set(model_dir: Path, out: Path) -> Path:
+    """The planted model's own MLPs written as a relu transcoder set (W_enc = c_fc, W_dec =
+    c_proj): the reference every measure should score perfectly (fvu 0, ce_recovered 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from probe.models.transcoder import Transcoder
+    from probe.models.transcoder_files import write_set_config, write_transcoder
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    transcoders = {}
+    for i, block in enumerate(model.transformer.h):
+        fc, proj = block.mlp.c_fc, block.mlp.c_proj  # Conv1D: x @ weight + bias
+        t = Transcoder(fc.weight.detach().clone(), fc.bias.detach().clone(),
+                       proj.weight.detach().clone(), proj.bias.detach().clone(), layer=i,
+                       activation="relu")  # fmt: skip
+        write_transcoder(t, out / f"layer_{i}.safetensors")
+        transcoders[i] = t
+    with torch.no_grad():
+        write_set_config(out, transcoders, "mlp_in", None, {i: f"planted-{i}" for i in transcoders})
+    return out
 
 
 def spliced_losses(model, ids, tset, layers: list[int]) -> dict:
@@ -355,39 +395,31 @@ def main() -> None:
     print(f"sparsify topk: {wall:.1f} s", flush=True)
     saelens = saelens_trainable()
 
+    sets = {name: t["set"] for name, t in trained.items()}
+    if args.model == "planted":
+        sets["planted MLP (reference)"] = planted_mlp_set(model_dir, work / "planted_mlp")
     table = []
-    for name, t in trained.items():
-        for r in evaluate_set(t["set"], run_dir, model_dir, ids_path, args.seed, built["encoders"]):
-            table.append(
-                {
-                    "trainer": name,
-                    **r,
-                    **(
-                        {
-                            "rows": t["rows"],
-                            "wall": t["wall"],
-                            "rows_per_s": t["rows"] / t["wall"],
-                            "train_rows_per_s": t["rows"] / t["seconds"],
-                        }
-                        if r["layer"] == "all"
-                        else {}
-                    ),
-                }
-            )
+    for name, set_dir in sets.items():
+        rows = evaluate_set(set_dir, run_dir, model_dir, ids_path, args.seed, built["encoders"],
+                            work)  # fmt: skip
+        for r in rows:
+            r["trainer"], r["layer"] = name, str(r["layer"])
+            t = trained.get(name)
+            if t is not None and r["layer"] == "all":
+                r.update(rows_trained=t["rows"], wall=t["wall"], rows_per_s=t["rows"] / t["wall"],
+                         train_rows_per_s=t["rows"] / t["seconds"])  # fmt: skip
+            table.append(r)
     cols = ["trainer", "layer", "fvu", "l0", "dead", "found", "ce_recovered", "kl",
             "ce_spliced", "rows", "wall s", "rows/s (wall)", "rows/s (training)"]  # fmt: skip
     lines = [[r["trainer"], r["layer"], fmt(r["fvu"], 4), fmt(r["l0"], 2), fmt(r["dead"]),
               fmt(r.get("found")), fmt(r["ce_recovered"]), fmt(r["kl"], 4),
-              fmt(r["ce_spliced"], 4), r.get("rows"),
+              fmt(r["ce_spliced"], 4), r.get("rows_trained"),
               fmt(r.get("wall"), 1), fmt(r.get("rows_per_s"), 0),
               fmt(r.get("train_rows_per_s"), 0)] for r in table]  # fmt: skip
-    lines.append(
-        [
-            "SAELens " + str(saelens.get("version")),
-            "cannot train a transcoder",
-            *[None] * (len(cols) - 2),
-        ]
-    )
+    lines.append(["SAELens " + str(saelens.get("version")), "cannot train a transcoder",
+                  *[None] * (len(cols) - 2)])  # fmt: skip
+    gap = {k: max(abs(r[k] - r[f"hooks_{k}"]) for r in table)
+           for k in ("ce_clean", "ce_spliced", "ce_zero", "ce_recovered", "kl")}  # fmt: skip
     first = table[0]
     notes = [
         f"model: {built['model']}; {args.samples} x {SEQ} tokens, held out: probe.fit's split "
@@ -411,10 +443,14 @@ def main() -> None:
         f"{trained['sparsify topk']['child']['auxk_alpha']} (its defaults)",
         f"SAELens {saelens.get('version')}: trains {', '.join(saelens.get('trains', []))}; a "
         f"transcoder: {'yes' if saelens.get('transcoder') else 'no'} (nothing compared)",
+        "one evaluation: `python -m probe.fit --evaluate SET RUN` of each set (its transcoder "
+        "files; sparsify's exported to probe's format); its loss measures computed again in "
+        "this script with plain forward hooks on the model: largest difference over every row "
+        + ", ".join(f"{k} {v:.1e}" for k, v in gap.items()),
         "load average (1 min) before each trainer: "
         + ", ".join(f"{n} {t['load']:.1f}" for n, t in trained.items()),
     ]
-    head = [HEADER, "", f"Measured {datetime.date.today()}, {machine()}.",
+    head = [HEADER, "", SETUP, "", f"Measured {datetime.date.today()}, {machine()}.",
             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items())]  # fmt: skip
     report = bc.markdown(head, cols, lines, notes)
     report += "\nCommands:\n\n```bash\n" + "python " + " ".join(capture) + "\n"
