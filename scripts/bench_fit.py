@@ -1,17 +1,17 @@
 """Benchmark: `python -m probe.fit`'s peak memory and rows per second, for one layer and for all
-layers, at two sizes of a run: memory bounded in the number of rows (streamed, not a layer's rows
-held).
+layers, at several sizes of a run: memory bounded in the number of rows (streamed, not a layer's
+rows held).
 
-    PYTHONPATH=. python scripts/bench_fit.py                       # 128 and 1024 samples x 128
-    PYTHONPATH=. python scripts/bench_fit.py --samples 128 --scale 8 --out docs/bench/fit.md
+    PYTHONPATH=. python scripts/bench_fit.py                  # 32, 256 and 1024 samples x 128
+    PYTHONPATH=. python scripts/bench_fit.py --sizes 32,256,1024 --all-up-to 256 --out docs/bench/fit.md
 
 The GPT-2-shaped model of the token benchmarks (6 blocks, width 256, seeded random), seeded random
-ids; one capture per size (`probes=mlp_io`), then per size a fit of block 0 and a fit of every
-block, each in a fresh process that runs probe.fit's `main` and reports its peak RSS above its
+ids; one capture per size (`probes=mlp_io`), then per size a fit of block 0 and (up to
+`--all-up-to` samples) a fit of every block, each in a fresh process that runs probe.fit's `main` and reports its peak RSS above its
 RSS once probe.fit, torch and the model's libraries are imported (VmHWM after clearing it), the
 peak of its process tree's RSS (itself and any workers, sampled every 20 ms), its wall
 seconds and the training rows it fitted (fit.csv). One pass over the training rows (`--epochs 1`)
-at width 512, topk k 32: the rows are all read, the arithmetic kept small.
+at width 256, topk k 32: the rows are all read, the arithmetic kept small.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import bench_common as bc  # first: it puts the repository root on sys.path
 
 POSITIONS = 128
-FIT = ["--activation", "topk", "--k", "32", "--width", "512", "--epochs", "1"]
+FIT = ["--activation", "topk", "--k", "32", "--width", "256", "--epochs", "1"]
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -102,8 +102,8 @@ def capture(work: Path, samples: int, seed: int) -> tuple[Path, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--samples", type=int, default=128, help="sequences of 128 tokens (128)")
-    p.add_argument("--scale", type=int, default=8, help="the larger run's samples / --samples")
+    p.add_argument("--sizes", default="32,256,1024", help="runs' sequences of 128 tokens")
+    p.add_argument("--all-up-to", type=int, default=256, help="fit every block up to this size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="/tmp/bench-fit")
     p.add_argument("--out", default=None, help="also write the results as markdown to OUT")
@@ -118,11 +118,12 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rows, results = [], []
-    for samples in (args.samples, args.samples * args.scale):
+    for samples in [int(n) for n in args.sizes.split(",")]:
         run, capture_s = capture(work, samples, args.seed)
         h5 = sum(f.stat().st_size for f in run.rglob("*.h5")) / 2**20
         print(f"{samples} samples captured in {capture_s:.1f} s ({h5:.0f} MB)", flush=True)
-        for label, layers in (("block 0", ["--layers", "0"]), ("all 6 blocks", [])):
+        fits = [("block 0", ["--layers", "0"]), ("all 6 blocks", [])]
+        for label, layers in fits[: 2 if samples <= args.all_up_to else 1]:
             out = work / f"fit{samples}-{len(layers)}"
             argv = [str(run), *FIT, *layers, "--out", str(out)]
             got = bc.child_json([str(Path(__file__).relative_to(bc.ROOT)), "--child", *argv])
@@ -149,7 +150,7 @@ def main() -> None:
     ]
     head = ["# probe.fit: peak memory and rows per second", "",
             f"Measured {datetime.date.today()} with `python scripts/bench_fit.py"
-            f" --samples {args.samples} --scale {args.scale}` on {os.cpu_count()} shared CPU "
+            f" --sizes {args.sizes} --all-up-to {args.all_up_to}` on {os.cpu_count()} shared CPU "
             f"cores (CPU only), torch {__import__('torch').__version__}, Python "
             f"{platform.python_version()}."]  # fmt: skip
     notes = [
