@@ -13,6 +13,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from probe.analysis.fit.options import LR, LR_WIDTH, PENALTY, FitOptions
+
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="python -m probe.fit", description=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -33,8 +35,19 @@ def main(argv: list[str] | None = None) -> int:
         help="fit without the loss columns (ce_*, kl), which build the run's model",
     )  # fmt: skip
     parser.add_argument("--layers", nargs="*", type=int, default=None, help="blocks (default: all)")
-    parser.add_argument("--activation", default="relu", help="relu (default), jumprelu or topk")
-    parser.add_argument("--k", type=int, default=16, help="topk: active features per row (16)")
+    parser.add_argument(
+        "--activation", default="relu",
+        help="relu (default), jumprelu (to an L0 target), topk or batchtopk (saved as a jumprelu "
+        "of its learnt threshold)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--k", type=int, default=16,
+        help="topk, batchtopk: active features per row; jumprelu: the L0 target unless "
+        "--l0-target (16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--l0-target", type=float, default=None, help="jumprelu: the L0 its penalty steers to (--k)"
+    )
     parser.add_argument("--width", type=int, default=None, help="features (default 8 x d_model)")
     parser.add_argument(
         "--reads",
@@ -45,20 +58,54 @@ def main(argv: list[str] | None = None) -> int:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, help="optimizer steps per layer")
     length.add_argument("--epochs", type=float, default=1.0, help="passes over the rows (1)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (1e-3)")
+    d = FitOptions()
+    parser.add_argument(
+        "--lr", type=float, default=None,
+        help=f"Adam's peak learning rate ({LR:g} x sqrt({LR_WIDTH} / width))",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lr-warmup", type=float, default=d.lr_warmup,
+        help=f"share of the steps the learning rate rises over from 0 ({d.lr_warmup})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lr-decay", type=float, default=d.lr_decay,
+        help=f"share of the steps (the last) it falls over to 0 ({d.lr_decay})",
+    )  # fmt: skip
     parser.add_argument(
         "--sparsity", "--l1", type=float, default=None,
-        help="penalty coefficient: L1 x decoder norm (relu), L0 (jumprelu); default 1e-2",
+        help="penalty coefficient: relu, activation x decoder norm / sqrt(d_out) on rows scaled "
+        f"to unit variance ({PENALTY['relu']}); jumprelu, (L0 / target - 1)^2 "
+        f"({PENALTY['jumprelu']})",
     )  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=1024, help="rows per step (1024)")
+    parser.add_argument(
+        "--sparsity-warmup", type=float, default=d.sparsity_warmup,
+        help=f"share of the steps the penalty rises over from 0 ({d.sparsity_warmup})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--aux-k", type=int, default=None,
+        help="topk, batchtopk: dead features AuxK fits the error with (half the output width)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--aux-coefficient", type=float, default=d.aux_coefficient,
+        help="AuxK's loss coefficient (1/32; 0: no AuxK)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dead-rows", type=int, default=d.dead_rows,
+        help=f"rows a feature has not fired on for AuxK to count it dead ({d.dead_rows})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help=f"rows per step ({d.batch_size})"
+    )
     parser.add_argument("--test-fraction", type=float, default=0.1, help="held-out samples (0.1)")
     parser.add_argument("--seed", type=int, default=0, help="init, stream order, held-out split")
     parser.add_argument(
-        "--threshold", type=float, default=0.1, help="jumprelu: initial threshold (0.1)"
-    )
+        "--threshold", type=float, default=d.threshold,
+        help=f"jumprelu: initial threshold ({d.threshold})",
+    )  # fmt: skip
     parser.add_argument(
-        "--bandwidth", type=float, default=0.05, help="jumprelu: STE kernel width (0.05)"
-    )
+        "--bandwidth", type=float, default=d.bandwidth,
+        help=f"jumprelu: STE kernel width ({d.bandwidth})",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps (200)")
     parser.add_argument("--mlp", default=None, help="each block's MLP module name (e.g. mlp)")
     parser.add_argument("--norm", default=None, help="resid_mid: the norm before it (e.g. ln_2)")
@@ -71,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
     from probe.analysis.fit.fitting import Fit
-    from probe.analysis.fit.options import FitOptions
     from probe.errors import ProbeError
 
     run = args.run.parent if args.run.is_file() else args.run
     options = FitOptions(
-        activation=args.activation, width=args.width, k=args.k, reads=args.reads, skip=args.skip,
-        steps=args.steps, epochs=args.epochs, lr=args.lr, sparsity=args.sparsity,
+        activation=args.activation, width=args.width, k=args.k, l0_target=args.l0_target,
+        reads=args.reads, skip=args.skip, steps=args.steps, epochs=args.epochs, lr=args.lr,
+        lr_warmup=args.lr_warmup, lr_decay=args.lr_decay, sparsity=args.sparsity,
+        sparsity_warmup=args.sparsity_warmup, aux_k=args.aux_k,
+        aux_coefficient=args.aux_coefficient, dead_rows=args.dead_rows,
         batch_size=args.batch_size, test_fraction=args.test_fraction, seed=args.seed,
         threshold=args.threshold, bandwidth=args.bandwidth, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip

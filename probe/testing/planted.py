@@ -12,6 +12,11 @@ sequences change with the biases). A transcoder of width n_inner can recover the
 The embeddings are large enough (std `embed_std`, tied with the LM head) that the model's
 next-token distribution is far from uniform, and the decoder rows write outputs as large as the
 embeddings, so the sequences it samples depend on its MLPs (`mlp_losses` measures how much).
+Attention and position embeddings are large too, so an MLP's input varies with the context, not
+only with the token: with GPT-2's default init (weights of std 0.02) the rows are 256 clusters (the
+tokens; 0.1% of their variance within a token), on which any encoder that tells the clusters apart
+reconstructs as well and the planted directions cannot be told from others; with these weights 73%
+(block 0) and 86% (block 1) of the variance is within a token.
 
 Default sizes (`PlantedSpec()`): d_model 64, n_inner 256, 2 blocks, 4 heads, vocabulary 256,
 fire rate 3% (7.7 units active a token on average), 4096 sequences of 32 tokens (131,072 token
@@ -41,6 +46,9 @@ class PlantedSpec:
     gain: float = 4.0  # encoder columns' norm: pre-activations gain x (x . direction) + bias
     out_norm: float = 1.5  # decoder rows' norm
     embed_std: float = 0.3  # token embeddings (tied with the LM head)
+    position_std: float = 0.3  # position embeddings
+    attn_std: float = 0.3  # attention's query, key and value weights
+    attn_out: float = 0.3  # attention's output weights x sqrt(d_model)
     rounds: int = 3  # calibrations of the biases
     calibration_sequences: int = 512
     seed: int = 0
@@ -78,7 +86,13 @@ def _model(spec: PlantedSpec):
         model.transformer.wte.weight.copy_(
             torch.randn(spec.vocab_size, spec.d_model, generator=g) * spec.embed_std
         )
+        model.transformer.wpe.weight.copy_(
+            torch.randn(*model.transformer.wpe.weight.shape, generator=g) * spec.position_std
+        )
         for block in model.transformer.h:
+            d = spec.d_model
+            block.attn.c_attn.weight.copy_(torch.randn(d, 3 * d, generator=g) * spec.attn_std)
+            block.attn.c_proj.weight.copy_(torch.randn(d, d, generator=g) * spec.attn_out / d**0.5)
             enc = torch.randn(spec.n_inner, spec.d_model, generator=g)
             enc = enc - enc.mean(1, keepdim=True)  # a LayerNorm's output has mean 0
             enc = enc / enc.norm(dim=1, keepdim=True)
@@ -202,3 +216,31 @@ def directions_found(planted: torch.Tensor, learned: torch.Tensor, cosine: float
     p = planted / planted.norm(dim=1, keepdim=True)
     q = learned / learned.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return float(((p @ q.T).max(1).values >= cosine).double().mean())
+
+
+def capture_run(planted: Planted, run_dir) -> Path:
+    """A probe run of the planted model over its sequences with each MLP's input and output as
+    token rows (probes=mlp_io): what `python -m probe.fit` reads. The run directory."""
+    from probe.launch.run import run
+    from probe.testing.compose import make_cfg
+
+    cfg = make_cfg("model=hf", f"model.name={planted.model_dir}", "model.task=causal_lm",
+                   "dataset=tokens", f"dataset.path={planted.ids_path}", "dataset.batch_size=512",
+                   "probes=mlp_io")  # fmt: skip
+    run(cfg, run_dir=Path(run_dir))
+    return Path(run_dir)
+
+
+def planted_encoders(model_dir) -> dict[int, torch.Tensor]:
+    """Each block's planted encoder directions (n_inner, d_model; unit rows) read back from the
+    saved model's c_fc weights."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        parts = name.split(".")
+        if name.endswith("mlp.c_fc.weight") and "h" in parts:
+            block = int(parts[parts.index("h") + 1])
+            out[block] = (w.T / w.T.norm(dim=1, keepdim=True)).float()
+    return dict(sorted(out.items()))

@@ -159,35 +159,140 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
 
 
 def test_the_trainer_is_its_loss_under_adam():
-    """Five steps of train_step equal a hand loop: scaled rows, mse + sparsity x sum of acts x
-    decoder row norms (relu), Adam."""
+    """Five steps of train_step equal a hand loop: rows centred and scaled by the first batch's
+    spread, mse + the warmed-up sparsity x sum of acts x decoder row norms / sqrt(d_out) (relu),
+    Adam at the warmed-up and decayed learning rate."""
     g = torch.Generator().manual_seed(1)
     batches = [
-        (torch.randn(64, 6, generator=g), torch.randn(64, 6, generator=g) * 3) for _ in range(5)
+        (torch.randn(64, 6, generator=g) + 2, torch.randn(64, 6, generator=g) * 3 - 1)
+        for _ in range(5)
     ]
-    options = FitOptions(width=12, lr=1e-2, sparsity=0.05)
-    model = TrainingTranscoder(6, 6, options, seed=3)
+    options = FitOptions(width=12, lr=1e-2, sparsity=0.05, lr_warmup=0.4, lr_decay=0.4,
+                         sparsity_warmup=0.6)  # fmt: skip
+    model = TrainingTranscoder(6, 6, options, seed=3, total_steps=5)
     model.start(*batches[0])
     hand = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     a, c = float(model.x_scale), float(model.y_scale)
     x0, y0 = batches[0]
-    assert np.isclose(a, (6 / x0.pow(2).sum(1).mean()) ** 0.5) and np.isclose(
-        c, (6 / y0.pow(2).sum(1).mean()) ** 0.5
+    assert np.isclose(a, (6 / (x0 - x0.mean(0)).pow(2).sum(1).mean()) ** 0.5) and np.isclose(
+        c, (6 / (y0 - y0.mean(0)).pow(2).sum(1).mean()) ** 0.5
     )
+    torch.testing.assert_close(hand["b_dec"], (c * y0).mean(0))
+    torch.testing.assert_close(hand["W_enc"], hand["W_dec"].T)  # tied at init
+    x_mean = a * x0.mean(0)
+    lr_factors = [0.5, 1, 1, 1, 0.5]  # warm-up ceil(0.4 x 5) = 2 steps, decay the last 2
+    sparsity_factors = [1 / 3, 2 / 3, 1, 1, 1]  # warm-up ceil(0.6 x 5) = 3 steps
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     hand_opt = torch.optim.Adam(list(hand.values()), lr=1e-2)
-    for x, y in batches:
+    for (x, y), lr, sp in zip(batches, lr_factors, sparsity_factors, strict=True):
         train_step(model, opt, x, y)
+        hand_opt.param_groups[0]["lr"] = 1e-2 * lr
         hand_opt.zero_grad()
-        acts = torch.relu(a * x @ hand["W_enc"] + hand["b_enc"])
+        acts = torch.relu((a * x - x_mean) @ hand["W_enc"] + hand["b_enc"])
         pred = acts @ hand["W_dec"] + hand["b_dec"]
-        loss = (pred - c * y).pow(2).mean() + 0.05 * (acts * hand["W_dec"].norm(dim=1)).sum(
-            1
-        ).mean()
+        penalty = (acts * hand["W_dec"].norm(dim=1)).sum(1).mean() / 6**0.5
+        loss = (pred - c * y).pow(2).mean() + 0.05 * sp * penalty
         loss.backward()
         hand_opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, hand[n], rtol=1e-5, atol=1e-6)
+    assert int(model.step) == 5
+    # the saved transcoder computes the same on raw rows (scales and mean folded in)
+    x, _ = batches[1]
+    with torch.no_grad():
+        pre = (a * x - x_mean) @ hand["W_enc"] + hand["b_enc"]
+        want = (torch.relu(pre) @ hand["W_dec"] + hand["b_dec"]) / c
+    torch.testing.assert_close(model.transcoder(0)(x), want, rtol=1e-4, atol=1e-5)
+
+
+def _hand_scaled(model, x, y):
+    a, c = float(model.x_scale), float(model.y_scale)
+    return a * x - model.x_mean, c * y
+
+
+@pytest.mark.parametrize("activation", ["topk", "batchtopk"])
+def test_topk_and_batchtopk_losses_with_auxk_are_the_hand_computation(activation):
+    """The loss and its gradients: mse of the (per-row or whole-batch) top-k reconstruction +
+    1/32 x AuxK (the dead features' top aux_k pre-activations fit the detached error: squared error
+    over the error's variance x min(dead / aux_k, 1)); the gradient along each unit decoder row
+    removed; dead counters (rows since a feature fired) moved on; batchtopk's threshold the
+    running mean of each batch's smallest selected activation, saved as a jumprelu."""
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(40, 6, generator=g), torch.randn(40, 5, generator=g)) for _ in range(3)]
+    options = FitOptions(activation=activation, width=16, k=3, aux_k=4, dead_rows=100, lr=1e-2,
+                         lr_warmup=0, lr_decay=0)  # fmt: skip
+    model = TrainingTranscoder(6, 5, options, seed=0, total_steps=3)
+    model.start(*batches[0])
+    dead = torch.tensor([0, 3, 5, 7, 11, 12])
+    model.since_fired[dead] = 101
+    model.since_fired[1] = 100  # not yet dead
+    hand = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hand_opt = torch.optim.Adam(list(hand.values()), lr=1e-2)
+    since = model.since_fired.clone()
+    threshold = None
+    for step, (x, y) in enumerate(batches):
+        xs, ys = _hand_scaled(model, x, y)
+        pre = xs @ hand["W_enc"] + hand["b_enc"]
+        if activation == "topk":
+            top = pre.topk(3, dim=1)
+            acts = torch.zeros_like(pre).scatter(1, top.indices, top.values.clamp_min(0))
+        else:
+            top = pre.flatten().topk(3 * 40)
+            acts = torch.zeros(pre.numel()).scatter(0, top.indices, top.values.clamp_min(0))
+            acts = acts.view_as(pre)
+        pred = acts @ hand["W_dec"] + hand["b_dec"]
+        error = (ys - pred).detach()
+        is_dead = since > 100
+        n_dead = int(is_dead.sum())
+        aux = torch.zeros(())
+        if n_dead:
+            masked = torch.where(is_dead, pre, torch.tensor(-float("inf")))
+            top_dead = masked.topk(min(4, n_dead), dim=1)
+            aux_acts = torch.zeros_like(pre).scatter(1, top_dead.indices,
+                                                     top_dead.values.clamp_min(0))  # fmt: skip
+            fit = aux_acts @ hand["W_dec"]
+            aux = (
+                min(n_dead / 4, 1)
+                * (fit - error).pow(2).sum()
+                / ((error - error.mean(0)).pow(2).sum())
+            )
+        loss = (pred - ys).pow(2).mean() + aux / 32
+        if step == 0:
+            assert n_dead == 6 and float(aux) > 0
+            model_loss, parts = model.loss(x, y)
+            torch.testing.assert_close(model_loss, loss, rtol=1e-5, atol=1e-7)
+            assert np.isclose(parts["auxk"], float(aux), rtol=1e-5)
+            opt.zero_grad()
+        hand_opt.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            rows = hand["W_dec"] / hand["W_dec"].norm(dim=1, keepdim=True)
+            hand["W_dec"].grad -= (hand["W_dec"].grad * rows).sum(1, keepdim=True) * rows
+        hand_opt.step()
+        with torch.no_grad():
+            hand["W_dec"] /= hand["W_dec"].norm(dim=1, keepdim=True)
+            fired = (acts > 0).any(0)
+            since = torch.where(fired, 0, since + 40)
+            smallest = float(acts[acts > 0].min())
+            threshold = smallest if threshold is None else 0.99 * threshold + 0.01 * smallest
+        train_step(model, opt, x, y)
+        assert model.since_fired.tolist() == since.tolist()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, hand[n], rtol=1e-5, atol=1e-6)
+    t = model.transcoder(0)
+    if activation == "batchtopk":
+        assert t.activation == "jumprelu"
+        assert np.isclose(float(model.batch_threshold), threshold, rtol=1e-6)
+        torch.testing.assert_close(t.threshold, torch.full((16,), threshold), rtol=1e-6, atol=0)
+        x = batches[0][0]
+        with torch.no_grad():
+            xs, _ = _hand_scaled(model, x, x[:, :5])
+            pre = xs @ hand["W_enc"] + hand["b_enc"]
+            want = ((pre * (pre > threshold)) @ hand["W_dec"] + hand["b_dec"]) / model.y_scale
+        torch.testing.assert_close(t(x), want, rtol=1e-4, atol=1e-5)
+    else:
+        assert t.activation == "topk" and t.k == 3
 
 
 def test_the_paired_stream_pairs_rows_of_one_token(lm_run):
@@ -233,28 +338,30 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
 
 def test_jumprelu_thresholds_learn_through_the_straight_through_kernel():
     """The threshold's gradient is the pseudo-derivative: for the output, -(theta / eps) K((pre -
-    theta) / eps) times the output's gradient; for L0, -(1 / eps) K(...) per row, averaged; K the
-    unit rectangle. The pre-activations' gradient is the plain one (pre > theta)."""
+    theta) / eps) times the output's gradient; for L0, -(1 / eps) K(...) per row, averaged, times
+    the target penalty's derivative 2 (L0 / target - 1) / target; K the unit rectangle. The
+    pre-activations' gradient is the plain one (pre > theta)."""
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(200, 6, generator=g), torch.randn(200, 6, generator=g)
     options = FitOptions(
-        activation="jumprelu", width=10, sparsity=0.3, threshold=0.2, bandwidth=0.5
+        activation="jumprelu", width=10, sparsity=0.3, threshold=0.2, bandwidth=0.5, k=3
     )
     model = TrainingTranscoder(6, 6, options, seed=0)
     model.start(x, y)
     loss, _ = model.loss(x, y)
     loss.backward()
     with torch.no_grad():
-        xs, ys = x * model.x_scale, y * model.y_scale
+        xs, ys = _hand_scaled(model, x, y)
         pre = xs @ model.W_enc + model.b_enc
         theta, eps = model.log_threshold.exp(), 0.5
         acts = pre * (pre > theta)
         d_pred = 2 * (acts @ model.W_dec + model.b_dec - ys) / ys.numel()
         d_acts = d_pred @ model.W_dec.T
         kernel = ((pre - theta).abs() < eps / 2).double()
-        d_theta = (-(theta / eps) * kernel * d_acts).sum(0) + 0.3 * (-(1 / eps) * kernel).sum(
-            0
-        ) / len(x)
+        # penalty 0.3 (L0 / 3 - 1)^2 (L0 target: --k), L0 through the step's kernel
+        l0 = float((pre > theta).sum(1).double().mean())
+        d_l0 = (-(1 / eps) * kernel).sum(0) / len(x)
+        d_theta = (-(theta / eps) * kernel * d_acts).sum(0) + 0.3 * 2 * (l0 / 3 - 1) / 3 * d_l0
         d_b_enc = (d_acts * (pre > theta)).sum(0)
     assert kernel.sum() > 20  # the kernel sees rows
     torch.testing.assert_close(

@@ -132,9 +132,10 @@ class Fit:
             stream = self.stream(sites, run)
             d_in = stream.sources[0].shape[-1]
             d_out = stream.sources[0].paired_shape[-1]
-            model = TrainingTranscoder(d_in, d_out, o, seed=o.seed + sites.layer)
-            opt = torch.optim.Adam(model.parameters(), lr=o.lr)
             total = o.steps or max(1, math.ceil(o.epochs * len(stream)))
+            model = TrainingTranscoder(d_in, d_out, o, seed=o.seed + sites.layer,
+                                       total_steps=total)  # fmt: skip
+            opt = torch.optim.Adam(model.parameters(), lr=o.learning_rate(model.width))
             step, epoch, curve, seconds, rows = 0, 0, [], 0.0, 0
             if state is not None:
                 model.load_state_dict(state["model"])
@@ -200,7 +201,7 @@ class Fit:
             m = s["metrics"]
             rows.append({"layer": s["layer"], "reads": o.reads, "activation": o.activation,
                          "width": s["model"]["W_enc"].shape[1],
-                         "k": o.k if o.activation == "topk" else None, "skip": o.skip,
+                         "k": o.k if o.activation in ("topk", "batchtopk") else None, "skip": o.skip,
                          "steps": s["step"], "rows": s["rows"],
                          "held_out_rows": m["held_out_rows"], "fvu": m["fvu"], "l0": m["l0"],
                          "dead": m["dead"], **losses.get(s["layer"], {}),

@@ -5,25 +5,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from probe.errors import ConfigError
-from probe.models.transcoder import ACTIVATIONS, READS
+from probe.models.transcoder import READS
 
 FIT_READS = ("mlp_in", "resid_mid")  # mlp_normalized is not captured by a run
+# the activations a fit trains; batchtopk is saved as a jumprelu with its learnt threshold
+FIT_ACTIVATIONS = ("relu", "jumprelu", "topk", "batchtopk")
+# the default penalty coefficient of each activation (see trainer.py for what each scales)
+PENALTY = {"relu": 0.03, "jumprelu": 1.0, "topk": 0.0, "batchtopk": 0.0}
+# the default learning rate: LR at LR_WIDTH features, times sqrt(LR_WIDTH / width) (sparsify's
+# 1/sqrt(width) rule; 1e-3 constant gave FVU 0.57 and 34% of the planted directions, 1e-2 0.017
+# and 98%, on docs/bench/fit_planted.md's problem at width 256)
+LR, LR_WIDTH = 1e-2, 256
 
 
 @dataclass(frozen=True)
 class FitOptions:
-    """What a fit trains (see the module docstring). `width` None: 8 x the input's width;
-    `sparsity` None: 1e-2 (relu and jumprelu); `steps` per layer (None: `epochs`)."""
+    """What a fit trains (probe.analysis.fit.trainer says what each does). `width` None: 8 x the
+    input's width; `lr` None: LR x sqrt(LR_WIDTH / width); `sparsity` None: PENALTY[activation];
+    `l0_target` None: `k`; `aux_k` None: half the output's width; `steps` per layer (None:
+    `epochs`)."""
 
     activation: str = "relu"
     width: int | None = None
     k: int = 16
+    l0_target: float | None = None
     reads: str = "mlp_in"
     skip: bool = False
     steps: int | None = None
     epochs: float = 1.0
-    lr: float = 1e-3
+    lr: float | None = None
+    lr_warmup: float = 0.02  # share of the steps the learning rate rises over, from 0
+    lr_decay: float = 0.2  # share of the steps (the last ones) it falls over, to 0
     sparsity: float | None = None
+    sparsity_warmup: float = 0.05  # share of the steps the penalty rises over, from 0
+    aux_k: int | None = None
+    aux_coefficient: float = 1 / 32
+    dead_rows: int = 50_000  # rows a feature has not fired on for AuxK to count it dead
     batch_size: int = 1024
     test_fraction: float = 0.1
     seed: int = 0
@@ -33,8 +50,10 @@ class FitOptions:
     buffer_rows: int | None = None
 
     def check(self) -> None:
-        if self.activation not in ACTIVATIONS:
-            raise ConfigError(f"--activation {self.activation!r}; choose {', '.join(ACTIVATIONS)}")
+        if self.activation not in FIT_ACTIVATIONS:
+            raise ConfigError(
+                f"--activation {self.activation!r}; choose {', '.join(FIT_ACTIVATIONS)}"
+            )
         if self.reads == "mlp_normalized":
             raise ConfigError(
                 "--reads mlp_normalized: a fit reads captured token rows, and a run captures no "
@@ -42,23 +61,45 @@ class FitOptions:
             )
         if self.reads not in READS:
             raise ConfigError(f"--reads {self.reads!r}; choose {', '.join(FIT_READS)}")
-        positive = {"--batch-size": self.batch_size, "--lr": self.lr, "--epochs": self.epochs,
+        positive = {"--batch-size": self.batch_size, "--epochs": self.epochs,
                     "--checkpoint-every": self.checkpoint_every, "--k": self.k,
-                    "--bandwidth": self.bandwidth, "--threshold": self.threshold}  # fmt: skip
-        if self.width is not None:
-            positive["--width"] = self.width
-        if self.steps is not None:
-            positive["--steps"] = self.steps
+                    "--bandwidth": self.bandwidth, "--threshold": self.threshold,
+                    "--dead-rows": self.dead_rows}  # fmt: skip
+        for flag, value in (("--width", self.width), ("--steps", self.steps), ("--lr", self.lr),
+                            ("--l0-target", self.l0_target), ("--aux-k", self.aux_k)):  # fmt: skip
+            if value is not None:
+                positive[flag] = value
         bad = [f"{k} {v}" for k, v in positive.items() if not v > 0]
         if self.sparsity is not None and self.sparsity < 0:
             bad.append(f"--sparsity {self.sparsity}")
+        if self.aux_coefficient < 0:
+            bad.append(f"--aux-coefficient {self.aux_coefficient}")
         if not 0 < self.test_fraction < 1:
             bad.append(f"--test-fraction {self.test_fraction} (want it in (0, 1))")
+        for flag, share in (("--lr-warmup", self.lr_warmup), ("--lr-decay", self.lr_decay),
+                            ("--sparsity-warmup", self.sparsity_warmup)):  # fmt: skip
+            if not 0 <= share <= 1:
+                bad.append(f"{flag} {share} (a share of the steps: want it in [0, 1])")
+        if self.lr_warmup + self.lr_decay > 1:
+            bad.append(f"--lr-warmup {self.lr_warmup} + --lr-decay {self.lr_decay} (above 1)")
         if bad:
-            raise ConfigError(f"{', '.join(bad)}: each must be above 0")
+            raise ConfigError(f"{', '.join(bad)}: each must be above 0 unless said otherwise")
 
     @property
     def penalty(self) -> float:
-        if self.sparsity is not None:
-            return self.sparsity
-        return {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0}[self.activation]
+        return self.sparsity if self.sparsity is not None else PENALTY[self.activation]
+
+    def learning_rate(self, width: int) -> float:
+        """Adam's learning rate for `width` features: `lr`, else LR x sqrt(LR_WIDTH / width)."""
+        return self.lr if self.lr is not None else LR * (LR_WIDTH / width) ** 0.5
+
+    @property
+    def target_l0(self) -> float:
+        """jumprelu's L0 target: `l0_target`, else `k`."""
+        return float(self.l0_target if self.l0_target is not None else self.k)
+
+    @property
+    def unit_decoder(self) -> bool:
+        """Decoder rows held at unit norm (all but relu, whose penalty weighs each feature by
+        its decoder row's norm)."""
+        return self.activation != "relu"

@@ -1,17 +1,39 @@
 """The transcoder trainer: the parameters a fit learns and one optimizer step of its loss.
 
-The trainer is plain torch (Adam):
+Plain torch (Adam), the trainers the field uses now:
 
-- inputs and outputs are scaled so their mean squared norm is their width (factors from the first
-  batch, folded into the saved weights: the files compute on the model's own units);
-- loss = mean squared error of the MLP output (over rows and units) + the sparsity penalty:
-  relu: `sparsity` x the features' activations times their decoder rows' norms (summed over
-  features, averaged over rows; decoder rows free); jumprelu: `sparsity` x L0, the count of
-  active features, with a straight-through estimator (a rectangle kernel of `bandwidth` for the
-  threshold's gradient, thresholds learnt as logs, as Gemma Scope and SAELens train); topk: none
-  (k features per row); jumprelu and topk keep decoder rows at unit norm after each step;
-- init: decoder rows random, W_enc = W_dec.T (when d_in = d_out), b_enc 0, b_dec the outputs'
-  mean, W_skip 0, thresholds `threshold`.
+- rows: inputs centred on and scaled by the first batch's mean and spread (each unit has variance
+  1 on average), outputs scaled the same way (not centred: b_dec learns their mean); the factors
+  are folded into the saved weights, so the files compute on the model's own units. Scaling by the
+  spread about the mean (not the raw norm) keeps a layer whose rows share a large mean from having
+  its variance, and so its loss, shrunk next to the penalty.
+- loss = mse (over rows and units of the scaled outputs: about the batch's FVU) + the penalty +
+  AuxK, by activation:
+  - relu: `sparsity` x sum over features of activation x decoder row norm / sqrt(d_out) (each
+    feature's contribution to the output as a share of the output rows' RMS norm: one coefficient
+    fits every layer's width and scale), averaged over rows; decoder rows free.
+  - jumprelu: `sparsity` x (L0 / l0_target - 1)^2, L0 the batch's mean count of active features
+    through a straight-through step (dictionary_learning's target-L0 JumpReLU; a rectangle kernel
+    of `bandwidth` for the thresholds' gradient, thresholds learnt as logs).
+  - topk: the k largest pre-activations of each row (ReLU'd).
+  - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd); a global
+    threshold (the running mean, momentum THRESHOLD_MOMENTUM, of the smallest selected activation
+    of each batch) replaces the batch at inference: the saved transcoder is a JumpReLU with that
+    threshold for every feature.
+  - AuxK (topk and batchtopk; Gao et al. 2024): the `aux_k` largest pre-activations among the
+    dead features (not fired for `dead_rows` rows) reconstruct the residual error y - y_hat;
+    `aux_coefficient` x min(dead / aux_k, 1) x its squared error over the error's variance.
+  The penalty's coefficient rises linearly from 0 over the first `sparsity_warmup` of the steps.
+- the learning rate rises linearly over the first `lr_warmup` of the steps and falls linearly to 0
+  over the last `lr_decay`.
+- decoder rows at unit norm for jumprelu, topk and batchtopk: the gradient's component along each
+  row removed before the step, rows renormalised after it.
+- init: decoder rows random directions (norm 0.1 for relu, 1 otherwise), W_enc = W_dec.T (when
+  d_in = d_out, else random with the same column norms), b_enc 0, b_dec the scaled outputs' mean
+  over the first batch, W_skip 0, jumprelu thresholds `threshold`.
+
+Everything that changes while training (step, dead counters, batchtopk's threshold) is a buffer,
+so a checkpoint's state_dict resumes the fit exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +45,8 @@ from torch import nn
 
 from probe.analysis.fit.options import FitOptions
 from probe.models.transcoder import Transcoder
+
+THRESHOLD_MOMENTUM = 0.99  # batchtopk's running threshold
 
 
 class _JumpReLU(torch.autograd.Function):
@@ -61,24 +85,57 @@ class _Step(torch.autograd.Function):
         return torch.zeros_like(pre), (-(1.0 / bw) * kernel * grad).sum(0), None
 
 
+def ramp(step: int, total: int, warmup: float, decay: float = 0.0) -> float:
+    """The schedule's factor at `step` (0-based) of `total`: (step + 1) / w over the first w =
+    ceil(warmup x total) steps, (total - step) / d over the last d = ceil(decay x total), else 1."""
+    w = math.ceil(warmup * total)
+    d = math.ceil(decay * total)
+    factor = 1.0
+    if step < w:
+        factor = (step + 1) / w
+    if d and step >= total - d:
+        factor = min(factor, (total - step) / d)
+    return factor
+
+
+def _top_rows(pre: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k largest pre-activations (ReLU'd), the rest 0."""
+    top = torch.topk(pre, k, dim=-1)
+    return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+
+
+def _top_batch(pre: torch.Tensor, k: int) -> torch.Tensor:
+    """The k x rows largest pre-activations of the whole batch (ReLU'd), the rest 0."""
+    flat = pre.flatten()
+    top = torch.topk(flat, min(k * pre.shape[0], flat.numel()))
+    return torch.zeros_like(flat).scatter(0, top.indices, torch.relu(top.values)).view_as(pre)
+
+
 class TrainingTranscoder(nn.Module):
-    """The parameters a fit learns, on scaled rows (x * x_scale -> y * y_scale)."""
+    """The parameters a fit learns, on scaled rows ((x - x_mean) * x_scale -> y * y_scale), and
+    the state of its schedule over `total_steps` steps."""
 
     x_scale: torch.Tensor  # buffers (registered in __init__)
     y_scale: torch.Tensor
+    x_mean: torch.Tensor
+    step: torch.Tensor
+    since_fired: torch.Tensor
+    batch_threshold: torch.Tensor
 
-    def __init__(self, d_in: int, d_out: int, options: FitOptions, seed: int):
+    def __init__(self, d_in: int, d_out: int, options: FitOptions, seed: int,
+                 total_steps: int = 1):  # fmt: skip
         super().__init__()
-        self.options = options
+        self.options, self.total_steps = options, int(total_steps)
         d_tc = options.width or 8 * d_in
         g = torch.Generator().manual_seed(seed)
+        norm = 1.0 if options.unit_decoder else 0.1
         W_dec = torch.randn(d_tc, d_out, generator=g)
-        W_dec = (
-            W_dec / W_dec.norm(dim=1, keepdim=True) * (0.1 if options.activation == "relu" else 1)
-        )
-        W_enc = (
-            W_dec.T.clone() if d_in == d_out else torch.randn(d_in, d_tc, generator=g) / d_in**0.5
-        )
+        W_dec = W_dec / W_dec.norm(dim=1, keepdim=True) * norm
+        if d_in == d_out:
+            W_enc = W_dec.T.clone()
+        else:
+            W_enc = torch.randn(d_in, d_tc, generator=g)
+            W_enc = W_enc / W_enc.norm(dim=0, keepdim=True) * norm
         self.W_enc, self.W_dec = nn.Parameter(W_enc), nn.Parameter(W_dec)
         self.b_enc, self.b_dec = nn.Parameter(torch.zeros(d_tc)), nn.Parameter(torch.zeros(d_out))
         self.log_threshold = (
@@ -88,71 +145,165 @@ class TrainingTranscoder(nn.Module):
         self.W_skip = nn.Parameter(torch.zeros(d_out, d_in)) if options.skip else None
         self.register_buffer("x_scale", torch.tensor(1.0))
         self.register_buffer("y_scale", torch.tensor(1.0))
+        self.register_buffer("x_mean", torch.zeros(d_in))
+        self.register_buffer("step", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("since_fired", torch.zeros(d_tc, dtype=torch.long))
+        self.register_buffer("batch_threshold", torch.tensor(-1.0))  # batchtopk; < 0: unset
+        self._fired: torch.Tensor | None = None
+        self._smallest: torch.Tensor | None = None
 
     def start(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Scales from a first batch of raw rows; b_dec at the scaled outputs' mean."""
+        """Scales and the input's mean from a first batch of raw rows; b_dec at the scaled
+        outputs' mean."""
         with torch.no_grad():
-            self.x_scale.fill_((x.shape[1] / x.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt())
-            self.y_scale.fill_((y.shape[1] / y.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt())
+
+            def scale(rows: torch.Tensor) -> float:
+                spread = (rows - rows.mean(0)).pow(2).sum(1).mean().clamp_min(1e-12)
+                return float((rows.shape[1] / spread).sqrt())
+
+            self.x_scale.fill_(scale(x))
+            self.y_scale.fill_(scale(y))
+            self.x_mean.copy_(x.mean(0) * self.x_scale)
             self.b_dec.copy_((y * self.y_scale).mean(0))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(prediction, activations, penalty) on scaled rows."""
-        pre = x @ self.W_enc + self.b_enc
+    @property
+    def width(self) -> int:
+        return self.W_dec.shape[0]
+
+    @property
+    def aux_k(self) -> int:
+        return self.options.aux_k or max(1, self.W_dec.shape[1] // 2)
+
+    def sparsity(self) -> float:
+        """The penalty's coefficient at this step (warmed up)."""
         o = self.options
+        return o.penalty * ramp(int(self.step), self.total_steps, o.sparsity_warmup)
+
+    def lr_factor(self) -> float:
+        """The learning rate's factor at this step."""
+        o = self.options
+        return ramp(int(self.step), self.total_steps, o.lr_warmup, o.lr_decay)
+
+    def encode(self, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre-activations, activations, penalty before its coefficient) of scaled rows."""
+        pre = (xs - self.x_mean) @ self.W_enc + self.b_enc
+        o = self.options
+        penalty = pre.new_zeros(())
         if o.activation == "relu":
             acts = torch.relu(pre)
-            penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean()
+            penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean() / self.W_dec.shape[1] ** 0.5
         elif o.activation == "jumprelu":
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold.exp()
             acts = _JumpReLU.apply(pre, threshold, o.bandwidth)
-            penalty = _Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+            l0 = _Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+            penalty = (l0 / o.target_l0 - 1).pow(2)
+        elif o.activation == "topk":
+            acts = _top_rows(pre, o.k)
         else:
-            top = torch.topk(pre, o.k, dim=-1)
-            acts = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
-            penalty = pre.new_zeros(())
+            acts = _top_batch(pre, o.k)
+        return pre, acts, penalty
+
+    def forward(
+        self, xs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(prediction, pre-activations, activations, penalty) on scaled rows."""
+        pre, acts, penalty = self.encode(xs)
         out = acts @ self.W_dec + self.b_dec
         if self.W_skip is not None:
-            out = out + x @ self.W_skip.T
-        return out, acts, penalty
+            out = out + xs @ self.W_skip.T
+        return out, pre, acts, penalty
+
+    def auxk(self, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        """AuxK's loss before its coefficient: the dead features' top aux_k (ReLU'd) predict
+        `error` (detached), squared error over the error's variance x min(dead / aux_k, 1)."""
+        dead = self.since_fired > self.options.dead_rows
+        n = int(dead.sum())
+        if n == 0:
+            return pre.new_zeros(())
+        k = min(self.aux_k, n)
+        masked = torch.where(dead, pre, torch.full_like(pre, -torch.inf))
+        fit = _top_rows(masked, k) @ self.W_dec
+        variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
+        return min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The training loss on raw rows and its parts (mse, penalty, the batch's fvu)."""
+        """The training loss on raw rows at this step and its parts (mse, penalty, auxk, the
+        batch's fvu)."""
+        o = self.options
         xs, ys = x * self.x_scale, y * self.y_scale
-        pred, _, penalty = self(xs)
+        pred, pre, acts, penalty = self(xs)
         mse = (pred - ys).pow(2).mean()
-        loss = mse + self.options.penalty * penalty
+        loss = mse + self.sparsity() * penalty
+        aux = pre.new_zeros(())
+        if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
+            aux = self.auxk(pre, (ys - pred).detach())
+            loss = loss + o.aux_coefficient * aux
         with torch.no_grad():
             var = (ys - ys.mean(0)).pow(2).mean().clamp_min(1e-12)
-        mse, penalty = mse.detach(), penalty.detach()
-        return loss, {"mse": float(mse), "penalty": float(penalty), "fvu": float(mse / var)}
+            on = acts > 0
+            self._fired = on.any(0)
+            self._smallest = acts[on].min() if o.activation == "batchtopk" and on.any() else None
+        return loss, {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
+                      "auxk": float(aux.detach()),
+                      "fvu": float(mse.detach() / var)}  # fmt: skip
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Unit decoder rows for jumprelu and topk (their penalty does not hold norms down)."""
-        if self.options.activation != "relu":
+    def before_step(self) -> None:
+        """Unit decoder rows: the gradient's component along each row removed."""
+        if self.options.unit_decoder and self.W_dec.grad is not None:
+            rows = self.W_dec / self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            self.W_dec.grad -= (self.W_dec.grad * rows).sum(1, keepdim=True) * rows
+
+    @torch.no_grad()
+    def after_step(self, rows: int) -> None:
+        """Unit decoder rows renormalised; the step, dead counters (`rows` more rows) and
+        batchtopk's threshold moved on."""
+        if self.options.unit_decoder:
             self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        self.step += 1
+        self.since_fired += rows
+        if self._fired is not None:
+            self.since_fired[self._fired] = 0
+        if self._smallest is not None:
+            m = self._smallest.to(self.batch_threshold.dtype)
+            if self.batch_threshold < 0:
+                self.batch_threshold.copy_(m)
+            else:
+                self.batch_threshold.mul_(THRESHOLD_MOMENTUM).add_((1 - THRESHOLD_MOMENTUM) * m)
+        self._fired = self._smallest = None
 
     @torch.no_grad()
     def transcoder(self, layer: int) -> Transcoder:
-        """The learnt transcoder on the model's units (scales folded into the weights)."""
+        """The learnt transcoder on the model's units (scales and the input's mean folded into
+        the weights; batchtopk as a JumpReLU of its threshold)."""
         a, c = float(self.x_scale), float(self.y_scale)
         o = self.options
+        threshold = None
+        if self.log_threshold is not None:
+            threshold = self.log_threshold.exp()
+        elif o.activation == "batchtopk":
+            threshold = torch.full_like(self.b_enc, max(float(self.batch_threshold), 0.0))
+        activation = "jumprelu" if o.activation == "batchtopk" else o.activation
         return Transcoder(
-            self.W_enc * a, self.b_enc.clone(), self.W_dec / c, self.b_dec / c, layer=layer,
-            activation=o.activation,
-            threshold=self.log_threshold.exp() if self.log_threshold is not None else None,
+            self.W_enc * a, self.b_enc - self.x_mean @ self.W_enc, self.W_dec / c,
+            self.b_dec / c, layer=layer, activation=activation, threshold=threshold,
             k=o.k if o.activation == "topk" else None,
             W_skip=self.W_skip * (a / c) if self.W_skip is not None else None,
         )  # fmt: skip
 
 
 def train_step(model: TrainingTranscoder, opt: torch.optim.Optimizer, x, y) -> dict:
-    """One Adam step on a batch of raw (input, output) rows; the loss's parts."""
+    """One Adam step on a batch of raw (input, output) rows at the model's scheduled learning
+    rate (each group's `initial_lr` x the schedule's factor); the loss's parts."""
+    factor = model.lr_factor()
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+        group["lr"] = group["initial_lr"] * factor
     opt.zero_grad(set_to_none=True)
     loss, parts = model.loss(x, y)
     loss.backward()
+    model.before_step()
     opt.step()
-    model.after_step()
+    model.after_step(len(x))
     return parts
