@@ -143,7 +143,7 @@ def main() -> None:
         "fit",
         "training rows",
         "peak RSS above start, MB",
-        "workers' peak RSS, MB",
+        "process tree's peak above start, MB",
         "its rows (in + out, float32), MB",
         "wall s",
         "rows/s",
