@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from probe.hooks.hookset import HookSet
+
 
 @dataclass(frozen=True)
 class PlantedSpec:
@@ -131,14 +133,13 @@ def sample(model, sequences: int, length: int, seed: int, batch: int = 4096) -> 
 def _mlp_inputs(model, ids: torch.Tensor, block: int) -> torch.Tensor:
     """(tokens, d_model) inputs of block `block`'s MLP."""
     got = []
-    handle = model.transformer.h[block].mlp.register_forward_pre_hook(
-        lambda _m, args: got.append(args[0].reshape(-1, args[0].shape[-1]))
-    )
-    try:
+    with HookSet("probe.testing.planted") as hooks:
+        hooks.forward_pre(
+            model.transformer.h[block].mlp,
+            lambda _m, args: got.append(args[0].reshape(-1, args[0].shape[-1])),
+        )
         for start in range(0, len(ids), 512):
             model(input_ids=ids[start : start + 512])
-    finally:
-        handle.remove()
     return torch.cat(got)
 
 
@@ -203,11 +204,9 @@ def mlp_losses(model_dir, ids: torch.Tensor) -> dict[str, float]:
 
     out = {"clean": ce(), "uniform": float(torch.log(torch.tensor(model.config.vocab_size)))}
     for b, block in enumerate(model.transformer.h):
-        handle = block.mlp.register_forward_hook(lambda _m, _a, o: torch.zeros_like(o))
-        try:
+        with HookSet("probe.testing.planted") as hooks:
+            hooks.forward(block.mlp, lambda _m, _a, o: torch.zeros_like(o))
             out[f"zero_{b}"] = ce()
-        finally:
-            handle.remove()
     return out
 
 
