@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,14 @@ FEATURE_TYPES = {
 def cantor_pairing(x: int, y: int) -> int:
     """circuit-tracer's `feature` number of a (layer, feature) pair."""
     return (x + y) * (x + y + 1) // 2 + y
+
+
+def cantor_unpairing(z: int) -> tuple[int, int]:
+    """The (layer, feature) pair of circuit-tracer's `feature` number `z` (cantor_pairing's
+    inverse)."""
+    w = (math.isqrt(8 * z + 1) - 1) // 2
+    y = z - w * (w + 1) // 2
+    return w - y, y
 
 
 def scan_of(graph: GraphData, scan: str | list[str] | None) -> tuple[str, list[str]]:

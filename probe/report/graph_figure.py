@@ -5,7 +5,8 @@ errors at row L + 1; the logits at the top, row n_layers + 1), positions across 
 tokens as the x labels); the nodes pruning kept, coloured by kind, those of one (row, position)
 spread over the cell in node order, LINE to a line and lines stacked within the row (so a cell of
 dozens of features is a grid, not a bar); the `top` strongest kept edges between them as lines whose
-width grows with |weight| and whose colour is its sign (blue positive, red negative).
+width grows with |weight| and whose colour is its sign (blue positive, red negative); with
+graph.examples, the most influential feature of each cell labelled with its top example's token.
 
 `python -m probe.plot RUN` draws graph_<prompt>.png for the first GRAPH_FIGURES prompts of a
 run holding /graph; report.html's graphs section shows them with graph_scores.csv and the
@@ -59,8 +60,10 @@ def drawn_edges(graph: AttributionGraph, drawn: pd.DataFrame, top: int = TOP_EDG
     return edges.iloc[order[:top]].reset_index(drop=True)
 
 
-def graph_figure(graph: AttributionGraph, title: str = "", top: int = TOP_EDGES):
-    """The figure of `graph` (see the module's docstring)."""
+def graph_figure(graph: AttributionGraph, title: str = "", top: int = TOP_EDGES,
+                 labels: dict[tuple[int, int], str] | None = None):  # fmt: skip
+    """The figure of `graph` (see the module's docstring); `labels` {(layer, feature): text}
+    name the most influential feature of each (row, position) cell that has one."""
     import matplotlib.pyplot as plt
     from matplotlib.collections import LineCollection
 
@@ -82,6 +85,9 @@ def graph_figure(graph: AttributionGraph, title: str = "", top: int = TOP_EDGES)
         if len(part):
             ax.scatter(part["x"], part["y"], s=28, c=colour, label=kind, zorder=2,
                        edgecolors="black", linewidths=0.3)  # fmt: skip
+    for row in labelled(nodes, labels or {}).itertuples():
+        ax.annotate(row.label, (row.x, row.y), xytext=(4, 4), textcoords="offset points",
+                    fontsize=6, color="#1f77b4")  # fmt: skip
     for row in nodes[nodes["kind"] == "logit"].itertuples():
         ax.annotate(repr(str(row.token)), (row.x, row.y), xytext=(0, 6),
                     textcoords="offset points", ha="center", fontsize=7, rotation=30)  # fmt: skip
@@ -97,6 +103,36 @@ def graph_figure(graph: AttributionGraph, title: str = "", top: int = TOP_EDGES)
     ax.legend(loc="upper left", fontsize=7, framealpha=0.7)
     fig.tight_layout()
     return fig
+
+
+def labelled(nodes: pd.DataFrame, labels: dict[tuple[int, int], str]) -> pd.DataFrame:
+    """The drawn feature nodes to label: per (row, position) cell, its most influential feature
+    that `labels` names, with its `label`."""
+    feats = nodes[nodes["kind"] == "feature"].copy()
+    keys = zip(feats["layer"].astype(int), feats["feature"].astype(int), strict=True)
+    feats["label"] = [labels.get(k) for k in keys]
+    feats = feats[feats["label"].notna()]
+    if feats.empty:
+        return feats
+    order = feats.sort_values("influence", ascending=False, na_position="last")
+    return order.groupby(["layer", "pos"], sort=False).head(1)
+
+
+def example_labels(run_dir: Path) -> dict[tuple[int, int], str]:
+    """{(layer, feature): its top example's token} from a run's graph.examples files ({} without
+    them)."""
+    import json
+
+    from probe.graphs.graph_json import cantor_unpairing
+
+    folder = Path(run_dir) / "graph_json" / "features"
+    out = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        examples = json.loads(path.read_text())["examples_quantiles"][0]["examples"]
+        if examples:
+            best = examples[0]
+            out[cantor_unpairing(int(path.stem))] = repr(best["tokens"][best["train_token_ind"]])
+    return out
 
 
 def run_prompts(run_dir: Path) -> list[int]:
@@ -118,8 +154,11 @@ def graph_figures(run_dir: Path, title: str = "", count: int = GRAPH_FIGURES) ->
     """{graph_<prompt>.png: Figure} of the run's first `count` prompts' graphs."""
     from probe.graphs.graph_files import load_graph
 
+    labels = example_labels(run_dir)
     return {
-        f"graph_{p}.png": graph_figure(load_graph(run_dir, p), f"prompt {p} | {title}")
+        f"graph_{p}.png": graph_figure(
+            load_graph(run_dir, p), f"prompt {p} | {title}", labels=labels
+        )  # fmt: skip
         for p in run_prompts(run_dir)[:count]
     }
 

@@ -126,3 +126,40 @@ def test_a_graph_examples_key_naming_no_feature_run_is_refused(runs, tmp_path):
                   "probes=none", "dataset=tokens", f"dataset.path={root / 'prompts.pt'}",
                   f"graph.transcoders={root / 'tc'}",
                   f"graph.examples={root / 'graph'}")  # fmt: skip
+
+
+def test_the_picture_labels_each_cells_strongest_feature_with_its_top_token(runs):
+    """graph_<prompt>.png: per (layer, position) cell, the most influential kept feature is
+    labelled with its example file's top token; cantor_unpairing inverts the file names."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from probe.graphs.graph_files import load_graph
+    from probe.graphs.graph_json import cantor_unpairing
+    from probe.report.graph_figure import example_labels, graph_figures, node_positions
+
+    root, *_ = runs
+    assert all(
+        cantor_unpairing(cantor_pairing(a, b)) == (a, b) for a in range(9) for b in range(300)
+    )
+    labels = example_labels(root / "graph")
+    folder = root / "graph" / "graph_json" / "features"
+    for (layer, feature), text in labels.items():
+        data = json.loads((folder / f"{cantor_pairing(layer, feature)}.json").read_text())
+        best = data["examples_quantiles"][0]["examples"][0]
+        assert text == repr(best["tokens"][best["train_token_ind"]])
+    fig = graph_figures(root / "graph", "t", count=1)["graph_0.png"]
+    drawn = {(round(t.xy[0], 6), round(t.xy[1], 6)): t.get_text() for t in fig.axes[0].texts}
+    nodes = node_positions(load_graph(root / "graph", 0))
+    feats = nodes[nodes["kind"] == "feature"]
+    cells = 0
+    for _, cell in feats.groupby(["layer", "pos"]):
+        best = cell.sort_values("influence", ascending=False).iloc[0]
+        where = (round(best["x"], 6), round(best["y"], 6))
+        assert drawn[where] == labels[int(best["layer"]), int(best["feature"])]
+        others = cell.drop(index=best.name)
+        assert not any((round(x, 6), round(y, 6)) in drawn
+                       for x, y in zip(others["x"], others["y"], strict=True))  # fmt: skip
+        cells += 1
+    assert cells > 1
+    plt.close(fig)
