@@ -137,7 +137,7 @@ def sparsify_child(args) -> None:
     from transformers import AutoModelForCausalLM
 
     import probe
-    from probe.analysis.fit.sites import held_out
+    from probe.analysis.fit.fit_sites import held_out
     from probe.models.transcoder import Transcoder
     from probe.models.transcoder_files import write_set_config, write_transcoder
 
@@ -210,7 +210,7 @@ def evaluate_set(set_dir: Path, run_dir: Path, model_dir: Path, ids_path: Path, 
     from transformers import AutoModelForCausalLM
 
     import probe
-    from probe.analysis.fit.sites import held_out
+    from probe.analysis.fit.fit_sites import held_out
     from probe.models.transcoder_files import load_transcoders
     from probe.testing.planted import directions_found
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import probe
 from probe.analysis.fit import clt as clt_fit
-from probe.analysis.fit.sites import held_out
+from probe.analysis.fit.fit_sites import held_out
 from probe.fit import main
 
 WIDTH, LAYERS = 32, 2  # the tiny GPT-2's hidden size and blocks

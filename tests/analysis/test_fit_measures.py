@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import probe
+from probe.analysis.fit.fit_sites import find_sites, held_out
 from probe.analysis.fit.fitting import EVALUATE_COLUMNS
 from probe.analysis.fit.losses import loss_measures, run_model, sample_tokens
-from probe.analysis.fit.sites import find_sites, held_out
-from probe.analysis.fit.splice import splice_points
+from probe.analysis.fit.transcoder_splice import splice_points
 from probe.fit import main
 from probe.models.clt_files import save_cross_layer
 from probe.models.transcoder import Transcoder, TranscoderSet

@@ -13,9 +13,9 @@ import torch
 
 import probe
 from probe.analysis.fit import fitting
+from probe.analysis.fit.fit_sites import held_out
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import held_out
-from probe.analysis.fit.trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, train_step
 from probe.fit import main
 from probe.models.transcoder_files import load_transcoders
 

@@ -463,3 +463,20 @@ def test_the_graph_keys_become_the_attributions_options():
                                floor=0.01, zero_bos=False, update_interval=2)  # fmt: skip
     assert got.batch_size == GraphOptions().batch_size  # (graph.batch_size null)
     assert attribution_graphs.graph_options(GraphSpec(batch_size=8)).batch_size == 8
+
+
+def test_the_documented_graph_keys_compose_and_reach_the_run(tmp_path):
+    """graph.zero_bos, graph.update_interval, graph.prepend_bos and graph.examples as a command
+    line gives them: parsed into the plan, and the first two passed on to the attribution."""
+    from probe.plan import parse
+    from probe.testing.compose import make_cfg
+
+    torch.save(torch.ones(2, 3, dtype=torch.long), tmp_path / "ids.pt")
+    (tmp_path / "t.yaml").write_text("transcoders: []\n")
+    plan = parse(make_cfg("model=hf", "model.name=x", "model.task=causal_lm", "dataset=tokens",
+                          f"dataset.path={tmp_path / 'ids.pt'}", f"graph.transcoders={tmp_path / 't.yaml'}",
+                          "graph.zero_bos=false", "graph.update_interval=2",
+                          "graph.prepend_bos=false", "graph.examples=RUN"))  # fmt: skip
+    assert (plan.graph.prepend_bos, plan.graph.examples) == (False, "RUN")
+    got = attribution_graphs.graph_options(plan.graph)
+    assert (got.zero_bos, got.update_interval) == (False, 2)

@@ -4,8 +4,8 @@ The run stores, per block, the MLP's input (`mlp_in`) or its norm's input (`resi
 MLP's output as token rows (`probes=mlp_io`); rows of one token are the same row index in every
 site. A CLT needs every block 0..n-1. Rows are read in contiguous blocks of `BLOCK_ROWS` from
 every site at once (shuffled by block and within a block: memory holds one block of 2 x n sites),
-held-out samples (probe.analysis.fit.sites.held_out) never train, and rows of position 0 and of
-special tokens (sites.left_out) neither train nor count in fit.csv unless `keep_special`, as for
+held-out samples (probe.analysis.fit.fit_sites.held_out) never train, and rows of position 0 and of
+special tokens (fit_sites.left_out) neither train nor count in fit.csv unless `keep_special`, as for
 per-layer fits; fit.csv's `left_out_rows` says how many there were.
 
 The trainer (plain torch, Adam), on rows scaled per site so their mean squared norm is their width
@@ -39,9 +39,9 @@ import pandas as pd
 import torch
 from torch import nn
 
+from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_out, left_out_rows
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, left_out_rows
-from probe.analysis.fit.trainer import JumpReLU, Step
+from probe.analysis.fit.transcoder_trainer import JumpReLU, Step
 from probe.errors import ConfigError, DataError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from probe.analysis.fit.fit_sites import find_sites
 from probe.analysis.fit.losses import (
     BATCH_TOKENS,
     held_out_samples,
@@ -28,8 +29,7 @@ from probe.analysis.fit.losses import (
 )
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import find_sites
-from probe.analysis.fit.splice import splice_points
+from probe.analysis.fit.transcoder_splice import splice_points
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder import TranscoderSet, normalized
 from probe.models.transcoder_files import check_transcoders, load_transcoders

@@ -9,7 +9,7 @@ bounded memory.
 Each layer checkpoints its parameters, optimizer and stream position every `checkpoint_every`
 steps in `out/checkpoints/`; a resumed fit gives the uninterrupted one's weights. Held-out rows
 (whole samples: `held_out`) never train; fit.csv reports on them. Rows of position 0 and of
-special tokens (`sites.left_out`) neither train nor count in fit.csv's row measures unless
+special tokens (`fit_sites.left_out`) neither train nor count in fit.csv's row measures unless
 `keep_special`; fit.csv's `left_out_rows` says how many there were.
 """
 
@@ -25,12 +25,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_out, left_out_rows
 from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model, sample_tokens
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sites import LayerSites, find_sites, held_out, left_out, left_out_rows
-from probe.analysis.fit.splice import splice_points
-from probe.analysis.fit.trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.transcoder_splice import splice_points
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, train_step
 from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder

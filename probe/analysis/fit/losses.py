@@ -6,7 +6,7 @@ sample's token t+1 from its tokens 0..t (a sample of n tokens makes n - 1):
 
 - `ce_clean`: the model's mean next-token cross-entropy;
 - `ce_spliced`: the same with the layer's MLP output replaced at every position by its
-  transcoder's output (probe.analysis.fit.splice; later layers see the spliced residual);
+  transcoder's output (probe.analysis.fit.transcoder_splice; later layers see the spliced residual);
 - `ce_zero`: the same with that MLP's output zeroed;
 - `ce_recovered`: (ce_zero - ce_spliced) / (ce_zero - ce_clean) (1: the transcoder loses
   nothing; 0: no better than no MLP);
@@ -28,8 +28,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from probe.analysis.fit.sites import held_out
-from probe.analysis.fit.splice import Splice, SplicePoint
+from probe.analysis.fit.fit_sites import held_out
+from probe.analysis.fit.transcoder_splice import Splice, SplicePoint
 from probe.errors import ConfigError, DataError, ProbeError
 from probe.models.transcoder import Transcoder
 

@@ -10,7 +10,7 @@ from probe.models.transcoder import READS
 FIT_READS = ("mlp_in", "resid_mid")  # mlp_normalized is not captured by a run
 # the activations a fit trains; batchtopk is saved as a jumprelu with its learnt threshold
 FIT_ACTIVATIONS = ("relu", "jumprelu", "topk", "batchtopk")
-# the default penalty coefficient of each activation (see trainer.py for what each scales)
+# the default penalty coefficient of each activation (see transcoder_trainer.py for what each scales)
 PENALTY = {"relu": 0.03, "jumprelu": 1.0, "topk": 0.0, "batchtopk": 0.0}
 # the default learning rate: LR at LR_WIDTH features, times sqrt(LR_WIDTH / width) (sparsify's
 # 1/sqrt(width) rule). On docs/bench/fit_planted.md's problem at width 256, 30 epochs, block 0:
@@ -22,7 +22,7 @@ LR, LR_WIDTH = 2e-2, 256
 
 @dataclass(frozen=True)
 class FitOptions:
-    """What a fit trains (probe.analysis.fit.trainer says what each does). `width` None: 8 x the
+    """What a fit trains (probe.analysis.fit.transcoder_trainer says what each does). `width` None: 8 x the
     input's width; `lr` None: LR x sqrt(LR_WIDTH / width); `sparsity` None: PENALTY[activation];
     `l0_target` None: `k`; `aux_k` None: half the output's width; `steps` per layer (None:
     `epochs`)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from probe.analysis.fit.sites import LayerSites
+from probe.analysis.fit.fit_sites import LayerSites
 from probe.errors import ConfigError
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import block_names
