@@ -185,7 +185,7 @@ def clt_fit(run: Path, args, options):
         )
     if args.resume:
         raise ConfigError("--resume with --kind clt: a CLT fit is not checkpointed; fit again")
-    return CltFit(run, args.out, options, args.mlp, args.norm)
+    return CltFit(run, args.out, options, args.mlp, args.norm, losses=not args.no_losses)
 
 
 def evaluate(args: argparse.Namespace, run: Path) -> int:

@@ -1,7 +1,8 @@
 """python -m probe.fit RUN --kind clt: a cross-layer transcoder trained on a tiny GPT-2's captured
 MLP inputs and outputs explains most of each layer's held-out variance; fit.csv's FVU, L0 and
 dead share equal a plain-torch recomputation from the written files (circuit-tracer's CLT
-layout, read here with safetensors alone); bad input exits 2 by name."""
+layout, read here with safetensors alone); its loss columns equal plain forward hooks that splice
+the files' CLT into transformers' model by hand; bad input exits 2 by name."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
@@ -65,8 +67,10 @@ def test_a_fitted_clt_explains_every_layer_and_fit_csv_is_what_the_files_give(lm
     extra = ["--k", "8"] if activation == "topk" else ["--sparsity", "1e-3"]
     args = [str(lm_run), "--kind", "clt", "--activation", activation, "--steps", "100"]
     assert main([*args, "--out", str(out), *FAST, *extra]) == 0
-    fit = pd.read_csv(out / "fit.csv")
-    assert fit["layer"].tolist() == [0, 1] and (fit["kind"] == "clt").all()
+    table = pd.read_csv(out / "fit.csv")
+    assert table["layer"].astype(str).tolist() == ["0", "1", "all"]
+    assert (table["kind"] == "clt").all()
+    fit = table.iloc[:LAYERS].reset_index(drop=True)
     assert (fit["fvu"] < 0.5).all(), fit  # predicting the mean: 1.0
     again = recompute(lm_run, out)
     np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-6)
@@ -76,6 +80,84 @@ def test_a_fitted_clt_explains_every_layer_and_fit_csv_is_what_the_files_give(lm
     assert fit["left_out_rows"].tolist() == again["left_out_rows"].tolist()
     clt = probe.models.transcoder_files.load_transcoders(out)
     assert len(clt) == LAYERS and clt.d_tc == 128 and clt.activation == activation
+    if activation == "topk":
+        check_losses(lm_run, out, table)
+        csv = tmp_path / "evaluated.csv"  # --evaluate of the written CLT: fit.csv's numbers
+        assert main(["--evaluate", str(out), str(lm_run), "--out", str(csv)]) == 0
+        got = pd.read_csv(csv)
+        same = [c for c in got.columns if c in table.columns]
+        assert len(same) == 15, same
+        pd.testing.assert_frame_equal(got[same], table[same], rtol=1e-9)
+
+
+def hand_ce(model, ids, out, replaced: list[int], zero: bool = False) -> tuple[float, float]:
+    """(mean next-token CE, mean KL(clean || spliced)) with the MLP outputs of `replaced`
+    swapped by plain forward hooks for what the CLT in `out` writes there (b_dec, and every
+    block s <= l's features of its own MLP input through W_dec_s[:, l - s]), or for zeros."""
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    enc = [load_file(out / f"W_enc_{i}.safetensors") for i in range(LAYERS)]
+    dec = [load_file(out / f"W_dec_{i}.safetensors")[f"W_dec_{i}"] for i in range(LAYERS)]
+    blocks, seen, handles = model.transformer.h, {}, []
+
+    def acts(i):
+        pre = seen[i] @ enc[i][f"W_enc_{i}"].T + enc[i][f"b_enc_{i}"]
+        top = pre.topk(config["k"], dim=-1)
+        return torch.zeros_like(pre).scatter(-1, top.indices, top.values.clamp_min(0))
+
+    def swap(layer):
+        def hook(module, args, output):
+            if zero:
+                return torch.zeros_like(output)
+            new = enc[layer][f"b_dec_{layer}"]
+            return new + sum(acts(s) @ dec[s][:, layer - s] for s in range(layer + 1))
+
+        return hook
+
+    for i in range(LAYERS):
+        handles.append(blocks[i].mlp.register_forward_pre_hook(
+            lambda m, a, i=i: seen.__setitem__(i, a[0])))  # fmt: skip
+    handles += [blocks[layer].mlp.register_forward_hook(swap(layer)) for layer in replaced]
+    try:
+        with torch.no_grad():
+            spliced = model(ids).logits[:, :-1].double()
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        clean = model(ids).logits[:, :-1].double()
+    vocab = clean.shape[-1]
+    ce = F.cross_entropy(spliced.reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    kl = F.kl_div(spliced.reshape(-1, vocab).log_softmax(-1),
+                  clean.reshape(-1, vocab).log_softmax(-1), log_target=True,
+                  reduction="batchmean")  # fmt: skip
+    return float(ce), float(kl)
+
+
+def check_losses(run_dir, out, table: pd.DataFrame) -> None:
+    """fit.csv's loss columns (each layer replaced alone, and `all`) against hand_ce over the
+    held-out samples that held_out.csv lists."""
+    from transformers import AutoModelForCausalLM
+
+    with probe.open_run(run_dir) as run:
+        tokens = run.tokens()
+        samples = np.unique(tokens["sample"])
+        held = samples[held_out(samples, run.num_samples, 0.1, 0)]
+        rows = tokens[tokens["sample"].isin(held)].sort_values(["sample", "position"])
+        model = AutoModelForCausalLM.from_pretrained(run.config["model"]["name"]).float().eval()
+    assert pd.read_csv(out / "held_out.csv")["sample"].tolist() == held.tolist()
+    ids = torch.from_numpy(rows["id"].to_numpy().copy().reshape(len(held), -1))
+    ce_clean, _ = hand_ce(model, ids, out, [])
+    for key, layers in (("0", [0]), ("1", [1]), ("all", [0, 1])):
+        row = table[table["layer"].astype(str) == key].iloc[0]
+        ce_spliced, kl = hand_ce(model, ids, out, layers)
+        ce_zero, _ = hand_ce(model, ids, out, layers, zero=True)
+        np.testing.assert_allclose(row["ce_clean"], ce_clean, rtol=1e-9)
+        np.testing.assert_allclose(row["ce_spliced"], ce_spliced, rtol=1e-6)
+        np.testing.assert_allclose(row["kl"], kl, rtol=1e-4, atol=1e-10)
+        np.testing.assert_allclose(row["ce_zero"], ce_zero, rtol=1e-7)
+        recovered = (ce_zero - ce_spliced) / (ce_zero - ce_clean)
+        np.testing.assert_allclose(row["ce_recovered"], recovered, rtol=1e-5)
+        assert kl > 0 and ce_zero != ce_clean  # the splice and the ablation change the model
 
 
 def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):

@@ -18,10 +18,8 @@ from probe.analysis.fit.fitting import EVALUATE_COLUMNS
 from probe.analysis.fit.losses import loss_measures, run_model, sample_tokens
 from probe.analysis.fit.transcoder_splice import splice_points
 from probe.fit import main
-from probe.models.clt_files import save_cross_layer
 from probe.models.transcoder import Transcoder, TranscoderSet
 from probe.models.transcoder_files import load_transcoders, save_transcoders
-from probe.testing.random_transcoders import random_cross_layer
 from probe.testing.tiny_lms import make_tiny
 from tests.helpers import run_probe
 
@@ -246,10 +244,6 @@ def test_bad_input_exits_2_by_name(lm_run, fitted, tmp_path, capsys):
     assert "the transcoder of layer 0" in err and "d_in=16" in err and "hidden size 32" in err
     assert "(trained on another-model)" in err and "give transcoders trained on this model" in err
     assert "probe.fit: error:" in refused("--evaluate", str(tmp_path / "none"), str(run))
-    save_cross_layer(random_cross_layer(), tmp_path / "clt")
-    assert "is a cross-layer transcoder (model_kind cross_layer_transcoder): --evaluate" in (
-        refused("--evaluate", str(tmp_path / "clt"), str(run))
-    )
     headless, _ = _capture(tmp_path, "base", task="base", samples=8, length=8)
     err = refused(str(headless), "--out", str(tmp_path / "tc"), *FAST)
     assert "has no language-model head" in err and "model.task=causal_lm" in err

@@ -22,8 +22,11 @@ The trainer (plain torch, Adam), on rows scaled per site so their mean squared n
   0, b_dec[l] at the scaled outputs' mean, thresholds `threshold`.
 
 fit.csv holds one row per layer over the held-out rows: `fvu` of that layer's output (everything
-written into it), `l0` and `dead` of that layer's features. The CLT is written in circuit-tracer
-0.5's CLT layout (probe.models.clt_files.save_cross_layer).
+written into it), `l0` and `dead` of that layer's features; and the loss measures of the
+per-layer fit (probe.analysis.fit.losses: ce_clean, ce_spliced, ce_zero, ce_recovered, kl) over
+the held-out samples (held_out.csv) with that layer's MLP output replaced by everything the CLT
+writes into it, plus a row `all` with every layer replaced at once (`losses=False`: left out).
+The CLT is written in circuit-tracer 0.5's CLT layout (probe.models.clt_files.save_cross_layer).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ BLOCK_ROWS = 8192  # rows read from every site at once
 CLT_LR = 1e-3
 CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0}
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
-               "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "seconds"]  # fmt: skip
+               "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "ce_clean", "ce_spliced",
+               "ce_zero", "ce_recovered", "kl", "seconds"]  # fmt: skip
 
 
 class TrainingCLT(nn.Module):
@@ -157,10 +161,11 @@ class TrainingCLT(nn.Module):
 
 class CltFit:
     """A CLT fitted to the run at `run_path` into `out` (default RUN/clt): `run()` trains,
-    writes the CLT and fit.csv, and returns fit.csv's table."""
+    writes the CLT, fit.csv and held_out.csv, and returns fit.csv's table (`losses` False:
+    without the loss measures)."""
 
     def __init__(self, run_path, out=None, options: FitOptions | None = None,
-                 mlp: str | None = None, norm: str | None = None):  # fmt: skip
+                 mlp: str | None = None, norm: str | None = None, losses: bool = True):  # fmt: skip
         from probe.read.runs import open_run
         from probe.read.stream import sources_of
 
@@ -177,6 +182,7 @@ class CltFit:
                 "without --skip"
             )
         self.run_path = Path(run_path)
+        self.losses = losses
         self.out = Path(out) if out is not None else self.run_path / "clt"
         if (self.out / "config.yaml").is_file():
             raise ConfigError(f"{self.out} already holds a fit: give another --out")
@@ -277,20 +283,48 @@ class CltFit:
             metrics = evaluate(clt, self.batches(run, False, 0, shuffle=False))
         save_cross_layer(clt, self.out)
         seconds = round(time.perf_counter() - started, 3)
-        table = pd.DataFrame(
-            [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
-              "width": clt.d_tc, "k": o.k if o.activation == "topk" else None, "steps": step,
-              "rows": rows, "left_out_rows": self.left_out_rows, **metrics[layer],
-              "seconds": seconds} for layer in range(n)],
-            columns=CLT_COLUMNS,
-        )  # fmt: skip
+        losses = self.loss_measures(clt)
+        k = o.k if o.activation == "topk" else None
+        rows_out = [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
+                     "width": clt.d_tc, "k": k, "steps": step, "rows": rows,
+                     "left_out_rows": self.left_out_rows, **metrics[layer],
+                     **losses.get(layer, {}), "seconds": seconds} for layer in range(n)]  # fmt: skip
+        if "all" in losses:
+            rows_out.append({"layer": "all", "kind": "clt", "reads": o.reads,
+                             "activation": o.activation, "k": k, **losses["all"]})  # fmt: skip
+        table = pd.DataFrame(rows_out, columns=CLT_COLUMNS)
         table.to_csv(self.out / "fit.csv", index=False)
         pd.DataFrame(curve, columns=["step", "fvu", "penalty"]).to_csv(
             self.out / "fit_curve.csv", index=False
         )
         for r in table.itertuples():
-            log.info("clt layer %d: fvu %.4f, l0 %.1f, dead %.3f", r.layer, r.fvu, r.l0, r.dead)
+            if r.layer != "all":
+                log.info("clt layer %s: fvu %.4f, l0 %.1f, dead %.3f", r.layer, r.fvu, r.l0, r.dead)
         return table
+
+    def loss_measures(self, clt: CrossLayerTranscoder) -> dict:
+        """The loss measures (probe.analysis.fit.losses) of `clt` over the held-out samples,
+        each layer replaced alone and `all` at once; writes held_out.csv (the samples, always)."""
+        from probe.analysis.fit.fitting import HELD_OUT
+        from probe.analysis.fit.losses import (
+            held_out_samples,
+            loss_measures,
+            run_model,
+            sample_tokens,
+        )
+        from probe.analysis.fit.transcoder_splice import splice_points
+        from probe.read.runs import open_run
+
+        o = self.options
+        with open_run(self.run_path) as run:
+            samples = held_out_samples(run, o.test_fraction, o.seed)
+            samples.to_csv(self.out / HELD_OUT, index=False)
+            if not self.losses:
+                return {}
+            model = run_model(run)
+            points = splice_points(model, sorted(self.sites), o.reads, self.sites)
+            sequences = sample_tokens(run, samples["sample"].to_numpy())
+            return loss_measures(model, sequences, points, copy.deepcopy(clt).float())
 
 
 def _path(site: tuple[str, str]) -> str:

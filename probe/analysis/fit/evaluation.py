@@ -1,6 +1,7 @@
 """`python -m probe.fit --evaluate SET RUN`: fit.csv's measures of a transcoder set someone else
-trained (a circuit-tracer YAML or folder: probe.models.transcoder_files.load_transcoders) on a
-run's samples, so a user compares their fit with a published set on the same rows.
+trained (a circuit-tracer YAML or folder: probe.models.transcoder_files.load_transcoders), per-layer
+or cross-layer, on a run's samples, so a user compares their fit with a published set on the same
+rows.
 
 The row measures (held-out FVU, L0, dead: probe.analysis.fit.measures) read the run's captured
 rows of what the set reads and the MLPs' outputs (for `mlp_normalized`, the captured norm inputs
@@ -30,8 +31,9 @@ from probe.analysis.fit.losses import (
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.transcoder_splice import splice_points
-from probe.errors import ConfigError, DataError
-from probe.models.transcoder import TranscoderSet, normalized
+from probe.errors import DataError
+from probe.models.cross_layer_transcoder import CrossLayerTranscoder
+from probe.models.transcoder import Transcoder, TranscoderSet, normalized
 from probe.models.transcoder_files import check_transcoders, load_transcoders
 
 log = logging.getLogger("probe.fit")
@@ -48,14 +50,10 @@ def evaluate_set(set_path: str | Path, run_path: str | Path, *, every: bool = Fa
     from probe.read.runs import open_run
 
     tset = load_transcoders(set_path)
-    if not isinstance(tset, TranscoderSet):
-        raise ConfigError(
-            f"--evaluate {str(set_path)!r} is a cross-layer transcoder (model_kind "
-            "cross_layer_transcoder): --evaluate measures per-layer transcoder sets "
-            "(model_kind transcoder_set) only"
-        )
     tset.to(dtype=torch.float32)
-    layers = sorted(tset.transcoders)
+    clt = tset if isinstance(tset, CrossLayerTranscoder) else None
+    per_layer = tset.transcoders if isinstance(tset, TranscoderSet) else {}
+    layers = list(range(len(clt))) if clt is not None else sorted(per_layer)
     rows_reads = "resid_mid" if tset.reads == "mlp_normalized" else tset.reads
     options = FitOptions(reads=rows_reads, test_fraction=test_fraction, seed=seed,
                          keep_special=keep_special)  # fmt: skip
@@ -73,20 +71,26 @@ def evaluate_set(set_path: str | Path, run_path: str | Path, *, every: bool = Fa
         )
         samples = held_out_samples(run, test_fraction, seed, every)
         sequences = sample_tokens(run, samples["sample"].to_numpy())
-        losses = loss_measures(model, sequences, points, tset.transcoders,
-                               batch_tokens or BATCH_TOKENS)  # fmt: skip
+        which = clt if clt is not None else per_layer
+        losses = loss_measures(model, sequences, points, which, batch_tokens or BATCH_TOKENS)
         normalize = (
             {layer: model.get_submodule(points[layer].source) for layer in layers}
             if tset.reads == "mlp_normalized" else {}
         )  # fmt: skip
-    rows = _row_measures(tset, run_path, options, sites, normalize, every, mlp, norm)
+    kinds: dict[int, Transcoder | CrossLayerTranscoder]
+    if clt is not None:
+        rows = _cross_layer_rows(clt, run_path, options, sites, every, mlp, norm)
+        kinds = {layer: clt for layer in layers}
+    else:
+        rows = _row_measures(tset, run_path, options, sites, normalize, every, mlp, norm)
+        kinds = dict(per_layer)
     table = []
     for layer in layers:
-        t = tset[layer]
+        t = kinds[layer]
         table.append({"layer": layer, "reads": tset.reads, "activation": t.activation,
                       "width": t.d_tc, "k": t.k, "skip": t.W_skip is not None,
                       **rows.get(layer, {}), **losses[layer]})  # fmt: skip
-    first = tset[layers[0]]
+    first = kinds[layers[0]]
     table.append({"layer": "all", "reads": tset.reads, "activation": first.activation,
                   "k": first.k, "skip": first.W_skip is not None, **losses["all"]})  # fmt: skip
     return pd.DataFrame(table, columns=EVALUATE_COLUMNS), samples
@@ -119,3 +123,24 @@ def _row_measures(tset, run_path, options: FitOptions, sites: dict, normalize: d
                     pairs = ((normalized(module, x.double()), y) for x, y in pairs)
                 out[layer] = {**evaluate(t, pairs), "left_out_rows": fit.left_out_rows}
     return out
+
+
+def _cross_layer_rows(clt: CrossLayerTranscoder, run_path, options: FitOptions, sites: dict,
+                      every: bool, mlp: str | None, norm: str | None) -> dict[int, dict]:  # fmt: skip
+    """A CLT's FVU per output layer, L0 and dead per layer (probe.analysis.fit.clt.evaluate)
+    over the rows a CLT fit with `options` measures, where the run holds every block's rows of
+    what it reads (mlp_in or resid_mid; a CLT reading mlp_normalized: none, logged)."""
+    from probe.analysis.fit.clt import CltFit, evaluate
+    from probe.read.runs import open_run
+
+    if clt.reads == "mlp_normalized" or set(range(len(clt))) - set(sites):
+        log.info("row measures left empty: the run holds no rows of every block's %s", clt.reads)
+        return {}
+    with tempfile.TemporaryDirectory() as unused:  # (a CltFit that only reads rows)
+        fit = CltFit(run_path, Path(unused) / "clt", options, mlp, norm, losses=False)
+        with open_run(run_path) as run:
+            batches = fit.batches(run, False, 0, shuffle=False)
+            if every:
+                batches = chain(fit.batches(run, True, 0, shuffle=False), batches)
+            measured = evaluate(clt, batches)
+    return {layer: {**m, "left_out_rows": fit.left_out_rows} for layer, m in enumerate(measured)}

@@ -6,7 +6,9 @@ sample's token t+1 from its tokens 0..t (a sample of n tokens makes n - 1):
 
 - `ce_clean`: the model's mean next-token cross-entropy;
 - `ce_spliced`: the same with the layer's MLP output replaced at every position by its
-  transcoder's output (probe.analysis.fit.transcoder_splice; later layers see the spliced residual);
+  transcoder's output (probe.analysis.fit.transcoder_splice; later layers see the spliced residual;
+  a cross-layer transcoder's output there is everything its features of that block and earlier
+  ones write into it);
 - `ce_zero`: the same with that MLP's output zeroed;
 - `ce_recovered`: (ce_zero - ce_spliced) / (ce_zero - ce_clean) (1: the transcoder loses
   nothing; 0: no better than no MLP);
@@ -31,6 +33,7 @@ from torch import nn
 from probe.analysis.fit.fit_sites import held_out
 from probe.analysis.fit.transcoder_splice import Splice, SplicePoint
 from probe.errors import ConfigError, DataError, ProbeError
+from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 from probe.models.transcoder import Transcoder
 
 log = logging.getLogger("probe.fit")
@@ -150,19 +153,21 @@ def _device_of(model: nn.Module, name: str, default: torch.device) -> torch.devi
 
 @torch.no_grad()
 def loss_measures(model: nn.Module, sequences: list[torch.Tensor], points: dict[int, SplicePoint],
-                  transcoders: dict[int, Transcoder], batch_tokens: int = BATCH_TOKENS,
-                  mode: str = "transcoder") -> dict[int | str, dict[str, float]]:  # fmt: skip
+                  transcoders: dict[int, Transcoder] | CrossLayerTranscoder,
+                  batch_tokens: int = BATCH_TOKENS, mode: str = "transcoder",
+                  ) -> dict[int | str, dict[str, float]]:  # fmt: skip
     """The loss measures (see the module docstring) of each layer of `points` spliced alone, and
     of `all` of them at once, over the next-token predictions of `sequences`. `mode`
     `with_error` splices the transcoders with their errors added back (ce_spliced is then
     ce_clean: a check of the splice)."""
     device = next(model.parameters()).device
-    transcoders = {layer: t.to(_device_of(model, points[layer].mlp, device))
-                   for layer, t in transcoders.items() if layer in points}  # fmt: skip
-    variants: dict[int | str, dict[int, SplicePoint]] = {
-        layer: {layer: p} for layer, p in sorted(points.items())
-    }
-    variants["all"] = dict(sorted(points.items()))
+    if isinstance(transcoders, CrossLayerTranscoder):
+        transcoders = transcoders.to(device)
+    else:
+        transcoders = {layer: t.to(_device_of(model, points[layer].mlp, device))
+                       for layer, t in transcoders.items() if layer in points}  # fmt: skip
+    variants: dict[int | str, list[int]] = {layer: [layer] for layer in sorted(points)}
+    variants["all"] = sorted(points)
     sums = {key: {"ce_spliced": 0.0, "ce_zero": 0.0, "kl": 0.0} for key in variants}
     clean_sum, count = 0.0, 0
     for batch in _batches([s for s in sequences if len(s) > 1], batch_tokens):
@@ -174,12 +179,12 @@ def loss_measures(model: nn.Module, sequences: list[torch.Tensor], points: dict[
         count += len(targets)
         p_clean = clean.exp()
         for key, where in variants.items():
-            with Splice(model, where, transcoders, mode):
+            with Splice(model, points, transcoders, mode, layers=where):
                 spliced = _log_probs(model, ids, mask, predicted)
             sums[key]["ce_spliced"] -= float(spliced.gather(1, targets).sum())
             sums[key]["kl"] += float((p_clean * (clean - spliced)).sum())
             del spliced
-            with Splice(model, where, mode="zero"):
+            with Splice(model, points, mode="zero", layers=where):
                 zeroed = _log_probs(model, ids, mask, predicted)
             sums[key]["ce_zero"] -= float(zeroed.gather(1, targets).sum())
     if not count:

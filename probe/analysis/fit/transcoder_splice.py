@@ -7,6 +7,11 @@ Where a transcoder reads is the set's `reads`, as in the graphs' local replaceme
 the MLP, `mlp_normalized` that input normalised without the norm's weight and bias
 (probe.models.transcoder.normalized). `splice_points` names those modules: from a run's sites
 (the modules a fit read its rows from) or from the model's anatomy.
+
+A cross-layer transcoder (probe.models.cross_layer_transcoder) splices the same way: a replaced
+block's MLP output becomes everything the CLT writes into it, the features of that block and of
+every earlier block, each encoded from what its own block read in this forward (so, with only
+block l replaced, the earlier blocks' features read the model's own residual stream).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from probe.errors import ConfigError
 from probe.hooks.hookset import HookSet
 from probe.hooks.module_select import block_names
 from probe.models.anatomy import anatomy
+from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 from probe.models.transcoder import Transcoder, normalized
 
 MODES = ("transcoder", "zero", "with_error")
@@ -76,42 +82,58 @@ def splice_points(model: nn.Module, layers: list[int], reads: str,
 
 
 class Splice:
-    """A context manager: while entered, the MLP output of every block in `points` is replaced
-    (see the module docstring). `mode`: `transcoder` (its output of what it reads),
-    `zero` (zeros) or `with_error` (the transcoder's output plus its error, the MLP's output
-    minus it: the model's own output again, through the same hooks; a check of the splice).
-    A transcoder whose widths do not fit what it reads or writes is refused by name."""
+    """A context manager: while entered, the MLP output of every block in `layers` (default:
+    every block of `points`) is replaced (see the module docstring). `transcoders`: a
+    transcoder per layer, or a cross-layer transcoder (whose `points` then name every block it
+    reads, so earlier blocks' features can be read). `mode`: `transcoder` (its output of what it
+    reads), `zero` (zeros) or `with_error` (the transcoder's output plus its error, the MLP's
+    output minus it: the model's own output again, through the same hooks; a check of the
+    splice). A transcoder whose widths do not fit what it reads or writes is refused by name."""
 
     def __init__(self, model: nn.Module, points: dict[int, SplicePoint],
-                 transcoders: dict[int, Transcoder] | None = None, mode: str = "transcoder"):  # fmt: skip
+                 transcoders: dict[int, Transcoder] | CrossLayerTranscoder | None = None,
+                 mode: str = "transcoder", layers: list[int] | None = None):  # fmt: skip
         if mode not in MODES:
             raise ConfigError(f"splice mode {mode!r}; choose from {', '.join(MODES)}")
-        if mode != "zero" and (transcoders is None or set(points) - set(transcoders)):
-            raise ConfigError(f"splicing layers {sorted(points)} needs a transcoder for each")
+        self.layers = sorted(points) if layers is None else sorted(layers)
+        self.cross_layer = isinstance(transcoders, CrossLayerTranscoder)
+        # the blocks whose reads a replacement needs: its own, and for a CLT every earlier one
+        needs = range(self.layers[-1] + 1) if self.cross_layer and self.layers else self.layers
+        if mode != "zero" and (
+            transcoders is None or set(needs) - set(points)
+            or (not self.cross_layer and set(self.layers) - set(transcoders))  # type: ignore[arg-type]
+        ):  # fmt: skip
+            raise ConfigError(f"splicing layers {self.layers} needs a transcoder for each")
         self.model, self.points, self.mode = model, points, mode
-        self.transcoders = transcoders or {}
+        self.transcoders = transcoders if transcoders is not None else {}
+        self._reads = [] if mode == "zero" else list(needs)
         self._modules = dict(model.named_modules())
         self._hooks = HookSet("transcoder splice")
         self._read: dict[int, torch.Tensor] = {}
+        self._acts: dict[int, torch.Tensor] = {}
 
     def __enter__(self) -> Splice:
         self._hooks.enter(self._register)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._read = {}
+        self._read, self._acts = {}, {}
         self._hooks.__exit__(*exc)
 
     def _register(self) -> None:
-        for p in self.points.values():
-            if p.source != p.mlp:
+        for layer in self._reads:
+            p = self.points[layer]
+            if p.source != p.mlp or self.cross_layer:
                 self._hooks.forward_pre(self._modules[p.source], self._keep(p), name=p.source)
+        for layer in self.layers:
+            p = self.points[layer]
             self._hooks.forward(self._modules[p.mlp], self._replace(p), name=p.mlp)
 
     def _keep(self, p: SplicePoint):
         def hook(module, args):
             x = args[0]
             self._read[p.layer] = normalized(module, x) if p.reads == "mlp_normalized" else x
+            self._acts.pop(p.layer, None)  # a CLT's features of this block: read anew
 
         return hook
 
@@ -121,21 +143,47 @@ class Splice:
             if self.mode == "zero":
                 new = torch.zeros_like(value)
             else:
-                x = args[0] if p.source == p.mlp else self._read.pop(p.layer)
-                new = self._transcode(p.layer, x, value)
+                if self.cross_layer:
+                    new = self._cross_layer(p.layer, value)
+                else:
+                    x = args[0] if p.source == p.mlp else self._read.pop(p.layer)
+                    new = self._transcode(p.layer, x, value)
                 if self.mode == "with_error":
                     new = new + (value - new)
             return (new, *out[1:]) if isinstance(out, tuple) else new
 
         return hook
 
-    def _transcode(self, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        t = self.transcoders[layer]
-        if x.shape[-1] != t.d_in or out.shape[-1] != t.d_out:
+    def _check(self, layer: int, d_in: int, d_out: int, shapes: str, x: torch.Tensor,
+               out: torch.Tensor) -> None:  # fmt: skip
+        if x.shape[-1] != d_in or out.shape[-1] != d_out:
             raise ConfigError(
-                f"the transcoder of layer {layer} reads d_in={t.d_in} and writes d_out={t.d_out} "
-                f"(W_enc {tuple(t.W_enc.shape)}, W_dec {tuple(t.W_dec.shape)}), but the model's "
-                f"{self.points[layer].reads} there is {x.shape[-1]} wide and its MLP writes "
-                f"{out.shape[-1]}: give transcoders trained on this model and read place"
+                f"the transcoder of layer {layer} reads d_in={d_in} and writes d_out={d_out} "
+                f"({shapes}), but the model's {self.points[layer].reads} there is "
+                f"{x.shape[-1]} wide and its MLP writes {out.shape[-1]}: give transcoders "
+                "trained on this model and read place"
             )
+
+    def _transcode(self, layer: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.transcoders, dict)
+        t = self.transcoders[layer]
+        shapes = f"W_enc {tuple(t.W_enc.shape)}, W_dec {tuple(t.W_dec.shape)}"
+        self._check(layer, t.d_in, t.d_out, shapes, x, out)
         return t(x.to(t.W_enc.dtype)).to(out.dtype)
+
+    def _cross_layer(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """What the CLT writes into block `layer`'s MLP output: b_dec, the writes of the
+        features of blocks 0..layer (each encoded from its block's read of this forward) and
+        the skip path of this block's read."""
+        clt = self.transcoders
+        assert isinstance(clt, CrossLayerTranscoder)
+        shapes = f"W_enc {tuple(clt.W_enc.shape)}, b_dec {tuple(clt.b_dec.shape)}"
+        reads = [self._read[source] for source in range(layer + 1)]
+        for source, x in enumerate(reads):
+            self._check(source, clt.d_in, clt.d_out, shapes, x, out)
+        new = clt.b_dec[layer] + clt.skip(layer, reads[layer])
+        for source, x in enumerate(reads):
+            if source not in self._acts:
+                self._acts[source] = clt.encode(source, x)
+            new = new + self._acts[source] @ clt.W_dec[source][:, layer - source]
+        return new.to(out.dtype)
