@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def clt_fit(run: Path, args, options):
-    """The cross-layer fit of `run` (--layers and --resume refused by name)."""
+    """The cross-layer fit of `run` (--layers refused by name)."""
     from probe.analysis.fit.clt import CltFit
     from probe.errors import ConfigError
 
@@ -183,9 +183,8 @@ def clt_fit(run: Path, args, options):
             f"--layers {args.layers} with --kind clt: a cross-layer transcoder spans every block; "
             "leave --layers out"
         )
-    if args.resume:
-        raise ConfigError("--resume with --kind clt: a CLT fit is not checkpointed; fit again")
-    return CltFit(run, args.out, options, args.mlp, args.norm, losses=not args.no_losses)
+    return CltFit(run, args.out, options, args.mlp, args.norm, losses=not args.no_losses,
+                  resume=args.resume)  # fmt: skip
 
 
 def evaluate(args: argparse.Namespace, run: Path) -> int:

@@ -160,6 +160,41 @@ def check_losses(run_dir, out, table: pd.DataFrame) -> None:
         assert kl > 0 and ce_zero != ce_clean  # the splice and the ablation change the model
 
 
+def test_a_resumed_clt_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypatch, capsys):
+    args = [str(lm_run), "--kind", "clt", "--activation", "topk", "--k", "8", "--steps", "30",
+            "--checkpoint-every", "10", "--no-losses", *FAST]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    calls, real = {"n": 0}, clt_fit.TrainingCLT.after_step
+
+    def dies(self):
+        calls["n"] += 1
+        if calls["n"] == 25:  # the 25th step, in the second epoch: its checkpoint is step 20's
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(clt_fit.TrainingCLT, "after_step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(tmp_path / "cut")])
+    monkeypatch.setattr(clt_fit.TrainingCLT, "after_step", real)
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)["step"] == 20
+    assert main([*args, "--out", str(tmp_path / "cut")]) == 2  # not without --resume
+    assert "already holds a fit: --resume continues it" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "cut"), "--resume"]) == 0
+    for name in ("W_enc_0", "W_enc_1", "W_dec_0", "W_dec_1"):
+        whole, cut = (tmp_path / d / f"{name}.safetensors" for d in ("whole", "cut"))
+        assert whole.read_bytes() == cut.read_bytes(), name
+    whole, cut = (
+        pd.read_csv(tmp_path / d / "fit.csv").drop(columns="seconds") for d in ("whole", "cut")
+    )
+    pd.testing.assert_frame_equal(whole, cut)
+    assert main([*args, "--out", str(tmp_path / "cut"), "--resume", "--lr", "1e-2"]) == 2
+    assert "other options than checkpoint.pt was fitted with: lr=0.003 (now 0.01)" in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "--out", str(tmp_path / "none"), "--resume"]) == 2
+    assert "holds no CLT fit (checkpoint.pt) to continue" in capsys.readouterr().err
+
+
 def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
     def refused(*args) -> str:
         assert main([str(lm_run), "--kind", "clt", "--out", str(tmp_path / "bad"), *args]) == 2

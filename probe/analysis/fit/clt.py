@@ -27,6 +27,10 @@ per-layer fit (probe.analysis.fit.losses: ce_clean, ce_spliced, ce_zero, ce_reco
 the held-out samples (held_out.csv) with that layer's MLP output replaced by everything the CLT
 writes into it, plus a row `all` with every layer replaced at once (`losses=False`: left out).
 The CLT is written in circuit-tracer 0.5's CLT layout (probe.models.clt_files.save_cross_layer).
+
+The fit is checkpointed every `checkpoint_every` steps (`checkpoint.pt` in `out`: the trainer,
+Adam's state, the step, the epoch and how many of its batches trained, the curve), so a fit cut
+short continues with `resume` and gives the uninterrupted fit's files bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +56,7 @@ from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
+CHECKPOINT = "checkpoint.pt"  # the fit so far, in its --out
 # the CLT trainer's own defaults (the per-layer trainer's, in options.py, apply to its loss only)
 CLT_LR = 1e-3
 CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0}
@@ -165,7 +172,8 @@ class CltFit:
     without the loss measures)."""
 
     def __init__(self, run_path, out=None, options: FitOptions | None = None,
-                 mlp: str | None = None, norm: str | None = None, losses: bool = True):  # fmt: skip
+                 mlp: str | None = None, norm: str | None = None, losses: bool = True,
+                 resume: bool = False):  # fmt: skip
         from probe.read.runs import open_run
         from probe.read.stream import sources_of
 
@@ -184,8 +192,8 @@ class CltFit:
         self.run_path = Path(run_path)
         self.losses = losses
         self.out = Path(out) if out is not None else self.run_path / "clt"
-        if (self.out / "config.yaml").is_file():
-            raise ConfigError(f"{self.out} already holds a fit: give another --out")
+        self.checkpoint = self.out / CHECKPOINT
+        self._check_resume(resume)
         with open_run(self.run_path) as run:
             self.sites = find_sites(run.keys, self.options.reads, mlp, norm)
             blocks = sorted(self.sites)
@@ -214,6 +222,27 @@ class CltFit:
                 ranges = src.ranges if ranges is None else _intersect(ranges, src.ranges)
             self.pieces = [(lo, min(lo + BLOCK_ROWS, hi)) for lo, hi in ranges or []
                            for lo in range(lo, hi, BLOCK_ROWS)]  # fmt: skip
+
+    def _check_resume(self, resume: bool) -> None:
+        """ConfigError for a fit into a folder that holds one (unless `resume`), a `resume`
+        with nothing to continue, or one with other options than the checkpoint's."""
+        if not resume:
+            if self.checkpoint.is_file() or (self.out / "config.yaml").is_file():
+                raise ConfigError(
+                    f"{self.out} already holds a fit: --resume continues it, or give another --out"
+                )
+            return
+        if not self.checkpoint.is_file():
+            raise ConfigError(f"--resume: {self.out} holds no CLT fit ({CHECKPOINT}) to continue")
+        stored = torch.load(self.checkpoint, weights_only=False)["options"]
+        now = asdict(self.options)
+        if stored != now:
+            diff = [f"{k}={stored.get(k)!r} (now {v!r})" for k, v in now.items()
+                    if stored.get(k) != v]  # fmt: skip
+            raise ConfigError(
+                f"--resume with other options than {CHECKPOINT} was fitted with: "
+                f"{', '.join(diff)}; give the same options, or another --out"
+            )
 
     def keep(self, f, lo: int, hi: int, train: bool) -> np.ndarray:
         """Which of rows lo..hi train (or, `train` False, are measured): not held out (held
@@ -263,9 +292,32 @@ class CltFit:
                     f"no training rows: --test-fraction {o.test_fraction} holds out every sample"
                 )
             total = o.steps or max(1, math.ceil(o.epochs * math.ceil(train_rows / o.batch_size)))
-            step, epoch, rows, curve = 0, 0, 0, []
+            step, epoch, trained, rows, curve, seconds = 0, 0, 0, 0, [], 0.0
+            state = (
+                torch.load(self.checkpoint, weights_only=False)
+                if self.checkpoint.is_file() else None
+            )  # fmt: skip
+            if state is not None:
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
+                step, epoch, trained = state["step"], state["epoch"], state["trained"]
+                rows, curve, seconds = state["rows"], state["curve"], state["seconds"]
+                log.info("clt: resuming at step %d of %d", step, total)
+
+            def save() -> None:
+                self.out.mkdir(parents=True, exist_ok=True)
+                snapshot = {"options": asdict(o), "step": step, "epoch": epoch,
+                            "trained": trained, "rows": rows, "curve": curve,
+                            "model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "seconds": seconds + time.perf_counter() - started}  # fmt: skip
+                tmp = self.checkpoint.with_suffix(".tmp")
+                torch.save(snapshot, tmp)
+                os.replace(tmp, self.checkpoint)
+
             while step < total:
-                for xs, ys in self.batches(run, True, epoch):
+                for i, (xs, ys) in enumerate(self.batches(run, True, epoch)):
+                    if i < trained:  # (this epoch's batches a resumed fit trained already)
+                        continue
                     if step == 0:
                         model.start(xs, ys)
                     opt.zero_grad(set_to_none=True)
@@ -273,16 +325,20 @@ class CltFit:
                     loss.backward()
                     opt.step()
                     model.after_step()
-                    step, rows = step + 1, rows + len(xs[0])
+                    step, rows, trained = step + 1, rows + len(xs[0]), i + 1
                     curve.append((step, parts["fvu"], parts["penalty"]))
+                    if step % o.checkpoint_every == 0 or step == total:
+                        save()
                     if step == total:
                         break
-                epoch += 1
+                else:
+                    epoch, trained = epoch + 1, 0
+            seconds += time.perf_counter() - started
             short = self.model_name.rstrip("/").split("/")[-1] or "model"
             clt = model.cross_layer(o.reads, self.model_name or None, f"{short}-clt-{o.activation}")
             metrics = evaluate(clt, self.batches(run, False, 0, shuffle=False))
         save_cross_layer(clt, self.out)
-        seconds = round(time.perf_counter() - started, 3)
+        seconds = round(seconds, 3)
         losses = self.loss_measures(clt)
         k = o.k if o.activation == "topk" else None
         rows_out = [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
