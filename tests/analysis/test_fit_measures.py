@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import probe
+from probe.analysis.fit import losses
 from probe.analysis.fit.fit_sites import find_sites, held_out
 from probe.analysis.fit.fitting import EVALUATE_COLUMNS
 from probe.analysis.fit.losses import loss_measures, run_model, sample_tokens
@@ -134,7 +135,7 @@ def test_fit_csv_losses_equal_a_hand_computation_with_forward_hooks(lm_run, fitt
     assert fit["fvu"].iloc[:2].notna().all() and fit["fvu"].iloc[2:].isna().all()
 
 
-def test_splicing_with_the_error_added_back_is_the_clean_model(lm_run, fitted):
+def test_splicing_with_the_error_added_back_is_the_clean_model(lm_run, fitted, monkeypatch):
     run, _ = lm_run
     tset = load_transcoders(fitted["resid_mid"])
     held, _ = held_out_ids(run)
@@ -150,6 +151,14 @@ def test_splicing_with_the_error_added_back_is_the_clean_model(lm_run, fitted):
         np.testing.assert_allclose(kept[key]["ce_spliced"], kept[key]["ce_clean"], rtol=1e-6)
         assert kept[key]["kl"] < 1e-10 < plain[key]["kl"]
         assert kept[key]["ce_zero"] == plain[key]["ce_zero"]
+    # memory bounds that cut the batches to 5 tokens and the log-probabilities to 3 rows at once
+    # (of a 50-token vocabulary) give the same measures
+    monkeypatch.setattr(losses, "LOGITS_BYTES", 5 * 50 * 4)
+    monkeypatch.setattr(losses, "LOG_PROB_BYTES", 3 * 50 * 8)
+    small = loss_measures(model, sequences, points, tset.transcoders)
+    for key in (0, 1, "all"):
+        for name, value in plain[key].items():
+            np.testing.assert_allclose(small[key][name], value, rtol=1e-11, err_msg=name)
 
 
 def test_evaluate_gives_the_fits_numbers(lm_run, fitted, tmp_path, capsys):

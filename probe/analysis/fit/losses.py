@@ -17,6 +17,9 @@ sample's token t+1 from its tokens 0..t (a sample of n tokens makes n - 1):
 The model is the run's own (its config's model, built as the run built it, in float32). The
 samples are rebuilt from the run's token rows (/tokens: each real token's sample, position and
 id). Forward passes are batched, without gradients; log-probabilities and sums are float64.
+Memory stays bounded on large vocabularies: a batch holds at most `LOGITS_BYTES` of its
+predictions' logits (so about 256 tokens on a 256k vocabulary; a longer sample alone), and the
+float64 log-probabilities are computed `LOG_PROB_BYTES` of rows at a time.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 from probe.models.transcoder import Transcoder
 
 log = logging.getLogger("probe.fit")
-BATCH_TOKENS = 1024  # tokens a forward pass takes (its float64 log-probabilities: x vocabulary)
+BATCH_TOKENS = 1024  # tokens a forward pass takes at most
+LOGITS_BYTES = 2**28  # a batch's float32 logits (tokens x vocabulary x 4) stay within this
+LOG_PROB_BYTES = 2**26  # float64 log-probabilities computed at once (rows x vocabulary x 8)
 NO_LOSSES = "--no-losses fits without the loss columns"
 
 
@@ -134,15 +139,33 @@ def _padded(batch: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def _log_probs(model: nn.Module, ids, mask, predicted: torch.Tensor) -> torch.Tensor:
-    """Float64 log-probabilities (predictions, vocabulary) at the predicting positions."""
+def _logits(model: nn.Module, ids, mask, predicted: torch.Tensor) -> torch.Tensor:
+    """The logits (predictions, vocabulary) at the predicting positions, in the model's dtype."""
     out = model(input_ids=ids, attention_mask=mask)
     logits = getattr(out, "logits", out if isinstance(out, torch.Tensor) else None)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise ConfigError(
             no_head(model, getattr(getattr(model, "config", None), "_name_or_path", ""))
         )
-    return logits[:, :-1][predicted].double().log_softmax(-1)
+    return logits[:, :-1][predicted]
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """The model's vocabulary (its output embedding's rows, else its config's), if it says."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.shape[0]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
+def _log_probs(logits: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(rows, their float64 log-probabilities) of `logits`, LOG_PROB_BYTES at a time."""
+    step = max(1, LOG_PROB_BYTES // (8 * max(1, logits.shape[-1])))
+    for lo in range(0, len(logits), step):
+        rows = slice(lo, lo + step)
+        yield rows, logits[rows].double().log_softmax(-1)
 
 
 def _device_of(model: nn.Module, name: str, default: torch.device) -> torch.device:
@@ -168,25 +191,33 @@ def loss_measures(model: nn.Module, sequences: list[torch.Tensor], points: dict[
                        for layer, t in transcoders.items() if layer in points}  # fmt: skip
     variants: dict[int | str, list[int]] = {layer: [layer] for layer in sorted(points)}
     variants["all"] = sorted(points)
+    vocab = _vocabulary(model)
+    if vocab:
+        batch_tokens = max(1, min(batch_tokens, LOGITS_BYTES // (4 * vocab)))
     sums = {key: {"ce_spliced": 0.0, "ce_zero": 0.0, "kl": 0.0} for key in variants}
     clean_sum, count = 0.0, 0
     for batch in _batches([s for s in sequences if len(s) > 1], batch_tokens):
         ids, mask = _padded(batch, device)
         predicted = mask[:, 1:].bool()
         targets = ids[:, 1:][predicted].unsqueeze(1)
-        clean = _log_probs(model, ids, mask, predicted)
-        clean_sum -= float(clean.gather(1, targets).sum())
+        clean = _logits(model, ids, mask, predicted)
+        for rows, lp in _log_probs(clean):
+            clean_sum -= float(lp.gather(1, targets[rows]).sum())
         count += len(targets)
-        p_clean = clean.exp()
         for key, where in variants.items():
             with Splice(model, points, transcoders, mode, layers=where):
-                spliced = _log_probs(model, ids, mask, predicted)
-            sums[key]["ce_spliced"] -= float(spliced.gather(1, targets).sum())
-            sums[key]["kl"] += float((p_clean * (clean - spliced)).sum())
+                spliced = _logits(model, ids, mask, predicted)
+            for (rows, lp), (_, clean_lp) in zip(
+                _log_probs(spliced), _log_probs(clean), strict=True
+            ):
+                sums[key]["ce_spliced"] -= float(lp.gather(1, targets[rows]).sum())
+                sums[key]["kl"] += float((clean_lp.exp() * (clean_lp - lp)).sum())
             del spliced
             with Splice(model, points, mode="zero", layers=where):
-                zeroed = _log_probs(model, ids, mask, predicted)
-            sums[key]["ce_zero"] -= float(zeroed.gather(1, targets).sum())
+                zeroed = _logits(model, ids, mask, predicted)
+            for rows, lp in _log_probs(zeroed):
+                sums[key]["ce_zero"] -= float(lp.gather(1, targets[rows]).sum())
+            del zeroed
     if not count:
         raise DataError(
             "no next-token prediction to measure: the held-out samples have fewer than 2 tokens "
