@@ -92,6 +92,7 @@ class Parts:
     post_mlp_norms: list[nn.Module] = field(default_factory=list)
     parallel: bool = False
     names: dict[int, str] = field(default_factory=dict)
+    towers: list[nn.Module] = field(default_factory=list)  # must not run (a vision tower)
 
     @property
     def mlp_writes(self) -> list[nn.Module]:
@@ -174,17 +175,19 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
         post_mlp_norms=[modules[m] for m in body.post_mlp_norm],
         parallel=body.parallel,
         names={id(m): name for name, m in modules.items()},
+        towers=[modules[m] for m in body.towers],
     )
 
 
 def _refuse_unplaced_norms(body, modules: dict[str, nn.Module]) -> None:
     """Refuse a norm (a module whose class name says Norm) that the anatomy does not place: not
     before or after a block's attention or MLP, not inside an MLP (replaced whole), not one that
-    only shapes an attention pattern (pattern_norms), not the final norm. Its scale would stay
+    only shapes an attention pattern (pattern_norms), not the final norm, not in another input
+    tower (a vision tower: the replacement refuses a forward that runs it). Its scale would stay
     live in the backward: the graph would be silently different."""
     placed = {*body.attn_norm, *body.mlp_norm, *body.post_attn_norm, *body.post_mlp_norm,
               *body.pattern_norms, body.final_norm}  # fmt: skip
-    inside = tuple(f"{m}." for m in body.mlp_out)
+    inside = tuple(f"{m}." for m in [*body.mlp_out, *body.towers])
     unplaced = [
         f"{name} ({type(m).__name__})"
         for name, m in modules.items()
@@ -323,6 +326,8 @@ class LocalReplacement:
             for layer, m in enumerate(self.parts.attns):
                 self._hooks.forward(m, self._attn_write(layer), name=f"attention {layer}")
         self._hooks.forward(self.parts.embed, self._embed_hook, name="embed")
+        for m in self.parts.towers:
+            self._hooks.forward_pre(m, self._tower_runs, name="tower")
         self._hooks.forward_pre(self.model, self._begin, name="model")
 
     def transcoders_parameters(self) -> list[torch.Tensor]:
@@ -337,6 +342,13 @@ class LocalReplacement:
         self._pattern_index = 0
         if self.mode == "record":
             self.saved = {"patterns": [], "scales": {}, "mlp": {}, "inputs": {}}
+
+    def _tower_runs(self, module, args):
+        raise ModelError(
+            f"graphs: the {self.parts.family!r} model ran its {self.parts.name(module)} (an "
+            "input tower beside the language model, e.g. for images): a graph attributes token "
+            "prompts only; give token ids (no pixel values)"
+        )
 
     def _embed_hook(self, module, args, out):
         if self.mode == "attribute":

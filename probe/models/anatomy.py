@@ -20,6 +20,11 @@ the residual gets post_norm(mlp(pre_norm(x)))): `post_attn_norm` and `post_mlp_n
 and the block's writes to the residual stream are their outputs (`attn_write`, `mlp_write`).
 `pattern_norms` are norms inside the attention that only shape its pattern (Qwen3's and
 Gemma-3's q/k norms). Another norm inside a block is one a graph cannot place (refused there).
+
+A multimodal model (Gemma-3's Gemma3ForConditionalGeneration: a vision tower beside the
+language model) names its language model's layers as `stack`: only blocks below it are the
+anatomy's (the vision tower's layers are stacks of blocks too); sizes are read from its text
+config.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class Family(_Modules, total=False):
     post_attn_norm: str  # sandwich norms (Gemma-2, Gemma-3): after the attention, the MLP
     post_mlp_norm: str
     pattern_norms: list[str]  # norms inside the attention that only shape its pattern
+    stack: str  # the language model's layers, where the model has other stacks (multimodal)
+    towers: list[str]  # the other input towers (a vision tower), which token prompts never run
 
 
 LLAMA: Family = {
@@ -69,6 +76,11 @@ GEMMA2: Family = {
     "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
 }  # fmt: skip
 GEMMA3: Family = {**GEMMA2, "pattern_norms": ["self_attn.q_norm", "self_attn.k_norm"]}
+GEMMA3_MULTIMODAL: Family = {
+    **GEMMA3, "final_norm": ["model.language_model.norm"],
+    "embed": ["model.language_model.embed_tokens"], "stack": "model.language_model.layers",
+    "towers": ["model.vision_tower", "model.multi_modal_projector"],
+}  # fmt: skip
 QKV_LAYOUTS = ("split", "fused", "per_head")
 FAMILIES: dict[str, Family] = {  # per model_type: module suffixes below each block, and top-level candidates
     "gpt2": {
@@ -77,7 +89,7 @@ FAMILIES: dict[str, Family] = {  # per model_type: module suffixes below each bl
         "attn_norm": "ln_1", "mlp_norm": "ln_2", "qkv": "attn.c_attn", "qkv_layout": "fused",
     },
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": QWEN3, "gemma": LLAMA,
-    "gemma2": GEMMA2, "gemma3_text": GEMMA3,
+    "gemma2": GEMMA2, "gemma3_text": GEMMA3, "gemma3": GEMMA3_MULTIMODAL,
     "gpt_neox": {
         "attn": "attention", "attn_out": "attention.dense", "mlp_out": "mlp",
         "final_norm": ["gpt_neox.final_layer_norm", "final_layer_norm"],
@@ -120,6 +132,7 @@ class Anatomy:
     post_attn_norm: list[str] = field(default_factory=list)  # sandwich norms (Gemma-2, -3)
     post_mlp_norm: list[str] = field(default_factory=list)
     pattern_norms: list[str] = field(default_factory=list)  # per block, e.g. q/k norms
+    towers: list[str] = field(default_factory=list)  # other input towers (multimodal)
 
     @property
     def sandwich(self) -> bool:
@@ -163,6 +176,10 @@ def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) 
     known: dict[str, Any] = dict(FAMILIES.get(family, {}))
     known.update({k: v for k, v in (overrides or {}).items() if v is not None})
     modules = dict(model.named_modules())
+    if known.get("stack"):
+        blocks = [b for b in blocks if b.startswith(f"{known['stack']}.")]
+    if hasattr(config, "get_text_config"):  # a multimodal config's sizes: its language model's
+        config = config.get_text_config()
     out = Anatomy(family, list(blocks), post_norm=bool(known.get("post_norm", False)))
     for key in ("attn", "attn_out", "mlp_out"):
         suffix = known.get(key)
@@ -173,6 +190,7 @@ def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) 
         value = known.get(key)
         setattr(out, key, _first(modules, [value] if isinstance(value, str) else value or []))
     out.embed = [n for n in known.get("embed", []) if n in modules]
+    out.towers = [n for n in known.get("towers", []) if n in modules]
     heads = known.get("heads") or _config_int(config, HEADS)
     out.heads = int(heads) if heads else None
     _reading(out, known, config, modules)

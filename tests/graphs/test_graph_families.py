@@ -304,3 +304,56 @@ def test_gemma_scope_sets_on_disk_give_the_graph_of_the_set_in_memory(tmp_path):
     assert inner.writes == "mlp_module_out"
     saved = save_transcoders(inner, tmp_path / "again")
     assert yaml.safe_load(saved.read_text())["feature_output_hook"] == "mlp.hook_out"
+
+
+def multimodal_gemma3() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(a tiny Gemma3ForConditionalGeneration: a SigLIP vision tower beside tiny("gemma3")'s
+    language model, its norm weights random; a Gemma3ForCausalLM holding the same language-model
+    weights), float64."""
+    text = transformers.Gemma3TextConfig(
+        num_hidden_layers=2, sliding_window=3, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"], **COMMON,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=2, num_attention_heads=2,
+                                             image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, image_token_index=99,
+                                       boi_token_index=97, eoi_token_index=98)  # fmt: skip
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        both = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for name, p in both.named_parameters():
+                if "norm" in name:
+                    p.copy_(0.3 * torch.randn_like(p))
+        text_only = transformers.Gemma3ForCausalLM(text).eval()
+    text_only.config._attn_implementation = "eager"
+    prefix = "model.language_model."
+    text_only.load_state_dict({k.replace(prefix, "model."): v for k, v in both.state_dict().items()
+                               if k.startswith((prefix, "lm_head."))})  # fmt: skip
+    return both.double(), text_only.double()
+
+
+def test_a_multimodal_gemma3_gives_its_language_models_graph():
+    """Gemma-3 4B and up are Gemma3ForConditionalGeneration (Gemma Scope 2's -it models among
+    them): the graph of a token prompt is the graph of the same language model alone, and a
+    forward that runs the vision tower is refused by name."""
+    from probe.errors import ModelError
+
+    both, text_only = multimodal_gemma3()
+    assert type(both).__name__ == "Gemma3ForConditionalGeneration"
+    ts = random_transcoders(32, 2, reads="mlp_in", activation="relu", expansion=2,
+                            dtype=torch.float64)  # fmt: skip
+    options = GraphOptions(batch_size=64, floor=0.0)
+    graph, alone = attribute(both, PROMPT, ts, options), attribute(text_only, PROMPT, ts, options)
+    assert graph.n_features == alone.n_features > 40
+    torch.testing.assert_close(
+        graph.adjacency.to_dense(), alone.adjacency.to_dense(), rtol=0, atol=0
+    )
+    torch.testing.assert_close(graph.logit_probs, alone.logit_probs, rtol=0, atol=0)
+    ids = torch.tensor([[2, 97, 99, 99, 99, 99, 98, 7]])
+    refused = pytest.raises(ModelError, match="ran its model.vision_tower .* token prompts only")
+    with refused, torch.no_grad(), LocalReplacement(both, ts, mode="record"):
+        both(ids, pixel_values=torch.randn(1, 3, 28, 28, dtype=torch.float64))
