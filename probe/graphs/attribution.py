@@ -276,7 +276,7 @@ def token_ids(tokens) -> torch.Tensor:
 
 def _check_context(model, ids: torch.Tensor) -> None:
     config = getattr(model, "config", None)
-    if hasattr(config, "get_text_config"):  # (a multimodal model's: its language model's)
+    if config is not None and hasattr(config, "get_text_config"):  # multimodal: its LM's
         config = config.get_text_config()
     limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and ids.shape[0] > limit:

@@ -178,7 +178,7 @@ def anatomy(model: nn.Module, blocks: list[str], overrides: dict | None = None) 
     modules = dict(model.named_modules())
     if known.get("stack"):
         blocks = [b for b in blocks if b.startswith(f"{known['stack']}.")]
-    if hasattr(config, "get_text_config"):  # a multimodal config's sizes: its language model's
+    if config is not None and hasattr(config, "get_text_config"):  # multimodal: its LM's sizes
         config = config.get_text_config()
     out = Anatomy(family, list(blocks), post_norm=bool(known.get("post_norm", False)))
     for key in ("attn", "attn_out", "mlp_out"):
