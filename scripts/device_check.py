@@ -20,6 +20,9 @@ value checks and whose peak device memory is reported):
   memory, moved in per call by accelerate; values against the whole model).
 - `grid`: the patching grid of bench_patching.py (6 blocks x 32 positions, 64 pairs) with
   `intervene.grid.stack` 1 and 8 against a hand loop of plain hooks; cells are checked equal.
+- `graph`: an attribution graph (a 4-block width-256 Llama with random TopK transcoders and skip
+  matrices, a 64-token prompt, every edge kept) on the device against the same graph on the
+  CPU: the same features and logit nodes, every adjacency entry within 1e-4 of the largest.
 Exit status 1 when a check or the tests fail.
 """
 
@@ -57,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small sizes (a dry run of the script)")
     p.add_argument("--skip-tests", action="store_true", help="leave out pytest -m cuda")
     p.add_argument(
-        "--groups", default="image,tokens,grid,watch", help="which groups (default: all)"
+        "--groups", default="image,tokens,grid,watch,graph", help="which groups (default: all)"
     )
     p.add_argument("--out", default=None, help="also write the table as markdown to OUT")
     return p.parse_args(argv)
@@ -418,7 +421,49 @@ def cuda_tests() -> list[list]:
              tail.strip("= "), "pass" if ok else "FAIL"]]  # fmt: skip
 
 
-GROUPS = {"image": image_group, "tokens": token_group, "grid": grid_group, "watch": watch_group}
+def graph_group(args, tmp: Path) -> list[list]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from probe.graphs.attribution import GraphOptions, attribute
+    from probe.testing.random_transcoders import random_transcoders
+
+    layers, width, length = (2, 64, 16) if args.quick else (4, 256, 64)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=2048)  # fmt: skip
+    config._attn_implementation = "eager"
+    models = {"cpu": LlamaForCausalLM(config).eval()}
+    models[args.device] = LlamaForCausalLM(config).to(args.device).eval()
+    models[args.device].load_state_dict(models["cpu"].state_dict())
+    sets = {}
+    for where in models:
+        ts = random_transcoders(width, layers, activation="topk", skip=True, expansion=8)
+        for t in ts.transcoders.values():
+            t.k = 4
+        sets[where] = ts.to(where)
+    tokens = torch.randint(0, 2048, (length,), generator=torch.Generator().manual_seed(1))
+    options = GraphOptions(batch_size=64, floor=0.0)
+    variants = {where: (lambda out, where=where: attribute(models[where], tokens, sets[where],
+                                                           options))  # fmt: skip
+                for where in models}  # fmt: skip
+    times, peaks, graphs = measure(variants, tmp / "graph", min(args.rounds, 2))
+    ref, got = graphs["cpu"], graphs[args.device]
+    same = torch.equal(ref.features.cpu(), got.features.cpu()) and torch.equal(
+        ref.logit_tokens.cpu(), got.logit_tokens.cpu()
+    )
+    checks = {}
+    if same:
+        a, b = ref.adjacency.to_dense().cpu(), got.adjacency.to_dense().cpu()
+        err = float((a - b).abs().max() / a.abs().max())
+        checks[args.device] = (err <= 1e-4, f"graph = CPU graph ({ref.n_nodes} nodes, {err:.1e})")
+    else:
+        checks[args.device] = (False, "other features or logit nodes than the CPU graph")
+    return rows_of("graph", times, peaks, "cpu", checks)
+
+
+GROUPS = {"image": image_group, "tokens": token_group, "grid": grid_group, "watch": watch_group,
+          "graph": graph_group}  # fmt: skip
 
 
 def main(argv=None) -> int:
