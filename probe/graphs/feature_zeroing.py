@@ -20,6 +20,12 @@ linear, so a zeroing moves the answer by exactly what the adjacency predicts thr
 (graph_claims.total_change): it is the proof that the prediction is computed right, and the
 live model's distance from it is the graph's error.
 
+`frozen_logits(..., mlps="live")` splits that distance in two: attention patterns and norm
+scales frozen as in the graph, but every MLP write is the MLP's own output in this forward
+(features switch on and off, the errors move), with each zeroed feature's write removed as in
+the live model. Its distance from the linear model is what the MLPs' nonlinearity costs; its
+distance from the live model, what freezing attention and norms does.
+
 Both take per-layer transcoder sets (a cross-layer transcoder's feature writes to several
 layers; refused by graph_claims).
 """
@@ -36,6 +42,7 @@ from probe.graphs.replacement import LocalReplacement, Parts, replacement_parts
 from probe.hooks.hookset import HookSet
 from probe.models.transcoder import Transcoder, TranscoderSet, normalized
 
+MLPS = ("linear", "live")  # frozen_logits' MLPs: the graph's linear features, or the MLPs' own
 # a feature node's place: (layer, position, feature index in its layer's transcoder)
 Place = tuple[int, int, int]
 
@@ -133,12 +140,15 @@ def frozen_logits(
     nodes: Sequence[Place],
     zeroings: Sequence[Sequence[Place]],
     *,
+    mlps: str = "linear",
     overrides: dict | None = None,
 ) -> list[torch.Tensor]:
     """The last position's logits (vocab,) of the graph's linear model on `tokens` (the module
     docstring), whose feature nodes are `nodes`: first with nothing zeroed, then one per set of
     `zeroings` (each a subset of `nodes`) with its features zeroed. One record forward serves
-    them all."""
+    them all. `mlps="live"`: attention and norms frozen, the MLPs live (the module docstring)."""
+    if mlps not in MLPS:
+        raise ModelError(f"graph claims: mlps={mlps!r}; choose from {', '.join(MLPS)}")
     known = set(map(tuple, nodes))
     missing = sorted({tuple(p) for zeroed in zeroings for p in zeroed} - known)
     if missing:
@@ -154,12 +164,17 @@ def frozen_logits(
         gone = set(map(tuple, removed))
         hooks = HookSet("graph claims: frozen zeroing")
         with rep, hooks:  # (rep's hooks first: they fill captured.inputs and freeze the write)
-            for layer, (pos, feature) in _by_layer(nodes, device).items():
+            by_layer = _by_layer(nodes if mlps == "linear" else removed, device)
+            for layer in range(len(rep.mlp_writes)) if mlps == "live" else by_layer:
+                none = torch.zeros(0, dtype=torch.long, device=device)
+                pos, feature = by_layer.get(layer, (none, none))
                 places = zip(pos.tolist(), feature.tolist(), strict=True)
-                zero = torch.tensor([(layer, p, f) in gone for p, f in places], device=device)
-                hooks.forward(rep.mlp_writes[layer],
-                              _linear_features(rep, transcoders[layer], layer, pos, feature, zero),
-                              name=f"mlp write {layer}")  # fmt: skip
+                zero = torch.tensor([(layer, p, f) in gone for p, f in places], device=device,
+                                    dtype=torch.bool)  # fmt: skip
+                write = (_linear_features if mlps == "linear" else _live_mlp)(
+                    rep, transcoders[layer], layer, pos, feature, zero
+                )
+                hooks.forward(rep.mlp_writes[layer], write, name=f"mlp write {layer}")
             out.append(_last_logits(model(ids)))
     return out
 
@@ -175,6 +190,18 @@ def _linear_features(rep, t: Transcoder, layer: int, pos, feature, zero):
         act = _pick(t.encode(then[:, pos]), feature)
         amount = torch.where(zero, -act, moved)
         return out.index_add(1, pos, _writes(t, amount, feature, out))
+
+    return hook
+
+
+def _live_mlp(rep, t: Transcoder, layer: int, pos, feature, _zero):
+    """The MLP's own output in this forward (not the replay's frozen one) minus each feature's
+    write at (pos, feature), its activation read from the transcoder's input in this forward."""
+
+    def hook(_m, _args, out):
+        real = rep.captured.mlp_values[layer].to(out.dtype)
+        act = _pick(t.encode(rep.captured.inputs[layer][:, pos]), feature)
+        return real.index_add(1, pos, -_writes(t, act, feature, real))
 
     return hook
 

@@ -17,9 +17,10 @@ Zeroing a set S of features the graph predicts the answer moves by `-sum(direct)
 `total_change(S)` (total: the linear model's change with every feature of S held at 0, so a
 path through two of them counts once; for one feature, minus its total contribution).
 `graph_claims` ranks the features by either contribution, zeroes the top N in the live model
-(probe.graphs.feature_zeroing.live_logits) and in the graph's frozen linear model
-(frozen_logits, where the change equals the total prediction to rounding) and gives one row per
-(ranking, N):
+(probe.graphs.feature_zeroing.live_logits), in the graph's frozen linear model (frozen_logits,
+where the change equals the total prediction to rounding) and with attention and norms frozen
+but the MLPs live (frozen_logits(mlps="live"): between the two, it says whether the gap is the
+MLPs' nonlinearity or the frozen attention and norms), and gives one row per (ranking, N):
 
     from probe.graphs.graph_claims import graph_claims
     table = graph_claims(model, graph, transcoders, top=(1, 5, 10))
@@ -51,9 +52,11 @@ CLAIM_COLUMNS = (
     "live",  # the change measured in the live model
     "live_logit",  # the change of the answer's raw logit in the live model
     "frozen",  # the change measured in the graph's frozen linear model (NaN: not run)
+    "frozen_attention",  # the change with attention and norms frozen, the MLPs live (NaN: not run)
     "live_over_direct",
     "live_over_total",
     "frozen_over_total",
+    "frozen_attention_over_total",
 )
 
 
@@ -136,7 +139,7 @@ def graph_claims(
     """One row per (ranking, N) (CLAIM_COLUMNS): the N features of `graph` with the largest
     contribution to the answer (logit node `target`) by `ranking` zeroed in `model`, the live
     change against the graph's direct and total predictions; with `frozen`, also in the graph's
-    frozen linear model. `graph` is `model`'s on its tokens through `transcoders` (a per-layer
+    frozen linear model and with attention and norms frozen, the MLPs live. `graph` is `model`'s on its tokens through `transcoders` (a per-layer
     TranscoderSet, or the path of its YAML or folder); `overrides` are `model.anatomy` keys."""
     tops = _check_top(top)
     rankings = _check_rankings(rankings)
@@ -161,26 +164,30 @@ def graph_claims(
         order = np.argsort(-contributions[ranking].to_numpy(), kind="stable")
         cases += [(ranking, n, [int(i) for i in order[:n]]) for n in tops]
     zeroings = [[places[i] for i in chosen] for _, _, chosen in cases]
-    nan = torch.full_like(clean, float("nan"))
-    frozen_clean, *frozen_edited = (
-        frozen_logits(model, tokens, tset, places, zeroings, overrides=overrides)
-        if frozen
-        else [nan] * (len(cases) + 1)
-    )
+    frozen_moves = {}
+    for mlps in ("linear", "live"):
+        if frozen:
+            logits = frozen_logits(model, tokens, tset, places, zeroings, mlps=mlps,
+                                   overrides=overrides)  # fmt: skip
+            frozen_moves[mlps] = [_answer(z, token) - _answer(logits[0], token) for z in logits[1:]]
+        else:
+            frozen_moves[mlps] = [float("nan")] * len(cases)
     rows = []
-    for (ranking, n, chosen), zeroed, edited in zip(cases, zeroings, frozen_edited, strict=True):
+    for i, ((ranking, n, chosen), zeroed) in enumerate(zip(cases, zeroings, strict=True)):
         live = live_logits(model, tokens, tset, zeroed, overrides=overrides)
         direct = direct_change(graph, chosen, target)
         total = total_change(graph, chosen, target)
         moved = _answer(live, token) - _answer(clean, token)
-        frozen_moved = _answer(edited, token) - _answer(frozen_clean, token)
+        frozen_moved, attention_moved = frozen_moves["linear"][i], frozen_moves["live"][i]
         rows.append({
             "ranking": ranking, "top": n, "zeroed": len(chosen),
             "features": ";".join(f"{a}/{b}/{c}" for a, b, c in zeroed),
             "direct": direct, "total": total, "live": moved,
             "live_logit": float(live[token] - clean[token]), "frozen": frozen_moved,
+            "frozen_attention": attention_moved,
             "live_over_direct": _ratio(moved, direct), "live_over_total": _ratio(moved, total),
             "frozen_over_total": _ratio(frozen_moved, total),
+            "frozen_attention_over_total": _ratio(attention_moved, total),
         })  # fmt: skip
     return pd.DataFrame(rows, columns=list(CLAIM_COLUMNS))
 

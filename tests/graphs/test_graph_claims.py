@@ -104,6 +104,27 @@ def test_in_the_frozen_model_a_zeroing_moves_the_answer_by_the_total_prediction(
 
 
 @pytest.mark.parametrize("kind", list(CASES))
+def test_with_the_mlps_live_a_last_layer_feature_moves_the_answer_by_its_edge(setups, kind):
+    """Attention and norms frozen, MLPs live: nothing frozen changes the clean forward, and a
+    last-layer feature, whose only path to the answer is direct, moves it by minus its edge."""
+    model, tset, graph, _ = setups[kind]
+    contributions = answer_contributions(graph)
+    last = contributions[contributions.layer == graph.n_layers - 1]
+    strongest = last.direct.abs().sort_values(ascending=False).index[:4].tolist()
+    places = [tuple(p) for p in graph.features.tolist()]
+    zeroings = [[places[n]] for n in strongest]
+    clean, *zeroed = frozen_logits(model, PROMPT, tset, places, zeroings, mlps="live")
+    with torch.no_grad():
+        plain = model(PROMPT[None]).logits[0, -1]
+    # (Llama's eager pattern, which the replay applies, takes its softmax in float32)
+    torch.testing.assert_close(clean, plain, rtol=1e-5, atol=1e-7)
+    token = int(graph.logit_tokens[0])
+    for node, edited in zip(strongest, zeroed, strict=True):
+        moved = float(edited[token] - edited.mean() - clean[token] + clean.mean())
+        assert moved == pytest.approx(-contributions.direct[node], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
 def test_the_predictions_equal_the_adjacency_read_another_way(setups, kind):
     model, tset, graph, table = setups[kind]
     nodes, edges = graph.nodes(), graph.edges(kept_only=False)
