@@ -5,9 +5,12 @@ probe.fit` from a run of its sequences (the defaults, `--width 256`, a modest `-
 for topk), then a graph for each of `--prompts` prompts of 16-32 tokens sampled from the model
 (another seed than the training sequences), and on each `probe.graphs.graph_claims.graph_claims`:
 the top 1, 5 and 10 features by direct edge to the answer and by total contribution zeroed in the
-live model and in the graph's frozen linear model. Prints the fits, and per (activation,
-ranking, N) the median and quartiles over the prompts of live/direct, live/total and
-frozen/total; writes every row to DIR/graph_claims.csv. Figures: docs/bench/graph_claims.md.
+live model, in the graph's frozen linear model and with attention and norms frozen but the MLPs
+live. Prints the fits, the largest distance between the frozen model's change and the total
+prediction, and per (activation, ranking, N) the median and quartiles over the prompts of
+live/direct, live/total, frozen-attention/total and raw-logit/total, and the pooled ratios
+(the sum of the live changes over the sum of the predictions); writes every row to
+DIR/s{SEQUENCES}/graph_claims_e{EPOCHS}.csv. Figures: docs/bench/graph_claims.md.
 
     python scripts/bench_graph_claims.py [--dir DIR] [--sequences 2048] [--epochs 10] \\
         [--prompts 20] [--activations relu topk]
@@ -27,13 +30,14 @@ import pandas as pd
 import torch
 
 from probe.fit import main as fit_main
+from probe.graphs.feature_zeroing import live_logits
 from probe.graphs.graph_claims import graph_claims
 from probe.graphs.prompt_graph import attribution_graph
 from probe.models.transcoder_files import load_transcoders
 from probe.testing.planted import PlantedSpec, capture_run, make_planted, sample
 
 TOP = (1, 5, 10)
-RATIOS = ("live_over_direct", "live_over_total", "frozen_over_total", "logit_over_total")
+RATIOS = ("live_over_direct", "live_over_total", "frozen_attention_over_total", "logit_over_total")
 
 
 def build(root: Path, spec: PlantedSpec) -> None:
@@ -67,6 +71,26 @@ def prompts(model, n: int, seed: int) -> list[torch.Tensor]:
     ids = sample(model, n, 32, seed)
     lengths = np.random.default_rng(seed).integers(16, 33, n)
     return [ids[i, : int(lengths[i])] for i in range(n)]
+
+
+def final_norm_spreads(model, ids: torch.Tensor, tset, features: str) -> tuple[float, float]:
+    """The standard deviation of the final norm's input at the last position, clean and with
+    `features` ("layer/pos/feature;...") zeroed live: the spread the norm divides by."""
+    seen = []
+    handle = model.transformer.ln_f.register_forward_pre_hook(
+        lambda _m, args: seen.append(float(args[0][0, -1].std()))
+    )
+    try:
+        live_logits(model, ids, tset)
+        zeroed = [tuple(map(int, place.split("/"))) for place in features.split(";")]
+        live_logits(model, ids, tset, zeroed)  # type: ignore[arg-type]
+    finally:
+        handle.remove()
+    return seen[0], seen[1]
+
+
+def spread_range(values: pd.Series) -> str:
+    return f"{values.median():.2f} [{values.min():.2f}, {values.max():.2f}]"
 
 
 def quartiles(values: pd.Series) -> str:
@@ -110,12 +134,16 @@ def main() -> None:
             claims["answer_prob"] = float(graph.logit_probs[0])
             claims["replacement"] = graph.scores["replacement"]
             claims["completeness"] = graph.scores["completeness"]
+            spreads = [final_norm_spreads(model, ids, tset, f) for f in claims.features]
+            claims["final_norm_spread"] = [clean for clean, _ in spreads]
+            claims["final_norm_spread_zeroed"] = [zeroed for _, zeroed in spreads]
             rows.append(claims)
         print(f"graphs and claims, {activation}: {time.perf_counter() - t:.0f} s")
     every = pd.concat(rows, ignore_index=True)
     every["logit_over_total"] = every.live_logit / every.total
-    every.to_csv(root / "graph_claims.csv", index=False)
-    print(f"rows: {root / 'graph_claims.csv'}")
+    out = root / f"graph_claims_e{args.epochs:g}.csv"
+    every.to_csv(out, index=False)
+    print(f"rows: {out}")
     fit_table = pd.concat(fits)
     columns = ["activation", "layer", "fvu", "l0", "dead", "ce_recovered"]
     print(fit_table[[c for c in columns if c in fit_table]].to_string(index=False))
@@ -125,19 +153,55 @@ def main() -> None:
               f"tokens, {quartiles(group.graph_features)} feature nodes, answer probability "
               f"{quartiles(group.answer_prob)}, replacement {quartiles(group.replacement)}, "
               f"completeness {quartiles(group.completeness)}")  # fmt: skip
-    summary = (
-        every.groupby(["activation", "ranking", "top"], sort=False)
-        .agg(
-            **{r: (r, quartiles) for r in RATIOS},
-            direct=("direct", "median"),
-            total=("total", "median"),
-            live=("live", "median"),
-        )  # fmt: skip
-        .reset_index()
+    print("per prompt, live/total by ranking and N (the CSV holds every column)")
+    with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
+        for activation, group in every.groupby("activation", sort=False):
+            table = group.pivot_table(index=["prompt", "tokens", "graph_features", "replacement"],
+                                      columns=["ranking", "top"], values="live_over_total")  # fmt: skip
+            print(f"{activation}:")
+            print(table.to_string())
+    off = (every.frozen - every.total).abs()
+    print(f"frozen linear model against the total prediction: largest |difference| "
+          f"{off.max():.2e}, largest relative {(off / every.total.abs()).max():.2e}")  # fmt: skip
+    groups = every.groupby(["activation", "ranking", "top"], sort=False)
+    summary = groups.agg(**{r: (r, quartiles) for r in RATIOS}).reset_index()
+    pooled = groups.apply(
+        lambda g: pd.Series(
+            {
+                "pooled_direct": g.live.sum() / g.direct.sum(),
+                "pooled_total": g.live.sum() / g.total.sum(),
+                "direct": g.direct.median(),
+                "total": g.total.median(),
+                "live": g.live.median(),
+            }
+        ),  # fmt: skip
+        include_groups=False,
+    ).reset_index(drop=True)
+    print(
+        "median [quartiles] over the prompts; pooled: the sum of the live changes over the sum of"
     )
-    print("median [quartiles] over the prompts; direct, total, live: median changes of the answer")
-    with pd.option_context("display.width", 200, "display.float_format", "{:.3f}".format):
-        print(summary.to_string(index=False))
+    print("the predictions; direct, total, live: the median changes of the answer")
+    with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
+        print(pd.concat([summary, pooled], axis=1).to_string(index=False))
+    # where the single feature sits: a last-layer feature at the last position reaches the
+    # answer through the final norm alone, so there live/frozen-attention is that norm's doing
+    single = every[every.top == 1].copy()
+    place = single.features.str.split("/", expand=True).astype(int)
+    single["layer"], single["last_position"] = place[0], place[1] == single.tokens - 1
+    single["spread_kept"] = single.final_norm_spread_zeroed / single.final_norm_spread
+    print("top 1: the feature's layer and whether it is at the last position; spread_kept: the")
+    print("final norm's input spread at the last position zeroed over clean, median [range]")
+    print(
+        single.groupby(["activation", "ranking", "layer", "last_position"])
+        .agg(
+            prompts=("prompt", "size"),
+            live_over_total=("live_over_total", "median"),
+            frozen_attention_over_total=("frozen_attention_over_total", "median"),
+            spread_kept=("spread_kept", spread_range),
+        )  # fmt: skip
+        .round(2)
+        .to_string()
+    )
 
 
 if __name__ == "__main__":

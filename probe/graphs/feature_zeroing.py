@@ -162,19 +162,22 @@ def frozen_logits(
     out = []
     for removed in [(), *zeroings]:
         gone = set(map(tuple, removed))
-        hooks = HookSet("graph claims: frozen zeroing")
-        with rep, hooks:  # (rep's hooks first: they fill captured.inputs and freeze the write)
-            by_layer = _by_layer(nodes if mlps == "linear" else removed, device)
-            for layer in range(len(rep.mlp_writes)) if mlps == "live" else by_layer:
+        # (rep's hooks come first: they fill captured.inputs and freeze the write)
+        with rep, HookSet("graph claims: frozen zeroing") as hooks:
+            if mlps == "linear":
+                for layer, (pos, feature) in _by_layer(nodes, device).items():
+                    places = zip(pos.tolist(), feature.tolist(), strict=True)
+                    zero = torch.tensor([(layer, p, f) in gone for p, f in places],
+                                        dtype=torch.bool, device=device)  # fmt: skip
+                    write = _linear_features(rep, transcoders[layer], layer, pos, feature, zero)
+                    hooks.forward(rep.mlp_writes[layer], write, name=f"mlp write {layer}")
+            else:
+                chosen = _by_layer(removed, device)
                 none = torch.zeros(0, dtype=torch.long, device=device)
-                pos, feature = by_layer.get(layer, (none, none))
-                places = zip(pos.tolist(), feature.tolist(), strict=True)
-                zero = torch.tensor([(layer, p, f) in gone for p, f in places], device=device,
-                                    dtype=torch.bool)  # fmt: skip
-                write = (_linear_features if mlps == "linear" else _live_mlp)(
-                    rep, transcoders[layer], layer, pos, feature, zero
-                )
-                hooks.forward(rep.mlp_writes[layer], write, name=f"mlp write {layer}")
+                for layer, module in enumerate(rep.mlp_writes):
+                    pos, feature = chosen.get(layer, (none, none))
+                    write = _live_mlp(rep, transcoders[layer], layer, pos, feature)
+                    hooks.forward(module, write, name=f"mlp write {layer}")
             out.append(_last_logits(model(ids)))
     return out
 
@@ -194,7 +197,7 @@ def _linear_features(rep, t: Transcoder, layer: int, pos, feature, zero):
     return hook
 
 
-def _live_mlp(rep, t: Transcoder, layer: int, pos, feature, _zero):
+def _live_mlp(rep, t: Transcoder, layer: int, pos, feature):
     """The MLP's own output in this forward (not the replay's frozen one) minus each feature's
     write at (pos, feature), its activation read from the transcoder's input in this forward."""
 

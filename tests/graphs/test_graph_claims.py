@@ -31,7 +31,7 @@ def setups(tmp_path_factory):
     for kind, (reads, activation, skip) in CASES.items():
         folder = make_tiny(kind, tmp_path_factory.mktemp(kind))
         model = getattr(transformers, TASK_CLASSES[kind]).from_pretrained(folder).eval().double()
-        tset = random_transcoders(reads=reads, activation=activation, skip=skip, expansion=2,
+        tset = random_transcoders(reads=reads, activation=activation, skip=skip, expansion=1,
                                   dtype=torch.float64)  # fmt: skip
         graph = attribute(model, PROMPT, tset, GraphOptions(batch_size=128, floor=0.0))
         out[kind] = model, tset, graph, graph_claims(model, graph, tset, top=(1, 5, 10))
