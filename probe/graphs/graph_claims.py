@@ -207,7 +207,7 @@ def _check_graph_of(model, graph: GraphData, clean: torch.Tensor, target: int) -
     another prompt's (refused by name)."""
     got = float(torch.softmax(clean.double(), -1)[int(graph.logit_tokens[target])])
     want = float(graph.logit_probs[target])
-    if abs(got - want) > 1e-4 + 1e-3 * want:
+    if abs(got - want) > 2e-3 + 2e-2 * want:  # (low precision: the batch of copies rounds)
         raise ConfigError(
             f"graph claims: the model gives the graph's answer token "
             f"{graph.logit_strings[target]!r} probability {got:.6g} on the graph's tokens, the "
