@@ -1,0 +1,208 @@
+"""The graph's claim in the live model, measured on a trained model: the planted problem
+(probe.testing.planted: a GPT-2 of 2 blocks whose ReLU MLPs are dictionaries of 256 known
+directions, its training sequences sampled from itself), transcoders fitted by `python -m
+probe.fit` from a run of its sequences (the defaults, `--width 256`, a modest `--epochs`; `--k 8`
+for topk), then a graph for each of `--prompts` prompts of 16-32 tokens sampled from the model
+(another seed than the training sequences), and on each `probe.graphs.graph_claims.graph_claims`:
+the top 1, 5 and 10 features by direct edge to the answer and by total contribution zeroed in the
+live model, in the graph's frozen linear model and with attention and norms frozen but the MLPs
+live. Prints the fits, the largest distance between the frozen model's change and the total
+prediction, and per (activation, ranking, N) the median and quartiles over the prompts of
+live/direct, live/total, frozen-attention/total and raw-logit/total, and the pooled ratios
+(the sum of the live changes over the sum of the predictions); writes every row to
+DIR/s{SEQUENCES}/graph_claims_e{EPOCHS}.csv. Figures: docs/bench/graph_claims.md.
+
+    python scripts/bench_graph_claims.py [--dir DIR] [--sequences 2048] [--epochs 10] \\
+        [--prompts 20] [--activations relu topk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probe.fit import main as fit_main
+from probe.graphs.feature_zeroing import live_logits
+from probe.graphs.graph_claims import graph_claims
+from probe.graphs.prompt_graph import attribution_graph
+from probe.models.transcoder_files import load_transcoders
+from probe.testing.planted import PlantedSpec, capture_run, make_planted, sample
+
+TOP = (1, 5, 10)
+RATIOS = ("live_over_direct", "live_over_total", "frozen_attention_over_total", "logit_over_total")
+
+
+def build(root: Path, spec: PlantedSpec) -> None:
+    """The planted model and a run capturing its MLPs' inputs and outputs (once)."""
+    if (root / "run" / "probe.h5").is_file():
+        return
+    t = time.perf_counter()
+    planted = make_planted(root, spec)
+    capture_run(planted, root / "run")
+    print(f"built and captured in {time.perf_counter() - t:.0f} s")
+
+
+def fit(root: Path, activation: str, epochs: float, k: int) -> Path:
+    """`python -m probe.fit` on the run with the defaults, width 256 (the planted count) and
+    `epochs`; `--k k` for the activations that take one. Reused when its fit.csv exists."""
+    out = root / f"claims_{activation}_e{epochs:g}"
+    if (out / "fit.csv").is_file():
+        return out
+    flags = [str(root / "run"), "--out", str(out), "--width", "256", "--epochs", str(epochs),
+             "--activation", activation] + (["--k", str(k)] if activation != "relu" else [])  # fmt: skip
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        if fit_main(flags) != 0:
+            raise SystemExit(f"probe.fit {' '.join(flags)} failed")
+    print(f"fit {activation}: {time.perf_counter() - t:.0f} s")
+    return out
+
+
+def prompts(model, n: int, seed: int) -> list[torch.Tensor]:
+    """`n` prompts of 16-32 tokens sampled from the model (first token uniform)."""
+    ids = sample(model, n, 32, seed)
+    lengths = np.random.default_rng(seed).integers(16, 33, n)
+    return [ids[i, : int(lengths[i])] for i in range(n)]
+
+
+def final_norm_spreads(model, ids: torch.Tensor, tset, features: str) -> tuple[float, float]:
+    """The standard deviation of the final norm's input at the last position, clean and with
+    `features` ("layer/pos/feature;...") zeroed live: the spread the norm divides by."""
+    seen = []
+    handle = model.transformer.ln_f.register_forward_pre_hook(
+        lambda _m, args: seen.append(float(args[0][0, -1].std()))
+    )
+    try:
+        live_logits(model, ids, tset)
+        zeroed = [tuple(map(int, place.split("/"))) for place in features.split(";")]
+        live_logits(model, ids, tset, zeroed)  # type: ignore[arg-type]
+    finally:
+        handle.remove()
+    return seen[0], seen[1]
+
+
+def spread_range(values: pd.Series) -> str:
+    return f"{values.median():.2f} [{values.min():.2f}, {values.max():.2f}]"
+
+
+def quartiles(values: pd.Series) -> str:
+    q1, q2, q3 = np.nanquantile(values.to_numpy(dtype=float), [0.25, 0.5, 0.75])
+    return f"{q2:.2f} [{q1:.2f}, {q3:.2f}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/planted_claims"))
+    parser.add_argument("--sequences", type=int, default=2048)
+    parser.add_argument("--epochs", type=float, default=10)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=2026, help="the prompts' sampling seed")
+    parser.add_argument("--activations", nargs="*", default=["relu", "topk"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("probe.fit").setLevel(logging.WARNING)
+    spec = PlantedSpec(sequences=args.sequences)
+    root = args.dir / f"s{spec.sequences}"
+    build(root, spec)
+    k = round(spec.fire_rate * spec.n_inner)
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(root / "model").eval()
+    texts = prompts(model, args.prompts, args.seed)
+    rows, fits = [], []
+    for activation in args.activations:
+        folder = fit(root, activation, args.epochs, k)
+        table = pd.read_csv(folder / "fit.csv")
+        fits.append(table.assign(activation=activation))
+        tset = load_transcoders(folder)
+        t = time.perf_counter()
+        for i, ids in enumerate(texts):
+            graph = attribution_graph(model, ids, tset)
+            claims = graph_claims(model, graph, tset, top=TOP)
+            claims.insert(0, "prompt", i)
+            claims.insert(0, "activation", activation)
+            claims["tokens"] = len(ids)
+            claims["graph_features"] = graph.n_features
+            claims["answer_prob"] = float(graph.logit_probs[0])
+            claims["replacement"] = graph.scores["replacement"]
+            claims["completeness"] = graph.scores["completeness"]
+            spreads = [final_norm_spreads(model, ids, tset, f) for f in claims.features]
+            claims["final_norm_spread"] = [clean for clean, _ in spreads]
+            claims["final_norm_spread_zeroed"] = [zeroed for _, zeroed in spreads]
+            rows.append(claims)
+        print(f"graphs and claims, {activation}: {time.perf_counter() - t:.0f} s")
+    every = pd.concat(rows, ignore_index=True)
+    every["logit_over_total"] = every.live_logit / every.total
+    out = root / f"graph_claims_e{args.epochs:g}.csv"
+    every.to_csv(out, index=False)
+    print(f"rows: {out}")
+    fit_table = pd.concat(fits)
+    columns = ["activation", "layer", "fvu", "l0", "dead", "ce_recovered"]
+    print(fit_table[[c for c in columns if c in fit_table]].to_string(index=False))
+    per_prompt = every.drop_duplicates(["activation", "prompt"])
+    for activation, group in per_prompt.groupby("activation", sort=False):
+        print(f"{activation}: {len(group)} prompts, {group.tokens.min()}-{group.tokens.max()} "
+              f"tokens, {quartiles(group.graph_features)} feature nodes, answer probability "
+              f"{quartiles(group.answer_prob)}, replacement {quartiles(group.replacement)}, "
+              f"completeness {quartiles(group.completeness)}")  # fmt: skip
+    print("per prompt, live/total by ranking and N (the CSV holds every column)")
+    with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
+        for activation, group in every.groupby("activation", sort=False):
+            table = group.pivot_table(index=["prompt", "tokens", "graph_features", "replacement"],
+                                      columns=["ranking", "top"], values="live_over_total")  # fmt: skip
+            print(f"{activation}:")
+            print(table.to_string())
+    off = (every.frozen - every.total).abs()
+    print(f"frozen linear model against the total prediction: largest |difference| "
+          f"{off.max():.2e}, largest relative {(off / every.total.abs()).max():.2e}")  # fmt: skip
+    groups = every.groupby(["activation", "ranking", "top"], sort=False)
+    summary = groups.agg(**{r: (r, quartiles) for r in RATIOS}).reset_index()
+    pooled = groups.apply(
+        lambda g: pd.Series(
+            {
+                "pooled_direct": g.live.sum() / g.direct.sum(),
+                "pooled_total": g.live.sum() / g.total.sum(),
+                "direct": g.direct.median(),
+                "total": g.total.median(),
+                "live": g.live.median(),
+            }
+        ),  # fmt: skip
+        include_groups=False,
+    ).reset_index(drop=True)
+    print(
+        "median [quartiles] over the prompts; pooled: the sum of the live changes over the sum of"
+    )
+    print("the predictions; direct, total, live: the median changes of the answer")
+    with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
+        print(pd.concat([summary, pooled], axis=1).to_string(index=False))
+    # where the single feature sits: a last-layer feature at the last position reaches the
+    # answer through the final norm alone, so there live/frozen-attention is that norm's doing
+    single = every[every.top == 1].copy()
+    place = single.features.str.split("/", expand=True).astype(int)
+    single["layer"], single["last_position"] = place[0], place[1] == single.tokens - 1
+    single["spread_kept"] = single.final_norm_spread_zeroed / single.final_norm_spread
+    print("top 1: the feature's layer and whether it is at the last position; spread_kept: the")
+    print("final norm's input spread at the last position zeroed over clean, median [range]")
+    print(
+        single.groupby(["activation", "ranking", "layer", "last_position"])
+        .agg(
+            prompts=("prompt", "size"),
+            live_over_total=("live_over_total", "median"),
+            frozen_attention_over_total=("frozen_attention_over_total", "median"),
+            spread_kept=("spread_kept", spread_range),
+        )  # fmt: skip
+        .round(2)
+        .to_string()
+    )
+
+
+if __name__ == "__main__":
+    main()
