@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -532,27 +531,32 @@ def _rtol(dtype: torch.dtype) -> float:
 def _cell_rows(head, tail, cells: torch.Tensor, q_names, k_names, rows) -> list[tuple]:
     """One pair's rows: its cells, then the query-side marginals (key part `*`), then the
     key-side ones (query part `*`), each the `rows` largest by |contribution| and a `rest`."""
-    out = []
-    c = cells.cpu().numpy()
-    qi, kj = np.unravel_index(np.arange(c.size), c.shape)
-    out += _largest(head, tail, c.ravel(), [q_names[i] for i in qi], [k_names[j] for j in kj], rows)
-    q_marginal = c.sum(1)
-    out += _largest(head, tail, q_marginal, q_names, [(ALL, -1)] * len(q_names), rows)
-    k_marginal = c.sum(0)
-    out += _largest(head, tail, k_marginal, [(ALL, -1)] * len(k_names), k_names, rows)
+    n_k = cells.shape[1]
+    every = [(ALL, -1)]
+
+    def cell(i: int):
+        return q_names[i // n_k], k_names[i % n_k]
+
+    out = _largest(head, tail, cells.flatten(), cell, rows, (REST, REST))
+    out += _largest(head, tail, cells.sum(1), lambda i: (q_names[i], every[0]), rows, (REST, ALL))
+    out += _largest(head, tail, cells.sum(0), lambda i: (every[0], k_names[i]), rows, (ALL, REST))
     return out
 
 
-def _largest(head, tail, values: np.ndarray, q_names, k_names, rows) -> list[tuple]:
-    order = np.argsort(-np.abs(values), kind="stable")
-    keep = order if rows is None else order[:rows]
-    out = [
-        (*head, q_names[i][1], k_names[i][1], q_names[i][0], k_names[i][0], float(values[i]),
-         *tail)
-        for i in keep
-    ]  # fmt: skip
-    if rows is not None and len(order) > rows:
-        side_q = REST if q_names[0][0] != ALL else ALL
-        side_k = REST if k_names[0][0] != ALL else ALL
-        out.append((*head, -1, -1, side_q, side_k, float(values[order[rows:]].sum()), *tail))
+def _largest(head, tail, values: torch.Tensor, names, rows, rest) -> list[tuple]:
+    """Rows of the `rows` largest |values| (all: every value, largest first), each named by
+    `names(index)` -> (query side, key side) as (part, node), then one row of the others' sum
+    named `rest`."""
+    n = int(values.shape[0])
+    if rows is None or rows >= n:
+        keep = torch.argsort(values.abs(), descending=True, stable=True)
+    else:
+        keep = torch.topk(values.abs(), rows).indices
+    out = []
+    for i in keep.tolist():
+        (q_part, q_node), (k_part, k_node) = names(i)
+        out.append((*head, q_node, k_node, q_part, k_part, float(values[i]), *tail))
+    if len(keep) < n:
+        others = float(values.sum() - values[keep].sum())
+        out.append((*head, -1, -1, *rest, others, *tail))
     return out
