@@ -240,7 +240,7 @@ def qk_nodes(graph: GraphData, table) -> list[dict]:
                 strict=True)],
         }  # fmt: skip
         node = _with_defaults({
-            "node_id": f"A{layer}.{head}_{k}_{q}", "feature": None, "layer": str(layer),
+            "node_id": f"A{layer}.{head}_{k}_{q}", "feature": int(head), "layer": str(layer),
             "ctx_idx": int(q), "feature_type": "lorsa", "jsNodeId": f"A{layer}.{head}_{k}-{q}",
             "clerp": f"head {layer}.{head}: position {q} attends to {k} (score {score:.4g}, "
                      f"pattern {pattern:.3f})",

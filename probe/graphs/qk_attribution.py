@@ -121,6 +121,7 @@ def qk_table(
     positions = query_positions(graph) if positions is None else positions
     ids = graph.tokens
     device = next(model.parameters()).device
+    transcoders.to(device=device)
     seen = _Forward(model, transcoders, overrides)
     with seen:
         with torch.no_grad():

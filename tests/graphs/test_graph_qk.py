@@ -19,6 +19,7 @@ from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions
 from probe.graphs.graph_json import graph_model, node_id
 from probe.graphs.qk_attribution import ALL, REST, qk_table
+from probe.testing.peers import circuit_tracer_source
 from probe.testing.random_transcoders import random_transcoders
 from probe.testing.tiny_lms import make_tiny
 from tests.graphs.test_graph_families import tiny
@@ -262,6 +263,10 @@ def test_the_viewer_json_carries_qk_tracing_results_and_validates(graphs):
     _, graph, _ = graph_of(graphs, "llama", qk_rows=5)
     data = json.loads(json.dumps(graph_model(graph, "qk", node_threshold=0.8)))
     jsonschema.validate(data, NEURONPEDIA_GRAPH, cls=jsonschema.Draft7Validator)
+    if circuit_tracer_source() is not None:  # and circuit-tracer's viewer reads it
+        pytest.importorskip("pydantic")
+        models = pytest.importorskip("circuit_tracer.frontend.graph_models")
+        models.Model.model_validate(data)
     traced = [n for n in data["nodes"] if "qk_tracing_results" in n]
     pairs = graph.qk.groupby(["layer", "head", "query_pos", "key_pos"])
     assert len(traced) == pairs.ngroups
