@@ -464,26 +464,27 @@ def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list
     real = (query[0] @ key[0].transpose(-1, -2)).double() * scaling  # (heads, n, n)
     pattern = seen.rep.saved["patterns"][layer][0].double()
     _check_pattern(seen, layer, real, pattern, args, kwargs, query)
-    q_parts = torch.cat([query[1:2], query[3:] - query[2:3]])  # bias, then each part
-    k_parts = torch.cat([key[1:2], key[3:] - key[2:3]])
+    q_parts = torch.cat([query[1:2], query[3:] - query[2:3]]).double()  # bias, then each part
+    k_parts = torch.cat([key[1:2], key[3:] - key[2:3]]).double()
+    names = [[("bias", -1)] + [(p.name, p.node) for p in residual.names(pos)]
+             for pos in range(len(residual.parts))]  # fmt: skip
+    n_parts = torch.tensor([len(x) for x in names], device=k_parts.device)
     out = []
     for q in positions:
-        q_names = [("bias", -1)] + [(p.name, p.node) for p in residual.names(q)]
-        for h in range(heads):
-            order = torch.argsort(pattern[h, q], descending=True, stable=True)[:keys]
-            for k in order.tolist():
-                if float(pattern[h, q, k]) <= 0:
-                    continue
-                k_names = [("bias", -1)] + [(p.name, p.node) for p in residual.names(k)]
-                qv = q_parts[: len(q_names), h, q].double()
-                kv_ = k_parts[: len(k_names), h, k].double()
-                cells = (qv @ kv_.T) * scaling
-                score = float(real[h, q, k])
-                size = float(query[0, h, q].norm() * key[0, h, k].norm()) * abs(scaling)
-                _check_cells(seen, layer, h, q, k, cells, score, size)
-                head = (layer, h, q, k)
-                tail = (score, float(pattern[h, q, k]))
-                out.extend(_cell_rows(head, tail, cells, q_names, k_names, rows))
+        top = torch.topk(pattern[:, q], min(keys, q + 1), dim=-1)  # (heads, K), largest first
+        k_pos = top.indices  # (heads, K)
+        nq = len(names[q])
+        nk = int(n_parts[k_pos].max())
+        q_vectors = q_parts[:nq, :, q]  # (nq, heads, d)
+        every_head = torch.arange(heads, device=k_pos.device)[:, None]
+        k_vectors = k_parts[:nk, every_head, k_pos]  # (nk, heads, K, d)
+        cells = torch.einsum("ihd,jhkd->hkij", q_vectors, k_vectors) * scaling  # (H, K, nq, nk)
+        valid = torch.arange(nk, device=cells.device) < n_parts[k_pos][..., None]  # (H, K, nk)
+        score = real[:, q].gather(1, k_pos)  # (heads, K)
+        size = query[0, :, q].norm(dim=-1)[:, None] * key[0, :, :].norm(dim=-1).gather(1, k_pos)
+        _check_cells(seen, layer, q, k_pos, cells, score, size.double() * abs(scaling))
+        kept = top.values > 0
+        out += _pair_rows(layer, q, k_pos, kept, cells, valid, score, top.values, names, rows)
     return out
 
 
@@ -509,17 +510,18 @@ def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
         )
 
 
-def _check_cells(seen, layer, head, q, k, cells: torch.Tensor, score: float, size: float) -> None:
-    """The cells sum to the score, within the dtype's rounding of |cells| and of |q| |k|
+def _check_cells(seen, layer, q, k_pos, cells, score, size) -> None:
+    """Each pair's cells sum to its score, within the dtype's rounding of |cells| and of |q| |k|
     (`size`: the scale of a rounding of the query or the key)."""
-    total = float(cells.sum())
-    size += float(cells.abs().sum())
-    rtol = _rtol(seen.norm_io["attn_norm", layer][0].dtype)
-    if abs(total - score) > rtol * size + 1e-30:
+    total = cells.sum((-1, -2))
+    bound = _rtol(seen.norm_io["attn_norm", layer][0].dtype) * (size + cells.abs().sum((-1, -2)))
+    bad = ((total - score).abs() > bound + 1e-30).nonzero()
+    if len(bad):
+        h, i = (int(v) for v in bad[0])
         raise ModelError(
-            f"graphs: the QK parts of layer {layer}, head {head}, query {q}, key {k} sum to "
-            f"{total:.6g}, its score is {score:.6g}; a computation between the residual stream "
-            "and the scores is not the one probe reads"
+            f"graphs: the QK parts of layer {layer}, head {h}, query {q}, key {int(k_pos[h, i])} "
+            f"sum to {float(total[h, i]):.6g}, its score is {float(score[h, i]):.6g}; a "
+            "computation between the residual stream and the scores is not the one probe reads"
         )
 
 
@@ -529,35 +531,77 @@ def _rtol(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
 
 
-def _cell_rows(head, tail, cells: torch.Tensor, q_names, k_names, rows) -> list[tuple]:
-    """One pair's rows: its cells, then the query-side marginals (key part `*`), then the
+def _pair_rows(layer, q, k_pos, kept, cells, valid, score, pattern, names, rows) -> list[tuple]:
+    """The rows of query position `q`'s pairs (heads x K keys; `kept`: those the head attends
+    to at all): per pair its cells, then the query-side marginals (key part `*`), then the
     key-side ones (query part `*`), each the `rows` largest by |contribution| and a `rest`."""
-    n_k = cells.shape[1]
-    every = [(ALL, -1)]
-
-    def cell(i: int):
-        return q_names[i // n_k], k_names[i % n_k]
-
-    out = _largest(head, tail, cells.flatten(), cell, rows, (REST, REST))
-    out += _largest(head, tail, cells.sum(1), lambda i: (q_names[i], every[0]), rows, (REST, ALL))
-    out += _largest(head, tail, cells.sum(0), lambda i: (every[0], k_names[i]), rows, (ALL, REST))
-    return out
-
-
-def _largest(head, tail, values: torch.Tensor, names, rows, rest) -> list[tuple]:
-    """Rows of the `rows` largest |values| (all: every value, largest first), each named by
-    `names(index)` -> (query side, key side) as (part, node), then one row of the others' sum
-    named `rest`."""
-    n = int(values.shape[0])
-    if rows is None or rows >= n:
-        keep = torch.argsort(values.abs(), descending=True, stable=True)
-    else:
-        keep = torch.topk(values.abs(), rows).indices
+    heads, n_keys, nq, nk = cells.shape
+    every = (ALL, -1)
+    q_names = names[q]
+    flat = cells.masked_fill(~valid[:, :, None, :], 0).reshape(heads, n_keys, nq * nk)
+    blocks = [
+        (flat, valid[:, :, None, :].expand(-1, -1, nq, -1).reshape(heads, n_keys, -1), "cell"),
+        (cells.masked_fill(~valid[:, :, None, :], 0).sum(-1), None, "query"),
+        (cells.masked_fill(~valid[:, :, None, :], 0).sum(-2), valid, "key"),
+    ]
+    picked = [_largest(values, ok, rows) for values, ok, _ in blocks]
     out = []
-    for i in keep.tolist():
-        (q_part, q_node), (k_part, k_node) = names(i)
-        out.append((*head, q_node, k_node, q_part, k_part, float(values[i]), *tail))
-    if len(keep) < n:
-        others = float(values.sum() - values[keep].sum())
-        out.append((*head, -1, -1, *rest, others, *tail))
+    k_list, kept_list = k_pos.tolist(), kept.tolist()
+    scores, probs = score.tolist(), pattern.tolist()
+    for h in range(heads):
+        for i in range(n_keys):
+            if not kept_list[h][i]:
+                continue
+            k = k_list[h][i]
+            head = (layer, h, q, k)
+            tail = (scores[h][i], probs[h][i])
+            k_names = names[k]
+            for (_, _, kind), (index, value, rest) in zip(blocks, picked, strict=True):
+                for j, v in zip(index[h][i], value[h][i], strict=True):
+                    if kind == "cell":
+                        (qp, qn), (kp, kn) = q_names[j // nk], k_names[j % nk]
+                    elif kind == "query":
+                        (qp, qn), (kp, kn) = q_names[j], every
+                    else:
+                        (qp, qn), (kp, kn) = every, k_names[j]
+                    out.append((*head, qn, kn, qp, kp, v, *tail))
+                if rest[h][i] is not None:
+                    sides = {"cell": (REST, REST), "query": (REST, ALL), "key": (ALL, REST)}[kind]
+                    out.append((*head, -1, -1, *sides, rest[h][i], *tail))
     return out
+
+
+def _largest(values: torch.Tensor, ok: torch.Tensor | None, rows: int | None):
+    """Per pair (the leading two dimensions), the indices and values of its `rows` largest
+    |values| among those `ok` (None: all), largest first (rows None: every one), as lists, and
+    the sum of the others (None where none is left out)."""
+    magnitude = values.abs()
+    if ok is not None:
+        magnitude = magnitude.masked_fill(~ok, -1.0)
+    take = values.shape[-1] if rows is None else min(rows, values.shape[-1])
+    top = torch.topk(magnitude, take, dim=-1)
+    chosen = values.gather(-1, top.indices)
+    real = top.values >= 0  # (not a masked-out entry)
+    rest = values.sum(-1) - (chosen * real).sum(-1)  # (masked-out entries are zeros)
+    n_real = real.sum(-1)
+    total = torch.full_like(n_real, values.shape[-1]) if ok is None else ok.sum(-1)
+    index, value = [], []
+    for idx_h, val_h, real_h in zip(
+        top.indices.tolist(), chosen.tolist(), real.tolist(), strict=True
+    ):
+        index.append(
+            [
+                [j for j, r in zip(a, m, strict=True) if r]
+                for a, m in zip(idx_h, real_h, strict=True)
+            ]
+        )
+        value.append(
+            [
+                [v for v, r in zip(a, m, strict=True) if r]
+                for a, m in zip(val_h, real_h, strict=True)
+            ]
+        )
+    left = (n_real < total).tolist()
+    rests = [[float(r) if lo else None for r, lo in zip(rh, lh, strict=True)]
+             for rh, lh in zip(rest.tolist(), left, strict=True)]  # fmt: skip
+    return index, value, rests

@@ -1,7 +1,7 @@
 """Where attention comes from (probe.graphs.qk_attribution): each decomposed pair's cells sum to
 the pre-softmax score the model's eager attention turned into its pattern (GPT-2; Llama with
-rotary and grouped-query attention; Qwen3 with q/k norms; Gemma-2 with its softcap and sandwich
-norms), every cell equals a decomposition written here in plain torch from the weights and the
+rotary and grouped-query attention, through per-layer transcoders and a cross-layer transcoder;
+Qwen3 with q/k norms; Gemma-2 with its softcap and sandwich norms), every cell equals a decomposition written here in plain torch from the weights and the
 residuals forward hooks captured, the viewer JSON carries them as Neuronpedia's
 qk_tracing_results and still validates, and bad options are refused by name."""
 
@@ -20,7 +20,7 @@ from probe.graphs.attribution import GraphOptions
 from probe.graphs.graph_json import graph_model, node_id
 from probe.graphs.qk_attribution import ALL, REST, qk_table
 from probe.testing.peers import circuit_tracer_source
-from probe.testing.random_transcoders import random_transcoders
+from probe.testing.random_transcoders import random_cross_layer, random_transcoders
 from probe.testing.tiny_lms import make_tiny
 from tests.graphs.test_graph_families import tiny
 from tests.graphs.test_graph_json import NEURONPEDIA_GRAPH
@@ -62,8 +62,12 @@ def graphs(models):
 
     def get(family: str):
         if family not in built:
-            model = models(family)
-            ts = random_transcoders(32, 2, expansion=1, dtype=torch.float64)
+            model = models(family.removesuffix("+clt"))
+            ts = (
+                random_cross_layer(32, 2, expansion=1, dtype=torch.float64)
+                if family.endswith("+clt")
+                else random_transcoders(32, 2, expansion=1, dtype=torch.float64)
+            )
             graph = probe.attribution_graph(
                 model, PROMPT, ts, qk=KEYS, qk_rows=None, max_feature_nodes=16
             )
@@ -85,7 +89,7 @@ def cells_of(table):
     return table[(table["query_part"] != ALL) & (table["key_part"] != ALL)]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "gemma2", "llama+clt"])
 def test_each_pairs_parts_sum_to_the_score_its_eager_pattern_came_from(graphs, family):
     model, graph, _ = graph_of(
         graphs, family, qk_rows=4
