@@ -478,14 +478,33 @@ def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list
         q_vectors = q_parts[:nq, :, q]  # (nq, heads, d)
         every_head = torch.arange(heads, device=k_pos.device)[:, None]
         k_vectors = k_parts[:nk, every_head, k_pos]  # (nk, heads, K, d)
+        valid = torch.arange(nk, device=k_pos.device) < n_parts[k_pos][..., None]  # (H, K, nk)
+        k_vectors = k_vectors * valid.permute(2, 0, 1)[..., None]  # (a key's padding: zeros)
         cells = torch.einsum("ihd,jhkd->hkij", q_vectors, k_vectors) * scaling  # (H, K, nq, nk)
-        valid = torch.arange(nk, device=cells.device) < n_parts[k_pos][..., None]  # (H, K, nk)
+        table = _Cells(cells, valid)
         score = real[:, q].gather(1, k_pos)  # (heads, K)
         size = query[0, :, q].norm(dim=-1)[:, None] * key[0, :, :].norm(dim=-1).gather(1, k_pos)
-        _check_cells(seen, layer, q, k_pos, cells, score, size.double() * abs(scaling))
+        _check_cells(seen, layer, q, k_pos, table, score, size.double() * abs(scaling))
         kept = top.values > 0
-        out += _pair_rows(layer, q, k_pos, kept, cells, valid, score, top.values, names, rows)
+        out += _pair_rows(layer, q, k_pos, kept, table, score, top.values, names, rows)
     return out
+
+
+class _Cells:
+    """One query position's cells (heads, K, nq, nk) (a key's padding parts zeros, `valid`
+    False), their marginals, total and |cells|: each large reduction once."""
+
+    def __init__(self, cells: torch.Tensor, valid: torch.Tensor) -> None:
+        heads, n_keys, nq, nk = cells.shape
+        self.cells, self.valid = cells, valid
+        self.query = cells.sum(-1)  # (H, K, nq): a query-side part against the whole key
+        self.key = cells.sum(-2)  # (H, K, nk)
+        self.total = self.query.sum(-1)
+        magnitude = cells.abs()
+        self.abs_total = magnitude.sum((-1, -2))
+        # |cells| with a key's padding at -1, never among the largest
+        self.magnitude = magnitude.masked_fill_(~valid[:, :, None, :], -1.0)
+        self.counts = valid.sum(-1)  # (H, K): a key's parts
 
 
 def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
@@ -510,17 +529,16 @@ def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
         )
 
 
-def _check_cells(seen, layer, q, k_pos, cells, score, size) -> None:
+def _check_cells(seen, layer, q, k_pos, table: _Cells, score, size) -> None:
     """Each pair's cells sum to its score, within the dtype's rounding of |cells| and of |q| |k|
     (`size`: the scale of a rounding of the query or the key)."""
-    total = cells.sum((-1, -2))
-    bound = _rtol(seen.norm_io["attn_norm", layer][0].dtype) * (size + cells.abs().sum((-1, -2)))
-    bad = ((total - score).abs() > bound + 1e-30).nonzero()
+    bound = _rtol(seen.norm_io["attn_norm", layer][0].dtype) * (size + table.abs_total)
+    bad = ((table.total - score).abs() > bound + 1e-30).nonzero()
     if len(bad):
         h, i = (int(v) for v in bad[0])
         raise ModelError(
             f"graphs: the QK parts of layer {layer}, head {h}, query {q}, key {int(k_pos[h, i])} "
-            f"sum to {float(total[h, i]):.6g}, its score is {float(score[h, i]):.6g}; a "
+            f"sum to {float(table.total[h, i]):.6g}, its score is {float(score[h, i]):.6g}; a "
             "computation between the residual stream and the scores is not the one probe reads"
         )
 
@@ -531,20 +549,21 @@ def _rtol(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
 
 
-def _pair_rows(layer, q, k_pos, kept, cells, valid, score, pattern, names, rows) -> list[tuple]:
+def _pair_rows(layer, q, k_pos, kept, table: _Cells, score, pattern, names, rows) -> list[tuple]:
     """The rows of query position `q`'s pairs (heads x K keys; `kept`: those the head attends
     to at all): per pair its cells, then the query-side marginals (key part `*`), then the
     key-side ones (query part `*`), each the `rows` largest by |contribution| and a `rest`."""
-    heads, n_keys, nq, nk = cells.shape
+    heads, n_keys, nq, nk = table.cells.shape
     every = (ALL, -1)
     q_names = names[q]
-    flat = cells.masked_fill(~valid[:, :, None, :], 0).reshape(heads, n_keys, nq * nk)
+    key_magnitude = table.key.abs().masked_fill(~table.valid, -1.0)
     blocks = [
-        (flat, valid[:, :, None, :].expand(-1, -1, nq, -1).reshape(heads, n_keys, -1), "cell"),
-        (cells.masked_fill(~valid[:, :, None, :], 0).sum(-1), None, "query"),
-        (cells.masked_fill(~valid[:, :, None, :], 0).sum(-2), valid, "key"),
-    ]
-    picked = [_largest(values, ok, rows) for values, ok, _ in blocks]
+        (table.cells.reshape(heads, n_keys, -1), table.magnitude.reshape(heads, n_keys, -1),
+         table.counts * nq, "cell"),
+        (table.query, table.query.abs(), torch.full_like(table.counts, nq), "query"),
+        (table.key, key_magnitude, table.counts, "key"),
+    ]  # fmt: skip
+    picked = [_largest(values, magnitude, count, rows) for values, magnitude, count, _ in blocks]
     out = []
     k_list, kept_list = k_pos.tolist(), kept.tolist()
     scores, probs = score.tolist(), pattern.tolist()
@@ -556,7 +575,7 @@ def _pair_rows(layer, q, k_pos, kept, cells, valid, score, pattern, names, rows)
             head = (layer, h, q, k)
             tail = (scores[h][i], probs[h][i])
             k_names = names[k]
-            for (_, _, kind), (index, value, rest) in zip(blocks, picked, strict=True):
+            for (*_, kind), (index, value, rest) in zip(blocks, picked, strict=True):
                 for j, v in zip(index[h][i], value[h][i], strict=True):
                     if kind == "cell":
                         (qp, qn), (kp, kn) = q_names[j // nk], k_names[j % nk]
@@ -571,20 +590,17 @@ def _pair_rows(layer, q, k_pos, kept, cells, valid, score, pattern, names, rows)
     return out
 
 
-def _largest(values: torch.Tensor, ok: torch.Tensor | None, rows: int | None):
+def _largest(values: torch.Tensor, magnitude: torch.Tensor, count: torch.Tensor, rows):
     """Per pair (the leading two dimensions), the indices and values of its `rows` largest
-    |values| among those `ok` (None: all), largest first (rows None: every one), as lists, and
-    the sum of the others (None where none is left out)."""
-    magnitude = values.abs()
-    if ok is not None:
-        magnitude = magnitude.masked_fill(~ok, -1.0)
+    `magnitude` (|values|, -1 where an entry is padding; rows None: every one), largest first,
+    as lists, and the sum of the others (None where none of its `count` entries is left out;
+    padding entries are zeros)."""
     take = values.shape[-1] if rows is None else min(rows, values.shape[-1])
     top = torch.topk(magnitude, take, dim=-1)
     chosen = values.gather(-1, top.indices)
-    real = top.values >= 0  # (not a masked-out entry)
-    rest = values.sum(-1) - (chosen * real).sum(-1)  # (masked-out entries are zeros)
-    n_real = real.sum(-1)
-    total = torch.full_like(n_real, values.shape[-1]) if ok is None else ok.sum(-1)
+    real = top.values >= 0  # (not padding)
+    rest = values.sum(-1) - (chosen * real).sum(-1)
+    left = (real.sum(-1) < count).tolist()
     index, value = [], []
     for idx_h, val_h, real_h in zip(
         top.indices.tolist(), chosen.tolist(), real.tolist(), strict=True
@@ -601,7 +617,6 @@ def _largest(values: torch.Tensor, ok: torch.Tensor | None, rows: int | None):
                 for a, m in zip(val_h, real_h, strict=True)
             ]
         )
-    left = (n_real < total).tolist()
     rests = [[float(r) if lo else None for r, lo in zip(rh, lh, strict=True)]
              for rh, lh in zip(rest.tolist(), left, strict=True)]  # fmt: skip
     return index, value, rests
