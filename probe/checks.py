@@ -160,6 +160,8 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
     at_least("graph.max_feature_nodes", g.max_feature_nodes, 1, " (null: every active feature)")
     at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
     at_least("graph.update_interval", g.update_interval, 1, " (batches between re-rankings)")
+    at_least("graph.qk", g.qk, 0, " (key positions per head and query position; 0: off)")
+    at_least("graph.qk_rows", g.qk_rows, 1, " (cells kept per decomposed pair; null: every one)")
     if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
         raise ConfigError(
             f"graph.floor={g.floor} must be a fraction in [0, 1): per row, the smallest edges "

@@ -304,7 +304,10 @@ class GraphConfig:
     `prepend_bos` puts the tokenizer's special token first in a prompt that does not start with
     one, the rule `probe.attribution_graph` follows (circuit-tracer's); `examples` names a run
     holding the set's features as a site with their top-k examples, from which each kept feature
-    gets circuit-tracer's example file (probe.graphs.feature_files)."""
+    gets circuit-tracer's example file (probe.graphs.feature_files); `qk` (0: off) decomposes
+    the attention scores of the `qk` key positions each head attends to most from each query
+    position of the kept nodes, `qk_rows` the cells and marginals kept per pair (null: all):
+    graph_qk.csv (probe.graphs.qk_attribution)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -319,6 +322,8 @@ class GraphConfig:
     update_interval: int = 4  # batches between re-rankings of the features by influence
     prepend_bos: bool = True  # a special token first where a prompt starts without one
     examples: str | None = None  # a run holding the set's feature examples: the viewer's files
+    qk: int = 0  # key positions per layer, head and query position whose scores are decomposed
+    qk_rows: int | None = 20  # cells and marginals kept per decomposed pair (null: every one)
 
 
 @dataclass

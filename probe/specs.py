@@ -280,7 +280,8 @@ class GraphSpec:
     graph_edges.csv holds (pruned, all), the attribution's `batch_size` and `floor` (None:
     its defaults), `zero_bos` and `update_interval` (GraphOptions'), and `prepend_bos`: a
     special token first in each prompt that does not start with one (prompt_tokens' rule);
-    `examples` a run of the set's feature examples (probe.graphs.feature_files)."""
+    `examples` a run of the set's feature examples (probe.graphs.feature_files); `qk` and
+    `qk_rows` the QK attribution's key positions (0: off) and rows per pair (GraphOptions')."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -295,6 +296,8 @@ class GraphSpec:
     update_interval: int = 4
     prepend_bos: bool = True
     examples: str | None = None
+    qk: int = 0
+    qk_rows: int | None = 20
 
     @property
     def on(self) -> bool:

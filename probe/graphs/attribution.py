@@ -71,7 +71,10 @@ class GraphOptions:
     under floor x the row's |weight| sum (a bound on what is lost); None: 0 for graphs of up to
     EXACT_NODES nodes, else DEFAULT_FLOOR. edges: which edges the
     files hold (pruned | all). zero_bos: position 0's features and error are not nodes.
-    update_interval: batches between re-rankings of the features by influence."""
+    update_interval: batches between re-rankings of the features by influence. qk: the key
+    positions per layer, head and query position whose attention score the QK attribution
+    decomposes (probe.graphs.qk_attribution; 0: none); qk_rows: the largest cells and
+    marginals kept per decomposed pair, the rest summed in one row (None: every one)."""
 
     logit_prob: float = 0.95
     max_logits: int = 10
@@ -83,6 +86,8 @@ class GraphOptions:
     edges: str = "pruned"
     zero_bos: bool = True
     update_interval: int = 4
+    qk: int = 0
+    qk_rows: int | None = 20
 
     def __post_init__(self) -> None:
         def bad(key, value, want):
@@ -117,6 +122,7 @@ class GraphOptions:
             bad("edges", self.edges, f"choose from {', '.join(EDGES)}")
         if not _is_int(self.update_interval) or self.update_interval < 1:
             bad("update_interval", self.update_interval, "at least 1 batch")
+        check_qk_options(self.qk, self.qk_rows)
 
     @classmethod
     def of(cls, **options) -> GraphOptions:
@@ -138,6 +144,23 @@ class GraphOptions:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_qk_options(qk, qk_rows) -> None:
+    """graph.qk (key positions per layer, head and query position: 0 off) and graph.qk_rows
+    (cells and marginals kept per decomposed pair, the rest summed; None: all), refused by
+    name."""
+    if not _is_int(qk) or qk < 0:
+        raise ConfigError(
+            f"graph.qk={qk!r}: the number of most-attended key positions whose attention score "
+            "is decomposed per layer, head and query position, an integer >= 0 (0: off), e.g. "
+            "graph.qk=2"
+        )
+    if qk_rows is not None and (not _is_int(qk_rows) or qk_rows < 1):
+        raise ConfigError(
+            f"graph.qk_rows={qk_rows!r}: the largest cells (and marginals) kept per decomposed "
+            "pair, the rest summed in one row, an integer >= 1, or null for every one"
+        )
 
 
 @dataclass

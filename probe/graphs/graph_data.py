@@ -33,6 +33,9 @@ NODE_COLUMNS = (
     "kept",
 )
 EDGE_COLUMNS = ("target", "source", "weight", "kept")
+# the QK attribution's table (probe.graphs.qk_attribution): a row per cell or marginal of a pair
+QK_COLUMNS = ("layer", "head", "query_pos", "key_pos", "query_node", "key_node", "query_part",
+              "key_part", "contribution", "score", "pattern")  # fmt: skip
 KINDS = ("feature", "error", "token", "logit")
 
 
@@ -63,6 +66,8 @@ class GraphData:
     node_kept: torch.Tensor | None = None  # (n_nodes,) bool
     edge_kept: torch.Tensor | None = None  # (nnz,) bool, aligned with adjacency's indices
     scores: dict[str, float] = field(default_factory=dict)  # replacement, completeness
+    # the QK attribution's table (probe.graphs.qk_attribution.QK_COLUMNS), where one was made
+    qk: pd.DataFrame | None = None
 
     @property
     def n_pos(self) -> int:

@@ -184,7 +184,71 @@ def graph_model(
     if features is not None:
         metadata["feature_details"] = {"feature_json_base_url": "features"}
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""}
+    if graph.qk is not None and len(graph.qk):
+        used += qk_nodes(graph, graph.qk)
     return {"metadata": metadata, "qParams": qparams, "nodes": used, "links": links}
+
+
+def node_id(graph: GraphData, i: int) -> str:
+    """circuit-tracer's id of node number `i` (json_nodes' ids, for any node)."""
+    off, n_pos = graph.offsets, graph.n_pos
+    if i < off["error"]:
+        layer, pos, feat = (int(v) for v in graph.features[i].tolist())
+        return f"{layer}_{feat}_{pos}"
+    if i < off["token"]:
+        layer, pos = divmod(i - off["error"], n_pos)
+        return f"0_{layer}_{pos}"
+    if i < off["logit"]:
+        pos = i - off["token"]
+        return f"E_{int(graph.tokens[pos])}_{pos}"
+    vocab = int(graph.logit_tokens[i - off["logit"]])
+    return f"{graph.n_layers + 1}_{vocab}_{n_pos - 1}"
+
+
+QK_ALL, QK_REST = "*", "rest"  # (probe.graphs.qk_attribution's ALL and REST)
+
+
+def qk_nodes(graph: GraphData, table) -> list[dict]:
+    """One node per decomposed attention pair of the QK table, with Neuronpedia's
+    qk_tracing_results (see the module docstring); the table's kept rows in its order (largest
+    |contribution| first), its `rest` rows left out."""
+
+    def ids(nodes, parts) -> list[str]:
+        return [
+            node_id(graph, int(n)) if n >= 0 else str(p) for n, p in zip(nodes, parts, strict=True)
+        ]
+
+    out = []
+    for (layer, head, q, k), rows in table.groupby(
+        ["layer", "head", "query_pos", "key_pos"], sort=True
+    ):
+        qp, kp = rows["query_part"], rows["key_part"]
+        cells = rows[(qp != QK_ALL) & (kp != QK_ALL) & (qp != QK_REST)]
+        q_side = rows[(kp == QK_ALL) & (qp != QK_REST)]
+        k_side = rows[(qp == QK_ALL) & (kp != QK_REST)]
+        q_ids = ids(cells["query_node"], cells["query_part"])
+        k_ids = ids(cells["key_node"], cells["key_part"])
+        score, pattern = float(rows["score"].iloc[0]), float(rows["pattern"].iloc[0])
+        results = {
+            "pair_wise_contributors": [[a, b, float(c)] for a, b, c in
+                                       zip(q_ids, k_ids, cells["contribution"], strict=True)],
+            "top_q_marginal_contributors": [[a, float(c)] for a, c in zip(
+                ids(q_side["query_node"], q_side["query_part"]), q_side["contribution"],
+                strict=True)],
+            "top_k_marginal_contributors": [[a, float(c)] for a, c in zip(
+                ids(k_side["key_node"], k_side["key_part"]), k_side["contribution"],
+                strict=True)],
+        }  # fmt: skip
+        node = _with_defaults({
+            "node_id": f"A{layer}.{head}_{k}_{q}", "feature": int(head), "layer": str(layer),
+            "ctx_idx": int(q), "feature_type": "lorsa", "jsNodeId": f"A{layer}.{head}_{k}-{q}",
+            "clerp": f"head {layer}.{head}: position {q} attends to {k} (score {score:.4g}, "
+                     f"pattern {pattern:.3f})",
+            "activation": pattern,
+        })  # fmt: skip
+        node["qk_tracing_results"] = results
+        out.append(node)
+    return out
 
 
 def _warn_collisions(nodes: dict[int, dict], slug: str) -> None:

@@ -7,7 +7,10 @@ does (position 0's activations are outliers; its features and error are not node
 is a TranscoderSet or a CrossLayerTranscoder, or the path of a circuit-tracer YAML (either kind)
 or of a folder holding one. `options` are GraphOptions' fields (logit_prob, max_logits,
 max_feature_nodes, node_threshold, edge_threshold, batch_size, floor, edges, zero_bos,
-update_interval).
+update_interval, qk, qk_rows). With `qk=K` the graph also holds its QK attribution
+(`graph.qk`, a table: probe.graphs.qk_attribution): for each layer, head and query position of
+its kept nodes, the K key positions attended most, their scores decomposed over query-side and
+key-side parts.
 
     graph = probe.attribution_graph(model, "the cat sat on the", "transcoders/", tokenizer=tok)
     graph.nodes()            # DataFrame: node, kind, layer, pos, feature, token, activation, ...
@@ -15,6 +18,7 @@ update_interval).
     graph.adjacency          # sparse COO (target, source)
     graph.scores             # replacement, completeness
     graph.prune(node_threshold=0.6)  # pruned again
+    graph.qk                 # with qk=2: where attention comes from (None without)
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from probe.data.token_data import first_special_token
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute, token_ids
 from probe.graphs.attribution_graph import AttributionGraph
+from probe.graphs.qk_attribution import qk_table
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
 from probe.models.transcoder import TranscoderSet
 from probe.models.transcoder_files import load_transcoders
@@ -47,11 +52,16 @@ def attribution_graph(
     `prepend_bos=False` takes the prompt's tokens as they are."""
     opts = GraphOptions.of(**options)
     ids = prompt_tokens(prompt, tokenizer, prepend_bos)
+    graph_transcoders = transcoder_set(transcoders)
     graph = attribute(
-        model, ids, transcoder_set(transcoders), opts, tokenizer=tokenizer, overrides=overrides,
+        model, ids, graph_transcoders, opts, tokenizer=tokenizer, overrides=overrides,
         prompt=prompt if isinstance(prompt, str) else None,
     )  # fmt: skip
-    return graph.prune(opts.node_threshold, opts.edge_threshold)
+    graph = graph.prune(opts.node_threshold, opts.edge_threshold)
+    if opts.qk:
+        graph.qk = qk_table(model, graph, graph_transcoders, keys=opts.qk, rows=opts.qk_rows,
+                            overrides=overrides, zero_bos=opts.zero_bos)  # fmt: skip
+    return graph
 
 
 def transcoder_set(transcoders) -> AnyTranscoders:

@@ -9,7 +9,9 @@ A prompt is in the file once its row of /graph/prompts is, so a stop (SIGINT, SI
 the prompt in flight) or a kill loses at most that prompt, and `resume=true` continues after the
 last whole one (graph.* must be the same). At the finish, each prompt's pruned graph also goes
 into graph_json/ as circuit-tracer's frontend JSON (probe.graphs.graph_json), the folder its
-viewer serves. Under torchrun each rank attributes the prompts of its block of batches into its
+viewer serves. With graph.qk, each prompt's QK attribution (probe.graphs.qk_attribution) goes
+into /graph_qk before its graph (a resumed run keeps those there), and graph_qk.csv and the
+JSON's qk_tracing_results are written from it at the finish. Under torchrun each rank attributes the prompts of its block of batches into its
 own file (probe.rankR.h5); the stitch concatenates them, in rank order, into the run's probe.h5,
 where rank 0 writes the tables.
 """
@@ -27,6 +29,7 @@ import torch
 
 from probe.errors import ConfigError, ProbeError
 from probe.graphs.graph_h5 import GRAPH, append_graph
+from probe.graphs.qk_h5 import QK_GRAPH, append_qk
 from probe.launch.replay import Replay
 from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.plan import RunPlan
@@ -87,6 +90,15 @@ def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, 
     )
 
 
+def qk_of(model, graph: AttributionGraph, transcoders, spec: GraphSpec, overrides=None):
+    """The QK attribution table of `graph` (probe.graphs.qk_attribution) at graph.qk and
+    graph.qk_rows."""
+    from probe.graphs.qk_attribution import qk_table
+
+    return qk_table(model, graph, transcoders, keys=spec.qk, rows=spec.qk_rows,
+                    overrides=overrides, zero_bos=spec.zero_bos)  # fmt: skip
+
+
 def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
     """`graph` pruned at graph.node_threshold and graph.edge_threshold."""
     from probe.graphs.pruning import prune
@@ -99,7 +111,7 @@ class AttributionGraphs(RunPart):
     """`graph.transcoders` set (with dataset=text|tokens and a causal language model)."""
 
     name = "attribution_graphs"
-    after = (GRAPH,)  # each rank's prompts, concatenated in rank order by the stitch
+    after = (GRAPH, QK_GRAPH)  # each rank's prompts, concatenated in rank order by the stitch
 
     setup: RunSetup  # this run's, given by `start`
 
@@ -146,6 +158,12 @@ class AttributionGraphs(RunPart):
         out = sink.groups(GRAPH, attrs, keep=bool(self.setup.plan.options.resume))
         _check_same_options(out, attrs, sink.path)
         have = set(out.keys)
+        qk = (
+            sink.groups(QK_GRAPH, {}, keep=bool(self.setup.plan.options.resume))
+            if self.spec.qk
+            else None
+        )
+        qk_have = set(qk.keys) if qk is not None else set()
         total = self.prompt_count(replay)
         if have:
             log.info("graph: resuming after %d prompts", len(have))
@@ -155,12 +173,17 @@ class AttributionGraphs(RunPart):
             if prompt in have:
                 continue
             graph = self.graph_of(tokens)
+            if qk is not None and prompt not in qk_have:
+                table = qk_of(self.setup.model, graph, self.transcoders, self.spec, self.overrides)
+                append_qk(qk, prompt, table)
             written = append_graph(out, prompt, graph)
             _log_graph(prompt, graph)
             if count == len(have) + 1:  # the first graph made here: the file's size projected
                 _log_projection(written, total - len(have))
             replay.check("attributing graphs", count, total, "prompts")
         out.mark(True)
+        if qk is not None:
+            qk.mark(True)
 
     def graph_of(self, tokens: torch.Tensor) -> AttributionGraph:
         """One prompt's graph, attributed and pruned, its text decoded."""
@@ -206,9 +229,13 @@ class AttributionGraphs(RunPart):
     def finish(self, done: Finished) -> None:
         """Rank 0, on the run's file (a torchrun job's stitched one): the tables."""
         from probe.graphs.graph_tables import write_graph_tables
+        from probe.graphs.qk_h5 import write_qk_csv
         from probe.graphs.run_json import GRAPH_JSON_DIR, write_run_graph_json
 
         written = write_graph_tables(done.h5_path, done.run_dir, self.spec.edges)
+        qk_csv = write_qk_csv(done.h5_path, done.run_dir) if self.spec.qk else None
+        if qk_csv is not None:
+            written.append(qk_csv)
         source = None
         if self.spec.examples:
             from probe.graphs.feature_files import LOCAL_SOURCE
