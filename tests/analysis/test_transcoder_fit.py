@@ -6,6 +6,8 @@ hand loop of its loss; the paired stream pairs rows of the same token; bad input
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -224,9 +226,10 @@ def _hand_scaled(model, x, y):
 def test_topk_and_batchtopk_losses_with_auxk_are_the_hand_computation(activation):
     """The loss and its gradients: mse of the (per-row or whole-batch) top-k reconstruction +
     1/32 x AuxK (the dead features' top aux_k pre-activations fit the detached error: squared error
-    over the error's variance x min(dead / aux_k, 1)); the gradient along each unit decoder row
-    removed; dead counters (rows since a feature fired) moved on; batchtopk's threshold the
-    running mean of each batch's smallest selected activation, saved as a jumprelu."""
+    over the error's variance x min(dead / aux_k, 1)), computed densely here; decoder rows free,
+    starting at 0 with W_enc uniform in +-1/sqrt(d_in); dead counters (rows since a feature fired)
+    moved on; batchtopk's threshold the running mean of each batch's smallest selected activation,
+    saved as a jumprelu."""
     g = torch.Generator().manual_seed(4)
     batches = [(torch.randn(40, 6, generator=g), torch.randn(40, 5, generator=g)) for _ in range(3)]
     options = FitOptions(activation=activation, width=16, k=3, aux_k=4, dead_rows=100, lr=1e-2,
@@ -237,6 +240,8 @@ def test_topk_and_batchtopk_losses_with_auxk_are_the_hand_computation(activation
     model.since_fired[dead] = 101
     model.since_fired[1] = 100  # not yet dead
     hand = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    assert not hand["W_dec"].any() and hand["W_enc"].abs().max() <= 6**-0.5
+    assert hand["W_enc"].std() > 0.5 * 6**-0.5 / 3**0.5  # uniform: std 1 / sqrt(3 d_in)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     hand_opt = torch.optim.Adam(list(hand.values()), lr=1e-2)
     since = model.since_fired.clone()
@@ -276,12 +281,8 @@ def test_topk_and_batchtopk_losses_with_auxk_are_the_hand_computation(activation
             opt.zero_grad()
         hand_opt.zero_grad()
         loss.backward()
-        with torch.no_grad():
-            rows = hand["W_dec"] / hand["W_dec"].norm(dim=1, keepdim=True)
-            hand["W_dec"].grad -= (hand["W_dec"].grad * rows).sum(1, keepdim=True) * rows
         hand_opt.step()
         with torch.no_grad():
-            hand["W_dec"] /= hand["W_dec"].norm(dim=1, keepdim=True)
             fired = (acts > 0).any(0)
             since = torch.where(fired, 0, since + 40)
             smallest = float(acts[acts > 0].min())
@@ -384,3 +385,36 @@ def test_jumprelu_thresholds_learn_through_the_straight_through_kernel():
         model.log_threshold.grad, (d_theta * theta).float(), rtol=1e-4, atol=1e-7
     )
     torch.testing.assert_close(model.b_enc.grad, d_b_enc, rtol=1e-4, atol=1e-7)
+
+
+def test_jumprelu_decoder_rows_stay_unit_under_the_step():
+    """jumprelu's decoder rows (unit norm from the start): each step removes the gradient's
+    component along each row, takes Adam's step, and renormalises the rows; topk's rows are left
+    free."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(50, 6, generator=g), torch.randn(50, 6, generator=g)
+    options = FitOptions(activation="jumprelu", width=10, k=3, lr=1e-2, lr_warmup=0, lr_decay=0)
+    model = TrainingTranscoder(6, 6, options, seed=0, total_steps=2)
+    model.start(x, y)
+    torch.testing.assert_close(model.W_dec.norm(dim=1), torch.ones(10))
+    hand = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    hand_opt = torch.optim.Adam(list(hand.values()), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss, _ = model.loss(x, y)  # the same loss on the hand parameters
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    for (n, _), grad in zip(model.named_parameters(), grads, strict=True):
+        hand[n].grad = grad.clone()
+    rows = hand["W_dec"].detach() / hand["W_dec"].detach().norm(dim=1, keepdim=True)
+    hand["W_dec"].grad -= (hand["W_dec"].grad * rows).sum(1, keepdim=True) * rows
+    hand_opt.step()
+    with torch.no_grad():
+        hand["W_dec"] /= hand["W_dec"].norm(dim=1, keepdim=True)
+    model._fired = model._smallest = None
+    train_step(model, opt, x, y)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, hand[n], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.W_dec.norm(dim=1), torch.ones(10))
+    free = TrainingTranscoder(6, 6, replace(options, activation="topk"), seed=0, total_steps=2)
+    free.start(x, y)
+    train_step(free, torch.optim.Adam(free.parameters(), lr=1e-2), x, y)
+    assert not torch.allclose(free.W_dec.norm(dim=1), torch.ones(10))

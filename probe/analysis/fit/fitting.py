@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -119,10 +120,16 @@ class Fit:
     def pairs(self, stream, train: bool):
         """(x, y) of the training (or held-out) rows of each batch of `stream`."""
         o = self.options
+        # each sample's side drawn once, not per batch (held_out draws a number per sample)
+        held_sample = torch.zeros(0, dtype=torch.bool)
         for rows, _, index, out in stream:
-            held = torch.from_numpy(
-                held_out(index["sample"].numpy(), self.num_samples, o.test_fraction, o.seed)
-            )
+            samples = index["sample"].long()
+            if len(samples) and int(samples.max()) >= len(held_sample):
+                n = max(self.num_samples, int(samples.max()) + 1)
+                held_sample = torch.from_numpy(
+                    held_out(np.arange(n), self.num_samples, o.test_fraction, o.seed)
+                )
+            held = held_sample[samples]
             keep = ~held if train else held
             if not o.keep_special:
                 keep &= ~torch.from_numpy(
