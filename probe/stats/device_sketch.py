@@ -58,7 +58,8 @@ class DeviceHistogram(LogHistogram):
                  counts: np.ndarray | None = None) -> None:  # fmt: skip
         super().__init__(None if counts is None else np.asarray(counts, dtype=np.int64).copy())
         self.device, self.stream = torch.device(device), stream
-        with _on(stream):
+        # (a normal tensor, whatever the mode: batches are added in and out of inference mode)
+        with _on(stream), torch.inference_mode(False):
             if counts is None or not counts.any():
                 self.tensor = torch.zeros(BINS, dtype=torch.float64, device=self.device)
             else:
