@@ -4,10 +4,11 @@ where it lies instead of travelling to the host with every batch.
 Per batch (`BatchSketches`), each value is reduced on its own device
 (`probe.stats.torch_backend.packed_on_device`) and its packed batch split in two
 (`probe.stats.device_histograms.split`): the 65,536-bucket histogram stays on the device, and the
-rest (the batch's accumulator and its units' rows, a few numbers per unit) of every site of the
-batch goes into one buffer, with each histogram's count of occupied buckets, copied to the host
-by one non-blocking copy behind an event (`probe.hooks.device.copy_to_host`, the one function
-the path moves data through). Nothing waits for the device, and nothing is read into Python.
+rest, read there into the batch's accumulator and its units' rows (the fused reduction's
+result: `probe.stats.fused_repack`; the reference's already is), of every site of the batch goes
+into one buffer, with each histogram's count of occupied buckets, copied to the host by one
+non-blocking copy behind an event (`probe.hooks.device.copy_to_host`, the one function the path
+moves data through). Nothing waits for the device, and nothing is read into Python.
 
 Each site's partial (`SiteBatch`) is folded into its running statistics as its batch is written
 (probe.store.folds.StatsFold, on the writer's thread, once the copy is done): the rest by
@@ -24,6 +25,7 @@ the portable reference the tests run.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,7 +35,9 @@ import torch
 from probe.hooks.device import HostCopy, copy_to_host
 from probe.stats import torch_backend as torch_stats
 from probe.stats.device_histograms import Reader, split
+from probe.stats.fused_repack import repacked
 from probe.stats.running import LogHistogram, RunningStats
+from probe.stats.torch_backend import unpack_without_histogram
 
 Key = tuple[str, str]
 BINS = LogHistogram.BINS
@@ -192,6 +196,9 @@ class BatchSketches:
         rows = x.shape[0] if x.dim() else 1
         packed, layout, width = torch_stats.packed_on_device(x, bounds, unit_axis)
         hist, rest, read = split(packed, layout, rows, unit_axis, width)
+        if layout is not None:  # the fused reduction's rows: read where they lie
+            rest = repacked(rest, layout)
+            read = functools.partial(unpack_without_histogram, rows=rows, unit_axis=unit_axis)
         self.pending.append((key, hist, rest, read))
 
     def settle(self) -> dict[Key, SiteBatch]:

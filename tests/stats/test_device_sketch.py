@@ -36,9 +36,13 @@ def _sketched(x: torch.Tensor, bounds=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("reduction", ["reference", "fused"])
+@pytest.mark.parametrize("reduction", ["reference", "fused", "fused-slabs"])
 def test_sketches_summed_on_the_device_equal_the_host_merge(dtype, reduction, monkeypatch):
-    monkeypatch.setattr(torch_backend, "_reduction", reduction)
+    """fused-slabs: the fused reduction over slabs of 2 rows (read on the device slab by slab
+    and merged there, as a GPU's large batches are)."""
+    monkeypatch.setattr(torch_backend, "_reduction", reduction.split("-")[0])
+    if reduction == "fused-slabs":
+        monkeypatch.setattr(torch_backend, "SLAB_DEVICE", 24)
     bounds = (-1.0, 1.0)  # (saturation tracked: the units' sixth row)
     host, device = RunningStats(bounds=bounds), RunningStats(bounds=bounds)
     batches = _batches(dtype)
