@@ -2,8 +2,8 @@
 reference's packing: the batch's accumulator at `stat_columns.PACKED_AT` and its units' rows
 (`probe.stats.torch_backend.unpack_without_histogram` reads it), the same numbers
 `fused.Layout.unpack` computes on the host from the whole result, computed where the result
-lies, so that what a batch sends to the host is a few numbers per unit instead of the fused
-reduction's K rows of three per unit, and its reading on the host is a few slices.
+lies, so that a run merges the units' rows there (probe.stats.device_sketch) and sends the host
+the batch's scalars alone.
 
 Each step mirrors `fused.Layout._slab` (the levels' counts, the extremes from the rotated bit
 patterns, Chan's formula across units) and `RunningStats.merge` across slabs (Chan's formula, the

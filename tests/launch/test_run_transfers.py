@@ -2,10 +2,11 @@
 the CPU: `stats.backend=torch`, which reduces CPU values on that path too), and that the file it
 writes is the host path's.
 
-Each site's 65,536-bucket quantile sketch stays on its device, summed there across batches
-(probe.stats.device_sketch); per batch, one copy for all sites (counted through the one function
-that makes it, probe.hooks.device.copy_to_host) of a few numbers per unit, and no value read into
-Python (`aten._local_scalar_dense`); the sketches come over where /stats is written. The
+Each site's 65,536-bucket quantile sketch and its units' rows stay on its device, merged there
+across batches (probe.stats.device_sketch); per batch, one copy for all sites (counted through
+the one function that makes it, probe.hooks.device.copy_to_host) of a dozen numbers a site, and
+no value read into Python (`aten._local_scalar_dense`); the sketches and units come over where
+/stats is written. The
 statistics, histograms and summary equal those the host computes from the stored rows, and a
 stopped run resumed equals one that was not stopped.
 """
@@ -24,6 +25,7 @@ from probe.launch.interrupt import Interrupted
 from probe.launch.parts.statistics import Statistics
 from probe.launch.run import run
 from probe.stats import device_sketch, torch_backend
+from probe.stats.stat_columns import PACKED_HEAD
 from probe.stats.torch_backend import BINS
 from probe.testing.arrays import file_arrays
 from probe.testing.compose import make_cfg
@@ -120,19 +122,29 @@ class Reads(TorchDispatchMode):
 
 
 def test_one_small_copy_per_batch_and_the_sketches_once_at_the_end(tmp_path, monkeypatch):
-    """Per batch, one copy for all its sites, of their statistics without the sketches (under
-    4 KiB a site here, where a sketch alone is 512 KiB), and no value read into Python in the
-    statistics' per-batch path (reduction, one copy, fold into the running statistics); the
-    sketches of every site in one copy when the file is written."""
+    """Per batch, one copy for all its sites, of their scalars alone (the batch's accumulator
+    and its sketch's bucket count: 112 bytes a site, where a sketch alone is 512 KiB), and no
+    value read into Python in the statistics' per-batch path (reduction, one copy, fold into
+    the running statistics); the sketches and units of every site in one copy when the file is
+    written."""
     monkeypatch.setattr(torch_backend, "_reduction", "fused")  # (the reduction a GPU takes)
-    copies: list[tuple[int, ...]] = []
-    real = device_sketch.copy_to_host
+    copies: list[tuple[bool, int]] = []  # (made to write /stats, values)
+    fetching: list[bool] = []
+    real_copy, real_fetch = device_sketch.copy_to_host, device_sketch.fetch
 
     def counted(t):
-        copies.append(tuple(t.shape))
-        return real(t)
+        copies.append((bool(fetching), t.numel()))
+        return real_copy(t)
+
+    def fetch(items):
+        fetching.append(True)
+        try:
+            return real_fetch(items)
+        finally:
+            fetching.pop()
 
     monkeypatch.setattr(device_sketch, "copy_to_host", counted)
+    monkeypatch.setattr(device_sketch, "fetch", fetch)
     reads = Reads()
 
     def reading(method):
@@ -149,12 +161,11 @@ def test_one_small_copy_per_batch_and_the_sketches_once_at_the_end(tmp_path, mon
     args = [*TINY, *DEVICE_PATH, "store.mode=stats", "store.flush_seconds=3600"]  # (one flush)
     result = run(make_cfg(*args), run_dir=tmp_path)
     sites = len(result.summary)
-    per_batch = [c for c in copies if len(c) == 1]
-    at_the_end = [c for c in copies if len(c) == 2]
+    per_batch = [n for written, n in copies if not written]
+    at_the_end = [n for written, n in copies if written]
     assert len(per_batch) == BATCHES, copies
-    assert at_the_end == [(sites, BINS)], copies  # every site's sketch, once
-    per_site = max(n for (n,) in per_batch) * 8 / sites
-    assert per_site < 4096, per_site
+    assert per_batch == [sites * (PACKED_HEAD + 1)] * BATCHES  # (112 bytes a site)
+    assert len(at_the_end) == 1 and at_the_end[0] > sites * BINS, copies  # every site's, once
     assert reads.reads == 0
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from probe.stats import torch_backend
-from probe.stats.device_sketch import BatchSketches, DeviceHistogram
+from probe.stats.device_sketch import BatchSketches, DeviceHistogram, DeviceUnits
 from probe.stats.running import LogHistogram, RunningStats
 from probe.stats.stat_columns import SCALARS
 
@@ -50,6 +50,7 @@ def test_sketches_summed_on_the_device_equal_the_host_merge(dtype, reduction, mo
         host.merge(torch_backend.batch_stats(x, bounds))
         device.merge(_sketched(x, bounds))
     assert isinstance(device.hist, DeviceHistogram) and device.hist.stale
+    assert isinstance(device.units, DeviceUnits) and device.units.stale
     np.testing.assert_array_equal(device.hist.counts, host.hist.counts)
     assert not device.hist.stale  # (brought over once, kept until the next batch)
     for name in SCALARS:
