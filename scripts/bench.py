@@ -300,7 +300,9 @@ def stats_counts(args, tmp: Path) -> str:
     probe.hooks.device.copy_to_host and their bytes per site, the values read into Python
     (`aten._local_scalar_dense`) in the statistics' per-batch path, and, for comparison, the
     bytes per site of each site's whole packed batch, which the path before this one copied to
-    the host per site and per batch (one copy each). A markdown table."""
+    the host per site and per batch (one copy each); and the operations that launch a kernel
+    (views left out) the statistics' per-batch path makes per site. A markdown table."""
+    from bench_watch import VIEWS
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from probe.launch import run as run_module
@@ -310,11 +312,14 @@ def stats_counts(args, tmp: Path) -> str:
     from probe.testing.compose import make_cfg
 
     class Reads(TorchDispatchMode):
-        n = 0
+        n = 0  # values read into Python
+        ops = 0  # operations that launch a kernel (on a GPU)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
                 Reads.n += 1
+            elif str(func) not in VIEWS:
+                Reads.ops += 1
             return func(*args, **(kwargs or {}))
 
     def reading(method):
@@ -324,30 +329,21 @@ def stats_counts(args, tmp: Path) -> str:
 
         return wrapped
 
-    copies: list[tuple[bool, int]] = []  # (made to write /stats, values)
+    copies: list[tuple[int, ...]] = []
     packed: list[int] = []
-    fetching: list[bool] = []
     real_copy, real_pack = device_sketch.copy_to_host, torch_backend.packed_on_device
-    real_fetch = device_sketch.fetch
     real_host, saved = torch_backend._host, (Statistics.took, Statistics.after_forward)
 
     def copy(t):
-        copies.append((bool(fetching), t.numel()))
+        copies.append(tuple(t.shape))
         return real_copy(t)
-
-    def fetch(items):
-        fetching.append(True)
-        try:
-            return real_fetch(items)
-        finally:
-            fetching.pop()
 
     def pack(x, *a):
         out = real_pack(x, *a)
         packed.append(out[0].numel() * 8)
         return out
 
-    device_sketch.copy_to_host, device_sketch.fetch = copy, fetch
+    device_sketch.copy_to_host = copy
     torch_backend.packed_on_device = pack
     if args.device == "cpu":
         torch_backend._host = lambda device: False  # (the branches a GPU takes)
@@ -360,26 +356,27 @@ def stats_counts(args, tmp: Path) -> str:
                        "store.flush_seconds=3600")  # fmt: skip
         sites = len(run(cfg, run_dir=tmp / "counts").summary)
     finally:
-        device_sketch.copy_to_host, device_sketch.fetch = real_copy, real_fetch
-        torch_backend.packed_on_device = real_pack
+        device_sketch.copy_to_host, torch_backend.packed_on_device = real_copy, real_pack
         torch_backend._host = real_host
         torch_backend.use_reduction(None)
         Statistics.took, Statistics.after_forward = saved
         run_module.Sink.put = put
-    per_batch = [n for written, n in copies if not written]
-    ended = [n for written, n in copies if written]
+    per_batch = [c[0] for c in copies if len(c) == 1]
+    ended = [c for c in copies if len(c) == 2]
     rows = [
         ["before (each site's packed batch, sketch included)", sites, sites,
-         f"{sum(packed) / len(per_batch) / sites:,.0f}", "-", "-"],
-        ["after (sketches and units merged on the device)", sites, len(per_batch) / args.batches,
+         f"{sum(packed) / len(per_batch) / sites:,.0f}", "-", "-", "-"],
+        ["after (sketches summed on the device)", sites, len(per_batch) / args.batches,
          f"{sum(per_batch) * 8 / len(per_batch) / sites:,.0f}", Reads.n / args.batches,
-         f"{len(ended)} ({', '.join(f'{n * 8:,} bytes' for n in ended)})"],
+         f"{Reads.ops / args.batches / sites:.1f}",
+         f"{len(ended)} ({', '.join(str(c) for c in ended)})"],
     ]  # fmt: skip
     return bc.markdown(
         [f"### A stats-only run's batch on a GPU's path ({args.model}, {args.probes}, batch "
          f"{args.batch}, {args.image_size} px, {args.batches} batches, device {args.device})"],
         ["path", "sites", "copies to the host a batch", "bytes per site a batch",
-         "values read a batch", "copies of sketches and units at the end"], rows, [],
+         "values read a batch", "kernel ops per site a batch (main thread)",
+         "sketch copies at the end"], rows, [],
     )  # fmt: skip
 
 

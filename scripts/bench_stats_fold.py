@@ -2,8 +2,8 @@
 resnet18's convolution outputs of one batch, reduced by the torch backend's fused reduction (a
 GPU's), folded as the path before probe.stats.device_sketch folded them (each site's whole packed
 batch unpacked on the host, its 65,536-bucket sketch merged there) and as it folds them now (the
-batch's scalars merged on the host; its units' rows and sketch merged on their device: here the
-CPU, so those are timed apart).
+batch's scalars and units' rows read on the host, the sketch added on its device: here the CPU,
+so its add is timed apart).
 
     python scripts/bench_stats_fold.py                   # batch 16 at 112 px, 5 rounds
     python scripts/bench_stats_fold.py --batch 32 --image-size 224
@@ -21,7 +21,7 @@ import torchvision
 
 from probe.stats import torch_backend
 from probe.stats.backend import DeviceStats
-from probe.stats.device_sketch import BatchSketches, DeviceHistogram, DeviceUnits
+from probe.stats.device_sketch import BatchSketches, DeviceHistogram
 from probe.stats.running import RunningStats
 
 
@@ -64,8 +64,6 @@ def main() -> None:
         rest = time.perf_counter() - t
         t = time.perf_counter()
         for n, part in parts.items():
-            if part.units is not None:
-                DeviceUnits.into(running[n], part.units, part.tracked, part.stream)
             if part.hist is not None:
                 sketch = DeviceHistogram.of(running[n], part.hist.device, part.stream)
                 sketch.add(part.hist, part.buckets)
@@ -77,7 +75,7 @@ def main() -> None:
     print(f"resnet18, {len(outs)} convolutions, batch {args.batch} at {args.image_size} px, "
           f"median of {args.rounds} rounds, ms of host time a batch:")  # fmt: skip
     print(f"  before (whole packed batches, sketches merged on the host): {old:.1f}")
-    print(f"  now: scalars {rest:.1f}; units and sketches merged on the device {add:.1f}")
+    print(f"  now: scalars and units' rows {rest:.1f}; sketches added on the device {add:.1f}")
 
 
 if __name__ == "__main__":

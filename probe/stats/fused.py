@@ -133,9 +133,8 @@ class Layout:
             return 3 * self.rows + bins
         return self.rows * (3 * self.width + (0 if self.single else rows)) + bins
 
-    def _pieces(self, block: np.ndarray | torch.Tensor, rows: int):
-        """(ext, var, mean, norms, histogram) of one slab's block, each (K, columns); an array on
-        the host, or a tensor on its device (probe.stats.fused_repack)."""
+    def _pieces(self, block: np.ndarray, rows: int):
+        """(ext, var, mean, norms, histogram) of one slab's block, each (K, columns)."""
         k = self.rows
         if not self.width:  # flat: K extremes, K variances, K means, then the histogram
             ext, var, mean = (block[i * k : (i + 1) * k, None] for i in range(3))

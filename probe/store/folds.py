@@ -136,7 +136,7 @@ class StatsFold:
             buckets = -(-occupied_buckets(info.stats) // HIST_CHUNK) * HIST_CHUNK
             have = self.hist_capacity.get(key, 0)
             need += 2 * max(0, buckets - have) * BUCKET_TYPE.itemsize
-            units = 0 if info.stats.units is None else info.stats.units.width
+            units = 0 if info.stats.units is None else len(info.stats.units.count)
             need += SUMMARY_ROW_BYTES + units * 64
         return need
 
