@@ -161,6 +161,12 @@ def parse_args(argv=None):
         "--out", default=str(bc.ROOT / "docs" / "bench" / "pipeline"), help="writes OUT.csv, OUT.md"
     )
     p.add_argument("--tmp", default=None, help="where cases write their files")
+    p.add_argument(
+        "--counts",
+        action="store_true",
+        help="no timing: what a stats-only run's batch moves to the host per site, on the path "
+        "a GPU's values take (--device cuda: on the GPU; cpu: its branches, counted on the CPU)",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # subprocess: run one case once, print RSS
     p.add_argument("--isolated", help=argparse.SUPPRESS)  # subprocess: time a peer vs forward
     return p.parse_args(argv)
@@ -266,6 +272,12 @@ def main(argv=None) -> None:
         cases = [c for c in cases if c.name in wanted or c.name.startswith("plain_")]
     by_name = {c.name: c for c in cases}
     tmp = Path(tempfile.mkdtemp(prefix="probe-bench-", dir=args.tmp))
+    if args.counts:
+        try:
+            print(stats_counts(args, tmp), flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     try:
         setup = oracles.make_setup(overrides(args))
         if args.one:
@@ -280,6 +292,92 @@ def main(argv=None) -> None:
         report(args, setup, cases, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stats_counts(args, tmp: Path) -> str:
+    """A stats-only run (`stats.backend=torch`, the fused reduction: a GPU's path) of the bench's
+    model and batches, counted per batch: the copies its statistics ask of
+    probe.hooks.device.copy_to_host and their bytes per site, the values read into Python
+    (`aten._local_scalar_dense`) in the statistics' per-batch path, and, for comparison, the
+    bytes per site of each site's whole packed batch, which the path before this one copied to
+    the host per site and per batch (one copy each); and the operations that launch a kernel
+    (views left out) the statistics' per-batch path makes per site. A markdown table."""
+    from bench_watch import VIEWS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from probe.launch import run as run_module
+    from probe.launch.parts.statistics import Statistics
+    from probe.launch.run import run
+    from probe.stats import device_sketch, torch_backend
+    from probe.testing.compose import make_cfg
+
+    class Reads(TorchDispatchMode):
+        n = 0  # values read into Python
+        ops = 0  # operations that launch a kernel (on a GPU)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.n += 1
+            elif str(func) not in VIEWS:
+                Reads.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def reading(method):
+        def wrapped(*a, **kw):
+            with Reads():
+                return method(*a, **kw)
+
+        return wrapped
+
+    copies: list[tuple[int, ...]] = []
+    packed: list[int] = []
+    real_copy, real_pack = device_sketch.copy_to_host, torch_backend.packed_on_device
+    real_host, saved = torch_backend._host, (Statistics.took, Statistics.after_forward)
+
+    def copy(t):
+        copies.append(tuple(t.shape))
+        return real_copy(t)
+
+    def pack(x, *a):
+        out = real_pack(x, *a)
+        packed.append(out[0].numel() * 8)
+        return out
+
+    device_sketch.copy_to_host = copy
+    torch_backend.packed_on_device = pack
+    if args.device == "cpu":
+        torch_backend._host = lambda device: False  # (the branches a GPU takes)
+    torch_backend.use_reduction("fused")
+    Statistics.took, Statistics.after_forward = (reading(m) for m in saved)
+    put = run_module.Sink.put
+    run_module.Sink.put = reading(put)  # (a stats-only CPU batch is folded as it is handed over)
+    try:
+        cfg = make_cfg(*overrides(args), "store.mode=stats", "stats.backend=torch",
+                       "store.flush_seconds=3600")  # fmt: skip
+        sites = len(run(cfg, run_dir=tmp / "counts").summary)
+    finally:
+        device_sketch.copy_to_host, torch_backend.packed_on_device = real_copy, real_pack
+        torch_backend._host = real_host
+        torch_backend.use_reduction(None)
+        Statistics.took, Statistics.after_forward = saved
+        run_module.Sink.put = put
+    per_batch = [c[0] for c in copies if len(c) == 1]
+    ended = [c for c in copies if len(c) == 2]
+    rows = [
+        ["before (each site's packed batch, sketch included)", sites, sites,
+         f"{sum(packed) / len(per_batch) / sites:,.0f}", "-", "-", "-"],
+        ["after (sketches summed on the device)", sites, len(per_batch) / args.batches,
+         f"{sum(per_batch) * 8 / len(per_batch) / sites:,.0f}", Reads.n / args.batches,
+         f"{Reads.ops / args.batches / sites:.1f}",
+         f"{len(ended)} ({', '.join(str(c) for c in ended)})"],
+    ]  # fmt: skip
+    return bc.markdown(
+        [f"### A stats-only run's batch on a GPU's path ({args.model}, {args.probes}, batch "
+         f"{args.batch}, {args.image_size} px, {args.batches} batches, device {args.device})"],
+        ["path", "sites", "copies to the host a batch", "bytes per site a batch",
+         "values read a batch", "kernel ops per site a batch (main thread)",
+         "sketch copies at the end"], rows, [],
+    )  # fmt: skip
 
 
 def report(args, setup, cases: list[Case], tmp: Path) -> None:

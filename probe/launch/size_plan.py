@@ -21,6 +21,7 @@ from probe.data.batches import RunBatches
 from probe.hooks.record import Record
 from probe.hooks.step_context import Partial
 from probe.stats.backend import DeviceStats
+from probe.stats.device_sketch import SiteBatch
 from probe.stats.running import occupied_buckets
 from probe.store.chunks import Chunking, allocated_bytes
 from probe.store.folds import StatsFold
@@ -68,10 +69,11 @@ def announce(record: Record, batches: RunBatches, selections, store, shard) -> S
 
 def log_transfer(record: Record) -> None:
     """What a GPU batch moves to the host: the captures' copies (full capture, or every
-    capture when the statistics are reduced on the host) and the statistics' packed results."""
+    capture when the statistics are reduced on the host) and the statistics' partials reduced
+    on the device (without the sketches that stay there: probe.stats.device_sketch)."""
     captures = sum(t.nbytes for t in [*record.values.values(), *record.per_batch.values()])
     partials = record.outputs.folds.get(StatsFold.name, {}).values()  # the statistics' partials
-    stats = sum(c.packed.nbytes for c in partials if isinstance(c, DeviceStats))
+    stats = sum(c.host_bytes for c in partials if isinstance(c, DeviceStats | SiteBatch))
     where = "on the GPU" if stats else "on the host"
     log.info(
         "plan: GPU -> host per batch: captures %s, statistics %s (statistics reduced %s)",

@@ -167,6 +167,11 @@ class DeviceStats:
         self._read = (None, None)  # (s may now hold its units: not to be handed out again)
 
     @property
+    def host_bytes(self) -> int:
+        """What it moves to the host (its whole packed batch)."""
+        return self.packed.nbytes
+
+    @property
     def nan_count(self) -> int:
         return self.host().nan_count
 

@@ -55,13 +55,30 @@ def split(packed: torch.Tensor, layout: fused.Layout | None, rows: int, unit_axi
             hists.append(block[keep:][:BINS])
             rests.append(block[:keep])
     hist = hists[0] if len(hists) == 1 else torch.stack(hists).sum(0)
-    table = layout.fmt.buckets()
-    if table is not None:  # float16: its patterns' counts into the float32 buckets they fall in
-        index = torch.as_tensor(table, device=hist.device)
+    if layout.fmt.name == "float16":  # its patterns' counts into the float32 buckets they fall in
+        index = _float16_buckets(layout.fmt, hist.device)
         hist = torch.zeros(BINS, dtype=hist.dtype, device=hist.device).index_add_(0, index, hist)
     for lo, hi in _CLEARED:  # (in place: the histogram's part of the pack is not read again)
         hist[lo:hi].zero_()
     return hist, torch.cat(rests) if len(rests) > 1 else rests[0], rest_layout.unpack
+
+
+_FLOAT16_BUCKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _float16_buckets(fmt: fused._Format, device: torch.device) -> torch.Tensor:
+    """The float32 bucket of each float16 pattern on `device`, made once per device (on a GPU
+    copied from pinned memory without waiting: a copy from pageable memory waits for it)."""
+    found = _FLOAT16_BUCKETS.get(device)
+    if found is None:
+        buckets = fmt.buckets()
+        if buckets is None:
+            raise ValueError(f"{fmt.name} patterns are their own buckets")
+        table = torch.from_numpy(buckets)
+        if device.type == "cuda":
+            table = table.pin_memory()
+        found = _FLOAT16_BUCKETS[device] = table.to(device, non_blocking=True)
+    return found
 
 
 def quantile_points(hists: torch.Tensor, qs: Sequence[float]) -> torch.Tensor:

@@ -63,6 +63,11 @@ class LogHistogram:
     def add_to(self, counts: np.ndarray) -> None:
         np.add(counts, self.counts, out=counts)
 
+    def occupied(self) -> int:
+        """Its non-empty buckets (at most: a sketch summed on a device says so without reading
+        its counts, probe.stats.device_sketch)."""
+        return int(np.count_nonzero(self.counts))
+
     def merge(self, other: LogHistogram | BucketSpans) -> None:
         other.add_to(self.counts)
 
@@ -453,7 +458,9 @@ def occupied_buckets(stats) -> int:
     hist = stats.hist
     if hist is None:
         return 0
-    return int(np.count_nonzero(hist.spans if isinstance(hist, BucketSpans) else hist.counts))
+    if isinstance(hist, BucketSpans):
+        return int(np.count_nonzero(hist.spans))
+    return hist.occupied() if isinstance(hist, LogHistogram) else 0  # (quantiles: no buckets)
 
 
 def occupied(counts: np.ndarray, by_value: bool) -> np.ndarray:

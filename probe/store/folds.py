@@ -6,7 +6,8 @@ resumes, and computed from the stored rows where the run asks for it (`stats.dur
 the file holds no statistics that agree with its rows.
 
 The partials come from the parts (probe.launch.parts.statistics, .topk_examples), which reduce
-each capture on its own device; a fold only merges what it is given.
+each capture on its own device; a fold only merges what it is given. A sketch summed on a device
+(probe.stats.device_sketch) comes to the host when its slot is published.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from probe.errors import DataError
 from probe.hooks.batch_topk import POSITION_BITS, partial, stored_keys
 from probe.hooks.record import Record
 from probe.stats import backend
+from probe.stats.device_sketch import fetch_all
 from probe.stats.running import occupied_buckets, stats_for
 from probe.stats.topk import TopKSpec, TopKState
 from probe.store import stats_file, topk_file
@@ -105,6 +107,7 @@ class StatsFold:
         for key in missing:
             stats_file.create(sink.file, rows.datasets[key], rows.orders[key])
             rows.known.add(_stats_path(key))
+        fetch_all(info.stats for info in rows.datasets.values())  # (sketches on a device)
         capacity = stats_file.write_slot(sink.file, rows.datasets.values(), slot)
         self.hist_capacity.update(capacity)
 

@@ -1,9 +1,13 @@
 """The captures' statistics as a run part (`stats.during=run|close`): each value reduced to a
-batch's statistics on its own device as the hooks take it (a CPU one by the run's backend while
-it is in cache, a GPU one by torch where it lives, without a host sync: probe.stats.backend),
-the parameter gradients after the backward; the partials folded into each capture's running
-statistics as their batch is written (probe.store.folds.StatsFold), and summary.csv at the
-finish."""
+batch's statistics as the hooks take it, the parameter gradients after the backward; the
+partials folded into each capture's running statistics as their batch is written
+(probe.store.folds.StatsFold), and summary.csv at the finish.
+
+A CPU value is reduced by the run's backend while it is in cache (numba's kernels, or torch). A
+GPU value, and under the torch backend a CPU one too (the portable reference of that path), is
+reduced by torch where it lives (probe.stats.device_sketch): its quantile sketch stays on its
+device and is summed there, and the rest of the batch's sites reaches the host in one copy per
+batch, without a host sync."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from probe.hooks.record import Record
 from probe.hooks.step_context import StepContext
 from probe.launch.run_part import Finished, RunPart, RunSetup
 from probe.stats import backend
+from probe.stats.device_sketch import BatchSketches
 from probe.stats.running import bounds_for
 from probe.store.folds import StatsFold
 from probe.store.sink import Sink
@@ -36,9 +41,10 @@ class Statistics(RunPart):
         self.during, self.module_types, self.selected = during, module_types, selected
         self.fail_on_nonfinite = fail_on_nonfinite
         self.cpu = backend.observer(backend_name)  # a CPU value's reduction (numba or torch)
-        self.gpu = backend.TorchStats()  # a GPU value's, queued on its device
+        self.cpu_on_device = backend_name == "torch"  # CPU values take the device's path too
         self.bounds: dict[Key, tuple[float, float] | None] = {}  # by capture
-        self.partials: dict[Key, object] = {}  # this batch's
+        self.partials: dict[Key, object] = {}  # this batch's, reduced on the host
+        self.sketches = BatchSketches()  # this batch's, reduced on their devices
 
     @classmethod
     def prepare(cls, setup: RunSetup) -> Statistics:
@@ -61,19 +67,22 @@ class Statistics(RunPart):
 
     def before_forward(self, ctx: StepContext) -> None:
         self.partials = {}
+        self.sketches = BatchSketches()
         if self.during == "run":
             self.cpu.begin()  # (the numba backend looks its thread's team up once per batch)
 
     def took(self, key: Key, value: torch.Tensor, axis: int, sel: Selection,
              batch: BatchCapture) -> None:  # fmt: skip
-        self.partials[key] = self.reduce(key, value, axis)
+        self.reduce(key, value, axis)
 
     def after_forward(self, ctx: StepContext) -> None:
-        """The parameter gradients' statistics too; the batch's partials to the sink."""
+        """The parameter gradients' statistics too; the batch's partials to the sink (those
+        reduced on a device with their one copy to the host started)."""
         if self.during != "run":
             return
         for key, t in ctx.grads.items():
-            self.partials[key] = self.reduce(key, t, 1)
+            self.reduce(key, t, 1)
+        self.partials.update(self.sketches.settle())
         ctx.outputs.folds[self.name] = self.partials
 
     def handed(self, record: Record) -> None:
@@ -82,14 +91,16 @@ class Statistics(RunPart):
         if self.fail_on_nonfinite:
             nonfinite.check_batch(record, record.outputs.folds.get(self.name, {}))
 
-    def reduce(self, key: Key, value: torch.Tensor, axis: int):
-        """One capture's statistics of this batch, on its device (the one place they are
-        taken)."""
+    def reduce(self, key: Key, value: torch.Tensor, axis: int) -> None:
+        """One capture's statistics of this batch, on the host or on its device (the one place
+        they are taken)."""
         bounds = self.bounds.get(key, False)
         if bounds is False:
             bounds = self.bounds[key] = bounds_for(self.module_types.get(key[0], ""), key[1])
-        reduce = self.cpu if value.is_cpu else self.gpu
-        return reduce(value, bounds, axis)
+        if value.is_cpu and not self.cpu_on_device:
+            self.partials[key] = self.cpu(value, bounds, axis)
+        else:
+            self.sketches.add(key, value, bounds, axis)
 
     def finish(self, done: Finished) -> None:
         """summary.csv (none when no probe was asked for or stats.during=none), and the table

@@ -1,0 +1,192 @@
+"""What a run's statistics move to the host per batch on the path a GPU's values take (here on
+the CPU: `stats.backend=torch`, which reduces CPU values on that path too), and that the file it
+writes is the host path's.
+
+Each site's 65,536-bucket quantile sketch stays on its device, summed there across batches
+(probe.stats.device_sketch); per batch, one copy for all sites (counted through the one function
+that makes it, probe.hooks.device.copy_to_host) of a few numbers per unit, and no value read into
+Python (`aten._local_scalar_dense`); the sketches come over where /stats is written. The
+statistics, histograms and summary equal those the host computes from the stored rows, and a
+stopped run resumed equals one that was not stopped.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from probe.launch import run as run_module
+from probe.launch.interrupt import Interrupted
+from probe.launch.parts.statistics import Statistics
+from probe.launch.run import run
+from probe.stats import device_sketch, torch_backend
+from probe.stats.torch_backend import BINS
+from probe.testing.arrays import file_arrays
+from probe.testing.compose import make_cfg
+
+TINY = [
+    "model=custom",
+    "model._target_=probe.testing.models.SignalsItself",
+    "model.input_shape=[3,8,8]",
+    "model.num_classes=10",
+    "probes=param_grads",
+    "probes.params.capture=[output,grad_output,param_grad]",
+    "dataset.num_samples=10",
+    "dataset.batch_size=3",
+]
+DEVICE_PATH = ["stats.backend=torch"]
+BATCHES = 4  # (10 samples, 3 a batch)
+
+
+@pytest.fixture(params=["reference", "fused"])
+def reduction(request, monkeypatch):
+    """The torch backend's reduction on the CPU (its own), and the one a GPU takes."""
+    monkeypatch.setattr(torch_backend, "_reduction", request.param)
+    return request.param
+
+
+def _arrays(path) -> dict:
+    with h5py.File(path) as f:
+        return file_arrays(f)
+
+
+def _same_statistics(got: dict, want: dict) -> None:
+    """/stats equal: counts, extremes, histograms and units exactly, the float sums (moments)
+    within float64 rounding."""
+    stats = [k for k in want if k.startswith("stats/")]
+    assert stats and sorted(k for k in got if k.startswith("stats/")) == sorted(stats)
+    for name in stats:
+        if name.endswith("/scalars"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-12, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_the_device_path_writes_the_statistics_the_host_computes(tmp_path, reduction):
+    """A stats-only run on the device path against a full run whose statistics the host
+    computes at the close from its stored rows, batch by batch (stats.during=close): the same
+    /stats (histograms bucket for bucket) and summary.csv."""
+    device = run(make_cfg(*TINY, *DEVICE_PATH, "store.mode=stats"), run_dir=tmp_path / "device")
+    host = run(make_cfg(*TINY, *DEVICE_PATH, "stats.during=close"), run_dir=tmp_path / "host")
+    _same_statistics(_arrays(device.h5_path), _arrays(host.h5_path))
+    pd.testing.assert_frame_equal(device.summary, host.summary, check_exact=False, rtol=1e-12)
+    assert {"output", "grad_output", "param_grad.weight"} <= set(device.summary.site)
+
+
+@pytest.mark.parametrize(
+    "store",
+    [["store.mode=stats", "store.flush_seconds=0"], ["store.mode=full"]],
+    ids=["stats-flush-every-batch", "full"],
+)
+def test_a_stopped_device_path_run_resumed_equals_one_not_stopped(tmp_path, store):
+    """A SIGINT in the 3rd forward (its batch kept); the sketches of the written batches reach the file as it
+    closes (and at every flush, flush_seconds=0), and the resumed run, whose sketches start
+    from the file's, writes the file of a run that was never stopped."""
+    from probe.testing.models import SignalsItself
+
+    args = [*TINY, *DEVICE_PATH, *store]
+    whole = run(make_cfg(*args), run_dir=tmp_path / "whole")
+    SignalsItself.at_call = 2
+    try:
+        with pytest.raises(Interrupted):
+            run(make_cfg(*args), run_dir=tmp_path / "run")
+    finally:
+        SignalsItself.at_call = None
+    with h5py.File(tmp_path / "run" / "probe.h5") as f:
+        assert int(f.attrs["num_samples"]) == 9 and not f.attrs["complete"]
+    resumed = run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
+    pd.testing.assert_frame_equal(resumed.summary, whole.summary, check_exact=True)
+    got, want = _arrays(resumed.h5_path), _arrays(whole.h5_path)
+    assert got.keys() == want.keys()
+    for name, a in want.items():
+        np.testing.assert_array_equal(got[name], a, err_msg=name)
+
+
+class Reads(TorchDispatchMode):
+    """Counts the operations that read a tensor's value into Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_small_copy_per_batch_and_the_sketches_once_at_the_end(tmp_path, monkeypatch):
+    """Per batch, one copy for all its sites, of their statistics without the sketches (under
+    4 KiB a site here, where a sketch alone is 512 KiB), and no value read into Python in the
+    statistics' per-batch path (reduction, one copy, fold into the running statistics); the
+    sketches of every site in one copy when the file is written."""
+    monkeypatch.setattr(torch_backend, "_reduction", "fused")  # (the reduction a GPU takes)
+    copies: list[tuple[int, ...]] = []
+    real = device_sketch.copy_to_host
+
+    def counted(t):
+        copies.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(device_sketch, "copy_to_host", counted)
+    reads = Reads()
+
+    def reading(method):
+        def wrapped(*args, **kwargs):
+            with reads:
+                return method(*args, **kwargs)
+
+        return wrapped
+
+    for name in ("took", "after_forward"):
+        monkeypatch.setattr(Statistics, name, reading(getattr(Statistics, name)))
+    put = run_module.Sink.put
+    monkeypatch.setattr(run_module.Sink, "put", reading(put))  # (a stats-only CPU batch folds)
+    args = [*TINY, *DEVICE_PATH, "store.mode=stats", "store.flush_seconds=3600"]  # (one flush)
+    result = run(make_cfg(*args), run_dir=tmp_path)
+    sites = len(result.summary)
+    per_batch = [c for c in copies if len(c) == 1]
+    at_the_end = [c for c in copies if len(c) == 2]
+    assert len(per_batch) == BATCHES, copies
+    assert at_the_end == [(sites, BINS)], copies  # every site's sketch, once
+    per_site = max(n for (n,) in per_batch) * 8 / sites
+    assert per_site < 4096, per_site
+    assert reads.reads == 0
+
+
+@pytest.mark.cuda
+def test_a_device_path_run_on_a_gpu_makes_no_synchronising_call(tmp_path, monkeypatch):
+    """On a GPU a batch's forward, backward, statistics and hand-over to the writer make no
+    synchronising call (CUDA's sync debug mode raises on each) after the first batch (which
+    the size plan reads), and the file counts what the CPU's counts."""
+    from probe.launch import batch as batch_module
+
+    real = batch_module.run_batch
+    seen = []
+
+    def strict(setup, parts, capture, batch, index):
+        if not seen:
+            seen.append(index)
+            return real(setup, parts, capture, batch, index)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(setup, parts, capture, batch, index)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(run_module, "run_batch", strict)
+    args = [*TINY, "store.mode=stats"]
+    gpu = run(make_cfg(*args, "device=cuda"), run_dir=tmp_path / "gpu")
+    monkeypatch.setattr(run_module, "run_batch", real)
+    cpu = run(make_cfg(*args, *DEVICE_PATH), run_dir=tmp_path / "cpu")
+    got, want = _arrays(gpu.h5_path), _arrays(cpu.h5_path)
+    scalars = [k for k in want if k.endswith("/scalars")]
+    assert scalars and sorted(k for k in got if k.endswith("/scalars")) == sorted(scalars)
+    for name in scalars:  # rows, finite values: as the CPU's; the sketch counts every one
+        np.testing.assert_array_equal(got[name][:2], want[name][:2], err_msg=name)
+        hist = name.replace("/scalars", "/hist")
+        assert got[hist][1].sum() == want[hist][1].sum(), hist
