@@ -13,7 +13,7 @@ import numpy as np
 from probe.stats.kernels.histogram import _histogram, _histogram_split
 from probe.stats.kernels.keys import order_key, same_width
 
-COLUMN_BLOCK = 4096  # columns reduced together: their scratch (52-56 bytes each) stays in L2
+COLUMN_BLOCK = 4096  # columns reduced together: their scratch (44-56 bytes each) stays in L2
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
