@@ -2,6 +2,8 @@
 reduces: this tree's kernels, and side by side in the same process another tree's.
 
     python scripts/bench_kernels.py [--against /path/to/other/checkout] [--reps 10]
+    PROBE_STATS_BACKEND=numba python scripts/bench_kernels.py --in-training 5
+
 
 The tensors: torchvision's resnet18 (10 classes) at 64 px, one batch of 64 random images, after
 three SGD steps: every convolution's output and grad_output, every block's output and
@@ -13,6 +15,13 @@ tensors, the two alternating (the order swapped every round); the results are fi
 equal (histograms, counts and extremes bit for bit, moments to 1e-12). The figure per tensor is
 the least CPU time of the thread over the rounds (time.thread_time: what a loaded machine takes
 away in waiting is not counted, what it takes in caches is), summed per kind of site.
+
+`--in-training N` times the same pass where the watch runs it instead: bench_watch.py's resnet18
+training (2 micro-batches a step, clip_grad_norm_ to 1.0) watched at every=1, stepped in turn
+with the same training unwatched for N steps after one of warm-up, the CPU time of every
+statistics call (`probe.stats.backend.batch_stats`, the watch's way to the pass on the CPU)
+summed; it prints the calls, values and seconds of the pass per step, its ns per value, and
+each training's median CPU time per step (time.process_time).
 """
 
 from __future__ import annotations
@@ -104,13 +113,61 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.allclose(a, b, rtol=1e-12, atol=0.0)
 
 
+def in_training(steps: int) -> None:
+    """The pass's CPU time inside a watched training (see the module)."""
+    import statistics
+
+    import bench_watch
+
+    from probe.stats import backend
+
+    spent = {"seconds": 0.0, "calls": 0, "values": 0}
+    reduce = backend.batch_stats
+
+    def timed(x, bounds=None, hist=None, unit_axis=1):
+        t0 = time.thread_time()
+        try:
+            return reduce(x, bounds, hist, unit_axis)
+        finally:
+            spent["seconds"] += time.thread_time() - t0
+            spent["calls"] += 1
+            spent["values"] += x.numel()
+
+    backend.batch_stats = timed
+    make, optimizer, batches, loss, probes = bench_watch.setup("resnet18", 2 * steps + 2)
+    tmp = tempfile.TemporaryDirectory()
+    trainings = {kind: bench_watch.Training(kind, 1, make, optimizer, loss, probes,
+                                            Path(tmp.name) / str(kind), clip=1.0)
+                 for kind in (None, "probe")}  # fmt: skip
+    for t in trainings.values():
+        t.step(batches[0:2])  # (warm-up: the kernels loaded, the first allocations)
+    spent.update(seconds=0.0, calls=0, values=0)
+    cpu: dict = {kind: [] for kind in trainings}
+    for s in range(steps):
+        for kind in list(trainings)[:: 1 if s % 2 else -1]:
+            t0 = time.process_time()
+            trainings[kind].step(batches[2 + 2 * s : 4 + 2 * s])
+            cpu[kind].append(time.process_time() - t0)
+    trainings["probe"].close()
+    plain, watched = statistics.median(cpu[None]), statistics.median(cpu["probe"])
+    print(f"the pass in a watched resnet18 step: {spent['calls'] / steps:.0f} calls, "
+          f"{spent['values'] / steps / 1e6:.1f}M values, {spent['seconds'] / steps:.3f} s a step, "
+          f"{spent['seconds'] / spent['values'] * 1e9:.2f} ns a value; CPU s a step (median of "
+          f"{steps}): unwatched {plain:.3f}, watched {watched:.3f} ({watched / plain:.3f}x)")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", type=Path, help="another checkout whose kernels to time beside")
     p.add_argument("--reps", type=int, default=10, help="rounds per tensor (the least is kept)")
     p.add_argument("--out", type=Path, help="also write the table there (markdown)")
+    p.add_argument("--in-training", type=int, metavar="STEPS",
+                   help="time the pass inside a watched training instead (see the module)")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.in_training:
+        in_training(args.in_training)
+        return
     from probe.stats.kernels import packing, rows
 
     passes = {"this tree": one_pass(rows, packing)}
