@@ -16,6 +16,7 @@ from probe.stats import team
 from probe.stats.kernels.gomp import WORK, team_batch
 from probe.stats.kernels.packing import finish, fold_packed
 from probe.stats.kernels.rows import reduce_rows
+from probe.stats.kernels.solo import solo_batch
 from probe.stats.parallel import threads
 from probe.stats.running import (
     SATURATION_TOL,
@@ -59,7 +60,7 @@ def batch_stats(
     unit_axis: int = 1,
 ):
     """Statistics of one batch from one compiled pass, split by rows across torch's threads
-    (`probe.stats.team`) or else `threads`. Its values are counted into `hist` (a running histogram),
+    (`probe.stats.team`) or else `threads`, or on this thread alone in one call (`solo_batch`). Its values are counted into `hist` (a running histogram),
     or without one into this thread's scratch, whose occupied buckets become its own histogram
     (`BucketSpans`); NaN and Inf are counted apart. Units lie along `unit_axis`."""
     a = as_array(x)
@@ -76,6 +77,8 @@ def batch_stats(
     try:
         if entry:
             result = team_batch(y, lanes, own, entry, WORK[lanes.dtype].address)
+        elif parts == 1 and y.dtype.char == "f":  # one compiled call, as on the team
+            result = solo_batch(y, lanes[0], own)
         else:
             result = _by_threads(y, lanes, parts, own)
     except BaseException:  # e.g. a second Ctrl-C: the scratch must not carry counts to the next

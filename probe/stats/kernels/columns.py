@@ -13,19 +13,16 @@ import numpy as np
 from probe.stats.kernels.histogram import _histogram, _histogram_split
 from probe.stats.kernels.keys import order_key, same_width
 
-COLUMN_BLOCK = 4096  # columns reduced together: their scratch (52-56 bytes each) stays in L2
+COLUMN_BLOCK = 4096  # columns reduced together: their scratch (44-56 bytes each) stays in L2
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
-def _columns(a, keys, low_bits, shift, sums, squares, positive, lows, highs):
-    """One row of finite values into per-column accumulators (each column's sums about its
-    shift, its count above 0 and extremes as order keys), in SIMD lanes across the columns.
-    Returns the row's sum of |v|, sum of squares, zeros and smallest magnitude."""
-    sign = same_width(keys.itemsize * 8 - 1, low_bits)
+def _column_sums(a, shift, sums, squares):
+    """One row of finite values into per-column float64 sums about each column's shift, in
+    SIMD lanes across the columns. Returns the row's sum of |v| and sum of squares. Apart from
+    `_column_keys` for the reason `segments._sums` gives."""
     b = 0.0
     sq = 0.0
-    zeros = 0.0
-    small = low_bits
     for j in range(a.size):
         v = np.float64(a[j])
         d = v - shift[j]
@@ -33,15 +30,26 @@ def _columns(a, keys, low_bits, shift, sums, squares, positive, lows, highs):
         squares[j] += d * d
         b += abs(v)
         sq += v * v
+    return b, sq
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _column_keys(keys, low_bits, positive, lows, highs):
+    """The same row's order keys into per-column extremes and counts above 0 (`positive`, of
+    the keys' own width, as the keys' work is). Returns the row's zeros and smallest
+    magnitude."""
+    zeros = 0.0
+    small = low_bits
+    for j in range(keys.size):
         x = keys[j]
         magnitude = same_width(x & low_bits, low_bits)
-        k = same_width(x ^ (low_bits & (x >> sign)), low_bits)  # order_key without a branch
+        k = same_width(x ^ low_bits, low_bits) if x < 0 else x
         lows[j] = min(lows[j], k)
         highs[j] = max(highs[j], k)
         small = min(small, magnitude)
         zeros += 1.0 if magnitude == 0 else 0.0
-        positive[j] += 1.0 if x > 0 else 0.0
-    return b, sq, int(zeros), small
+        positive[j] += same_width(1, low_bits) if x > 0 else same_width(0, low_bits)
+    return int(zeros), small
 
 
 @numba.njit(nogil=True, cache=True)
@@ -98,7 +106,7 @@ def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q
     shift = np.empty(span)
     sums = np.empty(span)
     squares = np.empty(span)
-    positive = np.empty(span)
+    positive = np.empty(span, keys.dtype)
     lows = np.empty(span, keys.dtype)
     highs = np.empty(span, keys.dtype)
     bad = np.empty(span, np.int64)
@@ -115,7 +123,7 @@ def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q
         first = c0 // size  # the unit of column c0
         sums[:] = 0.0
         squares[:] = 0.0
-        positive[:] = 0.0
+        positive[:] = 0
         lows[:] = low_bits
         highs[:] = -low_bits - 1
         bad[:] = 0
@@ -128,9 +136,8 @@ def _by_column(y, bits, keys, low_bits, infinite, counts, shifts, unit_s, unit_q
             a = y[r].reshape(-1)[c0:c1]
             k = keys[r].reshape(-1)[c0:c1]
             if _worst(k, low_bits) < infinite:
-                b, sq, piece_zeros, small = _columns(
-                    a, k, low_bits, shift[:n], sums, squares, positive, lows, highs
-                )
+                b, sq = _column_sums(a, shift[:n], sums, squares)
+                piece_zeros, small = _column_keys(k, low_bits, positive, lows, highs)
             else:
                 b, sq, piece_zeros, small, piece_nans, piece_infs = _columns_checked(
                     a, k, low_bits, shift[:n], sums, squares, positive, lows, highs, bad

@@ -1,0 +1,215 @@
+"""The compiled statistics pass alone, in ns per value, on the tensors a watched resnet18 step
+reduces: this tree's kernels, and side by side in the same process another tree's.
+
+    python scripts/bench_kernels.py [--against /path/to/other/checkout] [--reps 10]
+    PROBE_STATS_BACKEND=numba python scripts/bench_kernels.py --in-training 5
+
+
+The tensors: torchvision's resnet18 (10 classes) at 64 px, one batch of 64 random images, after
+three SGD steps: every convolution's output and grad_output, every block's output and
+grad_output, every convolution's weight and its gradient (as the watch sees them: one row). Each
+is reduced the way `probe.stats.numba_backend` reduces a batch on one thread: `rows.reduce_rows`
+into the int32 scratch, then `packing.finish` (the spans taken out). `--against` copies that
+checkout's `probe/stats/kernels` into a temporary package and times its pass on the same
+tensors, the two alternating (the order swapped every round); the results are first checked
+equal (histograms, counts and extremes bit for bit, moments to 1e-12). The figure per tensor is
+the least CPU time of the thread over the rounds (time.thread_time: what a loaded machine takes
+away in waiting is not counted, what it takes in caches is), summed per kind of site.
+
+`--in-training N` times the same pass where the watch runs it instead: bench_watch.py's resnet18
+training (2 micro-batches a step, clip_grad_norm_ to 1.0) watched at every=1, stepped in turn
+with the same training unwatched for N steps after one of warm-up, the CPU time of every
+statistics call (`probe.stats.backend.batch_stats`, the watch's way to the pass on the CPU)
+summed; it prints the calls, values and seconds of the pass per step, its ns per value, and
+each training's median CPU time per step (time.process_time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_common as bc  # first: it puts the repository root on sys.path
+import numpy as np
+import torch
+
+KINDS = ("output", "grad_output", "param", "param_grad")
+
+
+def watched_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """name -> the float32 tensor the watch reduces (see the module), as a numpy array."""
+    import torch.nn.functional as F
+    import torchvision
+
+    torch.manual_seed(seed)
+    model = torchvision.models.resnet18(num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(64, 3, 64, 64), torch.randint(0, 10, (64,))
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    found: dict[str, np.ndarray] = {}
+    blocks = {f"layer{i}.{j}" for i in range(1, 5) for j in range(2)}
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv2d) or name in blocks:
+            output = module.register_forward_hook(
+                lambda m, a, o, name=name: found.__setitem__(f"{name}.output", o.detach().clone())
+            )
+            grad = module.register_full_backward_hook(
+                lambda m, gi, go, name=name: found.__setitem__(f"{name}.grad_output", go[0].clone())
+            )
+            handles += [output, grad]
+    opt.zero_grad()
+    model.requires_grad_(True)
+    F.cross_entropy(model(x.requires_grad_()), y).backward()
+    for h in handles:
+        h.remove()
+    for name, p in model.named_parameters():
+        if p.dim() == 4:
+            found[f"{name}.param"] = p.detach().clone()[None]
+            found[f"{name}.param_grad"] = p.grad.detach().clone()[None]
+    return {k: v.numpy() for k, v in found.items()}
+
+
+def load_kernels(checkout: Path, into: Path):
+    """That checkout's `probe/stats/kernels` as a package of another name (its own numba cache,
+    in `into`); returns its (rows, packing) modules."""
+    name = "kernels_against"
+    target = into / name
+    shutil.copytree(checkout / "probe" / "stats" / "kernels", target,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    # (its cache stamp reads the statistics' declaration beside the package)
+    shutil.copy(checkout / "probe" / "stats" / "stat_columns.py", into / "stat_columns.py")
+    for path in target.glob("*.py"):
+        path.write_text(path.read_text().replace("probe.stats.kernels", name))
+    sys.path.insert(0, str(into))
+    return importlib.import_module(f"{name}.rows"), importlib.import_module(f"{name}.packing")
+
+
+def one_pass(rows, packing):
+    """reduce a (rows, units, rest) float32 array as numba_backend does on one thread."""
+    low, inf = np.int32(0x7FFFFFFF), np.int32(0x7F800000)
+
+    def reduce(y: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        width = y.shape[1]
+        outs = (np.empty((1, 4)), np.empty((1, 5), np.int64), np.empty((1, 3, width)),
+                np.empty((1, 2, width), np.int64))  # fmt: skip
+        keys = y.view(np.int32)
+        rows.reduce_rows(y, y.view(np.uint32), keys, low, inf, counts, *(o[0] for o in outs))
+        return packing.finish(*outs, low, keys, y, counts[None], True)
+
+    return reduce
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal packed results: every count, extreme and bucket bit for bit, moments to 1e-12."""
+    return a.shape == b.shape and np.allclose(a, b, rtol=1e-12, atol=0.0)
+
+
+def in_training(steps: int) -> None:
+    """The pass's CPU time inside a watched training (see the module)."""
+    import statistics
+
+    import bench_watch
+
+    from probe.stats import backend
+
+    spent = {"seconds": 0.0, "calls": 0, "values": 0}
+    reduce = backend.batch_stats
+
+    def timed(x, bounds=None, hist=None, unit_axis=1):
+        t0 = time.thread_time()
+        try:
+            return reduce(x, bounds, hist, unit_axis)
+        finally:
+            spent["seconds"] += time.thread_time() - t0
+            spent["calls"] += 1
+            spent["values"] += x.numel()
+
+    backend.batch_stats = timed
+    make, optimizer, batches, loss, probes = bench_watch.setup("resnet18", 2 * steps + 2)
+    tmp = tempfile.TemporaryDirectory()
+    trainings = {kind: bench_watch.Training(kind, 1, make, optimizer, loss, probes,
+                                            Path(tmp.name) / str(kind), clip=1.0)
+                 for kind in (None, "probe")}  # fmt: skip
+    for t in trainings.values():
+        t.step(batches[0:2])  # (warm-up: the kernels loaded, the first allocations)
+    spent.update(seconds=0.0, calls=0, values=0)
+    cpu: dict = {kind: [] for kind in trainings}
+    for s in range(steps):
+        for kind in list(trainings)[:: 1 if s % 2 else -1]:
+            t0 = time.process_time()
+            trainings[kind].step(batches[2 + 2 * s : 4 + 2 * s])
+            cpu[kind].append(time.process_time() - t0)
+    trainings["probe"].close()
+    plain, watched = statistics.median(cpu[None]), statistics.median(cpu["probe"])
+    print(f"the pass in a watched resnet18 step: {spent['calls'] / steps:.0f} calls, "
+          f"{spent['values'] / steps / 1e6:.1f}M values, {spent['seconds'] / steps:.3f} s a step, "
+          f"{spent['seconds'] / spent['values'] * 1e9:.2f} ns a value; CPU s a step (median of "
+          f"{steps}): unwatched {plain:.3f}, watched {watched:.3f} ({watched / plain:.3f}x)")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--against", type=Path, help="another checkout whose kernels to time beside")
+    p.add_argument("--reps", type=int, default=10, help="rounds per tensor (the least is kept)")
+    p.add_argument("--out", type=Path, help="also write the table there (markdown)")
+    p.add_argument("--in-training", type=int, metavar="STEPS",
+                   help="time the pass inside a watched training instead (see the module)")  # fmt: skip
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.in_training:
+        in_training(args.in_training)
+        return
+    from probe.stats.kernels import packing, rows
+
+    passes = {"this tree": one_pass(rows, packing)}
+    tmp = tempfile.TemporaryDirectory()
+    if args.against:
+        passes["against"] = one_pass(*load_kernels(args.against.resolve(), Path(tmp.name)))
+    tensors = watched_tensors()
+    best = {label: {} for label in passes}
+    for name, x in tensors.items():
+        y = x.reshape(x.shape[0], x.shape[1], -1)
+        counts = np.zeros(1 << 16, np.int32)
+        results = [fn(y, counts) for fn in passes.values()]  # (compiles, and checks)
+        if not all(same(results[0], r) for r in results[1:]):
+            raise SystemExit(f"{name}: the two passes differ")
+        for label in passes:
+            best[label][name] = float("inf")
+        for r in range(args.reps):
+            for label in list(passes)[:: 1 if r % 2 else -1]:
+                t0 = time.thread_time()
+                passes[label](y, counts)
+                best[label][name] = min(best[label][name], time.thread_time() - t0)
+    labels = list(passes)
+    rows_out = []
+    for kind in (*KINDS, "all"):
+        names = [n for n in tensors if kind == "all" or n.endswith("." + kind)]
+        n = sum(tensors[k].size for k in names)
+        ns = [sum(best[label][k] for k in names) / n * 1e9 for label in labels]
+        ratio = [f"{ns[0] / ns[1]:.3f}"] if len(ns) > 1 else []
+        rows_out.append([kind, f"{n / 1e6:.1f}M", *(f"{v:.2f}" for v in ns), *ratio])
+    cols = ["sites", "values", *(f"ns/value, {label}" for label in labels)]
+    cols += ["this tree / against"] if len(labels) > 1 else []
+    head = [
+        "### The statistics pass on a watched resnet18 step's tensors",
+        "",
+        f"{len(tensors)} tensors, one thread, least CPU time of {args.reps} rounds per tensor"
+        + (", the two trees alternating" if len(labels) > 1 else ""),
+    ]
+    table = bc.markdown(head, cols, rows_out, [])
+    print(table, flush=True)
+    if args.out:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
