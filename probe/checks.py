@@ -158,7 +158,7 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
         raise ConfigError("graph.logit_prob=0 chooses no logit; give a probability in (0, 1]")
     at_least("graph.max_logits", g.max_logits, 1)
     at_least("graph.max_feature_nodes", g.max_feature_nodes, 1, " (null: every active feature)")
-    at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
+    at_least("graph.batch_size", g.batch_size, 1, " (null: the memory plan's)")
     at_least("graph.update_interval", g.update_interval, 1, " (batches between re-rankings)")
     if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
         raise ConfigError(
