@@ -158,7 +158,7 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
         raise ConfigError("graph.logit_prob=0 chooses no logit; give a probability in (0, 1]")
     at_least("graph.max_logits", g.max_logits, 1)
     at_least("graph.max_feature_nodes", g.max_feature_nodes, 1, " (null: every active feature)")
-    at_least("graph.batch_size", g.batch_size, 1, " (null: the attribution's default)")
+    at_least("graph.batch_size", g.batch_size, 1, " (null: the memory plan's)")
     at_least("graph.update_interval", g.update_interval, 1, " (batches between re-rankings)")
     at_least("graph.qk", g.qk, 0, " (key positions per head and query position; 0: off)")
     at_least("graph.qk_rows", g.qk_rows, 1, " (cells kept per decomposed pair; null: every one)")

@@ -298,13 +298,14 @@ class GraphConfig:
     probability sums to `logit_prob`, at most `max_logits`; `max_feature_nodes` caps the features
     attributed (null: all active ones); pruning keeps `node_threshold` of the node influence and
     `edge_threshold` of the edge influence; graph_edges.csv holds the pruned graph's edges or
-    `all` of them; `batch_size` target rows per backward pass and `floor` the share of a row's
-    |weight| sum under which its smallest edges are dropped (null: the attribution's
-    defaults); `zero_bos` leaves position 0's features and error out of the nodes;
-    `prepend_bos` puts the tokenizer's special token first in a prompt that does not start with
-    one, the rule `probe.attribution_graph` follows (circuit-tracer's); `examples` names a run
-    holding the set's features as a site with their top-k examples, from which each kept feature
-    gets circuit-tracer's example file (probe.graphs.feature_files); `qk` (0: off) decomposes
+    `all` of them; `batch_size` target rows per backward pass (null: as many as the memory plan
+    fits, probe.graphs.batch_plan) and `floor` the share of a row's |weight| sum under which
+    its smallest edges are dropped (null: the attribution's default); `zero_bos` leaves
+    position 0's features and error out of the nodes; `prepend_bos` puts the tokenizer's
+    special token first in a prompt that does not start with one, the rule
+    `probe.attribution_graph` follows (circuit-tracer's); `examples` names a run holding the
+    set's features as a site with their top-k examples, from which each kept feature gets
+    circuit-tracer's example file (probe.graphs.feature_files); `qk` (0: off) decomposes
     the attention scores of the `qk` key positions each head attends to most from each query
     position of the kept nodes, `qk_rows` the cells and marginals kept per pair (null: all):
     graph_qk.csv (probe.graphs.qk_attribution)."""

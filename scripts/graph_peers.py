@@ -33,6 +33,8 @@ against its hook, and shows what `mlp_in` against `ln2.hook_normalized` would gi
 
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py compare
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py memory --lengths 64 256 1024
+    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py memory --family smollm2 \
+        --lengths 8 16 --variants 0 1 3   # SmolLM2-135M's shape, short prompts
     PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py all  # both, one run
 
 Set up circuit-tracer's venv (torch first, from the same wheel as probe's, so pip keeps it):
@@ -65,6 +67,7 @@ import numpy as np
 PEER_PYTHON = "/work/venv-ct/bin/python"
 WORK = Path(os.environ.get("GRAPH_PEERS_WORK", "/tmp/graph_peers"))
 VOCAB = 512
+SMOLLM2_VOCAB = 49152  # the smollm2 model's vocabulary (its prompts use the first VOCAB ids)
 BOS = VOCAB - 1  # the tokenizer's special token (not 0: circuit-tracer's filter(None, ...))
 CT_HOOK = {"mlp_in": "mlp.hook_in", "resid_mid": "hook_resid_mid",
            "mlp_normalized": "ln2.hook_normalized"}  # fmt: skip
@@ -115,7 +118,10 @@ CT_OUTPUT = {"gemma2": "hook_mlp_out", "gemma3": "hook_mlp_out", "qwen3": "mlp.h
 # ---------------------------------------------------------------------------------------------
 def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> Path:
     """A tiny random `family` (gpt2 | llama) model with random norm weights, saved with its
-    tokenizer in `folder`; gpt2-unit-ln2: the gpt2 one with its MLP norms' weight 1, bias 0."""
+    tokenizer in `folder`; gpt2-unit-ln2: the gpt2 one with its MLP norms' weight 1, bias 0;
+    smollm2: a Llama of SmolLM2-135M's shape (30 blocks, width 576, 9 heads over 3 key/value
+    heads, intermediate 1536, vocabulary 49,152; untied head, as circuit-tracer's
+    TransformerLens conversion reads it)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -123,6 +129,16 @@ def build_model(family: str, folder: Path, n_ctx: int = 2048, seed: int = 0) -> 
     torch.manual_seed(seed)
     if family in NNSIGHT:
         model = nnsight_family_model(family, n_ctx)
+    elif family == "smollm2":  # SmolLM2-135M's shape, random weights
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=SMOLLM2_VOCAB, hidden_size=576, intermediate_size=1536,
+            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            max_position_embeddings=n_ctx, rms_norm_eps=1e-5, rope_theta=100000.0,
+            bos_token_id=BOS, eos_token_id=BOS, tie_word_embeddings=False,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
     elif family.startswith("gpt2"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -223,8 +239,8 @@ def make_transcoders(width, layers, reads, activation, skip, *, l0=None, seed=0)
         shift = float(2**0.5 * torch.erfinv(1 - 2 * share))  # N(0, 1)'s upper `share` quantile
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            for t in tset.transcoders.values():
-                t.W_enc.mul_(1 / width**0.5 * 8)  # pre-activations ~ N(0, ~1) on norm outputs
+            for t in tset.transcoders.values():  # (W_enc ~ N(0, 1 / width): pre-activations
+                # ~ N(0, ~1) on norm outputs of unit rms)
                 t.b_enc.copy_(-shift * torch.ones_like(t.b_enc) + 0.05 * torch.randn(
                     t.b_enc.shape, generator=g))  # fmt: skip
                 if t.threshold is not None:
@@ -628,13 +644,14 @@ def run_mem(args) -> None:
 
         model = load_hf(Path(args.model))
         tset = load_ct_transcoders(Path(args.transcoders), "mlp_in")
+        batch = None if args.planned else args.batch_size  # None: the memory plan's
     import gc
 
     warm = ids[:8]  # one small graph first, so lazy imports and one-time setup are not counted
     if args.side == "peer":
         prune_graph(attribute(warm, model, batch_size=args.batch_size))
     else:
-        options = GraphOptions(batch_size=args.batch_size, floor=args.floor)
+        options = GraphOptions(batch_size=batch, floor=args.floor)
         attribute(model, warm, tset, options).prune()
     gc.collect()
     base, start = rss_mb(), time.perf_counter()
@@ -644,6 +661,7 @@ def run_mem(args) -> None:
     else:
         graph = attribute(model, ids, tset, options)
         n_nodes, stored = graph.n_nodes, graph.adjacency._nnz()
+        args.batch_size = graph.batch
     t_attr, p_attr = time.perf_counter() - start, peak_mb()
     if args.side == "peer":
         pruned = prune_graph(graph)
@@ -663,24 +681,27 @@ def run_mem(args) -> None:
     print(json.dumps({
         "base_mb": base, "attribute_mb": max(0.0, p_attr - base), "all_mb": max(0.0, p_all - base),
         "attribute_s": t_attr, "all_s": t_all, "nodes": int(n_nodes), "stored": int(stored),
-        "floor": floor,
+        "floor": floor, "batch": args.batch_size,
     }))  # fmt: skip
 
 
-VARIANTS = (  # (label, side, floor for probe: None = its default rule)
-    ("circuit-tracer", "peer", None),
-    ("probe, default floor", "ours", None),
-    ("probe, floor 0", "ours", 0.0),
+VARIANTS = (  # (label, side, floor for probe: None = its default rule, probe's batch planned)
+    ("circuit-tracer", "peer", None, False),
+    ("probe, default floor", "ours", None, False),
+    ("probe, floor 0", "ours", 0.0, False),
+    ("probe, batch of the memory plan", "ours", None, True),
 )
 
 
 def memory(args) -> list[dict]:
     """Every variant at each length, each in a fresh process, one after the other."""
-    model_dir = WORK / "model-gpt2"
+    family = args.family
+    model_dir = WORK / f"model-{family}"
     if not (model_dir / "config.json").exists():
-        build_model("gpt2", model_dir)
-    tset = make_transcoders(64, 2, "mlp_in", "relu", False, l0=args.l0, seed=5)
-    tc_dir = save_ct_transcoders(tset, WORK / "tc-memory", "mlp.hook_in")
+        build_model(family, model_dir)
+    width, layers = (576, 30) if family == "smollm2" else (64, 2)
+    tset = make_transcoders(width, layers, "mlp_in", "relu", False, l0=args.l0, seed=5)
+    tc_dir = save_ct_transcoders(tset, WORK / f"tc-memory-{family}", "mlp.hook_in")
     env = dict(os.environ) | {"OMP_NUM_THREADS": str(args.threads)}
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -692,11 +713,15 @@ def memory(args) -> list[dict]:
                 str(tokens), "--batch-size", str(args.batch_size), "--threads",
                 str(args.threads)]  # fmt: skip
         peer_file = WORK / f"mem-peer-{length}.npz"
-        for i, (label, side, floor) in enumerate(VARIANTS):
+        for i, (label, side, floor, planned) in enumerate(VARIANTS):
+            if args.variants and i not in args.variants:
+                continue
             out = peer_file if side == "peer" else WORK / f"mem-ours{i}-{length}.npz"
             call = [*role, "--out", str(out), "--side", side]
             if floor is not None:
                 call += ["--floor", str(floor)]
+            if planned:
+                call += ["--planned"]
             python = args.peer_python if side == "peer" else sys.executable
             done = peer_call(python, call, args.threads, env=env)
             row = {"tokens": length, "variant": label}
@@ -715,6 +740,9 @@ def memory(args) -> list[dict]:
 def same_pruning(ours_file: Path, peer_file: Path) -> dict:
     """How the two pruned graphs differ: nodes and edges kept by one side only, score gaps."""
     o, p = np.load(ours_file), np.load(peer_file)
+    if o["node_mask"].shape != p["node_mask"].shape:  # other node sets: nothing to match
+        return {"nodes kept": int(p["node_mask"].sum()), "node masks": "sets differ",
+                "edges kept": 0, "edge masks": "-", "scores": float("nan")}  # fmt: skip
     node_diff = int((o["node_mask"] != p["node_mask"]).sum())
     oe = set(map(tuple, o["edges"].T.tolist()))
     pe = set(map(tuple, p["edges"].T.tolist()))
@@ -728,12 +756,13 @@ def same_pruning(ours_file: Path, peer_file: Path) -> dict:
 def memory_table(rows) -> str:
     head = ("tokens", "nodes", "variant", "entries stored", "floor",
             "peak MB: attribute", "peak MB: + prune and scores", "circuit-tracer's peak / this",
-            "s", "pruned nodes, edges differing from circuit-tracer's", "largest score gap")  # fmt: skip
+            "s", "pruned nodes, edges differing from circuit-tracer's", "largest score gap",
+            "batch")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     peers = {r["tokens"]: r for r in rows if r["variant"] == "circuit-tracer" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['tokens']} | - | {r['variant']} | failed |" + " |" * 7)
+            lines.append(f"| {r['tokens']} | - | {r['variant']} | failed |" + " |" * 8)
             continue
         p = peers.get(r["tokens"])
         ratio = (
@@ -747,7 +776,7 @@ def memory_table(rows) -> str:
         lines.append(
             f"| {r['tokens']} | {r['nodes']:,} | {r['variant']} | {r['stored']:,} | {r['floor']:g} "
             f"| {r['attribute_mb']:,.0f} | {r['all_mb']:,.0f} | {ratio} | {r['all_s']:.1f} "
-            f"| {differ} | {gap} |"
+            f"| {differ} | {gap} | {r.get('batch', '-')} |"
         )
     return "\n".join(lines)
 
@@ -775,6 +804,12 @@ def main(argv=None) -> None:
     parser.add_argument("--scaled-token-vectors", action="store_true",
                         help="peer: token vectors times sqrt(width) (Gemma-3's embedding scale)")  # fmt: skip
     parser.add_argument("--floor", type=float, help="mem, probe: the floor (default: its rule)")
+    parser.add_argument("--planned", action="store_true",
+                        help="mem, probe: the batch of its memory plan (not --batch-size)")  # fmt: skip
+    parser.add_argument("--family", choices=("gpt2", "smollm2"), default="gpt2",
+                        help="memory: the model (smollm2: SmolLM2-135M's shape)")  # fmt: skip
+    parser.add_argument("--variants", type=int, nargs="+",
+                        help="memory: these of VARIANTS only (0 circuit-tracer, 1-3 probe)")  # fmt: skip
     parser.add_argument(
         "--mmap-threshold",
         type=int,

@@ -21,10 +21,10 @@ same order per step of the path.
 Kept rows are stored in row order, entry after entry, in large blocks reused for every batch
 (int32 row and column, float32 weight: 12 bytes an entry); the graph's COO adjacency (int64
 indices, 20 bytes an entry) is written from them block by block, already in (target, source)
-order, each block released as it is written. After each batch (at most 5% of the time) the C
-heap's free pages are given back to the system (glibc's malloc_trim; nothing elsewhere): the
-batches' temporaries otherwise leave the heap fragmented, and the process's memory grew to twice
-what it held.
+order, each block released as it is written. On the host, glibc's heap is kept from
+fragmenting (probe.graphs.host_heap: blocks of 1 MiB and more mapped and unmapped on their own,
+and after each batch, at most 5% of the time, the heap's free pages given back): the forward's
+and the batches' temporaries otherwise left the process holding 2.5 times what it used.
 
 Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
 influential ones, ranked every `update_interval` batches by the influence the rows so far give
@@ -35,6 +35,7 @@ influential ones, ranked every `update_interval` batches by the influence the ro
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -43,9 +44,12 @@ import torch
 
 from probe.errors import ConfigError
 from probe.graphs.attribution_graph import AttributionGraph
+from probe.graphs.batch_plan import BatchPlan, device_shares, plan_batch
+from probe.graphs.host_heap import bound_host_heap, release_free_memory
 from probe.graphs.replacement import LocalReplacement, check_interface
 from probe.hooks.hookset import HookSet
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.placement import execution_device
 
 EDGES = ("pruned", "all")
 EXACT_NODES = 8192  # graphs up to this many nodes keep every edge by default (floor 0)
@@ -57,6 +61,7 @@ PIECE = 1 << 24  # elements of a gathered gradient per contraction (bounds the r
 PROGRESS_BATCHES = 8  # backward passes a graph takes before its progress bar shows
 # a row's target: (layer, or "final" for a logit), position, the vector seeded at its input
 Seed = tuple[int | Literal["final"], int, torch.Tensor]
+log = logging.getLogger("probe")
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class GraphOptions:
     probabilities sum to logit_prob, at most max_logits. max_feature_nodes: the features
     attributed (None: every active one). node_threshold, edge_threshold: pruning's cumulative
     influence kept. batch_size: target rows per backward (and copies of the prompt in the
-    forward). floor: per row, the smallest entries are dropped while their |weight| sum stays
+    forward); None: as many as the memory plan fits (probe.graphs.batch_plan). floor: per row, the smallest entries are dropped while their |weight| sum stays
     under floor x the row's |weight| sum (a bound on what is lost); None: 0 for graphs of up to
     EXACT_NODES nodes, else DEFAULT_FLOOR. edges: which edges the
     files hold (pruned | all). zero_bos: position 0's features and error are not nodes.
@@ -81,7 +86,7 @@ class GraphOptions:
     max_feature_nodes: int | None = None
     node_threshold: float = 0.8
     edge_threshold: float = 0.98
-    batch_size: int = 64
+    batch_size: int | None = None
     floor: float | None = None
     edges: str = "pruned"
     zero_bos: bool = True
@@ -105,8 +110,9 @@ class GraphOptions:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 bad(key, value, "a fraction of the influence in [0, 1]")
-        if not _is_int(self.batch_size) or self.batch_size < 1:
-            bad("batch_size", self.batch_size, "at least 1 target row per backward")
+        if self.batch_size is not None and (not _is_int(self.batch_size) or self.batch_size < 1):
+            bad("batch_size", self.batch_size,
+                "at least 1 target row per backward, or null for the memory plan's")  # fmt: skip
         if self.floor is not None and (
             isinstance(self.floor, bool)
             or not isinstance(self.floor, int | float)
@@ -219,10 +225,17 @@ def attribute(
     options = options or GraphOptions()
     ids = token_ids(tokens)
     _check_context(model, ids)
-    device = next(model.parameters()).device
+    bound_host_heap()
+    n_layers, n_pos = len(transcoders), int(ids.shape[0])
+    replacement = LocalReplacement(model, transcoders, overrides, mode="attribute")
+    # the prompt goes where the embeddings run; the transcoders and the rows stay there (a
+    # block on another device of a `device_map` meets them through .to(its device))
+    device = execution_device(replacement.parts.embed)
     transcoders.to(device=device)
-    n_layers, n_pos, B = len(transcoders), int(ids.shape[0]), options.batch_size
-    with LocalReplacement(model, transcoders, overrides, mode="attribute") as rep:
+    with replacement as rep:
+        plan = batch_plan(model, rep, n_pos, options)
+        B = plan.batch
+        log.info("graph plan: %s", plan.reason)
         with torch.enable_grad():
             out = model(ids[None].expand(B, -1).to(device), **_lean(model))
         check_interface(rep)
@@ -281,7 +294,27 @@ def attribute(
         prompt=prompt,
         scan=_scan(transcoders),
         active_features=n_active,
+        batch=B,
     )
+
+
+def batch_plan(model: torch.nn.Module, rep: LocalReplacement, n_pos: int,
+               options: GraphOptions) -> BatchPlan:  # fmt: skip
+    """The prompt copies per backward: graph.batch_size where given, else the memory plan's for
+    this model, its placement and the prompt's length (probe.graphs.batch_plan)."""
+    if options.batch_size is not None:
+        return BatchPlan(options.batch_size, f"{options.batch_size} prompt copies per backward "
+                         "(graph.batch_size)")  # fmt: skip
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
+    eager = (getattr(config, "_attn_implementation", None) or "eager").endswith("_eager")
+    element = next(model.parameters()).element_size()
+    width = int(rep.parts.unembed.shape[1])
+    shares = device_shares(rep.parts.mlps, rep.parts.embed)
+    rows = None  # no more copies than rows to attribute, where max_feature_nodes bounds them
+    if options.max_feature_nodes is not None:
+        rows = options.max_logits + options.max_feature_nodes
+    return plan_batch(shares, n_pos, width, int(heads), element, eager, rows=rows)
 
 
 def token_ids(tokens) -> torch.Tensor:
@@ -342,14 +375,14 @@ def _nodes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bool) -
     start = 0
     for layer in range(len(transcoders)):
         t = transcoders[layer]
-        x = rep.captured.inputs[layer][0]
+        x = rep.captured.inputs[layer][0].to(t.W_enc.device)  # (the block's own device)
         a = t.encode(x)
         if zero_bos:
             a[0] = 0
         pos, feat = torch.nonzero(a, as_tuple=True)
         values = a[pos, feat]
         recon = t.decode(a) + t.skip(x)
-        error = rep.captured.mlp_values[layer][0].float() - recon.float()
+        error = rep.captured.mlp_values[layer][0].to(x.device).float() - recon.float()
         if zero_bos:
             error[0] = 0
         starts.append(start)
@@ -363,7 +396,7 @@ def _nodes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bool) -
         errors.append(error)
     starts.append(start)
     assert rep.captured.embed is not None  # (the replacement's forward ran)
-    embed = rep.captured.embed[0].detach().float()
+    embed = rep.captured.embed[0].detach().float().to(errors[0].device)
     writes = [
         _Writes(torch.arange(starts[layer], starts[layer + 1], device=poss[layer].device),
                 poss[layer], decoders[layer])
@@ -381,7 +414,8 @@ def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zero_bos: bool)
     [feature, l' - layer]; layer l''s error is its MLP's output minus every write into it, b_dec
     and the skip path. Position 0's features and error are dropped with `zero_bos`."""
     n = len(clt)
-    inputs = [rep.captured.inputs[layer][0] for layer in range(n)]
+    device = clt.W_enc.device
+    inputs = [rep.captured.inputs[layer][0].to(device) for layer in range(n)]
     acts = []
     for layer, x in enumerate(inputs):
         a = clt.encode(layer, x)
@@ -404,7 +438,7 @@ def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zero_bos: bool)
         values.append(value.float())
         encoders.append(clt.W_enc[layer][:, feat].T)
         out = recon[layer] + clt.skip(layer, inputs[layer])
-        error = rep.captured.mlp_values[layer][0].float() - out.float()
+        error = rep.captured.mlp_values[layer][0].to(device).float() - out.float()
         if zero_bos:
             error[0] = 0
         errors.append(error)
@@ -418,7 +452,7 @@ def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zero_bos: bool)
         ]  # fmt: skip
         writes.append(_Writes(*(torch.cat(column) for column in zip(*parts, strict=True))))
     assert rep.captured.embed is not None  # (the replacement's forward ran)
-    embed = rep.captured.embed[0].detach().float()
+    embed = rep.captured.embed[0].detach().float().to(device)
     return _Nodes(
         torch.cat(layers).cpu(), torch.cat(poss).cpu(), torch.cat(feats).cpu(),
         torch.cat(values).cpu(), starts, writes, encoders, torch.stack(errors), embed,
@@ -470,7 +504,7 @@ class _Reader:
         cols = torch.arange(n_pos) + self.error_start + layer * n_pos
 
         def read(grad):
-            g = grad.float()
+            g = grad.to(device, torch.float32)  # (a block of a device_map: its own device)
             buf = self.buffer
             assert buf is not None  # (rows() sets it for the backward that calls this)
             step = max(1, PIECE // max(1, g.shape[0] * g.shape[-1]))
@@ -487,7 +521,8 @@ class _Reader:
     def _embed_reader(self, grad):
         cols = torch.arange(self.n_pos) + self.token_start
         assert self.buffer is not None  # (rows() sets it for the backward that calls this)
-        self.buffer[:, cols] += torch.einsum("bpd,pd->bp", grad.float(), self.nodes.tokens)
+        g = grad.to(self.nodes.tokens.device, torch.float32)
+        self.buffer[:, cols] += torch.einsum("bpd,pd->bp", g, self.nodes.tokens)
 
     def rows(self, seeds: list[Seed]) -> torch.Tensor:
         """The rows (len(seeds), n_cols) of targets `seeds`: (layer or "final", pos, vector)."""
@@ -498,39 +533,14 @@ class _Reader:
             root = cap.final if where == "final" else cap.inputs[where]
             if where not in roots:
                 roots[where] = (root, torch.zeros_like(root))
-            roots[where][1][b, pos] = vec.to(root.dtype)
-        device = cap.final.device
+            roots[where][1][b, pos] = vec.to(root.device, root.dtype)
+        device = self.nodes.errors.device  # (the transcoders' and the nodes')
         self.buffer = torch.zeros(self.batch, self.n_cols, device=device)
         tensors = [r for r, _ in roots.values()]
         grads = [g for _, g in roots.values()]
         torch.autograd.backward(tensors, grads, retain_graph=True)
         buf, self.buffer = self.buffer, None
         return buf[: len(seeds)].cpu()  # (the backward filled it)
-
-
-_TRIM: dict = {}  # glibc's malloc_trim (None where there is none), when it last ran, how long
-
-
-def release_free_memory(force: bool = False) -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim(0)); a no-op
-    elsewhere. Unless `force`, at most 5% of the time: not again before 20 x its last
-    duration has passed."""
-    import time
-
-    if not _TRIM:
-        try:
-            import ctypes
-            import ctypes.util
-
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _TRIM.update(trim=getattr(libc, "malloc_trim", None), last=0.0, took=0.0)
-        except OSError:
-            _TRIM.update(trim=None)
-    now = time.perf_counter()
-    if _TRIM["trim"] is None or (not force and now - _TRIM["last"] < 20 * _TRIM["took"]):
-        return
-    _TRIM["trim"](0)
-    _TRIM["last"], _TRIM["took"] = time.perf_counter(), time.perf_counter() - now
 
 
 def kept_by_floor(dense: torch.Tensor, floor: float) -> torch.Tensor:

@@ -59,6 +59,7 @@ class GraphData:
     prompt: str | None = None
     scan: list[str] | str | None = None  # the transcoders' ids (circuit-tracer's scan)
     active_features: int = 0  # active features before max_feature_nodes chose among them
+    batch: int = 0  # prompt copies per backward pass it was attributed with (0: not known)
     influence: torch.Tensor | None = None  # (n_nodes,) float64: each node's influence on the logits
     cumulative: torch.Tensor | None = (
         None  # (n_nodes,) float64: circuit-tracer's cumulative influence

@@ -57,6 +57,7 @@ from probe.hooks.module_select import block_names
 from probe.models.anatomy import anatomy
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
 from probe.models.norms import Formula, apply_gain, centred_and_scale, class_name, mismatch, prove
+from probe.models.placement import onloaded
 
 MODES = ("attribute", "record", "replay")
 KEYS = (
@@ -161,6 +162,13 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
         raise ConfigError(
             f"graphs: the unembedding {body.unembed!r} has no (vocab, width) weight; set "
             "model.anatomy.unembed=NAME to the module that makes the logits"
+        )
+    if unembed.is_meta:
+        raise ConfigError(
+            f"graphs: the unembedding {body.unembed!r} is offloaded by the model's device map "
+            "(its weight is on the meta device outside its forward), and a graph reads it for "
+            f"the logit nodes; keep it on a device: model.device_map with {body.unembed!r} "
+            "on a GPU or 'cpu' (not offloaded)"
         )
     return Parts(
         body.family,
@@ -380,6 +388,10 @@ class LocalReplacement:
         return self._formulas[id(module)]
 
     def _norm_hook(self, module, args, out):
+        with onloaded(module):  # (a device map's offloaded norm: its weights back for the hook)
+            return self._frozen_norm(module, args, out)
+
+    def _frozen_norm(self, module, args, out):
         kind, layer = self._where[id(module)]
         x = args[0]
         key = (kind, layer)
@@ -437,7 +449,9 @@ class LocalReplacement:
             if not self.frozen_post_mlp:  # (else the norm after it writes to the residual)
                 self._keep("mlp write", layer, out)
             self.captured.inputs[layer] = x
-            self.captured.mlp_values[layer] = out.detach()
+            # (the attribution reads the first copy's alone: the other copies' are not kept)
+            first = out[:1].detach().clone() if self.mode == "attribute" else out.detach()
+            self.captured.mlp_values[layer] = first
             if self.mode == "record":
                 self.saved["mlp"][layer] = out.detach()
                 self.saved["inputs"][layer] = x.detach()
@@ -497,13 +511,15 @@ def _skip_path(transcoders: AnyTranscoders, layer: int):
     that still depends on x (so the transcoder's input stays on the backward's path, as
     circuit-tracer's `x * 0`)."""
     if isinstance(transcoders, CrossLayerTranscoder):
-        if transcoders.W_skip is None:
+        clt = transcoders
+        if clt.W_skip is None:
             return lambda x: x[..., :1] * 0
-        return lambda x: transcoders.skip(layer, x)
+        # (the block may run on another device of a device_map than the transcoders)
+        return lambda x: clt.skip(layer, x.to(clt.W_skip.device)).to(x.device)
     transcoder = transcoders[layer]
     if transcoder.W_skip is None:
         return lambda x: x[..., :1] * 0
-    return transcoder.skip
+    return lambda x: transcoder.skip(x.to(transcoder.W_skip.device)).to(x.device)
 
 
 def _apply(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

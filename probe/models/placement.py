@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -224,3 +225,40 @@ def check_param_grads(selections) -> None:
                 "offloaded by model.device_map (cpu or disk): they are moved in per call and "
                 "get no gradient; map that module to a GPU, or capture grad_output instead"
             )
+
+
+def _hooks_of(module: nn.Module) -> list:
+    """accelerate's hooks on `module` (a SequentialHook's parts), none where it has none."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", None) or [hook])
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` runs: the execution device of accelerate's hook on it or on a module inside
+    it (a device map that offloads keeps the weights elsewhere until the forward), else its
+    first parameter's or buffer's device, else the CPU."""
+    for inner in module.modules():
+        for hook in _hooks_of(inner):
+            device = getattr(hook, "execution_device", None)
+            if device is not None:
+                return _torch_device(device)
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+@contextmanager
+def onloaded(module: nn.Module) -> Iterator[nn.Module]:
+    """`module`'s own weights on its execution device for the block, where a device map
+    offloaded them (accelerate keeps them on the meta device outside the module's forward, so a
+    forward hook, which runs after it, finds them gone); nothing to do elsewhere."""
+    hooks = [h for h in _hooks_of(module) if getattr(h, "offload", False)]
+    for hook in hooks:
+        hook.pre_forward(module)
+    try:
+        yield module
+    finally:
+        for hook in reversed(hooks):
+            hook.post_forward(module, None)
