@@ -6,6 +6,8 @@ is the run around them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import probe
+from probe.errors import ConfigError
 from probe.graphs.graph_files import load_graph
 from probe.launch.parts import attribution_graphs
 from probe.testing.compose import QUIET
@@ -480,3 +483,22 @@ def test_the_documented_graph_keys_compose_and_reach_the_run(tmp_path):
     assert (plan.graph.prepend_bos, plan.graph.examples) == (False, "RUN")
     got = attribution_graphs.graph_options(plan.graph)
     assert (got.zero_bos, got.update_interval) == (False, 2)
+
+
+def test_a_resume_takes_keys_its_file_predates_at_their_defaults_and_ignores_the_batch(tmp_path):
+    """A /graph written before graph.qk existed resumes under qk=0 (what it was computed with)
+    and not under qk=2; graph.batch_size and graph.examples leave the graphs as they are."""
+    from types import SimpleNamespace
+
+    from probe.specs import GraphSpec
+
+    new = dataclasses.asdict(GraphSpec(transcoders="set"))
+    old = {k: v for k, v in new.items() if k not in ("qk", "qk_rows")} | {"batch_size": 64}
+    written = SimpleNamespace(group=SimpleNamespace(attrs={"options": json.dumps(old)}))
+    path = tmp_path / "probe.h5"
+    attribution_graphs._check_same_options(written, {"options": json.dumps(new)}, path)
+    examples = json.dumps(new | {"examples": "outputs/run"})
+    attribution_graphs._check_same_options(written, {"options": examples}, path)
+    with pytest.raises(ConfigError, match=r"other graph\.\* settings \(graph\.qk\)"):
+        attribution_graphs._check_same_options(written, {"options": json.dumps(new | {"qk": 2})},
+                                               path)  # fmt: skip

@@ -294,11 +294,21 @@ def _check_examples(path: str) -> None:
         ) from None
 
 
+# graph.* keys that leave every graph's values as they are (the backward's batch; the example
+# files written at the finish for every prompt): a resume may change them
+SAME_GRAPHS = frozenset({"batch_size", "examples"})
+
+
 def _check_same_options(out: GroupTables, attrs: dict[str, str], path: Path) -> None:
-    """A resumed /graph must hold graphs of the same graph.* settings."""
+    """A resumed /graph must hold graphs of the same graph.* settings (a key the file does not
+    name, written before the key existed, had its default)."""
     old = json.loads(str(out.group.attrs.get("options", "{}")))
     new = json.loads(attrs["options"])
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    defaults = {f.name: f.default for f in dataclasses.fields(GraphSpec)}
+    changed = sorted(
+        k for k in old.keys() | new.keys()
+        if k not in SAME_GRAPHS and old.get(k, defaults.get(k)) != new.get(k, defaults.get(k))
+    )  # fmt: skip
     if changed:
         raise ConfigError(
             f"resume=true but {path.name} holds the attribution graphs of other graph.* settings "
