@@ -29,7 +29,10 @@ and the batches' temporaries otherwise left the process holding 2.5 times what i
 Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
 influential ones, ranked every `update_interval` batches by the influence the rows so far give
 (circuit-tracer's order). As in circuit-tracer, position 0's features and error are not nodes
-(`zero_bos`: the first token is a special token whose activations are outliers).
+(`zero_bos`: the first token is a special token whose activations are outliers); for an
+instruction-tuned Gemma-3 (a model named `gemma-3...-it`, Gemma Scope 2's -it transcoders) the
+first four positions' are not, the chat template's `<bos><start_of_turn>user\n`
+(zeroed_positions, circuit-tracer's rule).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class GraphOptions:
     forward); None: as many as the memory plan fits (probe.graphs.batch_plan). floor: per row, the smallest entries are dropped while their |weight| sum stays
     under floor x the row's |weight| sum (a bound on what is lost); None: 0 for graphs of up to
     EXACT_NODES nodes, else DEFAULT_FLOOR. edges: which edges the
-    files hold (pruned | all). zero_bos: position 0's features and error are not nodes.
+    files hold (pruned | all). zero_bos: position 0's features and error are not nodes (an
+    instruction-tuned Gemma-3's first four: zeroed_positions).
     update_interval: batches between re-rankings of the features by influence. qk: the key
     positions per layer, head and query position whose attention score the QK attribution
     decomposes (probe.graphs.qk_attribution; 0: none); qk_rows: the largest cells and
@@ -225,6 +229,7 @@ def attribute(
     options = options or GraphOptions()
     ids = token_ids(tokens)
     _check_context(model, ids)
+    zeroed = zeroed_positions(model, ids, options.zero_bos)
     bound_host_heap()
     n_layers, n_pos = len(transcoders), int(ids.shape[0])
     replacement = LocalReplacement(model, transcoders, overrides, mode="attribute")
@@ -240,7 +245,7 @@ def attribute(
             out = model(ids[None].expand(B, -1).to(device), **_lean(model))
         check_interface(rep)
         logits = _logits_of(out)[0, -1].detach().float()
-        nodes = _nodes(rep, transcoders, options.zero_bos)
+        nodes = _nodes(rep, transcoders, zeroed)
         logit_ids, logit_probs, logit_vecs = _salient_logits(logits, rep.parts.unembed, options)
         n_active, n_logits = nodes.n_active, int(logit_ids.shape[0])
         n_cols = n_active + (n_layers + 1) * n_pos
@@ -330,6 +335,31 @@ def token_ids(tokens) -> torch.Tensor:
     return ids.long()
 
 
+GEMMA3_IT_PREFIX = (2, 105, 2364, 107)  # <bos><start_of_turn>user\n in Gemma-3's vocabulary
+
+
+def zeroed_positions(model, ids: torch.Tensor, zero_bos: bool = True) -> int:
+    """How many first positions' features and errors are not nodes: 0 without `zero_bos`, else
+    1, or circuit-tracer's 4 for an instruction-tuned Gemma-3 (its config's name has `gemma-3`
+    and ends in `-it`), whose prompt must then start with the chat template's
+    <bos><start_of_turn>user\n (a ConfigError otherwise, naming the tokens and the way out)."""
+    if not zero_bos:
+        return 0
+    config = getattr(model, "config", None)
+    name = str(getattr(config, "_name_or_path", "") or "").rstrip("/").lower()
+    if "gemma-3" not in name or not name.endswith("-it"):
+        return 1
+    head = tuple(int(t) for t in ids[: len(GEMMA3_IT_PREFIX)].tolist())
+    if head != GEMMA3_IT_PREFIX:
+        raise ConfigError(
+            f"graphs: {name} is an instruction-tuned Gemma-3, whose graphs leave out the chat "
+            f"template's first four tokens <bos><start_of_turn>user\\n {list(GEMMA3_IT_PREFIX)}, "
+            f"but the prompt starts {list(head)}: give the prompt through the tokenizer's chat "
+            "template (apply_chat_template), or graph.zero_bos=false to keep every position"
+        )
+    return len(GEMMA3_IT_PREFIX)
+
+
 def _check_context(model, ids: torch.Tensor) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):  # multimodal: its LM's
@@ -368,23 +398,22 @@ def _scan(transcoders: AnyTranscoders) -> list[str] | str | None:
 
 
 @torch.no_grad()
-def _nodes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bool) -> _Nodes:
+def _nodes(rep: LocalReplacement, transcoders: AnyTranscoders, zeroed: int) -> _Nodes:
+    """The nodes' data; the first `zeroed` positions' features and errors are not nodes."""
     if isinstance(transcoders, CrossLayerTranscoder):
-        return _clt_nodes(rep, transcoders, zero_bos)
+        return _clt_nodes(rep, transcoders, zeroed)
     layers, poss, feats, acts, decoders, encoders, errors, starts = [], [], [], [], [], [], [], []
     start = 0
     for layer in range(len(transcoders)):
         t = transcoders[layer]
         x = rep.captured.inputs[layer][0].to(t.W_enc.device)  # (the block's own device)
         a = t.encode(x)
-        if zero_bos:
-            a[0] = 0
+        a[:zeroed] = 0
         pos, feat = torch.nonzero(a, as_tuple=True)
         values = a[pos, feat]
         recon = t.decode(a) + t.skip(x)
         error = rep.captured.mlp_values[layer][0].to(x.device).float() - recon.float()
-        if zero_bos:
-            error[0] = 0
+        error[:zeroed] = 0
         starts.append(start)
         start += int(pos.shape[0])
         layers.append(torch.full_like(pos, layer))
@@ -408,19 +437,18 @@ def _nodes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bool) -
     )  # fmt: skip
 
 
-def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zero_bos: bool) -> _Nodes:
+def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zeroed: int) -> _Nodes:
     """A CLT's nodes (circuit-tracer's definitions): a feature per (layer, position, feature)
     active at its layer's input; its write into layer l' >= layer is activation x W_dec[layer]
     [feature, l' - layer]; layer l''s error is its MLP's output minus every write into it, b_dec
-    and the skip path. Position 0's features and error are dropped with `zero_bos`."""
+    and the skip path. The first `zeroed` positions' features and errors are dropped."""
     n = len(clt)
     device = clt.W_enc.device
     inputs = [rep.captured.inputs[layer][0].to(device) for layer in range(n)]
     acts = []
     for layer, x in enumerate(inputs):
         a = clt.encode(layer, x)
-        if zero_bos:
-            a[0] = 0
+        a[:zeroed] = 0
         acts.append(a)
     recon = clt.decode(acts)
     layers, poss, feats, values, encoders, errors, starts = [], [], [], [], [], [], []
@@ -439,8 +467,7 @@ def _clt_nodes(rep: LocalReplacement, clt: CrossLayerTranscoder, zero_bos: bool)
         encoders.append(clt.W_enc[layer][:, feat].T)
         out = recon[layer] + clt.skip(layer, inputs[layer])
         error = rep.captured.mlp_values[layer][0].to(device).float() - out.float()
-        if zero_bos:
-            error[0] = 0
+        error[:zeroed] = 0
         errors.append(error)
     starts.append(start)
     writes = []

@@ -9,7 +9,8 @@ the residual at layer l's attention input at a position is the sum of its parts 
 embedding, the rest of the input embedding such as GPT-2's position embedding, and per earlier
 layer its attention's write, each transcoder feature's write (a cross-layer transcoder's
 features' writes into every layer up to l-1 summed per feature), the error node and the MLP
-write's rest: b_dec and the skip path, and at position 0 under zero_bos the whole write). Each
+write's rest: b_dec and the skip path, and at the graph's zeroed positions (position 0 under
+zero_bos) the whole write). Each
 part goes through the attention norm with its scale frozen at the prompt's (centring and gain
 kept), the query or key projection, a q/k norm with its scale frozen likewise (Qwen3, Gemma-3:
 exact on the prompt, linear around it, as the graph freezes every norm) and the rotary
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from probe.errors import ConfigError, ModelError
-from probe.graphs.attribution import _lean, check_qk_options
+from probe.graphs.attribution import _lean, check_qk_options, zeroed_positions
 from probe.graphs.graph_data import QK_COLUMNS, GraphData
 from probe.graphs.replacement import LocalReplacement, _additive, check_interface
 from probe.hooks.hookset import HookSet
@@ -114,7 +115,8 @@ def qk_table(
     `keys` key positions it attends to most, each pair's score decomposed into cells (a
     query-side part times a key-side part) and marginals (a part times the other side whole:
     `*`), the `rows` largest |contribution| of each kept and the rest summed in a `rest` row.
-    `zero_bos` must be the graph's (position 0's features and error are no nodes)."""
+    `zero_bos` must be the graph's (position 0's features and error are no nodes, an
+    instruction-tuned Gemma-3's first four: probe.graphs.attribution.zeroed_positions)."""
     check_qk_options(keys, rows)
     if keys == 0:
         return pd.DataFrame(columns=list(QK_COLUMNS))
@@ -127,7 +129,7 @@ def qk_table(
         with torch.no_grad():
             model(ids[None].to(device), **_lean(model))
         check_interface(seen.rep)
-        writes = _mlp_writes(seen.rep, transcoders, zero_bos)
+        writes = _mlp_writes(seen.rep, transcoders, zeroed_positions(model, ids, zero_bos))
     residuals = _residual_parts(seen, writes, graph)
     out = []
     for layer, residual in enumerate(residuals):
@@ -224,7 +226,7 @@ class _LayerWrites:
     """What one layer's MLP output holds, in the transcoders' output space and the model's
     dtype: each active feature's write into it ((layer, pos, feature) of the feature, and
     activation x decoder row: a cross-layer transcoder's earlier layers' features too) and the
-    error (the MLP's output minus the transcoders', zero at position 0 with zero_bos)."""
+    error (the MLP's output minus the transcoders', zero at the graph's zeroed positions)."""
 
     features: list[tuple[int, int, int]]
     vectors: torch.Tensor  # (k, d)
@@ -232,18 +234,18 @@ class _LayerWrites:
 
 
 @torch.no_grad()
-def _mlp_writes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bool):
-    """Each layer's _LayerWrites, the graph's definitions (probe.graphs.attribution's nodes)
-    kept in the model's dtype (the graph's own are float32)."""
+def _mlp_writes(rep: LocalReplacement, transcoders: AnyTranscoders, zeroed: int):
+    """Each layer's _LayerWrites, the graph's definitions (probe.graphs.attribution's nodes: the
+    first `zeroed` positions' features and errors are none) kept in the model's dtype (the
+    graph's own are float32)."""
     n = len(transcoders)
     inputs = [rep.captured.inputs[layer][0] for layer in range(n)]
     if isinstance(transcoders, CrossLayerTranscoder):
         acts = [transcoders.encode(layer, x) for layer, x in enumerate(inputs)]
     else:
         acts = [transcoders[layer].encode(x) for layer, x in enumerate(inputs)]
-    if zero_bos:
-        for a in acts:
-            a[0] = 0
+    for a in acts:
+        a[:zeroed] = 0
     if isinstance(transcoders, CrossLayerTranscoder):
         recon = transcoders.decode(acts)
         outs = [recon[layer] + transcoders.skip(layer, inputs[layer]) for layer in range(n)]
@@ -265,8 +267,7 @@ def _mlp_writes(rep: LocalReplacement, transcoders: AnyTranscoders, zero_bos: bo
             vectors.append(value[:, None] * rows)
         value_out = rep.captured.mlp_values[target][0]
         error = value_out - outs[target].to(value_out.dtype)
-        if zero_bos:
-            error[0] = 0
+        error[:zeroed] = 0
         out.append(_LayerWrites(features, torch.cat(vectors), error))
     return out
 

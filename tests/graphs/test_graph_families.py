@@ -357,3 +357,44 @@ def test_a_multimodal_gemma3_gives_its_language_models_graph():
     refused = pytest.raises(ModelError, match="ran its model.vision_tower .* token prompts only")
     with refused, torch.no_grad(), LocalReplacement(both, ts, mode="record"):
         both(ids, pixel_values=torch.randn(1, 3, 28, 28, dtype=torch.float64))
+
+
+def test_an_instruction_tuned_gemma3_leaves_the_chat_templates_four_positions_out():
+    """circuit-tracer's rule for a model named gemma-3...-it (Gemma Scope 2's -it sets): the
+    features and errors of <bos><start_of_turn>user\\n are no nodes; every other node and edge
+    is the graph's with position 0 alone left out; a prompt without the template is refused."""
+    from probe.errors import ConfigError
+
+    config = transformers.Gemma3TextConfig(
+        num_hidden_layers=2, sliding_window=3, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"], **{**COMMON, "vocab_size": 2400},
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval().double()
+    ts = random_transcoders(32, 2, reads="mlp_in", activation="relu", expansion=2,
+                            dtype=torch.float64)  # fmt: skip
+    prompt = torch.tensor([2, 105, 2364, 107, 7, 12, 9, 20, 5, 14])
+    options = GraphOptions(batch_size=64, floor=0.0)
+    model.config._name_or_path = "google/gemma-3-1b-pt"
+    plain = attribute(model, prompt, ts, options)
+    model.config._name_or_path = "google/gemma-3-1b-it"
+    it = attribute(model, prompt, ts, options)
+    kept = plain.features[:, 1] >= 4
+    assert (plain.features[:, 1] < 4).any() and not (it.features[:, 1] < 4).any()
+    assert torch.equal(it.features, plain.features[kept])
+    # it's nodes among plain's: the kept features, then errors, tokens and logits as they are
+    rest = torch.arange(plain.n_features, plain.n_nodes)
+    index = torch.cat([torch.nonzero(kept).squeeze(1), rest])
+    a, b = it.adjacency.to_dense(), plain.adjacency.to_dense()[index][:, index]
+    errors = it.offsets["error"] + torch.arange(it.n_errors)
+    zeroed = errors[(torch.arange(it.n_errors) % it.n_pos) < 4]  # their errors' columns: 0 in it
+    assert float(b[:, zeroed].abs().max()) > 0 and float(a[:, zeroed].abs().max()) == 0
+    live = torch.ones(it.n_nodes, dtype=torch.bool)
+    live[zeroed] = False
+    torch.testing.assert_close(a[:, live], b[:, live], rtol=1e-6, atol=1e-9)
+    with pytest.raises(ConfigError, match=r"instruction-tuned Gemma-3.*starts \[2, 7, 12, 9\]"):
+        attribute(model, PROMPT, ts, options)
+    kept_all = attribute(model, PROMPT, ts, GraphOptions(batch_size=64, floor=0.0, zero_bos=False))
+    assert (kept_all.features[:, 1] == 0).any()  # zero_bos=false: every position's features
