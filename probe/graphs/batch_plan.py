@@ -18,9 +18,11 @@ of the model's dtype:
 - per copy, outside the blocks: COPY_TENSORS_OUTSIDE tensors of n_pos x d (the embeddings,
   the final norm's output, the seeds' gradients, the gradients in flight, the float32 copy
   and the gathered pieces the rows are read from), on the device of the embeddings;
-- once, per block on the device: the frozen attention pattern, heads x n_pos^2 float32 (one
-  pattern serves every copy), and while it is made the eager function's scores, EAGER_TEMPS
-  patterns of one block.
+- once, per block on the device: the queries, keys and values of one copy (QKV_TENSORS
+  tensors of at most n_pos x d), from which each backward pass makes the block's frozen pattern
+  again (probe.graphs.replacement: no n_pos^2 pattern is held between passes); and on the
+  device, one block's pattern while it is made, the eager function's EAGER_TEMPS matrices of
+  heads x n_pos^2 float32.
 
     batch = clamp(floor((FRACTION x free - once) / per_copy), 1, MAX_BATCH)
 
@@ -51,6 +53,7 @@ COPY_TENSORS_PER_BLOCK = 4
 COPY_TENSORS_OUTSIDE = 8  # n_pos x d tensors per copy outside the blocks
 EAGER_TEMPS = 3  # heads x n_pos^2 matrices eager attention makes at once (scores, softmax, pattern)
 PATTERN_BYTES = 4  # the frozen patterns are float32
+QKV_TENSORS = 3  # n_pos x d tensors a block keeps to make its pattern again (one copy's q, k, v)
 
 
 @dataclass(frozen=True)
@@ -84,13 +87,13 @@ def copy_bytes(blocks: int, embeddings: bool, n_pos: int, width: int, heads: int
     return tensors * n_pos * width * element + scores
 
 
-def once_bytes(blocks: int, n_pos: int, heads: int, element: int, eager: bool) -> int:
-    """Bytes paid once on a device holding `blocks` blocks: their frozen patterns, and the
-    eager scores of the one copy the pattern is made from."""
+def once_bytes(blocks: int, n_pos: int, width: int, heads: int, element: int) -> int:
+    """Bytes paid once on a device holding `blocks` blocks: each block's queries, keys and
+    values of one copy, and one block's pattern while it is made (see the module docstring)."""
     if not blocks:
         return 0
-    temps = EAGER_TEMPS * heads * n_pos * n_pos * element if eager else 0
-    return blocks * heads * n_pos * n_pos * PATTERN_BYTES + temps
+    made = EAGER_TEMPS * heads * n_pos * n_pos * PATTERN_BYTES
+    return blocks * QKV_TENSORS * n_pos * width * element + made
 
 
 def plan_batch(shares: list[DeviceShare], n_pos: int, width: int, heads: int, element: int,
@@ -102,7 +105,7 @@ def plan_batch(shares: list[DeviceShare], n_pos: int, width: int, heads: int, el
         if not share.blocks and not share.embeddings:
             continue
         per_copy = copy_bytes(share.blocks, share.embeddings, n_pos, width, heads, element, eager)
-        once = once_bytes(share.blocks, n_pos, heads, element, eager)
+        once = once_bytes(share.blocks, n_pos, width, heads, element)
         if share.free is None:
             plan = BatchPlan(
                 FALLBACK_BATCH,
@@ -115,7 +118,7 @@ def plan_batch(shares: list[DeviceShare], n_pos: int, width: int, heads: int, el
             batch = min(max(fits, 1), most)
             why = (
                 f"{batch} prompt copies per backward: {human(per_copy)} a copy and {human(once)}"
-                f" once (frozen patterns) against {fraction:.0%} of {human(share.free)} free on "
+                f" once (queries, keys and values the patterns are made from) against {fraction:.0%} of {human(share.free)} free on "
                 f"{share.device}"
             )
             if fits > most:

@@ -490,7 +490,7 @@ class LocalReplacement:
                 module, query[:rows], key[:rows], value[:rows], mask,
                 **{k: v for k, v in kwargs.items() if k != "dropout"},
             )  # fmt: skip
-        lin = _apply(pattern, value)
+            lin = _apply(pattern, value)
         largest, ok = mismatch(out, lin.to(out.dtype))
         if not ok:
             raise ConfigError(
@@ -503,6 +503,17 @@ class LocalReplacement:
         if self.mode == "record":
             self.saved["patterns"].append(pattern)
             return out, weights
+        # the backward passes multiply by the pattern again, made anew from this block's
+        # queries and keys each time: no block's n_pos x n_pos pattern is held between passes
+        q, k, v = query[:rows].detach(), key[:rows].detach(), value[:rows].detach()
+        options = {name: given for name, given in kwargs.items() if name != "dropout"}
+
+        def remade() -> torch.Tensor:
+            with torch.no_grad():
+                mask = _additive(attention_mask, q, k, rows)
+                return eager(module, q, k, v, mask, **options)[1]
+
+        lin = _FrozenPattern.apply(value, pattern, remade)
         return out.detach() + (lin - lin.detach()).to(out.dtype), weights
 
 
@@ -520,6 +531,28 @@ def _skip_path(transcoders: AnyTranscoders, layer: int):
     if transcoder.W_skip is None:
         return lambda x: x[..., :1] * 0
     return lambda x: transcoder.skip(x.to(transcoder.W_skip.device)).to(x.device)
+
+
+class _FrozenPattern(torch.autograd.Function):
+    """`pattern @ V` (_apply) whose backward makes the pattern again with `remade()` (the
+    family's eager function on the block's saved queries and keys: the same pattern) rather
+    than keeping it: a graph's many backward passes then hold each block's queries and keys,
+    not its heads x n_pos^2 pattern."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, pattern: torch.Tensor, remade) -> torch.Tensor:
+        ctx.remade = remade
+        ctx.shape, ctx.dtype, ctx.device = value.shape, value.dtype, value.device
+        return _apply(pattern, value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pattern = ctx.remade()
+        with torch.enable_grad():  # (_apply is linear in the values: its adjoint at any values)
+            values = torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device,
+                                 requires_grad=True)  # fmt: skip
+            (back,) = torch.autograd.grad(_apply(pattern, values), values, grad)
+        return back, None, None
 
 
 def _apply(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -24,21 +24,22 @@ def test_the_planned_batch_is_the_formula_by_hand_for_two_prompt_lengths():
     # SmolLM2-135M's shape: 30 blocks, width 576, 9 heads, float32, sdpa; 20 GiB free on the CPU
     share = [DeviceShare(CPU, blocks=30, embeddings=True, free=20 * GIB)]
     # 2,048 tokens: a copy holds 4 tensors of 2048 x 576 floats per block and 8 outside them;
-    # once: 30 frozen patterns of 9 x 2048 x 2048 floats
+    # once: each block's q, k, v of one copy (3 x 2048 x 576 floats), and one block's pattern
+    # while it is made again (the eager function's 3 matrices of 9 x 2048 x 2048 floats)
     per_copy = (4 * 30 + 8) * 2048 * 576 * 4  # 603,979,776 bytes
-    once = 30 * 9 * 2048 * 2048 * 4  # 4,529,848,320 bytes
-    assert (10 * GIB - once) / per_copy == pytest.approx(10.278, abs=1e-3)
+    once = 30 * 3 * 2048 * 576 * 4 + 3 * 9 * 2048 * 2048 * 4  # 877,658,112 bytes
+    assert (10 * GIB - once) / per_copy == pytest.approx(16.325, abs=1e-3)
     plan = plan_batch(share, 2048, 576, 9, 4, eager=False)
-    assert plan.batch == 10 and plan.per_copy == per_copy and plan.once == once
-    # 256 tokens with 4 GiB free: (2 GiB - once) / per copy = 27.5
+    assert plan.batch == 16 and plan.per_copy == per_copy and plan.once == once
+    # 256 tokens with 4 GiB free: (2 GiB - once) / per copy = 27.6
     small = [DeviceShare(CPU, blocks=30, embeddings=True, free=4 * GIB)]
-    per_copy, once = (4 * 30 + 8) * 256 * 576 * 4, 30 * 9 * 256 * 256 * 4
+    per_copy = (4 * 30 + 8) * 256 * 576 * 4
+    once = 30 * 3 * 256 * 576 * 4 + 3 * 9 * 256 * 256 * 4
     assert (
         plan_batch(small, 256, 576, 9, 4, eager=False).batch == (2 * GIB - once) // per_copy == 27
     )
-    # eager attention: each copy also makes one block's 3 score matrices, the pattern too
+    # eager attention: each copy also makes one block's 3 score matrices
     per_copy += 3 * 9 * 256 * 256 * 4
-    once += 3 * 9 * 256 * 256 * 4
     assert plan_batch(small, 256, 576, 9, 4, eager=True).batch == (2 * GIB - once) // per_copy == 25
 
 
@@ -52,9 +53,10 @@ def test_the_plan_is_capped_floored_and_takes_the_tightest_device():
     # two devices of 15 blocks each: the one holding the embeddings too, with less free, decides
     cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
     split = [DeviceShare(cuda[0], 15, True, 3 * GIB), DeviceShare(cuda[1], 15, False, 8 * GIB)]
-    per_copy, once = (4 * 15 + 8) * 1024 * 576 * 4, 15 * 9 * 1024 * 1024 * 4
+    per_copy = (4 * 15 + 8) * 1024 * 576 * 4
+    once = 15 * 3 * 1024 * 576 * 4 + 3 * 9 * 1024 * 1024 * 4
     plan = plan_batch(split, 1024, 576, 9, 4, eager=False)
-    assert plan.batch == int((1.5 * GIB - once) // per_copy) == 6 and "cuda:0" in plan.reason
+    assert plan.batch == int((1.5 * GIB - once) // per_copy) == 8 and "cuda:0" in plan.reason
     unknown = [DeviceShare(torch.device("mps"), 30, True, None)]
     assert plan_batch(unknown, 256, 576, 9, 4, eager=False).batch == batch_plan.FALLBACK_BATCH
 
@@ -75,7 +77,7 @@ def test_the_planned_batch_gives_the_graph_of_one_copy_per_backward(llama, monke
     config = model.config
     width, layers, n_pos = config.hidden_size, config.num_hidden_layers, len(PROMPT)
     per_copy = (4 * layers + 8) * n_pos * width * 4
-    once = layers * config.num_attention_heads * n_pos * n_pos * 4
+    once = layers * 3 * n_pos * width * 4 + 3 * config.num_attention_heads * n_pos * n_pos * 4
     # free memory such that (half of it - once) holds 5.5 copies: the plan takes 5
     monkeypatch.setattr(batch_plan, "free_bytes", lambda device: int(2 * (once + 5.5 * per_copy)))
     options = {"floor": 0.0, "max_feature_nodes": 12, "update_interval": 1}
