@@ -23,7 +23,8 @@ pruned. `--batch` fixes the prompt copies per backward; without it the memory pl
 (probe.graphs.batch_plan), and the table shows its choice. The table gives the peak RSS the
 graph added over the warm process, the whole process's peak, the sparse adjacency's bytes
 (int64 indices and a float32 value per entry), the dense matrix's (nodes^2 x 4), the frozen
-attention patterns' (blocks x heads x tokens^2 x 4, held through the backward passes), seconds,
+attention patterns' (blocks x heads x tokens^2 x 4, if they were held: each backward pass makes
+a block's again), seconds,
 and seconds per attributed row (logits and features: one row per prompt copy per backward).
 """
 
@@ -163,7 +164,7 @@ def main() -> None:
         ["peak RSS: what attributing and pruning added over the warm process (VmHWM reset); "
          "process peak: the whole process's",
          "dense MB: one nodes x nodes float32 matrix (circuit-tracer's adjacency for these nodes)",
-         "patterns MB: the frozen attention patterns held through the backward passes"],
+         "patterns MB: what the frozen attention patterns would take if they were held (blocks x heads x tokens^2 x 4); each backward pass makes a block's again"],
     )  # fmt: skip
     print(text)
     if args.out:
