@@ -17,7 +17,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from probe.launch import run as run_module
 from probe.launch.interrupt import Interrupted
@@ -27,6 +26,7 @@ from probe.stats import device_sketch, torch_backend
 from probe.stats.torch_backend import BINS
 from probe.testing.arrays import file_arrays
 from probe.testing.compose import make_cfg
+from tests.train.test_step_transfers import Reads
 
 TINY = [
     "model=custom",
@@ -104,19 +104,6 @@ def test_a_stopped_device_path_run_resumed_equals_one_not_stopped(tmp_path, stor
     assert got.keys() == want.keys()
     for name, a in want.items():
         np.testing.assert_array_equal(got[name], a, err_msg=name)
-
-
-class Reads(TorchDispatchMode):
-    """Counts the operations that read a tensor's value into Python."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_one_small_copy_per_batch_and_the_sketches_once_at_the_end(tmp_path, monkeypatch):
