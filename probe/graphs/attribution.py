@@ -22,8 +22,8 @@ Kept rows are stored in row order, entry after entry, in large blocks reused for
 (int32 row and column, float32 weight: 12 bytes an entry); the graph's COO adjacency (int64
 indices, 20 bytes an entry) is written from them block by block, already in (target, source)
 order, each block released as it is written. On the host, glibc's heap is kept from
-fragmenting (probe.graphs.host_heap: blocks of 1 MiB and more mapped and unmapped on their own,
-and after each batch, at most 5% of the time, the heap's free pages given back): the forward's
+fragmenting (probe.graphs.host_heap: while a graph runs, blocks of 1 MiB and more mapped and
+unmapped on their own, the thresholds of a warmed-up process after it; and after each batch, at most 5% of the time, the heap's free pages given back): the forward's
 and the batches' temporaries otherwise left the process holding 2.5 times what it used.
 
 Logit rows come first; then the features' rows, all of them, or with `max_feature_nodes` the most
@@ -48,7 +48,7 @@ import torch
 from probe.errors import ConfigError
 from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.batch_plan import BatchPlan, device_shares, plan_batch
-from probe.graphs.host_heap import bound_host_heap, release_free_memory
+from probe.graphs.host_heap import bounded_host_heap, release_free_memory
 from probe.graphs.replacement import LocalReplacement, check_interface
 from probe.hooks.hookset import HookSet
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
@@ -230,7 +230,14 @@ def attribute(
     ids = token_ids(tokens)
     _check_context(model, ids)
     zeroed = zeroed_positions(model, ids, options.zero_bos)
-    bound_host_heap()
+    with bounded_host_heap():
+        return _attribute(model, ids, transcoders, options, zeroed, tokenizer, overrides, prompt)
+
+
+def _attribute(model, ids: torch.Tensor, transcoders: AnyTranscoders, options: GraphOptions,
+               zeroed: int, tokenizer, overrides: dict | None, prompt: str | None,
+               ) -> AttributionGraph:  # fmt: skip
+    """attribute's work, the host heap bounded around it."""
     n_layers, n_pos = len(transcoders), int(ids.shape[0])
     replacement = LocalReplacement(model, transcoders, overrides, mode="attribute")
     # the prompt goes where the embeddings run; the transcoders and the rows stay there (a
