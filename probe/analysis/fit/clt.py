@@ -254,8 +254,9 @@ class CltFit:
             keep &= ~left_out(f["tokens/position"][lo:hi], f["tokens/id"][lo:hi], self.special)
         return keep
 
-    def batches(self, run, train: bool, epoch: int, shuffle: bool = True):
-        """([x_l], [y_l]) batches of the training (or held-out) rows, float32."""
+    def batches(self, run, train: bool, epoch: int, shuffle: bool = True, skip: int = 0):
+        """([x_l], [y_l]) batches of the training (or held-out) rows, float32, less the first
+        `skip` (a resumed epoch's trained batches: their rows are not read, the shuffle the same)."""
         from probe.store.fileformat import layer_path
 
         o, f = self.options, run.file
@@ -265,12 +266,18 @@ class CltFit:
         for i in order:
             lo, hi = self.pieces[i]
             keep = self.keep(f, lo, hi, train)
-            if not keep.any():
+            rows = int(keep.sum())
+            if not rows:
                 continue
+            perm = torch.from_numpy(rng.permutation(rows)) if shuffle else None
+            starts = range(0, rows, o.batch_size)
+            if skip >= len(starts):  # (every batch of this piece trained already)
+                skip -= len(starts)
+                continue
+            starts, skip = starts[skip:], 0
             xs = [torch.from_numpy(f[layer_path(*s.inputs)][lo:hi][keep]).float() for s in sites]
             ys = [torch.from_numpy(f[layer_path(*s.outputs)][lo:hi][keep]).float() for s in sites]
-            perm = torch.from_numpy(rng.permutation(len(xs[0]))) if shuffle else None
-            for b in range(0, len(xs[0]), o.batch_size):
+            for b in starts:
                 idx = perm[b : b + o.batch_size] if perm is not None else slice(b, b + o.batch_size)
                 yield [x[idx] for x in xs], [y[idx] for y in ys]
 
@@ -315,9 +322,8 @@ class CltFit:
                 os.replace(tmp, self.checkpoint)
 
             while step < total:
-                for i, (xs, ys) in enumerate(self.batches(run, True, epoch)):
-                    if i < trained:  # (this epoch's batches a resumed fit trained already)
-                        continue
+                for i, (xs, ys) in enumerate(self.batches(run, True, epoch, skip=trained),
+                                             start=trained):  # fmt: skip
                     if step == 0:
                         model.start(xs, ys)
                     opt.zero_grad(set_to_none=True)
