@@ -23,8 +23,9 @@ class AttributionGraph(GraphData):
         return prune(self, node_threshold, edge_threshold)
 
     def save(self, path) -> Path:
-        """This graph in a new HDF5 file at `path` (the /graph layout of probe.graphs.graph_h5);
-        `probe.graphs.graph_files.load_graph(path)` reads it back. Returns the path."""
+        """This graph in a new HDF5 file at `path` (the /graph layout of probe.graphs.graph_h5,
+        its QK table as /graph_qk); `probe.graphs.graph_files.load_graph(path)` reads it back.
+        Returns the path."""
         return write_graph(self, path)
 
     def to_json(self, path, slug: str | None = None, **options) -> Path:

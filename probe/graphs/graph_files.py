@@ -1,5 +1,6 @@
 """A graph read back from HDF5: one prompt's AttributionGraph from a run's probe.h5 (its
-/graph) or from a file `AttributionGraph.save` wrote (the layout: probe.graphs.graph_h5).
+/graph) or from a file `AttributionGraph.save` wrote (the layout: probe.graphs.graph_h5), with
+its QK table where the file holds one (/graph_qk: probe.graphs.qk_h5; else `qk` is None).
 
     from probe.graphs.graph_files import load_graph
     graph = load_graph("outputs/2026-11-28/10-00-00", prompt=3)
@@ -19,12 +20,14 @@ from probe.errors import DataError
 from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.graph_data import KINDS
 from probe.graphs.graph_h5 import graph_group, graph_path, prompt_rows, write_graph
+from probe.graphs.qk_h5 import read_qk
 from probe.store.groups import read_columns
 
 
 def load_graph(path_or_run: str | Path, prompt: int = 0) -> AttributionGraph:
     """Prompt `prompt`'s graph (the dataset's sample index in a run; 0 in a saved file) from a
-    run directory's probe.h5 or an HDF5 file holding /graph, as the AttributionGraph it was."""
+    run directory's probe.h5 or an HDF5 file holding /graph, as the AttributionGraph it was (its
+    QK table too, where /graph_qk holds one for the prompt)."""
     path = graph_path(path_or_run)
     with h5py.File(path, "r") as f:
         g = graph_group(f, path)
@@ -41,7 +44,9 @@ def load_graph(path_or_run: str | Path, prompt: int = 0) -> AttributionGraph:
         nodes = read_columns(g["nodes"], int(row["node_start"]), int(row["nodes"]))
         edges = read_columns(g["edges"], int(row["edge_start"]), int(row["edges"]))
         scan = json.loads(str(g.attrs.get("scan", "null")))
-    return graph_of(row, nodes, edges, scan)
+    graph = graph_of(row, nodes, edges, scan)
+    graph.qk = read_qk(path, prompt)
+    return graph
 
 
 def graph_of(row: dict, nodes: dict, edges: dict, scan=None) -> AttributionGraph:
@@ -83,6 +88,6 @@ def graph_of(row: dict, nodes: dict, edges: dict, scan=None) -> AttributionGraph
 
 
 def save_graph(graph: AttributionGraph, path: str | Path, prompt: int = 0) -> Path:
-    """`graph` alone in a new HDF5 file at `path` (replaced if there), as prompt `prompt`;
-    `load_graph(path, prompt)` reads it back."""
+    """`graph` alone in a new HDF5 file at `path` (replaced if there), as prompt `prompt`, its
+    QK table (`graph.qk`) with it; `load_graph(path, prompt)` reads it back."""
     return write_graph(graph, path, prompt)

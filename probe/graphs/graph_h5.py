@@ -1,6 +1,7 @@
 """The /graph layout in HDF5: `/graph` of a run's probe.h5 (one graph per prompt, appended as
 each is computed: a keyed group of the run's sink, probe.store.groups) or a file of its own
-(`AttributionGraph.save`); a graph's rows written and read back as columns
+(`AttributionGraph.save`, which also writes the graph's QK table, where it has one, as
+/graph_qk: probe.graphs.qk_h5); a graph's rows written and read back as columns
 (probe.graphs.graph_files makes an AttributionGraph of them again).
 
 Layout (every dataset one column, chunked and resizable along its rows):
@@ -35,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from probe.errors import DataError
+from probe.graphs.qk_h5 import write_qk
 from probe.store.groups import GroupKind, GroupTables, read_columns
 
 KINDS = ("feature", "error", "token", "logit")  # the kind codes 0-3 (graph_data's KINDS)
@@ -191,11 +193,15 @@ def iter_prompts(path: Path) -> Iterator[tuple[dict, dict, dict]]:
 
 def write_graph(graph: Any, path: str | Path, prompt: int = 0) -> Path:
     """`graph` (an AttributionGraph) alone in a new HDF5 file at `path` (replaced if there), as
-    prompt `prompt`."""
+    prompt `prompt`; its QK table, where it has one, in /graph_qk as a run writes it
+    (probe.graphs.qk_h5)."""
     path = Path(path)
     path.unlink(missing_ok=True)
     attrs = {"scan": json.dumps(graph.scan), "options": "{}", "transcoders": ""}
     with h5py.File(path, "w") as f:
+        qk = getattr(graph, "qk", None)
+        if qk is not None:  # (first: a run's /graph_qk rows come before the prompt's graph)
+            write_qk(f, prompt, qk)
         tables = GroupTables(f, GRAPH, attrs)
         append_graph(tables, prompt, graph)
         tables.mark(True)

@@ -66,11 +66,27 @@ def iter_qk(path: Path) -> Iterator[tuple[int, pd.DataFrame]]:
 
 
 def read_qk(path: Path, prompt: int) -> pd.DataFrame | None:
-    """Prompt `prompt`'s QK table in `path` (None: the file holds none for it)."""
-    for p, table in iter_qk(path):
-        if p == prompt:
-            return table
-    return None
+    """Prompt `prompt`'s QK table in `path` (None: the file holds none for it), its rows alone
+    read."""
+    with h5py.File(path, "r") as f:
+        if GROUP not in f:
+            return None
+        g = f[GROUP]
+        prompts = read_columns(g["prompts"], 0, len(g["prompts/prompt"]))
+        match = np.flatnonzero(prompts["prompt"] == prompt)
+        if not len(match):
+            return None
+        i = int(match[-1])
+        return _frame(read_columns(g["rows"], int(prompts["row_start"][i]),
+                                   int(prompts["rows"][i])))  # fmt: skip
+
+
+def write_qk(f: h5py.File, prompt: int, table: pd.DataFrame) -> None:
+    """`table` as prompt `prompt`'s QK table in a new /graph_qk of the open file `f` (a graph
+    saved alone: probe.graphs.graph_h5.write_graph)."""
+    tables = GroupTables(f, QK_GRAPH, {}, keep=False)
+    append_qk(tables, prompt, table)
+    tables.mark(True)
 
 
 def _frame(columns: dict) -> pd.DataFrame:

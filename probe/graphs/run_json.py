@@ -1,7 +1,8 @@
 """A run's graphs as circuit-tracer's frontend JSON: every prompt's pruned graph in its
 probe.h5 as `prompt_<i>.json` of one folder (RUN/graph_json) with the folder's index, what
 `circuit_tracer.frontend.local_server.serve(RUN/graph_json)` lists (probe.graphs.graph_json);
-a prompt's QK attribution (/graph_qk, probe.graphs.qk_h5) goes into its JSON too."""
+a prompt's QK attribution (/graph_qk, probe.graphs.qk_h5, read back with its graph) goes into
+its JSON too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import h5py
 from probe.graphs.graph_files import load_graph
 from probe.graphs.graph_h5 import graph_group, graph_path, prompt_rows
 from probe.graphs.graph_json import METADATA_JSON, graph_model
-from probe.graphs.qk_h5 import iter_qk
 
 GRAPH_JSON_DIR = "graph_json"  # a run's folder of JSON graphs, the folder the viewer serves
 
@@ -33,10 +33,8 @@ def write_run_graph_json(
     folder = Path(folder) if folder is not None else path.parent / GRAPH_JSON_DIR
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
-    qk = dict(iter_qk(path))
     for prompt in prompts:
-        graph = load_graph(path, prompt)
-        graph.qk = qk.get(prompt)
+        graph = load_graph(path, prompt)  # (its QK table with it, where the run made one)
         slug = f"prompt_{prompt}"
         model = graph_model(
             graph, slug, node_threshold=options.get("node_threshold"), features=features

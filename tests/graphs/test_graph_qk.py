@@ -3,13 +3,15 @@ the pre-softmax score the model's eager attention turned into its pattern (GPT-2
 rotary and grouped-query attention, through per-layer transcoders and a cross-layer transcoder;
 Qwen3 with q/k norms; Gemma-2 with its softcap and sandwich norms), every cell equals a decomposition written here in plain torch from the weights and the
 residuals forward hooks captured, the viewer JSON carries them as Neuronpedia's
-qk_tracing_results and still validates, and bad options are refused by name."""
+qk_tracing_results and still validates (from a graph saved and loaded back too: the table
+kept exactly), and bad options are refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import pandas as pd
 import pytest
 import torch
 import transformers
@@ -296,6 +298,28 @@ def test_the_viewer_json_carries_qk_tracing_results_and_validates(graphs):
         for a, b, _ in results["pair_wise_contributors"]:  # a node's id, else a part's name
             for got in (a, b):
                 assert got in ids or got == "bias" or got.split()[0] in PART_KINDS
+
+
+def test_a_saved_graph_loads_back_with_its_qk_table_and_the_same_viewer_json(graphs, tmp_path):
+    """save / load_graph keep the QK table as qk_table computed it (every value and dtype), so
+    the Neuronpedia JSON of the loaded graph is the original's, and it validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from probe.graphs.graph_files import load_graph, save_graph
+
+    _, graph, _ = graph_of(graphs, "llama")
+    assert graph.qk is not None and len(graph.qk) > 100
+    back = load_graph(graph.save(tmp_path / "g.h5"))
+    pd.testing.assert_frame_equal(back.qk, graph.qk, check_exact=True)
+    want = json.loads(json.dumps(graph_model(graph, "qk", node_threshold=0.8)))
+    got = json.loads(json.dumps(graph_model(back, "qk", node_threshold=0.8)))
+    assert any("qk_tracing_results" in n for n in got["nodes"])
+    assert got == want
+    jsonschema.validate(got, NEURONPEDIA_GRAPH, cls=jsonschema.Draft7Validator)
+    # as another prompt of a file; a graph without a table loads back without one
+    pd.testing.assert_frame_equal(load_graph(save_graph(graph, tmp_path / "p.h5", prompt=7), 7).qk,
+                                  graph.qk, check_exact=True)  # fmt: skip
+    plain = dataclasses.replace(graph, qk=None)
+    assert load_graph(plain.save(tmp_path / "plain.h5")).qk is None
 
 
 @pytest.mark.parametrize(
