@@ -26,8 +26,10 @@ scales frozen as in the graph, but every MLP write is the MLP's own output in th
 the live model. Its distance from the linear model is what the MLPs' nonlinearity costs; its
 distance from the live model, what freezing attention and norms does.
 
-Both take per-layer transcoder sets (a cross-layer transcoder's feature writes to several
-layers; refused by graph_claims).
+Both take a per-layer transcoder set or a cross-layer transcoder (CLT). A CLT's feature read at
+layer l writes into the MLP output of every layer l' >= l (its decoder's slot l' - l), so each of
+its moves and removals above is made at all those layers, with the one activation read at layer
+l (`Dictionary` holds the difference).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from torch import nn
 from probe.errors import ModelError
 from probe.graphs.replacement import LocalReplacement, Parts, replacement_parts
 from probe.hooks.hookset import HookSet
-from probe.models.transcoder import Transcoder, TranscoderSet, normalized
+from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
+from probe.models.transcoder import normalized
 
 MLPS = ("linear", "live")  # frozen_logits' MLPs: the graph's linear features, or the MLPs' own
 # a feature node's place: (layer, position, feature index in its layer's transcoder)
@@ -63,9 +66,48 @@ def _pick(rows: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, feature[None, :, None].expand(rows.shape[0], -1, 1))[..., 0]
 
 
-def _writes(t: Transcoder, amount: torch.Tensor, feature: torch.Tensor, like: torch.Tensor):
-    """(batch, k, d_out): amount (batch, k) x each feature's decoder row, in `like`'s dtype."""
-    return (amount[..., None] * t.W_dec[feature]).to(device=like.device, dtype=like.dtype)
+class Dictionary:
+    """A per-layer TranscoderSet or a CrossLayerTranscoder seen the one way the zeroings need:
+    the layers a layer's features write to, their pre-activations and activations at one layer,
+    and their decoder rows into one layer."""
+
+    def __init__(self, transcoders: AnyTranscoders) -> None:
+        self.transcoders = transcoders
+        self.cross_layer = isinstance(transcoders, CrossLayerTranscoder)
+        self.reads = transcoders.reads
+        self.n_layers = len(transcoders)
+
+    def targets(self, layer: int) -> range:
+        """The layers whose MLP output layer `layer`'s features write into: that layer (a
+        per-layer set), or it and every later one (a CLT)."""
+        return range(layer, self.n_layers if self.cross_layer else layer + 1)
+
+    def sources(self, layer: int) -> range:
+        """The layers whose features write into layer `layer`'s MLP output."""
+        return range(0 if self.cross_layer else layer, layer + 1)
+
+    def pre_activations(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        t = self.transcoders
+        if isinstance(t, CrossLayerTranscoder):
+            return t.pre_activations(layer, x)
+        return t[layer].pre_activations(x)
+
+    def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        t = self.transcoders
+        if isinstance(t, CrossLayerTranscoder):
+            return t.encode(layer, x)
+        return t[layer].encode(x)
+
+    def writes(self, source: int, target: int, amount: torch.Tensor, feature: torch.Tensor,
+               like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """(batch, k, d_out): amount (batch, k) x each feature of layer `source`'s decoder row
+        into layer `target`'s MLP output, in `like`'s dtype and device."""
+        t = self.transcoders
+        if isinstance(t, CrossLayerTranscoder):
+            rows = t.W_dec[source][feature, target - source]
+        else:
+            rows = t[source].W_dec[feature]
+        return (amount[..., None] * rows).to(device=like.device, dtype=like.dtype)
 
 
 def _tensor_output(out, where: str) -> torch.Tensor:
@@ -77,7 +119,7 @@ def _tensor_output(out, where: str) -> torch.Tensor:
     return out
 
 
-def write_module(parts: Parts, transcoders: TranscoderSet, layer: int) -> nn.Module:
+def write_module(parts: Parts, transcoders: AnyTranscoders, layer: int) -> nn.Module:
     """The module whose output block `layer`'s transcoder predicts: the MLP module
     (writes=mlp_module_out), or the MLP's write to the residual (mlp_out: after a norm that
     follows the MLP, as LocalReplacement's)."""
@@ -102,33 +144,48 @@ def _reader(parts: Parts, reads: str, layer: int):
 def live_logits(
     model: nn.Module,
     tokens: torch.Tensor,
-    transcoders: TranscoderSet,
+    transcoders: AnyTranscoders,
     zeroed: Sequence[Place] = (),
     *,
     overrides: dict | None = None,
 ) -> torch.Tensor:
     """The last position's logits (vocab,) of `model` on `tokens` (1-D ids) with the features at
-    `zeroed` zeroed in the live model (the module docstring); none zeroed: the clean forward."""
+    `zeroed` zeroed in the live model (the module docstring); none zeroed: the clean forward. A
+    CLT feature's write is subtracted at every layer it writes to, its activation read once,
+    at its own layer."""
     parts = replacement_parts(model, overrides)
     device = next(model.parameters()).device
-    kept: dict[int, torch.Tensor] = {}
+    book = Dictionary(transcoders)
+    chosen = _by_layer(zeroed, device)
+    kept: dict[int, torch.Tensor] = {}  # a source layer's transcoder input in this forward
+    acts: dict[int, torch.Tensor] = {}  # its zeroed features' activations (batch, k)
     hooks = HookSet("graph claims: live zeroing")
     with hooks:
-        for layer, (pos, feature) in _by_layer(zeroed, device).items():
-            t = transcoders[layer]
-            module, reads = _reader(parts, transcoders.reads, layer)
+        for layer in chosen:
+            module, reads = _reader(parts, book.reads, layer)
 
             def keep(_m, args, layer=layer, reads=reads):
                 kept[layer] = reads(args[0])
-
-            def subtract(m, _args, out, layer=layer, t=t, pos=pos, feature=feature):
-                out = _tensor_output(out, parts.name(m))
-                act = _pick(t.encode(kept.pop(layer)[:, pos]), feature)
-                return out.index_add(1, pos, -_writes(t, act, feature, out))
+                acts.pop(layer, None)
 
             hooks.forward_pre(module, keep, name=f"transcoder {layer} input")
-            hooks.forward(write_module(parts, transcoders, layer), subtract,
-                          name=f"mlp write {layer}")  # fmt: skip
+        targets = sorted({t for layer in chosen for t in book.targets(layer)})
+        for target in targets:
+            sources = [s for s in book.sources(target) if s in chosen]
+
+            def subtract(m, _args, out, target=target, sources=sources):
+                out = _tensor_output(out, parts.name(m))
+                for source in sources:
+                    pos, feature = chosen[source]
+                    if source not in acts:
+                        acts[source] = _pick(book.encode(source, kept[source][:, pos]), feature)
+                    out = out.index_add(
+                        1, pos, -book.writes(source, target, acts[source], feature, out)
+                    )
+                return out
+
+            hooks.forward(write_module(parts, transcoders, target), subtract,
+                          name=f"mlp write {target}")  # fmt: skip
         return _last_logits(model(tokens[None].to(device)))
 
 
@@ -136,7 +193,7 @@ def live_logits(
 def frozen_logits(
     model: nn.Module,
     tokens: torch.Tensor,
-    transcoders: TranscoderSet,
+    transcoders: AnyTranscoders,
     nodes: Sequence[Place],
     zeroings: Sequence[Sequence[Place]],
     *,
@@ -155,6 +212,8 @@ def frozen_logits(
         raise ModelError(f"graph claims: zeroed features {missing[:4]} are not graph nodes")
     device = next(model.parameters()).device
     ids = tokens[None].to(device)
+    book = Dictionary(transcoders)
+    node_places = _by_layer(nodes, device)
     rep = LocalReplacement(model, transcoders, overrides, mode="record")
     with rep:
         model(ids)
@@ -162,49 +221,70 @@ def frozen_logits(
     out = []
     for removed in [(), *zeroings]:
         gone = set(map(tuple, removed))
+        # a source layer's amounts (batch, k) once per forward, for every layer it writes to
+        amounts: dict[int, torch.Tensor] = {}
         # (rep's hooks come first: they fill captured.inputs and freeze the write)
         with rep, HookSet("graph claims: frozen zeroing") as hooks:
             if mlps == "linear":
-                for layer, (pos, feature) in _by_layer(nodes, device).items():
-                    places = zip(pos.tolist(), feature.tolist(), strict=True)
-                    zero = torch.tensor([(layer, p, f) in gone for p, f in places],
-                                        dtype=torch.bool, device=device)  # fmt: skip
-                    write = _linear_features(rep, transcoders[layer], layer, pos, feature, zero)
-                    hooks.forward(rep.mlp_writes[layer], write, name=f"mlp write {layer}")
+                zero = {
+                    layer: torch.tensor(
+                        [(layer, p, f) in gone for p, f in zip(pos.tolist(), feature.tolist(),
+                                                               strict=True)],
+                        dtype=torch.bool, device=device,
+                    )
+                    for layer, (pos, feature) in node_places.items()
+                }  # fmt: skip
+                for target, module in enumerate(rep.mlp_writes):
+                    sources = [s for s in book.sources(target) if s in node_places]
+                    if sources:
+                        write = _linear_features(rep, book, target, sources, node_places, zero,
+                                                 amounts)  # fmt: skip
+                        hooks.forward(module, write, name=f"mlp write {target}")
             else:
                 chosen = _by_layer(removed, device)
-                none = torch.zeros(0, dtype=torch.long, device=device)
-                for layer, module in enumerate(rep.mlp_writes):
-                    pos, feature = chosen.get(layer, (none, none))
-                    write = _live_mlp(rep, transcoders[layer], layer, pos, feature)
-                    hooks.forward(module, write, name=f"mlp write {layer}")
+                for target, module in enumerate(rep.mlp_writes):
+                    sources = [s for s in book.sources(target) if s in chosen]
+                    write = _live_mlp(rep, book, target, sources, chosen, amounts)
+                    hooks.forward(module, write, name=f"mlp write {target}")
             out.append(_last_logits(model(ids)))
     return out
 
 
-def _linear_features(rep, t: Transcoder, layer: int, pos, feature, zero):
-    """The replayed MLP write of block `layer` plus each feature node's move: (pre-activation
-    now - on the prompt) x its decoder row, or minus its prompt write where `zero`."""
+def _linear_features(rep, book: Dictionary, target: int, sources, places, zero, amounts):
+    """The replayed MLP write of block `target` plus the move of each feature node of the
+    `sources` layers that write into it: (pre-activation now - on the prompt) x its decoder row
+    into `target`, or minus its prompt write where `zero`; a source's amounts computed at the
+    first layer it writes to and kept in `amounts`."""
 
     def hook(_m, _args, out):
-        now, then = rep.captured.inputs[layer], rep.saved["inputs"][layer]
-        moved = _pick(t.pre_activations(now[:, pos]), feature)
-        moved = moved - _pick(t.pre_activations(then[:, pos]), feature)
-        act = _pick(t.encode(then[:, pos]), feature)
-        amount = torch.where(zero, -act, moved)
-        return out.index_add(1, pos, _writes(t, amount, feature, out))
+        for source in sources:
+            pos, feature = places[source]
+            if source not in amounts:
+                now, then = rep.captured.inputs[source], rep.saved["inputs"][source]
+                moved = _pick(book.pre_activations(source, now[:, pos]), feature)
+                moved = moved - _pick(book.pre_activations(source, then[:, pos]), feature)
+                act = _pick(book.encode(source, then[:, pos]), feature)
+                amounts[source] = torch.where(zero[source], -act, moved)
+            out = out.index_add(1, pos, book.writes(source, target, amounts[source], feature, out))
+        return out
 
     return hook
 
 
-def _live_mlp(rep, t: Transcoder, layer: int, pos, feature):
-    """The MLP's own output in this forward (not the replay's frozen one) minus each feature's
-    write at (pos, feature), its activation read from the transcoder's input in this forward."""
+def _live_mlp(rep, book: Dictionary, target: int, sources, chosen, acts):
+    """The MLP's own output in this forward (not the replay's frozen one) minus the write into
+    it of each zeroed feature of the `sources` layers, its activation read from its layer's
+    transcoder input in this forward (kept in `acts` for the later layers it writes to)."""
 
     def hook(_m, _args, out):
-        real = rep.captured.mlp_values[layer].to(out.dtype)
-        act = _pick(t.encode(rep.captured.inputs[layer][:, pos]), feature)
-        return real.index_add(1, pos, -_writes(t, act, feature, real))
+        real = rep.captured.mlp_values[target].to(out.dtype)
+        for source in sources:
+            pos, feature = chosen[source]
+            if source not in acts:
+                acts[source] = _pick(book.encode(source, rep.captured.inputs[source][:, pos]),
+                                     feature)  # fmt: skip
+            real = real.index_add(1, pos, -book.writes(source, target, acts[source], feature, real))
+        return real
 
     return hook
 

@@ -17,7 +17,8 @@ Zeroing a set S of features the graph predicts the answer moves by `-sum(direct)
 `total_change(S)` (total: the linear model's change with every feature of S held at 0, so a
 path through two of them counts once; for one feature, minus its total contribution).
 `graph_claims` ranks the features by either contribution, zeroes the top N in the live model
-(probe.graphs.feature_zeroing.live_logits), in the graph's frozen linear model (frozen_logits,
+(probe.graphs.feature_zeroing.live_logits; a cross-layer transcoder's feature loses its writes
+into its own layer and every later one), in the graph's frozen linear model (frozen_logits,
 where the change equals the total prediction to rounding) and with attention and norms frozen
 but the MLPs live (frozen_logits(mlps="live"): between the two, it says whether the gap is the
 MLPs' nonlinearity or the frozen attention and norms), and gives one row per (ranking, N):
@@ -39,7 +40,6 @@ from probe.errors import ConfigError
 from probe.graphs.feature_zeroing import Place, frozen_logits, live_logits
 from probe.graphs.graph_data import GraphData
 from probe.graphs.prompt_graph import transcoder_set
-from probe.models.transcoder import TranscoderSet
 
 RANKINGS = ("direct", "total")
 CLAIM_COLUMNS = (
@@ -139,17 +139,14 @@ def graph_claims(
     """One row per (ranking, N) (CLAIM_COLUMNS): the N features of `graph` with the largest
     contribution to the answer (logit node `target`) by `ranking` zeroed in `model`, the live
     change against the graph's direct and total predictions; with `frozen`, also in the graph's
-    frozen linear model and with attention and norms frozen, the MLPs live. `graph` is `model`'s on its tokens through `transcoders` (a per-layer
-    TranscoderSet, or the path of its YAML or folder); `overrides` are `model.anatomy` keys."""
+    frozen linear model and with attention and norms frozen, the MLPs live. `graph` is `model`'s on
+    its tokens through `transcoders` (a per-layer TranscoderSet or a CrossLayerTranscoder, whose
+    zeroed feature loses its writes into every layer from its own on; or the path of its YAML
+    or folder); `overrides` are `model.anatomy` keys."""
     tops = _check_top(top)
     rankings = _check_rankings(rankings)
     _check_target(graph, target)
     tset = transcoder_set(transcoders)
-    if not isinstance(tset, TranscoderSet):
-        raise ConfigError(
-            "graph claims: a cross-layer transcoder's feature writes to every later layer; "
-            "zeroing graph features takes a per-layer TranscoderSet"
-        )
     if graph.n_features == 0:
         raise ConfigError("graph claims: the graph has no feature nodes to zero")
     tset.to(device=next(model.parameters()).device)

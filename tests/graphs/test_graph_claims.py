@@ -3,7 +3,9 @@ their contribution to the answer. The live change equals a plain forward edited 
 `register_forward_hook`; in the graph's frozen linear model the change equals the total
 prediction (the model is linear: only the adjacency's float32 rounding separates them); the
 direct prediction is minus the sum of the adjacency's entries read from the edge table, the
-total contributions a dense linear solve; bad arguments are refused by name."""
+total contributions a dense linear solve; bad arguments are refused by name. Through a
+cross-layer transcoder, a zeroed feature loses its writes into its own layer and every later
+one (a hand edit of each), and the frozen and direct predictions hold as for per-layer sets."""
 
 from __future__ import annotations
 
@@ -162,10 +164,84 @@ def test_bad_arguments_are_refused_by_name(setups):
         graph_claims(model, graph, tset, rankings=("direct", "influence"))
     with pytest.raises(ConfigError, match=r"target=99; the graph has \d+ logit nodes"):
         graph_claims(model, graph, tset, target=99)
-    with pytest.raises(ConfigError, match="per-layer TranscoderSet"):
-        graph_claims(model, graph, random_cross_layer(dtype=torch.float64))
     # a graph whose logits are not the model's on its tokens (another prompt's, tokens swapped)
     other = attribute(model, PROMPT.flip(0), tset, GraphOptions(floor=0.0))
     other.tokens = PROMPT
     with pytest.raises(ConfigError, match="pass the model and transcoders the graph was"):
         graph_claims(model, other, tset)
+
+
+@pytest.fixture(scope="module")
+def clt_setup(setups):
+    """The tiny Llama of `setups` with a random JumpReLU cross-layer transcoder (a skip matrix):
+    its graph and its claims."""
+    model = setups["llama"][0]
+    clt = random_cross_layer(activation="jumprelu", skip=True, expansion=1, dtype=torch.float64)
+    graph = attribute(model, PROMPT, clt, GraphOptions(batch_size=128, floor=0.0))
+    return model, clt, graph, graph_claims(model, graph, clt, top=(1, 5, 10))
+
+
+def hand_clt_answer(model, clt, graph, places, every_layer: bool = True) -> float:
+    """The answer of a plain forward whose block MLP outputs lose, for each feature at `places`
+    (layer l, pos, feature), activation x its decoder row into layer l' at every l' >= l (with
+    `every_layer` False: at l alone), the activation jumprelu(x @ W_enc[l] + b_enc[l]) of the
+    input of layer l's norm before the MLP in this forward."""
+    blocks = model.model.layers
+    seen, handles = {}, []
+    for layer, block in enumerate(blocks):
+
+        def keep(m, args, layer=layer):
+            seen[layer] = args[0][0]
+
+        def edit(m, args, out, target=layer):
+            out = out.clone()
+            for layer, pos, feature in places:
+                if layer > target or (not every_layer and layer != target):
+                    continue
+                pre = seen[layer][pos] @ clt.W_enc[layer][:, feature] + clt.b_enc[layer, feature]
+                act = pre * (pre > clt.threshold[layer, feature])
+                out[0, pos] -= act * clt.W_dec[layer][feature, target - layer]
+            return out
+
+        handles += [block.post_attention_layernorm.register_forward_pre_hook(keep),
+                    block.mlp.register_forward_hook(edit)]  # fmt: skip
+    try:
+        with torch.no_grad():
+            logits = model(PROMPT[None]).logits[0, -1]
+    finally:
+        for h in handles:
+            h.remove()
+    token = int(graph.logit_tokens[0])
+    return float(logits[token] - logits.mean())
+
+
+def test_a_cross_layer_transcoders_zeroed_features_lose_their_writes_at_every_later_layer(
+    clt_setup,
+):
+    """The live change equals a hand forward-hook edit removing each zeroed feature's decoder
+    writes at its layer and every later one (not at its layer alone); a single feature's direct
+    prediction is minus its edge to the answer; the frozen linear model's change is the total
+    prediction, paths through later layers' writes included."""
+    model, clt, graph, table = clt_setup
+    clean = hand_clt_answer(model, clt, graph, [])
+    nodes, edges = graph.nodes(), graph.edges(kept_only=False)
+    answer = int(nodes[nodes.kind == "logit"].node.iloc[0])
+    earlier = 0  # rows zeroing a feature that writes to a later layer too
+    for row in table.itertuples():
+        places = [tuple(map(int, p.split("/"))) for p in row.features.split(";")]
+        want = hand_clt_answer(model, clt, graph, places) - clean
+        assert abs(want) > 1e-3
+        assert row.live == pytest.approx(want, abs=1e-6)
+        if any(layer < graph.n_layers - 1 for layer, _, _ in places):
+            own_layer_only = hand_clt_answer(model, clt, graph, places, every_layer=False) - clean
+            assert abs(row.live - own_layer_only) > 1e-3
+            earlier += 1
+        if row.top == 1:
+            ((layer, pos, feature),) = places
+            node = int(nodes[(nodes.kind == "feature") & (nodes.layer == layer)
+                             & (nodes.pos == pos) & (nodes.feature == feature)].node.iloc[0])  # fmt: skip
+            edge = edges[(edges.target == answer) & (edges.source == node)].weight
+            assert len(edge) == 1 and row.direct == pytest.approx(-float(edge.iloc[0]), abs=1e-12)
+    assert earlier > 0
+    scale = float(answer_contributions(graph).total.abs().max())
+    assert table.frozen.to_numpy() == pytest.approx(table.total.to_numpy(), rel=1e-5, abs=1e-6 * scale)  # fmt: skip
