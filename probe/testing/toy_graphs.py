@@ -1,13 +1,16 @@
 """Hand-made attribution graphs for tests of what is built on AttributionGraph (files, tables,
-runs): a graph decided by a prompt's token ids alone, and a pruning that fills what pruning
-fills. Neither computes anything real: they stand in for probe.graphs.attribution and
-probe.graphs.pruning where those are not under test."""
+runs): a graph decided by a prompt's token ids alone, a pruning that fills what pruning fills,
+and a QK table decided by the graph. None computes anything real: they stand in for
+probe.graphs.attribution, probe.graphs.pruning and probe.graphs.qk_attribution where those are
+not under test."""
 
 from __future__ import annotations
 
+import pandas as pd
 import torch
 
 from probe.graphs.attribution_graph import AttributionGraph
+from probe.graphs.graph_data import QK_COLUMNS
 
 
 def toy_graph(tokens: torch.Tensor, n_layers: int = 2, vocab: int = 40, density: float = 0.3,
@@ -64,3 +67,25 @@ def toy_prune(graph: AttributionGraph, node_threshold: float = 0.8,
     graph.scores = {"replacement": float(kept.double().mean()),
                     "completeness": float(edge_kept.double().mean())}  # fmt: skip
     return graph
+
+
+def toy_qk(graph: AttributionGraph, heads: int = 2) -> pd.DataFrame:
+    """A QK table (QK_COLUMNS) of `graph`: per layer and head, the last position attending to
+    itself and to position 0, each pair a token cell, a bias cell, a `rest` cell and a
+    query-side marginal, values drawn from a generator seeded by the graph's tokens."""
+    n_pos, token = graph.n_pos, graph.offsets["token"]
+    g = torch.Generator().manual_seed(int(graph.tokens.sum()) * 17 + n_pos)
+    q, rows = n_pos - 1, []
+    for layer in range(graph.n_layers):
+        for head in range(heads):
+            for k in sorted({0, q}):
+                cells = torch.randn(3, generator=g, dtype=torch.float64).tolist()
+                score, pattern = sum(cells), float(torch.rand(1, generator=g, dtype=torch.float64))
+                pair, tail = (layer, head, q, k), (score, pattern)
+                rows += [
+                    (*pair, token + q, token + k, f"token@{q}", f"token@{k}", cells[0], *tail),
+                    (*pair, -1, -1, "bias", "bias", cells[1], *tail),
+                    (*pair, -1, -1, "rest", "rest", cells[2], *tail),
+                    (*pair, token + q, -1, f"token@{q}", "*", cells[0] + cells[1], *tail),
+                ]
+    return pd.DataFrame(rows, columns=list(QK_COLUMNS))

@@ -1,19 +1,32 @@
 """The QK attribution in a run (graph.qk): graph_qk.csv holds, per prompt, the table
 `qk_table` gives for the graph the attribution makes of the same tokens outside the run; the
-viewer JSON carries it as qk_tracing_results; bad graph.qk and graph.qk_rows exit 2 by name
-before the model runs."""
+viewer JSON carries it as qk_tracing_results; a run cut short between a prompt's QK table and
+its graph resumes to the files of an uninterrupted one; bad graph.qk and graph.qk_rows exit 2
+by name before the model runs. (Two torchrun ranks: tests/launch/test_graph_runs.py.)"""
 
 from __future__ import annotations
 
 import json
 
+import h5py
+import numpy as np
 import pandas as pd
 import pytest
 
+from probe.errors import DataError
 from probe.graphs.qk_h5 import QK_CSV
 from probe.launch.parts import attribution_graphs
+from probe.testing.toy_graphs import toy_qk
 from tests.launch.test_error_catalogue import assert_words
-from tests.launch.test_graph_runs import graph_args, named_transcoders, prompts, stand_in
+from tests.launch.test_graph_runs import (
+    FILES,
+    graph_args,
+    graph_file,
+    named_transcoders,
+    prompts,
+    read,
+    stand_in,
+)
 
 __all__ = ["prompts", "stand_in"]  # (fixtures)
 
@@ -65,3 +78,55 @@ def test_bad_qk_keys_exit_2_by_name_before_the_model_runs(
     assert code == 2, text
     assert_words(text, *words)
     assert not stand_in and not (tmp_path / "run" / "probe.h5").exists()
+
+
+def test_a_run_cut_between_a_qk_table_and_its_graph_resumes_to_an_uninterrupted_ones_files(
+    cli_here, tiny_gpt2, prompts, stand_in, tmp_path, monkeypatch
+):
+    """The third prompt's QK table is in /graph_qk when the run fails writing its graph: the
+    file keeps two graphs and three tables; resume=true makes the other three graphs and the
+    other two tables (none twice), and /graph, /graph_qk, graph_qk.csv, the tables and the
+    viewer JSON equal a run never stopped."""
+    root, tokens = prompts
+    args = graph_args(tiny_gpt2, root, "graph.qk=2")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert cli_here(*args, run_dir=whole)[0] == 0
+    tabled: list[list[int]] = []
+
+    def qk_of(model, graph, *rest):
+        tabled.append(graph.tokens.tolist())
+        return toy_qk(graph)
+
+    append_graph = attribution_graphs.append_graph
+
+    def fails_at_the_third(out, prompt, graph):
+        if prompt == 2:
+            raise DataError("the disk failed while writing prompt 2's graph")
+        return append_graph(out, prompt, graph)
+
+    monkeypatch.setattr(attribution_graphs, "qk_of", qk_of)
+    monkeypatch.setattr(attribution_graphs, "append_graph", fails_at_the_third)
+    code, text = cli_here(*args, run_dir=cut)
+    assert code == 2 and "the disk failed" in text, text
+    with h5py.File(cut / "probe.h5") as f:
+        assert list(f["graph/prompts/prompt"][:]) == [0, 1]
+        assert list(f["graph_qk/prompts/prompt"][:]) == [0, 1, 2]
+    monkeypatch.setattr(attribution_graphs, "append_graph", append_graph)
+    stand_in.clear()
+    tabled.clear()
+    code, text = cli_here(*args, "resume=true", run_dir=cut)
+    assert code == 0, text
+    assert stand_in == [t.tolist() for t in tokens[2:]]
+    assert tabled == [t.tolist() for t in tokens[3:]]  # (the third's table was whole)
+    for name in (*FILES, QK_CSV):
+        pd.testing.assert_frame_equal(read(cut, name), read(whole, name))
+    for group in ("graph", "graph_qk"):
+        a, b = graph_file(whole, group), graph_file(cut, group)
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{group}/{name}")
+    for i in range(len(tokens)):
+        name = f"graph_json/prompt_{i}.json"
+        assert json.loads((cut / name).read_text()) == json.loads((whole / name).read_text())
+    with h5py.File(cut / "probe.h5") as f:
+        assert f.attrs["complete"] and f["graph_qk"].attrs["complete"]

@@ -25,7 +25,7 @@ from probe.graphs.graph_files import load_graph
 from probe.launch.parts import attribution_graphs
 from probe.testing.compose import QUIET
 from probe.testing.random_transcoders import random_transcoders
-from probe.testing.toy_graphs import toy_graph, toy_prune
+from probe.testing.toy_graphs import toy_graph, toy_prune, toy_qk
 from tests.graphs.test_graph_files import same_graph
 from tests.helpers import ROOT
 from tests.launch.test_error_catalogue import assert_words
@@ -64,6 +64,7 @@ def stand_in(monkeypatch):
         attribution_graphs, "prune_graph",
         lambda g, spec: toy_prune(g, spec.node_threshold, spec.edge_threshold),
     )  # fmt: skip
+    monkeypatch.setattr(attribution_graphs, "qk_of", lambda model, graph, *rest: toy_qk(graph))
     return seen
 
 
@@ -132,10 +133,11 @@ def test_the_files_hold_each_prompts_graph_as_its_own_tables(
                                   check_dtype=False)  # fmt: skip
 
 
-def graph_file(run_dir) -> dict[str, np.ndarray]:
+def graph_file(run_dir, group: str = "graph") -> dict[str, np.ndarray]:
+    """Every dataset of the run's /graph (or another group of its probe.h5), by name."""
     with h5py.File(run_dir / "probe.h5") as f:
         out = {}
-        f["graph"].visititems(
+        f[group].visititems(
             lambda n, o: out.__setitem__(n, o[:]) if isinstance(o, h5py.Dataset) else None
         )
         return out
@@ -228,12 +230,13 @@ STAND_IN = """
 import sys
 from probe.__main__ import main
 from probe.launch.parts import attribution_graphs as ag
-from probe.testing.toy_graphs import toy_graph, toy_prune
+from probe.testing.toy_graphs import toy_graph, toy_prune, toy_qk
 
 ag.load_transcoder_set = lambda path: "a transcoder set"
 ag.check_transcoders = lambda model, tc, overrides: None
 ag.attribute_prompt = lambda model, tokens, *rest: toy_graph(tokens)
 ag.prune_graph = lambda g, spec: toy_prune(g, spec.node_threshold, spec.edge_threshold)
+ag.qk_of = lambda model, graph, *rest: toy_qk(graph)
 sys.argv = ["probe", *sys.argv[1:]]
 main()
 """
@@ -241,9 +244,10 @@ main()
 
 def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, stand_in, tmp_path):
     """torchrun, 2 CPU ranks (gloo): rank 0 attributes prompts 0-3, rank 1 prompt 4, each into
-    its own file; the run's /graph and tables equal a single process's."""
+    its own file; the run's /graph and tables equal a single process's, and with graph.qk so do
+    its /graph_qk, graph_qk.csv and the viewer JSON's QK nodes."""
     root, _ = prompts
-    args = graph_args(tiny_gpt2, root)
+    args = graph_args(tiny_gpt2, root, "graph.qk=2")
     assert cli_here(*args, run_dir=tmp_path / "one")[0] == 0
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
@@ -258,12 +262,19 @@ def test_two_ranks_write_the_files_of_one_process(cli_here, tiny_gpt2, prompts, 
     assert done.returncode == 0, done.stderr + done.stdout
     with h5py.File(two / "probe.rank1.h5") as f:
         assert list(f["graph/prompts/prompt"][:]) == [4]
-    for name in FILES:
+        assert list(f["graph_qk/prompts/prompt"][:]) == [4]
+    for name in (*FILES, "graph_qk.csv"):
         pd.testing.assert_frame_equal(read(two, name), read(tmp_path / "one", name))
-    a, b = graph_file(tmp_path / "one"), graph_file(two)
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for group in ("graph", "graph_qk"):
+        a, b = graph_file(tmp_path / "one", group), graph_file(two, group)
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for i in range(5):
+        name = f"graph_json/prompt_{i}.json"
+        assert json.loads((two / name).read_text()) == json.loads(
+            (tmp_path / "one" / name).read_text()
+        )
 
 
 KILLED_AT_THE_THIRD = STAND_IN.replace(
