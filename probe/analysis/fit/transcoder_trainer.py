@@ -76,6 +76,42 @@ class JumpReLU(torch.autograd.Function):
         return (pre > threshold) * grad, d_threshold, None
 
 
+class JumpReLUInput(torch.autograd.Function):
+    """JumpReLU whose pre-activations also get the kernel's gradient (Anthropic's 2025 update):
+    d/dpre = (pre > threshold) + (threshold / bw) K, d/dthreshold = -(threshold / bw) K."""
+
+    @staticmethod
+    def forward(ctx, pre, threshold, bandwidth):
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return pre * (pre > threshold)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, threshold = ctx.saved_tensors
+        bw = ctx.bandwidth
+        kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
+        ste = (threshold / bw) * kernel * grad
+        return (pre > threshold) * grad + ste, -ste.sum(0), None
+
+
+class StepInput(torch.autograd.Function):
+    """(pre > threshold) with the kernel's gradient on both the threshold and the pre-acts."""
+
+    @staticmethod
+    def forward(ctx, pre, threshold, bandwidth):
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, threshold = ctx.saved_tensors
+        bw = ctx.bandwidth
+        ste = (1.0 / bw) * ((pre - threshold).abs() < bw / 2).to(pre.dtype) * grad
+        return ste, -ste.sum(0), None
+
+
 class Step(torch.autograd.Function):
     """(pre > threshold) as a number; its threshold gradient through the same kernel."""
 
@@ -191,7 +227,11 @@ class TrainingTranscoder(nn.Module):
         self.b_enc, self.b_dec = nn.Parameter(torch.zeros(d_tc)), nn.Parameter(torch.zeros(d_out))
         self.log_threshold = (
             nn.Parameter(torch.full((d_tc,), math.log(options.threshold)))
-            if options.activation == "jumprelu" else None
+            if options.activation == "jumprelu" and not options.jump_linear else None
+        )  # fmt: skip
+        self.threshold = (
+            nn.Parameter(torch.full((d_tc,), float(options.threshold)))
+            if options.activation == "jumprelu" and options.jump_linear else None
         )  # fmt: skip
         self.W_skip = nn.Parameter(torch.zeros(d_out, d_in)) if options.skip else None
         self.register_buffer("x_scale", torch.tensor(1.0))
@@ -202,6 +242,7 @@ class TrainingTranscoder(nn.Module):
         self.register_buffer("batch_threshold", torch.tensor(-1.0))  # batchtopk; < 0: unset
         self._fired: torch.Tensor | None = None
         self._smallest: torch.Tensor | None = None
+        self._pre_act: torch.Tensor | None = None
 
     def start(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Scales and the input's mean from a first batch of raw rows; b_dec at the scaled
@@ -225,6 +266,13 @@ class TrainingTranscoder(nn.Module):
     def aux_k(self) -> int:
         return self.options.aux_k or max(1, self.W_dec.shape[1] // 2)
 
+    def thresholds(self) -> torch.Tensor:
+        """jumprelu's thresholds (on the scaled pre-activations)."""
+        if self.threshold is not None:
+            return self.threshold
+        assert self.log_threshold is not None  # a jumprelu fit has its thresholds
+        return self.log_threshold.exp()
+
     def sparsity(self) -> float:
         """The penalty's coefficient at this step (warmed up)."""
         o = self.options
@@ -244,11 +292,22 @@ class TrainingTranscoder(nn.Module):
             acts = torch.relu(pre)
             penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean() / self.W_dec.shape[1] ** 0.5
         elif o.activation == "jumprelu":
-            assert self.log_threshold is not None  # a jumprelu fit has its thresholds
-            threshold = self.log_threshold.exp()
-            acts = JumpReLU.apply(pre, threshold, o.bandwidth)
-            l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-            penalty = (l0 / o.target_l0 - 1).pow(2)
+            threshold = self.thresholds()
+            jump, step = (JumpReLUInput, StepInput) if o.ste_to_input else (JumpReLU, Step)
+            acts = jump.apply(pre, threshold, o.bandwidth)
+            if o.jump_penalty == "l0_target":
+                l0 = step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+                penalty = (l0 / o.target_l0 - 1).pow(2)
+            elif o.jump_penalty == "row_target":
+                l0 = step.apply(pre, threshold, o.bandwidth).sum(-1)
+                penalty = ((l0 / o.target_l0 - 1).pow(2)).mean()
+            else:
+                norms = self.W_dec.norm(dim=1)
+                penalty = torch.tanh(o.tanh_scale * acts * norms).sum(-1).mean()
+            if o.pre_act > 0:
+                dead = (self.since_fired > o.dead_rows).to(pre.dtype)
+                gap = (threshold - pre).relu() * dead * self.W_dec.norm(dim=1)
+                self._pre_act = o.pre_act * gap.sum(-1).mean()
         elif o.activation == "topk":
             return pre, _top_rows(pre, o.k), penalty
         else:
@@ -287,6 +346,9 @@ class TrainingTranscoder(nn.Module):
         pred, pre, acts, penalty = self(xs)
         mse = (pred - ys).pow(2).mean()
         loss = mse + self.sparsity() * penalty
+        if self._pre_act is not None:
+            loss = loss + self._pre_act
+            self._pre_act = None
         aux = pre.new_zeros(())
         if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
             aux = self.auxk(pre, (ys - pred).detach())
@@ -316,6 +378,8 @@ class TrainingTranscoder(nn.Module):
         batchtopk's threshold moved on."""
         if self.options.unit_decoder:
             self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        if self.threshold is not None:
+            self.threshold.clamp_(min=0.0)
         self.step += 1
         self.since_fired += rows
         if self._fired is not None:
@@ -335,8 +399,8 @@ class TrainingTranscoder(nn.Module):
         a, c = float(self.x_scale), float(self.y_scale)
         o = self.options
         threshold = None
-        if self.log_threshold is not None:
-            threshold = self.log_threshold.exp()
+        if o.activation == "jumprelu":
+            threshold = self.thresholds().detach().clone()
         elif o.activation == "batchtopk":
             threshold = torch.full_like(self.b_enc, max(float(self.batch_threshold), 0.0))
         activation = "jumprelu" if o.activation == "batchtopk" else o.activation
