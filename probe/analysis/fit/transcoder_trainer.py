@@ -14,7 +14,9 @@ Plain torch (Adam), the trainers the field uses now:
     fits every layer's width and scale), averaged over rows; decoder rows free.
   - jumprelu: `sparsity` x (L0 / l0_target - 1)^2, L0 the batch's mean count of active features
     through a straight-through step (dictionary_learning's target-L0 JumpReLU; a rectangle kernel
-    of `bandwidth` for the thresholds' gradient, thresholds learnt as logs).
+    of `bandwidth` for the thresholds' gradient only, as Gemma Scope's; thresholds learnt as logs
+    from `threshold`, 0.001 as Gemma Scope's). The encoder learns through the reconstruction
+    alone, so L0 can fall short of the target where the features' own ReLU counts are fewer.
   - topk: the k largest pre-activations of each row (ReLU'd), decoded from their indices (an
     embedding bag: k decoder rows a row, not a dense product over every feature).
   - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd); a global
@@ -28,16 +30,15 @@ Plain torch (Adam), the trainers the field uses now:
   The penalty's coefficient rises linearly from 0 over the first `sparsity_warmup` of the steps.
 - the learning rate rises linearly over the first `lr_warmup` of the steps and falls linearly to 0
   over the last `lr_decay`.
-- decoder rows at unit norm for jumprelu (FitOptions.unit_decoder): the gradient's component along
-  each row removed before the step, rows renormalised after it. topk and batchtopk leave them
-  free, as sparsify's transcoders do: on the planted problem at 10 passes (640 steps) topk's
-  held-out FVU was 0.34 with unit rows, 0.08 with free rows and 0.05 with free rows from 0
-  (docs/bench/transcoders.md).
-- init: relu and jumprelu: decoder rows random directions (norm 0.1 for relu, 1 for jumprelu),
-  W_enc = W_dec.T (when d_in = d_out, else random with the same column norms); topk and
-  batchtopk (FitOptions.decoder_from_zero): W_dec 0 and W_enc uniform in +-1/sqrt(d_in) (torch's
-  nn.Linear init; sparsify's transcoder init). b_enc 0, b_dec the scaled outputs' mean over the
-  first batch, W_skip 0, jumprelu thresholds `threshold`.
+- decoder rows free for every activation, as sparsify's transcoders: on the planted problem at 10
+  passes (640 steps) topk's held-out FVU was 0.34 with unit rows, 0.08 with free rows and 0.05
+  with free rows from 0 (docs/bench/transcoders.md); jumprelu's (1,280 steps) 0.25 with unit
+  rows tied to the encoder, 0.034 with free rows from 0 (docs/bench/fit_planted.md).
+- init: relu: decoder rows random directions of norm 0.1, W_enc = W_dec.T (when d_in = d_out,
+  else random with the same column norms); topk, batchtopk and jumprelu
+  (FitOptions.decoder_from_zero): W_dec 0 and W_enc uniform in +-1/sqrt(d_in) (torch's nn.Linear
+  init; sparsify's transcoder init). b_enc 0, b_dec the scaled outputs' mean over the first
+  batch, W_skip 0, jumprelu thresholds `threshold`.
 
 Everything that changes while training (step, dead counters, batchtopk's threshold) is a buffer,
 so a checkpoint's state_dict resumes the fit exactly.
@@ -74,42 +75,6 @@ class JumpReLU(torch.autograd.Function):
         kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
         d_threshold = (-(threshold / bw) * kernel * grad).sum(0)
         return (pre > threshold) * grad, d_threshold, None
-
-
-class JumpReLUInput(torch.autograd.Function):
-    """JumpReLU whose pre-activations also get the kernel's gradient (Anthropic's 2025 update):
-    d/dpre = (pre > threshold) + (threshold / bw) K, d/dthreshold = -(threshold / bw) K."""
-
-    @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return pre * (pre > threshold)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, threshold = ctx.saved_tensors
-        bw = ctx.bandwidth
-        kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
-        ste = (threshold / bw) * kernel * grad
-        return (pre > threshold) * grad + ste, -ste.sum(0), None
-
-
-class StepInput(torch.autograd.Function):
-    """(pre > threshold) with the kernel's gradient on both the threshold and the pre-acts."""
-
-    @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return (pre > threshold).to(pre.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, threshold = ctx.saved_tensors
-        bw = ctx.bandwidth
-        ste = (1.0 / bw) * ((pre - threshold).abs() < bw / 2).to(pre.dtype) * grad
-        return ste, -ste.sum(0), None
 
 
 class Step(torch.autograd.Function):
@@ -215,7 +180,7 @@ class TrainingTranscoder(nn.Module):
             W_dec = torch.zeros(d_tc, d_out)
             W_enc = (torch.rand(d_in, d_tc, generator=g) * 2 - 1) / d_in**0.5
         else:
-            norm = 1.0 if options.unit_decoder else 0.1
+            norm = 0.1  # relu
             W_dec = torch.randn(d_tc, d_out, generator=g)
             W_dec = W_dec / W_dec.norm(dim=1, keepdim=True) * norm
             if d_in == d_out:
@@ -227,11 +192,7 @@ class TrainingTranscoder(nn.Module):
         self.b_enc, self.b_dec = nn.Parameter(torch.zeros(d_tc)), nn.Parameter(torch.zeros(d_out))
         self.log_threshold = (
             nn.Parameter(torch.full((d_tc,), math.log(options.threshold)))
-            if options.activation == "jumprelu" and not options.jump_linear else None
-        )  # fmt: skip
-        self.threshold = (
-            nn.Parameter(torch.full((d_tc,), float(options.threshold)))
-            if options.activation == "jumprelu" and options.jump_linear else None
+            if options.activation == "jumprelu" else None
         )  # fmt: skip
         self.W_skip = nn.Parameter(torch.zeros(d_out, d_in)) if options.skip else None
         self.register_buffer("x_scale", torch.tensor(1.0))
@@ -242,7 +203,6 @@ class TrainingTranscoder(nn.Module):
         self.register_buffer("batch_threshold", torch.tensor(-1.0))  # batchtopk; < 0: unset
         self._fired: torch.Tensor | None = None
         self._smallest: torch.Tensor | None = None
-        self._pre_act: torch.Tensor | None = None
 
     def start(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Scales and the input's mean from a first batch of raw rows; b_dec at the scaled
@@ -266,13 +226,6 @@ class TrainingTranscoder(nn.Module):
     def aux_k(self) -> int:
         return self.options.aux_k or max(1, self.W_dec.shape[1] // 2)
 
-    def thresholds(self) -> torch.Tensor:
-        """jumprelu's thresholds (on the scaled pre-activations)."""
-        if self.threshold is not None:
-            return self.threshold
-        assert self.log_threshold is not None  # a jumprelu fit has its thresholds
-        return self.log_threshold.exp()
-
     def sparsity(self) -> float:
         """The penalty's coefficient at this step (warmed up)."""
         o = self.options
@@ -292,22 +245,11 @@ class TrainingTranscoder(nn.Module):
             acts = torch.relu(pre)
             penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean() / self.W_dec.shape[1] ** 0.5
         elif o.activation == "jumprelu":
-            threshold = self.thresholds()
-            jump, step = (JumpReLUInput, StepInput) if o.ste_to_input else (JumpReLU, Step)
-            acts = jump.apply(pre, threshold, o.bandwidth)
-            if o.jump_penalty == "l0_target":
-                l0 = step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-                penalty = (l0 / o.target_l0 - 1).pow(2)
-            elif o.jump_penalty == "row_target":
-                l0 = step.apply(pre, threshold, o.bandwidth).sum(-1)
-                penalty = ((l0 / o.target_l0 - 1).pow(2)).mean()
-            else:
-                norms = self.W_dec.norm(dim=1)
-                penalty = torch.tanh(o.tanh_scale * acts * norms).sum(-1).mean()
-            if o.pre_act > 0:
-                dead = (self.since_fired > o.dead_rows).to(pre.dtype)
-                gap = (threshold - pre).relu() * dead * self.W_dec.norm(dim=1)
-                self._pre_act = o.pre_act * gap.sum(-1).mean()
+            assert self.log_threshold is not None  # a jumprelu fit has its thresholds
+            threshold = self.log_threshold.exp()
+            acts = JumpReLU.apply(pre, threshold, o.bandwidth)
+            l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+            penalty = (l0 / o.target_l0 - 1).pow(2)
         elif o.activation == "topk":
             return pre, _top_rows(pre, o.k), penalty
         else:
@@ -346,9 +288,6 @@ class TrainingTranscoder(nn.Module):
         pred, pre, acts, penalty = self(xs)
         mse = (pred - ys).pow(2).mean()
         loss = mse + self.sparsity() * penalty
-        if self._pre_act is not None:
-            loss = loss + self._pre_act
-            self._pre_act = None
         aux = pre.new_zeros(())
         if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
             aux = self.auxk(pre, (ys - pred).detach())
@@ -366,20 +305,8 @@ class TrainingTranscoder(nn.Module):
                       "fvu": float(mse.detach() / var)}  # fmt: skip
 
     @torch.no_grad()
-    def before_step(self) -> None:
-        """Unit decoder rows: the gradient's component along each row removed."""
-        if self.options.unit_decoder and self.W_dec.grad is not None:
-            rows = self.W_dec / self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12)
-            self.W_dec.grad -= (self.W_dec.grad * rows).sum(1, keepdim=True) * rows
-
-    @torch.no_grad()
     def after_step(self, rows: int) -> None:
-        """Unit decoder rows renormalised; the step, dead counters (`rows` more rows) and
-        batchtopk's threshold moved on."""
-        if self.options.unit_decoder:
-            self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
-        if self.threshold is not None:
-            self.threshold.clamp_(min=0.0)
+        """The step, dead counters (`rows` more rows) and batchtopk's threshold moved on."""
         self.step += 1
         self.since_fired += rows
         if self._fired is not None:
@@ -399,8 +326,8 @@ class TrainingTranscoder(nn.Module):
         a, c = float(self.x_scale), float(self.y_scale)
         o = self.options
         threshold = None
-        if o.activation == "jumprelu":
-            threshold = self.thresholds().detach().clone()
+        if self.log_threshold is not None:
+            threshold = self.log_threshold.exp()
         elif o.activation == "batchtopk":
             threshold = torch.full_like(self.b_enc, max(float(self.batch_threshold), 0.0))
         activation = "jumprelu" if o.activation == "batchtopk" else o.activation
@@ -422,7 +349,6 @@ def train_step(model: TrainingTranscoder, opt: torch.optim.Optimizer, x, y) -> d
     opt.zero_grad(set_to_none=True)
     loss, parts = model.loss(x, y)
     loss.backward()
-    model.before_step()
     opt.step()
     model.after_step(len(x))
     return parts
