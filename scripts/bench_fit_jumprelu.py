@@ -6,7 +6,9 @@ encoder directions a learned encoder row matches at cosine >= 0.9. Figures in
 docs/bench/fit_planted.md.
 
     OMP_NUM_THREADS=1 python scripts/bench_fit_jumprelu.py [--run DIR] [--block 0] [--epochs 30]
-        [--variants default threshold_1e-3 ...]
+        [--k 8] [--variants default "bandwidth 0.01" ...]
+
+--run is the folder bench_fit_planted.py builds (its `run` and `model` inside).
 """
 
 from __future__ import annotations
