@@ -73,6 +73,7 @@ def main() -> None:
             assert fit_main(flags) == 0
         seconds = time.perf_counter() - t
         fit = pd.read_csv(out / "fit.csv")
+        fit = fit[fit["layer"].astype(str).str.isdigit()]  # not the row `all` (loss measures)
         for _, r in fit.iterrows():
             layer = int(r["layer"])
             learned = load_file(str(out / f"layer_{layer}.safetensors"))["W_enc"]

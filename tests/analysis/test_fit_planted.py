@@ -81,3 +81,33 @@ def test_the_default_fit_recovers_the_planted_dictionary(planted, tmp_path, acti
         threshold = tensors["activation_function.threshold"]
         assert (threshold == threshold[0]).all() and threshold[0] > 0
         assert abs(fit["l0"] - K) < 1  # the threshold keeps about k features a row
+
+
+# jumprelu's defaults (W_dec from 0 with free rows, thresholds from 0.001, kernel width 0.01) to
+# the planted L0 at half the budget (15 passes, 960 steps: 9 s): measured FVU 0.061, L0 3.59 for
+# its target of 4, no dead feature, 91% found. At the full size and budget it meets the issue's
+# targets (docs/bench/fit_planted.md).
+JUMP = {"epochs": "15", "fvu": 0.08, "dead": 0.05, "found": 0.88, "l0": 0.25}
+
+
+def test_the_default_jumprelu_fit_recovers_the_planted_dictionary_at_its_l0_target(
+    planted, tmp_path
+):
+    """jumprelu to the planted L0 (--k K): held-out FVU, dead share and planted directions found
+    within JUMP, and held-out L0 within JUMP["l0"] of its target."""
+    p, run = planted
+    out = tmp_path / "jumprelu"
+    flags = ["--layers", "0", "--width", str(SPEC.n_inner), "--epochs", JUMP["epochs"],
+             "--batch-size", "256", "--activation", "jumprelu", "--k", str(K), "--out", str(out)]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([str(run), *flags]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    fit = pd.read_csv(out / "fit.csv").iloc[0]
+    share = found(p.model_dir, load_file(str(out / "layer_0.safetensors"))["W_enc"])
+    got = {**fit[["fvu", "l0", "dead"]].to_dict(), "found": share}
+    assert fit["fvu"] <= JUMP["fvu"] and fit["dead"] <= JUMP["dead"], got
+    assert share >= JUMP["found"], got
+    assert abs(fit["l0"] - K) <= JUMP["l0"] * K, got

@@ -14,7 +14,9 @@ Plain torch (Adam), the trainers the field uses now:
     fits every layer's width and scale), averaged over rows; decoder rows free.
   - jumprelu: `sparsity` x (L0 / l0_target - 1)^2, L0 the batch's mean count of active features
     through a straight-through step (dictionary_learning's target-L0 JumpReLU; a rectangle kernel
-    of `bandwidth` for the thresholds' gradient, thresholds learnt as logs).
+    of `bandwidth` for the thresholds' gradient only, as Gemma Scope's; thresholds learnt as logs
+    from `threshold`, 0.001 as Gemma Scope's). The encoder learns through the reconstruction
+    alone, so L0 can fall short of the target where the features' own ReLU counts are fewer.
   - topk: the k largest pre-activations of each row (ReLU'd), decoded from their indices (an
     embedding bag: k decoder rows a row, not a dense product over every feature).
   - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd); a global
@@ -28,16 +30,15 @@ Plain torch (Adam), the trainers the field uses now:
   The penalty's coefficient rises linearly from 0 over the first `sparsity_warmup` of the steps.
 - the learning rate rises linearly over the first `lr_warmup` of the steps and falls linearly to 0
   over the last `lr_decay`.
-- decoder rows at unit norm for jumprelu (FitOptions.unit_decoder): the gradient's component along
-  each row removed before the step, rows renormalised after it. topk and batchtopk leave them
-  free, as sparsify's transcoders do: on the planted problem at 10 passes (640 steps) topk's
-  held-out FVU was 0.34 with unit rows, 0.08 with free rows and 0.05 with free rows from 0
-  (docs/bench/transcoders.md).
-- init: relu and jumprelu: decoder rows random directions (norm 0.1 for relu, 1 for jumprelu),
-  W_enc = W_dec.T (when d_in = d_out, else random with the same column norms); topk and
-  batchtopk (FitOptions.decoder_from_zero): W_dec 0 and W_enc uniform in +-1/sqrt(d_in) (torch's
-  nn.Linear init; sparsify's transcoder init). b_enc 0, b_dec the scaled outputs' mean over the
-  first batch, W_skip 0, jumprelu thresholds `threshold`.
+- decoder rows free for every activation, as sparsify's transcoders: on the planted problem at 10
+  passes (640 steps) topk's held-out FVU was 0.34 with unit rows, 0.08 with free rows and 0.05
+  with free rows from 0 (docs/bench/transcoders.md); jumprelu's (1,280 steps) 0.25 with unit
+  rows tied to the encoder, 0.034 with free rows from 0 (docs/bench/fit_planted.md).
+- init: relu: decoder rows random directions of norm 0.1, W_enc = W_dec.T (when d_in = d_out,
+  else random with the same column norms); topk, batchtopk and jumprelu
+  (FitOptions.decoder_from_zero): W_dec 0 and W_enc uniform in +-1/sqrt(d_in) (torch's nn.Linear
+  init; sparsify's transcoder init). b_enc 0, b_dec the scaled outputs' mean over the first
+  batch, W_skip 0, jumprelu thresholds `threshold`.
 
 Everything that changes while training (step, dead counters, batchtopk's threshold) is a buffer,
 so a checkpoint's state_dict resumes the fit exactly.
@@ -179,7 +180,7 @@ class TrainingTranscoder(nn.Module):
             W_dec = torch.zeros(d_tc, d_out)
             W_enc = (torch.rand(d_in, d_tc, generator=g) * 2 - 1) / d_in**0.5
         else:
-            norm = 1.0 if options.unit_decoder else 0.1
+            norm = 0.1  # relu
             W_dec = torch.randn(d_tc, d_out, generator=g)
             W_dec = W_dec / W_dec.norm(dim=1, keepdim=True) * norm
             if d_in == d_out:
@@ -304,18 +305,8 @@ class TrainingTranscoder(nn.Module):
                       "fvu": float(mse.detach() / var)}  # fmt: skip
 
     @torch.no_grad()
-    def before_step(self) -> None:
-        """Unit decoder rows: the gradient's component along each row removed."""
-        if self.options.unit_decoder and self.W_dec.grad is not None:
-            rows = self.W_dec / self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12)
-            self.W_dec.grad -= (self.W_dec.grad * rows).sum(1, keepdim=True) * rows
-
-    @torch.no_grad()
     def after_step(self, rows: int) -> None:
-        """Unit decoder rows renormalised; the step, dead counters (`rows` more rows) and
-        batchtopk's threshold moved on."""
-        if self.options.unit_decoder:
-            self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        """The step, dead counters (`rows` more rows) and batchtopk's threshold moved on."""
         self.step += 1
         self.since_fired += rows
         if self._fired is not None:
@@ -358,7 +349,6 @@ def train_step(model: TrainingTranscoder, opt: torch.optim.Optimizer, x, y) -> d
     opt.zero_grad(set_to_none=True)
     loss, parts = model.loss(x, y)
     loss.backward()
-    model.before_step()
     opt.step()
     model.after_step(len(x))
     return parts
