@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     d = FitOptions()
     parser.add_argument(
         "--lr", type=float, default=None,
-        help=f"Adam's peak learning rate ({LR:g} x sqrt({LR_WIDTH} / width))",
+        help=f"Adam's peak learning rate ({LR:g} x sqrt({LR_WIDTH} / width); --kind clt: relu, "
+        "jumprelu 1e-2, topk, batchtopk 2e-2, x the same)",
     )  # fmt: skip
     parser.add_argument(
         "--lr-warmup", type=float, default=d.lr_warmup,

@@ -147,7 +147,9 @@ class Transcoder(nn.Module):
 @dataclass
 class TranscoderSet:
     """One transcoder per block, 0..n-1, and where they read and write. `ids` are the YAML's
-    transcoder ids (circuit-tracer's scan names); `model_name` the model they were trained on."""
+    transcoder ids (circuit-tracer's scan names); `model_name` the model they were trained on.
+    `every_block` False: transcoders of some blocks only (a fit of `--layers`), which the fit's
+    measures (`python -m probe.fit --evaluate`) take; a graph needs every block."""
 
     transcoders: dict[int, Transcoder]
     reads: str = "mlp_in"
@@ -155,6 +157,7 @@ class TranscoderSet:
     model_name: str | None = None
     ids: dict[int, str] = field(default_factory=dict)
     source: str = ""  # the YAML or folder read (informational)
+    every_block: bool = True
 
     def __post_init__(self) -> None:
         if self.reads not in READS:
@@ -168,7 +171,7 @@ class TranscoderSet:
                 f"(circuit-tracer's feature_output_hook {', '.join(OUTPUT_HOOKS)})"
             )
         layers = sorted(self.transcoders)
-        if layers != list(range(len(layers))):
+        if self.every_block and layers != list(range(len(layers))):
             raise ConfigError(
                 f"transcoder set {self.source or ''} has layers {layers}; a graph needs one "
                 "transcoder for every block 0..n-1"

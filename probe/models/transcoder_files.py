@@ -115,10 +115,13 @@ def _hook(config: dict, key: str, known, yaml_path: Path) -> str:
     return str(value)  # one of known's names
 
 
-def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> AnyTranscoders:
+def load_transcoders(path: str | Path, dtype: torch.dtype | None = None,
+                     every_block: bool = True) -> AnyTranscoders:  # fmt: skip
     """The set a transcoder-set YAML (or a folder holding one) names, each file's layout found
     from its keys and shapes, in `dtype` (None: as stored), on the CPU; a config with
-    `model_kind: cross_layer_transcoder` gives a CrossLayerTranscoder (probe.models.clt_files)."""
+    `model_kind: cross_layer_transcoder` gives a CrossLayerTranscoder (probe.models.clt_files).
+    A per-layer set must hold every block 0..n-1 unless `every_block` is False (a fit of some
+    blocks, measured by `python -m probe.fit --evaluate`)."""
     import yaml
 
     yaml_path = _config_path(Path(path).expanduser())
@@ -152,14 +155,14 @@ def load_transcoders(path: str | Path, dtype: torch.dtype | None = None) -> AnyT
     if not transcoders:
         raise ConfigError(f"{yaml_path} lists no transcoders")
     missing = sorted(set(range(max(transcoders) + 1)) - set(transcoders))
-    if missing:
+    if missing and every_block:
         raise ConfigError(
             f"{yaml_path} has no transcoder for layer(s) {missing}: a set needs one for every "
             "block 0..n-1"
         )
     return TranscoderSet(
         transcoders, reads=reads, writes=writes, model_name=config.get("model_name"), ids=ids,
-        source=str(yaml_path),
+        source=str(yaml_path), every_block=every_block,
     )  # fmt: skip
 
 
@@ -377,9 +380,15 @@ def _config_dims(config) -> tuple[int | None, int | None]:
     return width, depth
 
 
-def check_transcoders(tset: AnyTranscoders, model) -> None:
+def model_blocks(model) -> int | None:
+    """The number of blocks of a HF model (or its config), if its config says."""
+    return _config_dims(getattr(model, "config", model))[1]
+
+
+def check_transcoders(tset: AnyTranscoders, model, every_block: bool = True) -> None:
     """ConfigError unless every transcoder reads and writes the model's hidden size and the set
-    has one transcoder per block (a CLT: one layer per block). `model`: a HF model (or its
+    has one transcoder per block (a CLT: one layer per block); `every_block` False: a per-layer
+    set may cover some blocks only, each a block of the model. `model`: a HF model (or its
     config)."""
     width, depth = _config_dims(getattr(model, "config", model))
     name = getattr(getattr(model, "config", model), "_name_or_path", "") or type(model).__name__
@@ -399,6 +408,14 @@ def check_transcoders(tset: AnyTranscoders, model) -> None:
                 f"{name} has {depth} blocks: give a CLT over every block of this model"
             )
         return
+    if depth is not None and not every_block:
+        beyond = sorted(layer for layer in tset.transcoders if not 0 <= layer < depth)
+        if beyond:
+            raise ConfigError(
+                f"{tset.source or 'the set'}{trained} has a transcoder of layer {beyond[0]} but "
+                f"{name} has {depth} blocks (layers 0..{depth - 1}): give a set of this model's "
+                "blocks"
+            )
     for layer, t in tset.transcoders.items():
         if t.d_in != width or t.d_out != width:
             raise ConfigError(
@@ -408,7 +425,7 @@ def check_transcoders(tset: AnyTranscoders, model) -> None:
                 f"{width}: give transcoders trained on this model, or, if the file is transposed, "
                 f"{RESAVE}"
             )
-    if depth is not None and len(tset) != depth:
+    if every_block and depth is not None and len(tset) != depth:
         raise ConfigError(
             f"{tset.source or 'the set'}{trained} has {len(tset)} transcoders (layers 0.."
             f"{len(tset) - 1}) but {name} has {depth} blocks: give one transcoder per block"

@@ -264,3 +264,39 @@ def test_bad_input_exits_2_by_name(lm_run, fitted, tmp_path, capsys):
     fit = pd.read_csv(out / "fit.csv")
     assert fit["layer"].tolist() == [0, 1] and fit[LOSSES].isna().all().all()
     assert (out / "held_out.csv").is_file()
+
+
+def test_evaluate_measures_a_fit_of_some_layers(lm_run, tmp_path, caplog, capsys):
+    """A fit of `--layers 1` is evaluated: rows `1` and `all` (block 1 alone: the fitted blocks
+    at once, logged), equal to the fit's own fit.csv, and ce_spliced / ce_zero / kl equal to a
+    hand splice of block 1 by forward hooks; a set holding a layer the model lacks exits 2 naming
+    it."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    run, model_dir = lm_run
+    out = tmp_path / "layer1"
+    assert main([str(run), "--layers", "1", "--out", str(out), *FAST]) == 0
+    csv = tmp_path / "layer1.csv"
+    with caplog.at_level(logging.INFO, logger="probe.fit"):
+        assert main(["--evaluate", str(out), str(run), "--out", str(csv)]) == 0
+    assert "the set covers blocks [1] of the model's 2" in caplog.text
+    got, fit = pd.read_csv(csv), pd.read_csv(out / "fit.csv")
+    assert got["layer"].astype(str).tolist() == ["1", "all"]
+    pd.testing.assert_frame_equal(got, fit[EVALUATE_COLUMNS], rtol=1e-9)
+    tset = load_transcoders(out, every_block=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    _, ids = held_out_ids(run)
+    ce_spliced, kl = hand_losses(model, ids, tset, [1], "transcoder")
+    ce_zero, _ = hand_losses(model, ids, tset, [1], "zero")
+    for row in got.itertuples():
+        np.testing.assert_allclose(row.ce_spliced, ce_spliced, rtol=1e-7)
+        np.testing.assert_allclose(row.ce_zero, ce_zero, rtol=1e-7)
+        np.testing.assert_allclose(row.kl, kl, rtol=1e-5, atol=1e-12)
+    far = TranscoderSet({1: tset[1], 5: tset[1]}, model_name="tiny", every_block=False)
+    save_transcoders(far, tmp_path / "far")
+    capsys.readouterr()
+    assert main(["--evaluate", str(tmp_path / "far"), str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "has a transcoder of layer 5" in err and "2 blocks (layers 0..1)" in err, err

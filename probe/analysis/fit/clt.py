@@ -8,18 +8,35 @@ held-out samples (probe.analysis.fit.fit_sites.held_out) never train, and rows o
 special tokens (fit_sites.left_out) neither train nor count in fit.csv unless `keep_special`, as for
 per-layer fits; fit.csv's `left_out_rows` says how many there were.
 
-The trainer (plain torch, Adam), on rows scaled per site so their mean squared norm is their width
-(factors from the first batch, folded into the written weights):
+The trainer (plain torch, Adam; the per-layer trainer's schedule, dead counters and AuxK:
+probe.analysis.fit.trainer_base), on rows centred on and scaled by each site's first batch's mean
+and spread (inputs centred and scaled, outputs scaled: b_dec learns their mean; the factors and
+means are folded into the written weights):
 
 - a feature of layer l reads layer l's input and writes to every layer l' >= l:
   out_l' = sum over l <= l' of acts_l @ W_dec[l][:, l' - l] + b_dec[l'];
-- loss = sum over output layers of the mean squared error (over rows and units) + the sparsity
-  penalty: jumprelu: `sparsity` x L0 (straight-through estimator, a rectangle kernel of
-  `bandwidth` for the thresholds' gradient, thresholds learnt as logs); topk: none (k features
-  of each layer per row); relu: `sparsity` x activations times the norms of their whole decoders;
-  jumprelu and topk keep each feature's whole decoder (every output slot) at unit norm;
-- init: decoders random at unit norm, W_enc[l] = the first slot's transpose (d_in = d_out), b_enc
-  0, b_dec[l] at the scaled outputs' mean, thresholds `threshold`.
+- loss = sum over output layers of the mean squared error (over rows and units of the scaled
+  outputs: about the sum of the layers' FVUs) + the penalty + AuxK, by activation:
+  - jumprelu: `sparsity` x L0 (straight-through estimator, a rectangle kernel of `bandwidth` for
+    the thresholds' gradient, thresholds learnt as logs); decoders free;
+  - relu: `sparsity` x activations times the norms of their whole decoders; decoders free;
+  - topk: k features of each layer a row; batchtopk: the k x rows largest pre-activations of each
+    layer's batch, with a per-layer threshold (the running mean of each batch's smallest selected
+    activation) that replaces the batch at inference: written as a JumpReLU CLT of that
+    threshold for every feature of the layer; decoders free;
+  - AuxK (topk and batchtopk): the features of layer l not fired for `dead_rows` rows (counted per
+    feature) take each row's `aux_k` largest pre-activations among them and fit, through their
+    whole decoders, the detached errors of every layer they write to (l..n-1, side by side):
+    `aux_coefficient` x min(dead / aux_k, 1) x squared error over the errors' variance, summed
+    over source layers;
+  the penalty's coefficient warms up over `sparsity_warmup` of the steps; the learning rate rises
+  over the first `lr_warmup` of the steps and falls to 0 over the last `lr_decay`;
+- init: topk, batchtopk and jumprelu: W_dec 0 and W_enc uniform in +-1/sqrt(d_in), decoders
+  free (as the per-layer trainer: FitOptions.decoder_from_zero); relu: decoders random at norm
+  0.1, W_enc[l] = the first slot's transpose (d_in = d_out); b_enc 0, b_dec[l] at the scaled
+  outputs' mean, thresholds `threshold`.
+- the peak learning rate (clt_learning_rate): `lr`, else CLT_LR[activation] x sqrt(LR_WIDTH /
+  width), by measurement on the planted problem (docs/bench/fit_planted.md).
 
 fit.csv holds one row per layer over the held-out rows: `fvu` of that layer's output (everything
 written into it), `l0` and `dead` of that layer's features; and the loss measures of the
@@ -28,9 +45,10 @@ the held-out samples (held_out.csv) with that layer's MLP output replaced by eve
 writes into it, plus a row `all` with every layer replaced at once (`losses=False`: left out).
 The CLT is written in circuit-tracer 0.5's CLT layout (probe.models.clt_files.save_cross_layer).
 
-The fit is checkpointed every `checkpoint_every` steps (`checkpoint.pt` in `out`: the trainer,
-Adam's state, the step, the epoch and how many of its batches trained, the curve), so a fit cut
-short continues with `resume` and gives the uninterrupted fit's files bit for bit.
+The fit is checkpointed every `checkpoint_every` steps (`checkpoint.pt` in `out`: the trainer with
+its step, dead counters and thresholds, Adam's state with its scheduled learning rate, the epoch
+and how many of its batches trained, the curve), so a fit cut short continues with `resume` and
+gives the uninterrupted fit's files bit for bit.
 """
 
 from __future__ import annotations
@@ -49,42 +67,76 @@ import torch
 from torch import nn
 
 from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_out, left_out_rows
-from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.transcoder_trainer import JumpReLU, Step
+from probe.analysis.fit.options import LR_WIDTH, FitOptions
+from probe.analysis.fit.trainer_base import (
+    DenseCodes,
+    JumpReLU,
+    RowCodes,
+    ScheduledTrainer,
+    Step,
+    auxk_loss,
+    move_threshold,
+    smallest_active,
+    spread_scale,
+    top_batch,
+    top_rows,
+    train_step,
+)
 from probe.errors import ConfigError, DataError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
 CHECKPOINT = "checkpoint.pt"  # the fit so far, in its --out
-# the CLT trainer's own defaults (the per-layer trainer's, in options.py, apply to its loss only)
-CLT_LR = 1e-3
-CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0}
+# the CLT trainer's own defaults (its penalties, CLT_PENALTY, differ from the per-layer trainer's
+# in options.py). The peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width): on the
+# planted problem (docs/bench/fit_planted.md, 10 epochs) topk's held-out FVU was 0.48 at 1e-3,
+# 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; relu 0.58 at 1e-3 (the former default) and
+# 0.11-0.16 at 1e-2; jumprelu 0.77-0.83 at 1e-3 and 0.30-0.32 at 1e-2
+CLT_LR = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 2e-2, "batchtopk": 2e-2}
+CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0, "batchtopk": 0.0}
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
                "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "ce_clean", "ce_spliced",
                "ce_zero", "ce_recovered", "kl", "seconds"]  # fmt: skip
 
 
-class TrainingCLT(nn.Module):
-    """The parameters a CLT fit learns, on scaled rows (x_l * x_scale[l] -> y_l * y_scale[l])."""
+def clt_learning_rate(options: FitOptions, width: int) -> float:
+    """Adam's peak learning rate of a CLT fit of `width` features a layer: `lr`, else
+    CLT_LR[activation] x sqrt(LR_WIDTH / width)."""
+    if options.lr is not None:
+        return options.lr
+    return CLT_LR[options.activation] * (LR_WIDTH / width) ** 0.5
+
+
+class TrainingCLT(ScheduledTrainer):
+    """The parameters a CLT fit learns, on scaled rows ((x_l * x_scale[l] - x_mean[l]) ->
+    y_l * y_scale[l]), and the state of its schedule over `total_steps` steps (see the module
+    docstring)."""
 
     x_scale: torch.Tensor  # buffers (registered in __init__)
     y_scale: torch.Tensor
+    x_mean: torch.Tensor
+    batch_threshold: torch.Tensor
 
-    def __init__(self, n: int, d_in: int, d_out: int, options: FitOptions, seed: int):
-        super().__init__()
-        self.options, self.n = options, n
+    def __init__(self, n: int, d_in: int, d_out: int, options: FitOptions, seed: int,
+                 total_steps: int = 1):  # fmt: skip
         d_tc = options.width or 8 * d_in
+        super().__init__(options, total_steps, (n, d_tc))
+        self.n = n
         g = torch.Generator().manual_seed(seed)
         decoders = []
-        for layer in range(n):
-            w = torch.randn(d_tc, n - layer, d_out, generator=g)
-            w = w / w.flatten(1).norm(dim=1)[:, None, None]
-            decoders.append(w * (0.1 if options.activation == "relu" else 1))
-        if d_in == d_out:
-            W_enc = torch.stack([w[:, 0].T / w[:, 0].norm(dim=1) for w in decoders])
+        if options.decoder_from_zero:
+            decoders = [torch.zeros(d_tc, n - layer, d_out) for layer in range(n)]
+            W_enc = (torch.rand(n, d_in, d_tc, generator=g) * 2 - 1) / d_in**0.5
         else:
-            W_enc = torch.randn(n, d_in, d_tc, generator=g) / d_in**0.5
+            for layer in range(n):
+                w = torch.randn(d_tc, n - layer, d_out, generator=g)
+                w = w / w.flatten(1).norm(dim=1)[:, None, None]
+                decoders.append(w * (0.1 if options.activation == "relu" else 1))
+            if d_in == d_out:
+                W_enc = torch.stack([w[:, 0].T / w[:, 0].norm(dim=1) for w in decoders])
+            else:
+                W_enc = torch.randn(n, d_in, d_tc, generator=g) / d_in**0.5
         self.W_enc = nn.Parameter(W_enc.contiguous())
         self.b_enc = nn.Parameter(torch.zeros(n, d_tc))
         self.W_dec = nn.ParameterList([nn.Parameter(w) for w in decoders])
@@ -95,74 +147,136 @@ class TrainingCLT(nn.Module):
         )  # fmt: skip
         self.register_buffer("x_scale", torch.ones(n))
         self.register_buffer("y_scale", torch.ones(n))
+        self.register_buffer("x_mean", torch.zeros(n, d_in))
+        self.register_buffer("batch_threshold", torch.full((n,), -1.0))  # batchtopk; < 0: unset
+        self._smallest: list[torch.Tensor | None] = []
+
+    @property
+    def width(self) -> int:
+        return self.W_enc.shape[-1]
+
+    @property
+    def aux_k(self) -> int:
+        return self.options.aux_k or max(1, self.b_dec.shape[1] // 2)
+
+    def penalty_coefficient(self) -> float:
+        o = self.options
+        return o.sparsity if o.sparsity is not None else CLT_PENALTY[o.activation]
 
     def start(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
-        """Scales from a first batch of raw rows; b_dec at the scaled outputs' mean."""
+        """Scales and the inputs' means from a first batch of raw rows (trainer_base.spread_scale
+        per site); b_dec at the scaled outputs' mean."""
         with torch.no_grad():
             for layer, (x, y) in enumerate(zip(xs, ys, strict=True)):
-                self.x_scale[layer] = (x.shape[1] / x.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt()
-                self.y_scale[layer] = (y.shape[1] / y.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt()
+                self.x_scale[layer] = spread_scale(x)
+                self.y_scale[layer] = spread_scale(y)
+                self.x_mean[layer] = x.mean(0) * self.x_scale[layer]
                 self.b_dec[layer] = (y * self.y_scale[layer]).mean(0)
 
-    def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list, torch.Tensor]:
-        """(each layer's prediction, each layer's activations, penalty) on scaled rows."""
+    def encode(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, RowCodes | DenseCodes,
+                                                           torch.Tensor]:  # fmt: skip
+        """(pre-activations, activations, penalty before its coefficient) of layer `layer`'s
+        scaled rows."""
         o = self.options
-        acts, penalty = [], xs[0].new_zeros(())
+        pre = (x - self.x_mean[layer]) @ self.W_enc[layer] + self.b_enc[layer]
+        penalty = pre.new_zeros(())
+        if o.activation == "relu":
+            acts = torch.relu(pre)
+            norms = self.W_dec[layer].flatten(1).norm(dim=1)
+            penalty = (acts * norms).sum(-1).mean()
+        elif o.activation == "jumprelu":
+            assert self.log_threshold is not None  # a jumprelu fit has its thresholds
+            threshold = self.log_threshold[layer].exp()
+            acts = JumpReLU.apply(pre, threshold, o.bandwidth)
+            penalty = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+        elif o.activation == "topk":
+            return pre, top_rows(pre, o.k), penalty
+        else:
+            acts = top_batch(pre, o.k)
+        return pre, DenseCodes(acts), penalty
+
+    def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                       list, torch.Tensor]:  # fmt: skip
+        """(each layer's prediction, pre-activations and activations, the penalty summed over
+        layers) on scaled rows."""
+        pres, acts, penalty = [], [], xs[0].new_zeros(())
         for layer, x in enumerate(xs):
-            pre = x @ self.W_enc[layer] + self.b_enc[layer]
-            if o.activation == "relu":
-                a = torch.relu(pre)
-                norms = self.W_dec[layer].flatten(1).norm(dim=1)
-                penalty = penalty + (a * norms).sum(-1).mean()
-            elif o.activation == "jumprelu":
-                assert self.log_threshold is not None  # a jumprelu fit has its thresholds
-                threshold = self.log_threshold[layer].exp()
-                a = JumpReLU.apply(pre, threshold, o.bandwidth)
-                penalty = penalty + Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-            else:
-                top = torch.topk(pre, min(o.k, pre.shape[-1]), dim=-1)
-                a = torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+            pre, a, p = self.encode(layer, x)
+            pres.append(pre)
             acts.append(a)
+            penalty = penalty + p
         outs = [self.b_dec[layer].expand(len(xs[0]), -1) for layer in range(self.n)]
         for source, a in enumerate(acts):
-            writes = torch.einsum("bf,fjd->bjd", a, self.W_dec[source])
+            w = self.W_dec[source]
+            writes = a.decode(w.flatten(1)).view(len(xs[0]), *w.shape[1:])
             for j in range(self.n - source):
                 outs[source + j] = outs[source + j] + writes[:, j]
-        return outs, acts, penalty
+        return outs, pres, acts, penalty
+
+    def auxk(self, pres: list[torch.Tensor], errors: list[torch.Tensor]) -> torch.Tensor:
+        """AuxK's loss before its coefficient, summed over the source layers: layer l's dead
+        features (trainer_base.auxk_loss) fit the (detached) errors of every layer they write
+        to, l..n-1, side by side through their whole decoders."""
+        dead = self.dead()
+        total = pres[0].new_zeros(())
+        for layer, pre in enumerate(pres):
+            error = torch.cat(errors[layer:], dim=1)
+            total = total + auxk_loss(pre, error, dead[layer], self.aux_k,
+                                      self.W_dec[layer].flatten(1))  # fmt: skip
+        return total
 
     def loss(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """The training loss on raw rows (sum over output layers of the MSE, plus the penalty)
-        and its parts."""
+        """The training loss on raw rows at this step (sum over output layers of the MSE, plus
+        the warmed-up penalty, plus AuxK) and its parts (mse, penalty, auxk, the batch's fvu
+        averaged over layers)."""
+        o = self.options
         xs = [x * self.x_scale[i] for i, x in enumerate(xs)]
         ys = [y * self.y_scale[i] for i, y in enumerate(ys)]
-        preds, _, penalty = self(xs)
+        preds, pres, acts, penalty = self(xs)
         mses = [(p - y).pow(2).mean() for p, y in zip(preds, ys, strict=True)]
         mse = torch.stack(mses).sum()
-        o = self.options
-        loss = mse + (o.sparsity if o.sparsity is not None else CLT_PENALTY[o.activation]) * penalty
+        loss = mse + self.sparsity() * penalty
+        aux = mse.new_zeros(())
+        if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
+            aux = self.auxk(pres, [(y - p).detach() for p, y in zip(preds, ys, strict=True)])
+            loss = loss + o.aux_coefficient * aux
         with torch.no_grad():
             fvu = [float(m / (y - y.mean(0)).pow(2).mean().clamp_min(1e-12)) for m, y in zip(mses, ys, strict=True)]  # fmt: skip
-        parts = {"mse": float(mse.detach()), "penalty": float(penalty.detach())}
+            self._fired = torch.stack([a.fired() for a in acts])
+            self._smallest = (
+                [smallest_active(a.dense()) for a in acts] if o.activation == "batchtopk" else []
+            )
+        parts = {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
+                 "auxk": float(aux.detach())}  # fmt: skip
         return loss, parts | {"fvu": float(np.mean(fvu))}
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Each feature's whole decoder at unit norm for jumprelu and topk."""
-        if self.options.activation != "relu":
-            for w in self.W_dec:
-                w.div_(w.flatten(1).norm(dim=1).clamp_min(1e-12)[:, None, None])
+    def after_step(self, rows: int) -> None:
+        """The step, dead counters and batchtopk's thresholds moved on."""
+        super().after_step(rows)
+        for layer, smallest in enumerate(self._smallest):
+            if smallest is not None:
+                move_threshold(self.batch_threshold[layer], smallest)
+        self._smallest = []
 
     @torch.no_grad()
     def cross_layer(self, reads: str, model_name: str | None, scan: str) -> CrossLayerTranscoder:
-        """The learnt CLT on the model's units (scales folded into the weights)."""
+        """The learnt CLT on the model's units (scales and the inputs' means folded into the
+        weights; batchtopk as a JumpReLU of each layer's threshold)."""
         a, c, o = self.x_scale, self.y_scale, self.options
         decoders = [w / c[layer:, None] for layer, w in enumerate(self.W_dec)]
+        b_enc = self.b_enc - torch.einsum("ld,ldf->lf", self.x_mean, self.W_enc)
+        threshold = None
+        if self.log_threshold is not None:
+            threshold = self.log_threshold.exp()
+        elif o.activation == "batchtopk":
+            threshold = self.batch_threshold.clamp_min(0)[:, None].expand_as(self.b_enc).clone()
         return CrossLayerTranscoder(
-            self.W_enc * a[:, None, None], self.b_enc.clone(), [w.clone() for w in decoders],
-            self.b_dec / c[:, None], activation=o.activation,
-            threshold=self.log_threshold.exp() if self.log_threshold is not None else None,
-            k=o.k if o.activation == "topk" else None, reads=reads, model_name=model_name,
-            scan=scan,
+            self.W_enc * a[:, None, None], b_enc, [w.clone() for w in decoders],
+            self.b_dec / c[:, None],
+            activation="jumprelu" if o.activation == "batchtopk" else o.activation,
+            threshold=threshold, k=o.k if o.activation == "topk" else None, reads=reads,
+            model_name=model_name, scan=scan,
         )  # fmt: skip
 
 
@@ -179,11 +293,6 @@ class CltFit:
 
         self.options = options or FitOptions()
         self.options.check()
-        if self.options.activation not in CLT_PENALTY:
-            raise ConfigError(
-                f"--activation {self.options.activation} with --kind clt: a CLT trains "
-                f"{', '.join(CLT_PENALTY)}; choose one of those"
-            )
         if self.options.skip:
             raise ConfigError(
                 "--skip with --kind clt: circuit-tracer's CLT layout has no skip matrix; fit "
@@ -291,14 +400,14 @@ class CltFit:
             first = self.sites[0]
             d_in = run.file[_path(first.inputs)].shape[-1]
             d_out = run.file[_path(first.outputs)].shape[-1]
-            model = TrainingCLT(n, d_in, d_out, o, seed=o.seed)
-            opt = torch.optim.Adam(model.parameters(), lr=o.lr if o.lr is not None else CLT_LR)
             train_rows = sum(int(self.keep(run.file, lo, hi, True).sum()) for lo, hi in self.pieces)
             if train_rows == 0:
                 raise DataError(
                     f"no training rows: --test-fraction {o.test_fraction} holds out every sample"
                 )
             total = o.steps or max(1, math.ceil(o.epochs * math.ceil(train_rows / o.batch_size)))
+            model = TrainingCLT(n, d_in, d_out, o, seed=o.seed, total_steps=total)
+            opt = torch.optim.Adam(model.parameters(), lr=clt_learning_rate(o, model.width))
             step, epoch, trained, rows, curve, seconds = 0, 0, 0, 0, [], 0.0
             state = (
                 torch.load(self.checkpoint, weights_only=False)
@@ -326,11 +435,7 @@ class CltFit:
                                              start=trained):  # fmt: skip
                     if step == 0:
                         model.start(xs, ys)
-                    opt.zero_grad(set_to_none=True)
-                    loss, parts = model.loss(xs, ys)
-                    loss.backward()
-                    opt.step()
-                    model.after_step()
+                    parts = train_step(model, opt, xs, ys)
                     step, rows, trained = step + 1, rows + len(xs[0]), i + 1
                     curve.append((step, parts["fvu"], parts["penalty"]))
                     if step % o.checkpoint_every == 0 or step == total:
@@ -346,7 +451,7 @@ class CltFit:
         save_cross_layer(clt, self.out)
         seconds = round(seconds, 3)
         losses = self.loss_measures(clt)
-        k = o.k if o.activation == "topk" else None
+        k = o.k if o.activation in ("topk", "batchtopk") else None
         rows_out = [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
                      "width": clt.d_tc, "k": k, "steps": step, "rows": rows,
                      "left_out_rows": self.left_out_rows, **metrics[layer],

@@ -1,7 +1,9 @@
 """`python -m probe.fit --evaluate SET RUN`: fit.csv's measures of a transcoder set someone else
 trained (a circuit-tracer YAML or folder: probe.models.transcoder_files.load_transcoders), per-layer
 or cross-layer, on a run's samples, so a user compares their fit with a published set on the same
-rows.
+rows. A per-layer set may cover some of the model's blocks only (a fit of `--layers`): each of
+its blocks is measured, and the row `all` replaces those blocks at once (logged); a layer the
+model does not have is refused by name.
 
 The row measures (held-out FVU, L0, dead: probe.analysis.fit.measures) read the run's captured
 rows of what the set reads and the MLPs' outputs (for `mlp_normalized`, the captured norm inputs
@@ -34,7 +36,7 @@ from probe.analysis.fit.transcoder_splice import splice_points
 from probe.errors import DataError
 from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 from probe.models.transcoder import Transcoder, TranscoderSet, normalized
-from probe.models.transcoder_files import check_transcoders, load_transcoders
+from probe.models.transcoder_files import check_transcoders, load_transcoders, model_blocks
 
 log = logging.getLogger("probe.fit")
 
@@ -49,7 +51,7 @@ def evaluate_set(set_path: str | Path, run_path: str | Path, *, every: bool = Fa
     from probe.analysis.fit.fitting import EVALUATE_COLUMNS
     from probe.read.runs import open_run
 
-    tset = load_transcoders(set_path)
+    tset = load_transcoders(set_path, every_block=False)
     tset.to(dtype=torch.float32)
     clt = tset if isinstance(tset, CrossLayerTranscoder) else None
     per_layer = tset.transcoders if isinstance(tset, TranscoderSet) else {}
@@ -60,7 +62,13 @@ def evaluate_set(set_path: str | Path, run_path: str | Path, *, every: bool = Fa
     options.check()
     with open_run(run_path) as run:
         model = run_model(run)
-        check_transcoders(tset, model)
+        check_transcoders(tset, model, every_block=False)
+        depth = model_blocks(model)
+        if depth is not None and layers != list(range(depth)):
+            log.info(
+                "the set covers blocks %s of the model's %d: each is measured, and `all` "
+                "replaces those blocks only", layers, depth,
+            )  # fmt: skip
         try:
             sites = find_sites(run.keys, rows_reads, mlp, norm)
         except DataError as e:

@@ -49,132 +49,41 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.trainer_base import (
+    DenseCodes,
+    JumpReLU,
+    RowCodes,
+    ScheduledTrainer,
+    Step,
+    auxk_loss,
+    move_threshold,
+    smallest_active,
+    spread_scale,
+    top_batch,
+    top_rows,
+    train_step,
+)
 from probe.models.transcoder import Transcoder
 
-THRESHOLD_MOMENTUM = 0.99  # batchtopk's running threshold
+__all__ = ["TrainingTranscoder", "train_step"]
 
 
-class JumpReLU(torch.autograd.Function):
-    """pre * (pre > threshold); the threshold's gradient through a rectangle kernel of width
-    `bandwidth` (Rajamanoharan et al. 2024), the pre-activations' the plain one."""
-
-    @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return pre * (pre > threshold)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, threshold = ctx.saved_tensors
-        bw = ctx.bandwidth
-        kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
-        d_threshold = (-(threshold / bw) * kernel * grad).sum(0)
-        return (pre > threshold) * grad, d_threshold, None
-
-
-class Step(torch.autograd.Function):
-    """(pre > threshold) as a number; its threshold gradient through the same kernel."""
-
-    @staticmethod
-    def forward(ctx, pre, threshold, bandwidth):
-        ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
-        return (pre > threshold).to(pre.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pre, threshold = ctx.saved_tensors
-        bw = ctx.bandwidth
-        kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
-        return torch.zeros_like(pre), (-(1.0 / bw) * kernel * grad).sum(0), None
-
-
-def ramp(step: int, total: int, warmup: float, decay: float = 0.0) -> float:
-    """The schedule's factor at `step` (0-based) of `total`: (step + 1) / w over the first w =
-    ceil(warmup x total) steps, (total - step) / d over the last d = ceil(decay x total), else 1."""
-    w = math.ceil(warmup * total)
-    d = math.ceil(decay * total)
-    factor = 1.0
-    if step < w:
-        factor = (step + 1) / w
-    if d and step >= total - d:
-        factor = min(factor, (total - step) / d)
-    return factor
-
-
-class RowCodes:
-    """Each row's active features as (values, indices), the same count a row (topk, AuxK):
-    decoded from the k decoder rows they index, not a dense product over every feature."""
-
-    def __init__(self, values: torch.Tensor, indices: torch.Tensor, width: int):
-        self.values, self.indices, self.width = values, indices, width
-
-    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
-        """sum_j values[r, j] W_dec[indices[r, j]] for each row r."""
-        return F.embedding_bag(self.indices, W_dec, per_sample_weights=self.values, mode="sum")
-
-    def fired(self) -> torch.Tensor:
-        """Which features are active (value > 0) in some row."""
-        on = (self.values > 0).flatten().to(self.values.dtype)
-        return torch.bincount(self.indices.flatten(), weights=on, minlength=self.width) > 0
-
-    def dense(self) -> torch.Tensor:
-        """The (rows, width) activations."""
-        out = self.values.new_zeros(len(self.values), self.width)
-        return out.scatter(-1, self.indices, self.values)
-
-
-class DenseCodes:
-    """Activations as a (rows, width) tensor (relu, jumprelu, batchtopk)."""
-
-    def __init__(self, acts: torch.Tensor):
-        self.acts = acts
-
-    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
-        return self.acts @ W_dec
-
-    def fired(self) -> torch.Tensor:
-        """Which features are active in some row (activations are >= 0)."""
-        return self.acts.amax(0) > 0
-
-    def dense(self) -> torch.Tensor:
-        return self.acts
-
-
-def _top_rows(pre: torch.Tensor, k: int) -> RowCodes:
-    """Each row's k largest pre-activations (ReLU'd)."""
-    top = torch.topk(pre, k, dim=-1, sorted=False)
-    return RowCodes(torch.relu(top.values), top.indices, pre.shape[-1])
-
-
-def _top_batch(pre: torch.Tensor, k: int) -> torch.Tensor:
-    """The k x rows largest pre-activations of the whole batch (ReLU'd), the rest 0."""
-    flat = pre.flatten()
-    top = torch.topk(flat, min(k * pre.shape[0], flat.numel()))
-    return torch.zeros_like(flat).scatter(0, top.indices, torch.relu(top.values)).view_as(pre)
-
-
-class TrainingTranscoder(nn.Module):
+class TrainingTranscoder(ScheduledTrainer):
     """The parameters a fit learns, on scaled rows ((x - x_mean) * x_scale -> y * y_scale), and
     the state of its schedule over `total_steps` steps."""
 
     x_scale: torch.Tensor  # buffers (registered in __init__)
     y_scale: torch.Tensor
     x_mean: torch.Tensor
-    step: torch.Tensor
-    since_fired: torch.Tensor
     batch_threshold: torch.Tensor
 
     def __init__(self, d_in: int, d_out: int, options: FitOptions, seed: int,
                  total_steps: int = 1):  # fmt: skip
-        super().__init__()
-        self.options, self.total_steps = options, int(total_steps)
         d_tc = options.width or 8 * d_in
+        super().__init__(options, total_steps, (d_tc,))
         g = torch.Generator().manual_seed(seed)
         if options.decoder_from_zero:
             W_dec = torch.zeros(d_tc, d_out)
@@ -198,23 +107,15 @@ class TrainingTranscoder(nn.Module):
         self.register_buffer("x_scale", torch.tensor(1.0))
         self.register_buffer("y_scale", torch.tensor(1.0))
         self.register_buffer("x_mean", torch.zeros(d_in))
-        self.register_buffer("step", torch.tensor(0, dtype=torch.long))
-        self.register_buffer("since_fired", torch.zeros(d_tc, dtype=torch.long))
         self.register_buffer("batch_threshold", torch.tensor(-1.0))  # batchtopk; < 0: unset
-        self._fired: torch.Tensor | None = None
         self._smallest: torch.Tensor | None = None
 
     def start(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Scales and the input's mean from a first batch of raw rows; b_dec at the scaled
         outputs' mean."""
         with torch.no_grad():
-
-            def scale(rows: torch.Tensor) -> float:
-                spread = (rows - rows.mean(0)).pow(2).sum(1).mean().clamp_min(1e-12)
-                return float((rows.shape[1] / spread).sqrt())
-
-            self.x_scale.fill_(scale(x))
-            self.y_scale.fill_(scale(y))
+            self.x_scale.fill_(spread_scale(x))
+            self.y_scale.fill_(spread_scale(y))
             self.x_mean.copy_(x.mean(0) * self.x_scale)
             self.b_dec.copy_((y * self.y_scale).mean(0))
 
@@ -225,16 +126,6 @@ class TrainingTranscoder(nn.Module):
     @property
     def aux_k(self) -> int:
         return self.options.aux_k or max(1, self.W_dec.shape[1] // 2)
-
-    def sparsity(self) -> float:
-        """The penalty's coefficient at this step (warmed up)."""
-        o = self.options
-        return o.penalty * ramp(int(self.step), self.total_steps, o.sparsity_warmup)
-
-    def lr_factor(self) -> float:
-        """The learning rate's factor at this step."""
-        o = self.options
-        return ramp(int(self.step), self.total_steps, o.lr_warmup, o.lr_decay)
 
     def encode(self, xs: torch.Tensor) -> tuple[torch.Tensor, RowCodes | DenseCodes, torch.Tensor]:
         """(pre-activations, activations, penalty before its coefficient) of scaled rows."""
@@ -251,9 +142,9 @@ class TrainingTranscoder(nn.Module):
             l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
             penalty = (l0 / o.target_l0 - 1).pow(2)
         elif o.activation == "topk":
-            return pre, _top_rows(pre, o.k), penalty
+            return pre, top_rows(pre, o.k), penalty
         else:
-            acts = _top_batch(pre, o.k)
+            acts = top_batch(pre, o.k)
         return pre, DenseCodes(acts), penalty
 
     def forward(
@@ -267,18 +158,8 @@ class TrainingTranscoder(nn.Module):
         return out, pre, acts, penalty
 
     def auxk(self, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-        """AuxK's loss before its coefficient: the dead features' top aux_k (ReLU'd) predict
-        `error` (detached), squared error over the error's variance x min(dead / aux_k, 1)."""
-        dead = self.since_fired > self.options.dead_rows
-        n = int(dead.sum())
-        if n == 0:
-            return pre.new_zeros(())
-        k = min(self.aux_k, n)
-        columns = dead.nonzero().squeeze(1)
-        top = _top_rows(pre[:, columns], k)
-        fit = RowCodes(top.values, columns[top.indices], self.width).decode(self.W_dec)
-        variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
-        return min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
+        """AuxK's loss before its coefficient (trainer_base.auxk_loss) of the dead features."""
+        return auxk_loss(pre, error, self.dead(), self.aux_k, self.W_dec)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The training loss on raw rows at this step and its parts (mse, penalty, auxk, the
@@ -297,9 +178,7 @@ class TrainingTranscoder(nn.Module):
             self._fired = acts.fired()
             self._smallest = None
             if o.activation == "batchtopk":
-                dense = acts.dense()
-                smallest = torch.where(dense > 0, dense, torch.inf).amin()
-                self._smallest = smallest if bool(smallest.isfinite()) else None
+                self._smallest = smallest_active(acts.dense())
         return loss, {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
                       "auxk": float(aux.detach()),
                       "fvu": float(mse.detach() / var)}  # fmt: skip
@@ -307,17 +186,10 @@ class TrainingTranscoder(nn.Module):
     @torch.no_grad()
     def after_step(self, rows: int) -> None:
         """The step, dead counters (`rows` more rows) and batchtopk's threshold moved on."""
-        self.step += 1
-        self.since_fired += rows
-        if self._fired is not None:
-            self.since_fired[self._fired] = 0
+        super().after_step(rows)
         if self._smallest is not None:
-            m = self._smallest.to(self.batch_threshold.dtype)
-            if self.batch_threshold < 0:
-                self.batch_threshold.copy_(m)
-            else:
-                self.batch_threshold.mul_(THRESHOLD_MOMENTUM).add_((1 - THRESHOLD_MOMENTUM) * m)
-        self._fired = self._smallest = None
+            move_threshold(self.batch_threshold, self._smallest)
+        self._smallest = None
 
     @torch.no_grad()
     def transcoder(self, layer: int) -> Transcoder:
@@ -337,18 +209,3 @@ class TrainingTranscoder(nn.Module):
             k=o.k if o.activation == "topk" else None,
             W_skip=self.W_skip * (a / c) if self.W_skip is not None else None,
         )  # fmt: skip
-
-
-def train_step(model: TrainingTranscoder, opt: torch.optim.Optimizer, x, y) -> dict:
-    """One Adam step on a batch of raw (input, output) rows at the model's scheduled learning
-    rate (each group's `initial_lr` x the schedule's factor); the loss's parts."""
-    factor = model.lr_factor()
-    for group in opt.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-        group["lr"] = group["initial_lr"] * factor
-    opt.zero_grad(set_to_none=True)
-    loss, parts = model.loss(x, y)
-    loss.backward()
-    opt.step()
-    model.after_step(len(x))
-    return parts

@@ -1,0 +1,236 @@
+"""What the two transcoder trainers share: the per-layer one (transcoder_trainer.py) and the
+cross-layer one (clt.py) both build on these pieces, so they train on one schedule.
+
+- the schedule (`ramp`): the learning rate rises linearly over the first `lr_warmup` of the steps
+  and falls linearly to 0 over the last `lr_decay`; the penalty's coefficient rises linearly
+  from 0 over the first `sparsity_warmup`;
+- `ScheduledTrainer`: the step and each feature's dead counter (rows since it last fired) as
+  buffers, so a checkpoint's state_dict resumes the schedule and AuxK exactly;
+- `train_step`: one Adam step at the scheduled learning rate;
+- the activations' straight-through functions (JumpReLU, Step), sparse and dense codes, the top-k
+  selections;
+- AuxK (`auxk_loss`; Gao et al. 2024): dead features fitted to the reconstruction's error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from probe.analysis.fit.options import FitOptions
+
+THRESHOLD_MOMENTUM = 0.99  # batchtopk's running threshold
+
+
+class JumpReLU(torch.autograd.Function):
+    """pre * (pre > threshold); the threshold's gradient through a rectangle kernel of width
+    `bandwidth` (Rajamanoharan et al. 2024), the pre-activations' the plain one."""
+
+    @staticmethod
+    def forward(ctx, pre, threshold, bandwidth):
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return pre * (pre > threshold)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, threshold = ctx.saved_tensors
+        bw = ctx.bandwidth
+        kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
+        d_threshold = (-(threshold / bw) * kernel * grad).sum(0)
+        return (pre > threshold) * grad, d_threshold, None
+
+
+class Step(torch.autograd.Function):
+    """(pre > threshold) as a number; its threshold gradient through the same kernel."""
+
+    @staticmethod
+    def forward(ctx, pre, threshold, bandwidth):
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pre, threshold = ctx.saved_tensors
+        bw = ctx.bandwidth
+        kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
+        return torch.zeros_like(pre), (-(1.0 / bw) * kernel * grad).sum(0), None
+
+
+def ramp(step: int, total: int, warmup: float, decay: float = 0.0) -> float:
+    """The schedule's factor at `step` (0-based) of `total`: (step + 1) / w over the first w =
+    ceil(warmup x total) steps, (total - step) / d over the last d = ceil(decay x total), else 1."""
+    w = math.ceil(warmup * total)
+    d = math.ceil(decay * total)
+    factor = 1.0
+    if step < w:
+        factor = (step + 1) / w
+    if d and step >= total - d:
+        factor = min(factor, (total - step) / d)
+    return factor
+
+
+class RowCodes:
+    """Each row's active features as (values, indices), the same count a row (topk, AuxK):
+    decoded from the k decoder rows they index, not a dense product over every feature."""
+
+    def __init__(self, values: torch.Tensor, indices: torch.Tensor, width: int):
+        self.values, self.indices, self.width = values, indices, width
+
+    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
+        """sum_j values[r, j] W_dec[indices[r, j]] for each row r."""
+        return F.embedding_bag(self.indices, W_dec, per_sample_weights=self.values, mode="sum")
+
+    def fired(self) -> torch.Tensor:
+        """Which features are active (value > 0) in some row."""
+        on = (self.values > 0).flatten().to(self.values.dtype)
+        return torch.bincount(self.indices.flatten(), weights=on, minlength=self.width) > 0
+
+    def dense(self) -> torch.Tensor:
+        """The (rows, width) activations."""
+        out = self.values.new_zeros(len(self.values), self.width)
+        return out.scatter(-1, self.indices, self.values)
+
+
+class DenseCodes:
+    """Activations as a (rows, width) tensor (relu, jumprelu, batchtopk)."""
+
+    def __init__(self, acts: torch.Tensor):
+        self.acts = acts
+
+    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
+        return self.acts @ W_dec
+
+    def fired(self) -> torch.Tensor:
+        """Which features are active in some row (activations are >= 0)."""
+        return self.acts.amax(0) > 0
+
+    def dense(self) -> torch.Tensor:
+        return self.acts
+
+
+def top_rows(pre: torch.Tensor, k: int) -> RowCodes:
+    """Each row's k largest pre-activations (ReLU'd)."""
+    top = torch.topk(pre, min(k, pre.shape[-1]), dim=-1, sorted=False)
+    return RowCodes(torch.relu(top.values), top.indices, pre.shape[-1])
+
+
+def top_batch(pre: torch.Tensor, k: int) -> torch.Tensor:
+    """The k x rows largest pre-activations of the whole batch (ReLU'd), the rest 0."""
+    flat = pre.flatten()
+    top = torch.topk(flat, min(k * pre.shape[0], flat.numel()))
+    return torch.zeros_like(flat).scatter(0, top.indices, torch.relu(top.values)).view_as(pre)
+
+
+def smallest_active(acts: torch.Tensor) -> torch.Tensor | None:
+    """The smallest nonzero activation of a batch (batchtopk's threshold sample), None if none."""
+    smallest = torch.where(acts > 0, acts, torch.inf).amin()
+    return smallest if bool(smallest.isfinite()) else None
+
+
+def move_threshold(threshold: torch.Tensor, smallest: torch.Tensor) -> None:
+    """batchtopk's running threshold (a 0-d tensor or view, < 0 while unset) moved in place to
+    a batch's smallest selected activation: set to it the first time, then a running mean of
+    momentum THRESHOLD_MOMENTUM."""
+    m = smallest.to(threshold.dtype)
+    if threshold < 0:
+        threshold.copy_(m)
+    else:
+        threshold.mul_(THRESHOLD_MOMENTUM).add_((1 - THRESHOLD_MOMENTUM) * m)
+
+
+def spread_scale(rows: torch.Tensor) -> float:
+    """The factor that brings `rows`' mean squared distance from their mean to their width
+    (each unit of variance 1 on average)."""
+    spread = (rows - rows.mean(0)).pow(2).sum(1).mean().clamp_min(1e-12)
+    return float((rows.shape[1] / spread).sqrt())
+
+
+def auxk_loss(pre: torch.Tensor, error: torch.Tensor, dead: torch.Tensor, aux_k: int,
+              W_dec: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """AuxK's loss before its coefficient: each row's `aux_k` largest pre-activations among the
+    `dead` features (a bool per column of `pre`; ReLU'd) decoded through `W_dec` (width, d)
+    predict `error` (rows, d; detached by the caller): their squared error over the error's
+    variance (its squared deviation from its mean over rows), x min(dead / aux_k, 1). 0 when no
+    feature is dead."""
+    n = int(dead.sum())
+    if n == 0:
+        return pre.new_zeros(())
+    columns = dead.nonzero().squeeze(1)
+    top = top_rows(pre[:, columns], min(aux_k, n))
+    fit = RowCodes(top.values, columns[top.indices], pre.shape[-1]).decode(W_dec)
+    variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
+    return min(n / aux_k, 1.0) * (fit - error).pow(2).sum() / variance
+
+
+class ScheduledTrainer(nn.Module):
+    """The state both trainers keep over `total_steps` steps: the step (a buffer) and each
+    feature's rows since it last fired (`since_fired`, of shape `features`), both in the
+    state_dict. A subclass computes `loss(x, y)` (noting which features fired in `self._fired`)
+    and may adjust the gradient (`before_step`) and the weights (`after_step`, calling this
+    one)."""
+
+    step: torch.Tensor
+    since_fired: torch.Tensor
+
+    def __init__(self, options: FitOptions, total_steps: int, features: tuple[int, ...]):
+        super().__init__()
+        self.options, self.total_steps = options, int(total_steps)
+        self.register_buffer("step", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("since_fired", torch.zeros(features, dtype=torch.long))
+        self._fired: torch.Tensor | None = None
+
+    def penalty_coefficient(self) -> float:
+        """The penalty's coefficient once warmed up."""
+        return self.options.penalty
+
+    def sparsity(self) -> float:
+        """The penalty's coefficient at this step (warmed up)."""
+        o = self.options
+        return self.penalty_coefficient() * ramp(int(self.step), self.total_steps,
+                                                 o.sparsity_warmup)  # fmt: skip
+
+    def lr_factor(self) -> float:
+        """The learning rate's factor at this step."""
+        o = self.options
+        return ramp(int(self.step), self.total_steps, o.lr_warmup, o.lr_decay)
+
+    def dead(self) -> torch.Tensor:
+        """Which features AuxK counts dead: not fired for more than `dead_rows` rows."""
+        return self.since_fired > self.options.dead_rows
+
+    def loss(self, x, y) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def before_step(self) -> None:
+        """A hook on the gradient before the optimizer's step (none here)."""
+
+    @torch.no_grad()
+    def after_step(self, rows: int) -> None:
+        """The step and the dead counters (`rows` more rows; 0 where a feature fired) moved on."""
+        self.step += 1
+        self.since_fired += rows
+        if self._fired is not None:
+            self.since_fired[self._fired] = 0
+        self._fired = None
+
+
+def train_step(model: ScheduledTrainer, opt: torch.optim.Optimizer, x, y) -> dict:
+    """One Adam step on a batch of raw (input, output) rows (tensors, or for a cross-layer
+    trainer lists of each layer's) at the model's scheduled learning rate (each group's
+    `initial_lr` x the schedule's factor); the loss's parts."""
+    factor = model.lr_factor()
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+        group["lr"] = group["initial_lr"] * factor
+    opt.zero_grad(set_to_none=True)
+    loss, parts = model.loss(x, y)
+    loss.backward()
+    model.before_step()
+    opt.step()
+    model.after_step(len(x[0]) if isinstance(x, list | tuple) else len(x))
+    return parts
