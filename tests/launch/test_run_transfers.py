@@ -5,7 +5,7 @@ writes is the host path's.
 Each site's 65,536-bucket quantile sketch and its units' rows stay on its device, merged there
 across batches (probe.stats.device_sketch, all of a batch's sites together); per batch, one copy
 for all sites (counted through the one function that makes it, probe.hooks.device.copy_to_host)
-of a dozen numbers a site, whatever its units, and no value read into Python
+of a dozen numbers a site, whatever its units and parameters, and no value read into Python
 (`aten._local_scalar_dense`); the sketches and units come over where /stats is written. The
 statistics, histograms and summary equal those the host computes from the stored rows, and a
 stopped run resumed equals one that was not stopped.
@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
+from probe.launch import batch as batch_module
 from probe.launch import run as run_module
 from probe.launch.interrupt import Interrupted
 from probe.launch.parts.statistics import Statistics
@@ -178,12 +179,47 @@ def _stats_groups(f: h5py.File) -> list:
     return [f["stats"][layer][site] for layer in f["stats"] for site in f["stats"][layer]]
 
 
+def test_a_stats_only_batch_moves_the_same_bytes_whatever_the_parameter_count(
+    tmp_path, monkeypatch
+):
+    """The parameter gradients of a stats-only run are reduced where they lie, into the batch's
+    one copy: what a batch hands to the host (the tensors given to probe.hooks.device.to_host,
+    which copies a GPU's, and the statistics' copy_to_host) is the same for an MLP of 4x
+    the weights and units (its statistics, equal to the host path's, are
+    test_the_device_path_writes_the_statistics_the_host_computes's)."""
+    monkeypatch.setattr(torch_backend, "_reduction", "fused")
+    copies = _counted_copies(monkeypatch)
+    handed: list[int] = []
+    real = batch_module.devices.to_host
+
+    def to_host(*groups):
+        handed.append(sum(t.numel() * t.element_size() for g in groups for t in g.values()))
+        return real(*groups)
+
+    monkeypatch.setattr(batch_module.devices, "to_host", to_host)
+    per_batch = {}
+    for width in (16, 64):  # (the first layer's weight: width x 192)
+        copies.clear()
+        handed.clear()
+        args = ["model=mlp", f"model.width={width}", "model.depth=2", "probes=param_grads",
+                "dataset.num_samples=10", "dataset.batch_size=3", *DEVICE_PATH,
+                "store.mode=stats"]  # fmt: skip
+        run(make_cfg(*args), run_dir=tmp_path / str(width))
+        per_batch[width] = (list(handed), [n for written, n in copies if not written])
+    assert per_batch[16] == per_batch[64]
+    handed_bytes, values = per_batch[64]
+    assert len(handed_bytes) == len(values) == BATCHES
+    assert values == [6 * (HEAD + 1)] * BATCHES  # (3 layers, a weight and a bias each)
+    assert max(handed_bytes) < 16 * 192 * 4  # (the smaller model's first gradient alone)
+
+
 @pytest.mark.cuda
 def test_a_device_path_run_on_a_gpu_makes_no_synchronising_call(tmp_path, monkeypatch):
     """On a GPU a batch's forward, backward, statistics and hand-over to the writer make no
     synchronising call (CUDA's sync debug mode raises on each) after the first batch (which
     the size plan reads), and the file counts what the CPU's counts."""
-    
+    from probe.launch import batch as batch_module
+
     real = batch_module.run_batch
     seen = []
 
