@@ -5,14 +5,15 @@ device in one pass of about a hundred operations whatever their number (per site
 would be that many again for each: 2,500 kernel launches a batch for resnet18's convolutions).
 
 The packs are laid end to end (one `cat`) and read through index tensors made once per kind of
-batch (the sites' layouts and sizes) and kept: one gather takes, for every unit of every slab of
+batch (the sites' layouts and sizes; the last PLANS kinds kept, a few numbers per unit): one
+gather takes, for every unit of every slab of
 every fused site (a "cell"), the numbers `fused.Layout._slab` reads on the host; the same
 arithmetic, element for element, then runs over all cells at once, so that each unit's count,
 sum, extremes, positive and saturated counts equal the host's exactly (tests/stats/
 test_batched_read.py); the accumulators (segment sums over each site's cells, the moments about
-the site's mean) agree with the host's within float64 rounding. A second gather takes every
-site's histogram (its NaN and Inf buckets left out), a third the reference packs' heads and
-units, which are already read.
+the site's mean) agree with the host's within float64 rounding. The histograms are viewed
+where they lie and copied side by side into rows (a `cat` and a copy per kind of block); a
+third gather takes the reference packs' heads and units, which are already read.
 
 The units' rows come in `UNIT_ORDER` (count, sum, positive, saturated, min, -max): a merge adds
 the first four and keeps the lesser of the last two (probe.stats.device_units). Nothing here
@@ -22,6 +23,7 @@ reads a value on the host.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,16 +87,7 @@ def read(sites: list[PackedSite]) -> BatchRead:
         heads.append(flat.index_select(0, ref.heads.view(-1)).view(-1, HEAD))
         if ref.units is not None:
             units.append(flat.index_select(0, ref.units.view(-1)).view(UNIT_ROWS, -1) * ref.sign)
-    hists = flat.index_select(0, plan.hist_index.view(-1)).view(-1, BINS)
-    if plan.hist_site is not None:  # slabs' histograms summed per site (whole counts: exact)
-        rows = hists
-        hists = rows.new_zeros(plan.sites, BINS).index_add_(0, plan.hist_site, rows)
-    if plan.half is not None:  # float16 patterns' counts into the float32 buckets they fall in
-        rows, table = plan.half
-        remapped = hists.new_zeros(len(rows), BINS).index_add_(1, table, hists[rows])
-        for lo, hi in _CLEARED:
-            remapped[:, lo:hi] = 0
-        hists = hists.index_copy(0, rows, remapped)
+    hists = _histograms(sites, plan)
     return BatchRead(
         heads[0] if len(heads) == 1 else torch.cat(heads),
         None if not units else units[0] if len(units) == 1 else torch.cat(units, 1),
@@ -103,6 +96,30 @@ def read(sites: list[PackedSite]) -> BatchRead:
         plan.row,
         plan.unit_at,
     )
+
+
+def _histograms(sites: list[PackedSite], plan: _Plan) -> torch.Tensor:
+    """(sites with values, BINS) float64: each slab's histogram (K rows of a block, or one for
+    the reference) viewed where it lies, those of one K laid side by side (one `cat`) and
+    copied into rows; a site's slabs summed (whole counts: exact), float16 patterns' counts
+    moved into the float32 buckets they fall in, the NaN and Inf buckets cleared."""
+    parts = []
+    for k, width, pieces in plan.hist_groups:
+        views = [sites[i].packed.view(-1)[at : at + k * stride].view(k, stride)[:, lead:]
+                 for i, at, stride, lead in pieces]  # fmt: skip
+        block = views[0] if len(views) == 1 else torch.cat(views, 1)
+        rows = block.view(k, len(pieces), width).transpose(0, 1).reshape(len(pieces), -1)
+        parts.append(rows[:, :BINS])
+    hists = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if plan.piece_row is not None:  # (pieces out of the sites' order, or several a site)
+        hists = hists.new_zeros(plan.sites, BINS).index_add_(0, plan.piece_row, hists)
+    if plan.half is not None:
+        rows, table = plan.half
+        remapped = hists.new_zeros(len(rows), BINS).index_add_(1, table, hists[rows])
+        hists = hists.index_copy(0, rows, remapped)
+    for lo, hi in _CLEARED:  # (a lone reference pack's own, already 0: nothing else reads it)
+        hists[:, lo:hi] = 0
+    return hists
 
 
 @dataclass(frozen=True)
@@ -136,17 +153,21 @@ class _Reference:
 class _Plan:
     fused: _Fused | None
     reference: _Reference | None
-    hist_index: torch.Tensor  # (H, BINS) each slab's histogram (cleared buckets: the zero)
-    hist_site: torch.Tensor | None  # (H,) where a site has several slabs
+    # per K: (K, columns of a row, pieces (site, first value, row stride, first column))
+    hist_groups: tuple[tuple[int, int, tuple[tuple[int, int, int, int], ...]], ...]
+    piece_row: torch.Tensor | None  # each piece's site row (None: the pieces are the rows)
     half: tuple[torch.Tensor, torch.Tensor] | None  # float16 sites' rows, the bucket table
     sites: int
     row: list[int | None]
     unit_at: list[int | None]
 
 
+PLANS = 16  # kinds of batch whose plans a thread keeps (token batches vary in length)
+
+
 class _Plans(threading.local):
     def __init__(self):
-        self.cache: dict = {}
+        self.cache: OrderedDict = OrderedDict()
         self.zeros: dict = {}
 
 
@@ -163,9 +184,14 @@ def _zero(device: torch.device) -> torch.Tensor:
 
 def _plan(kinds: tuple, device: torch.device) -> _Plan:
     key = (kinds, device)
-    found = _plans.cache.get(key)
+    cache = _plans.cache
+    found = cache.get(key)
     if found is None:
-        found = _plans.cache[key] = _make_plan(kinds, device)
+        found = cache[key] = _make_plan(kinds, device)
+        if len(cache) > PLANS:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
     return found
 
 
@@ -174,11 +200,6 @@ def _on(a, device, dtype=torch.int64) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-_KEEP = np.ones(BINS, dtype=bool)
-for _lo, _hi in _CLEARED:
-    _KEEP[_lo:_hi] = False
 
 
 def _make_plan(kinds: tuple, device: torch.device) -> _Plan:
@@ -191,7 +212,7 @@ def _make_plan(kinds: tuple, device: torch.device) -> _Plan:
     order = fused_sites + ref_sites  # (the heads' rows: the fused sites' first)
     for r, i in enumerate(order):
         row[i] = r
-    hist_rows: list[np.ndarray] = []
+    hist_rows: list[tuple[int, int, int, int, int]] = []  # (K, site, first, stride, lead)
     hist_site: list[int] = []
     half_rows: list[int] = []
     units = 0
@@ -210,8 +231,7 @@ def _make_plan(kinds: tuple, device: torch.device) -> _Plan:
                 units += width
                 at = o + PACKED_HEAD + np.asarray(_REFERENCE_ROWS)[:, None] * width
                 unit_index.append(at + np.arange(width))
-            hist = o + PACKED_HEAD + UNIT_ROWS * width + np.arange(BINS)
-            hist_rows.append(np.where(_KEEP, hist, zero))
+            hist_rows.append((1, i, PACKED_HEAD + UNIT_ROWS * width, BINS, 0))
             hist_site.append(row[i])  # type: ignore[arg-type]
         sign = np.ones((UNIT_ROWS, 1))
         sign[-1] = -1.0
@@ -221,14 +241,23 @@ def _make_plan(kinds: tuple, device: torch.device) -> _Plan:
             _on(sign, device, torch.float64),
         )
     sites = len(order)
-    several = len(hist_rows) > sites
+    groups: dict[int, list[tuple[int, int, int, int]]] = {}
+    piece_row: list[int] = []
+    for k in dict.fromkeys(r[0] for r in hist_rows):
+        for (kk, i, first, stride, lead), site_row in zip(hist_rows, hist_site, strict=True):
+            if kk == k:
+                groups.setdefault(k, []).append((i, first, stride, lead))
+                piece_row.append(site_row)
+    hist_groups = tuple(
+        (k, pieces[0][2] - pieces[0][3], tuple(pieces)) for k, pieces in groups.items()
+    )
     half = None
     if half_rows:
         table = fused.FORMATS[torch.float16].buckets()
         half = (_on(np.asarray(half_rows), device), _on(table, device))
-    hist_index = np.stack(hist_rows) if hist_rows else np.zeros((0, BINS), np.int64)
-    return _Plan(fused_plan, ref_plan, _on(hist_index, device),
-                 _on(np.asarray(hist_site), device) if several else None, half, sites, row,
+    in_order = piece_row == list(range(sites))
+    return _Plan(fused_plan, ref_plan, hist_groups,
+                 None if in_order else _on(np.asarray(piece_row), device), half, sites, row,
                  unit_at)  # fmt: skip
 
 
@@ -262,11 +291,11 @@ def _make_fused(kinds, sites, offsets, zero, device, unit_at, hist_rows, hist_si
                 if not layout.single:
                     norms.append(at + lead - rows + np.arange(rows))  # (row 0's norms)
                     norm_site.append(np.full(rows, s))
-                f = np.arange(BINS)
-                hist = at + (f // (stride - lead)) * stride + lead + f % (stride - lead)
+                hist = (k, i, at - int(offsets[i]), stride, lead)
             else:  # flat: K extremes, K variances, K means, then the histogram
                 ext, var, mean = (at + np.arange(j * k, (j + 1) * k)[:, None] for j in range(3))
-                hist = at + 3 * k + np.arange(BINS)
+                bins = fused._bins(k)
+                hist = (k, i, at - int(offsets[i]) + 3 * k, bins // k, 0)
             means = np.full((_MEANS, width), zero)
             means[: min(k, _MEANS)] = mean[:_MEANS]
             gather.append(np.concatenate([ext[1:5], var[[0, 2, 4]], means]))
@@ -283,7 +312,7 @@ def _make_fused(kinds, sites, offsets, zero, device, unit_at, hist_rows, hist_si
                 sel += range(cells, cells + c)
                 dest += range(units, units + c)
             cells += width
-            hist_rows.append(hist if fmt.name == "float16" else np.where(_KEEP, hist, zero))
+            hist_rows.append(hist)
             hist_site.append(s)
             at += size
         units += c
