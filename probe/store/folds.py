@@ -6,8 +6,9 @@ resumes, and computed from the stored rows where the run asks for it (`stats.dur
 the file holds no statistics that agree with its rows.
 
 The partials come from the parts (probe.launch.parts.statistics, .topk_examples), which reduce
-each capture on its own device; a fold only merges what it is given. A sketch summed on a device
-(probe.stats.device_sketch) comes to the host when its slot is published.
+each capture on its own device; a fold only merges what it is given (the partials of a batch's
+sites reduced on a device together: probe.stats.device_sketch.fold_all). A sketch and units
+merged on a device come to the host when their slot is published.
 """
 
 from __future__ import annotations
