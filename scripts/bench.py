@@ -305,6 +305,7 @@ def stats_counts(args, tmp: Path) -> str:
     from bench_watch import VIEWS
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from probe.hooks import device as devices
     from probe.launch import run as run_module
     from probe.launch.parts.statistics import Statistics
     from probe.launch.run import run
@@ -329,54 +330,84 @@ def stats_counts(args, tmp: Path) -> str:
 
         return wrapped
 
-    copies: list[tuple[int, ...]] = []
+    copies: list[tuple[bool, int]] = []  # (made to write /stats, values)
     packed: list[int] = []
+    fetching: list[bool] = []
     real_copy, real_pack = device_sketch.copy_to_host, torch_backend.packed_on_device
+    real_fetch = device_sketch.fetch
     real_host, saved = torch_backend._host, (Statistics.took, Statistics.after_forward)
 
     def copy(t):
-        copies.append(tuple(t.shape))
+        copies.append((bool(fetching), t.numel()))
         return real_copy(t)
+
+    handed: list[int] = []  # bytes a batch hands to probe.hooks.device.to_host (a GPU's copied)
+    real_to_host = devices.to_host
+
+    def to_host(*groups):
+        handed.append(sum(t.numel() * t.element_size() for g in groups for t in g.values()))
+        return real_to_host(*groups)
+
+    def fetch(items):
+        fetching.append(True)
+        try:
+            return real_fetch(items)
+        finally:
+            fetching.pop()
 
     def pack(x, *a):
         out = real_pack(x, *a)
         packed.append(out[0].numel() * 8)
         return out
 
-    device_sketch.copy_to_host = copy
+    device_sketch.copy_to_host, device_sketch.fetch = copy, fetch
+    devices.to_host = to_host
     torch_backend.packed_on_device = pack
     if args.device == "cpu":
         torch_backend._host = lambda device: False  # (the branches a GPU takes)
     torch_backend.use_reduction("fused")
     Statistics.took, Statistics.after_forward = (reading(m) for m in saved)
     put = run_module.Sink.put
-    run_module.Sink.put = reading(put)  # (a stats-only CPU batch is folded as it is handed over)
+    folded: list[int] = []  # operations so far at the end of each batch's hand-over
+
+    def handing(*a, **kw):
+        with Reads():
+            out = put(*a, **kw)
+        folded.append(Reads.ops)
+        return out
+
+    run_module.Sink.put = handing  # (a stats-only CPU batch is folded as it is handed over)
     try:
         cfg = make_cfg(*overrides(args), "store.mode=stats", "stats.backend=torch",
                        "store.flush_seconds=3600")  # fmt: skip
         sites = len(run(cfg, run_dir=tmp / "counts").summary)
     finally:
-        device_sketch.copy_to_host, torch_backend.packed_on_device = real_copy, real_pack
+        device_sketch.copy_to_host, device_sketch.fetch = real_copy, real_fetch
+        devices.to_host = real_to_host
+        torch_backend.packed_on_device = real_pack
         torch_backend._host = real_host
         torch_backend.use_reduction(None)
         Statistics.took, Statistics.after_forward = saved
         run_module.Sink.put = put
-    per_batch = [c[0] for c in copies if len(c) == 1]
-    ended = [c for c in copies if len(c) == 2]
+    per_batch = [n for written, n in copies if not written]
+    ended = [n for written, n in copies if written]
     rows = [
         ["before (each site's packed batch, sketch included)", sites, sites,
-         f"{sum(packed) / len(per_batch) / sites:,.0f}", "-", "-", "-"],
-        ["after (sketches summed on the device)", sites, len(per_batch) / args.batches,
-         f"{sum(per_batch) * 8 / len(per_batch) / sites:,.0f}", Reads.n / args.batches,
-         f"{Reads.ops / args.batches / sites:.1f}",
-         f"{len(ended)} ({', '.join(str(c) for c in ended)})"],
+         f"{sum(packed) / len(per_batch) / sites:,.0f}", "-", "-", "-", "-"],
+        ["after (sketches and units merged on the device)", sites,
+         len(per_batch) / args.batches, f"{sum(per_batch) * 8 / len(per_batch) / sites:,.0f}",
+         Reads.n / args.batches,
+         f"{Reads.ops / args.batches / sites:.1f} "
+         f"({(folded[-1] - folded[0]) / max(len(folded) - 1, 1) / sites:.1f} after the first)",
+         f"{sum(handed) / len(handed):,.0f}", f"{len(ended)} ({', '.join(f'{n * 8:,} bytes' for n in ended)})"],
     ]  # fmt: skip
     return bc.markdown(
         [f"### A stats-only run's batch on a GPU's path ({args.model}, {args.probes}, batch "
          f"{args.batch}, {args.image_size} px, {args.batches} batches, device {args.device})"],
         ["path", "sites", "copies to the host a batch", "bytes per site a batch",
          "values read a batch", "kernel ops per site a batch (main thread)",
-         "sketch copies at the end"], rows, [],
+         "bytes a batch's record hands to_host", "copies of sketches and units at the end"],
+        rows, [],
     )  # fmt: skip
 
 

@@ -105,8 +105,11 @@ def _record(ctx: StepContext, host_tokens) -> Record:
         if isinstance(p, Partial)
         for part, t in p.tensors().items()
     }
+    grads = ctx.grads
+    if not captured.keep_values:  # (store.mode=stats: reduced where they lie; their layouts go)
+        grads = {key: captured.layout(key, g) for key, g in grads.items()}
     (values, per_batch, host, outputs.samples), ready = devices.to_host(
-        captured.values, ctx.grads, on_device, outputs.samples
+        captured.values, grads, on_device, outputs.samples
     )
     outputs.folds = _on_host(outputs, host)
     tokens = None

@@ -274,6 +274,16 @@ class UnitStats:
         ints = [a[i].astype(np.int64) for i in (0, 4, 5) if i < len(a)]
         return cls(ints[0], a[1].copy(), a[2].copy(), a[3].copy(), *ints[1:])
 
+    @property
+    def width(self) -> int:
+        """How many units (known without reading a device's counts)."""
+        return len(self.count)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether saturation is counted (known without reading a device's counts)."""
+        return self.saturated is not None
+
     def dead(self) -> np.ndarray:
         """Units never above zero (among their finite values), and that saw at least one value."""
         return (self.positive == 0) & (self.count > 0)

@@ -6,8 +6,9 @@ resumes, and computed from the stored rows where the run asks for it (`stats.dur
 the file holds no statistics that agree with its rows.
 
 The partials come from the parts (probe.launch.parts.statistics, .topk_examples), which reduce
-each capture on its own device; a fold only merges what it is given. A sketch summed on a device
-(probe.stats.device_sketch) comes to the host when its slot is published.
+each capture on its own device; a fold only merges what it is given (the partials of a batch's
+sites reduced on a device together: probe.stats.device_sketch.fold_all). A sketch and units
+merged on a device come to the host when their slot is published.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from probe.errors import DataError
 from probe.hooks.batch_topk import POSITION_BITS, partial, stored_keys
 from probe.hooks.record import Record
 from probe.stats import backend
-from probe.stats.device_sketch import fetch_all
-from probe.stats.running import occupied_buckets, stats_for
+from probe.stats.device_sketch import SiteBatch, fetch_all, fold_all
+from probe.stats.running import RunningStats, occupied_buckets, stats_for
 from probe.stats.topk import TopKSpec, TopKState
 from probe.store import stats_file, topk_file
 from probe.store.coverage import seen_ranges
@@ -84,7 +85,9 @@ class StatsFold:
     def fold(self, sink, record: Record) -> None:
         rows = sink.rows
         partials = record.outputs.folds.get(self.name, {})
-        for key in _captures(record):
+        keys = list(_captures(record))
+        on_device: list[tuple[RunningStats, SiteBatch]] = []  # (merged together: fold_all)
+        for key in keys:
             info = rows.datasets[key]
             if key not in self.started:
                 info.stats = stats_for(info.module_type, key[1], info.unit_axis)
@@ -92,11 +95,17 @@ class StatsFold:
             if self.during != "run":
                 continue
             partial = partials.get(key)
-            if partial is not None:
+            if isinstance(partial, SiteBatch):
+                on_device.append((info.stats, partial))
+            elif partial is not None:
                 info.stats.merge(partial)
+        fold_all(on_device)
+        if self.during != "run":
+            return
+        for key in keys:
             path = _stats_path(key)
             if path not in rows.known:  # (its first batch: the units are known now)
-                stats_file.create(sink.file, info, rows.orders[key])
+                stats_file.create(sink.file, rows.datasets[key], rows.orders[key])
                 rows.known.add(path)
 
     def publish(self, sink, slot: int) -> None:
@@ -136,7 +145,7 @@ class StatsFold:
             buckets = -(-occupied_buckets(info.stats) // HIST_CHUNK) * HIST_CHUNK
             have = self.hist_capacity.get(key, 0)
             need += 2 * max(0, buckets - have) * BUCKET_TYPE.itemsize
-            units = 0 if info.stats.units is None else len(info.stats.units.count)
+            units = 0 if info.stats.units is None else info.stats.units.width
             need += SUMMARY_ROW_BYTES + units * 64
         return need
 

@@ -78,12 +78,12 @@ def create(file: h5py.File, info: DatasetInfo, order: int) -> None:
     g = parent.create_group(encode(info.site))
     attrs = {**tags(info, order), "shape": list(info.shape), "dtype": info.dtype}
     if info.stats.units is not None:
-        attrs["saturation_tracked"] = info.stats.units.saturated is not None
+        attrs["saturation_tracked"] = info.stats.units.tracked
     add_attrs(g, attrs)  # (h5py's own attribute and dataset calls cost milliseconds each)
     # written now, so that closing the file allocates no space for them (probe.store.diskspace)
     add_dataset(g, "scalars", np.zeros(2, SCALAR_TYPE))
     if info.stats.units is not None:
-        add_dataset(g, "units", np.zeros((2, len(info.stats.units.count)), UNIT_TYPE))
+        add_dataset(g, "units", np.zeros((2, info.stats.units.width), UNIT_TYPE))
     g.create_dataset(
         "hist", shape=(2, 0), maxshape=(2, None), dtype=BUCKET_TYPE, chunks=(1, HIST_CHUNK)
     )

@@ -5,9 +5,10 @@ partials folded into each capture's running statistics as their batch is written
 
 A CPU value is reduced by the run's backend while it is in cache (numba's kernels, or torch). A
 GPU value, and under the torch backend a CPU one too (the portable reference of that path), is
-reduced by torch where it lives (probe.stats.device_sketch): its quantile sketch stays on its
-device and is summed there, and the rest of the batch's sites reaches the host in one copy per
-batch, without a host sync."""
+reduced by torch where it lives (probe.stats.device_sketch): its quantile sketch and its units'
+rows stay on its device and are merged there, all of a batch's sites together, and each site's
+accumulator (a dozen numbers) reaches the host in one copy per batch, without a host sync. The
+parameter gradients are reduced there too; a stats-only record carries only their layouts."""
 
 from __future__ import annotations
 
