@@ -16,8 +16,12 @@ Plain torch (Adam), the trainers the field uses now:
     through a straight-through step (dictionary_learning's target-L0 JumpReLU; a rectangle kernel
     of `bandwidth` for the thresholds' gradient, thresholds learnt as logs).
   - topk: the k largest pre-activations of each row (ReLU'd), decoded from their indices (an
-    embedding bag: k decoder rows a row, not a dense product over every feature).
-  - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd); a global
+    embedding bag: k decoder rows a row, not a dense product over every feature). The
+    pre-activations are computed without a graph; only the chosen ones carry gradients, through
+    backward passes written out in probe.analysis.fit.sparse_codes (the dense formula's
+    gradients, without autograd's scatters into zeros).
+  - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd; chosen and
+    decoded as topk's, a row holding however many of them fall in it); a global
     threshold (the running mean, momentum THRESHOLD_MOMENTUM, of the smallest selected activation
     of each batch) replaces the batch at inference: the saved transcoder is a JumpReLU with that
     threshold for every feature.
@@ -48,13 +52,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.sparse_codes import Selection, decode, selected_preactivations
 from probe.models.transcoder import Transcoder
 
 THRESHOLD_MOMENTUM = 0.99  # batchtopk's running threshold
+# batchtopk's selection reads a threshold from every BATCH_SAMPLE-th pre-activation, set that
+# much lower than the sample says (about 1.2 x k x rows entries pass it on the planted problem)
+BATCH_SAMPLE, BATCH_MARGIN = 8, 1.25
 
 
 class JumpReLU(torch.autograd.Function):
@@ -106,30 +113,30 @@ def ramp(step: int, total: int, warmup: float, decay: float = 0.0) -> float:
     return factor
 
 
-class RowCodes:
-    """Each row's active features as (values, indices), the same count a row (topk, AuxK):
-    decoded from the k decoder rows they index, not a dense product over every feature."""
+class SparseCodes:
+    """The active features as chosen (row, feature) pairs (topk, batchtopk, AuxK) and their
+    values: decoded from the decoder rows they index, not a dense product over every feature
+    (probe.analysis.fit.sparse_codes)."""
 
-    def __init__(self, values: torch.Tensor, indices: torch.Tensor, width: int):
-        self.values, self.indices, self.width = values, indices, width
+    def __init__(self, values: torch.Tensor, selection: Selection):
+        self.values, self.selection = values, selection
 
     def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
-        """sum_j values[r, j] W_dec[indices[r, j]] for each row r."""
-        return F.embedding_bag(self.indices, W_dec, per_sample_weights=self.values, mode="sum")
+        """sum over each row's pairs of value x W_dec[feature]."""
+        return decode(self.values, self.selection, W_dec)
 
     def fired(self) -> torch.Tensor:
         """Which features are active (value > 0) in some row."""
-        on = (self.values > 0).flatten().to(self.values.dtype)
-        return torch.bincount(self.indices.flatten(), weights=on, minlength=self.width) > 0
+        return self.selection.fired(self.values)
 
-    def dense(self) -> torch.Tensor:
-        """The (rows, width) activations."""
-        out = self.values.new_zeros(len(self.values), self.width)
-        return out.scatter(-1, self.indices, self.values)
+    def smallest(self) -> torch.Tensor | None:
+        """The smallest active value (None: none is active)."""
+        on = self.values[self.values > 0]
+        return on.min() if len(on) else None
 
 
 class DenseCodes:
-    """Activations as a (rows, width) tensor (relu, jumprelu, batchtopk)."""
+    """Activations as a (rows, width) tensor (relu, jumprelu)."""
 
     def __init__(self, acts: torch.Tensor):
         self.acts = acts
@@ -141,21 +148,29 @@ class DenseCodes:
         """Which features are active in some row (activations are >= 0)."""
         return self.acts.amax(0) > 0
 
-    def dense(self) -> torch.Tensor:
-        return self.acts
+
+def _top_rows(pre: torch.Tensor, k: int) -> Selection:
+    """Each row's k largest pre-activations."""
+    return Selection.per_row(torch.topk(pre, k, dim=-1, sorted=False).indices, pre.shape[-1])
 
 
-def _top_rows(pre: torch.Tensor, k: int) -> RowCodes:
-    """Each row's k largest pre-activations (ReLU'd)."""
-    top = torch.topk(pre, k, dim=-1, sorted=False)
-    return RowCodes(torch.relu(top.values), top.indices, pre.shape[-1])
-
-
-def _top_batch(pre: torch.Tensor, k: int) -> torch.Tensor:
-    """The k x rows largest pre-activations of the whole batch (ReLU'd), the rest 0."""
-    flat = pre.flatten()
-    top = torch.topk(flat, min(k * pre.shape[0], flat.numel()))
-    return torch.zeros_like(flat).scatter(0, top.indices, torch.relu(top.values)).view_as(pre)
+def _top_batch(pre: torch.Tensor, k: int) -> Selection:
+    """The k x rows largest pre-activations of the whole batch: a top-k over the entries at or
+    above a threshold t read from every BATCH_SAMPLE-th entry (the k x rows / BATCH_SAMPLE x
+    BATCH_MARGIN-th largest of them), which holds them all once at least k x rows entries are
+    >= t (checked; else the top-k runs over every entry). The same pairs, fewer to sort."""
+    flat = pre.reshape(-1)
+    n = min(k * pre.shape[0], flat.numel())
+    shape = (pre.shape[0], pre.shape[1])
+    sample = flat[::BATCH_SAMPLE]
+    j = math.ceil(n / BATCH_SAMPLE * BATCH_MARGIN) + 1
+    if j < len(sample):
+        t = torch.kthvalue(sample, len(sample) - j + 1).values
+        above = (flat >= t).nonzero().squeeze(1)
+        if len(above) >= n:
+            top = torch.topk(flat.index_select(0, above), n, sorted=False)
+            return Selection.flat(above[top.indices], shape)
+    return Selection.flat(torch.topk(flat, n, sorted=False).indices, shape)
 
 
 class TrainingTranscoder(nn.Module):
@@ -235,29 +250,36 @@ class TrainingTranscoder(nn.Module):
         o = self.options
         return ramp(int(self.step), self.total_steps, o.lr_warmup, o.lr_decay)
 
-    def encode(self, xs: torch.Tensor) -> tuple[torch.Tensor, RowCodes | DenseCodes, torch.Tensor]:
-        """(pre-activations, activations, penalty before its coefficient) of scaled rows."""
-        pre = (xs - self.x_mean) @ self.W_enc + self.b_enc
+    def encode(
+        self, xs: torch.Tensor
+    ) -> tuple[torch.Tensor, SparseCodes | DenseCodes, torch.Tensor]:
+        """(pre-activations, activations, penalty before its coefficient) of scaled rows. topk
+        and batchtopk: the pre-activations are computed without a graph and only the chosen
+        ones carry gradients (probe.analysis.fit.sparse_codes)."""
         o = self.options
+        xc = xs - self.x_mean
+        if o.activation in ("topk", "batchtopk"):
+            with torch.no_grad():
+                pre = torch.addmm(self.b_enc, xc, self.W_enc)
+            chosen = _top_rows(pre, o.k) if o.activation == "topk" else _top_batch(pre, o.k)
+            values = selected_preactivations(xc, self.W_enc, self.b_enc, pre, chosen)
+            return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
+        pre = xc @ self.W_enc + self.b_enc
         penalty = pre.new_zeros(())
         if o.activation == "relu":
             acts = torch.relu(pre)
             penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean() / self.W_dec.shape[1] ** 0.5
-        elif o.activation == "jumprelu":
+        else:
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold.exp()
             acts = JumpReLU.apply(pre, threshold, o.bandwidth)
             l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
             penalty = (l0 / o.target_l0 - 1).pow(2)
-        elif o.activation == "topk":
-            return pre, _top_rows(pre, o.k), penalty
-        else:
-            acts = _top_batch(pre, o.k)
         return pre, DenseCodes(acts), penalty
 
     def forward(
         self, xs: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, RowCodes | DenseCodes, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, SparseCodes | DenseCodes, torch.Tensor]:
         """(prediction, pre-activations, activations, penalty) on scaled rows."""
         pre, acts, penalty = self.encode(xs)
         out = acts.decode(self.W_dec) + self.b_dec
@@ -265,17 +287,24 @@ class TrainingTranscoder(nn.Module):
             out = out + xs @ self.W_skip.T
         return out, pre, acts, penalty
 
-    def auxk(self, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-        """AuxK's loss before its coefficient: the dead features' top aux_k (ReLU'd) predict
-        `error` (detached), squared error over the error's variance x min(dead / aux_k, 1)."""
+    def auxk(self, xs: torch.Tensor, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        """AuxK's loss before its coefficient: the dead features' top aux_k (ReLU'd) of the
+        scaled rows `xs` (`pre` their pre-activations, without a graph) predict `error`
+        (detached), squared error over the error's variance x min(dead / aux_k, 1). With at
+        most aux_k dead features every one is taken (no top-k to compute)."""
         dead = self.since_fired > self.options.dead_rows
         n = int(dead.sum())
         if n == 0:
             return pre.new_zeros(())
-        k = min(self.aux_k, n)
         columns = dead.nonzero().squeeze(1)
-        top = _top_rows(pre[:, columns], k)
-        fit = RowCodes(top.values, columns[top.indices], self.width).decode(self.W_dec)
+        if n <= self.aux_k:
+            indices = columns.expand(len(pre), n)
+        else:
+            top = torch.topk(pre.index_select(1, columns), self.aux_k, sorted=False)
+            indices = columns[top.indices]
+        chosen = Selection.per_row(indices, self.width)
+        values = selected_preactivations(xs - self.x_mean, self.W_enc, self.b_enc, pre, chosen)
+        fit = decode(torch.relu(values), chosen, self.W_dec)
         variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
         return min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
 
@@ -289,16 +318,14 @@ class TrainingTranscoder(nn.Module):
         loss = mse + self.sparsity() * penalty
         aux = pre.new_zeros(())
         if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
-            aux = self.auxk(pre, (ys - pred).detach())
+            aux = self.auxk(xs, pre, (ys - pred).detach())
             loss = loss + o.aux_coefficient * aux
         with torch.no_grad():
             var = (ys - ys.mean(0)).pow(2).mean().clamp_min(1e-12)
             self._fired = acts.fired()
             self._smallest = None
-            if o.activation == "batchtopk":
-                dense = acts.dense()
-                smallest = torch.where(dense > 0, dense, torch.inf).amin()
-                self._smallest = smallest if bool(smallest.isfinite()) else None
+            if isinstance(acts, SparseCodes) and o.activation == "batchtopk":
+                self._smallest = acts.smallest()
         return loss, {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
                       "auxk": float(aux.detach()),
                       "fvu": float(mse.detach() / var)}  # fmt: skip
@@ -346,6 +373,12 @@ class TrainingTranscoder(nn.Module):
             k=o.k if o.activation == "topk" else None,
             W_skip=self.W_skip * (a / c) if self.W_skip is not None else None,
         )  # fmt: skip
+
+
+def adam(params, lr: float) -> torch.optim.Adam:
+    """The fit's optimizer: Adam in torch's fused form (one kernel a parameter; the same update
+    as its loop over operations, to float rounding, in fewer passes over memory)."""
+    return torch.optim.Adam(params, lr=lr, fused=True)
 
 
 def train_step(model: TrainingTranscoder, opt: torch.optim.Optimizer, x, y) -> dict:
