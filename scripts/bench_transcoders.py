@@ -31,6 +31,15 @@ docs/bench/transcoders.md for the setup). Steps, all into `--work`:
 
 Rows per second: training rows of every layer over the trainer command's wall seconds (process
 start and import included, the same for each), and over its own training seconds.
+
+Speed only (`--speed ROUNDS`): after the capture, ROUNDS interleaved rounds of each trainer's
+command (probe's per activation of `--probe`, also with `--no-losses` given
+`--speed-no-losses`, `--baseline DIR`'s probe.fit where given, sparsify's child), each at the
+budget and at `--speed-floor` passes (its fixed cost: imports, the model, probe's held-out
+measures; a step or two of training), one thread each (OMP_NUM_THREADS=1). A
+command's CPU seconds are its process's (and its children's) user + system time, so other work on
+the machine changes them little; rows per CPU second over the whole command, and over the budget's
+CPU seconds less the floor's (the training's own cost); no evaluation.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -127,6 +137,136 @@ def run_timed(argv: list[str], log: Path, env: dict | None = None) -> float:
         tail = log.read_text().strip().splitlines()[-15:]
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n" + "\n".join(tail))
     return wall
+
+
+def run_cpu(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> float:
+    """Run `argv` as run_timed does (in `cwd`, else the repository); the CPU seconds (user +
+    system) of its process and the processes it waited for."""
+    import resource
+
+    def spent() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    before = spent()
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT,
+                              cwd=cwd or bc.ROOT, env={**os.environ, **(env or {})})  # fmt: skip
+    if done.returncode:
+        tail = log.read_text().strip().splitlines()[-15:]
+        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n" + "\n".join(tail))
+    log.with_suffix(".wall").write_text(f"{time.perf_counter() - t0:.2f}")
+    return spent() - before
+
+
+def speed(args, work: Path, run_dir: Path, model_dir: Path, ids_path: Path) -> str:
+    """`--speed`: the CPU seconds of every trainer's command at the budget and at the floor,
+    in interleaved rounds; the report's markdown."""
+
+    import pandas as pd
+
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    trainers: dict[str, tuple] = {}  # name -> (argv for a budget, env, cwd, rows of a run)
+
+    def probe_fit(act: str, root: Path | None, tag: str, extra: tuple[str, ...] = ()):
+        def argv(epochs: float, out: Path) -> list[str]:
+            return ["-m", "probe.fit", str(run_dir), "--activation", act, "--width",
+                    str(args.width), "--k", str(args.k), "--epochs", str(epochs), "--batch-size",
+                    str(args.batch_rows), "--workers", "1", *extra, "--out", str(out)]  # fmt: skip
+
+        def rows(out: Path) -> int:
+            return int(pd.read_csv(out / "fit.csv").rows.sum())
+
+        env = {**one, "PYTHONPATH": str(root or bc.ROOT)}
+        trainers[" ".join((tag, act, *extra))] = (argv, env, root, rows)
+
+    for act in [a for a in args.probe.split(",") if a]:
+        probe_fit(act, None, "probe")
+        if args.speed_no_losses:
+            probe_fit(act, None, "probe", ("--no-losses",))
+        if args.baseline:
+            probe_fit(act, Path(args.baseline).resolve(), "probe baseline")
+
+    def sparsify_argv(epochs: float, out: Path) -> list[str]:
+        return [str(Path(__file__).resolve()), "--sparsify-child", "--model-dir", str(model_dir),
+                "--ids", str(ids_path), "--run", str(run_dir), "--set-out", str(out), "--epochs",
+                str(epochs), "--width", str(args.width), "--k", str(args.k), "--batch-rows",
+                str(args.batch_rows), "--seed", str(args.seed)]  # fmt: skip
+
+    def sparsify_rows(out: Path) -> int:
+        child = json.loads([ln for ln in (out.parent / f"{out.name}.log").read_text().splitlines()
+                            if ln.startswith('{"seconds"')][-1])  # fmt: skip
+        return child["rows_per_layer"] * child["layers"]
+
+    trainers["sparsify topk"] = (sparsify_argv, {**one, "SPARSIFY_DISABLE_TRITON": "1"}, None,
+                                 sparsify_rows)  # fmt: skip
+    results: list[dict] = []
+    for rnd in range(args.speed):
+        for name, (argv, env, cwd, rows) in trainers.items():
+            got = {"round": rnd + 1, "trainer": name}
+            for part, epochs in (("budget", args.epochs), ("floor", args.speed_floor)):
+                out = work / "speed" / f"{name.replace(' ', '_')}_{rnd}_{part}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                got[f"load_{part}"] = os.getloadavg()[0]
+                got[f"cpu_{part}"] = run_cpu(argv(epochs, out), out.parent / f"{out.name}.log",
+                                             env=env, cwd=cwd)  # fmt: skip
+                got[f"rows_{part}"] = rows(out)
+            print(json.dumps(got), flush=True)
+            results.append(got)
+            (work / "speed.json").write_text(json.dumps(results, indent=1))
+    return speed_report(results, args)
+
+
+def speed_report(results: list[dict], args) -> str:
+    """The markdown of `--speed`'s rounds (`results`: one dict a trainer and round, as
+    speed.json holds them; rounds without sparsify's run are left out)."""
+    import statistics
+
+    for r in results:
+        r["rate"] = r["rows_budget"] / r["cpu_budget"]
+        r["training_rate"] = (r["rows_budget"] - r["rows_floor"]) / (
+            r["cpu_budget"] - r["cpu_floor"]
+        )
+    peer = {r["round"]: r for r in results if r["trainer"] == "sparsify topk"}
+    results = [r for r in results if r["round"] in peer]
+    names = list(dict.fromkeys(r["trainer"] for r in results))
+    cols = ["round", "trainer", "rows", "CPU s", "rows / CPU s", "vs sparsify",
+            "floor CPU s", "training CPU s", "training rows / CPU s", "vs sparsify (training)"]  # fmt: skip
+    lines = []
+    for r in results:
+        p = peer[r["round"]]
+        lines.append([r["round"], r["trainer"], f"{r['rows_budget']:,}", fmt(r["cpu_budget"], 2),
+                      f"{r['rate']:,.0f}", fmt(r["rate"] / p["rate"], 2), fmt(r["cpu_floor"], 2),
+                      fmt(r["cpu_budget"] - r["cpu_floor"], 2), f"{r['training_rate']:,.0f}",
+                      fmt(r["training_rate"] / p["training_rate"], 2)])  # fmt: skip
+    medians = []
+    for name in names:
+        mine = [r for r in results if r["trainer"] == name]
+        whole = statistics.median(r["rate"] / peer[r["round"]]["rate"] for r in mine)
+        train = statistics.median(r["training_rate"] / peer[r["round"]]["training_rate"]
+                                  for r in mine)  # fmt: skip
+        medians.append(f"{name}: median over rounds of its ratio to sparsify's in the same "
+                       f"round: {whole:.2f} over the whole command, {train:.2f} over the "
+                       "training")  # fmt: skip
+    loads = [r[f"load_{part}"] for r in results for part in ("budget", "floor")]
+    notes = [
+        f"budget: width {args.width}, k {args.k}, {args.epochs:g} passes over the training "
+        f"samples, {args.batch_rows} rows a step; floor: {args.speed_floor:g} passes",
+        "CPU s: user + system seconds of the command's process (resource.getrusage of the "
+        "children), one thread each; training CPU s: the budget's less the floor's (what the "
+        "training's rows cost beyond the fixed part: imports, the model, probe's held-out "
+        "measures and loss measures, sparsify's model load)",
+        "probe's rows: training rows of fit.csv; sparsify's: its child's rows a layer x layers "
+        "(position 0 included; its rows come from the model's forward pass, in its CPU s)",
+        *medians,
+        f"load average (1 min) before the commands: {min(loads):.1f} to {max(loads):.1f}",
+    ]
+    head = ["## Speed: CPU seconds side by side", "",
+            f"Measured {datetime.date.today()}, {machine()}.",
+            "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items())]  # fmt: skip
+    return bc.markdown(head, cols, lines, notes)
 
 
 def sparsify_child(args) -> None:
@@ -340,6 +480,30 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="/tmp/bench-transcoders")
     p.add_argument("--out", default=None, help="also write the report as markdown to OUT")
+    p.add_argument(
+        "--speed",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="speed only: ROUNDS interleaved rounds of CPU seconds, no evaluation",
+    )
+    p.add_argument(
+        "--speed-floor",
+        type=float,
+        default=0.02,
+        help="passes of the fixed-cost runs of --speed (0.02)",
+    )
+    p.add_argument(
+        "--baseline", default=None, help="--speed: also time probe.fit from this checkout of probe"
+    )
+    p.add_argument(
+        "--speed-report", default=None, metavar="JSON",
+        help="the --speed report of a speed.json written before (nothing run)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speed-no-losses", action="store_true",
+        help="--speed: also time probe.fit --no-losses (no model: the training command alone)",
+    )  # fmt: skip
     p.add_argument("--sparsify-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--ids", help=argparse.SUPPRESS)
@@ -349,7 +513,12 @@ def main() -> None:
     if args.sparsify_child:
         sparsify_child(args)
         return
-    import shutil
+    if args.speed_report:
+        report = speed_report(json.loads(Path(args.speed_report).read_text()), args)
+        print(report)
+        if args.out:
+            Path(args.out).write_text(report)
+        return
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -361,6 +530,12 @@ def main() -> None:
                "probes=mlp_io", f"hydra.run.dir={run_dir}"]  # fmt: skip
     capture_s = run_timed(capture, work / "capture.log")
     print(f"captured in {capture_s:.1f} s", flush=True)
+    if args.speed:
+        report = speed(args, work, run_dir, model_dir, ids_path)
+        print(report)
+        if args.out:
+            Path(args.out).write_text(report)
+        return
 
     budget = ["--width", str(args.width), "--k", str(args.k), "--epochs", str(args.epochs),
               "--batch-size", str(args.batch_rows)]  # fmt: skip

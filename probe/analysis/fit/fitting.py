@@ -31,7 +31,7 @@ from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.transcoder_splice import splice_points
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, adam, train_step
 from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder
@@ -174,7 +174,7 @@ class Fit:
             total = o.steps or max(1, math.ceil(o.epochs * len(stream)))
             model = TrainingTranscoder(d_in, d_out, o, seed=o.seed + sites.layer,
                                        total_steps=total)  # fmt: skip
-            opt = torch.optim.Adam(model.parameters(), lr=o.learning_rate(model.width))
+            opt = adam(model.parameters(), o.learning_rate(model.width))
             step, epoch, curve, seconds, rows = 0, 0, [], 0.0, 0
             if state is not None:
                 model.load_state_dict(state["model"])

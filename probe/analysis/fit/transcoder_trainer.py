@@ -18,8 +18,12 @@ Plain torch (Adam), the trainers the field uses now:
     from `threshold`, 0.001 as Gemma Scope's). The encoder learns through the reconstruction
     alone, so L0 can fall short of the target where the features' own ReLU counts are fewer.
   - topk: the k largest pre-activations of each row (ReLU'd), decoded from their indices (an
-    embedding bag: k decoder rows a row, not a dense product over every feature).
-  - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd); a global
+    embedding bag: k decoder rows a row, not a dense product over every feature). The
+    pre-activations are computed without a graph; only the chosen ones carry gradients, through
+    backward passes written out in probe.analysis.fit.sparse_codes (the dense formula's
+    gradients, without autograd's scatters into zeros).
+  - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd; chosen and
+    decoded as topk's, a row holding however many of them fall in it); a global
     threshold (the running mean, momentum THRESHOLD_MOMENTUM, of the smallest selected activation
     of each batch) replaces the batch at inference: the saved transcoder is a JumpReLU with that
     threshold for every feature.
@@ -52,23 +56,69 @@ import torch
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.sparse_codes import Selection, decode, selected_preactivations
 from probe.analysis.fit.trainer_base import (
     DenseCodes,
     JumpReLU,
-    RowCodes,
     ScheduledTrainer,
     Step,
-    auxk_loss,
     move_threshold,
-    smallest_active,
     spread_scale,
-    top_batch,
-    top_rows,
     train_step,
 )
 from probe.models.transcoder import Transcoder
 
-__all__ = ["TrainingTranscoder", "train_step"]
+__all__ = ["TrainingTranscoder", "adam", "train_step"]
+
+# batchtopk's selection reads a threshold from every BATCH_SAMPLE-th pre-activation, set that
+# much lower than the sample says (about 1.2 x k x rows entries pass it on the planted problem)
+BATCH_SAMPLE, BATCH_MARGIN = 8, 1.25
+
+
+class SparseCodes:
+    """The active features as chosen (row, feature) pairs (topk, batchtopk, AuxK) and their
+    values: decoded from the decoder rows they index, not a dense product over every feature
+    (probe.analysis.fit.sparse_codes)."""
+
+    def __init__(self, values: torch.Tensor, selection: Selection):
+        self.values, self.selection = values, selection
+
+    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
+        """sum over each row's pairs of value x W_dec[feature]."""
+        return decode(self.values, self.selection, W_dec)
+
+    def fired(self) -> torch.Tensor:
+        """Which features are active (value > 0) in some row."""
+        return self.selection.fired(self.values)
+
+    def smallest(self) -> torch.Tensor | None:
+        """The smallest active value (None: none is active)."""
+        on = self.values[self.values > 0]
+        return on.min() if len(on) else None
+
+
+def _top_rows(pre: torch.Tensor, k: int) -> Selection:
+    """Each row's k largest pre-activations."""
+    return Selection.per_row(torch.topk(pre, k, dim=-1, sorted=False).indices, pre.shape[-1])
+
+
+def _top_batch(pre: torch.Tensor, k: int) -> Selection:
+    """The k x rows largest pre-activations of the whole batch: a top-k over the entries at or
+    above a threshold t read from every BATCH_SAMPLE-th entry (the k x rows / BATCH_SAMPLE x
+    BATCH_MARGIN-th largest of them), which holds them all once at least k x rows entries are
+    >= t (checked; else the top-k runs over every entry). The same pairs, fewer to sort."""
+    flat = pre.reshape(-1)
+    n = min(k * pre.shape[0], flat.numel())
+    shape = (pre.shape[0], pre.shape[1])
+    sample = flat[::BATCH_SAMPLE]
+    j = math.ceil(n / BATCH_SAMPLE * BATCH_MARGIN) + 1
+    if j < len(sample):
+        t = torch.kthvalue(sample, len(sample) - j + 1).values
+        above = (flat >= t).nonzero().squeeze(1)
+        if len(above) >= n:
+            top = torch.topk(flat.index_select(0, above), n, sorted=False)
+            return Selection.flat(above[top.indices], shape)
+    return Selection.flat(torch.topk(flat, n, sorted=False).indices, shape)
 
 
 class TrainingTranscoder(ScheduledTrainer):
@@ -127,29 +177,36 @@ class TrainingTranscoder(ScheduledTrainer):
     def aux_k(self) -> int:
         return self.options.aux_k or max(1, self.W_dec.shape[1] // 2)
 
-    def encode(self, xs: torch.Tensor) -> tuple[torch.Tensor, RowCodes | DenseCodes, torch.Tensor]:
-        """(pre-activations, activations, penalty before its coefficient) of scaled rows."""
-        pre = (xs - self.x_mean) @ self.W_enc + self.b_enc
+    def encode(
+        self, xs: torch.Tensor
+    ) -> tuple[torch.Tensor, SparseCodes | DenseCodes, torch.Tensor]:
+        """(pre-activations, activations, penalty before its coefficient) of scaled rows. topk
+        and batchtopk: the pre-activations are computed without a graph and only the chosen
+        ones carry gradients (probe.analysis.fit.sparse_codes)."""
         o = self.options
+        xc = xs - self.x_mean
+        if o.activation in ("topk", "batchtopk"):
+            with torch.no_grad():
+                pre = torch.addmm(self.b_enc, xc, self.W_enc)
+            chosen = _top_rows(pre, o.k) if o.activation == "topk" else _top_batch(pre, o.k)
+            values = selected_preactivations(xc, self.W_enc, self.b_enc, pre, chosen)
+            return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
+        pre = xc @ self.W_enc + self.b_enc
         penalty = pre.new_zeros(())
         if o.activation == "relu":
             acts = torch.relu(pre)
             penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean() / self.W_dec.shape[1] ** 0.5
-        elif o.activation == "jumprelu":
+        else:
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold.exp()
             acts = JumpReLU.apply(pre, threshold, o.bandwidth)
             l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
             penalty = (l0 / o.target_l0 - 1).pow(2)
-        elif o.activation == "topk":
-            return pre, top_rows(pre, o.k), penalty
-        else:
-            acts = top_batch(pre, o.k)
         return pre, DenseCodes(acts), penalty
 
     def forward(
         self, xs: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, RowCodes | DenseCodes, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, SparseCodes | DenseCodes, torch.Tensor]:
         """(prediction, pre-activations, activations, penalty) on scaled rows."""
         pre, acts, penalty = self.encode(xs)
         out = acts.decode(self.W_dec) + self.b_dec
@@ -157,9 +214,26 @@ class TrainingTranscoder(ScheduledTrainer):
             out = out + xs @ self.W_skip.T
         return out, pre, acts, penalty
 
-    def auxk(self, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-        """AuxK's loss before its coefficient (trainer_base.auxk_loss) of the dead features."""
-        return auxk_loss(pre, error, self.dead(), self.aux_k, self.W_dec)
+    def auxk(self, xs: torch.Tensor, pre: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        """AuxK's loss before its coefficient: the dead features' top aux_k (ReLU'd) of the
+        scaled rows `xs` (`pre` their pre-activations, without a graph) predict `error`
+        (detached), squared error over the error's variance x min(dead / aux_k, 1). With at
+        most aux_k dead features every one is taken (no top-k to compute)."""
+        dead = self.since_fired > self.options.dead_rows
+        n = int(dead.sum())
+        if n == 0:
+            return pre.new_zeros(())
+        columns = dead.nonzero().squeeze(1)
+        if n <= self.aux_k:
+            indices = columns.expand(len(pre), n)
+        else:
+            top = torch.topk(pre.index_select(1, columns), self.aux_k, sorted=False)
+            indices = columns[top.indices]
+        chosen = Selection.per_row(indices, self.width)
+        values = selected_preactivations(xs - self.x_mean, self.W_enc, self.b_enc, pre, chosen)
+        fit = decode(torch.relu(values), chosen, self.W_dec)
+        variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
+        return min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The training loss on raw rows at this step and its parts (mse, penalty, auxk, the
@@ -171,14 +245,14 @@ class TrainingTranscoder(ScheduledTrainer):
         loss = mse + self.sparsity() * penalty
         aux = pre.new_zeros(())
         if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
-            aux = self.auxk(pre, (ys - pred).detach())
+            aux = self.auxk(xs, pre, (ys - pred).detach())
             loss = loss + o.aux_coefficient * aux
         with torch.no_grad():
             var = (ys - ys.mean(0)).pow(2).mean().clamp_min(1e-12)
             self._fired = acts.fired()
             self._smallest = None
-            if o.activation == "batchtopk":
-                self._smallest = smallest_active(acts.dense())
+            if isinstance(acts, SparseCodes) and o.activation == "batchtopk":
+                self._smallest = acts.smallest()
         return loss, {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
                       "auxk": float(aux.detach()),
                       "fvu": float(mse.detach() / var)}  # fmt: skip
@@ -209,3 +283,9 @@ class TrainingTranscoder(ScheduledTrainer):
             k=o.k if o.activation == "topk" else None,
             W_skip=self.W_skip * (a / c) if self.W_skip is not None else None,
         )  # fmt: skip
+
+
+def adam(params, lr: float) -> torch.optim.Adam:
+    """The fit's optimizer: Adam in torch's fused form (one kernel a parameter; the same update
+    as its loop over operations, to float rounding, in fewer passes over memory)."""
+    return torch.optim.Adam(params, lr=lr, fused=True)
