@@ -156,9 +156,11 @@ def test_splicing_with_the_error_added_back_is_the_clean_model(lm_run, fitted, m
     monkeypatch.setattr(losses, "LOGITS_BYTES", 5 * 50 * 4)
     monkeypatch.setattr(losses, "LOG_PROB_BYTES", 3 * 50 * 8)
     small = loss_measures(model, sequences, points, tset.transcoders)
+    # (ce_recovered, a ratio of differences of the means, carries their rounding amplified)
     for key in (0, 1, "all"):
         for name, value in plain[key].items():
-            np.testing.assert_allclose(small[key][name], value, rtol=1e-11, err_msg=name)
+            rtol = 1e-10 if name == "ce_recovered" else 1e-11
+            np.testing.assert_allclose(small[key][name], value, rtol=rtol, err_msg=name)
 
 
 def test_evaluate_gives_the_fits_numbers(lm_run, fitted, tmp_path, capsys):
