@@ -22,6 +22,17 @@ with the same training unwatched for N steps after one of warm-up, the CPU time 
 statistics call (`probe.stats.backend.batch_stats`, the watch's way to the pass on the CPU)
 summed; it prints the calls, values and seconds of the pass per step, its ns per value, and
 each training's median CPU time per step (time.process_time).
+
+`--in-training N --diagnose` asks why the pass costs more there than alone, side by side in one
+process: the watched training alone, N steps after one of warm-up; in the hook each statistics
+call is timed twice (the tensor as the layer just wrote it, then re-read), then a numpy float64
+sum over it and an ALU-only compiled loop (no memory: the core's speed there) are timed; after
+each step the same tensors (copies) are reduced alone, once each as in the hook, with the same
+sum and loop beside them, so the load of that moment falls on both. Also counted: minor page
+faults in the pass (resource.getrusage of the thread), calls off the training's thread,
+non-contiguous or non-float32 tensors, and the compiled call's share of the call (the Python
+around it); per kind of tensor (parameters; activations and gradients by the kernel's path:
+segments of >= 1,024 values, of 128-1,023, narrower maps by column).
 """
 
 from __future__ import annotations
@@ -156,6 +167,128 @@ def in_training(steps: int) -> None:
           f"{steps}): unwatched {plain:.3f}, watched {watched:.3f} ({watched / plain:.3f}x)")  # fmt: skip
 
 
+def _spin():
+    """A compiled ALU-only loop (a xorshift chain, no memory traffic): its CPU time is the
+    core's speed where it runs, whatever the caches hold."""
+    import numba
+
+    @numba.njit(nogil=True)
+    def spin(n):
+        x = np.uint64(88172645463325252)
+        for _ in range(n):
+            x ^= x << np.uint64(13)
+            x ^= x >> np.uint64(7)
+            x ^= x << np.uint64(17)
+        return x
+
+    spin(10)
+    return lambda: spin(20_000)
+
+
+def _kind(x: torch.Tensor) -> str:
+    """The tensor's kind for the diagnosis: a parameter (one row), else the kernel's path."""
+    if x.shape[0] == 1:
+        return "parameters"
+    size = int(np.prod(x.shape[2:]))
+    which = "outputs" if torch.is_grad_enabled() else "gradients"
+    path = "segments >= 1024" if size >= 1024 else "segments >= 128" if size >= 128 else "columns"
+    return f"{which}, {path}"
+
+
+def diagnose(steps: int) -> None:
+    """The pass in the hook against the same tensors alone (see the module)."""
+    import resource
+    import threading
+
+    import bench_watch
+
+    from probe.stats import backend, numba_backend
+
+    def cpu(fn, *a) -> float:
+        t0 = time.thread_time()
+        fn(*a)
+        return time.thread_time() - t0
+
+    def total(a: np.ndarray) -> None:
+        np.add.reduce(a.reshape(-1), dtype=np.float64)
+
+    spin = _spin()
+    reduce, solo = backend.batch_stats, numba_backend.solo_batch
+    main, rusage = threading.get_ident(), resource.RUSAGE_THREAD
+    spent: dict[str, dict[str, float]] = {}
+    odd = {"off the training's thread": 0, "not contiguous": 0, "not float32": 0}
+    kept: list = []
+
+    def add(kind: str, **seconds: float) -> None:
+        for k in {kind, "all"}:
+            for name, v in seconds.items():
+                spent.setdefault(k, {}).setdefault(name, 0.0)
+                spent[k][name] += v
+
+    def compiled(*a):
+        t0 = time.thread_time()
+        try:
+            return solo(*a)
+        finally:
+            add("all", compiled=time.thread_time() - t0)
+
+    def hooked(x, bounds=None, hist=None, unit_axis=1):
+        a = x.detach()
+        odd["off the training's thread"] += threading.get_ident() != main
+        odd["not contiguous"] += not a.is_contiguous()
+        odd["not float32"] += a.dtype != torch.float32
+        kind = _kind(a)
+        faults = resource.getrusage(rusage).ru_minflt
+        t0 = time.thread_time()
+        result = reduce(x, bounds, hist, unit_axis)
+        first = time.thread_time() - t0
+        faults = resource.getrusage(rusage).ru_minflt - faults
+        numba_backend.solo_batch = solo  # (the compiled call's share: the first call's alone)
+        again = cpu(reduce, x, bounds, hist, unit_axis)
+        numba_backend.solo_batch = compiled
+        add(kind, values=a.numel(), first=first, again=again, faults=faults,
+            sum_hook=cpu(total, a.numpy()), spin_hook=cpu(spin))  # fmt: skip
+        kept.append((kind, a.clone(), bounds, unit_axis))
+        return result
+
+    make, optimizer, batches, loss, probes = bench_watch.setup("resnet18", 2 * steps + 2)
+    tmp = tempfile.TemporaryDirectory()
+    training = bench_watch.Training("probe", 1, make, optimizer, loss, probes,
+                                    Path(tmp.name) / "probe", clip=1.0)  # fmt: skip
+    training.step(batches[0:2])  # (warm-up)
+    backend.batch_stats, numba_backend.solo_batch = hooked, compiled
+    try:
+        for s in range(steps):
+            kept.clear()
+            training.step(batches[2 + 2 * s : 4 + 2 * s])
+            backend.batch_stats, numba_backend.solo_batch = reduce, solo
+            for kind, a, bounds, axis in kept:  # the same tensors alone, once each
+                add(kind, alone=cpu(reduce, a, bounds, None, axis), sum_alone=cpu(total, a.numpy()),
+                    spin_alone=cpu(spin))  # fmt: skip
+            backend.batch_stats, numba_backend.solo_batch = hooked, compiled
+    finally:
+        backend.batch_stats, numba_backend.solo_batch = reduce, solo
+        training.close()
+    every = spent["all"]
+    n = every["values"]
+    print(f"resnet18 watched at every=1, {steps} steps: {every['values'] / steps / 1e6:.1f}M values "
+          f"a step in {len(kept)} calls; minor page faults in the pass {every['faults'] / steps:.0f} "
+          "a step; " + ", ".join(f"{k}: {v}" for k, v in odd.items()))  # fmt: skip
+    print(f"ns a value: in the hook {every['first'] / n * 1e9:.2f} (re-read {every['again'] / n * 1e9:.2f}), "
+          f"alone {every['alone'] / n * 1e9:.2f}; the compiled call {every['compiled'] / n * 1e9:.2f} "
+          f"of the hook's first ({every['compiled'] / every['first']:.0%}); numpy sum in the hook "
+          f"{every['sum_hook'] / n * 1e9:.2f}, alone {every['sum_alone'] / n * 1e9:.2f}")  # fmt: skip
+    print(f"ratios: hook / alone {every['first'] / every['alone']:.3f}, first read / re-read "
+          f"{every['first'] / every['again']:.3f}, numpy sum hook / alone "
+          f"{every['sum_hook'] / every['sum_alone']:.3f}, ALU loop hook / alone "
+          f"{every['spin_hook'] / every['spin_alone']:.3f}")  # fmt: skip
+    for kind, d in sorted(spent.items()):
+        if kind != "all":
+            print(f"  {kind:28s} {d['values'] / steps / 1e6:5.1f}M a step: ns a value in the hook "
+                  f"{d['first'] / d['values'] * 1e9:.2f}, re-read {d['again'] / d['values'] * 1e9:.2f}, "
+                  f"alone {d['alone'] / d['values'] * 1e9:.2f}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", type=Path, help="another checkout whose kernels to time beside")
@@ -163,8 +296,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="also write the table there (markdown)")
     p.add_argument("--in-training", type=int, metavar="STEPS",
                    help="time the pass inside a watched training instead (see the module)")  # fmt: skip
+    p.add_argument("--diagnose", action="store_true",
+                   help="with --in-training: the pass in the hook against alone (see the module)")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.in_training and args.diagnose:
+        diagnose(args.in_training)
+        return
     if args.in_training:
         in_training(args.in_training)
         return

@@ -155,6 +155,27 @@ class BucketSpans:
         self.add_to(h.counts)
         return h
 
+    def union(self, other: BucketSpans) -> BucketSpans:
+        """Both histograms' counts over, per sign, the one range that covers both's ranges of
+        that sign (buckets between them count zero): a step's micro-batches merged without
+        all 65536 buckets, read by `quantiles` as a LogHistogram of the same counts is."""
+        pieces = self.pieces() + other.pieces()
+        covered: dict[bool, tuple[int, int]] = {}  # negative? -> (first bucket, stop)
+        for start, piece in pieces:
+            first, stop = covered.get(start >= NEGATIVE, (start, start + len(piece)))
+            covered[start >= NEGATIVE] = (min(first, start), max(stop, start + len(piece)))
+        heads: list[tuple[int, int]] = []
+        at: dict[bool, tuple[int, int]] = {}  # negative? -> (first bucket, where its counts start)
+        for sign in sorted(covered):
+            first, stop = covered[sign]
+            at[sign] = (first, sum(length for _, length in heads))
+            heads.append((first, stop - first))
+        counts = np.zeros(sum(length for _, length in heads), dtype=np.int64)
+        for start, piece in pieces:
+            first, offset = at[start >= NEGATIVE]
+            counts[offset + start - first : offset + start - first + len(piece)] += piece
+        return BucketSpans(np.array(heads, dtype=np.int64).reshape(-1, 2), counts)
+
 
 NEGATIVE = 1 << 15  # the first bucket of negative values (-0.0)
 

@@ -29,7 +29,7 @@ from probe.hooks.device import HostCopy, copy_to_host
 from probe.stats import backend, batched
 from probe.stats import torch_backend as torch_stats
 from probe.stats.device_histograms import Reader, quantile_points, split
-from probe.stats.running import LogHistogram, PointQuantiles, RunningStats
+from probe.stats.running import BucketSpans, LogHistogram, PointQuantiles, RunningStats
 from probe.stats.stat_columns import quantiles
 from probe.stats.torch_backend import BINS
 
@@ -111,7 +111,15 @@ class StepStats:
             acc.add(batch.rows, batch.accumulator())
             acc.hist, acc.units = batch.hist, batch.units
             return
-        acc.merge(batch)  # (a second micro-batch: into all 65536 buckets)
+        if isinstance(acc.hist, BucketSpans) and isinstance(batch.hist, BucketSpans):
+            spans, batch.hist = batch.hist, None  # (a second micro-batch: the ranges' union,
+            try:  # not all 65536 buckets; numba's batches on one thread)
+                acc.merge(batch)
+            finally:
+                batch.hist = spans
+            acc.hist = acc.hist.union(spans)
+            return
+        acc.merge(batch)
 
     def settle(self, scalars: dict[str, torch.Tensor] | None = None) -> Settled:
         """The step ends: the host's statistics as they are, the devices' (and `scalars`, the

@@ -10,7 +10,14 @@ import torch
 
 from probe.stats import backend
 from probe.stats.backend import batch_stats, fold
-from probe.stats.running import QUANTILE_REL_ERROR, LogHistogram, RunningStats, counts_agree
+from probe.stats.running import (
+    QUANTILE_REL_ERROR,
+    BucketSpans,
+    LogHistogram,
+    RunningStats,
+    counts_agree,
+)
+from probe.stats.running import ranges as bucket_spans_of
 from probe.store.fileformat import read_progress
 from probe.testing.models import DEAD, SATURATED
 from tests.helpers import run_probe
@@ -157,6 +164,40 @@ def test_quantiles_within_the_documented_bound(dist):
     for key, q in (("p01", 0.01), ("p50", 0.5), ("p99", 0.99)):
         truth = np.quantile(exact, q, method="lower")
         assert abs(row[key] - truth) <= QUANTILE_REL_ERROR * abs(truth), (key, row[key], truth)
+
+
+def _spans(values: np.ndarray) -> BucketSpans:
+    """A batch's histogram as the ranges its min and max give (what the numba backend returns),
+    counted here with numpy: a value's bucket is the top 16 bits of its float32 pattern."""
+    counts = np.bincount(values.view(np.uint32) >> 16, minlength=LogHistogram.BINS)
+    heads = np.array(bucket_spans_of(float(values.min()), float(values.max())), dtype=np.int64)
+    spans = [counts[start : start + length] for start, length in heads]
+    return BucketSpans(heads.reshape(-1, 2), np.concatenate(spans).astype(np.int64))
+
+
+@pytest.mark.parametrize("pair", ["signed", "positive_apart", "negative_and_signed", "zeros"])
+def test_two_batches_ranges_merge_as_the_whole_histogram(pair):
+    """A step's two micro-batches merged as the union of their ranges (probe.train.step_stats)
+    hold the counts of the whole histogram and read the same quantiles, to the bit."""
+    rng = np.random.default_rng(3)
+    normal = rng.standard_normal(5_000).astype(np.float32)
+    a, b = {
+        "signed": (normal, 100 * rng.standard_normal(3_000).astype(np.float32)),
+        "positive_apart": (np.abs(normal) + 1e-3, np.abs(normal[:700]) * 1e6 + 5e5),
+        "negative_and_signed": (-np.abs(normal), np.maximum(normal, 0) * 1e-20),
+        "zeros": (np.zeros(40, np.float32), np.array([-0.0, 0.0, 2.5], np.float32)),
+    }[pair]
+    union = _spans(a).union(_spans(b))
+    whole = LogHistogram()
+    _spans(a).add_to(whole.counts)
+    _spans(b).add_to(whole.counts)
+    assert np.array_equal(union.whole().counts, whole.counts)
+    assert len(union.heads) <= 2  # (one range per sign: what quantiles read)
+    lo, hi = float(min(a.min(), b.min())), float(max(a.max(), b.max()))
+    qs = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
+    assert [repr(q) for q in union.quantiles(qs, lo, hi)] == [
+        repr(q) for q in whole.quantiles(qs, lo, hi)
+    ]
 
 
 def test_merge_of_two_streams_equals_one_stream():
