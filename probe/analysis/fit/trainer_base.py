@@ -171,8 +171,7 @@ class ScheduledTrainer(nn.Module):
     """The state both trainers keep over `total_steps` steps: the step (a buffer) and each
     feature's rows since it last fired (`since_fired`, of shape `features`), both in the
     state_dict. A subclass computes `loss(x, y)` (noting which features fired in `self._fired`)
-    and may adjust the gradient (`before_step`) and the weights (`after_step`, calling this
-    one)."""
+    and may move its own state on after each step (`after_step`, calling this one)."""
 
     step: torch.Tensor
     since_fired: torch.Tensor
@@ -206,9 +205,6 @@ class ScheduledTrainer(nn.Module):
     def loss(self, x, y) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
-    def before_step(self) -> None:
-        """A hook on the gradient before the optimizer's step (none here)."""
-
     @torch.no_grad()
     def after_step(self, rows: int) -> None:
         """The step and the dead counters (`rows` more rows; 0 where a feature fired) moved on."""
@@ -230,7 +226,6 @@ def train_step(model: ScheduledTrainer, opt: torch.optim.Optimizer, x, y) -> dic
     opt.zero_grad(set_to_none=True)
     loss, parts = model.loss(x, y)
     loss.backward()
-    model.before_step()
     opt.step()
     model.after_step(len(x[0]) if isinstance(x, list | tuple) else len(x))
     return parts
