@@ -23,8 +23,8 @@ Plain torch (Adam), the trainers the field uses now:
     backward passes written out in probe.analysis.fit.sparse_codes (the dense formula's
     gradients, without autograd's scatters into zeros).
   - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd; chosen and
-    decoded as topk's, a row holding however many of them fall in it); a global
-    threshold (the running mean, momentum THRESHOLD_MOMENTUM, of the smallest selected activation
+    decoded as topk's, a row holding however many of them fall in it); a global threshold (the
+    running mean, momentum trainer_base.THRESHOLD_MOMENTUM, of the smallest selected activation
     of each batch) replaces the batch at inference: the saved transcoder is a JumpReLU with that
     threshold for every feature.
   - AuxK (topk and batchtopk; Gao et al. 2024): the `aux_k` largest pre-activations among the
