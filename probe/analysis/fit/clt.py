@@ -32,8 +32,9 @@ means are folded into the written weights):
   the penalty's coefficient warms up over `sparsity_warmup` of the steps; the learning rate rises
   over the first `lr_warmup` of the steps and falls to 0 over the last `lr_decay`;
 - init: topk, batchtopk and jumprelu: W_dec 0 and W_enc uniform in +-1/sqrt(d_in), decoders
-  free (as the per-layer trainer: FitOptions.decoder_from_zero); relu: decoders random at norm
-  0.1, W_enc[l] = the first slot's transpose (d_in = d_out); b_enc 0, b_dec[l] at the scaled
+  free (as the per-layer trainer: FitOptions.decoder_from_zero); relu: each feature's whole
+  decoder (all its slots) random at norm 0.1, and W_enc[l]'s columns the feature's first slot
+  made unit norm (d_in = d_out; else random, of norm about 1); b_enc 0, b_dec[l] at the scaled
   outputs' mean, thresholds `threshold`.
 - the peak learning rate (clt_learning_rate): `lr`, else CLT_LR[activation] x sqrt(LR_WIDTH /
   width), by measurement on the planted problem (docs/bench/fit_planted.md).
@@ -132,7 +133,7 @@ class TrainingCLT(ScheduledTrainer):
             for layer in range(n):
                 w = torch.randn(d_tc, n - layer, d_out, generator=g)
                 w = w / w.flatten(1).norm(dim=1)[:, None, None]
-                decoders.append(w * (0.1 if options.activation == "relu" else 1))
+                decoders.append(w * 0.1)
             if d_in == d_out:
                 W_enc = torch.stack([w[:, 0].T / w[:, 0].norm(dim=1) for w in decoders])
             else:
