@@ -6,7 +6,7 @@ encoder directions a learned encoder row matches at cosine >= 0.9. Figures in
 docs/bench/fit_planted.md.
 
     OMP_NUM_THREADS=1 python scripts/bench_fit_jumprelu.py [--run DIR] [--block 0] [--epochs 30]
-        [--k 8] [--variants default "bandwidth 0.01" ...]
+        [--k 8] [--variants default "bandwidth 0.05" ...]
 
 --run is the folder bench_fit_planted.py builds (its `run` and `model` inside).
 """
@@ -37,7 +37,7 @@ VARIANTS: dict[str, dict] = {
     "default": {},
     "threshold 0.01": {"threshold": 0.01},
     "threshold 0.1": {"threshold": 0.1},
-    "bandwidth 0.01": {"bandwidth": 0.01},
+    "bandwidth 0.05": {"bandwidth": 0.05},
     "sparsity 10": {"sparsity": 10.0},
 }
 
