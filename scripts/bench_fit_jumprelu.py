@@ -26,7 +26,8 @@ import torch
 from probe.analysis.fit.fit_sites import held_out
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.trainer_base import adam, train_step
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
 from probe.testing.planted import directions_found, planted_encoders
 
 # FitOptions overrides of each variant (on top of --activation jumprelu --width 256 --k 8). The
@@ -65,7 +66,7 @@ def fit(options: FitOptions, data, block: int, epochs: float) -> tuple[dict, Tra
     total = math.ceil(epochs * batches)
     torch.manual_seed(0)
     model = TrainingTranscoder(x.shape[1], y.shape[1], options, seed=block, total_steps=total)
-    opt = torch.optim.Adam(model.parameters(), lr=options.learning_rate(model.width))
+    opt = adam(model.parameters(), options.learning_rate(model.width))
     g = torch.Generator().manual_seed(block)
     step = 0
     while step < total:

@@ -12,7 +12,8 @@ import torch
 from probe.analysis.fit import sparse_codes
 from probe.analysis.fit.options import FitOptions
 from probe.analysis.fit.sparse_codes import Selection, decode, selected_preactivations
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, _top_batch, adam, train_step
+from probe.analysis.fit.trainer_base import adam
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, _top_batch, train_step
 
 
 def _selections(pre: torch.Tensor, k: int) -> dict[str, Selection]:

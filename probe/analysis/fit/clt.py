@@ -8,7 +8,7 @@ held-out samples (probe.analysis.fit.fit_sites.held_out) never train, and rows o
 special tokens (fit_sites.left_out) neither train nor count in fit.csv unless `keep_special`, as for
 per-layer fits; fit.csv's `left_out_rows` says how many there were.
 
-The trainer (plain torch, Adam; the per-layer trainer's schedule, dead counters and AuxK:
+The trainer (plain torch, the per-layer fits' fused Adam and schedule and dead counters:
 probe.analysis.fit.trainer_base), on rows centred on and scaled by each site's first batch's mean
 and spread (inputs centred and scaled, outputs scaled: b_dec learns their mean; the factors and
 means are folded into the written weights):
@@ -75,6 +75,7 @@ from probe.analysis.fit.trainer_base import (
     RowCodes,
     ScheduledTrainer,
     Step,
+    adam,
     auxk_loss,
     move_threshold,
     smallest_active,
@@ -408,7 +409,7 @@ class CltFit:
                 )
             total = o.steps or max(1, math.ceil(o.epochs * math.ceil(train_rows / o.batch_size)))
             model = TrainingCLT(n, d_in, d_out, o, seed=o.seed, total_steps=total)
-            opt = torch.optim.Adam(model.parameters(), lr=clt_learning_rate(o, model.width))
+            opt = adam(model.parameters(), clt_learning_rate(o, model.width))
             step, epoch, trained, rows, curve, seconds = 0, 0, 0, 0, [], 0.0
             state = (
                 torch.load(self.checkpoint, weights_only=False)

@@ -30,8 +30,9 @@ from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_
 from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model, sample_tokens
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.trainer_base import adam, train_step
 from probe.analysis.fit.transcoder_splice import splice_points
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, adam, train_step
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
 from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder

@@ -6,7 +6,8 @@ cross-layer one (clt.py) both build on these pieces, so they train on one schedu
   from 0 over the first `sparsity_warmup`;
 - `ScheduledTrainer`: the step and each feature's dead counter (rows since it last fired) as
   buffers, so a checkpoint's state_dict resumes the schedule and AuxK exactly;
-- `train_step`: one Adam step at the scheduled learning rate;
+- `adam`: the optimizer (torch's fused Adam); `train_step`: one of its steps at the scheduled
+  learning rate;
 - the activations' straight-through functions (JumpReLU, Step), sparse and dense codes, the top-k
   selections;
 - AuxK (`auxk_loss`; Gao et al. 2024): dead features fitted to the reconstruction's error.
@@ -229,3 +230,9 @@ def train_step(model: ScheduledTrainer, opt: torch.optim.Optimizer, x, y) -> dic
     opt.step()
     model.after_step(len(x[0]) if isinstance(x, list | tuple) else len(x))
     return parts
+
+
+def adam(params, lr: float) -> torch.optim.Adam:
+    """The fits' optimizer: Adam in torch's fused form (one kernel a parameter; the same update
+    as its loop over operations, to float rounding, in fewer passes over memory)."""
+    return torch.optim.Adam(params, lr=lr, fused=True)

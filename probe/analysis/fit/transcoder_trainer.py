@@ -68,7 +68,7 @@ from probe.analysis.fit.trainer_base import (
 )
 from probe.models.transcoder import Transcoder
 
-__all__ = ["TrainingTranscoder", "adam", "train_step"]
+__all__ = ["TrainingTranscoder", "train_step"]
 
 # batchtopk's selection reads a threshold from every BATCH_SAMPLE-th pre-activation, set that
 # much lower than the sample says (about 1.2 x k x rows entries pass it on the planted problem)
@@ -283,9 +283,3 @@ class TrainingTranscoder(ScheduledTrainer):
             k=o.k if o.activation == "topk" else None,
             W_skip=self.W_skip * (a / c) if self.W_skip is not None else None,
         )  # fmt: skip
-
-
-def adam(params, lr: float) -> torch.optim.Adam:
-    """The fit's optimizer: Adam in torch's fused form (one kernel a parameter; the same update
-    as its loop over operations, to float rounding, in fewer passes over memory)."""
-    return torch.optim.Adam(params, lr=lr, fused=True)
