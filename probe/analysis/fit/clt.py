@@ -69,19 +69,21 @@ from torch import nn
 
 from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_out, left_out_rows
 from probe.analysis.fit.options import LR_WIDTH, FitOptions
+from probe.analysis.fit.sparse_codes import (
+    SparseCodes,
+    selected_preactivations,
+    top_among,
+    top_batch,
+    top_rows,
+)
 from probe.analysis.fit.trainer_base import (
     DenseCodes,
     JumpReLU,
-    RowCodes,
     ScheduledTrainer,
     Step,
     adam,
-    auxk_loss,
     move_threshold,
-    smallest_active,
     spread_scale,
-    top_batch,
-    top_rows,
     train_step,
 )
 from probe.errors import ConfigError, DataError
@@ -175,26 +177,31 @@ class TrainingCLT(ScheduledTrainer):
                 self.x_mean[layer] = x.mean(0) * self.x_scale[layer]
                 self.b_dec[layer] = (y * self.y_scale[layer]).mean(0)
 
-    def encode(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, RowCodes | DenseCodes,
+    def encode(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, SparseCodes | DenseCodes,
                                                            torch.Tensor]:  # fmt: skip
         """(pre-activations, activations, penalty before its coefficient) of layer `layer`'s
-        scaled rows."""
+        scaled rows. topk and batchtopk: chosen as the per-layer trainer's
+        (probe.analysis.fit.sparse_codes), the pre-activations computed without a graph and only
+        the chosen ones carrying gradients."""
         o = self.options
-        pre = (x - self.x_mean[layer]) @ self.W_enc[layer] + self.b_enc[layer]
+        xc = x - self.x_mean[layer]
+        if o.activation in ("topk", "batchtopk"):
+            with torch.no_grad():
+                pre = torch.addmm(self.b_enc[layer], xc, self.W_enc[layer])
+            chosen = top_rows(pre, o.k) if o.activation == "topk" else top_batch(pre, o.k)
+            values = selected_preactivations(xc, self.W_enc[layer], self.b_enc[layer], pre, chosen)
+            return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
+        pre = xc @ self.W_enc[layer] + self.b_enc[layer]
         penalty = pre.new_zeros(())
         if o.activation == "relu":
             acts = torch.relu(pre)
             norms = self.W_dec[layer].flatten(1).norm(dim=1)
             penalty = (acts * norms).sum(-1).mean()
-        elif o.activation == "jumprelu":
+        else:
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold[layer].exp()
             acts = JumpReLU.apply(pre, threshold, o.bandwidth)
             penalty = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-        elif o.activation == "topk":
-            return pre, top_rows(pre, o.k), penalty
-        else:
-            acts = top_batch(pre, o.k)
         return pre, DenseCodes(acts), penalty
 
     def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor],
@@ -215,16 +222,26 @@ class TrainingCLT(ScheduledTrainer):
                 outs[source + j] = outs[source + j] + writes[:, j]
         return outs, pres, acts, penalty
 
-    def auxk(self, pres: list[torch.Tensor], errors: list[torch.Tensor]) -> torch.Tensor:
-        """AuxK's loss before its coefficient, summed over the source layers: layer l's dead
-        features (trainer_base.auxk_loss) fit the (detached) errors of every layer they write
-        to, l..n-1, side by side through their whole decoders."""
+    def auxk(self, xs: list[torch.Tensor], pres: list[torch.Tensor],
+             errors: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """AuxK's loss before its coefficient, summed over the source layers: each row's aux_k
+        largest pre-activations among layer l's dead features (sparse_codes.top_among; `pres`
+        without a graph, the chosen ones carrying gradients from the scaled rows `xs`) fit the
+        (detached) errors of every layer they write to, l..n-1, side by side through their
+        whole decoders: squared error over the errors' variance x min(dead / aux_k, 1)."""
         dead = self.dead()
         total = pres[0].new_zeros(())
         for layer, pre in enumerate(pres):
+            n = int(dead[layer].sum())
+            if n == 0:
+                continue
+            chosen = top_among(pre, dead[layer].nonzero().squeeze(1), self.aux_k)
+            values = selected_preactivations(xs[layer] - self.x_mean[layer], self.W_enc[layer],
+                                             self.b_enc[layer], pre, chosen)  # fmt: skip
+            fit = SparseCodes(torch.relu(values), chosen).decode(self.W_dec[layer].flatten(1))
             error = torch.cat(errors[layer:], dim=1)
-            total = total + auxk_loss(pre, error, dead[layer], self.aux_k,
-                                      self.W_dec[layer].flatten(1))  # fmt: skip
+            variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
+            total = total + min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
         return total
 
     def loss(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -240,14 +257,15 @@ class TrainingCLT(ScheduledTrainer):
         loss = mse + self.sparsity() * penalty
         aux = mse.new_zeros(())
         if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
-            aux = self.auxk(pres, [(y - p).detach() for p, y in zip(preds, ys, strict=True)])
+            aux = self.auxk(xs, pres, [(y - p).detach() for p, y in zip(preds, ys, strict=True)])
             loss = loss + o.aux_coefficient * aux
         with torch.no_grad():
             fvu = [float(m / (y - y.mean(0)).pow(2).mean().clamp_min(1e-12)) for m, y in zip(mses, ys, strict=True)]  # fmt: skip
             self._fired = torch.stack([a.fired() for a in acts])
             self._smallest = (
-                [smallest_active(a.dense()) for a in acts] if o.activation == "batchtopk" else []
-            )
+                [a.smallest() for a in acts if isinstance(a, SparseCodes)]
+                if o.activation == "batchtopk" else []
+            )  # fmt: skip
         parts = {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
                  "auxk": float(aux.detach())}  # fmt: skip
         return loss, parts | {"fvu": float(np.mean(fvu))}
