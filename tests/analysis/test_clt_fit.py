@@ -220,6 +220,16 @@ def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
         "--activation", "gelu"
     )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
+    err = refused("--activation", "jumprelu", "--l0-target", "8")
+    assert "--l0-target 8 with --kind clt: the CLT's jumprelu has no L0 target" in err
+    assert "coefficient --sparsity (default 0.01); leave --l0-target out" in err
+    topk = ["--activation", "topk"]
+    assert "--k 200 is above --width 128: give --k <= 128" in refused(*topk, "--k", "200", "--width", "128")  # fmt: skip
+    assert (  # no --width: 8 x the run's d_model, 32
+        "--k 300 is above the default width 256 (8 x the input's 32): give --k <= 256, or a "
+        "--width of 300 or more" in refused("--activation", "batchtopk", "--k", "300")
+    )
+    assert not (tmp_path / "bad").exists()
     found = clt_fit.find_sites
     monkeypatch.setattr(clt_fit, "find_sites", lambda *a: {1: found(*a)[1]})  # block 0 missing
     err = refused()

@@ -124,7 +124,7 @@ class TrainingCLT(ScheduledTrainer):
 
     def __init__(self, n: int, d_in: int, d_out: int, options: FitOptions, seed: int,
                  total_steps: int = 1):  # fmt: skip
-        d_tc = options.width or 8 * d_in
+        d_tc = options.feature_width(d_in)
         super().__init__(options, total_steps, (n, d_tc))
         self.n = n
         g = torch.Generator().manual_seed(seed)
@@ -318,6 +318,13 @@ class CltFit:
                 "--skip with --kind clt: circuit-tracer's CLT layout has no skip matrix; fit "
                 "without --skip"
             )
+        if self.options.l0_target is not None:
+            penalty = CLT_PENALTY["jumprelu"]
+            raise ConfigError(
+                f"--l0-target {self.options.l0_target:g} with --kind clt: the CLT's jumprelu has no "
+                f"L0 target, it penalises its L0 itself with coefficient --sparsity (default "
+                f"{penalty:g}); leave --l0-target out"
+            )
         self.run_path = Path(run_path)
         self.losses = losses
         self.out = Path(out) if out is not None else self.run_path / "clt"
@@ -337,6 +344,7 @@ class CltFit:
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
             self.special, self.left_out_rows = left_out_rows(run, self.options.keep_special)
+            self.options.feature_width(run.file[_path(self.sites[0].inputs)].shape[-1])
             for s in self.sites.values():
                 for site in (s.inputs, s.outputs):
                     if run.file[_path(site)].attrs.get("row_unit") != "tokens":

@@ -70,6 +70,7 @@ class Fit:
                  layers: list[int] | None = None, resume: bool = False, mlp: str | None = None,
                  norm: str | None = None, losses: bool = True):  # fmt: skip
         from probe.read.runs import open_run
+        from probe.store.fileformat import layer_path
 
         self.options = options or FitOptions()
         self.options.check()
@@ -81,6 +82,8 @@ class Fit:
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
             self.special, self.left_out_rows = left_out_rows(run, self.options.keep_special)
+            d_in = {layer: run.file[layer_path(*s.inputs)].shape[-1]
+                    for layer, s in self.sites.items()}  # fmt: skip
             self.losses = losses
             if losses:  # the run's model, built now: a fit must not fail on it when trained
                 run_model(run)
@@ -93,6 +96,8 @@ class Fit:
                     f"{blocks} only"
                 )
         self.layers = sorted(set(layers)) if layers else blocks
+        for layer in self.layers:  # k against each layer's width, before workers start
+            self.options.feature_width(d_in[layer])
         self.checkpoints = self.out / CHECKPOINTS
         done_before = (
             sorted(self.checkpoints.glob("layer_*.pt")) if self.checkpoints.is_dir() else []

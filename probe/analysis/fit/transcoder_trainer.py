@@ -88,7 +88,7 @@ class TrainingTranscoder(ScheduledTrainer):
 
     def __init__(self, d_in: int, d_out: int, options: FitOptions, seed: int,
                  total_steps: int = 1):  # fmt: skip
-        d_tc = options.width or 8 * d_in
+        d_tc = options.feature_width(d_in)
         super().__init__(options, total_steps, (d_tc,))
         g = torch.Generator().manual_seed(seed)
         if options.decoder_from_zero:
