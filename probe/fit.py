@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from probe.analysis.fit.clt import CLT_LR, CLT_PENALTY
     from probe.analysis.fit.options import LR, LR_WIDTH, PENALTY, FitOptions
 
     argv = sys.argv[1:] if argv is None else argv
@@ -53,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         "--l0-target (16)",
     )  # fmt: skip
     parser.add_argument(
-        "--l0-target", type=float, default=None, help="jumprelu: the L0 its penalty steers to (--k)"
-    )
+        "--l0-target", type=float, default=None,
+        help="jumprelu: the L0 its penalty steers to (--k; not with --kind clt)",
+    )  # fmt: skip
     parser.add_argument("--width", type=int, default=None, help="features (default 8 x d_model)")
     parser.add_argument(
         "--reads",
@@ -68,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     d = FitOptions()
     parser.add_argument(
         "--lr", type=float, default=None,
-        help=f"Adam's peak learning rate ({LR:g} x sqrt({LR_WIDTH} / width); --kind clt: relu, "
-        "jumprelu 1e-2, topk, batchtopk 2e-2, x the same)",
+        help=f"Adam's peak learning rate ({LR:g} x sqrt({LR_WIDTH} / width); --kind clt: "
+        f"{_by_activation(CLT_LR)}, x the same)",
     )  # fmt: skip
     parser.add_argument(
         "--lr-warmup", type=float, default=d.lr_warmup,
@@ -82,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sparsity", "--l1", type=float, default=None,
         help="penalty coefficient: relu, activation x decoder norm / sqrt(d_out) on rows scaled "
-        f"to unit variance ({PENALTY['relu']}); jumprelu, (L0 / target - 1)^2 "
-        f"({PENALTY['jumprelu']})",
+        f"to unit variance ({PENALTY['relu']:g}); jumprelu, (L0 / target - 1)^2 "
+        f"({PENALTY['jumprelu']:g}); --kind clt: relu, activation x its whole decoder's norm "
+        f"({CLT_PENALTY['relu']:g}); jumprelu, L0 ({CLT_PENALTY['jumprelu']:g})",
     )  # fmt: skip
     parser.add_argument(
         "--sparsity-warmup", type=float, default=d.sparsity_warmup,
@@ -172,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table.to_string(index=False))
     print(f"{fit.out / 'config.yaml'}")
     return 0
+
+
+def _by_activation(values: dict[str, float]) -> str:
+    """{activation: value} as "relu, jumprelu 0.01, topk, batchtopk 0.02" (equal values joined)."""
+    groups: dict[float, list[str]] = {}
+    for activation, value in values.items():
+        groups.setdefault(value, []).append(activation)
+    return ", ".join(f"{', '.join(names)} {value:g}" for value, names in groups.items())
 
 
 def clt_fit(run: Path, args, options):

@@ -6,7 +6,7 @@ encoder directions a learned encoder row matches at cosine >= 0.9. Figures in
 docs/bench/fit_planted.md.
 
     OMP_NUM_THREADS=1 python scripts/bench_fit_jumprelu.py [--run DIR] [--block 0] [--epochs 30]
-        [--k 8] [--variants default "bandwidth 0.01" ...]
+        [--k 8] [--variants default "bandwidth 0.05" ...]
 
 --run is the folder bench_fit_planted.py builds (its `run` and `model` inside).
 """
@@ -26,7 +26,8 @@ import torch
 from probe.analysis.fit.fit_sites import held_out
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, train_step
+from probe.analysis.fit.trainer_base import adam, train_step
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
 from probe.testing.planted import directions_found, planted_encoders
 
 # FitOptions overrides of each variant (on top of --activation jumprelu --width 256 --k 8). The
@@ -37,7 +38,7 @@ VARIANTS: dict[str, dict] = {
     "default": {},
     "threshold 0.01": {"threshold": 0.01},
     "threshold 0.1": {"threshold": 0.1},
-    "bandwidth 0.01": {"bandwidth": 0.01},
+    "bandwidth 0.05": {"bandwidth": 0.05},
     "sparsity 10": {"sparsity": 10.0},
 }
 
@@ -65,7 +66,7 @@ def fit(options: FitOptions, data, block: int, epochs: float) -> tuple[dict, Tra
     total = math.ceil(epochs * batches)
     torch.manual_seed(0)
     model = TrainingTranscoder(x.shape[1], y.shape[1], options, seed=block, total_steps=total)
-    opt = torch.optim.Adam(model.parameters(), lr=options.learning_rate(model.width))
+    opt = adam(model.parameters(), options.learning_rate(model.width))
     g = torch.Generator().manual_seed(block)
     step = 0
     while step < total:

@@ -220,10 +220,37 @@ def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
         "--activation", "gelu"
     )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
+    err = refused("--activation", "jumprelu", "--l0-target", "8")
+    assert "--l0-target 8 with --kind clt: the CLT's jumprelu has no L0 target" in err
+    assert "coefficient --sparsity (default 0.01); leave --l0-target out" in err
+    topk = ["--activation", "topk"]
+    assert "--k 200 is above --width 128: give --k <= 128" in refused(*topk, "--k", "200", "--width", "128")  # fmt: skip
+    assert (  # no --width: 8 x the run's d_model, 32
+        "--k 300 is above the default width 256 (8 x the input's 32): give --k <= 256, or a "
+        "--width of 300 or more" in refused("--activation", "batchtopk", "--k", "300")
+    )
+    assert not (tmp_path / "bad").exists()
     found = clt_fit.find_sites
     monkeypatch.setattr(clt_fit, "find_sites", lambda *a: {1: found(*a)[1]})  # block 0 missing
     err = refused()
     assert "no MLP input and MLP output rows of block(s) [0]: run with probes=mlp_io" in err
+
+
+def test_a_jumprelu_clt_starts_from_zero_decoders_and_the_default_threshold():
+    """A default jumprelu CLT starts as the per-layer trainer does: W_dec 0 for every source
+    layer, W_enc uniform in +-1/sqrt(d_in) (its spread that of the uniform, 1/sqrt(3 d_in)),
+    b_enc 0 and thresholds exp(log_threshold) = FitOptions.threshold, 0.001."""
+    from probe.analysis.fit.options import FitOptions
+
+    n, d, width = 3, 6, 40
+    model = clt_fit.TrainingCLT(n, d, d, FitOptions(activation="jumprelu", width=width), seed=0)
+    assert len(model.W_dec) == n and all((w == 0).all() for w in model.W_dec)
+    assert [tuple(w.shape) for w in model.W_dec] == [(width, n - s, d) for s in range(n)]
+    assert model.W_enc.shape == (n, d, width) and model.W_enc.abs().max() <= d**-0.5
+    np.testing.assert_allclose(float(model.W_enc.detach().std()), (3 * d) ** -0.5, rtol=0.1)
+    assert (model.b_enc == 0).all()
+    assert FitOptions().threshold == 0.001
+    torch.testing.assert_close(model.log_threshold.exp(), torch.full((n, width), 0.001))
 
 
 def _hand_codes(pre: torch.Tensor, activation: str, k: int) -> torch.Tensor:

@@ -11,8 +11,9 @@ import torch
 
 from probe.analysis.fit import sparse_codes
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sparse_codes import Selection, decode, selected_preactivations
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, _top_batch, adam, train_step
+from probe.analysis.fit.sparse_codes import Selection, decode, selected_preactivations, top_batch
+from probe.analysis.fit.trainer_base import adam
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, train_step
 
 
 def _selections(pre: torch.Tensor, k: int) -> dict[str, Selection]:
@@ -67,7 +68,7 @@ def test_sparse_codes_have_the_dense_formulas_gradients(form, kind, monkeypatch)
 
 
 def test_batchtopk_selection_is_torch_topk_over_the_batch():
-    """_top_batch chooses the pairs of torch.topk over the flattened batch: through the sampled
+    """top_batch chooses the pairs of torch.topk over the flattened batch: through the sampled
     threshold on random rows, and through the full top-k where too few entries pass that
     threshold (every sampled entry above every other)."""
     g = torch.Generator().manual_seed(2)
@@ -76,7 +77,7 @@ def test_batchtopk_selection_is_torch_topk_over_the_batch():
     rigged.view(-1)[::8] += 100  # the sampled entries (0, 8, 16, ...)
     for rows, k in ((pre, 8), (rigged, 8), (pre, 64)):
         want = rows.flatten().topk(min(k * len(rows), rows.numel())).indices.sort().values
-        got = _top_batch(rows, k)
+        got = top_batch(rows, k)
         assert torch.equal(got.flat_indices, want)
         assert torch.equal(got.rows * 64 + got.features, want)
 

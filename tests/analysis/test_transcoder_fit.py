@@ -345,6 +345,13 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
         "--lr-warmup", "0.5", "--lr-decay", "0.6"
     )
     assert "--reads mlp_normalized: a fit reads captured" in refused("--reads", "mlp_normalized")
+    topk = ["--activation", "topk", "--no-losses"]
+    assert "--k 200 is above --width 128: give --k <= 128" in refused(*topk, "--k", "200", "--width", "128")  # fmt: skip
+    assert (  # no --width: 8 x the run's d_model, 32
+        "--k 300 is above the default width 256 (8 x the input's 32): give --k <= 256, or a "
+        "--width of 300 or more"
+        in refused("--activation", "batchtopk", "--no-losses", "--k", "300", "--workers", "2")
+    )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
     assert "not a run directory" in (
         main([str(tmp_path), "--steps", "1"]) == 2 and capsys.readouterr().err

@@ -8,7 +8,7 @@ held-out samples (probe.analysis.fit.fit_sites.held_out) never train, and rows o
 special tokens (fit_sites.left_out) neither train nor count in fit.csv unless `keep_special`, as for
 per-layer fits; fit.csv's `left_out_rows` says how many there were.
 
-The trainer (plain torch, Adam; the per-layer trainer's schedule, dead counters and AuxK:
+The trainer (plain torch, the per-layer fits' fused Adam and schedule and dead counters:
 probe.analysis.fit.trainer_base), on rows centred on and scaled by each site's first batch's mean
 and spread (inputs centred and scaled, outputs scaled: b_dec learns their mean; the factors and
 means are folded into the written weights):
@@ -32,8 +32,9 @@ means are folded into the written weights):
   the penalty's coefficient warms up over `sparsity_warmup` of the steps; the learning rate rises
   over the first `lr_warmup` of the steps and falls to 0 over the last `lr_decay`;
 - init: topk, batchtopk and jumprelu: W_dec 0 and W_enc uniform in +-1/sqrt(d_in), decoders
-  free (as the per-layer trainer: FitOptions.decoder_from_zero); relu: decoders random at norm
-  0.1, W_enc[l] = the first slot's transpose (d_in = d_out); b_enc 0, b_dec[l] at the scaled
+  free (as the per-layer trainer: FitOptions.decoder_from_zero); relu: each feature's whole
+  decoder (all its slots) random at norm 0.1, and W_enc[l]'s columns the feature's first slot
+  made unit norm (d_in = d_out; else random, of norm about 1); b_enc 0, b_dec[l] at the scaled
   outputs' mean, thresholds `threshold`.
 - the peak learning rate (clt_learning_rate): `lr`, else CLT_LR[activation] x sqrt(LR_WIDTH /
   width), by measurement on the planted problem (docs/bench/fit_planted.md).
@@ -68,18 +69,21 @@ from torch import nn
 
 from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_out, left_out_rows
 from probe.analysis.fit.options import LR_WIDTH, FitOptions
+from probe.analysis.fit.sparse_codes import (
+    SparseCodes,
+    selected_preactivations,
+    top_among,
+    top_batch,
+    top_rows,
+)
 from probe.analysis.fit.trainer_base import (
     DenseCodes,
     JumpReLU,
-    RowCodes,
     ScheduledTrainer,
     Step,
-    auxk_loss,
+    adam,
     move_threshold,
-    smallest_active,
     spread_scale,
-    top_batch,
-    top_rows,
     train_step,
 )
 from probe.errors import ConfigError, DataError
@@ -120,7 +124,7 @@ class TrainingCLT(ScheduledTrainer):
 
     def __init__(self, n: int, d_in: int, d_out: int, options: FitOptions, seed: int,
                  total_steps: int = 1):  # fmt: skip
-        d_tc = options.width or 8 * d_in
+        d_tc = options.feature_width(d_in)
         super().__init__(options, total_steps, (n, d_tc))
         self.n = n
         g = torch.Generator().manual_seed(seed)
@@ -132,7 +136,7 @@ class TrainingCLT(ScheduledTrainer):
             for layer in range(n):
                 w = torch.randn(d_tc, n - layer, d_out, generator=g)
                 w = w / w.flatten(1).norm(dim=1)[:, None, None]
-                decoders.append(w * (0.1 if options.activation == "relu" else 1))
+                decoders.append(w * 0.1)
             if d_in == d_out:
                 W_enc = torch.stack([w[:, 0].T / w[:, 0].norm(dim=1) for w in decoders])
             else:
@@ -173,26 +177,31 @@ class TrainingCLT(ScheduledTrainer):
                 self.x_mean[layer] = x.mean(0) * self.x_scale[layer]
                 self.b_dec[layer] = (y * self.y_scale[layer]).mean(0)
 
-    def encode(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, RowCodes | DenseCodes,
+    def encode(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, SparseCodes | DenseCodes,
                                                            torch.Tensor]:  # fmt: skip
         """(pre-activations, activations, penalty before its coefficient) of layer `layer`'s
-        scaled rows."""
+        scaled rows. topk and batchtopk: chosen as the per-layer trainer's
+        (probe.analysis.fit.sparse_codes), the pre-activations computed without a graph and only
+        the chosen ones carrying gradients."""
         o = self.options
-        pre = (x - self.x_mean[layer]) @ self.W_enc[layer] + self.b_enc[layer]
+        xc = x - self.x_mean[layer]
+        if o.activation in ("topk", "batchtopk"):
+            with torch.no_grad():
+                pre = torch.addmm(self.b_enc[layer], xc, self.W_enc[layer])
+            chosen = top_rows(pre, o.k) if o.activation == "topk" else top_batch(pre, o.k)
+            values = selected_preactivations(xc, self.W_enc[layer], self.b_enc[layer], pre, chosen)
+            return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
+        pre = xc @ self.W_enc[layer] + self.b_enc[layer]
         penalty = pre.new_zeros(())
         if o.activation == "relu":
             acts = torch.relu(pre)
             norms = self.W_dec[layer].flatten(1).norm(dim=1)
             penalty = (acts * norms).sum(-1).mean()
-        elif o.activation == "jumprelu":
+        else:
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold[layer].exp()
             acts = JumpReLU.apply(pre, threshold, o.bandwidth)
             penalty = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-        elif o.activation == "topk":
-            return pre, top_rows(pre, o.k), penalty
-        else:
-            acts = top_batch(pre, o.k)
         return pre, DenseCodes(acts), penalty
 
     def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor],
@@ -213,16 +222,26 @@ class TrainingCLT(ScheduledTrainer):
                 outs[source + j] = outs[source + j] + writes[:, j]
         return outs, pres, acts, penalty
 
-    def auxk(self, pres: list[torch.Tensor], errors: list[torch.Tensor]) -> torch.Tensor:
-        """AuxK's loss before its coefficient, summed over the source layers: layer l's dead
-        features (trainer_base.auxk_loss) fit the (detached) errors of every layer they write
-        to, l..n-1, side by side through their whole decoders."""
+    def auxk(self, xs: list[torch.Tensor], pres: list[torch.Tensor],
+             errors: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """AuxK's loss before its coefficient, summed over the source layers: each row's aux_k
+        largest pre-activations among layer l's dead features (sparse_codes.top_among; `pres`
+        without a graph, the chosen ones carrying gradients from the scaled rows `xs`) fit the
+        (detached) errors of every layer they write to, l..n-1, side by side through their
+        whole decoders: squared error over the errors' variance x min(dead / aux_k, 1)."""
         dead = self.dead()
         total = pres[0].new_zeros(())
         for layer, pre in enumerate(pres):
+            n = int(dead[layer].sum())
+            if n == 0:
+                continue
+            chosen = top_among(pre, dead[layer].nonzero().squeeze(1), self.aux_k)
+            values = selected_preactivations(xs[layer] - self.x_mean[layer], self.W_enc[layer],
+                                             self.b_enc[layer], pre, chosen)  # fmt: skip
+            fit = SparseCodes(torch.relu(values), chosen).decode(self.W_dec[layer].flatten(1))
             error = torch.cat(errors[layer:], dim=1)
-            total = total + auxk_loss(pre, error, dead[layer], self.aux_k,
-                                      self.W_dec[layer].flatten(1))  # fmt: skip
+            variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
+            total = total + min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
         return total
 
     def loss(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -238,14 +257,15 @@ class TrainingCLT(ScheduledTrainer):
         loss = mse + self.sparsity() * penalty
         aux = mse.new_zeros(())
         if o.activation in ("topk", "batchtopk") and o.aux_coefficient > 0:
-            aux = self.auxk(pres, [(y - p).detach() for p, y in zip(preds, ys, strict=True)])
+            aux = self.auxk(xs, pres, [(y - p).detach() for p, y in zip(preds, ys, strict=True)])
             loss = loss + o.aux_coefficient * aux
         with torch.no_grad():
             fvu = [float(m / (y - y.mean(0)).pow(2).mean().clamp_min(1e-12)) for m, y in zip(mses, ys, strict=True)]  # fmt: skip
             self._fired = torch.stack([a.fired() for a in acts])
             self._smallest = (
-                [smallest_active(a.dense()) for a in acts] if o.activation == "batchtopk" else []
-            )
+                [a.smallest() for a in acts if isinstance(a, SparseCodes)]
+                if o.activation == "batchtopk" else []
+            )  # fmt: skip
         parts = {"mse": float(mse.detach()), "penalty": float(penalty.detach()),
                  "auxk": float(aux.detach())}  # fmt: skip
         return loss, parts | {"fvu": float(np.mean(fvu))}
@@ -298,6 +318,13 @@ class CltFit:
                 "--skip with --kind clt: circuit-tracer's CLT layout has no skip matrix; fit "
                 "without --skip"
             )
+        if self.options.l0_target is not None:
+            penalty = CLT_PENALTY["jumprelu"]
+            raise ConfigError(
+                f"--l0-target {self.options.l0_target:g} with --kind clt: the CLT's jumprelu has no "
+                f"L0 target, it penalises its L0 itself with coefficient --sparsity (default "
+                f"{penalty:g}); leave --l0-target out"
+            )
         self.run_path = Path(run_path)
         self.losses = losses
         self.out = Path(out) if out is not None else self.run_path / "clt"
@@ -317,6 +344,7 @@ class CltFit:
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
             self.special, self.left_out_rows = left_out_rows(run, self.options.keep_special)
+            self.options.feature_width(run.file[_path(self.sites[0].inputs)].shape[-1])
             for s in self.sites.values():
                 for site in (s.inputs, s.outputs):
                     if run.file[_path(site)].attrs.get("row_unit") != "tokens":
@@ -407,7 +435,7 @@ class CltFit:
                 )
             total = o.steps or max(1, math.ceil(o.epochs * math.ceil(train_rows / o.batch_size)))
             model = TrainingCLT(n, d_in, d_out, o, seed=o.seed, total_steps=total)
-            opt = torch.optim.Adam(model.parameters(), lr=clt_learning_rate(o, model.width))
+            opt = adam(model.parameters(), clt_learning_rate(o, model.width))
             step, epoch, trained, rows, curve, seconds = 0, 0, 0, 0, [], 0.0
             state = (
                 torch.load(self.checkpoint, weights_only=False)

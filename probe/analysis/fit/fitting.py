@@ -30,8 +30,9 @@ from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_
 from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model, sample_tokens
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.trainer_base import adam, train_step
 from probe.analysis.fit.transcoder_splice import splice_points
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder, adam, train_step
+from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
 from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder
@@ -69,6 +70,7 @@ class Fit:
                  layers: list[int] | None = None, resume: bool = False, mlp: str | None = None,
                  norm: str | None = None, losses: bool = True):  # fmt: skip
         from probe.read.runs import open_run
+        from probe.store.fileformat import layer_path
 
         self.options = options or FitOptions()
         self.options.check()
@@ -80,6 +82,8 @@ class Fit:
             self.num_samples = run.num_samples
             self.model_name = str(run.config.get("model", {}).get("name", "") or "")
             self.special, self.left_out_rows = left_out_rows(run, self.options.keep_special)
+            d_in = {layer: run.file[layer_path(*s.inputs)].shape[-1]
+                    for layer, s in self.sites.items()}  # fmt: skip
             self.losses = losses
             if losses:  # the run's model, built now: a fit must not fail on it when trained
                 run_model(run)
@@ -92,6 +96,8 @@ class Fit:
                     f"{blocks} only"
                 )
         self.layers = sorted(set(layers)) if layers else blocks
+        for layer in self.layers:  # k against each layer's width, before workers start
+            self.options.feature_width(d_in[layer])
         self.checkpoints = self.out / CHECKPOINTS
         done_before = (
             sorted(self.checkpoints.glob("layer_*.pt")) if self.checkpoints.is_dir() else []

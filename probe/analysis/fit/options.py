@@ -87,6 +87,21 @@ class FitOptions:
             bad.append(f"--lr-warmup {self.lr_warmup} + --lr-decay {self.lr_decay} (above 1)")
         if bad:
             raise ConfigError(f"{', '.join(bad)}: each must be above 0 unless said otherwise")
+        if self.width is not None:
+            self.feature_width(1)  # k against a given width, before any row is read
+
+    def feature_width(self, d_in: int) -> int:
+        """Features a layer for inputs of width `d_in`: `width`, else 8 x d_in. ConfigError
+        where topk or batchtopk would choose more than that (`k` above it)."""
+        width = self.width or 8 * d_in
+        if self.activation in ("topk", "batchtopk") and self.k > width:
+            if self.width:
+                raise ConfigError(f"--k {self.k} is above --width {width}: give --k <= {width}")
+            raise ConfigError(
+                f"--k {self.k} is above the default width {width} (8 x the input's {d_in}): give "
+                f"--k <= {width}, or a --width of {self.k} or more"
+            )
+        return width
 
     @property
     def penalty(self) -> float:

@@ -1,6 +1,8 @@
 """Sparse codes of TopK-style transcoders (topk, batchtopk, AuxK): a few (row, feature) pairs
 of a batch chosen from the pre-activations, and their decoding, with backward passes written
-out rather than left to autograd.
+out rather than left to autograd. Both trainers (transcoder_trainer.py per layer, clt.py per
+source layer) choose with `top_rows`, `top_batch` and `top_among` and hold the result as
+`SparseCodes`.
 
 A `Selection` is the chosen pairs of a (rows, width) batch, grouped by row: `features` (n,) in
 row order and `offsets` (rows,) where each row's run starts (topk: k a row; batchtopk: however
@@ -25,12 +27,16 @@ n, not rows x width, as sparsify's encoder backward).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 DENSE_SHARE = 1 / 64  # the share of a batch's (row, feature) pairs from which backwards run dense
+# batchtopk's selection reads a threshold from every BATCH_SAMPLE-th pre-activation, set that
+# much lower than the sample says (about 1.2 x k x rows entries pass it on the planted problem)
+BATCH_SAMPLE, BATCH_MARGIN = 8, 1.25
 
 
 @dataclass(frozen=True)
@@ -154,3 +160,59 @@ def decode(values: torch.Tensor, sel: Selection, W_dec: torch.Tensor) -> torch.T
     """(rows, d_out): each row's sum of value x W_dec[feature] over its chosen pairs,
     differentiable in values and W_dec."""
     return _Decode.apply(values, W_dec, sel)
+
+
+class SparseCodes:
+    """The active features as chosen (row, feature) pairs (topk, batchtopk, AuxK) and their
+    values: decoded from the decoder rows they index, not a dense product over every feature."""
+
+    def __init__(self, values: torch.Tensor, selection: Selection):
+        self.values, self.selection = values, selection
+
+    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
+        """sum over each row's pairs of value x W_dec[feature]."""
+        return decode(self.values, self.selection, W_dec)
+
+    def fired(self) -> torch.Tensor:
+        """Which features are active (value > 0) in some row."""
+        return self.selection.fired(self.values)
+
+    def smallest(self) -> torch.Tensor | None:
+        """The smallest active value (None: none is active)."""
+        on = self.values[self.values > 0]
+        return on.min() if len(on) else None
+
+
+def top_rows(pre: torch.Tensor, k: int) -> Selection:
+    """Each row's k largest pre-activations (k at most the width: the fits refuse more)."""
+    return Selection.per_row(torch.topk(pre, k, dim=-1, sorted=False).indices, pre.shape[-1])
+
+
+def top_batch(pre: torch.Tensor, k: int) -> Selection:
+    """The k x rows largest pre-activations of the whole batch: a top-k over the entries at or
+    above a threshold t read from every BATCH_SAMPLE-th entry (the k x rows / BATCH_SAMPLE x
+    BATCH_MARGIN-th largest of them), which holds them all once at least k x rows entries are
+    >= t (checked; else the top-k runs over every entry). The same pairs, fewer to sort."""
+    flat = pre.reshape(-1)
+    n = min(k * pre.shape[0], flat.numel())
+    shape = (pre.shape[0], pre.shape[1])
+    sample = flat[::BATCH_SAMPLE]
+    j = math.ceil(n / BATCH_SAMPLE * BATCH_MARGIN) + 1
+    if j < len(sample):
+        t = torch.kthvalue(sample, len(sample) - j + 1).values
+        above = (flat >= t).nonzero().squeeze(1)
+        if len(above) >= n:
+            top = torch.topk(flat.index_select(0, above), n, sorted=False)
+            return Selection.flat(above[top.indices], shape)
+    return Selection.flat(torch.topk(flat, n, sorted=False).indices, shape)
+
+
+def top_among(pre: torch.Tensor, columns: torch.Tensor, k: int) -> Selection:
+    """Each row's k largest pre-activations among `columns` (AuxK's dead features; a top-k over
+    those columns only); every one of them when there are no more than k (no top-k to compute)."""
+    if len(columns) <= k:
+        indices = columns.expand(len(pre), len(columns))
+    else:
+        top = torch.topk(pre.index_select(1, columns), k, sorted=False)
+        indices = columns[top.indices]
+    return Selection.per_row(indices, pre.shape[-1])

@@ -4,12 +4,18 @@ cross-layer one (clt.py) both build on these pieces, so they train on one schedu
 - the schedule (`ramp`): the learning rate rises linearly over the first `lr_warmup` of the steps
   and falls linearly to 0 over the last `lr_decay`; the penalty's coefficient rises linearly
   from 0 over the first `sparsity_warmup`;
-- `ScheduledTrainer`: the step and each feature's dead counter (rows since it last fired) as
-  buffers, so a checkpoint's state_dict resumes the schedule and AuxK exactly;
-- `train_step`: one Adam step at the scheduled learning rate;
-- the activations' straight-through functions (JumpReLU, Step), sparse and dense codes, the top-k
-  selections;
-- AuxK (`auxk_loss`; Gao et al. 2024): dead features fitted to the reconstruction's error.
+- `ScheduledTrainer`: the step and each feature's dead counter (rows since it last fired; `dead`
+  says which AuxK counts dead) as buffers, so a checkpoint's state_dict resumes the schedule and
+  AuxK exactly;
+- `adam`: the optimizer (torch's fused Adam); `train_step`: one of its steps at the scheduled
+  learning rate;
+- the activations' straight-through functions (JumpReLU, Step), dense codes (`DenseCodes`: relu,
+  jumprelu) and batchtopk's running threshold (`move_threshold`).
+
+The top-k selections and their sparse codes (topk, batchtopk, AuxK's choice among the dead
+features) are probe.analysis.fit.sparse_codes'; each trainer computes its own AuxK loss with them
+(the per-layer one over its layer's error, the CLT's over the errors of every layer a source
+layer writes to).
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
@@ -74,28 +79,6 @@ def ramp(step: int, total: int, warmup: float, decay: float = 0.0) -> float:
     return factor
 
 
-class RowCodes:
-    """Each row's active features as (values, indices), the same count a row (topk, AuxK):
-    decoded from the k decoder rows they index, not a dense product over every feature."""
-
-    def __init__(self, values: torch.Tensor, indices: torch.Tensor, width: int):
-        self.values, self.indices, self.width = values, indices, width
-
-    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
-        """sum_j values[r, j] W_dec[indices[r, j]] for each row r."""
-        return F.embedding_bag(self.indices, W_dec, per_sample_weights=self.values, mode="sum")
-
-    def fired(self) -> torch.Tensor:
-        """Which features are active (value > 0) in some row."""
-        on = (self.values > 0).flatten().to(self.values.dtype)
-        return torch.bincount(self.indices.flatten(), weights=on, minlength=self.width) > 0
-
-    def dense(self) -> torch.Tensor:
-        """The (rows, width) activations."""
-        out = self.values.new_zeros(len(self.values), self.width)
-        return out.scatter(-1, self.indices, self.values)
-
-
 class DenseCodes:
     """Activations as a (rows, width) tensor (relu, jumprelu, batchtopk)."""
 
@@ -108,28 +91,6 @@ class DenseCodes:
     def fired(self) -> torch.Tensor:
         """Which features are active in some row (activations are >= 0)."""
         return self.acts.amax(0) > 0
-
-    def dense(self) -> torch.Tensor:
-        return self.acts
-
-
-def top_rows(pre: torch.Tensor, k: int) -> RowCodes:
-    """Each row's k largest pre-activations (ReLU'd)."""
-    top = torch.topk(pre, min(k, pre.shape[-1]), dim=-1, sorted=False)
-    return RowCodes(torch.relu(top.values), top.indices, pre.shape[-1])
-
-
-def top_batch(pre: torch.Tensor, k: int) -> torch.Tensor:
-    """The k x rows largest pre-activations of the whole batch (ReLU'd), the rest 0."""
-    flat = pre.flatten()
-    top = torch.topk(flat, min(k * pre.shape[0], flat.numel()))
-    return torch.zeros_like(flat).scatter(0, top.indices, torch.relu(top.values)).view_as(pre)
-
-
-def smallest_active(acts: torch.Tensor) -> torch.Tensor | None:
-    """The smallest nonzero activation of a batch (batchtopk's threshold sample), None if none."""
-    smallest = torch.where(acts > 0, acts, torch.inf).amin()
-    return smallest if bool(smallest.isfinite()) else None
 
 
 def move_threshold(threshold: torch.Tensor, smallest: torch.Tensor) -> None:
@@ -150,29 +111,11 @@ def spread_scale(rows: torch.Tensor) -> float:
     return float((rows.shape[1] / spread).sqrt())
 
 
-def auxk_loss(pre: torch.Tensor, error: torch.Tensor, dead: torch.Tensor, aux_k: int,
-              W_dec: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """AuxK's loss before its coefficient: each row's `aux_k` largest pre-activations among the
-    `dead` features (a bool per column of `pre`; ReLU'd) decoded through `W_dec` (width, d)
-    predict `error` (rows, d; detached by the caller): their squared error over the error's
-    variance (its squared deviation from its mean over rows), x min(dead / aux_k, 1). 0 when no
-    feature is dead."""
-    n = int(dead.sum())
-    if n == 0:
-        return pre.new_zeros(())
-    columns = dead.nonzero().squeeze(1)
-    top = top_rows(pre[:, columns], min(aux_k, n))
-    fit = RowCodes(top.values, columns[top.indices], pre.shape[-1]).decode(W_dec)
-    variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
-    return min(n / aux_k, 1.0) * (fit - error).pow(2).sum() / variance
-
-
 class ScheduledTrainer(nn.Module):
     """The state both trainers keep over `total_steps` steps: the step (a buffer) and each
     feature's rows since it last fired (`since_fired`, of shape `features`), both in the
     state_dict. A subclass computes `loss(x, y)` (noting which features fired in `self._fired`)
-    and may adjust the gradient (`before_step`) and the weights (`after_step`, calling this
-    one)."""
+    and may move its own state on after each step (`after_step`, calling this one)."""
 
     step: torch.Tensor
     since_fired: torch.Tensor
@@ -206,9 +149,6 @@ class ScheduledTrainer(nn.Module):
     def loss(self, x, y) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
-    def before_step(self) -> None:
-        """A hook on the gradient before the optimizer's step (none here)."""
-
     @torch.no_grad()
     def after_step(self, rows: int) -> None:
         """The step and the dead counters (`rows` more rows; 0 where a feature fired) moved on."""
@@ -230,7 +170,12 @@ def train_step(model: ScheduledTrainer, opt: torch.optim.Optimizer, x, y) -> dic
     opt.zero_grad(set_to_none=True)
     loss, parts = model.loss(x, y)
     loss.backward()
-    model.before_step()
     opt.step()
     model.after_step(len(x[0]) if isinstance(x, list | tuple) else len(x))
     return parts
+
+
+def adam(params, lr: float) -> torch.optim.Adam:
+    """The fits' optimizer: Adam in torch's fused form (one kernel a parameter; the same update
+    as its loop over operations, to float rounding, in fewer passes over memory)."""
+    return torch.optim.Adam(params, lr=lr, fused=True)

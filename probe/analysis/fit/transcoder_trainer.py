@@ -23,8 +23,8 @@ Plain torch (Adam), the trainers the field uses now:
     backward passes written out in probe.analysis.fit.sparse_codes (the dense formula's
     gradients, without autograd's scatters into zeros).
   - batchtopk: the k x rows largest pre-activations of the whole batch (ReLU'd; chosen and
-    decoded as topk's, a row holding however many of them fall in it); a global
-    threshold (the running mean, momentum THRESHOLD_MOMENTUM, of the smallest selected activation
+    decoded as topk's, a row holding however many of them fall in it); a global threshold (the
+    running mean, momentum trainer_base.THRESHOLD_MOMENTUM, of the smallest selected activation
     of each batch) replaces the batch at inference: the saved transcoder is a JumpReLU with that
     threshold for every feature.
   - AuxK (topk and batchtopk; Gao et al. 2024): the `aux_k` largest pre-activations among the
@@ -56,7 +56,13 @@ import torch
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.sparse_codes import Selection, decode, selected_preactivations
+from probe.analysis.fit.sparse_codes import (
+    SparseCodes,
+    selected_preactivations,
+    top_among,
+    top_batch,
+    top_rows,
+)
 from probe.analysis.fit.trainer_base import (
     DenseCodes,
     JumpReLU,
@@ -68,57 +74,7 @@ from probe.analysis.fit.trainer_base import (
 )
 from probe.models.transcoder import Transcoder
 
-__all__ = ["TrainingTranscoder", "adam", "train_step"]
-
-# batchtopk's selection reads a threshold from every BATCH_SAMPLE-th pre-activation, set that
-# much lower than the sample says (about 1.2 x k x rows entries pass it on the planted problem)
-BATCH_SAMPLE, BATCH_MARGIN = 8, 1.25
-
-
-class SparseCodes:
-    """The active features as chosen (row, feature) pairs (topk, batchtopk, AuxK) and their
-    values: decoded from the decoder rows they index, not a dense product over every feature
-    (probe.analysis.fit.sparse_codes)."""
-
-    def __init__(self, values: torch.Tensor, selection: Selection):
-        self.values, self.selection = values, selection
-
-    def decode(self, W_dec: torch.Tensor) -> torch.Tensor:
-        """sum over each row's pairs of value x W_dec[feature]."""
-        return decode(self.values, self.selection, W_dec)
-
-    def fired(self) -> torch.Tensor:
-        """Which features are active (value > 0) in some row."""
-        return self.selection.fired(self.values)
-
-    def smallest(self) -> torch.Tensor | None:
-        """The smallest active value (None: none is active)."""
-        on = self.values[self.values > 0]
-        return on.min() if len(on) else None
-
-
-def _top_rows(pre: torch.Tensor, k: int) -> Selection:
-    """Each row's k largest pre-activations."""
-    return Selection.per_row(torch.topk(pre, k, dim=-1, sorted=False).indices, pre.shape[-1])
-
-
-def _top_batch(pre: torch.Tensor, k: int) -> Selection:
-    """The k x rows largest pre-activations of the whole batch: a top-k over the entries at or
-    above a threshold t read from every BATCH_SAMPLE-th entry (the k x rows / BATCH_SAMPLE x
-    BATCH_MARGIN-th largest of them), which holds them all once at least k x rows entries are
-    >= t (checked; else the top-k runs over every entry). The same pairs, fewer to sort."""
-    flat = pre.reshape(-1)
-    n = min(k * pre.shape[0], flat.numel())
-    shape = (pre.shape[0], pre.shape[1])
-    sample = flat[::BATCH_SAMPLE]
-    j = math.ceil(n / BATCH_SAMPLE * BATCH_MARGIN) + 1
-    if j < len(sample):
-        t = torch.kthvalue(sample, len(sample) - j + 1).values
-        above = (flat >= t).nonzero().squeeze(1)
-        if len(above) >= n:
-            top = torch.topk(flat.index_select(0, above), n, sorted=False)
-            return Selection.flat(above[top.indices], shape)
-    return Selection.flat(torch.topk(flat, n, sorted=False).indices, shape)
+__all__ = ["TrainingTranscoder", "train_step"]
 
 
 class TrainingTranscoder(ScheduledTrainer):
@@ -132,7 +88,7 @@ class TrainingTranscoder(ScheduledTrainer):
 
     def __init__(self, d_in: int, d_out: int, options: FitOptions, seed: int,
                  total_steps: int = 1):  # fmt: skip
-        d_tc = options.width or 8 * d_in
+        d_tc = options.feature_width(d_in)
         super().__init__(options, total_steps, (d_tc,))
         g = torch.Generator().manual_seed(seed)
         if options.decoder_from_zero:
@@ -188,7 +144,7 @@ class TrainingTranscoder(ScheduledTrainer):
         if o.activation in ("topk", "batchtopk"):
             with torch.no_grad():
                 pre = torch.addmm(self.b_enc, xc, self.W_enc)
-            chosen = _top_rows(pre, o.k) if o.activation == "topk" else _top_batch(pre, o.k)
+            chosen = top_rows(pre, o.k) if o.activation == "topk" else top_batch(pre, o.k)
             values = selected_preactivations(xc, self.W_enc, self.b_enc, pre, chosen)
             return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
         pre = xc @ self.W_enc + self.b_enc
@@ -219,19 +175,13 @@ class TrainingTranscoder(ScheduledTrainer):
         scaled rows `xs` (`pre` their pre-activations, without a graph) predict `error`
         (detached), squared error over the error's variance x min(dead / aux_k, 1). With at
         most aux_k dead features every one is taken (no top-k to compute)."""
-        dead = self.since_fired > self.options.dead_rows
+        dead = self.dead()
         n = int(dead.sum())
         if n == 0:
             return pre.new_zeros(())
-        columns = dead.nonzero().squeeze(1)
-        if n <= self.aux_k:
-            indices = columns.expand(len(pre), n)
-        else:
-            top = torch.topk(pre.index_select(1, columns), self.aux_k, sorted=False)
-            indices = columns[top.indices]
-        chosen = Selection.per_row(indices, self.width)
+        chosen = top_among(pre, dead.nonzero().squeeze(1), self.aux_k)
         values = selected_preactivations(xs - self.x_mean, self.W_enc, self.b_enc, pre, chosen)
-        fit = decode(torch.relu(values), chosen, self.W_dec)
+        fit = SparseCodes(torch.relu(values), chosen).decode(self.W_dec)
         variance = (error - error.mean(0)).pow(2).sum().clamp_min(1e-12)
         return min(n / self.aux_k, 1.0) * (fit - error).pow(2).sum() / variance
 
@@ -283,9 +233,3 @@ class TrainingTranscoder(ScheduledTrainer):
             k=o.k if o.activation == "topk" else None,
             W_skip=self.W_skip * (a / c) if self.W_skip is not None else None,
         )  # fmt: skip
-
-
-def adam(params, lr: float) -> torch.optim.Adam:
-    """The fit's optimizer: Adam in torch's fused form (one kernel a parameter; the same update
-    as its loop over operations, to float rounding, in fewer passes over memory)."""
-    return torch.optim.Adam(params, lr=lr, fused=True)
