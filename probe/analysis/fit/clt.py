@@ -93,10 +93,11 @@ log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
 CHECKPOINT = "checkpoint.pt"  # the fit so far, in its --out
 # the CLT trainer's own defaults (its penalties, CLT_PENALTY, differ from the per-layer trainer's
-# in options.py). The peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width): on the
-# planted problem (docs/bench/fit_planted.md, 10 epochs) topk's held-out FVU was 0.48 at 1e-3,
-# 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; relu 0.58 at 1e-3 (the former default) and
-# 0.11-0.16 at 1e-2; jumprelu 0.77-0.83 at 1e-3 and 0.30-0.32 at 1e-2
+# in options.py). The peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width):
+# on the planted problem (docs/bench/fit_planted.md, 10 epochs) topk's held-out FVU was 0.48 at
+# 1e-3, 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; relu 0.58 at 1e-3 (the former default)
+# and 0.11-0.16 at 1e-2; jumprelu from unit decoders 0.77-0.83 at 1e-3 and 0.30-0.32 at 1e-2,
+# from W_dec = 0 (its start now) 0.10-0.12 at 1e-2
 CLT_LR = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 2e-2, "batchtopk": 2e-2}
 CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0, "batchtopk": 0.0}
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
