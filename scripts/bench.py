@@ -309,7 +309,7 @@ def stats_counts(args, tmp: Path) -> str:
     from probe.launch import run as run_module
     from probe.launch.parts.statistics import Statistics
     from probe.launch.run import run
-    from probe.stats import device_sketch, torch_backend
+    from probe.stats import device_fetch, device_sketch, torch_backend
     from probe.testing.compose import make_cfg
 
     class Reads(TorchDispatchMode):
@@ -332,14 +332,17 @@ def stats_counts(args, tmp: Path) -> str:
 
     copies: list[tuple[bool, int]] = []  # (made to write /stats, values)
     packed: list[int] = []
-    fetching: list[bool] = []
     real_copy, real_pack = device_sketch.copy_to_host, torch_backend.packed_on_device
-    real_fetch = device_sketch.fetch
+    real_fetch_copy = device_fetch.copy_to_host
     real_host, saved = torch_backend._host, (Statistics.took, Statistics.after_forward)
 
-    def copy(t):
-        copies.append((bool(fetching), t.numel()))
+    def copy(t):  # (a batch's copy)
+        copies.append((False, t.numel()))
         return real_copy(t)
+
+    def fetch_copy(t):  # (the sketches' and units' copy, made to write /stats)
+        copies.append((True, t.numel()))
+        return real_fetch_copy(t)
 
     handed: list[int] = []  # bytes a batch hands to probe.hooks.device.to_host (a GPU's copied)
     real_to_host = devices.to_host
@@ -348,19 +351,12 @@ def stats_counts(args, tmp: Path) -> str:
         handed.append(sum(t.numel() * t.element_size() for g in groups for t in g.values()))
         return real_to_host(*groups)
 
-    def fetch(items):
-        fetching.append(True)
-        try:
-            return real_fetch(items)
-        finally:
-            fetching.pop()
-
     def pack(x, *a):
         out = real_pack(x, *a)
         packed.append(out[0].numel() * 8)
         return out
 
-    device_sketch.copy_to_host, device_sketch.fetch = copy, fetch
+    device_sketch.copy_to_host, device_fetch.copy_to_host = copy, fetch_copy
     devices.to_host = to_host
     torch_backend.packed_on_device = pack
     if args.device == "cpu":
@@ -382,7 +378,7 @@ def stats_counts(args, tmp: Path) -> str:
                        "store.flush_seconds=3600")  # fmt: skip
         sites = len(run(cfg, run_dir=tmp / "counts").summary)
     finally:
-        device_sketch.copy_to_host, device_sketch.fetch = real_copy, real_fetch
+        device_sketch.copy_to_host, device_fetch.copy_to_host = real_copy, real_fetch_copy
         devices.to_host = real_to_host
         torch_backend.packed_on_device = real_pack
         torch_backend._host = real_host

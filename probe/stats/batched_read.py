@@ -110,7 +110,9 @@ def _histograms(sites: list[PackedSite], plan: _Plan) -> torch.Tensor:
         block = views[0] if len(views) == 1 else torch.cat(views, 1)
         rows = block.view(k, len(pieces), width).transpose(0, 1).reshape(len(pieces), -1)
         parts.append(rows[:, :BINS])
-    hists = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # (a new tensor, never a view of a site's pack: the packs are read, not written, and may be
+    # inference tensors, which nothing outside inference mode may write)
+    hists = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
     if plan.piece_row is not None:  # (pieces out of the sites' order, or several a site)
         hists = hists.new_zeros(plan.sites, BINS).index_add_(0, plan.piece_row, hists)
     if plan.half is not None:

@@ -16,7 +16,7 @@ probe.store.folds.StatsFold on the writer's thread, once the copy is done): the 
 all its sites into their `DeviceUnits` (probe.stats.device_units: six operations) and the
 histograms into their `DeviceHistogram`s (one multi-tensor add), on the device, on the stream
 that reduced them: additions and comparisons, exact. Those come to the host only where they are
-written (`fetch`: a flush of /stats, which a resume continues from, and the end), all of a
+written (`probe.stats.device_fetch.fetch`: a flush of /stats, which a resume continues from, and the end), all of a
 device in one copy; a resumed run's, read from its file, go back to the device at its first
 batch.
 
@@ -26,7 +26,6 @@ the portable reference the tests run.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -36,6 +35,7 @@ import torch
 from probe.hooks.device import HostCopy, copy_to_host
 from probe.stats import torch_backend as torch_stats
 from probe.stats.batched_read import HEAD, BatchRead, PackedSite, read
+from probe.stats.device_fetch import fetch, on_stream
 from probe.stats.device_units import DeviceUnits, merge_batch
 from probe.stats.running import LogHistogram, RunningStats
 from probe.stats.stat_columns import BATCH, BATCH_AT, by_name
@@ -43,11 +43,6 @@ from probe.stats.stat_columns import BATCH, BATCH_AT, by_name
 Key = tuple[str, str]
 BINS = LogHistogram.BINS
 _N, _NANS, _INFS = BATCH_AT["n"], BATCH_AT["nan_count"], BATCH_AT["inf_count"]
-
-
-def _on(stream: torch.cuda.Stream | None):
-    """Work queued on `stream` (that which reduced the batches: their order is its order)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _stream_of(device: torch.device) -> torch.cuda.Stream | None:
@@ -65,7 +60,7 @@ class DeviceHistogram(LogHistogram):
         super().__init__(None if counts is None else np.asarray(counts, dtype=np.int64).copy())
         self.device, self.stream = torch.device(device), stream
         # (a normal tensor, whatever the mode: batches are added in and out of inference mode)
-        with _on(stream), torch.inference_mode(False):
+        with on_stream(stream), torch.inference_mode(False):
             if counts is None or not counts.any():
                 self.tensor = torch.zeros(BINS, dtype=torch.float64, device=self.device)
             else:
@@ -91,7 +86,7 @@ class DeviceHistogram(LogHistogram):
 
     def add(self, counts: torch.Tensor, buckets: int) -> None:
         """Add one batch's counts (on this histogram's device), which fill `buckets` buckets."""
-        with _on(self.stream):
+        with on_stream(self.stream):
             self.tensor.add_(counts)
         self.stale = True
         self.at_most = min(BINS, self.at_most + buckets)
@@ -109,7 +104,7 @@ class DeviceHistogram(LogHistogram):
             return
         counts = np.zeros(BINS, dtype=np.int64)
         other.add_to(counts)
-        with _on(self.stream):
+        with on_stream(self.stream):
             self.add(torch.from_numpy(counts.astype(np.float64)).to(self.device),
                      int(np.count_nonzero(counts)))  # fmt: skip
 
@@ -125,25 +120,6 @@ class DeviceHistogram(LogHistogram):
 
     def occupied(self) -> int:
         return self.at_most if self.stale else int(np.count_nonzero(self._rows[0]))
-
-
-def fetch(items: Iterable[DeviceHistogram | DeviceUnits]) -> None:
-    """Bring the device values of `items` (sketches, units) that changed to the host: those of
-    one device (and stream) laid end to end and copied at once, then read (this waits for the
-    device)."""
-    groups: dict[tuple, list[DeviceHistogram | DeviceUnits]] = {}
-    for item in items:
-        if item.stale:
-            groups.setdefault((item.device, item.stream), []).append(item)
-    for (_, stream), group in groups.items():
-        with _on(stream):
-            copy = copy_to_host(torch.cat([item.tensor.reshape(-1) for item in group]))
-        values = copy.array()
-        at = 0
-        for item in group:
-            size = item.tensor.numel()
-            item.receive(values[at : at + size])
-            at += size
 
 
 @dataclass
@@ -244,7 +220,7 @@ def fold_all(pairs: list[tuple[RunningStats, SiteBatch]]) -> None:
         if units and got.units is not None:
             merge_batch(units, _columns(got.units, columns))
         if hists:
-            with _on(stream):
+            with on_stream(stream):
                 torch._foreach_add_([h.tensor for h in hists], [got.hists[r] for r in rows])
 
 

@@ -2,7 +2,7 @@
 sites of a batch in a handful of operations (`merge_batch`), instead of travelling to the host
 with every batch: counts and sums added, extremes compared as `UnitStats.merge` does (numpy's
 `minimum` and `maximum`, which keep the second of equal values), so that they equal the host's
-merge exactly. They come to the host where /stats is written (probe.stats.device_sketch.fetch).
+merge exactly. They come to the host where /stats is written (probe.stats.device_fetch.fetch).
 
 A site's rows lie in `probe.stats.batched_read.UNIT_ORDER` (count, sum, positive, saturated,
 min, -max): the first four add, the last two keep the lesser. A new site starts from what
@@ -12,23 +12,18 @@ sign included, are taken as they are, as the host takes its first batch's units)
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
+from probe.stats.device_fetch import fetch, on_stream
 from probe.stats.running import UnitStats
 
 ROWS = 6  # UNIT_ORDER
 
 
-def _on(stream: torch.cuda.Stream | None):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
 class DeviceUnits(UnitStats):
     """One site's per-unit statistics on a device (`tensor`, ROWS x width, float64). The fields
-    are the host's copy, brought over (`probe.stats.device_sketch.fetch`) only when the device's
+    are the host's copy, brought over (`probe.stats.device_fetch.fetch`) only when the device's
     changed since, and read-only (the dataclass's fields become properties: hence the type
     checker's overrides below); `width` and `tracked` answer without it."""
 
@@ -43,7 +38,7 @@ class DeviceUnits(UnitStats):
     def empty_on(cls, width: int, tracked: bool, device: torch.device,
                  stream: torch.cuda.Stream | None) -> DeviceUnits:  # fmt: skip
         """Units that merge into anything unchanged."""
-        with _on(stream), torch.inference_mode(False):
+        with on_stream(stream), torch.inference_mode(False):
             t = torch.zeros(ROWS, width, dtype=torch.float64, device=device)
             t[1].fill_(-0.0)
             t[4:].fill_(torch.inf)
@@ -57,7 +52,7 @@ class DeviceUnits(UnitStats):
         rows = np.stack([units.count, units.sum, units.positive, saturated, units.min,
                          -np.asarray(units.max, dtype=np.float64)]).astype(np.float64)  # fmt: skip
         start = torch.from_numpy(rows)
-        with _on(stream), torch.inference_mode(False):
+        with on_stream(stream), torch.inference_mode(False):
             if device.type == "cuda":
                 start = start.pin_memory()
             made = cls(start.to(device, non_blocking=True).clone(), units.tracked, stream)
@@ -90,8 +85,6 @@ class DeviceUnits(UnitStats):
 
     def _fields(self) -> UnitStats:
         if self.stale or self._host is None:
-            from probe.stats.device_sketch import fetch  # (the one copy of a device's items)
-
             fetch([self])
         assert self._host is not None  # (fetch received it)
         return self._host
@@ -134,7 +127,7 @@ def merge_batch(targets: list[DeviceUnits], rows: torch.Tensor) -> None:
     their device) into `targets`: six operations for all of them."""
     if not targets:
         return
-    with _on(targets[0].stream):
+    with on_stream(targets[0].stream):
         have = torch.cat([t.tensor for t in targets], 1) if len(targets) > 1 else targets[0].tensor
         added = have[:4] + rows[:4]
         least = torch.where(have[4:] < rows[4:], have[4:], rows[4:])  # (numpy's: the second)

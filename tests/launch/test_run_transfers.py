@@ -24,7 +24,7 @@ from probe.launch import run as run_module
 from probe.launch.interrupt import Interrupted
 from probe.launch.parts.statistics import Statistics
 from probe.launch.run import run
-from probe.stats import device_sketch, torch_backend
+from probe.stats import device_fetch, device_sketch, torch_backend
 from probe.stats.batched_read import HEAD
 from probe.stats.stat_columns import SCALARS
 from probe.stats.torch_backend import BINS
@@ -119,24 +119,21 @@ def test_a_stopped_device_path_run_resumed_equals_one_not_stopped(tmp_path, stor
 
 def _counted_copies(monkeypatch) -> list[tuple[bool, int]]:
     """Each copy the statistics ask of probe.hooks.device.copy_to_host: (made to write /stats,
-    values)."""
+    values): a batch's from probe.stats.device_sketch, the sketches' and units' from
+    probe.stats.device_fetch."""
     copies: list[tuple[bool, int]] = []
-    fetching: list[bool] = []
-    real_copy, real_fetch = device_sketch.copy_to_host, device_sketch.fetch
 
-    def counted(t):
-        copies.append((bool(fetching), t.numel()))
-        return real_copy(t)
+    def counted(module, fetching: bool) -> None:
+        real = module.copy_to_host
 
-    def fetch(items):
-        fetching.append(True)
-        try:
-            return real_fetch(items)
-        finally:
-            fetching.pop()
+        def copy(t):
+            copies.append((fetching, t.numel()))
+            return real(t)
 
-    monkeypatch.setattr(device_sketch, "copy_to_host", counted)
-    monkeypatch.setattr(device_sketch, "fetch", fetch)
+        monkeypatch.setattr(module, "copy_to_host", copy)
+
+    counted(device_sketch, False)
+    counted(device_fetch, True)
     return copies
 
 

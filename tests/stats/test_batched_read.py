@@ -120,3 +120,18 @@ def test_units_merged_on_the_device_equal_the_host_merge():
         for name in ("count", "sum", "min", "max", "positive", "saturated"):
             np.testing.assert_array_equal(getattr(d, name), getattr(h, name), err_msg=name)
             assert (np.signbit(getattr(d, name)) == np.signbit(getattr(h, name))).all(), name
+
+
+def test_a_lone_site_packed_in_inference_mode_reads_outside_it_and_its_pack_stays_as_it_was():
+    """A batch of one site (its histogram a view of the pack itself, no `cat` in between),
+    packed under torch.inference_mode as a run's forward is and read outside it as the batch's
+    end is: the histogram equals the host's read, and the pack is not written (its NaN and Inf
+    buckets are cleared in the histogram, not in the pack)."""
+    x = torch.randn(6, 5, 3, 3, generator=torch.Generator().manual_seed(7))
+    x[0, 0, 0, 0] = math.nan
+    with torch.inference_mode():
+        site = _site(x, None, 1)
+    before = site.packed.clone()
+    got = read([site])
+    np.testing.assert_array_equal(got.hists[0].numpy(), torch_backend.batch_stats(x).hist.counts)
+    assert torch.equal(site.packed.nan_to_num(), before.nan_to_num())
