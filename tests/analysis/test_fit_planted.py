@@ -39,6 +39,16 @@ def planted(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
+def fit_on_one_thread(run, flags: list[str]) -> None:
+    """`python -m probe.fit RUN FLAGS` in this process, on one thread (small matrices)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([str(run), *flags]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def found(planted_dir, learned: torch.Tensor, cosine: float = 0.9) -> float:
     """The share of block 0's planted encoder directions (c_fc's columns, read from the saved
     model) whose best learned encoder row has cosine >= `cosine` with them."""
@@ -64,12 +74,7 @@ def test_the_default_fit_recovers_the_planted_dictionary(planted, tmp_path, acti
              "--out", str(out)]  # fmt: skip
     if activation != "relu":
         flags += ["--k", str(K)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main([str(run), *flags]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    fit_on_one_thread(run, flags)
     fit = pd.read_csv(out / "fit.csv").iloc[0]
     tensors = load_file(str(out / "layer_0.safetensors"))
     share = found(p.model_dir, tensors["W_enc"])
@@ -99,12 +104,7 @@ def test_the_default_jumprelu_fit_recovers_the_planted_dictionary_at_its_l0_targ
     out = tmp_path / "jumprelu"
     flags = ["--layers", "0", "--width", str(SPEC.n_inner), "--epochs", JUMP["epochs"],
              "--batch-size", "256", "--activation", "jumprelu", "--k", str(K), "--out", str(out)]  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main([str(run), *flags]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    fit_on_one_thread(run, flags)
     fit = pd.read_csv(out / "fit.csv").iloc[0]
     share = found(p.model_dir, load_file(str(out / "layer_0.safetensors"))["W_enc"])
     got = {**fit[["fvu", "l0", "dead"]].to_dict(), "found": share}

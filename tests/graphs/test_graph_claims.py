@@ -40,6 +40,19 @@ def setups(tmp_path_factory):
     return out
 
 
+def answer_with(model, handles, graph) -> float:
+    """The answer (logit minus mean logit of the graph's first logit token) of a plain forward
+    of PROMPT with the forward hooks `handles` registered; they are removed after it."""
+    try:
+        with torch.no_grad():
+            logits = model(PROMPT[None]).logits[0, -1]
+    finally:
+        for h in handles:
+            h.remove()
+    token = int(graph.logit_tokens[0])
+    return float(logits[token] - logits.mean())
+
+
 def hand_answer(model, kind, tset, graph, places) -> float:
     """The answer (logit minus mean logit) of a plain forward whose block MLP outputs lose
     activation x decoder row of each feature at `places`, the activation read from what the
@@ -60,14 +73,7 @@ def hand_answer(model, kind, tset, graph, places) -> float:
             return out
 
         handles += [reader.register_forward_pre_hook(keep), block.mlp.register_forward_hook(edit)]
-    try:
-        with torch.no_grad():
-            logits = model(PROMPT[None]).logits[0, -1]
-    finally:
-        for h in handles:
-            h.remove()
-    token = int(graph.logit_tokens[0])
-    return float(logits[token] - logits.mean())
+    return answer_with(model, handles, graph)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -205,14 +211,7 @@ def hand_clt_answer(model, clt, graph, places, every_layer: bool = True) -> floa
 
         handles += [block.post_attention_layernorm.register_forward_pre_hook(keep),
                     block.mlp.register_forward_hook(edit)]  # fmt: skip
-    try:
-        with torch.no_grad():
-            logits = model(PROMPT[None]).logits[0, -1]
-    finally:
-        for h in handles:
-            h.remove()
-    token = int(graph.logit_tokens[0])
-    return float(logits[token] - logits.mean())
+    return answer_with(model, handles, graph)
 
 
 def test_a_cross_layer_transcoders_zeroed_features_lose_their_writes_at_every_later_layer(
