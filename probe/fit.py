@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         "of its learnt threshold)",
     )  # fmt: skip
     parser.add_argument(
-        "--k", type=int, default=16,
+        "--k", type=int, default=None,
         help="topk, batchtopk: active features per row; jumprelu: the L0 target unless "
-        "--l0-target (16)",
+        "--l0-target (16; not for a --kind clt jumprelu, whose L0 penalty has no target)",
     )  # fmt: skip
     parser.add_argument(
         "--l0-target", type=float, default=None,
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = args.run.parent if args.run.is_file() else args.run
     options = FitOptions(
-        activation=args.activation, width=args.width, k=args.k, l0_target=args.l0_target,
+        activation=args.activation, width=args.width, l0_target=args.l0_target,
+        k=args.k if args.k is not None else FitOptions.k,
         reads=args.reads, skip=args.skip, steps=args.steps, epochs=args.epochs, lr=args.lr,
         lr_warmup=args.lr_warmup, lr_decay=args.lr_decay, sparsity=args.sparsity,
         sparsity_warmup=args.sparsity_warmup, aux_k=args.aux_k,
@@ -194,6 +195,11 @@ def clt_fit(run: Path, args, options):
         raise ConfigError(
             f"--layers {args.layers} with --kind clt: a cross-layer transcoder spans every block; "
             "leave --layers out"
+        )
+    if args.activation == "jumprelu" and args.k is not None:
+        raise ConfigError(
+            f"--k {args.k} with --kind clt --activation jumprelu: the CLT's jumprelu has no L0 "
+            "target (it penalises L0 with coefficient --sparsity); leave --k out"
         )
     return CltFit(run, args.out, options, args.mlp, args.norm, losses=not args.no_losses,
                   resume=args.resume)  # fmt: skip

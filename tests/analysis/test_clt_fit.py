@@ -223,6 +223,9 @@ def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
     err = refused("--activation", "jumprelu", "--l0-target", "8")
     assert "--l0-target 8 with --kind clt: the CLT's jumprelu has no L0 target" in err
     assert "coefficient --sparsity (default 0.01); leave --l0-target out" in err
+    assert "--k 8 with --kind clt --activation jumprelu: the CLT's jumprelu has no L0 target" in (
+        refused("--activation", "jumprelu", "--k", "8")
+    )
     topk = ["--activation", "topk"]
     assert "--k 200 is above --width 128: give --k <= 128" in refused(*topk, "--k", "200", "--width", "128")  # fmt: skip
     assert (  # no --width: 8 x the run's d_model, 32
