@@ -119,7 +119,7 @@ def _histograms(sites: list[PackedSite], plan: _Plan) -> torch.Tensor:
         rows, table = plan.half
         remapped = hists.new_zeros(len(rows), BINS).index_add_(1, table, hists[rows])
         hists = hists.index_copy(0, rows, remapped)
-    for lo, hi in _CLEARED:  # (a lone reference pack's own, already 0: nothing else reads it)
+    for lo, hi in _CLEARED:  # (the NaN and Inf buckets, as the host reader clears them)
         hists[:, lo:hi] = 0
     return hists
 
