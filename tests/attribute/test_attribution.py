@@ -15,7 +15,7 @@ from probe.launch.run import run
 from probe.models.build import build_model
 from probe.plan import parse
 from probe.testing.compose import make_cfg
-from tests.helpers import run_probe
+from tests.helpers import run_interrupted, run_probe
 
 captum_attr = pytest.importorskip("captum.attr")
 grad_cam = pytest.importorskip("pytorch_grad_cam")
@@ -164,8 +164,6 @@ def test_attributions_do_not_depend_on_the_batch(tmp_path):
 
 
 def test_a_resumed_attribution_run_equals_an_uninterrupted_one(tmp_path):
-    from probe.launch.interrupt import Interrupted
-    from probe.testing.models import SignalsItself
     from tests.helpers import assert_same_arrays
 
     args = [
@@ -175,11 +173,6 @@ def test_a_resumed_attribution_run_equals_an_uninterrupted_one(tmp_path):
         "objective=logit", "objective.index=predicted", "attribution.steps=4",
     ]  # fmt: skip
     reference = run(make_cfg(*args), run_dir=tmp_path / "reference")
-    SignalsItself.at_call = 7  # the 2nd batch's integrated gradients
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*args), run_dir=tmp_path / "run")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "run", 7, *args)  # the 2nd batch's integrated gradients
     resumed = run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")
     assert assert_same_arrays(reference.h5_path, resumed.h5_path) >= 8

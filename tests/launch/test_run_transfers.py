@@ -21,7 +21,6 @@ import torch
 
 from probe.launch import batch as batch_module
 from probe.launch import run as run_module
-from probe.launch.interrupt import Interrupted
 from probe.launch.parts.statistics import Statistics
 from probe.launch.run import run
 from probe.stats import device_fetch, device_sketch, torch_backend
@@ -30,6 +29,7 @@ from probe.stats.stat_columns import SCALARS
 from probe.stats.torch_backend import BINS
 from probe.testing.arrays import file_arrays
 from probe.testing.compose import make_cfg
+from tests.helpers import run_interrupted
 from tests.train.test_step_transfers import Reads
 
 TINY = [
@@ -97,16 +97,9 @@ def test_a_stopped_device_path_run_resumed_equals_one_not_stopped(tmp_path, stor
     """A SIGINT in the 3rd forward (its batch kept); the sketches of the written batches reach the file as it
     closes (and at every flush, flush_seconds=0), and the resumed run, whose sketches start
     from the file's, writes the file of a run that was never stopped."""
-    from probe.testing.models import SignalsItself
-
     args = [*TINY, *DEVICE_PATH, *store]
     whole = run(make_cfg(*args), run_dir=tmp_path / "whole")
-    SignalsItself.at_call = 2
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*args), run_dir=tmp_path / "run")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "run", 2, *args)
     with h5py.File(tmp_path / "run" / "probe.h5") as f:
         assert int(f.attrs["num_samples"]) == 9 and not f.attrs["complete"]
     resumed = run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "run")

@@ -20,7 +20,6 @@ from torch import nn
 import probe
 from probe.errors import ConfigError
 from probe.hooks.record import Record
-from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.plan import StoreSpec
 from probe.read.summaries import summarize_file
@@ -31,7 +30,7 @@ from probe.store.fileformat import FORMAT_VERSION, decode, encode, read_progress
 from probe.store.runfile import open_probe_file
 from probe.testing.arrays import file_arrays, h5_arrays
 from probe.testing.compose import QUIET, make_cfg
-from tests.helpers import ROOT, cli, counted, image_folder, sink_of
+from tests.helpers import ROOT, cli, counted, image_folder, run_interrupted, sink_of
 from tests.store.test_interrupts import SLOW as INTERRUPTED_SLOW
 
 DATA = Path(__file__).parent / "format1"
@@ -351,19 +350,13 @@ def test_resume_refuses_a_dataset_file_whose_contents_changed(tmp_path):
     same path with other values: resume=true exits 2 naming the dataset's contents (and the hash
     stored in the file), and the file's arrays and counts are as they were."""
     from probe.data.provenance import file_identity
-    from probe.testing.models import SignalsItself
 
     data = tmp_path / "data.pt"
     g = torch.Generator().manual_seed(0)
     save_samples(data, g)
     args = [*SLOW[:-2], "model._target_=probe.testing.models.SignalsItself", "dataset=tensors",
             f"dataset.path={data}", "dataset.batch_size=3"]  # fmt: skip
-    SignalsItself.at_call = 2
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*args), run_dir=tmp_path / "run")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "run", 2, *args)
     h5 = tmp_path / "run" / "probe.h5"
     before = h5_arrays(h5)
     with open_probe_file(h5) as f:
@@ -441,18 +434,14 @@ def test_a_text_run_writes_each_sample_document_id(tiny_gpt2, tmp_path):
 def test_effects_after_a_resume_count_every_batch(tmp_path):
     """effects.csv of a run stopped and resumed equals an uninterrupted run's: the file keeps
     each batch's effect sums."""
-    from probe.testing.models import SignalsItself
 
     edit = ["intervene=edit", "intervene.edit.layers=[relu]", "intervene.edit.op=zero"]
     args = [*SLOW, "dataset.num_samples=12", *edit]
     run(make_cfg(*args), run_dir=tmp_path / "whole")
     stopped = [*args, "model._target_=probe.testing.models.SignalsItself"]
-    SignalsItself.at_call = 5  # a clean and an edited forward per batch: inside the third batch
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*stopped), run_dir=tmp_path / "cut")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(
+        tmp_path / "cut", 5, *stopped
+    )  # a clean and an edited forward per batch: inside the third batch
     run(make_cfg(*stopped, "resume=true"), run_dir=tmp_path / "cut")
     whole = pd.read_csv(tmp_path / "whole" / "effects.csv")
     resumed = pd.read_csv(tmp_path / "cut" / "effects.csv")
@@ -463,15 +452,9 @@ def test_effects_after_a_resume_count_every_batch(tmp_path):
 def test_a_resume_killed_before_its_first_batch_leaves_a_readable_file(tmp_path):
     """The resumed file enters SWMR mode before its first batch: a kill then leaves every row
     of the earlier run readable, and another resume finishes it equal to an uninterrupted run."""
-    from probe.testing.models import SignalsItself
 
     stopped = [*SLOW, "model._target_=probe.testing.models.SignalsItself"]
-    SignalsItself.at_call = 4
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*stopped), run_dir=tmp_path)
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path, 4, *stopped)
     proc = subprocess.Popen(
         [sys.executable, "-m", "probe", *QUIET, *stopped, "+model.kwargs.delay=0.5",
          "resume=true", "hydra.verbose=probe", f"hydra.run.dir={tmp_path}"],

@@ -10,11 +10,10 @@ import pandas as pd
 import pytest
 
 import probe
-from probe.launch.interrupt import Interrupted
 from probe.launch.run import run
 from probe.testing.arrays import h5_arrays
 from probe.testing.compose import make_cfg
-from tests.helpers import assert_same_arrays
+from tests.helpers import assert_same_arrays, run_interrupted
 from tests.store.test_interrupts import SLOW
 
 
@@ -87,17 +86,10 @@ def _summarize(run_dir):
 def test_a_stopped_close_run_resumes_to_the_uninterrupted_statistics(tmp_path):
     """A SIGINT in the 3rd forward stops the run; the stopped file's statistics are those of its
     rows, and the resumed file equals the uninterrupted one, /stats included."""
-    from probe.testing.models import SignalsItself
-
     args = [*SLOW[:-2], "dataset.num_samples=10", "dataset.batch_size=3", "stats.during=close"]
     args[1] = "model._target_=probe.testing.models.SignalsItself"
     reference = run(make_cfg(*args), run_dir=tmp_path / "reference")
-    SignalsItself.at_call = 2
-    try:
-        with pytest.raises(Interrupted):
-            run(make_cfg(*args), run_dir=tmp_path / "run")
-    finally:
-        SignalsItself.at_call = None
+    run_interrupted(tmp_path / "run", 2, *args)
     with probe.open_run(tmp_path / "run") as r:
         conv = next(k for k in r.keys if k[1] == "output")
         rows = np.asarray(r.array(*conv)).astype(np.float64)
