@@ -16,16 +16,20 @@ node the graph gives two contributions to it:
 Zeroing a set S of features the graph predicts the answer moves by `-sum(direct)` (direct) or by
 `total_change(S)` (total: the linear model's change with every feature of S held at 0, so a
 path through two of them counts once; for one feature, minus its total contribution).
-`graph_claims` ranks the features by either contribution, zeroes the top N in the live model
-(probe.graphs.feature_zeroing.live_logits; a cross-layer transcoder's feature loses its writes
-into its own layer and every later one), in the graph's frozen linear model (frozen_logits,
-where the change equals the total prediction to rounding) and with attention and norms frozen
-but the MLPs live (frozen_logits(mlps="live"): between the two, it says whether the gap is the
-MLPs' nonlinearity or the frozen attention and norms), and gives one row per (ranking, N):
+`graph_claims` ranks the features by either contribution in one or more orders (ORDERS:
+`positive`, the features the graph says hold the answer up, the largest first; `negative`,
+those it says hold the answer down, the most negative first, whose zeroing it predicts raises
+the answer: a test of its negative edges; `absolute`, either sign, the largest magnitude first),
+zeroes the top N in the live model (probe.graphs.feature_zeroing.live_logits; a cross-layer
+transcoder's feature loses its writes into its own layer and every later one), in the graph's
+frozen linear model (frozen_logits, where the change equals the total prediction to rounding)
+and with attention and norms frozen but the MLPs live (frozen_logits(mlps="live"): between the
+two, it says whether the gap is the MLPs' nonlinearity or the frozen attention and norms), and
+gives one row per (ranking, order, N):
 
     from probe.graphs.graph_claims import graph_claims
-    table = graph_claims(model, graph, transcoders, top=(1, 5, 10))
-    table[["ranking", "top", "direct", "total", "live", "live_over_total"]]
+    table = graph_claims(model, graph, transcoders, top=(1, 5, 10), orders=ORDERS)
+    table[["ranking", "order", "top", "direct", "total", "live", "live_over_total"]]
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ from probe.graphs.graph_data import GraphData
 from probe.graphs.prompt_graph import transcoder_set
 
 RANKINGS = ("direct", "total")
+# the order a ranking takes its features in: the largest contribution first (positive), the most
+# negative first (negative), the largest magnitude first (absolute)
+ORDERS = ("positive", "negative", "absolute")
 CLAIM_COLUMNS = (
     "ranking",  # the contribution the features were ranked by (RANKINGS)
+    "order",  # the order they were taken in (ORDERS)
     "top",  # N asked for
-    "zeroed",  # features zeroed (N, or fewer where the graph has fewer)
+    "zeroed",  # features zeroed (N, or fewer where the graph has fewer of the order's sign)
     "features",  # their places, "layer/pos/feature" joined by ";"
     "direct",  # the change of the answer (logit - mean logit) the direct edges predict
     "total",  # the change the graph's linear model predicts through every path
@@ -132,19 +140,24 @@ def graph_claims(
     *,
     top: Sequence[int] = (1, 5, 10),
     rankings: Sequence[str] = RANKINGS,
+    orders: Sequence[str] = ("positive",),
     target: int = 0,
     frozen: bool = True,
     overrides: dict | None = None,
 ) -> pd.DataFrame:
-    """One row per (ranking, N) (CLAIM_COLUMNS): the N features of `graph` with the largest
-    contribution to the answer (logit node `target`) by `ranking` zeroed in `model`, the live
-    change against the graph's direct and total predictions; with `frozen`, also in the graph's
-    frozen linear model and with attention and norms frozen, the MLPs live. `graph` is `model`'s on
-    its tokens through `transcoders` (a per-layer TranscoderSet or a CrossLayerTranscoder, whose
-    zeroed feature loses its writes into every layer from its own on; or the path of its YAML
-    or folder); `overrides` are `model.anatomy` keys."""
+    """One row per (ranking, order, N) (CLAIM_COLUMNS): the first N features of `graph` by their
+    contribution to the answer (logit node `target`) by `ranking`, taken in `order` (ORDERS:
+    `positive`, those above 0, the largest first; `negative`, those below 0, the most negative
+    first; `absolute`, the largest magnitude first; no row for an order no feature has), zeroed
+    in `model`, the live change against the graph's direct and total predictions; with
+    `frozen`, also in the graph's frozen linear model and with attention and norms frozen, the
+    MLPs live. `graph` is `model`'s on its tokens through `transcoders` (a per-layer
+    TranscoderSet or a CrossLayerTranscoder, whose zeroed feature loses its writes into every
+    layer from its own on; or the path of its YAML or folder); `overrides` are `model.anatomy`
+    keys."""
     tops = _check_top(top)
     rankings = _check_rankings(rankings)
+    orders = _check_orders(orders)
     _check_target(graph, target)
     tset = transcoder_set(transcoders)
     if graph.n_features == 0:
@@ -156,11 +169,13 @@ def graph_claims(
     _check_graph_of(model, graph, clean, target)
     contributions = answer_contributions(graph, target)
     places: list[Place] = [tuple(p) for p in graph.features.tolist()]
-    cases = []  # (ranking, N, the chosen feature nodes)
+    cases = []  # (ranking, order, N, the chosen feature nodes)
     for ranking in rankings:
-        order = np.argsort(-contributions[ranking].to_numpy(), kind="stable")
-        cases += [(ranking, n, [int(i) for i in order[:n]]) for n in tops]
-    zeroings = [[places[i] for i in chosen] for _, _, chosen in cases]
+        for order in orders:
+            ranked = ranked_nodes(contributions[ranking].to_numpy(), order)
+            cases += [(ranking, order, n, [int(i) for i in ranked[:n]]) for n in tops
+                      if len(ranked)]  # fmt: skip
+    zeroings = [[places[i] for i in chosen] for *_, chosen in cases]
     frozen_moves = {}
     for mlps in ("linear", "live"):
         if frozen:
@@ -170,14 +185,14 @@ def graph_claims(
         else:
             frozen_moves[mlps] = [float("nan")] * len(cases)
     rows = []
-    for i, ((ranking, n, chosen), zeroed) in enumerate(zip(cases, zeroings, strict=True)):
+    for i, ((ranking, order, n, chosen), zeroed) in enumerate(zip(cases, zeroings, strict=True)):
         live = live_logits(model, tokens, tset, zeroed, overrides=overrides)
         direct = direct_change(graph, chosen, target)
         total = total_change(graph, chosen, target)
         moved = _answer(live, token) - _answer(clean, token)
         frozen_moved, attention_moved = frozen_moves["linear"][i], frozen_moves["live"][i]
         rows.append({
-            "ranking": ranking, "top": n, "zeroed": len(chosen),
+            "ranking": ranking, "order": order, "top": n, "zeroed": len(chosen),
             "features": ";".join(f"{a}/{b}/{c}" for a, b, c in zeroed),
             "direct": direct, "total": total, "live": moved,
             "live_logit": float(live[token] - clean[token]), "frozen": frozen_moved,
@@ -187,6 +202,19 @@ def graph_claims(
             "frozen_attention_over_total": _ratio(attention_moved, total),
         })  # fmt: skip
     return pd.DataFrame(rows, columns=list(CLAIM_COLUMNS))
+
+
+def ranked_nodes(contributions: np.ndarray, order: str) -> np.ndarray:
+    """The feature nodes in `order` (ORDERS) of their `contributions`: those above 0, the
+    largest first (positive); those below 0, the most negative first (negative); those not 0,
+    the largest magnitude first (absolute); ties in node order."""
+    key, keep = {
+        "positive": (-contributions, contributions > 0),
+        "negative": (contributions, contributions < 0),
+        "absolute": (-np.abs(contributions), contributions != 0),
+    }[order]
+    ranked = np.argsort(key, kind="stable")
+    return ranked[keep[ranked]]
 
 
 def _answer(logits: torch.Tensor, token: int) -> float:
@@ -230,6 +258,17 @@ def _check_rankings(rankings) -> list[str]:
         raise ConfigError(
             f"graph claims: ranking {unknown[0] if unknown else rankings!r} is unknown; choose "
             f"from {', '.join(RANKINGS)}"
+        )
+    return values
+
+
+def _check_orders(orders) -> list[str]:
+    values = [orders] if isinstance(orders, str) else list(orders)
+    unknown = [o for o in values if o not in ORDERS]
+    if unknown or not values:
+        raise ConfigError(
+            f"graph claims: order {unknown[0] if unknown else orders!r} is unknown; choose "
+            f"from {', '.join(ORDERS)}"
         )
     return values
 

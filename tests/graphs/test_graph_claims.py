@@ -244,3 +244,94 @@ def test_a_cross_layer_transcoders_zeroed_features_lose_their_writes_at_every_la
     assert earlier > 0
     scale = float(answer_contributions(graph).total.abs().max())
     assert table.frozen.to_numpy() == pytest.approx(table.total.to_numpy(), rel=1e-5, abs=1e-6 * scale)  # fmt: skip
+
+
+def hand_contributions(graph) -> dict[str, torch.Tensor]:
+    """The direct and total contributions of each feature node, read from the dense adjacency:
+    the answer's row, and the solve u = a (I - M)^-1 with M[t, s] = A[t, s] / activation[t]."""
+    dense = graph.adjacency.to_dense().double()
+    n_f = graph.n_features
+    answer = graph.offsets["logit"]
+    m = dense[:n_f, :n_f] / graph.activations.double()[:, None]
+    a = dense[answer, :n_f]
+    total = torch.linalg.solve((torch.eye(n_f, dtype=torch.float64) - m).T, a)
+    return {"direct": a, "total": total}
+
+
+def hand_ranked(values: torch.Tensor, order: str) -> list[int]:
+    """The nodes of the order's sign, sorted by hand: positive above 0 largest first, negative
+    below 0 most negative first, absolute not 0 largest magnitude first."""
+    keep = {"positive": values > 0, "negative": values < 0, "absolute": values != 0}[order]
+    key = {"positive": -values, "negative": values, "absolute": -values.abs()}[order]
+    nodes = [n for n in range(len(values)) if keep[n]]
+    return sorted(nodes, key=lambda n: (float(key[n]), n))
+
+
+@pytest.fixture(scope="module")
+def ordered(setups):
+    """Each setup's claims with the features taken most negative first and by magnitude."""
+    return {
+        kind: graph_claims(model, graph, tset, top=(1, 5, 10), orders=("negative", "absolute"))
+        for kind, (model, tset, graph, _) in setups.items()
+    }
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_the_negative_and_absolute_orders_zero_the_features_a_hand_ranking_picks(
+    setups, ordered, kind
+):
+    """Each row's features are the first N of a hand ranking of the dense adjacency's
+    contributions; the most negative ones are predicted to raise the answer, and do so in the
+    frozen linear model by the total prediction."""
+    model, tset, graph, _ = setups[kind]
+    table = ordered[kind]
+    assert sorted(set(table.order)) == ["absolute", "negative"] and len(table) == 12
+    hand = hand_contributions(graph)
+    node_of = {tuple(p): n for n, p in enumerate(graph.features.tolist())}
+    for row in table.itertuples():
+        chosen = [node_of[tuple(map(int, p.split("/")))] for p in row.features.split(";")]
+        assert chosen == hand_ranked(hand[row.ranking], row.order)[: row.top]
+        if row.order == "negative":
+            assert (hand[row.ranking][chosen] < 0).all()
+            if row.ranking == "direct" or row.top == 1:
+                assert row.direct > 0 if row.ranking == "direct" else row.total > 0
+    scale = float(hand["total"].abs().max())
+    assert table.frozen.to_numpy() == pytest.approx(table.total.to_numpy(), rel=1e-5, abs=1e-6 * scale)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_in_the_negative_and_absolute_orders_the_live_change_is_a_hand_edits(setups, ordered, kind):
+    model, tset, graph, _ = setups[kind]
+    clean = hand_answer(model, kind, tset, graph, [])
+    for row in ordered[kind].itertuples():
+        places = [tuple(map(int, p.split("/"))) for p in row.features.split(";")]
+        want = hand_answer(model, kind, tset, graph, places) - clean
+        assert abs(want) > 1e-4
+        assert row.live == pytest.approx(want, abs=1e-6)
+
+
+def test_a_cross_layer_transcoders_most_negative_features_lose_every_write(clt_setup):
+    """Through a CLT, the most negative features by direct edge: the live change a hand edit of
+    every layer from each one's own, the frozen change the total prediction."""
+    model, clt, graph, _ = clt_setup
+    table = graph_claims(model, graph, clt, top=(1, 5), rankings="direct", orders="negative")
+    hand = hand_contributions(graph)["direct"]
+    node_of = {tuple(p): n for n, p in enumerate(graph.features.tolist())}
+    clean = hand_clt_answer(model, clt, graph, [])
+    for row in table.itertuples():
+        places = [tuple(map(int, p.split("/"))) for p in row.features.split(";")]
+        assert [node_of[p] for p in places] == hand_ranked(hand, "negative")[: row.top]
+        assert row.direct == pytest.approx(-float(hand[[node_of[p] for p in places]].sum()))
+        assert row.live == pytest.approx(
+            hand_clt_answer(model, clt, graph, places) - clean, abs=1e-6
+        )
+    scale = float(answer_contributions(graph).total.abs().max())
+    assert table.frozen.to_numpy() == pytest.approx(table.total.to_numpy(), rel=1e-5, abs=1e-6 * scale)  # fmt: skip
+
+
+def test_an_unknown_order_is_refused_by_name(setups):
+    model, tset, graph, _ = setups["gpt2"]
+    with pytest.raises(ConfigError, match="order 'smallest' is unknown; choose from positive"):
+        graph_claims(model, graph, tset, orders=("negative", "smallest"))
+    with pytest.raises(ConfigError, match=r"order \(\) is unknown"):
+        graph_claims(model, graph, tset, orders=())
