@@ -1,19 +1,24 @@
 """The graph's claim in the live model, measured on a trained model: the planted problem
 (probe.testing.planted: a GPT-2 of 2 blocks whose ReLU MLPs are dictionaries of 256 known
-directions, its training sequences sampled from itself), transcoders fitted by `python -m
+directions, its training sequences sampled from itself), dictionaries fitted by `python -m
 probe.fit` from a run of its sequences (the defaults, `--width 256`, a modest `--epochs`; `--k 8`
-for topk), then a graph for each of `--prompts` prompts of 16-32 tokens sampled from the model
-(another seed than the training sequences), and on each `probe.graphs.graph_claims.graph_claims`:
-the top 1, 5 and 10 features by direct edge to the answer and by total contribution zeroed in the
+for topk and batchtopk): per-layer transcoders (`--sets relu topk`) and cross-layer transcoders
+(`--sets clt:topk clt:batchtopk`, `--kind clt`, 256 features a layer), then a graph for each of
+`--prompts` prompts of 16-32 tokens sampled from the model (another seed than the training
+sequences), and on each `probe.graphs.graph_claims.graph_claims`: the top 1, 5 and 10 features by
+direct edge to the answer and by total contribution, in each of `--orders` (positive: the largest
+first; negative: the most negative first, predicted to raise the answer; absolute), zeroed in the
 live model, in the graph's frozen linear model and with attention and norms frozen but the MLPs
 live. Prints the fits, the largest distance between the frozen model's change and the total
-prediction, and per (activation, ranking, N) the median and quartiles over the prompts of
-live/direct, live/total, frozen-attention/total and raw-logit/total, and the pooled ratios
-(the sum of the live changes over the sum of the predictions); writes every row to
-DIR/s{SEQUENCES}/graph_claims_e{EPOCHS}.csv. Figures: docs/bench/graph_claims.md.
+prediction, and per (set, ranking, order, N) the median and quartiles over the prompts of
+live/direct, live/total, frozen-attention/total and raw-logit/total, the pooled ratios (the sum
+of the live changes over the sum of the predictions) and the share of prompts where the answer
+moves the predicted way; writes every row to DIR/s{SEQUENCES}/graph_claims_e{EPOCHS}.csv.
+Figures: docs/bench/graph_claims.md.
 
     python scripts/bench_graph_claims.py [--dir DIR] [--sequences 2048] [--epochs 10] \\
-        [--prompts 20] [--activations relu topk]
+        [--prompts 20] [--sets relu topk clt:topk clt:batchtopk] \\
+        [--orders positive negative absolute]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from probe.fit import main as fit_main
 from probe.graphs.feature_zeroing import live_logits
-from probe.graphs.graph_claims import graph_claims
+from probe.graphs.graph_claims import ORDERS, graph_claims
 from probe.graphs.prompt_graph import attribution_graph
 from probe.models.transcoder_files import load_transcoders
 from probe.testing.planted import PlantedSpec, capture_run, make_planted, sample
@@ -50,19 +55,22 @@ def build(root: Path, spec: PlantedSpec) -> None:
     print(f"built and captured in {time.perf_counter() - t:.0f} s")
 
 
-def fit(root: Path, activation: str, epochs: float, k: int) -> Path:
-    """`python -m probe.fit` on the run with the defaults, width 256 (the planted count) and
-    `epochs`; `--k k` for the activations that take one. Reused when its fit.csv exists."""
-    out = root / f"claims_{activation}_e{epochs:g}"
+def fit(root: Path, kind: str, activation: str, epochs: float, k: int) -> Path:
+    """`python -m probe.fit --kind kind` on the run with the defaults, width 256 (the planted
+    count; a CLT's per layer) and `epochs`; `--k k` for the activations that take one. Reused
+    when its fit.csv exists."""
+    name = f"{activation}_e{epochs:g}" if kind == "plt" else f"{kind}_{activation}_e{epochs:g}"
+    out = root / f"claims_{name}"
     if (out / "fit.csv").is_file():
         return out
-    flags = [str(root / "run"), "--out", str(out), "--width", "256", "--epochs", str(epochs),
-             "--activation", activation] + (["--k", str(k)] if activation != "relu" else [])  # fmt: skip
+    takes_k = activation != "relu" and not (kind == "clt" and activation == "jumprelu")
+    flags = [str(root / "run"), "--out", str(out), "--kind", kind, "--width", "256", "--epochs",
+             str(epochs), "--activation", activation] + (["--k", str(k)] if takes_k else [])  # fmt: skip
     t = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         if fit_main(flags) != 0:
             raise SystemExit(f"probe.fit {' '.join(flags)} failed")
-    print(f"fit {activation}: {time.perf_counter() - t:.0f} s")
+    print(f"fit {kind} {activation}: {time.perf_counter() - t:.0f} s")
     return out
 
 
@@ -98,6 +106,14 @@ def quartiles(values: pd.Series) -> str:
     return f"{q2:.2f} [{q1:.2f}, {q3:.2f}]"
 
 
+def parse_set(name: str) -> tuple[str, str]:
+    """("plt", activation) for "ACTIVATION", ("clt", activation) for "clt:ACTIVATION"."""
+    kind, _, activation = name.rpartition(":")
+    if kind not in ("", "clt") or not activation:
+        raise SystemExit(f"--sets {name!r}: give ACTIVATION (per-layer) or clt:ACTIVATION")
+    return kind or "plt", activation
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/planted_claims"))
@@ -105,7 +121,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=10)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--seed", type=int, default=2026, help="the prompts' sampling seed")
-    parser.add_argument("--activations", nargs="*", default=["relu", "topk"])
+    parser.add_argument(
+        "--sets", nargs="*", default=["relu", "topk", "clt:topk", "clt:batchtopk"],
+        help="ACTIVATION: per-layer transcoders; clt:ACTIVATION: a cross-layer transcoder",
+    )  # fmt: skip
+    parser.add_argument("--orders", nargs="*", default=list(ORDERS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("probe.fit").setLevel(logging.WARNING)
@@ -118,17 +138,19 @@ def main() -> None:
     model = GPT2LMHeadModel.from_pretrained(root / "model").eval()
     texts = prompts(model, args.prompts, args.seed)
     rows, fits = [], []
-    for activation in args.activations:
-        folder = fit(root, activation, args.epochs, k)
+    for name in args.sets:
+        kind, activation = parse_set(name)
+        label = activation if kind == "plt" else f"clt {activation}"
+        folder = fit(root, kind, activation, args.epochs, k)
         table = pd.read_csv(folder / "fit.csv")
-        fits.append(table.assign(activation=activation))
+        fits.append(table.assign(set=label))
         tset = load_transcoders(folder)
         t = time.perf_counter()
         for i, ids in enumerate(texts):
             graph = attribution_graph(model, ids, tset)
-            claims = graph_claims(model, graph, tset, top=TOP)
+            claims = graph_claims(model, graph, tset, top=TOP, orders=args.orders)
             claims.insert(0, "prompt", i)
-            claims.insert(0, "activation", activation)
+            claims.insert(0, "set", label)
             claims["tokens"] = len(ids)
             claims["graph_features"] = graph.n_features
             claims["answer_prob"] = float(graph.logit_probs[0])
@@ -138,32 +160,33 @@ def main() -> None:
             claims["final_norm_spread"] = [clean for clean, _ in spreads]
             claims["final_norm_spread_zeroed"] = [zeroed for _, zeroed in spreads]
             rows.append(claims)
-        print(f"graphs and claims, {activation}: {time.perf_counter() - t:.0f} s")
+        print(f"graphs and claims, {label}: {time.perf_counter() - t:.0f} s")
     every = pd.concat(rows, ignore_index=True)
     every["logit_over_total"] = every.live_logit / every.total
     out = root / f"graph_claims_e{args.epochs:g}.csv"
     every.to_csv(out, index=False)
     print(f"rows: {out}")
     fit_table = pd.concat(fits)
-    columns = ["activation", "layer", "fvu", "l0", "dead", "ce_recovered"]
+    columns = ["set", "layer", "fvu", "l0", "dead", "ce_recovered"]
     print(fit_table[[c for c in columns if c in fit_table]].to_string(index=False))
-    per_prompt = every.drop_duplicates(["activation", "prompt"])
-    for activation, group in per_prompt.groupby("activation", sort=False):
-        print(f"{activation}: {len(group)} prompts, {group.tokens.min()}-{group.tokens.max()} "
+    per_prompt = every.drop_duplicates(["set", "prompt"])
+    for label, group in per_prompt.groupby("set", sort=False):
+        print(f"{label}: {len(group)} prompts, {group.tokens.min()}-{group.tokens.max()} "
               f"tokens, {quartiles(group.graph_features)} feature nodes, answer probability "
               f"{quartiles(group.answer_prob)}, replacement {quartiles(group.replacement)}, "
               f"completeness {quartiles(group.completeness)}")  # fmt: skip
-    print("per prompt, live/total by ranking and N (the CSV holds every column)")
+    print("per prompt, live/total by ranking, order and N (the CSV holds every column)")
     with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
-        for activation, group in every.groupby("activation", sort=False):
+        for label, group in every.groupby("set", sort=False):
             table = group.pivot_table(index=["prompt", "tokens", "graph_features", "replacement"],
-                                      columns=["ranking", "top"], values="live_over_total")  # fmt: skip
-            print(f"{activation}:")
+                                      columns=["order", "ranking", "top"],
+                                      values="live_over_total")  # fmt: skip
+            print(f"{label}:")
             print(table.to_string())
     off = (every.frozen - every.total).abs()
     print(f"frozen linear model against the total prediction: largest |difference| "
           f"{off.max():.2e}, largest relative {(off / every.total.abs()).max():.2e}")  # fmt: skip
-    groups = every.groupby(["activation", "ranking", "top"], sort=False)
+    groups = every.groupby(["set", "ranking", "order", "top"], sort=False)
     summary = groups.agg(**{r: (r, quartiles) for r in RATIOS}).reset_index()
     pooled = groups.apply(
         lambda g: pd.Series(
@@ -173,6 +196,8 @@ def main() -> None:
                 "direct": g.direct.median(),
                 "total": g.total.median(),
                 "live": g.live.median(),
+                # the share of prompts where the answer moves the way the total prediction says
+                "sign_kept": (np.sign(g.live) == np.sign(g.total)).mean(),
             }
         ),  # fmt: skip
         include_groups=False,
@@ -180,7 +205,8 @@ def main() -> None:
     print(
         "median [quartiles] over the prompts; pooled: the sum of the live changes over the sum of"
     )
-    print("the predictions; direct, total, live: the median changes of the answer")
+    print("the predictions; direct, total, live: the median changes of the answer; sign_kept: the")
+    print("share of prompts where the live change has the total prediction's sign")
     with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
         print(pd.concat([summary, pooled], axis=1).to_string(index=False))
     # where the single feature sits: a last-layer feature at the last position reaches the
@@ -192,7 +218,7 @@ def main() -> None:
     print("top 1: the feature's layer and whether it is at the last position; spread_kept: the")
     print("final norm's input spread at the last position zeroed over clean, median [range]")
     print(
-        single.groupby(["activation", "ranking", "layer", "last_position"])
+        single.groupby(["set", "ranking", "order", "layer", "last_position"])
         .agg(
             prompts=("prompt", "size"),
             live_over_total=("live_over_total", "median"),
