@@ -335,3 +335,26 @@ def test_an_unknown_order_is_refused_by_name(setups):
         graph_claims(model, graph, tset, orders=("negative", "smallest"))
     with pytest.raises(ConfigError, match=r"order \(\) is unknown"):
         graph_claims(model, graph, tset, orders=())
+
+
+def test_an_order_past_its_signs_count_zeroes_every_feature_of_that_sign(setups):
+    """N beyond the graph's features: each order zeroes exactly those of its sign in the dense
+    adjacency's answer row, all of them, the live change still a hand edit's."""
+    model, tset, graph, _ = setups["gpt2"]
+    many = graph.n_features + 5
+    table = graph_claims(model, graph, tset, top=many, rankings="direct",
+                         orders=("positive", "negative"), frozen=False)  # fmt: skip
+    direct = hand_contributions(graph)["direct"]
+    node_of = {tuple(p): n for n, p in enumerate(graph.features.tolist())}
+    clean = hand_answer(model, "gpt2", tset, graph, [])
+    for row, sign in zip(table.itertuples(), (1, -1), strict=True):
+        places = [tuple(map(int, p.split("/"))) for p in row.features.split(";")]
+        assert (
+            sorted(node_of[p] for p in places)
+            == torch.nonzero(sign * direct > 0).flatten().tolist()
+        )
+        assert row.zeroed == len(places) < graph.n_features and row.top == many
+        assert row.direct == pytest.approx(-float(direct[sign * direct > 0].sum()), rel=1e-9)
+        assert row.live == pytest.approx(
+            hand_answer(model, "gpt2", tset, graph, places) - clean, abs=1e-6
+        )
