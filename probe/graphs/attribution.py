@@ -45,6 +45,7 @@ from typing import Literal
 
 import torch
 
+from probe.config import GRAPH_QK_SOURCES as QK_SOURCES  # what a QK table splits a side into
 from probe.errors import ConfigError
 from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.batch_plan import BatchPlan, device_shares, plan_batch
@@ -157,9 +158,6 @@ class GraphOptions:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-QK_SOURCES = ("position", "nodes")  # what a QK table splits each side into (qk_attribution)
 
 
 def check_qk_options(qk, qk_rows, qk_sources: str = "position") -> None:

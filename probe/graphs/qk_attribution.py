@@ -27,6 +27,10 @@ give the pattern the model produced (softcap, mask and softmax applied), and eve
 sum to its score.
 
     table = qk_table(model, graph, transcoders, keys=2)     # a DataFrame of QK_COLUMNS
+
+With sources="nodes" the attention writes are not kept whole: each side's residual is split over
+the graph's nodes at every earlier position and layer, and named constant parts, through the
+earlier layers' frozen patterns (probe.graphs.qk_sources); the rest is the same.
 """
 
 from __future__ import annotations
