@@ -96,6 +96,20 @@ class NodeSources:
             self.embed = rep.captured.embed
             self.mlp_out = dict(rep.captured.outputs)
         self.backward_passes = 0
+        # what the gradients are contracted with, in float64 where the embeddings run
+        self.device = device
+        self.embed_value = self.embed[0].detach().to(device, torch.float64)
+        self.first_value = self.resid[0][0].detach().to(device, torch.float64)
+        self.contracted = []
+        for layer, w in enumerate(self.writes):
+            self.contracted.append((
+                torch.tensor([k[1] for k in w.features], dtype=torch.long, device=device),
+                torch.tensor([self.feature_col[k] for k in w.features], dtype=torch.long,
+                             device=device),
+                w.vectors.to(device, torch.float64), w.error.to(device, torch.float64),
+                self.mlp_rest[layer].to(device, torch.float64),
+                self.attn_bias[layer].to(device, torch.float64),
+            ))  # fmt: skip
 
     # -- the columns: nodes and constant parts ----------------------------------------------
     def _columns(self, graph) -> None:
@@ -225,33 +239,30 @@ class NodeSources:
         grads = torch.autograd.grad(target, distinct, grad, retain_graph=True, allow_unused=True)
         by_id = {id(t): g for t, g in zip(distinct, grads, strict=True)}
 
+        device = self.device
+
         def grad_of(t: torch.Tensor) -> torch.Tensor:
             g = by_id[id(t)]
-            return (torch.zeros_like(t) if g is None else g)[: len(seeds)].double()
+            g = torch.zeros_like(t) if g is None else g
+            return g[: len(seeds)].to(device, torch.float64)  # (a device map's block: its own)
 
         n, n_pos = len(seeds), self.n_pos
-        out = torch.zeros(n, len(self.names), dtype=torch.float64)
+        out = torch.zeros(n, len(self.names), dtype=torch.float64, device=device)
         g_embed, g_x0 = grad_of(self.embed), grad_of(x0)
-        embed, first = self.embed[0].detach().double(), x0[0].detach().double()
-        tokens = torch.einsum("bpd,pd->bp", g_embed, embed)
+        tokens = torch.einsum("bpd,pd->bp", g_embed, self.embed_value)
         out[:, :n_pos] = tokens
-        out[:, n_pos : 2 * n_pos] = torch.einsum("bpd,pd->bp", g_x0, first) - tokens
+        out[:, n_pos : 2 * n_pos] = torch.einsum("bpd,pd->bp", g_x0, self.first_value) - tokens
         for source in range(layer):
             g = grad_of(self.mlp_out[source])
-            w = self.writes[source]
-            if w.features:
-                pos = torch.tensor([k[1] for k in w.features], dtype=torch.long)
-                cols = torch.tensor([self.feature_col[k] for k in w.features], dtype=torch.long)
-                share = torch.einsum("bkd,kd->bk", g[:, pos], w.vectors.double())
-                out.index_add_(1, cols, share)
+            pos, cols, vectors, error, rest, bias = self.contracted[source]
+            if len(pos):
+                out.index_add_(1, cols, torch.einsum("bkd,kd->bk", g[:, pos], vectors))
             e, m, a = self.error_col[source], self.mlp_col[source], self.attn_col[source]
-            out[:, e : e + n_pos] = torch.einsum("bpd,pd->bp", g, w.error.double())
-            out[:, m : m + n_pos] = torch.einsum("bpd,pd->bp", g, self.mlp_rest[source].double())
+            out[:, e : e + n_pos] = torch.einsum("bpd,pd->bp", g, error)
+            out[:, m : m + n_pos] = torch.einsum("bpd,pd->bp", g, rest)
             g_attn = grad_of(self.attn_out[source])
-            out[:, a : a + n_pos] = torch.einsum(
-                "bpd,pd->bp", g_attn, self.attn_bias[source].double()
-            )
-        return out
+            out[:, a : a + n_pos] = torch.einsum("bpd,pd->bp", g_attn, bias)
+        return out.cpu()
 
     def residual(self, layer: int, positions: list[int], residual_type):
         """Layer `layer`'s parts per position as qk_attribution's _Residual: at `positions` the

@@ -8,6 +8,7 @@ attention's input projected by hand); where no attention lies between a node and
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -17,12 +18,14 @@ import transformers
 import probe
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions
+from probe.graphs.graph_json import graph_model, node_id
 from probe.graphs.qk_attribution import ALL, REST, qk_table
 from probe.graphs.replacement import LocalReplacement
 from probe.hooks.hookset import HookSet
 from probe.testing.random_transcoders import random_transcoders
 from tests.graphs.test_graph_attribution import error_vectors
 from tests.graphs.test_graph_families import COMMON
+from tests.graphs.test_graph_json import NEURONPEDIA_GRAPH
 from tests.graphs.test_graph_qk import cells_of, hand_qk
 
 PROMPT = torch.tensor([2, 7, 12, 9, 20, 5, 14])
@@ -102,6 +105,21 @@ def test_each_pairs_node_cells_and_marginals_sum_to_its_score(made, family):
     # parts traced through attention: the pair's sides hold other positions' nodes
     far = cells[(cells["layer"] >= 1) & cells["query_part"].str.startswith("token@")]
     assert (far["query_part"] != far["query_pos"].map(lambda q: f"token@{q}")).any()
+
+
+def test_the_viewer_json_of_a_node_traced_table_validates_and_names_its_nodes(made):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, _, graph, table, _ = made("gpt2")
+    data = json.loads(json.dumps(graph_model(graph, "qk nodes", node_threshold=0.8)))
+    jsonschema.validate(data, NEURONPEDIA_GRAPH, cls=jsonschema.Draft7Validator)
+    traced = [n for n in data["nodes"] if "qk_tracing_results" in n]
+    assert len(traced) == table.groupby(PAIR).ngroups
+    ids = {node_id(graph, i) for i in range(graph.n_nodes)}
+    named = {a for n in traced for a, _, _ in n["qk_tracing_results"]["pair_wise_contributors"]}
+    # a node by its id (another position's than the pair's too), a constant part by its name
+    assert named & ids and all(a in ids or not re.fullmatch(r"(token|error \d+)@\d+", a)
+                               for a in named)  # fmt: skip
+    assert any(re.fullmatch(r"attn \d+ bias@\d+", a) for a in named)
 
 
 def frozen_residuals(model, ts, remove=None) -> tuple[dict, dict]:
