@@ -17,14 +17,16 @@ import transformers
 
 import probe
 from probe.errors import ConfigError
+from probe.graphs import qk_attribution
 from probe.graphs.attribution import GraphOptions
 from probe.graphs.graph_json import graph_model, node_id
 from probe.graphs.qk_attribution import ALL, REST, qk_table
+from probe.graphs.qk_sources import NodeSources
 from probe.graphs.replacement import LocalReplacement
 from probe.hooks.hookset import HookSet
-from probe.testing.random_transcoders import random_transcoders
+from probe.testing.random_transcoders import random_cross_layer, random_transcoders
 from tests.graphs.test_graph_attribution import error_vectors
-from tests.graphs.test_graph_families import COMMON
+from tests.graphs.test_graph_families import COMMON, tiny
 from tests.graphs.test_graph_json import NEURONPEDIA_GRAPH
 from tests.graphs.test_graph_qk import cells_of, hand_qk
 
@@ -256,6 +258,33 @@ def test_without_attention_between_the_node_and_the_pair_the_table_is_the_positi
     torch.testing.assert_close(torch.tensor(got.values), torch.tensor(old.values),
                                rtol=1e-9, atol=1e-12)  # fmt: skip
     assert REST not in set(table["query_part"])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "llama+clt"])
+def test_the_traced_parts_sum_to_the_frozen_models_residual_across_families(family):
+    """Gemma-2 (sandwich norms: the post-attention norm's frozen map), Gemma-3 (a sliding layer
+    first) and a Llama with a cross-layer transcoder (features writing into later layers): at
+    block 1's attention input every position's parts sum to the frozen replacement model's
+    residual (a replay), to float64's rounding of the parts, and hold the token before it."""
+    model = tiny(family.removesuffix("+clt"))
+    ts = (
+        random_cross_layer(32, 2, expansion=1, dtype=torch.float64)
+        if family.endswith("+clt")
+        else random_transcoders(32, 2, expansion=1, skip=True, dtype=torch.float64)
+    )
+    graph = probe.attribution_graph(model, PROMPT, ts, max_feature_nodes=16)
+    seen = qk_attribution._Forward(model, ts, None)
+    with seen, torch.no_grad():
+        model(PROMPT[None], use_cache=False)
+        writes = qk_attribution._mlp_writes(seen.rep, ts, 1)
+    traced = NodeSources(seen, writes, graph, ts, None)
+    rows = traced.rows(1, list(range(len(PROMPT))))
+    _, frozen = frozen_residuals(model, ts)
+    for p, split in rows.items():
+        size = float(split.abs().sum(1).max())
+        assert float((split.sum(1) - frozen[1][p]).abs().max()) <= 1e-12 * size
+        names = [traced.names[c] for c in split.abs().sum(0).nonzero().flatten().tolist()]
+        assert p == 0 or f"token@{p - 1}" in names  # (through attention 0)
 
 
 def test_bad_qk_sources_are_refused_by_name():
