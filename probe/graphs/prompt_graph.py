@@ -61,7 +61,7 @@ def attribution_graph(
     if opts.qk:
         graph.qk = qk_table(model, graph, graph_transcoders, keys=opts.qk, rows=opts.qk_rows,
                             overrides=overrides, zero_bos=opts.zero_bos,
-                            sources=opts.qk_sources)  # fmt: skip
+                            sources=opts.qk_sources, batch=opts.batch_size)  # fmt: skip
     return graph
 
 

@@ -1,17 +1,18 @@
 """The residual stream at an attention's input decomposed over the graph's nodes, through the
 earlier layers' frozen patterns: the parts of the QK attribution with `sources="nodes"`
-(probe.graphs.qk_attribution; docs/graphs.md, "Where attention comes from").
+(probe.graphs.qk_attribution; docs/graphs.md, "Traced to the nodes").
 
 In the local replacement model (probe.graphs.replacement: every pattern and norm scale frozen,
 each MLP its transcoder's features, its error and its skip path) the residual stream x_l(p) at
 layer l's attention input is affine in the graph's nodes at every earlier layer and position:
 what an earlier attention wrote to p is its frozen pattern times the values of earlier
-positions' residuals, themselves sums of nodes' writes. So x_l(p) is, exactly on the prompt,
+positions' residuals, themselves sums of nodes' writes. So, exactly on the prompt,
 
-    x_l(p) = sum over nodes n of J_n x_l(p)  +  constant parts
+    x_l(p) = sum over nodes n of  a_n * d x_l(p) / d a_n   +  constant parts
 
-with J_n its linear response to node n's activation (a feature, an error, a token: the graph's
-nodes, at any position up to p and any layer before l). The constant parts are named as such:
+with a_n node n's activation (a feature's; an error's or a token's is 1, its vector written
+whole) at any position up to p and any layer before l: each term is the node's whole effect,
+its direct write and every path through the frozen attentions. The constant parts are named:
 `attn l' bias@p'` (layer l' attention's write at p' when its residual input is zero: the norm's
 bias and the value and output biases through the frozen pattern, a post-attention norm's bias),
 `mlp l' rest@p'` (the decoder bias, and at the graph's zeroed positions, whose features and
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from probe.errors import ModelError
 from probe.graphs.attribution import GraphOptions, _lean, batch_plan
 from probe.graphs.replacement import LocalReplacement, _apply, _skip_path
 from probe.hooks.hookset import HookSet
@@ -48,7 +50,7 @@ class _FrozenValues:
     def attend(module, query, key, value, attention_mask, **kwargs):
         pattern = _FrozenValues.pattern
         if pattern is None:
-            raise RuntimeError(f"attention implementation {VALUES_NAME!r} called outside a pass")
+            raise ModelError(f"attention implementation {VALUES_NAME!r} called outside a pass")
         return _apply(pattern, value), pattern
 
 

@@ -97,7 +97,7 @@ def qk_of(model, graph: AttributionGraph, transcoders, spec: GraphSpec, override
 
     return qk_table(model, graph, transcoders, keys=spec.qk, rows=spec.qk_rows,
                     overrides=overrides, zero_bos=spec.zero_bos,
-                    sources=spec.qk_sources)  # fmt: skip
+                    sources=spec.qk_sources, batch=spec.batch_size)  # fmt: skip
 
 
 def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:
