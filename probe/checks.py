@@ -30,6 +30,7 @@ from probe.config import (
     FEATURE_SITE,
     GRAD_EDIT_SITES,
     GRAPH_EDGES,
+    GRAPH_QK_SOURCES,
     GRID_AXES,
     GRID_METHODS,
     IG_METHODS,
@@ -162,6 +163,7 @@ def check_graphs(g: GraphSpec, model: ModelSpec, data: DataSpec, options: RunOpt
     at_least("graph.update_interval", g.update_interval, 1, " (batches between re-rankings)")
     at_least("graph.qk", g.qk, 0, " (key positions per head and query position; 0: off)")
     at_least("graph.qk_rows", g.qk_rows, 1, " (cells kept per decomposed pair; null: every one)")
+    choice("graph.qk_sources", g.qk_sources, GRAPH_QK_SOURCES)
     if g.floor is not None and not (math.isfinite(g.floor) and 0 <= g.floor < 1):
         raise ConfigError(
             f"graph.floor={g.floor} must be a fraction in [0, 1): per row, the smallest edges "

@@ -288,6 +288,7 @@ class CircuitConfig:
 
 
 GRAPH_EDGES = ("pruned", "all")
+GRAPH_QK_SOURCES = ("position", "nodes")  # probe.graphs.attribution.QK_SOURCES
 
 
 @dataclass
@@ -307,8 +308,10 @@ class GraphConfig:
     set's features as a site with their top-k examples, from which each kept feature gets
     circuit-tracer's example file (probe.graphs.feature_files); `qk` (0: off) decomposes
     the attention scores of the `qk` key positions each head attends to most from each query
-    position of the kept nodes, `qk_rows` the cells and marginals kept per pair (null: all):
-    graph_qk.csv (probe.graphs.qk_attribution)."""
+    position of the kept nodes, `qk_rows` the cells and marginals kept per pair (null: all),
+    `qk_sources` each side split into the parts at its own position (position) or traced
+    through the earlier layers' frozen patterns to the graph's nodes (nodes): graph_qk.csv
+    (probe.graphs.qk_attribution)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -325,6 +328,7 @@ class GraphConfig:
     examples: str | None = None  # a run holding the set's feature examples: the viewer's files
     qk: int = 0  # key positions per layer, head and query position whose scores are decomposed
     qk_rows: int | None = 20  # cells and marginals kept per decomposed pair (null: every one)
+    qk_sources: str = "position"  # each side's parts at its position, or traced to the nodes
 
 
 @dataclass

@@ -281,7 +281,8 @@ class GraphSpec:
     its defaults), `zero_bos` and `update_interval` (GraphOptions'), and `prepend_bos`: a
     special token first in each prompt that does not start with one (prompt_tokens' rule);
     `examples` a run of the set's feature examples (probe.graphs.feature_files); `qk` and
-    `qk_rows` the QK attribution's key positions (0: off) and rows per pair (GraphOptions')."""
+    `qk_rows` the QK attribution's key positions (0: off) and rows per pair, `qk_sources` what
+    each side is split into (position | nodes) (GraphOptions')."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95
@@ -298,6 +299,7 @@ class GraphSpec:
     examples: str | None = None
     qk: int = 0
     qk_rows: int | None = 20
+    qk_sources: str = "position"
 
     @property
     def on(self) -> bool:

@@ -45,6 +45,7 @@ from typing import Literal
 
 import torch
 
+from probe.config import GRAPH_QK_SOURCES as QK_SOURCES  # what a QK table splits a side into
 from probe.errors import ConfigError
 from probe.graphs.attribution_graph import AttributionGraph
 from probe.graphs.batch_plan import BatchPlan, device_shares, plan_batch
@@ -83,7 +84,9 @@ class GraphOptions:
     update_interval: batches between re-rankings of the features by influence. qk: the key
     positions per layer, head and query position whose attention score the QK attribution
     decomposes (probe.graphs.qk_attribution; 0: none); qk_rows: the largest cells and
-    marginals kept per decomposed pair, the rest summed in one row (None: every one)."""
+    marginals kept per decomposed pair, the rest summed in one row (None: every one);
+    qk_sources: each side split into the parts at its own position ("position") or traced
+    through the earlier layers' frozen patterns to the graph's nodes ("nodes")."""
 
     logit_prob: float = 0.95
     max_logits: int = 10
@@ -97,6 +100,7 @@ class GraphOptions:
     update_interval: int = 4
     qk: int = 0
     qk_rows: int | None = 20
+    qk_sources: str = "position"
 
     def __post_init__(self) -> None:
         def bad(key, value, want):
@@ -132,7 +136,7 @@ class GraphOptions:
             bad("edges", self.edges, f"choose from {', '.join(EDGES)}")
         if not _is_int(self.update_interval) or self.update_interval < 1:
             bad("update_interval", self.update_interval, "at least 1 batch")
-        check_qk_options(self.qk, self.qk_rows)
+        check_qk_options(self.qk, self.qk_rows, self.qk_sources)
 
     @classmethod
     def of(cls, **options) -> GraphOptions:
@@ -156,10 +160,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_qk_options(qk, qk_rows) -> None:
-    """graph.qk (key positions per layer, head and query position: 0 off) and graph.qk_rows
-    (cells and marginals kept per decomposed pair, the rest summed; None: all), refused by
-    name."""
+def check_qk_options(qk, qk_rows, qk_sources: str = "position") -> None:
+    """graph.qk (key positions per layer, head and query position: 0 off), graph.qk_rows
+    (cells and marginals kept per decomposed pair, the rest summed; None: all) and
+    graph.qk_sources (QK_SOURCES), refused by name."""
+    if qk_sources not in QK_SOURCES:
+        raise ConfigError(
+            f"graph.qk_sources={qk_sources!r}: choose position (the parts at the pair's own "
+            "positions, an earlier attention's write one part) or nodes (those writes traced "
+            "to the graph's nodes at every earlier position and layer)"
+        )
     if not _is_int(qk) or qk < 0:
         raise ConfigError(
             f"graph.qk={qk!r}: the number of most-attended key positions whose attention score "

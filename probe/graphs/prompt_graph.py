@@ -7,7 +7,7 @@ does (position 0's activations are outliers; its features and error are not node
 is a TranscoderSet or a CrossLayerTranscoder, or the path of a circuit-tracer YAML (either kind)
 or of a folder holding one. `options` are GraphOptions' fields (logit_prob, max_logits,
 max_feature_nodes, node_threshold, edge_threshold, batch_size, floor, edges, zero_bos,
-update_interval, qk, qk_rows). With `qk=K` the graph also holds its QK attribution
+update_interval, qk, qk_rows, qk_sources). With `qk=K` the graph also holds its QK attribution
 (`graph.qk`, a table: probe.graphs.qk_attribution): for each layer, head and query position of
 its kept nodes, the K key positions attended most, their scores decomposed over query-side and
 key-side parts.
@@ -60,7 +60,8 @@ def attribution_graph(
     graph = graph.prune(opts.node_threshold, opts.edge_threshold)
     if opts.qk:
         graph.qk = qk_table(model, graph, graph_transcoders, keys=opts.qk, rows=opts.qk_rows,
-                            overrides=overrides, zero_bos=opts.zero_bos)  # fmt: skip
+                            overrides=overrides, zero_bos=opts.zero_bos,
+                            sources=opts.qk_sources, batch=opts.batch_size)  # fmt: skip
     return graph
 
 

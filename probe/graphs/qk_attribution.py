@@ -27,6 +27,10 @@ give the pattern the model produced (softcap, mask and softmax applied), and eve
 sum to its score.
 
     table = qk_table(model, graph, transcoders, keys=2)     # a DataFrame of QK_COLUMNS
+
+With sources="nodes" the attention writes are not kept whole: each side's residual is split over
+the graph's nodes at every earlier position and layer, and named constant parts, through the
+earlier layers' frozen patterns (probe.graphs.qk_sources); the rest is the same.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def qk_table(
     overrides: dict | None = None,
     zero_bos: bool = True,
     positions: list[int] | None = None,
+    sources: str = "position",
+    batch: int | None = None,
 ) -> pd.DataFrame:
     """The QK attribution of `graph` (see the module docstring) as a table of QK_COLUMNS: for
     every layer, head and query position (`positions`, default query_positions(graph)), the
@@ -116,8 +122,12 @@ def qk_table(
     query-side part times a key-side part) and marginals (a part times the other side whole:
     `*`), the `rows` largest |contribution| of each kept and the rest summed in a `rest` row.
     `zero_bos` must be the graph's (position 0's features and error are no nodes, an
-    instruction-tuned Gemma-3's first four: probe.graphs.attribution.zeroed_positions)."""
-    check_qk_options(keys, rows)
+    instruction-tuned Gemma-3's first four: probe.graphs.attribution.zeroed_positions).
+    `sources`: "position" splits each side into the parts at its own position (an earlier
+    attention's write one part, `attn l'@p`); "nodes" traces those writes through their frozen
+    patterns to the nodes at every earlier position and layer (probe.graphs.qk_sources, with
+    `batch` prompt copies per backward pass; None: the memory plan's)."""
+    check_qk_options(keys, rows, sources)
     if keys == 0:
         return pd.DataFrame(columns=list(QK_COLUMNS))
     positions = query_positions(graph) if positions is None else positions
@@ -130,9 +140,19 @@ def qk_table(
             model(ids[None].to(device), **_lean(model))
         check_interface(seen.rep)
         writes = _mlp_writes(seen.rep, transcoders, zeroed_positions(model, ids, zero_bos))
-    residuals = _residual_parts(seen, writes, graph)
     out = []
-    for layer, residual in enumerate(residuals):
+    if sources == "position":
+        for layer, residual in enumerate(_residual_parts(seen, writes, graph)):
+            out.extend(_layer_rows(seen, layer, residual, positions, keys, rows))
+        return pd.DataFrame(out, columns=list(QK_COLUMNS))
+    from probe.graphs.qk_sources import NodeSources, needed_positions
+
+    traced = NodeSources(seen, writes, graph, transcoders, overrides, batch)
+    for layer in range(seen.parts.n_layers):
+        pattern = seen.rep.saved["patterns"][layer][0].double()
+        residual = traced.residual(layer, needed_positions(pattern, positions, keys), _Residual)
+        x = seen.norm_io["attn_norm", layer][0][0]
+        _check_sum(residual, x, seen.parts.name(seen.parts.attns[layer]), traced=True)
         out.extend(_layer_rows(seen, layer, residual, positions, keys, rows))
     return pd.DataFrame(out, columns=list(QK_COLUMNS))
 
@@ -178,6 +198,8 @@ class _Forward:
             self.hooks.forward(p.mlp_writes[layer], self._write(self.mlp_writes, layer))
         for layer, norm in enumerate(self.rep.frozen_post_mlp):
             self.hooks.forward(norm, self._norm("post_mlp_norm", layer))
+        for layer, norm in enumerate(p.post_attn_norms):
+            self.hooks.forward(norm, self._norm("post_attn_norm", layer))
 
     def _call(self, layer: int):
         def hook(module, args, kwargs):
@@ -328,13 +350,19 @@ def _node_numbers(graph: GraphData) -> dict[tuple[int, int, int], int]:
     return {(int(a), int(b), int(c)): i for i, (a, b, c) in enumerate(graph.features.tolist())}
 
 
-def _check_sum(residual: _Residual, want: torch.Tensor, name: str) -> None:
+def _check_sum(residual: _Residual, want: torch.Tensor, name: str, traced: bool = False) -> None:
+    """The parts of each position sum to the residual `want`, within the dtype's rounding of
+    the parts' |sum| per component; `traced` (parts through earlier layers, qk_sources): of
+    their largest component at the position, as a norm computing in float32 inside a float64
+    model (Llama's) rounds the real residual, and the frozen map the parts follow does not."""
     got = torch.stack(
         [torch.stack([p.vector for p in here.values()]).sum(0) for here in residual.parts]
     )
     size = torch.stack([torch.stack([p.vector.abs() for p in here.values()]).sum(0)
                         for here in residual.parts])  # fmt: skip
     diff = (got.to(want.dtype) - want).abs()
+    if traced:
+        size = size.amax(-1, keepdim=True).expand_as(size)
     largest = float(diff.max())
     ok = bool((diff <= _rtol(want.dtype) * size.to(want.dtype) + 1e-30).all())
     if not ok:

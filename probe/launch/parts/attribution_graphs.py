@@ -91,12 +91,13 @@ def attribute_prompt(model, tokens: torch.Tensor, transcoders, spec: GraphSpec, 
 
 
 def qk_of(model, graph: AttributionGraph, transcoders, spec: GraphSpec, overrides=None):
-    """The QK attribution table of `graph` (probe.graphs.qk_attribution) at graph.qk and
-    graph.qk_rows."""
+    """The QK attribution table of `graph` (probe.graphs.qk_attribution) at graph.qk,
+    graph.qk_rows and graph.qk_sources."""
     from probe.graphs.qk_attribution import qk_table
 
     return qk_table(model, graph, transcoders, keys=spec.qk, rows=spec.qk_rows,
-                    overrides=overrides, zero_bos=spec.zero_bos)  # fmt: skip
+                    overrides=overrides, zero_bos=spec.zero_bos,
+                    sources=spec.qk_sources, batch=spec.batch_size)  # fmt: skip
 
 
 def prune_graph(graph: AttributionGraph, spec: GraphSpec) -> AttributionGraph:

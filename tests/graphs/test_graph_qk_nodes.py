@@ -1,0 +1,292 @@
+"""The QK attribution traced to the graph's nodes (qk_sources="nodes", probe.graphs.qk_sources):
+on 3-block GPT-2 (every bias random) and Llama (norm weights random) models in float64 with
+skip transcoders, the cells and marginals of each pair sum to its pre-softmax score; a node's
+query-side or key-side share, and a cell, equal the change a hand perturbation makes in the
+frozen replacement model (the node's write taken out in a replay, the residual's move at the
+attention's input projected by hand); where no attention lies between a node and the pair
+(layer 0, a layer-0 feature at the query position of layer 1) the table is the position one's."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+import probe
+from probe.errors import ConfigError
+from probe.graphs import qk_attribution
+from probe.graphs.attribution import GraphOptions
+from probe.graphs.graph_json import graph_model, node_id
+from probe.graphs.qk_attribution import ALL, REST, qk_table
+from probe.graphs.qk_sources import NodeSources
+from probe.graphs.replacement import LocalReplacement
+from probe.hooks.hookset import HookSet
+from probe.testing.random_transcoders import random_cross_layer, random_transcoders
+from tests.graphs.test_graph_attribution import error_vectors
+from tests.graphs.test_graph_families import COMMON, tiny
+from tests.graphs.test_graph_json import NEURONPEDIA_GRAPH
+from tests.graphs.test_graph_qk import cells_of, hand_qk
+
+PROMPT = torch.tensor([2, 7, 12, 9, 20, 5, 14])
+KEYS = 2
+LAYERS = 3
+PAIR = ["layer", "head", "query_pos", "key_pos"]
+
+
+def three_blocks(family: str) -> torch.nn.Module:
+    """A 3-block model in float64, eager attention: GPT-2 with every bias random, Llama with
+    random norm weights."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        if family == "gpt2":
+            config = transformers.GPT2Config(vocab_size=100, n_layer=LAYERS, n_embd=32, n_head=2,
+                                             n_positions=64)  # fmt: skip
+        else:
+            config = transformers.LlamaConfig(num_hidden_layers=LAYERS, **COMMON)
+        config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if family == "gpt2" and name.endswith("bias"):
+                    p.copy_(0.3 * torch.randn_like(p))
+                if family == "llama" and "norm" in name:
+                    p.copy_(0.3 * torch.randn_like(p) + 1.0)
+    return model.double()
+
+
+@pytest.fixture(scope="module")
+def made():
+    """family -> (model, transcoders, graph, node table, position table), made once."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            model = three_blocks(family)
+            ts = random_transcoders(32, LAYERS, expansion=1, skip=True, dtype=torch.float64)
+            graph = probe.attribution_graph(
+                model, PROMPT, ts, qk=KEYS, qk_rows=None, qk_sources="nodes", max_feature_nodes=16
+            )
+            plain = qk_table(model, graph, ts, keys=KEYS, rows=None)
+            built[family] = model, ts, graph, graph.qk, plain
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_each_pairs_node_cells_and_marginals_sum_to_its_score(made, family):
+    model, ts, graph, table, plain = made(family)
+    # the same pairs, scores and patterns as the position table; no attention write left whole
+    assert (
+        table.groupby(PAIR)[["score", "pattern"]]
+        .first()
+        .equals(plain.groupby(PAIR)[["score", "pattern"]].first())
+    )
+    parts = set(table["query_part"]) | set(table["key_part"])
+    assert not [p for p in parts if re.fullmatch(r"attn \d+@\d+", p)]
+    assert any(p.startswith("attn 1 bias@") for p in parts) == (family == "gpt2")
+    cells = cells_of(table)
+    pairs = cells.groupby(PAIR)
+    scores = pairs["score"].first()
+    size = pairs["contribution"].apply(lambda c: c.abs().sum())
+    # float64 throughout; Llama's RMSNorm rounds its output to float32 inside, so the score
+    # read from it (and the writes made from it) differ from the frozen linear map by that
+    # rounding, 2.4e-7 of the cells' size at most here (the position table's too)
+    tol = 1e-12 if family == "gpt2" else 1e-6
+    assert ((pairs["contribution"].sum() - scores).abs() <= tol * size).all()
+    for side, other in (("query_part", "key_part"), ("key_part", "query_part")):
+        marginal = table[table[other] == ALL].set_index([*PAIR, side])["contribution"]
+        assert ((marginal.groupby(PAIR).sum() - scores).abs() <= tol * size).all()
+        # each marginal is its part's cells summed against the whole other side
+        summed = cells.groupby([*PAIR, side])["contribution"].sum()
+        torch.testing.assert_close(torch.tensor(marginal.sort_index().values),
+                                   torch.tensor(summed.sort_index().values), rtol=1e-9, atol=1e-12)  # fmt: skip
+    # parts traced through attention: the pair's sides hold other positions' nodes
+    far = cells[(cells["layer"] >= 1) & cells["query_part"].str.startswith("token@")]
+    assert (far["query_part"] != far["query_pos"].map(lambda q: f"token@{q}")).any()
+
+
+def test_the_viewer_json_of_a_node_traced_table_validates_and_names_its_nodes(made):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, _, graph, table, _ = made("gpt2")
+    data = json.loads(json.dumps(graph_model(graph, "qk nodes", node_threshold=0.8)))
+    jsonschema.validate(data, NEURONPEDIA_GRAPH, cls=jsonschema.Draft7Validator)
+    traced = [n for n in data["nodes"] if "qk_tracing_results" in n]
+    assert len(traced) == table.groupby(PAIR).ngroups
+    ids = {node_id(graph, i) for i in range(graph.n_nodes)}
+    named = {a for n in traced for a, _, _ in n["qk_tracing_results"]["pair_wise_contributors"]}
+    # a node by its id (another position's than the pair's too), a constant part by its name
+    assert named & ids and all(a in ids or not re.fullmatch(r"(token|error \d+)@\d+", a)
+                               for a in named)  # fmt: skip
+    assert any(re.fullmatch(r"attn \d+ bias@\d+", a) for a in named)
+
+
+def frozen_residuals(model, ts, remove=None) -> tuple[dict, dict]:
+    """Each layer's attention input (n_pos, d) in the model and in the frozen replacement model
+    (a replay of the prompt) with `remove` = (module, pos, vector) taken out of that module's
+    output. (A move is a replay's against a replay: Llama's RMSNorm rounds its output to
+    float32, a replay's frozen map does not.)"""
+    rep = LocalReplacement(model, ts, mode="record")
+    seen, hooks = {}, HookSet("qk nodes test")
+    with torch.no_grad(), rep, hooks:
+        for layer, norm in enumerate(rep.parts.attn_norms):
+            hooks.forward_pre(norm, lambda m, a, i=layer: seen.update({i: a[0][0].clone()}))
+        model(PROMPT[None], use_cache=False)
+        real = dict(seen)
+        rep.mode = "replay"
+        if remove is not None:
+            module, pos, vector = remove
+
+            def minus(m, args, out):
+                out = out.clone()
+                out[0, pos] -= vector.to(out.dtype)
+                return out
+
+            hooks.forward(module, minus)
+        model(PROMPT[None], use_cache=False)
+    return real, seen
+
+
+def removal(model, ts, part: str):
+    """(module, pos, vector): where the node `part` names writes, and what."""
+    rep = LocalReplacement(model, ts, mode="record")
+    with torch.no_grad(), rep:
+        model(PROMPT[None], use_cache=False)
+    kind, rest = part.split(" ", 1) if " " in part else (part.split("@")[0], part)
+    pos = int(part.rsplit("@", 1)[1])
+    if kind == "token":
+        return rep.parts.embed, pos, rep.captured.embed[0, pos]
+    if kind == "error":
+        layer = int(rest.split("@")[0])
+        return rep.mlp_writes[layer], pos, error_vectors(rep, ts)[layer][pos]
+    layer, feature = (int(v) for v in rest.split("@")[0].split(":"))
+    t = ts[layer]
+    act = t.encode(rep.saved["inputs"][layer][0])[pos, feature]
+    return rep.mlp_writes[layer], pos, act * t.W_dec[feature]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_node_shares_equal_a_perturbation_of_the_frozen_model(made, family):
+    model, ts, graph, table, _ = made(family)
+    layer = LAYERS - 1
+    real, base = frozen_residuals(model, ts)
+    x = real[layer]
+    q_pos = graph.n_pos - 1
+    rows = table[(table["layer"] == layer) & (table["head"] == 0) & (table["query_pos"] == q_pos)]
+    k_pos = int(rows["key_pos"].max())  # (of the keys it attends to most, the latest)
+    rows = rows[rows["key_pos"] == k_pos]
+    node = re.compile(r"(token|error|feature) ?[\d:]*@(\d+)")
+
+    def elsewhere(parts, pos):
+        """A token, an error and a feature node at another position than the side's (each
+        reaches it through attention), where the side has them."""
+        found = {}
+        for p in parts:
+            if (m := node.fullmatch(p)) and int(m[2]) != pos:
+                found.setdefault(m[1], p)
+        return list(found.values())
+
+    q_rows = rows[rows["key_part"] == ALL].set_index("query_part")["contribution"]
+    k_rows = rows[rows["query_part"] == ALL].set_index("key_part")["contribution"]
+    q_parts, k_parts = elsewhere(q_rows.index, q_pos), elsewhere(k_rows.index, k_pos)
+    assert len(q_parts) == 3 and len(k_parts) >= 2
+    columns = {}  # part -> its column: the residual's move when it is taken out, negated
+    for part in {*q_parts, *k_parts}:
+        columns[part] = (
+            base[layer] - frozen_residuals(model, ts, removal(model, ts, part))[1][layer]
+        )
+    # the whole side: the replay's residual, which the parts sum to (Llama's RMSNorm rounds its
+    # output to float32, so the real residual is 1e-4 away in this random model); the norm's
+    # frozen scale: the real residual's, as the table's
+    parts = [{"x": base[layer][p]} | {name: c[p] for name, c in columns.items()}
+             for p in range(len(x))]  # fmt: skip
+    q_side, k_side, scaling, group = hand_qk(model, family, parts, x, layer)
+
+    def q_of(name):
+        return q_side[q_pos][name][0].detach()
+
+    def k_of(name):
+        return k_side[k_pos][name][0 // group].detach()
+
+    def close(got, q, k):
+        """got = scaling q . k, within float64's rounding of the parts."""
+        want = float(q @ k) * scaling
+        assert abs(got - want) <= 1e-9 * float(q.norm() * k.norm()) * abs(scaling) + 1e-12
+
+    q_whole, k_whole = q_of("x") + q_of("bias"), k_of("x") + k_of("bias")
+    for part in q_parts:
+        close(q_rows[part], q_of(part), k_whole)
+    for part in k_parts:
+        close(k_rows[part], q_whole, k_of(part))
+    cells = rows.set_index(["query_part", "key_part"])["contribution"]
+    for a in q_parts:
+        for b in k_parts:
+            close(cells[a, b], q_of(a), k_of(b))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_without_attention_between_the_node_and_the_pair_the_table_is_the_position_ones(
+    made, family
+):
+    _, _, _, table, plain = made(family)
+    key = [*PAIR, "query_part", "key_part"]
+    first = table[table["layer"] == 0].set_index(key)["contribution"].sort_index()
+    want = plain[plain["layer"] == 0].set_index(key)["contribution"].sort_index()
+    assert first.index.equals(want.index)
+    torch.testing.assert_close(torch.tensor(first.values), torch.tensor(want.values),
+                               rtol=1e-9, atol=1e-12)  # fmt: skip
+    if family == "llama":  # (its RMSNorm's float32 rounding moves the whole key side by 1e-4)
+        return
+    # layer 1: a layer-0 feature or error at the query position reaches it directly alone, so
+    # its share against the whole key is the position table's
+    here = re.compile(r"(feature 0:\d+|error 0)@(\d+)")
+
+    def local(t):
+        rows = t[(t["layer"] == 1) & (t["key_part"] == ALL)]
+        at_query = [
+            bool((m := here.fullmatch(p)) and int(m[2]) == q)
+            for p, q in zip(rows["query_part"], rows["query_pos"], strict=True)
+        ]
+        rows = rows[at_query]
+        return rows.set_index([*PAIR, "query_part"])["contribution"].sort_index()
+
+    got, old = local(table), local(plain)
+    assert len(got) > 10 and got.index.equals(old.index)
+    torch.testing.assert_close(torch.tensor(got.values), torch.tensor(old.values),
+                               rtol=1e-9, atol=1e-12)  # fmt: skip
+    assert REST not in set(table["query_part"])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "llama+clt"])
+def test_the_traced_parts_sum_to_the_frozen_models_residual_across_families(family):
+    """Gemma-2 (sandwich norms: the post-attention norm's frozen map), Gemma-3 (a sliding layer
+    first) and a Llama with a cross-layer transcoder (features writing into later layers): at
+    block 1's attention input every position's parts sum to the frozen replacement model's
+    residual (a replay), to float64's rounding of the parts, and hold the token before it."""
+    model = tiny(family.removesuffix("+clt"))
+    ts = (
+        random_cross_layer(32, 2, expansion=1, dtype=torch.float64)
+        if family.endswith("+clt")
+        else random_transcoders(32, 2, expansion=1, skip=True, dtype=torch.float64)
+    )
+    graph = probe.attribution_graph(model, PROMPT, ts, max_feature_nodes=16)
+    seen = qk_attribution._Forward(model, ts, None)
+    with seen, torch.no_grad():
+        model(PROMPT[None], use_cache=False)
+        writes = qk_attribution._mlp_writes(seen.rep, ts, 1)
+    traced = NodeSources(seen, writes, graph, ts, None)
+    rows = traced.rows(1, list(range(len(PROMPT))))
+    _, frozen = frozen_residuals(model, ts)
+    for p, split in rows.items():
+        size = float(split.abs().sum(1).max())
+        assert float((split.sum(1) - frozen[1][p]).abs().max()) <= 1e-12 * size
+        names = [traced.names[c] for c in split.abs().sum(0).nonzero().flatten().tolist()]
+        assert p == 0 or f"token@{p - 1}" in names  # (through attention 0)
+
+
+def test_bad_qk_sources_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"graph\.qk_sources='neighbours'.*position.*nodes"):
+        GraphOptions(qk=2, qk_sources="neighbours")

@@ -1,0 +1,49 @@
+"""graph.qk_sources=nodes in a run: graph_qk.csv holds the table `qk_table(sources="nodes")`
+gives for the graph the attribution makes of the same tokens outside the run; a bad value exits
+2 by name before the model runs."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from probe.graphs.qk_h5 import QK_CSV
+from probe.launch.parts import attribution_graphs
+from tests.launch.test_error_catalogue import assert_words
+from tests.launch.test_graph_runs import graph_args, named_transcoders, prompts, stand_in
+
+__all__ = ["prompts", "stand_in"]  # (fixtures)
+
+
+def test_a_run_writes_the_node_traced_qk_table_as_the_api_computes_it(
+    cli_here, tiny_gpt2, prompts, tmp_path, monkeypatch
+):
+    from transformers import AutoModelForCausalLM
+
+    from probe.graphs.attribution import GraphOptions, attribute
+    from probe.graphs.pruning import prune
+    from probe.graphs.qk_attribution import qk_table
+
+    root, tokens = prompts
+    transcoders = named_transcoders()
+    monkeypatch.setattr(attribution_graphs, "load_transcoder_set", lambda p: transcoders)
+    args = ("graph.qk=2", "graph.qk_rows=6", "graph.qk_sources=nodes", "dataset.num_samples=1")
+    code, text = cli_here(*graph_args(tiny_gpt2, root, *args))
+    assert code == 0, text
+    got = pd.read_csv(tmp_path / "run" / QK_CSV, keep_default_na=False)
+    for side in ("query_part", "key_part"):  # no attention write left whole
+        assert not got[side].str.fullmatch(r"attn \d+@\d+").any()
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2[0]).eval()
+    graph = prune(attribute(model, tokens[0], transcoders, GraphOptions()), 0.8, 0.98)
+    want = qk_table(model, graph, transcoders, keys=2, rows=6, sources="nodes")
+    here = got[got["prompt"] == 0].drop(columns="prompt").reset_index(drop=True)
+    pd.testing.assert_frame_equal(here, want, check_dtype=False, rtol=1e-5, atol=1e-8)
+
+
+def test_a_bad_qk_sources_exits_2_by_name_before_the_model_runs(
+    cli_here, tiny_gpt2, prompts, stand_in, tmp_path
+):
+    code, text = cli_here(*graph_args(tiny_gpt2, prompts[0]), "graph.qk=2",
+                          "graph.qk_sources=everything")  # fmt: skip
+    assert code == 2, text
+    assert_words(text, "graph.qk_sources='everything'", "position", "nodes")
+    assert not stand_in and not (tmp_path / "run" / "probe.h5").exists()
