@@ -352,6 +352,13 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
         "--width of 300 or more"
         in refused("--activation", "batchtopk", "--no-losses", "--k", "300", "--workers", "2")
     )
+    jumprelu = ["--activation", "jumprelu", "--no-losses"]  # its L0 target: --l0-target, else --k
+    assert "--k 200 (jumprelu's L0 target) is above --width 128: give --k <= 128" in refused(*jumprelu, "--k", "200", "--width", "128")  # fmt: skip
+    assert (
+        "--l0-target 256.5 (jumprelu's L0 target) is above the default width 256 (8 x the "
+        "input's 32): give --l0-target <= 256, or a --width of 257 or more"
+        in refused(*jumprelu, "--l0-target", "256.5", "--k", "8")
+    )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
     assert "not a run directory" in (
         main([str(tmp_path), "--steps", "1"]) == 2 and capsys.readouterr().err
