@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from probe.analysis.fit.clt import CLT_LR, CLT_PENALTY
+    from probe.analysis.fit.clt import CLT_LR
     from probe.analysis.fit.options import LR, LR_WIDTH, PENALTY, FitOptions
 
     argv = sys.argv[1:] if argv is None else argv
@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sparsity", "--l1", type=float, default=None,
         help="penalty coefficient: relu, activation x decoder norm / sqrt(d_out) on rows scaled "
         f"to unit variance ({PENALTY['relu']:g}); jumprelu, (L0 / target - 1)^2 "
-        f"({PENALTY['jumprelu']:g}); --kind clt: relu, activation x its whole decoder's norm "
-        f"({CLT_PENALTY['relu']:g}); jumprelu, (L0 / target - 1)^2 of each encoder layer "
-        f"({CLT_PENALTY['jumprelu']:g})",
+        f"({PENALTY['jumprelu']:g}); --kind clt: the same of each encoder layer (relu: its "
+        "whole decoder's norm)",
     )  # fmt: skip
     parser.add_argument(
         "--sparsity-warmup", type=float, default=d.sparsity_warmup,

@@ -461,3 +461,48 @@ def test_a_jumprelu_clts_l0_target_is_the_per_layer_penalty_of_each_encoder_laye
         d_theta = -(1 / bw) * (kernel * (theta[i] * d_acts[i] + d_penalty_d_l0 / rows)).sum(0)
         torch.testing.assert_close(model.log_threshold.grad[i].double(), d_theta * theta[i],
                                    rtol=1e-4, atol=1e-7)  # fmt: skip
+
+
+def test_a_relu_clts_penalty_is_the_per_layer_trainers_over_whole_decoders():
+    """relu: `sparsity` (default 0.03, the per-layer trainer's) x the sum over source layers of
+    the rows' mean of sum over features of activation x the norm of the feature's whole decoder
+    (every layer it writes to) / sqrt(d_out), by hand; a 1-layer CLT with a per-layer
+    transcoder's parameters has that transcoder's loss and gradients."""
+    from probe.analysis.fit.options import FitOptions
+    from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
+
+    n, d, width, rows = 2, 6, 10, 30
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(rows, d, generator=g) + 1 for _ in range(n)]
+    ys = [torch.randn(rows, d, generator=g) * 2 - 1 for _ in range(n)]
+    options = FitOptions(activation="relu", width=width, sparsity_warmup=0.0)
+    model = clt_fit.TrainingCLT(n, d, d, options, seed=0, total_steps=10)
+    model.start(xs, ys)
+    loss, parts = model.loss(xs, ys)
+    p = {name: q.detach() for name, q in model.named_parameters()}
+    acts = [torch.relu((xs[i] * model.x_scale[i] - model.x_mean[i]) @ p["W_enc"][i] + p["b_enc"][i])
+            for i in range(n)]  # fmt: skip
+    preds = [p["b_dec"][t] + sum(acts[s] @ p[f"W_dec.{s}"][:, t - s] for s in range(t + 1))
+             for t in range(n)]  # fmt: skip
+    mse = sum((preds[t] - ys[t] * model.y_scale[t]).pow(2).mean() for t in range(n))
+    norms = [p[f"W_dec.{s}"].pow(2).sum((1, 2)).sqrt() for s in range(n)]
+    penalty = sum((acts[s] * norms[s]).sum(1).mean() / d**0.5 for s in range(n))
+    assert np.isclose(parts["penalty"], float(penalty), rtol=1e-5)
+    torch.testing.assert_close(loss.detach(), mse + 0.03 * penalty, rtol=1e-5, atol=1e-7)
+
+    one = clt_fit.TrainingCLT(1, d, d, options, seed=1, total_steps=10)
+    one.start(xs[:1], ys[:1])
+    plain = TrainingTranscoder(d, d, options, seed=1, total_steps=10)
+    plain.start(xs[0], ys[0])
+    with torch.no_grad():
+        for name in ("W_enc", "b_enc", "b_dec"):
+            getattr(plain, name).copy_(getattr(one, name)[0])
+        plain.W_dec.copy_(one.W_dec[0][:, 0])
+    torch.testing.assert_close(plain.x_mean, one.x_mean[0])
+    (got, got_parts), (want, want_parts) = one.loss(xs[:1], ys[:1]), plain.loss(xs[0], ys[0])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+    assert np.isclose(got_parts["penalty"], want_parts["penalty"], rtol=1e-6)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(one.W_dec[0].grad[:, 0], plain.W_dec.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(one.W_enc.grad[0], plain.W_enc.grad, rtol=1e-5, atol=1e-7)

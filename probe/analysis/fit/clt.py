@@ -22,7 +22,9 @@ means are folded into the written weights):
     for each encoder layer: every layer's features steer to the same target, `l0_target`, else
     `k`; a straight-through step with a rectangle kernel of `bandwidth` for the thresholds'
     gradient, thresholds learnt as logs); decoders free;
-  - relu: `sparsity` x activations times the norms of their whole decoders; decoders free;
+  - relu: `sparsity` x the sum over features of activation x the norm of its whole decoder (every
+    layer it writes to) / sqrt(d_out), averaged over rows: the per-layer trainer's penalty (a
+    feature's writes as a share of an output row's RMS norm) with its coefficient; decoders free;
   - topk: k features of each layer a row; batchtopk: the k x rows largest pre-activations of each
     layer's batch, with a per-layer threshold (the running mean of each batch's smallest selected
     activation) that replaces the batch at inference: written as a JumpReLU CLT of that
@@ -95,17 +97,17 @@ from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
 CHECKPOINT = "checkpoint.pt"  # the fit so far, in its --out
-# the CLT trainer's own defaults (its penalties, CLT_PENALTY, differ from the per-layer trainer's
-# in options.py). The peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width):
+# the CLT trainer's peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width):
 # on the planted problem (docs/bench/fit_planted.md, 10 epochs) topk's held-out FVU was 0.48 at
-# 1e-3, 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; relu 0.58 at 1e-3 (the former default)
-# and 0.11-0.16 at 1e-2; jumprelu from unit decoders 0.77-0.83 at 1e-3 and 0.30-0.32 at 1e-2,
-# from W_dec = 0 (its start now) 0.10-0.12 at 1e-2
-CLT_LR = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 2e-2, "batchtopk": 2e-2}
-# jumprelu's coefficient is the per-layer trainer's, on the same (L0 / target - 1)^2 of each
-# encoder layer: on the planted problem at 30 epochs, target 8, held-out FVU 0.020 / 0.028 at L0
-# 7.4 / 7.1 (an L0 penalty without a target, 1e-2 x L0, left 0.066 / 0.082 at L0 5.1 / 4.8)
-CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1.0, "topk": 0.0, "batchtopk": 0.0}
+# 1e-3, 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; jumprelu from unit decoders 0.77-0.83
+# at 1e-3 and 0.30-0.32 at 1e-2, from W_dec = 0 (its start now) 0.10-0.12 at 1e-2; relu (30
+# epochs, its penalty now) 0.033 / 0.043 (blocks 0 / 1) at 1e-2, 0.022 / 0.030 at 2e-2.
+# The penalties and their coefficients are the per-layer trainer's (options.PENALTY), each
+# encoder layer's: relu's coefficient 1e-2 on activation x decoder norm without the
+# 1 / sqrt(d_out) (2.7 times as strong at d_out 64) left L0 at 6.7 of the planted 7.6 and FVU
+# 0.044 / 0.062 at 30 epochs (1e-2); jumprelu's L0 penalty without a target (1e-2 x L0) 0.066 /
+# 0.082 at L0 5.1 / 4.8, its target 8 now 0.020 / 0.028 at L0 7.4 / 7.1.
+CLT_LR = {"relu": 2e-2, "jumprelu": 1e-2, "topk": 2e-2, "batchtopk": 2e-2}
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
                "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "ce_clean", "ce_spliced",
                "ce_zero", "ce_recovered", "kl", "seconds"]  # fmt: skip
@@ -170,10 +172,6 @@ class TrainingCLT(ScheduledTrainer):
     def aux_k(self) -> int:
         return self.options.aux_k or max(1, self.b_dec.shape[1] // 2)
 
-    def penalty_coefficient(self) -> float:
-        o = self.options
-        return o.sparsity if o.sparsity is not None else CLT_PENALTY[o.activation]
-
     def start(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
         """Scales and the inputs' means from a first batch of raw rows (trainer_base.spread_scale
         per site); b_dec at the scaled outputs' mean."""
@@ -203,7 +201,7 @@ class TrainingCLT(ScheduledTrainer):
         if o.activation == "relu":
             acts = torch.relu(pre)
             norms = self.W_dec[layer].flatten(1).norm(dim=1)
-            penalty = (acts * norms).sum(-1).mean()
+            penalty = (acts * norms).sum(-1).mean() / self.b_dec.shape[1] ** 0.5
         else:
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold[layer].exp()
