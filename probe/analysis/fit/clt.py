@@ -478,7 +478,7 @@ class CltFit:
         save_cross_layer(clt, self.out)
         seconds = round(seconds, 3)
         losses = self.loss_measures(clt)
-        k = o.k if o.activation in ("topk", "batchtopk") else None
+        k = clt.k  # the written CLT's own (topk's k; batchtopk is written as a JumpReLU: none)
         rows_out = [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
                      "width": clt.d_tc, "k": k, "steps": step, "rows": rows,
                      "left_out_rows": self.left_out_rows, **metrics[layer],
