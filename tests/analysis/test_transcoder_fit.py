@@ -391,7 +391,7 @@ def test_jumprelu_thresholds_learn_through_the_straight_through_kernel():
     thresholds 0.001; here its decoder is set to random rows so the output's part is not 0."""
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(200, 6, generator=g), torch.randn(200, 6, generator=g)
-    start = TrainingTranscoder(6, 6, FitOptions(activation="jumprelu", width=10), seed=0)
+    start = TrainingTranscoder(6, 6, FitOptions(activation="jumprelu", width=10, k=3), seed=0)
     assert (start.W_dec == 0).all() and start.W_enc.abs().max() <= 6**-0.5
     torch.testing.assert_close(start.log_threshold.exp(), torch.full((10,), 0.001))
     options = FitOptions(
