@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from probe.analysis.fit.clt import CLT_LR, CLT_PENALTY
+    from probe.analysis.fit.clt import CLT_LR
     from probe.analysis.fit.options import LR, LR_WIDTH, PENALTY, FitOptions
 
     argv = sys.argv[1:] if argv is None else argv
@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--k", type=int, default=None,
         help="topk, batchtopk: active features per row; jumprelu: the L0 target unless "
-        "--l0-target (16; not for a --kind clt jumprelu, whose L0 penalty has no target)",
+        "--l0-target (16)",
     )  # fmt: skip
     parser.add_argument(
         "--l0-target", type=float, default=None,
-        help="jumprelu: the L0 its penalty steers to (--k; not with --kind clt)",
+        help="jumprelu: the mean L0 its penalty steers to (--k; --kind clt: each encoder "
+        "layer's)",
     )  # fmt: skip
     parser.add_argument("--width", type=int, default=None, help="features (default 8 x d_model)")
     parser.add_argument(
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sparsity", "--l1", type=float, default=None,
         help="penalty coefficient: relu, activation x decoder norm / sqrt(d_out) on rows scaled "
         f"to unit variance ({PENALTY['relu']:g}); jumprelu, (L0 / target - 1)^2 "
-        f"({PENALTY['jumprelu']:g}); --kind clt: relu, activation x its whole decoder's norm "
-        f"({CLT_PENALTY['relu']:g}); jumprelu, L0 ({CLT_PENALTY['jumprelu']:g})",
+        f"({PENALTY['jumprelu']:g}); --kind clt: the same of each encoder layer (relu: its "
+        "whole decoder's norm)",
     )  # fmt: skip
     parser.add_argument(
         "--sparsity-warmup", type=float, default=d.sparsity_warmup,
@@ -195,11 +196,6 @@ def clt_fit(run: Path, args, options):
         raise ConfigError(
             f"--layers {args.layers} with --kind clt: a cross-layer transcoder spans every block; "
             "leave --layers out"
-        )
-    if args.activation == "jumprelu" and args.k is not None:
-        raise ConfigError(
-            f"--k {args.k} with --kind clt --activation jumprelu: the CLT's jumprelu has no L0 "
-            "target (it penalises L0 with coefficient --sparsity); leave --k out"
         )
     return CltFit(run, args.out, options, args.mlp, args.norm, losses=not args.no_losses,
                   resume=args.resume)  # fmt: skip

@@ -79,8 +79,8 @@ def main() -> None:
             flags = [str(root / "run"), "--out", str(out), "--width", str(spec.n_inner),
                      "--epochs", str(args.epochs), "--activation", activation, "--kind",
                      args.kind, *extra, *more]  # fmt: skip
-            if activation != "relu" and not (args.kind == "clt" and activation == "jumprelu"):
-                flags += ["--k", str(k)]  # (a CLT's jumprelu has no L0 target: no --k)
+            if activation != "relu":
+                flags += ["--k", str(k)]
             if out.exists():
                 import shutil
 

@@ -64,7 +64,7 @@ def recompute(run_dir, out, test_fraction=0.1, seed=0) -> pd.DataFrame:
 @pytest.mark.parametrize("activation", ["jumprelu", "topk"])
 def test_a_fitted_clt_explains_every_layer_and_fit_csv_is_what_the_files_give(lm_run, tmp_path, activation):  # fmt: skip
     out = tmp_path / activation
-    extra = ["--k", "8"] if activation == "topk" else ["--sparsity", "1e-3"]
+    extra = ["--k", "8"] if activation == "topk" else ["--l0-target", "8"]
     args = [str(lm_run), "--kind", "clt", "--activation", activation, "--steps", "100"]
     assert main([*args, "--out", str(out), *FAST, *extra]) == 0
     table = pd.read_csv(out / "fit.csv")
@@ -220,11 +220,11 @@ def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):
         "--activation", "gelu"
     )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
-    err = refused("--activation", "jumprelu", "--l0-target", "8")
-    assert "--l0-target 8 with --kind clt: the CLT's jumprelu has no L0 target" in err
-    assert "coefficient --sparsity (default 0.01); leave --l0-target out" in err
-    assert "--k 8 with --kind clt --activation jumprelu: the CLT's jumprelu has no L0 target" in (
-        refused("--activation", "jumprelu", "--k", "8")
+    jumprelu = ["--activation", "jumprelu"]  # an L0 target per encoder layer, at most its width
+    assert "--l0-target 200.5 (jumprelu's L0 target) is above --width 128: give --l0-target <= 128" in refused(*jumprelu, "--l0-target", "200.5", "--width", "128")  # fmt: skip
+    assert (
+        "--k 300 (jumprelu's L0 target) is above the default width 256 (8 x the input's 32): give "
+        "--k <= 256, or a --width of 300 or more" in refused(*jumprelu, "--k", "300")
     )
     topk = ["--activation", "topk"]
     assert "--k 200 is above --width 128: give --k <= 128" in refused(*topk, "--k", "200", "--width", "128")  # fmt: skip
@@ -414,3 +414,95 @@ def test_a_topk_clt_recovers_a_planted_cross_layer_dictionary():
     measured = clt_fit.evaluate(clt, [batch(2048, torch.Generator().manual_seed(2))])
     for layer, m in enumerate(measured):
         assert m["fvu"] <= 0.02 and m["dead"] <= 2 / 16, (layer, m)
+
+
+def test_a_jumprelu_clts_l0_target_is_the_per_layer_penalty_of_each_encoder_layer():
+    """A jumprelu CLT steers each encoder layer's L0 to the target (`l0_target`, else `k`) as
+    the per-layer trainer does: loss = sum over output layers of the MSE + `sparsity` (default
+    1) x sum over source layers of (L0_l / target - 1)^2, L0_l the batch's mean count of layer
+    l's features above their thresholds; the thresholds' gradient (through the log) is the
+    rectangle kernel's: for feature j of layer l, -(1 / bw) x sum over rows in the kernel of
+    (theta x dMSE/dact + dPenalty/dL0_l / rows), x theta. Computed by hand with plain torch."""
+    from probe.analysis.fit.options import FitOptions
+
+    n, d, width, target, bw, rows = 2, 5, 12, 3.0, 0.5, 40
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(rows, d, generator=g) + 1 for _ in range(n)]
+    ys = [torch.randn(rows, d, generator=g) * 2 - 1 for _ in range(n)]
+    options = FitOptions(activation="jumprelu", width=width, l0_target=target, k=7,
+                         bandwidth=bw, sparsity_warmup=0.0)  # fmt: skip
+    model = clt_fit.TrainingCLT(n, d, d, options, seed=0, total_steps=10)
+    model.start(xs, ys)
+    with torch.no_grad():  # thresholds spread around the pre-activations, decoders nonzero
+        model.log_threshold.copy_(torch.rand(n, width, generator=g).mul(0.6).add(0.05).log())
+        for w in model.W_dec:
+            w.copy_(torch.randn(w.shape, generator=g) * 0.3)
+    loss, parts = model.loss(xs, ys)
+    loss.backward()
+
+    p = {name: q.detach() for name, q in model.named_parameters()}
+    theta = p["log_threshold"].exp()
+    x_scaled = [x * model.x_scale[i] - model.x_mean[i] for i, x in enumerate(xs)]
+    y_scaled = [y * model.y_scale[i] for i, y in enumerate(ys)]
+    pres = [x_scaled[i] @ p["W_enc"][i] + p["b_enc"][i] for i in range(n)]
+    acts = [(pre * (pre > theta[i])).requires_grad_() for i, pre in enumerate(pres)]
+    preds = [p["b_dec"][t] + sum(acts[s] @ p[f"W_dec.{s}"][:, t - s] for s in range(t + 1))
+             for t in range(n)]  # fmt: skip
+    mse = sum((preds[t] - y_scaled[t]).pow(2).mean() for t in range(n))
+    l0 = [float((pre > theta[i]).sum(1).double().mean()) for i, pre in enumerate(pres)]
+    penalty = sum((v / target - 1) ** 2 for v in l0)
+    torch.testing.assert_close(loss.detach(), mse.detach() + penalty, rtol=1e-5, atol=1e-7)
+    assert np.isclose(parts["penalty"], penalty, rtol=1e-5) and penalty > 0.1
+    d_acts = torch.autograd.grad(mse, acts)
+    for i in range(n):
+        kernel = ((pres[i] - theta[i]).abs() < bw / 2).double()
+        assert kernel.sum() > 10  # rows in the kernel: the gradient is not trivially 0
+        d_penalty_d_l0 = 2 * (l0[i] / target - 1) / target
+        d_theta = -(1 / bw) * (kernel * (theta[i] * d_acts[i] + d_penalty_d_l0 / rows)).sum(0)
+        torch.testing.assert_close(model.log_threshold.grad[i].double(), d_theta * theta[i],
+                                   rtol=1e-4, atol=1e-7)  # fmt: skip
+
+
+def test_a_relu_clts_penalty_is_the_per_layer_trainers_over_whole_decoders():
+    """relu: `sparsity` (default 0.03, the per-layer trainer's) x the sum over source layers of
+    the rows' mean of sum over features of activation x the norm of the feature's whole decoder
+    (every layer it writes to) / sqrt(d_out), by hand; a 1-layer CLT with a per-layer
+    transcoder's parameters has that transcoder's loss and gradients."""
+    from probe.analysis.fit.options import FitOptions
+    from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
+
+    n, d, width, rows = 2, 6, 10, 30
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(rows, d, generator=g) + 1 for _ in range(n)]
+    ys = [torch.randn(rows, d, generator=g) * 2 - 1 for _ in range(n)]
+    options = FitOptions(activation="relu", width=width, sparsity_warmup=0.0)
+    model = clt_fit.TrainingCLT(n, d, d, options, seed=0, total_steps=10)
+    model.start(xs, ys)
+    loss, parts = model.loss(xs, ys)
+    p = {name: q.detach() for name, q in model.named_parameters()}
+    acts = [torch.relu((xs[i] * model.x_scale[i] - model.x_mean[i]) @ p["W_enc"][i] + p["b_enc"][i])
+            for i in range(n)]  # fmt: skip
+    preds = [p["b_dec"][t] + sum(acts[s] @ p[f"W_dec.{s}"][:, t - s] for s in range(t + 1))
+             for t in range(n)]  # fmt: skip
+    mse = sum((preds[t] - ys[t] * model.y_scale[t]).pow(2).mean() for t in range(n))
+    norms = [p[f"W_dec.{s}"].pow(2).sum((1, 2)).sqrt() for s in range(n)]
+    penalty = sum((acts[s] * norms[s]).sum(1).mean() / d**0.5 for s in range(n))
+    assert np.isclose(parts["penalty"], float(penalty), rtol=1e-5)
+    torch.testing.assert_close(loss.detach(), mse + 0.03 * penalty, rtol=1e-5, atol=1e-7)
+
+    one = clt_fit.TrainingCLT(1, d, d, options, seed=1, total_steps=10)
+    one.start(xs[:1], ys[:1])
+    plain = TrainingTranscoder(d, d, options, seed=1, total_steps=10)
+    plain.start(xs[0], ys[0])
+    with torch.no_grad():
+        for name in ("W_enc", "b_enc", "b_dec"):
+            getattr(plain, name).copy_(getattr(one, name)[0])
+        plain.W_dec.copy_(one.W_dec[0][:, 0])
+    torch.testing.assert_close(plain.x_mean, one.x_mean[0])
+    (got, got_parts), (want, want_parts) = one.loss(xs[:1], ys[:1]), plain.loss(xs[0], ys[0])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+    assert np.isclose(got_parts["penalty"], want_parts["penalty"], rtol=1e-6)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(one.W_dec[0].grad[:, 0], plain.W_dec.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(one.W_enc.grad[0], plain.W_enc.grad, rtol=1e-5, atol=1e-7)

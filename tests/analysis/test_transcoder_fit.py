@@ -25,8 +25,13 @@ FAST = ["--width", "128", "--batch-size", "256", "--lr", "3e-3"]
 
 def per_layer(out) -> pd.DataFrame:
     """fit.csv's per-layer rows (without the `all` row of the loss measures)."""
-    fit = pd.read_csv(out / "fit.csv")
-    return fit[fit["layer"].astype(str) != "all"].astype({"layer": int}).reset_index(drop=True)
+    return per_layer_of(pd.read_csv(out / "fit.csv"))
+
+
+def per_layer_of(table: pd.DataFrame) -> pd.DataFrame:
+    """A fit.csv-like table's per-layer rows (without the row `all`)."""
+    rows = table[table["layer"].astype(str) != "all"]
+    return rows.astype({"layer": int}).reset_index(drop=True)
 
 
 def recompute(run_dir, out, reads="mlp_in", test_fraction=0.1, seed=0, keep_special=False):
@@ -95,6 +100,7 @@ def test_fitted_transcoders_explain_the_mlp_and_fit_csv_is_what_the_files_give(l
 @pytest.mark.parametrize(("activation", "extra"), [
     ("jumprelu", ["--reads", "resid_mid", "--skip"]),
     ("topk", ["--k", "8", "--keep-special"]),
+    ("batchtopk", ["--k", "8", "--no-losses"]),
 ])  # fmt: skip
 def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
     out = tmp_path / activation
@@ -103,7 +109,8 @@ def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
     fit = per_layer(out)
     reads = "resid_mid" if "resid_mid" in extra else "mlp_in"
     tset = load_transcoders(out)
-    assert tset.reads == reads and tset[0].activation == activation
+    saved = "jumprelu" if activation == "batchtopk" else activation  # (its learnt threshold)
+    assert tset.reads == reads and tset[0].activation == saved
     assert (tset[0].W_skip is not None) == ("--skip" in extra)
     again = recompute(lm_run, out, reads, keep_special="--keep-special" in extra)
     np.testing.assert_allclose(fit["fvu"], again["fvu"], rtol=1e-9)
@@ -111,6 +118,16 @@ def test_other_activations_and_reads(lm_run, tmp_path, activation, extra):
     assert (fit["fvu"] < 1).all()
     if activation == "topk":
         assert (fit["l0"] <= 8).all()
+        assert (fit["k"] == 8).all()  # the k the saved set computes with
+    else:  # no k at inference: fit.csv's `k` is empty, as --evaluate of the saved set says
+        assert fit["k"].isna().all() and all(t.k is None for t in tset.transcoders.values())
+    if activation == "batchtopk":  # --evaluate of the saved set: fit.csv's k, FVU, L0, dead
+        csv = tmp_path / "evaluated.csv"
+        assert main(["--evaluate", str(out), str(lm_run), "--out", str(csv)]) == 0
+        got = per_layer_of(pd.read_csv(csv))
+        assert got["k"].isna().all() and (got["activation"] == "jumprelu").all()
+        same = ["layer", "width", "k", "held_out_rows", "left_out_rows", "fvu", "l0", "dead"]
+        pd.testing.assert_frame_equal(got[same], fit[same], rtol=1e-9, check_dtype=False)
 
 
 def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypatch, capsys):
@@ -352,6 +369,13 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
         "--width of 300 or more"
         in refused("--activation", "batchtopk", "--no-losses", "--k", "300", "--workers", "2")
     )
+    jumprelu = ["--activation", "jumprelu", "--no-losses"]  # its L0 target: --l0-target, else --k
+    assert "--k 200 (jumprelu's L0 target) is above --width 128: give --k <= 128" in refused(*jumprelu, "--k", "200", "--width", "128")  # fmt: skip
+    assert (
+        "--l0-target 256.5 (jumprelu's L0 target) is above the default width 256 (8 x the "
+        "input's 32): give --l0-target <= 256, or a --width of 257 or more"
+        in refused(*jumprelu, "--l0-target", "256.5", "--k", "8")
+    )
     assert "the run holds no mlp_in pairs" in refused("--mlp", "attn")
     assert "not a run directory" in (
         main([str(tmp_path), "--steps", "1"]) == 2 and capsys.readouterr().err
@@ -367,7 +391,7 @@ def test_jumprelu_thresholds_learn_through_the_straight_through_kernel():
     thresholds 0.001; here its decoder is set to random rows so the output's part is not 0."""
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(200, 6, generator=g), torch.randn(200, 6, generator=g)
-    start = TrainingTranscoder(6, 6, FitOptions(activation="jumprelu", width=10), seed=0)
+    start = TrainingTranscoder(6, 6, FitOptions(activation="jumprelu", width=10, k=3), seed=0)
     assert (start.W_dec == 0).all() and start.W_enc.abs().max() <= 6**-0.5
     torch.testing.assert_close(start.log_threshold.exp(), torch.full((10,), 0.001))
     options = FitOptions(

@@ -17,9 +17,14 @@ means are folded into the written weights):
   out_l' = sum over l <= l' of acts_l @ W_dec[l][:, l' - l] + b_dec[l'];
 - loss = sum over output layers of the mean squared error (over rows and units of the scaled
   outputs: about the sum of the layers' FVUs) + the penalty + AuxK, by activation:
-  - jumprelu: `sparsity` x L0 (straight-through estimator, a rectangle kernel of `bandwidth` for
-    the thresholds' gradient, thresholds learnt as logs); decoders free;
-  - relu: `sparsity` x activations times the norms of their whole decoders; decoders free;
+  - jumprelu: `sparsity` x the sum over encoder layers l of (L0_l / l0_target - 1)^2, L0_l the
+    batch's mean count of layer l's active features (the per-layer trainer's target-L0 penalty
+    for each encoder layer: every layer's features steer to the same target, `l0_target`, else
+    `k`; a straight-through step with a rectangle kernel of `bandwidth` for the thresholds'
+    gradient, thresholds learnt as logs); decoders free;
+  - relu: `sparsity` x the sum over features of activation x the norm of its whole decoder (every
+    layer it writes to) / sqrt(d_out), averaged over rows: the per-layer trainer's penalty (a
+    feature's writes as a share of an output row's RMS norm) with its coefficient; decoders free;
   - topk: k features of each layer a row; batchtopk: the k x rows largest pre-activations of each
     layer's batch, with a per-layer threshold (the running mean of each batch's smallest selected
     activation) that replaces the batch at inference: written as a JumpReLU CLT of that
@@ -92,14 +97,17 @@ from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
 CHECKPOINT = "checkpoint.pt"  # the fit so far, in its --out
-# the CLT trainer's own defaults (its penalties, CLT_PENALTY, differ from the per-layer trainer's
-# in options.py). The peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width):
+# the CLT trainer's peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width):
 # on the planted problem (docs/bench/fit_planted.md, 10 epochs) topk's held-out FVU was 0.48 at
-# 1e-3, 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; relu 0.58 at 1e-3 (the former default)
-# and 0.11-0.16 at 1e-2; jumprelu from unit decoders 0.77-0.83 at 1e-3 and 0.30-0.32 at 1e-2,
-# from W_dec = 0 (its start now) 0.10-0.12 at 1e-2
-CLT_LR = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 2e-2, "batchtopk": 2e-2}
-CLT_PENALTY = {"relu": 1e-2, "jumprelu": 1e-2, "topk": 0.0, "batchtopk": 0.0}
+# 1e-3, 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; jumprelu from unit decoders 0.77-0.83
+# at 1e-3 and 0.30-0.32 at 1e-2, from W_dec = 0 (its start now) 0.10-0.12 at 1e-2; relu (30
+# epochs, its penalty now) 0.033 / 0.043 (blocks 0 / 1) at 1e-2, 0.022 / 0.030 at 2e-2.
+# The penalties and their coefficients are the per-layer trainer's (options.PENALTY), each
+# encoder layer's: relu's coefficient 1e-2 on activation x decoder norm without the
+# 1 / sqrt(d_out) (2.7 times as strong at d_out 64) left L0 at 6.7 of the planted 7.6 and FVU
+# 0.044 / 0.062 at 30 epochs (1e-2); jumprelu's L0 penalty without a target (1e-2 x L0) 0.066 /
+# 0.082 at L0 5.1 / 4.8, its target 8 now 0.020 / 0.028 at L0 7.4 / 7.1.
+CLT_LR = {"relu": 2e-2, "jumprelu": 1e-2, "topk": 2e-2, "batchtopk": 2e-2}
 CLT_COLUMNS = ["layer", "kind", "reads", "activation", "width", "k", "steps", "rows",
                "held_out_rows", "left_out_rows", "fvu", "l0", "dead", "ce_clean", "ce_spliced",
                "ce_zero", "ce_recovered", "kl", "seconds"]  # fmt: skip
@@ -164,10 +172,6 @@ class TrainingCLT(ScheduledTrainer):
     def aux_k(self) -> int:
         return self.options.aux_k or max(1, self.b_dec.shape[1] // 2)
 
-    def penalty_coefficient(self) -> float:
-        o = self.options
-        return o.sparsity if o.sparsity is not None else CLT_PENALTY[o.activation]
-
     def start(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
         """Scales and the inputs' means from a first batch of raw rows (trainer_base.spread_scale
         per site); b_dec at the scaled outputs' mean."""
@@ -197,12 +201,13 @@ class TrainingCLT(ScheduledTrainer):
         if o.activation == "relu":
             acts = torch.relu(pre)
             norms = self.W_dec[layer].flatten(1).norm(dim=1)
-            penalty = (acts * norms).sum(-1).mean()
+            penalty = (acts * norms).sum(-1).mean() / self.b_dec.shape[1] ** 0.5
         else:
             assert self.log_threshold is not None  # a jumprelu fit has its thresholds
             threshold = self.log_threshold[layer].exp()
             acts = JumpReLU.apply(pre, threshold, o.bandwidth)
-            penalty = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+            l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+            penalty = (l0 / o.target_l0 - 1).pow(2)
         return pre, DenseCodes(acts), penalty
 
     def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor],
@@ -318,13 +323,6 @@ class CltFit:
             raise ConfigError(
                 "--skip with --kind clt: circuit-tracer's CLT layout has no skip matrix; fit "
                 "without --skip"
-            )
-        if self.options.l0_target is not None:
-            penalty = CLT_PENALTY["jumprelu"]
-            raise ConfigError(
-                f"--l0-target {self.options.l0_target:g} with --kind clt: the CLT's jumprelu has no "
-                f"L0 target, it penalises its L0 itself with coefficient --sparsity (default "
-                f"{penalty:g}); leave --l0-target out"
             )
         self.run_path = Path(run_path)
         self.losses = losses
@@ -480,7 +478,7 @@ class CltFit:
         save_cross_layer(clt, self.out)
         seconds = round(seconds, 3)
         losses = self.loss_measures(clt)
-        k = o.k if o.activation in ("topk", "batchtopk") else None
+        k = clt.k  # the written CLT's own (topk's k; batchtopk is written as a JumpReLU: none)
         rows_out = [{"layer": layer, "kind": "clt", "reads": o.reads, "activation": o.activation,
                      "width": clt.d_tc, "k": k, "steps": step, "rows": rows,
                      "left_out_rows": self.left_out_rows, **metrics[layer],

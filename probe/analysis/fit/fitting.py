@@ -248,7 +248,7 @@ class Fit:
             m = s["metrics"]
             rows.append({"layer": s["layer"], "reads": o.reads, "activation": o.activation,
                          "width": s["model"]["W_enc"].shape[1],
-                         "k": o.k if o.activation in ("topk", "batchtopk") else None, "skip": o.skip,
+                         "k": o.k if o.activation == "topk" else None, "skip": o.skip,
                          "steps": s["step"], "rows": s["rows"],
                          "held_out_rows": m["held_out_rows"],
                          "left_out_rows": s.get("left_out_rows", 0), "fvu": m["fvu"], "l0": m["l0"],

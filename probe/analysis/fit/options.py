@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from probe.errors import ConfigError
@@ -92,16 +93,23 @@ class FitOptions:
 
     def feature_width(self, d_in: int) -> int:
         """Features a layer for inputs of width `d_in`: `width`, else 8 x d_in. ConfigError
-        where topk or batchtopk would choose more than that (`k` above it)."""
+        where topk or batchtopk would choose more than that (`k` above it), or where jumprelu's
+        L0 target (`l0_target`, else `k`) asks for more active features than there are."""
         width = self.width or 8 * d_in
         if self.activation in ("topk", "batchtopk") and self.k > width:
-            if self.width:
-                raise ConfigError(f"--k {self.k} is above --width {width}: give --k <= {width}")
-            raise ConfigError(
-                f"--k {self.k} is above the default width {width} (8 x the input's {d_in}): give "
-                f"--k <= {width}, or a --width of {self.k} or more"
-            )
-        return width
+            flag, value, least = "--k", f"{self.k}", self.k
+        elif self.activation == "jumprelu" and self.target_l0 > width:
+            flag = "--l0-target" if self.l0_target is not None else "--k"
+            value = f"{self.target_l0:g} (jumprelu's L0 target)"
+            least = math.ceil(self.target_l0)
+        else:
+            return width
+        if self.width:
+            raise ConfigError(f"{flag} {value} is above --width {width}: give {flag} <= {width}")
+        raise ConfigError(
+            f"{flag} {value} is above the default width {width} (8 x the input's {d_in}): give "
+            f"{flag} <= {width}, or a --width of {least} or more"
+        )
 
     @property
     def penalty(self) -> float:
