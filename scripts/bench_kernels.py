@@ -33,6 +33,19 @@ faults in the pass (resource.getrusage of the thread), calls off the training's 
 non-contiguous or non-float32 tensors, and the compiled call's share of the call (the Python
 around it); per kind of tensor (parameters; activations and gradients by the kernel's path:
 segments of >= 1,024 values, of 128-1,023, narrower maps by column).
+
+`--narrow ROUNDS` times the column path alone (`columns._by_column`, through `rows.reduce_rows`
+and `packing.finish` as above) on the narrow maps of the same tensors (outputs and gradients of
+layer2-4: 4-64 values a segment, a quarter of a step's values), this tree against `--against`:
+each round reduces every such tensor once, from one of four sets of copies in turn (so its values
+come from memory, as a layer's fresh output's partly do), the trees alternating; the results are
+first checked equal bit for bit, also on copies with NaN and Inf put in late rows. It prints each
+tree's median ns a value and the median of the rounds' ratios.
+
+`--loops` times the loops the two paths are made of, each alone over pieces of those narrow maps
+held in cache (8 rows of each, 10 times a round, 9 rounds, median): the column path's NaN/Inf look
+(`_worst`), sums, keys and histogram increments, and the segment path's sums and keys over the
+same pieces taken as one segment each.
 """
 
 from __future__ import annotations
@@ -289,6 +302,105 @@ def diagnose(steps: int) -> None:
                   f"alone {d['alone'] / d['values'] * 1e9:.2f}")  # fmt: skip
 
 
+def _narrow(tensors: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The (rows, units, size) views of the tensors the column path takes (size < rows.NARROW)."""
+    from probe.stats.kernels.rows import NARROW
+
+    views = [x.reshape(x.shape[0], x.shape[1], -1) for x in tensors.values() if x.shape[0] > 1]
+    return [y for y in views if y.shape[2] < NARROW]
+
+
+def narrow(against: Path, rounds: int) -> None:
+    """The column path, this tree against another's (see the module)."""
+    from probe.stats.kernels import packing, rows
+
+    tmp = tempfile.TemporaryDirectory()
+    ours, theirs = one_pass(rows, packing), one_pass(*load_kernels(against, Path(tmp.name)))
+    maps = _narrow(watched_tensors())
+    rng = np.random.default_rng(0)
+    checked = list(maps)
+    for y in maps:
+        for late in ([5], [9, 30], [63]):
+            z = y.copy()
+            for r in late:
+                z[r, rng.integers(z.shape[1]), rng.integers(z.shape[2])] = (np.nan, np.inf)[r % 2]
+            checked.append(z)
+    for y in checked:
+        a, b = ours(y, np.zeros(1 << 16, np.int32)), theirs(y, np.zeros(1 << 16, np.int32))
+        if a.shape != b.shape or not np.array_equal(a.view(np.int64), b.view(np.int64)):
+            raise SystemExit(f"{y.shape}: the two passes differ")
+    copies = [[y.copy() for y in maps] for _ in range(4)]
+    n = sum(y.size for y in maps)
+    counts = np.zeros(1 << 16, np.int32)
+    spent: dict[str, list[float]] = {"this tree": [], "against": []}
+    for r in range(rounds):
+        for label in list(spent)[:: 1 if r % 2 else -1]:
+            fn = ours if label == "this tree" else theirs
+            total = 0.0
+            for y in copies[r % len(copies)]:
+                counts[:] = 0
+                t0 = time.thread_time()
+                fn(y, counts)
+                total += time.thread_time() - t0
+            spent[label].append(total)
+    a, b = np.array(spent["this tree"]), np.array(spent["against"])
+    print(f"the column path on {len(maps)} narrow maps ({n / 1e6:.1f}M values), {rounds} rounds, "
+          f"{len(checked)} tensors checked equal: this tree {np.median(a) / n * 1e9:.2f} ns a value, "
+          f"against {np.median(b) / n * 1e9:.2f}; this tree / against {np.median(a / b):.3f} "
+          f"(median of the rounds' ratios; lower in {int((a < b).sum())} of {rounds})")  # fmt: skip
+
+
+def loops() -> None:
+    """The paths' loops alone over cached pieces of the narrow maps (see the module)."""
+    import numba
+
+    from probe.stats.kernels import columns, histogram, segments
+
+    @numba.njit
+    def drive(y, which, counts, low, times):
+        rows, width, size = y.shape
+        span = min(width * size, columns.COLUMN_BLOCK)
+        sums, squares, shift = np.zeros(span), np.zeros(span), np.zeros(span)
+        keyed = np.zeros((3, span), np.int32)
+        positive, lows, highs = keyed[0], keyed[1], keyed[2]
+        out = 0.0
+        for _ in range(times):
+            for c0 in range(0, width * size, span):
+                for r in range(rows):
+                    a = y[r].reshape(-1)[c0 : c0 + span]
+                    k = a.view(np.int32)
+                    if which == 0:
+                        out += columns._worst(k, low)
+                    elif which == 1:
+                        out += columns._column_sums(a, shift[: a.size], sums, squares)[0]
+                    elif which == 2:
+                        out += columns._column_keys(k, low, positive, lows, highs)[0]
+                    elif which == 3:
+                        histogram._histogram(a.view(np.uint32), counts)
+                    elif which == 4:
+                        out += segments._sums(a, 0.0)[0]
+                    else:
+                        out += segments._keys(k, low)[3]
+        return out
+
+    names = ["column: NaN/Inf look", "column: sums", "column: keys", "histogram increments",
+             "segment: sums", "segment: keys"]  # fmt: skip
+    pieces = [np.ascontiguousarray(y[:8]) for y in _narrow(watched_tensors())]
+    n = sum(y.size for y in pieces) * 10
+    low, counts = np.int32(0x7FFFFFFF), np.zeros(1 << 16, np.int32)
+    for which in range(len(names)):
+        drive(pieces[0], which, counts, low, 1)
+    spent: dict[int, list[float]] = {w: [] for w in range(len(names))}
+    for r in range(9):
+        for which in list(spent)[:: 1 if r % 2 else -1]:
+            t0 = time.thread_time()
+            for y in pieces:
+                drive(y, which, counts, low, 10)
+            spent[which].append(time.thread_time() - t0)
+    for which, name in enumerate(names):
+        print(f"{name:22s} {np.median(spent[which]) / n * 1e9:.2f} ns a value")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", type=Path, help="another checkout whose kernels to time beside")
@@ -298,8 +410,19 @@ def main() -> None:
                    help="time the pass inside a watched training instead (see the module)")  # fmt: skip
     p.add_argument("--diagnose", action="store_true",
                    help="with --in-training: the pass in the hook against alone (see the module)")  # fmt: skip
+    p.add_argument("--narrow", type=int, metavar="ROUNDS",
+                   help="with --against: the column path alone, both trees (see the module)")  # fmt: skip
+    p.add_argument("--loops", action="store_true", help="the paths' loops alone (see the module)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.narrow:
+        if not args.against:
+            raise SystemExit("--narrow compares two trees: give --against CHECKOUT")
+        narrow(args.against.resolve(), args.narrow)
+        return
+    if args.loops:
+        loops()
+        return
     if args.in_training and args.diagnose:
         diagnose(args.in_training)
         return
