@@ -63,7 +63,7 @@ def fit(root: Path, kind: str, activation: str, epochs: float, k: int) -> Path:
     out = root / f"claims_{name}"
     if (out / "fit.csv").is_file():
         return out
-    takes_k = activation != "relu" and not (kind == "clt" and activation == "jumprelu")
+    takes_k = activation != "relu"
     flags = [str(root / "run"), "--out", str(out), "--kind", kind, "--width", "256", "--epochs",
              str(epochs), "--activation", activation] + (["--k", str(k)] if takes_k else [])  # fmt: skip
     t = time.perf_counter()
@@ -186,6 +186,9 @@ def main() -> None:
     off = (every.frozen - every.total).abs()
     print(f"frozen linear model against the total prediction: largest |difference| "
           f"{off.max():.2e}, largest relative {(off / every.total.abs()).max():.2e}")  # fmt: skip
+    # the answer moved the order's way: down for the features holding it up (positive, absolute),
+    # up for those holding it down (negative)
+    every["moved"] = np.where(every.order == "negative", every.live > 0, every.live < 0)
     groups = every.groupby(["set", "ranking", "order", "top"], sort=False)
     summary = groups.agg(**{r: (r, quartiles) for r in RATIOS}).reset_index()
     pooled = groups.apply(
@@ -196,8 +199,7 @@ def main() -> None:
                 "direct": g.direct.median(),
                 "total": g.total.median(),
                 "live": g.live.median(),
-                # the share of prompts where the answer moves the way the total prediction says
-                "sign_kept": (np.sign(g.live) == np.sign(g.total)).mean(),
+                "moved": g.moved.mean(),
             }
         ),  # fmt: skip
         include_groups=False,
@@ -205,8 +207,8 @@ def main() -> None:
     print(
         "median [quartiles] over the prompts; pooled: the sum of the live changes over the sum of"
     )
-    print("the predictions; direct, total, live: the median changes of the answer; sign_kept: the")
-    print("share of prompts where the live change has the total prediction's sign")
+    print("the predictions; direct, total, live: the median changes of the answer; moved: the")
+    print("share of prompts where the answer moved the order's way (falls, rises for negative)")
     with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
         print(pd.concat([summary, pooled], axis=1).to_string(index=False))
     # where the single feature sits: a last-layer feature at the last position reaches the

@@ -156,8 +156,8 @@ def graph_claims(
     layer from its own on; or the path of its YAML or folder); `overrides` are `model.anatomy`
     keys."""
     tops = _check_top(top)
-    rankings = _check_rankings(rankings)
-    orders = _check_orders(orders)
+    rankings = _check_choices("ranking", rankings, RANKINGS)
+    orders = _check_choices("order", orders, ORDERS)
     _check_target(graph, target)
     tset = transcoder_set(transcoders)
     if graph.n_features == 0:
@@ -251,24 +251,16 @@ def _check_top(top) -> list[int]:
     return values
 
 
-def _check_rankings(rankings) -> list[str]:
-    values = [rankings] if isinstance(rankings, str) else list(rankings)
-    unknown = [r for r in values if r not in RANKINGS]
-    if unknown or not values:
+def _check_choices(what: str, given, known) -> list[str]:
+    """`given` (one name or several) as a list, each one of `known`: ConfigError naming the first
+    unknown one, or saying that none was given."""
+    values = [given] if isinstance(given, str) else list(given)
+    if not values:
+        raise ConfigError(f"graph claims: no {what} given; choose from {', '.join(known)}")
+    unknown = [v for v in values if v not in known]
+    if unknown:
         raise ConfigError(
-            f"graph claims: ranking {unknown[0] if unknown else rankings!r} is unknown; choose "
-            f"from {', '.join(RANKINGS)}"
-        )
-    return values
-
-
-def _check_orders(orders) -> list[str]:
-    values = [orders] if isinstance(orders, str) else list(orders)
-    unknown = [o for o in values if o not in ORDERS]
-    if unknown or not values:
-        raise ConfigError(
-            f"graph claims: order {unknown[0] if unknown else orders!r} is unknown; choose "
-            f"from {', '.join(ORDERS)}"
+            f"graph claims: {what} {unknown[0]!r} is unknown; choose from {', '.join(known)}"
         )
     return values
 

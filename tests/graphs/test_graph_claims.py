@@ -333,7 +333,7 @@ def test_an_unknown_order_is_refused_by_name(setups):
     model, tset, graph, _ = setups["gpt2"]
     with pytest.raises(ConfigError, match="order 'smallest' is unknown; choose from positive"):
         graph_claims(model, graph, tset, orders=("negative", "smallest"))
-    with pytest.raises(ConfigError, match=r"order \(\) is unknown"):
+    with pytest.raises(ConfigError, match="no order given; choose from positive"):
         graph_claims(model, graph, tset, orders=())
 
 

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from probe.stats import torch_backend as torch_stats
+
+pytest.importorskip("numba")  # the compiled kernels are the `fast` extra's
+
 from probe.stats.kernels.columns import COLUMN_BLOCK
 from probe.stats.kernels.rows import NARROW
 from tests.stats.test_stats_backends import _check_against, _check_numpy, _reference, numba_stats
