@@ -39,7 +39,8 @@ budget and at `--speed-floor` passes (its fixed cost: imports, the model, probe'
 measures; a step or two of training), one thread each (OMP_NUM_THREADS=1). A
 command's CPU seconds are its process's (and its children's) user + system time, so other work on
 the machine changes them little; rows per CPU second over the whole command, and over the budget's
-CPU seconds less the floor's (the training's own cost); no evaluation.
+CPU seconds less the floor's (the training's own cost); no evaluation. `--speed-reuse` times on
+the model, ids.pt and run/ an earlier run of the script left in `--work` (no new capture).
 """
 
 from __future__ import annotations
