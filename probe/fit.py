@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="probe.fit: %(message)s")
     from probe.analysis.fit.fitting import Fit
+    from probe.analysis.fit.startup import end as end_startup
     from probe.errors import ConfigError, ProbeError
 
     run = args.run.parent if args.run.is_file() else args.run
@@ -159,15 +160,18 @@ def main(argv: list[str] | None = None) -> int:
 
             raise DataError(f"{str(args.run)!r} is not a run directory (no probe.h5)")
         if args.evaluate is not None:
+            end_startup()
             return evaluate(args, run)
         if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers {args.workers}: give 1 or more processes")
         if args.kind == "clt":
             fit = clt_fit(run, args, options)
+            end_startup()
             table = fit.run()
         elif args.kind == "plt":
             fit = Fit(run, args.out, options, args.layers, args.resume, args.mlp, args.norm,
                       losses=not args.no_losses)  # fmt: skip
+            end_startup()
             table = fit.run(args.workers)
         else:
             raise ConfigError(f"--kind {args.kind!r}; choose plt (per-layer) or clt (cross-layer)")
@@ -221,4 +225,7 @@ def evaluate(args: argparse.Namespace, run: Path) -> int:
 
 
 if __name__ == "__main__":
+    from probe.analysis.fit.startup import begin as begin_startup
+
+    begin_startup()  # (main() turns the collector back on once the fit is built)
     sys.exit(main())

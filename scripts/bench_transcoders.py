@@ -39,7 +39,8 @@ budget and at `--speed-floor` passes (its fixed cost: imports, the model, probe'
 measures; a step or two of training), one thread each (OMP_NUM_THREADS=1). A
 command's CPU seconds are its process's (and its children's) user + system time, so other work on
 the machine changes them little; rows per CPU second over the whole command, and over the budget's
-CPU seconds less the floor's (the training's own cost); no evaluation.
+CPU seconds less the floor's (the training's own cost); no evaluation. `--speed-reuse` times on
+the model, ids.pt and run/ an earlier run of the script left in `--work` (no new capture).
 """
 
 from __future__ import annotations
@@ -504,6 +505,10 @@ def main() -> None:
         "--speed-no-losses", action="store_true",
         help="--speed: also time probe.fit --no-losses (no model: the training command alone)",
     )  # fmt: skip
+    p.add_argument(
+        "--speed-reuse", action="store_true",
+        help="--speed: time on the model, ids.pt and run/ a run before left in --work (no capture)",
+    )  # fmt: skip
     p.add_argument("--sparsify-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--ids", help=argparse.SUPPRESS)
@@ -521,9 +526,19 @@ def main() -> None:
         return
 
     work = Path(args.work)
+    model_dir, ids_path, run_dir = work / "model", work / "ids.pt", work / "run"
+    if args.speed and args.speed_reuse:
+        if not all(p.exists() for p in (model_dir, ids_path, run_dir / "probe.h5")):
+            raise SystemExit(
+                f"--speed-reuse: {work} holds no model, ids.pt and run/ of a run before"
+            )
+        report = speed(args, work, run_dir, model_dir, ids_path)
+        print(report)
+        if args.out:
+            Path(args.out).write_text(report)
+        return
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    model_dir, ids_path, run_dir = work / "model", work / "ids.pt", work / "run"
     built = build_model(args.model, work, args.samples, args.seed)
     capture = ["-m", "probe", "model=hf", f"model.name={model_dir}", "model.task=causal_lm",
                "dataset=tokens", f"dataset.path={ids_path}", "dataset.batch_size=64",

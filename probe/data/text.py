@@ -156,18 +156,19 @@ def _parquet_column(p: Path, field: str, where: str, way_out: str) -> list:
 
 
 def _tokenizer(name: str, named: bool):
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ConfigError("dataset=text needs transformers; pip install -e '.[hf]'") from None
     source = f"dataset.tokenizer={name!r}" if named else f"model.name={name!r} (as tokenizer)"
     folder = Path(str(name)).expanduser()
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        # transformers would build an empty tokenizer from a model's config.json alone
+        # transformers would build an empty tokenizer from a model's config.json alone (checked
+        # before transformers is imported: the import alone costs seconds)
         raise ConfigError(
             f"{source} is a folder without tokenizer files "
             f"({', '.join(TOKENIZER_FILES[:3])}, ...); set dataset.tokenizer to a local directory saved with tokenizer.save_pretrained(DIR)"
         )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("dataset=text needs transformers; pip install -e '.[hf]'") from None
     try:
         return AutoTokenizer.from_pretrained(str(name))
     except Exception as e:

@@ -124,10 +124,15 @@ class RowStream(IterableDataset):
         me, readers = self._shard()
         return pieces[me::readers]
 
-    def state_dict(self) -> dict:
+    def state_dict(self, arrays: bool = False) -> dict:
         """Where the stream stands (the last batch given): resume with load_state_dict. Plain
-        lists and ints: it survives JSON and torch.save."""
-        return self._state() if self._state is not None else {}
+        lists and ints: it survives JSON and torch.save. `arrays`: the buffer's held rows as one
+        (rows, 2) int64 array rather than a list of [source, row] lists (no Python object a row:
+        what a checkpoint of a large buffer wants; load_state_dict reads either)."""
+        if self._state is None:
+            return {}
+        state = self._state()
+        return {**state, "held": state["held"].copy() if arrays else state["held"].tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         self._resume = dict(state) if state else None
@@ -185,7 +190,7 @@ class RowStream(IterableDataset):
                 picked = np.arange(take)
             data = buf.take(picked)
             # read by state_dict() while this generator waits at the yield: as of this batch
-            self._state = lambda c=cursor: {"epoch": epoch, "cursor": c, "held": buf.held.tolist(),
+            self._state = lambda c=cursor: {"epoch": epoch, "cursor": c, "held": buf.held,
                                             "generator": g.bit_generator.state}  # fmt: skip
             yield self._batch(data)
 

@@ -361,3 +361,22 @@ def test_config_files_compose(name):
     assert cfg.dataset.seq_len == 128 and cfg.dataset.num_samples == (
         16 if name == "random_tokens" else None
     )
+
+
+def test_a_folder_without_tokenizer_files_is_refused_before_transformers_loads(
+    tmp_path, monkeypatch
+):
+    """The folder check needs no transformers (its import costs a fit seconds where the run's
+    model folder holds no tokenizer): with transformers unimportable the error is still the
+    folder's, and a folder with a tokenizer file reaches the import."""
+    import sys
+
+    from probe.data.text import _tokenizer
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # (an import of it raises)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is a folder without tokenizer files"):
+        _tokenizer(str(tmp_path), False)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="needs transformers"):
+        _tokenizer(str(tmp_path), False)

@@ -87,13 +87,20 @@ def test_a_resumed_stream_gives_the_uninterrupted_batches(ids_run):
         for i, batch in enumerate(stream):
             first.append(batch[0])
             if i == 6:
-                state = stream.state_dict()
+                state, arrays = stream.state_dict(), stream.state_dict(arrays=True)
                 break
         again = run.dataset("echo", batch_size=37, seed=5, buffer_rows=150)
         again.load_state_dict(json.loads(json.dumps(state)))  # (a state survives JSON)
         rest = [b[0] for b in again]
-    assert len(first) + len(rest) == len(whole)
+        # the checkpoints' form: the held rows as one int64 array (as a tensor in probe.fit's)
+        assert arrays["held"].dtype == np.int64 and arrays["held"].tolist() == state["held"]
+        from_arrays = run.dataset("echo", batch_size=37, seed=5, buffer_rows=150)
+        from_arrays.load_state_dict({**arrays, "held": torch.from_numpy(arrays["held"])})
+        rest_from_arrays = [b[0] for b in from_arrays]
+    assert len(first) + len(rest) == len(whole) and len(state["held"]) > 0
     for got, want in zip(first + rest, whole, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(rest_from_arrays, rest, strict=True):
         assert torch.equal(got, want)
 
 

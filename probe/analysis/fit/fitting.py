@@ -63,6 +63,17 @@ def _save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _stream_state(stream) -> dict:
+    """The stream's state for a checkpoint, its buffer's held rows (as many as the buffer holds)
+    as one int64 tensor: torch.save writes it as a block, where a list of [source, row] lists
+    pickles object by object (most of a checkpoint's cost, and garbage for the collector to
+    scan). `RowStream.load_state_dict` reads either."""
+    state = stream.state_dict(arrays=True)
+    if "held" in state:
+        state["held"] = torch.from_numpy(state["held"])
+    return state
+
+
 class Fit:
     """A fit of one run's transcoders into `out`: `run()` trains every layer not done."""
 
@@ -85,8 +96,9 @@ class Fit:
             d_in = {layer: run.file[layer_path(*s.inputs)].shape[-1]
                     for layer, s in self.sites.items()}  # fmt: skip
             self.losses = losses
-            if losses:  # the run's model, built now: a fit must not fail on it when trained
-                run_model(run)
+            # the run's model, built now (a fit must not fail on it once trained) and kept for
+            # the loss measures (building it again costs its load)
+            self._model = run_model(run) if losses else None
         blocks = sorted(self.sites)
         if layers:
             missing = sorted(set(layers) - set(blocks))
@@ -194,7 +206,7 @@ class Fit:
                 snapshot = {"options": asdict(o), "layer": sites.layer, "step": step,
                             "epoch": epoch, "curve": curve, "rows": rows, "done": done,
                             "model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "stream": stream.state_dict(), "d_in": d_in, "d_out": d_out,
+                            "stream": _stream_state(stream), "d_in": d_in, "d_out": d_out,
                             "seconds": seconds + time.perf_counter() - started, **extra}  # fmt: skip
                 _save_atomic(snapshot, path)
                 return snapshot
@@ -281,7 +293,7 @@ class Fit:
             samples.to_csv(self.out / HELD_OUT, index=False)
             if not self.losses or not transcoders:
                 return {}
-            model = run_model(run)
+            model = self._model if self._model is not None else run_model(run)
             points = splice_points(model, sorted(transcoders), o.reads, self.sites)
             sequences = sample_tokens(run, samples["sample"].to_numpy())
             return loss_measures(model, sequences, points, transcoders)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from probe.analysis.fit.options import FitOptions
+from probe.analysis.fit.startup import end
 
 log = logging.getLogger("probe.fit")
 
@@ -43,6 +44,9 @@ class FitSpec:
 
 
 def _start(threads: int, level: int) -> None:
+    from probe.analysis.fit.startup import begin
+
+    begin()  # (the collector back on once the worker's fit is built: _fit_layer)
     torch.set_num_threads(threads)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level, format="probe.fit: %(message)s")
@@ -52,6 +56,7 @@ def _fit_layer(spec: FitSpec, layer: int) -> int:
     fit = spec.fit(
         spec.run, spec.out, spec.options, [layer], True, spec.mlp, spec.norm, losses=False
     )  # (the parent measures the losses)
+    end()
     fit.fit_layer(fit.sites[layer])
     return layer
 
