@@ -83,10 +83,9 @@ from probe.analysis.fit.sparse_codes import (
 )
 from probe.analysis.fit.trainer_base import (
     DenseCodes,
-    JumpReLU,
     ScheduledTrainer,
-    Step,
     adam,
+    dense_codes,
     move_threshold,
     spread_scale,
     train_step,
@@ -197,18 +196,10 @@ class TrainingCLT(ScheduledTrainer):
             values = selected_preactivations(xc, self.W_enc[layer], self.b_enc[layer], pre, chosen)
             return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
         pre = xc @ self.W_enc[layer] + self.b_enc[layer]
-        penalty = pre.new_zeros(())
-        if o.activation == "relu":
-            acts = torch.relu(pre)
-            norms = self.W_dec[layer].flatten(1).norm(dim=1)
-            penalty = (acts * norms).sum(-1).mean() / self.b_dec.shape[1] ** 0.5
-        else:
-            assert self.log_threshold is not None  # a jumprelu fit has its thresholds
-            threshold = self.log_threshold[layer].exp()
-            acts = JumpReLU.apply(pre, threshold, o.bandwidth)
-            l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-            penalty = (l0 / o.target_l0 - 1).pow(2)
-        return pre, DenseCodes(acts), penalty
+        norms = self.W_dec[layer].flatten(1).norm(dim=1)
+        thresholds = None if self.log_threshold is None else self.log_threshold[layer]
+        codes, penalty = dense_codes(pre, o, norms, self.b_dec.shape[1], thresholds)
+        return pre, codes, penalty
 
     def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor],
                                                        list, torch.Tensor]:  # fmt: skip

@@ -93,6 +93,27 @@ class DenseCodes:
         return self.acts.amax(0) > 0
 
 
+def dense_codes(
+    pre: torch.Tensor,
+    o: FitOptions,
+    decoder_norms: torch.Tensor,
+    d_out: int,
+    log_threshold: torch.Tensor | None,
+) -> tuple[DenseCodes, torch.Tensor]:
+    """A relu or jumprelu layer's activations from its pre-activations `pre` and its penalty,
+    the same for per-layer and cross-layer fits: relu, each activation x its feature's whole
+    decoder norm (`decoder_norms`) / sqrt(d_out), summed over features and averaged over rows;
+    jumprelu, (L0 / target - 1)^2 through the straight-through step at exp(log_threshold)."""
+    if o.activation == "relu":
+        acts = torch.relu(pre)
+        return DenseCodes(acts), (acts * decoder_norms).sum(-1).mean() / d_out**0.5
+    assert log_threshold is not None  # a jumprelu fit has its thresholds
+    threshold = log_threshold.exp()
+    acts = JumpReLU.apply(pre, threshold, o.bandwidth)
+    l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
+    return DenseCodes(acts), (l0 / o.target_l0 - 1).pow(2)
+
+
 def move_threshold(threshold: torch.Tensor, smallest: torch.Tensor) -> None:
     """batchtopk's running threshold (a 0-d tensor or view, < 0 while unset) moved in place to
     a batch's smallest selected activation: set to it the first time, then a running mean of

@@ -65,9 +65,8 @@ from probe.analysis.fit.sparse_codes import (
 )
 from probe.analysis.fit.trainer_base import (
     DenseCodes,
-    JumpReLU,
     ScheduledTrainer,
-    Step,
+    dense_codes,
     move_threshold,
     spread_scale,
     train_step,
@@ -148,17 +147,9 @@ class TrainingTranscoder(ScheduledTrainer):
             values = selected_preactivations(xc, self.W_enc, self.b_enc, pre, chosen)
             return pre, SparseCodes(torch.relu(values), chosen), pre.new_zeros(())
         pre = xc @ self.W_enc + self.b_enc
-        penalty = pre.new_zeros(())
-        if o.activation == "relu":
-            acts = torch.relu(pre)
-            penalty = (acts * self.W_dec.norm(dim=1)).sum(-1).mean() / self.W_dec.shape[1] ** 0.5
-        else:
-            assert self.log_threshold is not None  # a jumprelu fit has its thresholds
-            threshold = self.log_threshold.exp()
-            acts = JumpReLU.apply(pre, threshold, o.bandwidth)
-            l0 = Step.apply(pre, threshold, o.bandwidth).sum(-1).mean()
-            penalty = (l0 / o.target_l0 - 1).pow(2)
-        return pre, DenseCodes(acts), penalty
+        norms = self.W_dec.norm(dim=1)
+        codes, penalty = dense_codes(pre, o, norms, self.W_dec.shape[1], self.log_threshold)
+        return pre, codes, penalty
 
     def forward(
         self, xs: torch.Tensor
