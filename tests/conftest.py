@@ -4,6 +4,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -27,6 +29,49 @@ def pytest_configure(config):
         share = max(1, usable_cores() // workers)
         torch.set_num_threads(share)
         os.environ["OMP_NUM_THREADS"] = str(share)
+    if "PYTEST_XDIST_WORKER" not in os.environ and not config.option.collectonly:
+        _compile_kernels_while_collecting()
+
+
+# the warm-up in a process of its own, which gives back kernel_cache's lock when it ends
+_WARM_UP = """
+import pathlib, sys
+from probe.stats import kernel_cache
+try:
+    kernel_cache.warm_up()
+finally:
+    pathlib.Path(sys.argv[1]).unlink(missing_ok=True)
+"""
+
+
+def _compile_kernels_while_collecting() -> None:
+    """In pytest's own process (xdist's controller, or the only one): where numba's kernels are
+    not compiled yet, compile them once, at normal priority, in a process that holds
+    probe.stats.kernel_cache's lock, while the workers start and collect; `compiled_kernels`
+    waits for it. (Each worker compiling its own copy doubles the work.)"""
+    from probe.stats import backend, kernel_cache
+
+    if not backend.numba_installed() or kernel_cache.is_warm():
+        return
+    lock = kernel_cache.cache_dir() / f"kernels-{kernel_cache._key()}.lock"
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        if lock.exists() and kernel_cache._lock_is_stale(lock):
+            lock.unlink(missing_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:  # a compile holds it already, or the directory cannot be written
+        return
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _WARM_UP, str(lock)], stdin=subprocess.DEVNULL
+        )
+    except OSError:
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+        return
+    os.write(fd, str(child.pid).encode())
+    os.close(fd)
+    threading.Thread(target=child.wait, daemon=True).start()  # (reaped as soon as it ends)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,12 +87,22 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
-    """numba's kernels compiled once before any test, where numba is installed: every run's
+    """numba's kernels compiled before any test, where numba is installed: every run's
     stats.backend=auto then takes the same backend (in a fresh clone the first runs would use
-    torch while the kernels compile in the background)."""
+    torch while the kernels compile in the background). A compile holding kernel_cache's lock
+    (pytest_configure's) is waited for; without one, or if it ended without a stamp, this
+    process compiles them."""
     from probe.stats import backend, kernel_cache
 
-    if backend.numba_installed() and not kernel_cache.is_warm():
+    if not backend.numba_installed():
+        return
+    lock = kernel_cache.cache_dir() / f"kernels-{kernel_cache._key()}.lock"
+    deadline = time.monotonic() + kernel_cache.LOCK_STALE_SECONDS
+    while not kernel_cache.is_warm() and lock.exists() and time.monotonic() < deadline:
+        if kernel_cache._lock_is_stale(lock):
+            break
+        time.sleep(0.2)
+    if not kernel_cache.is_warm():
         kernel_cache.warm_up()
 
 

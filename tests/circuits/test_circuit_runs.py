@@ -114,17 +114,26 @@ def test_a_runs_files_equal_the_engine_on_the_same_batches(tmp_path, llama):
     assert not any(e["in_graph"] for e in mib["edges"].values())
 
 
-def test_a_run_stopped_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, llama):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, llama):
+    """The overrides of a run of the signalling Llama (EAP, circuits at 10% and 50%) and the
+    directory of its uninterrupted run, which a stopped and a killed run resume to."""
+    model = ["model=custom", "model._target_=probe.testing.models.signalling_lm",
+             f"+model.kwargs.path={llama / 'llama'}"]  # fmt: skip
+    args = [*args_of(llama, "llama", "circuit.method=[eap]", "circuit.sizes=[10,50]")[3:], *model]
+    whole = tmp_path_factory.mktemp("circuit_whole")
+    run(make_cfg(*args), run_dir=whole)
+    return args, whole
+
+
+def test_a_run_stopped_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, uninterrupted):
     """SIGINT on the 3rd forward: the loop made none (its probes capture nothing, the circuit
     works after it) and the circuit pass is in its first batch; the file holds the pass's sums
     and says it is not complete; resume=true then gives the uninterrupted run's /circuit and
     tables, and no pass state is left."""
     from probe.testing.models import SIGNAL_AT
 
-    model = ["model=custom", "model._target_=probe.testing.models.signalling_lm",
-             f"+model.kwargs.path={llama / 'llama'}"]  # fmt: skip
-    args = [*args_of(llama, "llama", "circuit.method=[eap]", "circuit.sizes=[10,50]")[3:], *model]
-    run(make_cfg(*args), run_dir=tmp_path / "whole")
+    args, whole = uninterrupted
     SIGNAL_AT[0] = 2
     try:
         with pytest.raises(Interrupted, match="while scoring edges after 1 of 3 batches"):
@@ -140,13 +149,11 @@ def test_a_run_stopped_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, l
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
     with h5py.File(tmp_path / "part" / "probe.h5") as f:
         assert "passes" not in f and f.attrs["complete"]
-    with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(tmp_path / "whole" / "probe.h5") as b:  # fmt: skip
+    with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(whole / "probe.h5") as b:  # fmt: skip
         for name in ("edge_sum", "edge_sumsq", "node_sum", "scores", "faithfulness/metric"):
             np.testing.assert_array_equal(a[f"circuit/eap/{name}"][:], b[f"circuit/eap/{name}"][:])
     for name in ("circuit.csv", "faithfulness.csv", "circuit_areas.csv"):
-        pd.testing.assert_frame_equal(
-            *(pd.read_csv(tmp_path / d / name) for d in ("part", "whole"))
-        )
+        pd.testing.assert_frame_equal(*(pd.read_csv(d / name) for d in (tmp_path / "part", whole)))
     # resuming the finished run makes no forward: the files are rewritten from /circuit
     (tmp_path / "part" / "circuit.csv").unlink()
     SIGNAL_AT[0] = 0  # (any forward of this run would signal)
@@ -154,7 +161,7 @@ def test_a_run_stopped_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, l
         run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
     finally:
         SIGNAL_AT[0] = None
-    again = [pd.read_csv(tmp_path / d / "circuit.csv") for d in ("part", "whole")]
+    again = [pd.read_csv(d / "circuit.csv") for d in (tmp_path / "part", whole)]
     pd.testing.assert_frame_equal(*again)
 
 
@@ -168,16 +175,13 @@ main()
 """
 
 
-def test_a_run_killed_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, llama):
+def test_a_run_killed_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, uninterrupted):
     """SIGKILL in the circuit pass's scoring: the file keeps the sums of the batches scored
     before and says it is not complete; resume=true continues after them, to the uninterrupted
     run's /circuit and tables."""
     from tests.launch.test_distributed import ONE_THREAD
 
-    model = ["model=custom", "model._target_=probe.testing.models.signalling_lm",
-             f"+model.kwargs.path={llama / 'llama'}"]  # fmt: skip
-    args = [*args_of(llama, "llama", "circuit.method=[eap]", "circuit.sizes=[10,50]")[3:], *model]
-    run(make_cfg(*args), run_dir=tmp_path / "whole")
+    args, whole = uninterrupted
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
     env = {**ONE_THREAD, "PYTHONPATH": str(ROOT)}
@@ -191,14 +195,12 @@ def test_a_run_killed_in_its_circuit_pass_resumes_to_the_same_files(tmp_path, ll
         assert not read_progress(f).complete
     assert state is not None and 1 <= state["scored"] < 3  # (some batches scored, not all)
     run(make_cfg(*args, "resume=true"), run_dir=tmp_path / "part")
-    with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(tmp_path / "whole" / "probe.h5") as b:  # fmt: skip
+    with h5py.File(tmp_path / "part" / "probe.h5") as a, h5py.File(whole / "probe.h5") as b:  # fmt: skip
         assert "passes" not in a and a.attrs["complete"]
         for name in ("edge_sum", "edge_sumsq", "node_sum", "scores", "faithfulness/metric"):
             np.testing.assert_array_equal(a[f"circuit/eap/{name}"][:], b[f"circuit/eap/{name}"][:])
     for name in ("circuit.csv", "faithfulness.csv", "circuit_areas.csv"):
-        pd.testing.assert_frame_equal(
-            *(pd.read_csv(tmp_path / d / name) for d in ("part", "whole"))
-        )
+        pd.testing.assert_frame_equal(*(pd.read_csv(d / name) for d in (tmp_path / "part", whole)))
 
 
 def test_mean_ablation_over_the_pairs_and_from_an_earlier_run(tmp_path, llama):
