@@ -98,6 +98,10 @@ class GraphData:
         logit = token + self.n_pos
         return {"feature": 0, "error": error, "token": token, "logit": logit}
 
+    def feature_numbers(self) -> dict[tuple[int, int, int], int]:
+        """{(layer, pos, feature): node number} of the feature nodes."""
+        return {(int(a), int(b), int(c)): i for i, (a, b, c) in enumerate(self.features.tolist())}
+
     def nodes(self) -> pd.DataFrame:
         """The node table (NODE_COLUMNS), one row per node in node order."""
         n_f, n_pos, n_l = self.n_features, self.n_pos, self.n_logits

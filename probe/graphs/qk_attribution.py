@@ -302,7 +302,7 @@ def _residual_parts(seen: _Forward, writes: list[_LayerWrites], graph) -> list[_
     embed = seen.rep.captured.embed[0].detach()
     first = seen.norm_io["attn_norm", 0][0][0]
     n_pos = int(embed.shape[0])
-    node_of = _node_numbers(graph)
+    node_of = graph.feature_numbers()
     residual = _Residual(n_pos)
     token0 = graph.offsets["token"]
     error0 = graph.offsets["error"]
@@ -343,11 +343,6 @@ def _residual_parts(seen: _Forward, writes: list[_LayerWrites], graph) -> list[_
                 pos, f"mlp {layer} rest@{pos}", -1, mlp[pos] - accounted[pos] - errors[pos]
             )
     return out
-
-
-def _node_numbers(graph: GraphData) -> dict[tuple[int, int, int], int]:
-    """{(layer, pos, feature): node number} of the graph's feature nodes."""
-    return {(int(a), int(b), int(c)): i for i, (a, b, c) in enumerate(graph.features.tolist())}
 
 
 def _check_sum(residual: _Residual, want: torch.Tensor, name: str, traced: bool = False) -> None:

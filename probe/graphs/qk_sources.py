@@ -34,7 +34,6 @@ import torch
 
 from probe.errors import ModelError
 from probe.graphs.attribution import GraphOptions, _lean, batch_plan
-from probe.graphs.qk_attribution import _node_numbers
 from probe.graphs.replacement import LocalReplacement, _apply, _skip_path
 from probe.hooks.hookset import HookSet
 from probe.models.placement import execution_device
@@ -119,7 +118,7 @@ class NodeSources:
         """Every column's name and graph node (-1: none): tokens, position embeddings, then per
         layer its features (a CLT's by their own layer), error, MLP rest and attention bias."""
         n, n_pos = self.n_layers, self.n_pos
-        node_of = _node_numbers(graph)
+        node_of = graph.feature_numbers()
         names: list[str] = [f"token@{p}" for p in range(n_pos)]
         nodes: list[int] = [graph.offsets["token"] + p for p in range(n_pos)]
         names += [f"embed rest@{p}" for p in range(n_pos)]
