@@ -69,6 +69,10 @@ def test_a_run_writes_each_prompts_qk_table_as_the_api_computes_it(
     [
         (["graph.qk=-1"], ["graph.qk=-1 must be at least 0"]),
         (["graph.qk=2", "graph.qk_rows=0"], ["graph.qk_rows=0 must be at least 1", "null"]),
+        (
+            ["graph.qk=2", "graph.qk_sources=everything"],
+            ["graph.qk_sources='everything'", "position", "nodes"],
+        ),
     ],
 )
 def test_bad_qk_keys_exit_2_by_name_before_the_model_runs(

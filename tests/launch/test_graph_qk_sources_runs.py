@@ -8,10 +8,9 @@ import pandas as pd
 
 from probe.graphs.qk_h5 import QK_CSV
 from probe.launch.parts import attribution_graphs
-from tests.launch.test_error_catalogue import assert_words
-from tests.launch.test_graph_runs import graph_args, named_transcoders, prompts, stand_in
+from tests.launch.test_graph_runs import graph_args, named_transcoders, prompts
 
-__all__ = ["prompts", "stand_in"]  # (fixtures)
+__all__ = ["prompts"]  # (fixture)
 
 
 def test_a_run_writes_the_node_traced_qk_table_as_the_api_computes_it(
@@ -37,13 +36,3 @@ def test_a_run_writes_the_node_traced_qk_table_as_the_api_computes_it(
     want = qk_table(model, graph, transcoders, keys=2, rows=6, sources="nodes")
     here = got[got["prompt"] == 0].drop(columns="prompt").reset_index(drop=True)
     pd.testing.assert_frame_equal(here, want, check_dtype=False, rtol=1e-5, atol=1e-8)
-
-
-def test_a_bad_qk_sources_exits_2_by_name_before_the_model_runs(
-    cli_here, tiny_gpt2, prompts, stand_in, tmp_path
-):
-    code, text = cli_here(*graph_args(tiny_gpt2, prompts[0]), "graph.qk=2",
-                          "graph.qk_sources=everything")  # fmt: skip
-    assert code == 2, text
-    assert_words(text, "graph.qk_sources='everything'", "position", "nodes")
-    assert not stand_in and not (tmp_path / "run" / "probe.h5").exists()
