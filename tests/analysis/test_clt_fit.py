@@ -206,6 +206,12 @@ def test_a_resumed_clt_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monke
     )
     assert main([*args, "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert "holds no CLT fit (checkpoint.pt) to continue" in capsys.readouterr().err
+    del state["loss_form"]  # a checkpoint of the trainer before the per-layer penalties
+    torch.save(state, tmp_path / "cut" / "checkpoint.pt")
+    assert main([*args, "--out", str(tmp_path / "cut"), "--resume"]) == 2
+    assert "trained under another form of the loss (1; this version's is 2)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_bad_clt_input_exits_2_by_name(lm_run, tmp_path, capsys, monkeypatch):

@@ -96,6 +96,10 @@ from probe.models.cross_layer_transcoder import CrossLayerTranscoder
 log = logging.getLogger("probe.fit")
 BLOCK_ROWS = 8192  # rows read from every site at once
 CHECKPOINT = "checkpoint.pt"  # the fit so far, in its --out
+# the form of the loss a checkpoint was trained under: raised when a change to the trainer makes
+# a resumed fit differ from an uninterrupted one with the same options (2: relu and jumprelu
+# take the per-layer trainer's penalties)
+LOSS_FORM = 2
 # the CLT trainer's peak learning rate at LR_WIDTH features a layer, x sqrt(LR_WIDTH / width):
 # on the planted problem (docs/bench/fit_planted.md, 10 epochs) topk's held-out FVU was 0.48 at
 # 1e-3, 0.25 at 3e-3, 0.08 at 1e-2 and 0.05-0.07 at 2e-2; jumprelu from unit decoders 0.77-0.83
@@ -361,7 +365,14 @@ class CltFit:
             return
         if not self.checkpoint.is_file():
             raise ConfigError(f"--resume: {self.out} holds no CLT fit ({CHECKPOINT}) to continue")
-        stored = torch.load(self.checkpoint, weights_only=False)["options"]
+        state = torch.load(self.checkpoint, weights_only=False)
+        if state.get("loss_form", 1) != LOSS_FORM:
+            raise ConfigError(
+                f"--resume: {self.checkpoint} was trained under another form of the loss "
+                f"({state.get('loss_form', 1)}; this version's is {LOSS_FORM}), so the resumed "
+                "fit would not be the uninterrupted one: fit again into another --out"
+            )
+        stored = state["options"]
         now = asdict(self.options)
         if stored != now:
             diff = [f"{k}={stored.get(k)!r} (now {v!r})" for k, v in now.items()
@@ -440,8 +451,8 @@ class CltFit:
 
             def save() -> None:
                 self.out.mkdir(parents=True, exist_ok=True)
-                snapshot = {"options": asdict(o), "step": step, "epoch": epoch,
-                            "trained": trained, "rows": rows, "curve": curve,
+                snapshot = {"options": asdict(o), "loss_form": LOSS_FORM, "step": step,
+                            "epoch": epoch, "trained": trained, "rows": rows, "curve": curve,
                             "model": model.state_dict(), "optimizer": opt.state_dict(),
                             "seconds": seconds + time.perf_counter() - started}  # fmt: skip
                 tmp = self.checkpoint.with_suffix(".tmp")
