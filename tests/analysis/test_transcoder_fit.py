@@ -371,6 +371,7 @@ def test_bad_input_exits_2_by_name(lm_run, tmp_path, capsys):
     )
     jumprelu = ["--activation", "jumprelu", "--no-losses"]  # its L0 target: --l0-target, else --k
     assert "--k 200 (jumprelu's L0 target) is above --width 128: give --k <= 128" in refused(*jumprelu, "--k", "200", "--width", "128")  # fmt: skip
+    assert "--k 16 (jumprelu's L0 target, the default) is above --width 10: give --k <= 10" in refused(*jumprelu, "--width", "10")  # fmt: skip
     assert (
         "--l0-target 256.5 (jumprelu's L0 target) is above the default width 256 (8 x the "
         "input's 32): give --l0-target <= 256, or a --width of 257 or more"

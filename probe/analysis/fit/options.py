@@ -100,7 +100,8 @@ class FitOptions:
             flag, value, least = "--k", f"{self.k}", self.k
         elif self.activation == "jumprelu" and self.target_l0 > width:
             flag = "--l0-target" if self.l0_target is not None else "--k"
-            value = f"{self.target_l0:g} (jumprelu's L0 target)"
+            default = flag == "--k" and self.k == FitOptions.k  # (the user may not have given it)
+            value = f"{self.target_l0:g} (jumprelu's L0 target{', the default' if default else ''})"
             least = math.ceil(self.target_l0)
         else:
             return width
