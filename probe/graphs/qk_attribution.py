@@ -128,6 +128,11 @@ def qk_table(
     patterns to the nodes at every earlier position and layer (probe.graphs.qk_sources, with
     `batch` prompt copies per backward pass; None: the memory plan's)."""
     check_qk_options(keys, rows, sources)
+    if batch is not None and (not isinstance(batch, int) or batch < 1):
+        raise ConfigError(
+            f"qk_table(batch={batch!r}): the prompt copies per backward pass of the traced "
+            "table, an integer >= 1, or None for the memory plan's"
+        )
     if keys == 0:
         return pd.DataFrame(columns=list(QK_COLUMNS))
     positions = query_positions(graph) if positions is None else positions

@@ -290,3 +290,10 @@ def test_the_traced_parts_sum_to_the_frozen_models_residual_across_families(fami
 def test_bad_qk_sources_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"graph\.qk_sources='neighbours'.*position.*nodes"):
         GraphOptions(qk=2, qk_sources="neighbours")
+
+
+@pytest.mark.parametrize("batch", [0, -3, 2.5])
+def test_a_bad_batch_of_the_traced_table_is_refused_by_name(made, batch):
+    model, ts, graph, _, _ = made("gpt2")
+    with pytest.raises(ConfigError, match=rf"qk_table\(batch={batch}\).*integer >= 1, or None"):
+        qk_table(model, graph, ts, keys=KEYS, sources="nodes", batch=batch)

@@ -295,8 +295,10 @@ def _check_examples(path: str) -> None:
         ) from None
 
 
-# graph.* keys that leave every graph's values as they are (the backward's batch; the example
-# files written at the finish for every prompt): a resume may change them
+# graph.* keys that leave every graph's values as they are (the backward's batch, also the
+# prompt copies of a node-traced QK table: the same values up to the rounding of products of
+# another batch shape; the example files written at the finish for every prompt): a resume may
+# change them
 SAME_GRAPHS = frozenset({"batch_size", "examples"})
 
 
