@@ -224,6 +224,24 @@ class _Forward:
 
         return hook
 
+    def rerun_attention(self, layer: int, x: torch.Tensor, name: str, attend):
+        """Layer `layer`'s attention module run on `x` with its recorded call's other arguments,
+        its attention function replaced by `attend` (registered with transformers as `name`)
+        for the call; the module's output."""
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface.register(name, attend)
+        attn, (args, kwargs) = self.parts.attns[layer], self.calls[layer]
+        config = self.model.config
+        original = config._attn_implementation
+        try:
+            config._attn_implementation = name
+            if args:
+                return attn(x, *args[1:], **kwargs)
+            return attn(**{**kwargs, "hidden_states": x})
+        finally:
+            config._attn_implementation = original
+
     def norm_bias(self, kind: str, layer: int, module: nn.Module) -> torch.Tensor:
         """The norm's bias (zeros where it has none), in its input's dtype."""
         x = self.norm_io[kind, layer][0]
@@ -397,12 +415,6 @@ class _Capture:
         return query.new_zeros(b, n, query.shape[1], value.shape[-1]), None
 
 
-def _register_capture() -> None:
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(CAPTURE_NAME, _Capture.attend)
-
-
 class _FrozenQKNorms:
     """Forward hooks on an attention's q/k norms (any norm inside it): the first batch's item 0
     (the real input) fixes each norm's scale per position and head; every item then gets
@@ -432,24 +444,15 @@ def _project(seen: _Forward, layer: int, inputs: list[torch.Tensor]) -> _QK:
     """The attention module of `layer` run on each of `inputs` (b, n, d) with its recorded
     call's other arguments; its queries and keys."""
     attn = seen.parts.attns[layer]
-    args, kwargs = seen.calls[layer]
-    config = seen.model.config
-    original = config._attn_implementation
-    _register_capture()
     got = _QK()
     hooks = HookSet("qk norms")
     try:
-        config._attn_implementation = CAPTURE_NAME
         _Capture.active = got
         with hooks, torch.no_grad():
             _FrozenQKNorms(attn, hooks, seen.parts.name(attn))
             for x in inputs:
-                if args:
-                    attn(x, *args[1:], **kwargs)
-                else:
-                    attn(**{**kwargs, "hidden_states": x})
+                seen.rerun_attention(layer, x, CAPTURE_NAME, _Capture.attend)
     finally:
-        config._attn_implementation = original
         _Capture.active = None
     return got
 

@@ -54,12 +54,6 @@ class _FrozenValues:
         return _apply(pattern, value), pattern
 
 
-def _register_values() -> None:
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(VALUES_NAME, _FrozenValues.attend)
-
-
 class NodeSources:
     """The decomposition of each layer's attention input over the graph's nodes and the constant
     parts (see the module docstring). `seen` is qk_attribution's record forward of the prompt,
@@ -175,22 +169,13 @@ class NodeSources:
         attention run on its norm's bias (a frozen norm maps zero there) with its recorded
         pattern, then a post-attention norm's frozen map and bias."""
         seen, parts = self.seen, self.seen.parts
-        attn, norm = parts.attns[layer], parts.attn_norms[layer]
+        norm = parts.attn_norms[layer]
         x = seen.norm_io["attn_norm", layer][0]
         bias = seen.norm_bias("attn_norm", layer, norm).expand_as(x[:1]).contiguous()
-        args, kwargs = seen.calls[layer]
-        config = seen.model.config
-        original = config._attn_implementation
-        _register_values()
         try:
-            config._attn_implementation = VALUES_NAME
             _FrozenValues.pattern = seen.rep.saved["patterns"][layer][:1]
-            if args:
-                out = attn(bias, *args[1:], **kwargs)
-            else:
-                out = attn(**{**kwargs, "hidden_states": bias})
+            out = seen.rerun_attention(layer, bias, VALUES_NAME, _FrozenValues.attend)
         finally:
-            config._attn_implementation = original
             _FrozenValues.pattern = None
         out = (out[0] if isinstance(out, tuple) else out)[0]
         if parts.post_attn_norms:
@@ -230,8 +215,9 @@ class NodeSources:
         x_layer(seeds[b][0]); (len(seeds), columns) float64."""
         target = self.resid[layer]
         grad = torch.zeros_like(target)
-        for b, (p, i) in enumerate(seeds):
-            grad[b, p, i] = 1
+        at, component = torch.tensor(seeds, dtype=torch.long).T
+        rows = torch.arange(len(seeds), device=grad.device)
+        grad[rows, at.to(grad.device), component.to(grad.device)] = 1
         x0 = self.resid[0]
         inputs = [self.embed, x0]
         inputs += [self.mlp_out[s] for s in range(layer)] + [self.attn_out[s] for s in range(layer)]

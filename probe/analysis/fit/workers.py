@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.startup import end
+from probe.analysis.fit.startup import begin, end
 
 log = logging.getLogger("probe.fit")
 
@@ -44,8 +44,6 @@ class FitSpec:
 
 
 def _start(threads: int, level: int) -> None:
-    from probe.analysis.fit.startup import begin
-
     begin()  # (the collector back on once the worker's fit is built: _fit_layer)
     torch.set_num_threads(threads)
     if not logging.getLogger().handlers:
