@@ -166,6 +166,11 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
         "other options than layer_0.pt was fitted with: lr=0.003 (now 0.01);"
         in capsys.readouterr().err
     )
+    monkeypatch.setattr(fitting, "LOSS_FORM", 2)  # a version whose trainer's loss changed
+    assert main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", *args]) == 2
+    assert "was trained under another form of the loss (1; this version's is 2)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_layers_fitted_in_worker_processes_equal_one_process(lm_run, tmp_path, capsys):

@@ -85,6 +85,7 @@ from probe.analysis.fit.trainer_base import (
     DenseCodes,
     ScheduledTrainer,
     adam,
+    check_loss_form,
     dense_codes,
     move_threshold,
     spread_scale,
@@ -366,12 +367,7 @@ class CltFit:
         if not self.checkpoint.is_file():
             raise ConfigError(f"--resume: {self.out} holds no CLT fit ({CHECKPOINT}) to continue")
         state = torch.load(self.checkpoint, weights_only=False)
-        if state.get("loss_form", 1) != LOSS_FORM:
-            raise ConfigError(
-                f"--resume: {self.checkpoint} was trained under another form of the loss "
-                f"({state.get('loss_form', 1)}; this version's is {LOSS_FORM}), so the resumed "
-                "fit would not be the uninterrupted one: fit again into another --out"
-            )
+        check_loss_form(state, LOSS_FORM, self.checkpoint)
         stored = state["options"]
         now = asdict(self.options)
         if stored != now:

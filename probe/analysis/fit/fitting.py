@@ -30,9 +30,9 @@ from probe.analysis.fit.fit_sites import LayerSites, find_sites, held_out, left_
 from probe.analysis.fit.losses import held_out_samples, loss_measures, run_model, sample_tokens
 from probe.analysis.fit.measures import evaluate
 from probe.analysis.fit.options import FitOptions
-from probe.analysis.fit.trainer_base import adam, train_step
+from probe.analysis.fit.trainer_base import adam, check_loss_form, train_step
 from probe.analysis.fit.transcoder_splice import splice_points
-from probe.analysis.fit.transcoder_trainer import TrainingTranscoder
+from probe.analysis.fit.transcoder_trainer import LOSS_FORM, TrainingTranscoder
 from probe.analysis.fit.workers import FitSpec, default_workers, fit_in_workers
 from probe.errors import ConfigError, DataError
 from probe.models.transcoder_files import write_set_config, write_transcoder
@@ -120,7 +120,9 @@ class Fit:
                 "continues it, or give another --out"
             )
         for path in done_before:
-            stored = torch.load(path, weights_only=False)["options"]
+            state = torch.load(path, weights_only=False)
+            check_loss_form(state, LOSS_FORM, path)
+            stored = state["options"]
             if stored != asdict(self.options):
                 diff = [f"{k}={stored.get(k)!r} (now {v!r})" for k, v in asdict(self.options).items()
                         if stored.get(k) != v]  # fmt: skip
@@ -203,8 +205,8 @@ class Fit:
                 stream.load_state_dict(state["stream"])
 
             def save(done: bool, **extra) -> dict:
-                snapshot = {"options": asdict(o), "layer": sites.layer, "step": step,
-                            "epoch": epoch, "curve": curve, "rows": rows, "done": done,
+                snapshot = {"options": asdict(o), "loss_form": LOSS_FORM, "layer": sites.layer,
+                            "step": step, "epoch": epoch, "curve": curve, "rows": rows, "done": done,
                             "model": model.state_dict(), "optimizer": opt.state_dict(),
                             "stream": _stream_state(stream), "d_in": d_in, "d_out": d_out,
                             "seconds": seconds + time.perf_counter() - started, **extra}  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from probe.analysis.fit.options import FitOptions
+from probe.errors import ConfigError
 
 THRESHOLD_MOMENTUM = 0.99  # batchtopk's running threshold
 
@@ -64,6 +65,19 @@ class Step(torch.autograd.Function):
         bw = ctx.bandwidth
         kernel = ((pre - threshold).abs() < bw / 2).to(pre.dtype)
         return torch.zeros_like(pre), (-(1.0 / bw) * kernel * grad).sum(0), None
+
+
+def check_loss_form(state: dict, form: int, path) -> None:
+    """ConfigError where the checkpoint `state` read from `path` was trained under another form of
+    the loss than `form` (a checkpoint that names none: form 1): resumed under this one, the fit
+    would not be the uninterrupted one its options describe."""
+    stored = state.get("loss_form", 1)
+    if stored != form:
+        raise ConfigError(
+            f"--resume: {path} was trained under another form of the loss ({stored}; this "
+            f"version's is {form}), so the resumed fit would not be the uninterrupted one: fit "
+            "again into another --out"
+        )
 
 
 def ramp(step: int, total: int, warmup: float, decay: float = 0.0) -> float:

@@ -73,7 +73,11 @@ from probe.analysis.fit.trainer_base import (
 )
 from probe.models.transcoder import Transcoder
 
-__all__ = ["TrainingTranscoder", "train_step"]
+__all__ = ["LOSS_FORM", "TrainingTranscoder", "train_step"]
+
+# the form of the loss a layer's checkpoint was trained under: raised when a change to this
+# trainer makes a resumed fit differ from an uninterrupted one with the same options
+LOSS_FORM = 1
 
 
 class TrainingTranscoder(ScheduledTrainer):
