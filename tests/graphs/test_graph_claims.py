@@ -5,7 +5,10 @@ prediction (the model is linear: only the adjacency's float32 rounding separates
 direct prediction is minus the sum of the adjacency's entries read from the edge table, the
 total contributions a dense linear solve; bad arguments are refused by name. Through a
 cross-layer transcoder, a zeroed feature loses its writes into its own layer and every later
-one (a hand edit of each), and the frozen and direct predictions hold as for per-layer sets."""
+one (a hand edit of each), and the frozen and direct predictions hold as for per-layer sets.
+With the MLPs live, freezing attention patterns and norm scales together, the patterns alone or
+the norm scales alone equals a plain forward whose queries and keys, or norm scales, are the
+clean forward's (forward hooks), on models whose patterns move."""
 
 from __future__ import annotations
 
@@ -363,10 +366,6 @@ def test_an_order_past_its_signs_count_zeroes_every_feature_of_that_sign(setups)
         )
 
 
-def blocks_of(model, kind):
-    return model.transformer.h if kind == "gpt2" else model.model.layers
-
-
 def norms_of(model, kind) -> list:
     """Every norm whose scale the graph freezes: each block's two and the final one."""
     if kind == "gpt2":
@@ -477,7 +476,7 @@ def test_freezing_patterns_or_norms_alone_equals_a_hand_forward_hook_edit(sharp,
     its patterns), or its norms' scales, are the clean forward's, the features zeroed by hand:
     positive, negative and absolute orders. The split is not empty: each freeze alone moves the
     answer by other than the live model and the model with both frozen (by over 1000 times the
-    tolerance)."""
+    tolerance); the graph's linear model still moves by the total prediction."""
     model, tset, graph, rows = sharp[kind]
     clean = clean_pieces(model, kind)
     for column, freeze in FREEZES.items():
@@ -487,6 +486,9 @@ def test_freezing_patterns_or_norms_alone_equals_a_hand_forward_hook_edit(sharp,
             hooks = freezing_hooks(model, kind, clean, freeze)
             want = hand_answer(model, kind, tset, graph, places, hooks) - base
             assert getattr(row, column) == pytest.approx(want, abs=1e-6), (column, row.Index)
+    # the graph's own linear model (both frozen, the MLPs linear) still moves by the prediction
+    scale = float(answer_contributions(graph).total.abs().max())
+    assert rows.frozen.to_numpy() == pytest.approx(rows.total.to_numpy(), rel=1e-5, abs=1e-6 * scale)  # fmt: skip
     for column in ("frozen_patterns", "frozen_norms"):
         assert (rows[column] - rows.live).abs().max() > 1e-3
         assert (rows[column] - rows.frozen_attention).abs().max() > 1e-3
