@@ -29,10 +29,10 @@ with the MLPs live and only one of the two frozen (`frozen_patterns`: the attent
 every norm's scale live; `frozen_norms`: the norms' scales, the patterns live), which splits the
 part of the gap that attention and norms make:
 
-    live - frozen_attention = (live - frozen_patterns) + (live - frozen_norms) + interaction
+    frozen_attention - live = (frozen_patterns - live) + (frozen_norms - live) + interaction
 
 the first the patterns' part (what freezing them alone closes), the second the norms' part,
-the interaction `frozen_patterns + frozen_norms - frozen_attention - live` what neither closes
+the interaction `frozen_attention + live - frozen_patterns - frozen_norms` what neither closes
 alone. It gives one row per (ranking, order, N):
 
     from probe.graphs.graph_claims import graph_claims
