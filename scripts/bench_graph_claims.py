@@ -8,12 +8,17 @@ for topk and batchtopk): per-layer transcoders (`--sets relu topk`) and cross-la
 sequences), and on each `probe.graphs.graph_claims.graph_claims`: the top 1, 5 and 10 features by
 direct edge to the answer and by total contribution, in each of `--orders` (positive: the largest
 first; negative: the most negative first, predicted to raise the answer; absolute), zeroed in the
-live model, in the graph's frozen linear model and with attention and norms frozen but the MLPs
-live. Prints the fits, the largest distance between the frozen model's change and the total
-prediction, and per (set, ranking, order, N) the median and quartiles over the prompts of
-live/direct, live/total, frozen-attention/total and raw-logit/total, the pooled ratios (the sum
-of the live changes over the sum of the predictions) and the share of prompts where the answer
-moves the predicted way; writes every row to DIR/s{SEQUENCES}/graph_claims_e{EPOCHS}.csv.
+live model, in the graph's frozen linear model, and with the MLPs live and attention patterns
+and norm scales frozen, the patterns alone frozen or the norm scales alone. Prints the fits, the
+largest distance between the frozen model's change and the total prediction, and per (set,
+ranking, order, N) the median and quartiles over the prompts of live/direct, live/total,
+frozen-attention/total, frozen-patterns/total, frozen-norms/total and raw-logit/total, the
+pooled ratios (the sum of the live changes over the sum of the predictions) and the share of
+prompts where the answer moves the predicted way; then the gap between frozen attention and
+live split (gap_split): what is left of it with the patterns alone frozen and with the norm
+scales alone, and the share of rows each closes alone, per group, by a single feature's layer
+and whether it sits at the last position, and for sets by where they sit (all at the last
+position, none there, mixed); writes every row to DIR/s{SEQUENCES}/graph_claims_e{EPOCHS}.csv.
 Figures: docs/bench/graph_claims.md.
 
     python scripts/bench_graph_claims.py [--dir DIR] [--sequences 2048] [--epochs 10] \\
@@ -42,7 +47,8 @@ from probe.models.transcoder_files import load_transcoders
 from probe.testing.planted import PlantedSpec, capture_run, make_planted, sample
 
 TOP = (1, 5, 10)
-RATIOS = ("live_over_direct", "live_over_total", "frozen_attention_over_total", "logit_over_total")
+RATIOS = ("live_over_direct", "live_over_total", "frozen_attention_over_total",
+          "frozen_patterns_over_total", "frozen_norms_over_total", "logit_over_total")  # fmt: skip
 
 
 def build(root: Path, spec: PlantedSpec) -> None:
@@ -104,6 +110,51 @@ def spread_range(values: pd.Series) -> str:
 def quartiles(values: pd.Series) -> str:
     q1, q2, q3 = np.nanquantile(values.to_numpy(dtype=float), [0.25, 0.5, 0.75])
     return f"{q2:.2f} [{q1:.2f}, {q3:.2f}]"
+
+
+def where_zeroed(every: pd.DataFrame) -> pd.Series:
+    """Per row, where its zeroed features sit: `last` (all at the last position), `earlier`
+    (none there) or `mixed`."""
+    at_last = [
+        [int(place.split("/")[1]) == tokens - 1 for place in features.split(";")]
+        for features, tokens in zip(every.features, every.tokens, strict=True)
+    ]
+    return pd.Series(
+        ["last" if all(a) else "earlier" if not any(a) else "mixed" for a in at_last],
+        index=every.index,
+    )
+
+
+GAP_FLOOR = 0.05  # a row whose |frozen_attention - live| is below this has no gap to split
+CLOSES = 0.25  # a freeze closes a row's gap where at most this share of it is left
+
+
+def gap_split(group: pd.DataFrame) -> pd.Series:
+    """How the gap between the model with attention patterns and norm scales frozen (the MLPs
+    live) and the live model, G = frozen_attention - live, splits over the group's rows: `gap`,
+    sum |G| over the summed |total prediction|; `left_patterns` and `left_norms`, the gap left
+    with the patterns alone frozen (sum |frozen_attention - frozen_patterns|) or the norm scales
+    alone (sum |frozen_attention - frozen_norms|), over sum |G| (0: that freeze closes it all;
+    1: nothing; above 1: it moves the answer further off); then the share of the rows with a gap
+    (|G| >= GAP_FLOOR) that the patterns alone close (at most CLOSES of |G| left), that the
+    norms alone close, and that neither closes alone (both needed: their interaction)."""
+    gap = group.frozen_attention - group.live
+    left_patterns = (group.frozen_attention - group.frozen_patterns).abs()
+    left_norms = (group.frozen_attention - group.frozen_norms).abs()
+    some = gap.abs() >= GAP_FLOOR
+    by_patterns = some & (left_patterns <= CLOSES * gap.abs())
+    by_norms = some & (left_norms <= CLOSES * gap.abs())
+    n = max(int(some.sum()), 1)
+    return pd.Series({
+        "rows": len(group), "with_gap": int(some.sum()),
+        "gap": gap.abs().sum() / group.total.abs().sum(),
+        "left_patterns": left_patterns.sum() / gap.abs().sum(),
+        "left_norms": left_norms.sum() / gap.abs().sum(),
+        "patterns_close": (by_patterns & ~by_norms).sum() / n,
+        "norms_close": (by_norms & ~by_patterns).sum() / n,
+        "either_closes": (by_patterns & by_norms).sum() / n,
+        "neither_closes": (some & ~by_patterns & ~by_norms).sum() / n,
+    })  # fmt: skip
 
 
 def parse_set(name: str) -> tuple[str, str]:
@@ -211,6 +262,23 @@ def main() -> None:
     print("share of prompts where the answer moved the order's way (falls, rises for negative)")
     with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
         print(pd.concat([summary, pooled], axis=1).to_string(index=False))
+    # the gap that attention and norms make, split: the patterns' part, the norms', the rest
+    every["where"] = where_zeroed(every)
+    every["layer"] = [int(f.split("/")[0]) if ";" not in f else -1 for f in every.features]
+    print("the gap G = frozen_attention - live (attention patterns and norm scales frozen, or")
+    print("nothing, the MLPs live in both): gap, sum |G| / sum |total|; left_patterns and")
+    print("left_norms, the gap left with the patterns alone or the norm scales alone frozen, over")
+    print(f"sum |G|; of the rows with |G| >= {GAP_FLOOR} (with_gap), the share where freezing the")
+    print(f"patterns alone leaves at most {CLOSES} of |G| (and the norms alone do not), the norms")
+    print("alone, either, and neither (the two interact); where: the zeroed features all at the")
+    print("last position, none there, or mixed; layer: a single feature's (-1: a set)")
+    with pd.option_context("display.width", 250, "display.float_format", "{:.2f}".format):
+        for keys, rows in ((["order", "ranking", "top"], every),
+                           (["order", "ranking", "layer", "where"], every[every.top == 1]),
+                           (["order", "ranking", "where"], every[every.top > 1]),
+                           (["set", "order", "ranking", "top"], every)):  # fmt: skip
+            split = rows.groupby(keys, sort=False).apply(gap_split, include_groups=False)
+            print(split.to_string())
     # where the single feature sits: a last-layer feature at the last position reaches the
     # answer through the final norm alone, so there live/frozen-attention is that norm's doing
     single = every[every.top == 1].copy()
@@ -225,6 +293,8 @@ def main() -> None:
             prompts=("prompt", "size"),
             live_over_total=("live_over_total", "median"),
             frozen_attention_over_total=("frozen_attention_over_total", "median"),
+            frozen_patterns_over_total=("frozen_patterns_over_total", "median"),
+            frozen_norms_over_total=("frozen_norms_over_total", "median"),
             spread_kept=("spread_kept", spread_range),
         )  # fmt: skip
         .round(2)

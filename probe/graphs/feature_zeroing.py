@@ -24,7 +24,10 @@ live model's distance from it is the graph's error.
 scales frozen as in the graph, but every MLP write is the MLP's own output in this forward
 (features switch on and off, the errors move), with each zeroed feature's write removed as in
 the live model. Its distance from the linear model is what the MLPs' nonlinearity costs; its
-distance from the live model, what freezing attention and norms does.
+distance from the live model, what freezing attention and norms does. `freeze` splits that
+second part again: `freeze=("patterns",)` holds the attention patterns alone (every norm's
+scale live), `freeze=("norms",)` the norms' scales alone (the patterns made from this forward's
+queries and keys); with the MLPs live and nothing frozen (`freeze=()`) it is the live model.
 
 Both take a per-layer transcoder set or a cross-layer transcoder (CLT). A CLT's feature read at
 layer l writes into the MLP output of every layer l' >= l (its decoder's slot l' - l), so each of
@@ -40,7 +43,7 @@ import torch
 from torch import nn
 
 from probe.errors import ModelError
-from probe.graphs.replacement import LocalReplacement, Parts, replacement_parts
+from probe.graphs.replacement import FREEZABLE, LocalReplacement, Parts, replacement_parts
 from probe.hooks.hookset import HookSet
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
 from probe.models.transcoder import normalized
@@ -198,12 +201,15 @@ def frozen_logits(
     zeroings: Sequence[Sequence[Place]],
     *,
     mlps: str = "linear",
+    freeze: Sequence[str] = FREEZABLE,
     overrides: dict | None = None,
 ) -> list[torch.Tensor]:
     """The last position's logits (vocab,) of the graph's linear model on `tokens` (the module
     docstring), whose feature nodes are `nodes`: first with nothing zeroed, then one per set of
     `zeroings` (each a subset of `nodes`) with its features zeroed. One record forward serves
-    them all. `mlps="live"`: attention and norms frozen, the MLPs live (the module docstring)."""
+    them all. `mlps="live"`: attention and norms frozen, the MLPs live; `freeze` (a subset of
+    FREEZABLE: "patterns", "norms"; both by default, as the graph): what stays at the prompt's
+    values, the rest running live (the module docstring)."""
     if mlps not in MLPS:
         raise ModelError(f"graph claims: mlps={mlps!r}; choose from {', '.join(MLPS)}")
     known = set(map(tuple, nodes))
@@ -214,7 +220,7 @@ def frozen_logits(
     ids = tokens[None].to(device)
     book = Dictionary(transcoders)
     node_places = _by_layer(nodes, device)
-    rep = LocalReplacement(model, transcoders, overrides, mode="record")
+    rep = LocalReplacement(model, transcoders, overrides, mode="record", frozen=freeze)
     with rep:
         model(ids)
     rep.mode = "replay"

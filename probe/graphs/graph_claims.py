@@ -25,7 +25,15 @@ transcoder's feature loses its writes into its own layer and every later one), i
 frozen linear model (frozen_logits, where the change equals the total prediction to rounding)
 and with attention and norms frozen but the MLPs live (frozen_logits(mlps="live"): between the
 two, it says whether the gap is the MLPs' nonlinearity or the frozen attention and norms), and
-gives one row per (ranking, order, N):
+with the MLPs live and only one of the two frozen (`frozen_patterns`: the attention patterns,
+every norm's scale live; `frozen_norms`: the norms' scales, the patterns live), which splits the
+part of the gap that attention and norms make:
+
+    frozen_attention - live = (frozen_patterns - live) + (frozen_norms - live) + interaction
+
+the first the patterns' part (what freezing them alone closes), the second the norms' part,
+the interaction `frozen_attention + live - frozen_patterns - frozen_norms` what neither closes
+alone. It gives one row per (ranking, order, N):
 
     from probe.graphs.graph_claims import graph_claims
     table = graph_claims(model, graph, transcoders, top=(1, 5, 10), orders=ORDERS)
@@ -61,11 +69,22 @@ CLAIM_COLUMNS = (
     "live_logit",  # the change of the answer's raw logit in the live model
     "frozen",  # the change measured in the graph's frozen linear model (NaN: not run)
     "frozen_attention",  # the change with attention and norms frozen, the MLPs live (NaN: not run)
+    "frozen_patterns",  # the change with the attention patterns alone frozen, norms and MLPs live
+    "frozen_norms",  # the change with the norms' scales alone frozen, patterns and MLPs live
     "live_over_direct",
     "live_over_total",
     "frozen_over_total",
     "frozen_attention_over_total",
+    "frozen_patterns_over_total",
+    "frozen_norms_over_total",
 )
+# the frozen columns: (frozen_logits' MLPs, what it freezes); each one record and one replay per row
+FROZEN_MODELS = {
+    "frozen": ("linear", ("patterns", "norms")),
+    "frozen_attention": ("live", ("patterns", "norms")),
+    "frozen_patterns": ("live", ("patterns",)),
+    "frozen_norms": ("live", ("norms",)),
+}
 
 
 def _feature_entries(graph: GraphData, target: int):
@@ -150,8 +169,9 @@ def graph_claims(
     `positive`, those above 0, the largest first; `negative`, those below 0, the most negative
     first; `absolute`, the largest magnitude first; no row for an order no feature has), zeroed
     in `model`, the live change against the graph's direct and total predictions; with
-    `frozen`, also in the graph's frozen linear model and with attention and norms frozen, the
-    MLPs live. `graph` is `model`'s on its tokens through `transcoders` (a per-layer
+    `frozen`, also in the graph's frozen linear model and, the MLPs live, with attention
+    patterns and norms' scales frozen, with the patterns alone and with the scales alone
+    (FROZEN_MODELS). `graph` is `model`'s on its tokens through `transcoders` (a per-layer
     TranscoderSet or a CrossLayerTranscoder, whose zeroed feature loses its writes into every
     layer from its own on; or the path of its YAML or folder); `overrides` are `model.anatomy`
     keys."""
@@ -177,30 +197,32 @@ def graph_claims(
                       if len(ranked)]  # fmt: skip
     zeroings = [[places[i] for i in chosen] for *_, chosen in cases]
     frozen_moves = {}
-    for mlps in ("linear", "live"):
+    for column, (mlps, freeze) in FROZEN_MODELS.items():
         if frozen:
             logits = frozen_logits(model, tokens, tset, places, zeroings, mlps=mlps,
-                                   overrides=overrides)  # fmt: skip
-            frozen_moves[mlps] = [_answer(z, token) - _answer(logits[0], token) for z in logits[1:]]
+                                   freeze=freeze, overrides=overrides)  # fmt: skip
+            frozen_moves[column] = [
+                _answer(z, token) - _answer(logits[0], token) for z in logits[1:]
+            ]
         else:
-            frozen_moves[mlps] = [float("nan")] * len(cases)
+            frozen_moves[column] = [float("nan")] * len(cases)
     rows = []
     for i, ((ranking, order, n, chosen), zeroed) in enumerate(zip(cases, zeroings, strict=True)):
         live = live_logits(model, tokens, tset, zeroed, overrides=overrides)
         direct = direct_change(graph, chosen, target)
         total = total_change(graph, chosen, target)
         moved = _answer(live, token) - _answer(clean, token)
-        frozen_moved, attention_moved = frozen_moves["linear"][i], frozen_moves["live"][i]
-        rows.append({
+        row = {
             "ranking": ranking, "order": order, "top": n, "zeroed": len(chosen),
             "features": ";".join(f"{a}/{b}/{c}" for a, b, c in zeroed),
             "direct": direct, "total": total, "live": moved,
-            "live_logit": float(live[token] - clean[token]), "frozen": frozen_moved,
-            "frozen_attention": attention_moved,
+            "live_logit": float(live[token] - clean[token]),
             "live_over_direct": _ratio(moved, direct), "live_over_total": _ratio(moved, total),
-            "frozen_over_total": _ratio(frozen_moved, total),
-            "frozen_attention_over_total": _ratio(attention_moved, total),
-        })  # fmt: skip
+        }  # fmt: skip
+        for column, moves in frozen_moves.items():
+            row[column] = moves[i]
+            row[f"{column}_over_total"] = _ratio(moves[i], total)
+        rows.append(row)
     return pd.DataFrame(rows, columns=list(CLAIM_COLUMNS))
 
 

@@ -26,7 +26,10 @@ While a `LocalReplacement` is entered, three things are frozen at their values o
 Each trick is `value.detach() + (linear - linear.detach())`: the forward is bitwise the model's.
 `mode="replay"` instead recomputes every frozen piece from what a `mode="record"` pass saw
 (patterns, scales, MLP outputs), so a perturbed input moves the output by the frozen linear map:
-the forward-mode twin of the backward, used to check edge weights by intervention.
+the forward-mode twin of the backward, used to check edge weights by intervention. A replay
+can hold only the patterns or only the norms' scales (`frozen`), the other running live: what
+each freeze does to a perturbation's effect (probe.graphs.graph_claims splits the graph's error
+so).
 
 Token nodes are the token embeddings (the input embeddings module's output); GPT-2's position
 embedding is not a node, as in circuit-tracer. Post-norm models (BERT) and families whose anatomy
@@ -45,6 +48,7 @@ class and the largest difference: a graph is exact or refused, never silently di
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +64,9 @@ from probe.models.norms import Formula, apply_gain, centred_and_scale, class_nam
 from probe.models.placement import onloaded
 
 MODES = ("attribute", "record", "replay")
+# what a replay can hold at the recorded values (LocalReplacement's `frozen`): the attention
+# patterns and the norms' scales
+FREEZABLE = ("patterns", "norms")
 KEYS = (
     "+model.anatomy.mlp_out=SUFFIX (each block's MLP), mlp_norm=SUFFIX and attn_norm=SUFFIX (the "
     "norms before the MLP and the attention), final_norm=NAME, unembed=NAME (and, for norms "
@@ -242,7 +249,10 @@ class LocalReplacement:
     """A context manager making `model` the local replacement model of `transcoders` (see the
     module docstring). `mode`: attribute (value-preserving freezes for the backward), record
     (a plain forward that saves patterns, scales and MLP outputs) or replay (the frozen forward
-    of what record saved). `captured` holds the latest forward's tensors."""
+    of what record saved). `frozen` (a subset of FREEZABLE, both by default): what a replay holds
+    at the recorded values; a piece left out runs live in the replay (`patterns`: each attention
+    the model's own function on this forward's queries, keys and values; `norms`: each norm its
+    own output, its scale this forward's). `captured` holds the latest forward's tensors."""
 
     _active: LocalReplacement | None = None  # the one the registered attention function serves
 
@@ -252,10 +262,18 @@ class LocalReplacement:
         transcoders: AnyTranscoders,
         overrides: dict | None = None,
         mode: str = "attribute",
+        frozen: Sequence[str] = FREEZABLE,
     ):
         if mode not in MODES:
             raise ConfigError(f"replacement mode {mode!r}; choose from {', '.join(MODES)}")
+        unknown = sorted(set(frozen) - set(FREEZABLE))
+        if isinstance(frozen, str) or unknown:
+            raise ConfigError(
+                f"graphs: frozen={frozen!r}; give a sequence of {', '.join(FREEZABLE)} (what "
+                "a replay holds at the recorded values; the others run live)"
+            )
         self.model, self.transcoders, self.mode = model, transcoders, mode
+        self.frozen = frozenset(frozen)
         self.parts = replacement_parts(model, overrides)
         check_widths(self.parts, transcoders)
         config = getattr(model, "config", None)
@@ -399,7 +417,9 @@ class LocalReplacement:
         if kind == "mlp_norm":
             self._resid_mid[layer] = x
         self._keep(f"{kind} input", layer, x)
-        if self.mode == "replay":
+        if self.mode == "replay" and "norms" not in self.frozen:
+            xc, scale = centred_and_scale(formula, eps, x)  # this forward's scale, out its own
+        elif self.mode == "replay":
             xc, scale = centred_and_scale(formula, eps, x, self.saved["scales"][key])
             out = apply_gain(formula, module, xc * scale).to(out.dtype)
         else:
@@ -471,19 +491,15 @@ class LocalReplacement:
     def attend(self, module, query, key, value, attention_mask, **kwargs):
         self.captured.attention_calls += 1
         eager = _eager_of(module)
-        original = self._original
+        own = _attention_function(self._original, eager)
         if self.mode == "replay":
+            if "patterns" not in self.frozen:  # the pattern of this forward's queries and keys
+                return own(module, query, key, value, attention_mask, **kwargs)
             pattern = self.saved["patterns"][self._pattern_index]
             self._pattern_index += 1
             return _apply(pattern, value), pattern
         with torch.no_grad():
-            if original == "eager":
-                out, weights = eager(module, query, key, value, attention_mask, **kwargs)
-            else:
-                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-                impl = ALL_ATTENTION_FUNCTIONS.get_interface(original, eager)
-                out, weights = impl(module, query, key, value, attention_mask, **kwargs)
+            out, weights = own(module, query, key, value, attention_mask, **kwargs)
             rows = 1 if self.mode == "attribute" else query.shape[0]
             mask = _additive(attention_mask, query, key, rows)
             _, pattern = eager(
@@ -592,6 +608,16 @@ def _additive(mask, query: torch.Tensor, key: torch.Tensor, rows: int):
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, small)
     return mask
+
+
+def _attention_function(original: str, eager):
+    """The model's own attention function: the family's `eager` one, or the one registered under
+    `original` (sdpa, flash...) with transformers' attention interface."""
+    if original == "eager":
+        return eager
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(original, eager)
 
 
 def _eager_of(module: nn.Module):

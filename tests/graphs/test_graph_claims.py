@@ -5,9 +5,14 @@ prediction (the model is linear: only the adjacency's float32 rounding separates
 direct prediction is minus the sum of the adjacency's entries read from the edge table, the
 total contributions a dense linear solve; bad arguments are refused by name. Through a
 cross-layer transcoder, a zeroed feature loses its writes into its own layer and every later
-one (a hand edit of each), and the frozen and direct predictions hold as for per-layer sets."""
+one (a hand edit of each), and the frozen and direct predictions hold as for per-layer sets.
+With the MLPs live, freezing attention patterns and norm scales together, the patterns alone or
+the norm scales alone equals a plain forward whose queries and keys, or norm scales, are the
+clean forward's (forward hooks), on models whose patterns move."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -15,8 +20,8 @@ import transformers
 
 from probe.errors import ConfigError
 from probe.graphs.attribution import GraphOptions, attribute
-from probe.graphs.feature_zeroing import frozen_logits
-from probe.graphs.graph_claims import answer_contributions, graph_claims, total_change
+from probe.graphs.feature_zeroing import frozen_logits, live_logits
+from probe.graphs.graph_claims import ORDERS, answer_contributions, graph_claims, total_change
 from probe.testing.random_transcoders import random_cross_layer, random_transcoders
 from probe.testing.tiny_lms import TASK_CLASSES, make_tiny
 
@@ -53,12 +58,13 @@ def answer_with(model, handles, graph) -> float:
     return float(logits[token] - logits.mean())
 
 
-def hand_answer(model, kind, tset, graph, places) -> float:
+def hand_answer(model, kind, tset, graph, places, extra=()) -> float:
     """The answer (logit minus mean logit) of a plain forward whose block MLP outputs lose
     activation x decoder row of each feature at `places`, the activation read from what the
-    transcoder reads in this forward (the MLP's input, or the input of the norm before it)."""
+    transcoder reads in this forward (the MLP's input, or the input of the norm before it);
+    `extra` hooks (already registered) are removed with these."""
     blocks = model.transformer.h if kind == "gpt2" else model.model.layers
-    handles, seen = [], {}
+    handles, seen = list(extra), {}
     for layer, pos, feature in places:
         block, t = blocks[layer], tset[layer]
         reader = block.mlp if tset.reads == "mlp_in" else block.post_attention_layernorm
@@ -358,3 +364,149 @@ def test_an_order_past_its_signs_count_zeroes_every_feature_of_that_sign(setups)
         assert row.live == pytest.approx(
             hand_answer(model, "gpt2", tset, graph, places) - clean, abs=1e-6
         )
+
+
+def norms_of(model, kind) -> list:
+    """Every norm whose scale the graph freezes: each block's two and the final one."""
+    if kind == "gpt2":
+        blocks = model.transformer.h
+        return [m for b in blocks for m in (b.ln_1, b.ln_2)] + [model.transformer.ln_f]
+    blocks = model.model.layers
+    return [m for b in blocks for m in (b.input_layernorm, b.post_attention_layernorm)] + [
+        model.model.norm
+    ]
+
+
+def query_key_modules(model, kind) -> list:
+    """The modules whose outputs hold each block's queries and keys: GPT-2's c_attn (queries,
+    keys and values side by side), Llama's q_proj and k_proj."""
+    if kind == "gpt2":
+        return [b.attn.c_attn for b in model.transformer.h]
+    return [m for b in model.model.layers for m in (b.self_attn.q_proj, b.self_attn.k_proj)]
+
+
+def clean_pieces(model, kind) -> dict:
+    """The clean forward's queries and keys (each module of query_key_modules' output) and each
+    norm's scale, 1 / sqrt(var(x) + eps) (LayerNorm) or 1 / sqrt(mean(x^2) + eps) (RMSNorm) of
+    its input, computed here in float64 from the input."""
+    seen, handles = {}, []
+    for m in query_key_modules(model, kind):
+        handles.append(m.register_forward_hook(lambda m, a, out: seen.update({m: out.clone()})))
+    for m in norms_of(model, kind):
+
+        def scale(m, args):
+            x = args[0]
+            if kind == "gpt2":
+                var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+                seen[m] = 1 / torch.sqrt(var + m.eps)
+            else:
+                seen[m] = 1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+
+        handles.append(m.register_forward_pre_hook(scale))
+    try:
+        with torch.no_grad():
+            model(PROMPT[None])
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def freezing_hooks(model, kind, clean, freeze) -> list:
+    """Forward hooks holding `freeze` ("patterns", "norms") at the clean forward's: the queries
+    and keys replaced by the clean ones (so every pattern is the clean one; GPT-2's values, the
+    last third of c_attn, stay live), each norm's output recomputed from its input with the
+    clean scale."""
+    handles = []
+    if "patterns" in freeze:
+        for m in query_key_modules(model, kind):
+
+            def qk(m, args, out):
+                out = out.clone()
+                width = out.shape[-1] * 2 // 3 if kind == "gpt2" else out.shape[-1]
+                out[..., :width] = clean[m][..., :width]
+                return out
+
+            handles.append(m.register_forward_hook(qk))
+    if "norms" in freeze:
+        for m in norms_of(model, kind):
+
+            def norm(m, args, out):
+                x = args[0]
+                if kind == "gpt2":
+                    return (x - x.mean(-1, keepdim=True)) * clean[m] * m.weight + m.bias
+                return x * clean[m] * m.weight
+
+            handles.append(m.register_forward_hook(norm))
+    return handles
+
+
+FREEZES = {"frozen_attention": ("patterns", "norms"), "frozen_patterns": ("patterns",),
+           "frozen_norms": ("norms",)}  # fmt: skip
+SHARPEN = 15.0  # the queries' and keys' scale in `sharp` (the scores' 225)
+
+
+@pytest.fixture(scope="module")
+def sharp(setups):
+    """Each setup's model with its queries and keys scaled by SHARPEN (random weights make
+    near-uniform patterns that a zeroing hardly moves), its graph and its claims in every order."""
+    out = {}
+    for kind, (model, tset, _, _) in setups.items():
+        model = copy.deepcopy(model)
+        with torch.no_grad():
+            if kind == "gpt2":
+                for block in model.transformer.h:
+                    width = block.attn.c_attn.weight.shape[0]
+                    block.attn.c_attn.weight[:, : 2 * width] *= SHARPEN
+                    block.attn.c_attn.bias[: 2 * width] *= SHARPEN
+            else:
+                for block in model.model.layers:
+                    block.self_attn.q_proj.weight *= SHARPEN
+                    block.self_attn.k_proj.weight *= SHARPEN
+        graph = attribute(model, PROMPT, tset, GraphOptions(batch_size=128, floor=0.0))
+        table = graph_claims(model, graph, tset, top=(1, 5, 10), orders=ORDERS)
+        out[kind] = model, tset, graph, table
+    return out
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_freezing_patterns_or_norms_alone_equals_a_hand_forward_hook_edit(sharp, kind):
+    """Each of the three columns with the MLPs live (patterns and norms frozen, the patterns
+    alone, the norms' scales alone) is the change of a plain forward whose queries and keys (so
+    its patterns), or its norms' scales, are the clean forward's, the features zeroed by hand:
+    positive, negative and absolute orders. The split is not empty: each freeze alone moves the
+    answer by other than the live model and the model with both frozen (by over 1000 times the
+    tolerance); the graph's linear model still moves by the total prediction."""
+    model, tset, graph, rows = sharp[kind]
+    clean = clean_pieces(model, kind)
+    for column, freeze in FREEZES.items():
+        base = hand_answer(model, kind, tset, graph, [], freezing_hooks(model, kind, clean, freeze))
+        for row in rows.itertuples():
+            places = [tuple(map(int, p.split("/"))) for p in row.features.split(";")]
+            hooks = freezing_hooks(model, kind, clean, freeze)
+            want = hand_answer(model, kind, tset, graph, places, hooks) - base
+            assert getattr(row, column) == pytest.approx(want, abs=1e-6), (column, row.Index)
+    # the graph's own linear model (both frozen, the MLPs linear) still moves by the prediction
+    scale = float(answer_contributions(graph).total.abs().max())
+    assert rows.frozen.to_numpy() == pytest.approx(rows.total.to_numpy(), rel=1e-5, abs=1e-6 * scale)  # fmt: skip
+    for column in ("frozen_patterns", "frozen_norms"):
+        assert (rows[column] - rows.live).abs().max() > 1e-3
+        assert (rows[column] - rows.frozen_attention).abs().max() > 1e-3
+        assert rows[f"{column}_over_total"].to_numpy() == pytest.approx(
+            (rows[column] / rows.total).to_numpy()
+        )
+
+
+def test_a_replay_with_nothing_frozen_is_the_live_model(setups):
+    """frozen_logits with the MLPs live and neither patterns nor norms frozen replays nothing:
+    the live zeroing's logits; an unknown piece to freeze is refused by name."""
+    model, tset, graph, table = setups["llama"]
+    places = [tuple(p) for p in graph.features.tolist()]
+    zeroings = [[tuple(map(int, p.split("/"))) for p in f.split(";")] for f in table.features]
+    got = frozen_logits(model, PROMPT, tset, places, zeroings, mlps="live", freeze=())
+    for zeroed, logits in zip([[], *zeroings], got, strict=True):
+        torch.testing.assert_close(
+            logits, live_logits(model, PROMPT, tset, zeroed), rtol=0, atol=1e-10
+        )
+    with pytest.raises(ConfigError, match=r"frozen=\('pattern',\); give a sequence of patterns"):
+        frozen_logits(model, PROMPT, tset, places, zeroings, mlps="live", freeze=("pattern",))
