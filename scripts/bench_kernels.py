@@ -26,7 +26,8 @@ pass), and each training's median CPU time per step (time.process_time). `--tree
 runs that checkout's probe instead (this script's harness): before and after, in turn.
 
 `--in-training N --diagnose` asks why the pass costs more there than alone, side by side in one
-process: the watched training alone, N steps after one of warm-up; in the hook each statistics
+process: the watched training alone (every value through `batch_stats`, the general way to the
+same pass), N steps after one of warm-up; in the hook each statistics
 call is timed twice (the tensor as the layer just wrote it, then re-read), then a numpy float64
 sum over it and an ALU-only compiled loop (no memory: the core's speed there) are timed; after
 each step the same tensors (copies) are reduced alone, once each as in the hook, with the same
@@ -65,6 +66,7 @@ import numpy as np
 import torch
 
 KINDS = ("output", "grad_output", "param", "param_grad")
+PARAMS_ADD = "parameters' statistics calls"
 
 
 def watched_tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -146,19 +148,48 @@ def in_training(steps: int) -> None:
     import bench_watch
 
     from probe.stats import numba_backend
-    from probe.train import step_stats
+    from probe.train import grad_norms, step_hooks, step_stats
 
-    spent = {"add": 0.0, "compiled": 0.0, "calls": 0, "values": 0}
+    spent = {"add": 0.0, "compiled": 0.0, "calls": 0, "values": 0, PARAMS_ADD: 0.0}
     add, compiled = step_stats.StepStats.add, numba_backend.solo_batch
+    phases = {  # the watch's other work in a step: (class, method) -> what it does
+        (step_hooks.Watcher, "take_params"): "parameters taken (param, and copies for updates)",
+        (step_hooks.Watcher, "take_grads"): "gradients taken (param_grad, grad_norm)",
+        (step_hooks.Watcher, "take_updates"): "updates taken (differences, param_update)",
+        (grad_norms.GradNorms, "backward_ended"): "norm at each backward's end",
+        (step_hooks.Watcher, "end_step"): "step's end (settle, rows, quantiles)",
+    }
+    inside = {"phase": None}
 
     def timed_add(self, key, x, bounds, unit_axis):
         t0 = time.thread_time()
         try:
             return add(self, key, x, bounds, unit_axis)
         finally:
-            spent["add"] += time.thread_time() - t0
+            seconds = time.thread_time() - t0
+            spent["add"] += seconds
             spent["calls"] += 1
             spent["values"] += x.numel()
+            if inside["phase"] is not None:
+                spent[PARAMS_ADD] += seconds
+
+    def phase(cls, name, label):
+        fn = getattr(cls, name)
+
+        def timed(*a, **k):
+            outer = inside["phase"]
+            inside["phase"] = label
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - t0
+                inside["phase"] = outer
+
+        setattr(cls, name, timed)
+
+    for (cls, name), label in phases.items():
+        phase(cls, name, label)
 
     def timed_compiled(*a):
         t0 = time.thread_time()
@@ -176,7 +207,7 @@ def in_training(steps: int) -> None:
                  for kind in (None, "probe")}  # fmt: skip
     for t in trainings.values():
         t.step(batches[0:2])  # (warm-up: the kernels loaded, the first allocations)
-    spent.update(add=0.0, compiled=0.0, calls=0, values=0)
+    spent.update({k: 0.0 for k in spent})
     cpu: dict = {kind: [] for kind in trainings}
     for s in range(steps):
         for kind in list(trainings)[:: 1 if s % 2 else -1]:
@@ -193,6 +224,11 @@ def in_training(steps: int) -> None:
           f"pass {(spent['add'] - spent['compiled']) / steps:.3f}; the training's CPU s a step "
           f"(median of {steps}): unwatched {plain:.3f}, watched {watched:.3f} "
           f"({watched / plain:.3f}x, {watched - plain:.3f} s more)")  # fmt: skip
+    params = spent[PARAMS_ADD]
+    print(f"  of the calls: activations' {(spent['add'] - params) / steps:.3f}, "
+          f"parameters' {params / steps:.3f}")  # fmt: skip
+    for label in phases.values():
+        print(f"  {label}: {spent.get(label, 0.0) / steps:.3f} (with its statistics calls)")
 
 
 def _spin():
