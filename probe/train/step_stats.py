@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
@@ -48,7 +49,7 @@ class Counted(Protocol):
     def inf_count(self) -> int: ...
 
 
-def _numba():
+def _numba() -> ModuleType:
     """probe.stats.numba_backend (imported where the CPU backend is numba)."""
     from probe.stats import numba_backend
 
@@ -77,8 +78,10 @@ class StepStats:
         self.on_device, self.histograms = on_device, histograms
         self.stats: dict[Key, RunningStats] = {}  # the host's (CPU values)
         self.packs: dict[Key, list[_Packed]] = {}  # the devices', until the step ends
-        # the numba backend's packed batches, merged without a RunningStats each (or None)
-        self.solo = None if on_device or backend.cpu_name() != "numba" else _numba()
+        # the numba backend, whose packed batches merge without a RunningStats each (None:
+        # another backend), known at the first CPU value (a GPU's training needs none)
+        self.solo: ModuleType | None = None
+        self.solo_known = False
 
     def add(self, key: Key, x: torch.Tensor, bounds, unit_axis: int) -> Counted | None:
         """Fold one value (axis 0: rows) in; returns the value's own statistics where they are
@@ -88,6 +91,9 @@ class StepStats:
         x = x.detach()
         rows = x.shape[0] if x.dim() else 1
         if x.device.type == "cpu" and not self.on_device:
+            if not self.solo_known:
+                self.solo_known = True
+                self.solo = _numba() if backend.cpu_name() == "numba" else None
             solo = self.solo
             packed = None
             if solo is not None and bounds is None:
