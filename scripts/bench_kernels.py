@@ -18,13 +18,16 @@ away in waiting is not counted, what it takes in caches is), summed per kind of 
 
 `--in-training N` times the same pass where the watch runs it instead: bench_watch.py's resnet18
 training (2 micro-batches a step, clip_grad_norm_ to 1.0) watched at every=1, stepped in turn
-with the same training unwatched for N steps after one of warm-up, the CPU time of every
-statistics call (`probe.stats.backend.batch_stats`, the watch's way to the pass on the CPU)
-summed; it prints the calls, values and seconds of the pass per step, its ns per value, and
-each training's median CPU time per step (time.process_time).
+with the same training unwatched for N steps after one of warm-up; it prints, per step, the
+watch's statistics calls (`probe.train.step_stats.StepStats.add`: a value to its step's
+statistics, the micro-batches merged), their values, the CPU time of the compiled pass in them
+(`numba_backend.solo_batch`) and of the calls whole (the difference: the Python around the
+pass), and each training's median CPU time per step (time.process_time). `--tree CHECKOUT`
+runs that checkout's probe instead (this script's harness): before and after, in turn.
 
 `--in-training N --diagnose` asks why the pass costs more there than alone, side by side in one
-process: the watched training alone, N steps after one of warm-up; in the hook each statistics
+process: the watched training alone (every value through `batch_stats`, the general way to the
+same pass), N steps after one of warm-up; in the hook each statistics
 call is timed twice (the tensor as the layer just wrote it, then re-read), then a numpy float64
 sum over it and an ALU-only compiled loop (no memory: the core's speed there) are timed; after
 each step the same tensors (copies) are reduced alone, once each as in the hook, with the same
@@ -63,6 +66,7 @@ import numpy as np
 import torch
 
 KINDS = ("output", "grad_output", "param", "param_grad")
+PARAMS_ADD = "parameters' statistics calls"
 
 
 def watched_tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -143,21 +147,59 @@ def in_training(steps: int) -> None:
 
     import bench_watch
 
-    from probe.stats import backend
+    from probe.stats import numba_backend
+    from probe.train import grad_norms, step_hooks, step_stats
 
-    spent = {"seconds": 0.0, "calls": 0, "values": 0}
-    reduce = backend.batch_stats
+    spent = {"add": 0.0, "compiled": 0.0, "calls": 0, "values": 0, PARAMS_ADD: 0.0}
+    add, compiled = step_stats.StepStats.add, numba_backend.solo_batch
+    phases = {  # the watch's other work in a step: (class, method) -> what it does
+        (step_hooks.Watcher, "take_params"): "parameters taken (param, and copies for updates)",
+        (step_hooks.Watcher, "take_grads"): "gradients taken (param_grad, grad_norm)",
+        (step_hooks.Watcher, "take_updates"): "updates taken (differences, param_update)",
+        (grad_norms.GradNorms, "backward_ended"): "norm at each backward's end",
+        (step_hooks.Watcher, "end_step"): "step's end (settle, rows, quantiles)",
+    }
+    inside = {"phase": None}
 
-    def timed(x, bounds=None, hist=None, unit_axis=1):
+    def timed_add(self, key, x, bounds, unit_axis):
         t0 = time.thread_time()
         try:
-            return reduce(x, bounds, hist, unit_axis)
+            return add(self, key, x, bounds, unit_axis)
         finally:
-            spent["seconds"] += time.thread_time() - t0
+            seconds = time.thread_time() - t0
+            spent["add"] += seconds
             spent["calls"] += 1
             spent["values"] += x.numel()
+            if inside["phase"] is not None:
+                spent[PARAMS_ADD] += seconds
 
-    backend.batch_stats = timed
+    def phase(cls, name, label):
+        fn = getattr(cls, name)
+
+        def timed(*a, **k):
+            outer = inside["phase"]
+            inside["phase"] = label
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - t0
+                inside["phase"] = outer
+
+        setattr(cls, name, timed)
+
+    for (cls, name), label in phases.items():
+        phase(cls, name, label)
+
+    def timed_compiled(*a):
+        t0 = time.thread_time()
+        try:
+            return compiled(*a)
+        finally:
+            spent["compiled"] += time.thread_time() - t0
+
+    step_stats.StepStats.add = timed_add
+    numba_backend.solo_batch = timed_compiled
     make, optimizer, batches, loss, probes = bench_watch.setup("resnet18", 2 * steps + 2)
     tmp = tempfile.TemporaryDirectory()
     trainings = {kind: bench_watch.Training(kind, 1, make, optimizer, loss, probes,
@@ -165,7 +207,7 @@ def in_training(steps: int) -> None:
                  for kind in (None, "probe")}  # fmt: skip
     for t in trainings.values():
         t.step(batches[0:2])  # (warm-up: the kernels loaded, the first allocations)
-    spent.update(seconds=0.0, calls=0, values=0)
+    spent.update({k: 0.0 for k in spent})
     cpu: dict = {kind: [] for kind in trainings}
     for s in range(steps):
         for kind in list(trainings)[:: 1 if s % 2 else -1]:
@@ -174,10 +216,19 @@ def in_training(steps: int) -> None:
             cpu[kind].append(time.process_time() - t0)
     trainings["probe"].close()
     plain, watched = statistics.median(cpu[None]), statistics.median(cpu["probe"])
-    print(f"the pass in a watched resnet18 step: {spent['calls'] / steps:.0f} calls, "
-          f"{spent['values'] / steps / 1e6:.1f}M values, {spent['seconds'] / steps:.3f} s a step, "
-          f"{spent['seconds'] / spent['values'] * 1e9:.2f} ns a value; CPU s a step (median of "
-          f"{steps}): unwatched {plain:.3f}, watched {watched:.3f} ({watched / plain:.3f}x)")  # fmt: skip
+    ns = spent["compiled"] / spent["values"] * 1e9
+    print(f"the statistics of a watched resnet18 step ({numba_backend.__file__}): "
+          f"{spent['calls'] / steps:.0f} calls, {spent['values'] / steps / 1e6:.1f}M values; "
+          f"CPU s a step: the compiled pass {spent['compiled'] / steps:.3f} ({ns:.2f} ns a value), "
+          f"the calls whole (StepStats.add) {spent['add'] / steps:.3f}, the Python around the "
+          f"pass {(spent['add'] - spent['compiled']) / steps:.3f}; the training's CPU s a step "
+          f"(median of {steps}): unwatched {plain:.3f}, watched {watched:.3f} "
+          f"({watched / plain:.3f}x, {watched - plain:.3f} s more)")  # fmt: skip
+    params = spent[PARAMS_ADD]
+    print(f"  of the calls: activations' {(spent['add'] - params) / steps:.3f}, "
+          f"parameters' {params / steps:.3f}")  # fmt: skip
+    for label in phases.values():
+        print(f"  {label}: {spent.get(label, 0.0) / steps:.3f} (with its statistics calls)")
 
 
 def _spin():
@@ -227,6 +278,8 @@ def diagnose(steps: int) -> None:
 
     spin = _spin()
     reduce, solo = backend.batch_stats, numba_backend.solo_batch
+    # every value through `batch_stats` (timed below), not the watch's short path to the same pass
+    numba_backend.solo_packed = lambda x, unit_axis=1: None
     main, rusage = threading.get_ident(), resource.RUSAGE_THREAD
     spent: dict[str, dict[str, float]] = {}
     odd = {"off the training's thread": 0, "not contiguous": 0, "not float32": 0}
@@ -413,7 +466,11 @@ def main() -> None:
     p.add_argument("--narrow", type=int, metavar="ROUNDS",
                    help="with --against: the column path alone, both trees (see the module)")  # fmt: skip
     p.add_argument("--loops", action="store_true", help="the paths' loops alone (see the module)")
+    p.add_argument("--tree", type=Path,
+                   help="with --in-training: run that checkout's probe (before and after)")  # fmt: skip
     args = p.parse_args()
+    if args.tree:
+        sys.path.insert(0, str(args.tree.resolve()))
     torch.set_num_threads(1)
     if args.narrow:
         if not args.against:

@@ -99,9 +99,10 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
     """RunningStats of a batch from the array `packing.finish` packed it into."""
     width, k, o = _layout(packed)
     s = RunningStats(rows, **by_name(batch_values(packed[:PACKED_HEAD].tolist())), hist=None)
-    if spans:
-        heads = packed[o : o + 2 * k].astype(np.int64).reshape(k, 2)
-        s.hist = BucketSpans(heads, packed[o + 2 * k :].astype(np.int64))
+    if spans:  # (the counts as packed: float64 integers, no conversion)
+        s.hist = BucketSpans(
+            packed[o : o + 2 * k].astype(np.int64).reshape(k, 2), packed[o + 2 * k :]
+        )
     if has_units:
         count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
         s.units = UnitStats(  # copies: a running one adopting them must not hold `packed`
@@ -112,6 +113,76 @@ def _from_result(rows: int, has_units: bool, packed: np.ndarray, spans: bool) ->
             positive.astype(np.int64),
         )
     return s
+
+
+def solo_packed(x, unit_axis: int = 1) -> np.ndarray | None:
+    """What `batch_stats(x, None, None, unit_axis)` reduces in one compiled call on this thread
+    (`solo_batch`), as that call packed it (`packing.finish`, the spans taken out of this
+    thread's scratch), with fewer Python steps around it: x a float32, C-contiguous CPU tensor
+    of at least two dimensions whose units lie on axis 1 (any axis of two), below 2**31 values,
+    that is not split across threads. None for any other x (`batch_stats` takes it). A watched
+    step reduces about 170 values: each Python step around one costs microseconds."""
+    try:
+        a = x.numpy()
+    except (RuntimeError, TypeError, AttributeError):  # needs grad, bfloat16, not a tensor...
+        return None
+    if (
+        a.dtype.char != "f"
+        or a.ndim < 2
+        or not 0 < a.size < 1 << 31  # (int32 scratch counts)
+        or not a.flags.c_contiguous
+        or (a.ndim > 2 and unit_axis % a.ndim != 1)
+    ):
+        return None
+    y = a.reshape(a.shape[0], a.shape[1], -1)
+    if _split(y) != (1, 0):
+        return None
+    lane = _scratch.hist.lanes(1)
+    try:
+        return solo_batch(y, lane[0], True)
+    except BaseException:  # (see batch_stats)
+        lane[:] = 0
+        raise
+
+
+def packed_running(rows: int, packed: np.ndarray, bounds, unit_axis: int) -> RunningStats:
+    """Running statistics that start with a `solo_packed` batch of `rows` rows, equal to those
+    a fresh RunningStats merging `_from_result` of it has (its units and spans adopted)."""
+    acc = RunningStats(bounds=bounds, unit_axis=unit_axis, hist=None)
+    acc.add(rows, batch_values(packed[:PACKED_HEAD].tolist()))  # (Chan's, from the empty state)
+    width, k, o = _layout(packed)
+    count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
+    # views of `packed` where the dtype allows: it is this batch's alone, merged into in place
+    acc.units = UnitStats(count.astype(np.int64), sums, lows, highs, positive.astype(np.int64))
+    acc.hist = BucketSpans(
+        packed[o : o + 2 * k].astype(np.int64).reshape(k, 2), packed[o + 2 * k :]
+    )
+    return acc
+
+
+def merge_packed(acc: RunningStats, rows: int, packed: np.ndarray) -> None:
+    """Merge a `solo_packed` batch of `rows` rows into `acc`, as `acc.merge` of its
+    `_from_result` would, without building that: the scalars by `RunningStats.add`, the units
+    in place, and a histogram kept as bucket ranges (`BucketSpans`) joined with the batch's
+    (`BucketSpans.union`: the same counts, not all 65536 buckets)."""
+    acc.add(rows, batch_values(packed[:PACKED_HEAD].tolist()))
+    width, k, o = _layout(packed)
+    count, sums, lows, highs, positive = packed[PACKED_HEAD:o].reshape(5, width)
+    u = acc.units
+    if u is None:
+        u = acc.units = UnitStats.empty(width)
+    elif len(u.count) != width:
+        raise ValueError(f"unit counts differ: {u.count.shape} vs ({width},)")
+    np.add(u.count, count, out=u.count, casting="unsafe")  # (float64 integers, exact)
+    u.sum += sums
+    np.add(u.positive, positive, out=u.positive, casting="unsafe")
+    np.minimum(u.min, lows, out=u.min)
+    np.maximum(u.max, highs, out=u.max)
+    spans = BucketSpans(packed[o : o + 2 * k].astype(np.int64).reshape(k, 2), packed[o + 2 * k :])
+    if isinstance(acc.hist, BucketSpans):
+        acc.hist = acc.hist.union(spans)
+    else:
+        acc.whole_histogram().merge(spans)
 
 
 def _layout(packed: np.ndarray) -> tuple[int, int, int]:

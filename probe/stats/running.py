@@ -131,11 +131,14 @@ class BucketSpans:
 
     def __init__(self, heads: np.ndarray, counts: np.ndarray):
         self.heads = heads  # (first bucket, length) per range
-        self.spans = counts  # int64 counts of the ranges, one after another
+        # the counts of the ranges, one after another: int64, or float64 holding integers (as
+        # the compiled pass packs them, exact below 2**53: no conversion per batch)
+        self.spans = counts
 
     def add_to(self, counts: np.ndarray) -> None:
         for start, piece in self.pieces():
-            counts[start : start + len(piece)] += piece
+            view = counts[start : start + len(piece)]
+            np.add(view, piece, out=view, casting="unsafe")  # (float64 counts are integers)
 
     def pieces(self) -> list[tuple[int, np.ndarray]]:
         """(first bucket, counts) of each range."""
@@ -170,7 +173,8 @@ class BucketSpans:
             first, stop = covered[sign]
             at[sign] = (first, sum(length for _, length in heads))
             heads.append((first, stop - first))
-        counts = np.zeros(sum(length for _, length in heads), dtype=np.int64)
+        kind = np.result_type(np.int64, *(piece.dtype for _, piece in pieces))
+        counts = np.zeros(sum(length for _, length in heads), dtype=kind)
         for start, piece in pieces:
             first, offset = at[start >= NEGATIVE]
             counts[offset + start - first : offset + start - first + len(piece)] += piece
