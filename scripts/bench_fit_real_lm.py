@@ -283,6 +283,48 @@ def variance_shares(h5_path: Path, eos: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def activation_structure(h5_path: Path, eos: int) -> pd.DataFrame:
+    """Per block, on the rows a fit keeps (not position 0, not EOS): the share of the MLP input's
+    and output's variance in their top 16 principal directions, the output's participation ratio
+    (sum of eigenvalues squared over the sum of their squares: the directions it uses), and the
+    share of the output's variance that the current token's own mean output explains."""
+    rows = []
+    with h5py.File(h5_path, "r") as f:
+        token = f["tokens/id"][:]
+        keep = (f["tokens/position"][:] != 0) & (token != eos)
+        for layer in range(sum(1 for k in f["layers"] if k.endswith(".mlp"))):
+            row: dict = {"layer": layer}
+            for site in ("input", "output"):
+                x = f[f"layers/transformer.h.{layer}.mlp/{site}"][:][keep].astype(np.float64)
+                x -= x.mean(0)
+                eig = np.linalg.svd(x, compute_uv=False) ** 2
+                eig /= eig.sum()
+                row[f"{site}_top16"] = eig[:16].sum()
+                if site == "output":
+                    row["output_participation"] = 1 / (eig**2).sum()
+                    means = pd.DataFrame(x).groupby(token[keep]).transform("mean").to_numpy()
+                    row["output_token_mean_share"] = 1 - ((x - means) ** 2).sum() / (x**2).sum()
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def never_fired(set_dir: Path, h5_path: Path, eos: int) -> list[float]:
+    """Per block: the share of a per-layer set's features active on none of the run's kept rows
+    (every sample, training rows included; position 0 and EOS left out)."""
+    from probe.models.transcoder_files import load_transcoders
+
+    transcoders = load_transcoders(set_dir)
+    shares = []
+    with h5py.File(h5_path, "r") as f:
+        keep = (f["tokens/position"][:] != 0) & (f["tokens/id"][:] != eos)
+        for layer in range(len(transcoders)):
+            x = torch.from_numpy(f[f"layers/transformer.h.{layer}.mlp/input"][:][keep]).float()
+            with torch.no_grad():
+                fired = (transcoders[layer].encode(x) > 0).any(0)
+            shares.append(float((~fired).double().mean()))
+    return shares
+
+
 def markdown(table: pd.DataFrame) -> str:
     """`table` as a markdown table, floats to 4 significant figures."""
     cols = list(table.columns)
@@ -387,6 +429,8 @@ def main() -> None:
     shares = variance_shares(run_dir / "probe.h5", fast.eos_token_id)
     say("\nwhere the MLP output's variance sits (every captured row):\n")
     say(markdown(shares))
+    say("\nthe MLPs' activations (rows a fit keeps):\n")
+    say(markdown(activation_structure(run_dir / "probe.h5", fast.eos_token_id)))
 
     fits = []
     for name in args.activations:
@@ -412,10 +456,12 @@ def main() -> None:
                 float(kept.get(str(layer), np.nan)) if str(layer) != "all" else np.nan
                 for layer in fit["layer"].astype(str)
             ]
+            silent = never_fired(out, run_dir / "probe.h5", fast.eos_token_id)
+            fit["never_fired_all_rows"] = silent + [np.nan] * (len(fit) - len(silent))
         fits.append(fit)
     table = pd.concat(fits, ignore_index=True)
     columns = ["fit", "layer", "fvu", "l0", "dead", "ce_recovered", "kl", "rows",
-               "held_out_rows", "left_out_rows", "fvu_with_pos0_eos"]  # fmt: skip
+               "held_out_rows", "left_out_rows", "fvu_with_pos0_eos", "never_fired_all_rows"]  # fmt: skip
     table = table[[c for c in columns if c in table.columns]]
     say(f"\nprobe.fit defaults, --width {width} --epochs {args.epochs}:\n")
     say(markdown(table))
