@@ -325,6 +325,37 @@ def never_fired(set_dir: Path, h5_path: Path, eos: int) -> list[float]:
     return shares
 
 
+def threshold_checks(set_dir: Path, h5_path: Path, eos: int, k: int) -> list[str]:
+    """Per block of a saved jumprelu set (a jumprelu or batchtopk fit), on the run's kept rows:
+    its thresholds' median and the positive pre-activations' median; and the share of features
+    that the batch top-k a batchtopk fit trains with (k x rows of each 1,024 rows, in file order)
+    ever chooses, next to the share that ever pass the saved threshold."""
+    from probe.models.transcoder_files import load_transcoders
+
+    transcoders = load_transcoders(set_dir)
+    lines = []
+    with h5py.File(h5_path, "r") as f:
+        keep = (f["tokens/position"][:] != 0) & (f["tokens/id"][:] != eos)
+        for layer in range(len(transcoders)):
+            tc = transcoders[layer]
+            x = torch.from_numpy(f[f"layers/transformer.h.{layer}.mlp/input"][:][keep]).float()
+            with torch.no_grad():
+                pre = x @ tc.W_enc + tc.b_enc
+                chosen = torch.zeros(pre.shape[1], dtype=torch.bool)
+                for i in range(0, len(pre), 1024):
+                    batch = pre[i : i + 1024]
+                    chosen[batch.flatten().topk(k * len(batch)).indices % pre.shape[1]] = True
+                passing = (pre > tc.threshold).any(0)
+                median = float(tc.threshold.median())
+            lines.append(
+                f"block {layer}: threshold median {median:.4f}, positive "
+                f"pre-activations' median {float(pre[pre > 0].median()):.3f}; batch top-k "
+                f"chooses {float(chosen.double().mean()):.3f} of the features, "
+                f"{float(passing.double().mean()):.3f} ever pass the threshold"
+            )
+    return lines
+
+
 def markdown(table: pd.DataFrame) -> str:
     """`table` as a markdown table, floats to 4 significant figures."""
     cols = list(table.columns)
@@ -457,6 +488,9 @@ def main() -> None:
                 for layer in fit["layer"].astype(str)
             ]
             silent = never_fired(out, run_dir / "probe.h5", fast.eos_token_id)
+            if name in ("jumprelu", "batchtopk"):
+                for line in threshold_checks(out, run_dir / "probe.h5", fast.eos_token_id, 16):
+                    say(f"  {name} {line}")
             fit["never_fired_all_rows"] = silent + [np.nan] * (len(fit) - len(silent))
         fits.append(fit)
     table = pd.concat(fits, ignore_index=True)
