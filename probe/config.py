@@ -288,7 +288,8 @@ class CircuitConfig:
 
 
 GRAPH_EDGES = ("pruned", "all")
-GRAPH_QK_SOURCES = ("position", "nodes")  # probe.graphs.attribution.QK_SOURCES
+# probe.graphs.attribution.QK_SOURCES: nodes by the cheaper direction, or the one named
+GRAPH_QK_SOURCES = ("position", "nodes", "nodes_forward", "nodes_backward")
 
 
 @dataclass
@@ -310,8 +311,9 @@ class GraphConfig:
     the attention scores of the `qk` key positions each head attends to most from each query
     position of the kept nodes, `qk_rows` the cells and marginals kept per pair (null: all),
     `qk_sources` each side split into the parts at its own position (position) or traced
-    through the earlier layers' frozen patterns to the graph's nodes (nodes): graph_qk.csv
-    (probe.graphs.qk_attribution)."""
+    through the earlier layers' frozen patterns to the graph's nodes (nodes: by forward or
+    backward passes, whichever costs less; nodes_forward, nodes_backward: the one named):
+    graph_qk.csv (probe.graphs.qk_attribution)."""
 
     transcoders: str | None = None
     logit_prob: float = 0.95

@@ -48,7 +48,7 @@ import torch
 from probe.config import GRAPH_QK_SOURCES as QK_SOURCES  # what a QK table splits a side into
 from probe.errors import ConfigError
 from probe.graphs.attribution_graph import AttributionGraph
-from probe.graphs.batch_plan import BatchPlan, device_shares, plan_batch
+from probe.graphs.batch_plan import FRACTION, BatchPlan, device_shares, plan_batch
 from probe.graphs.host_heap import bounded_host_heap, release_free_memory
 from probe.graphs.replacement import LocalReplacement, check_interface
 from probe.hooks.hookset import HookSet
@@ -86,7 +86,8 @@ class GraphOptions:
     decomposes (probe.graphs.qk_attribution; 0: none); qk_rows: the largest cells and
     marginals kept per decomposed pair, the rest summed in one row (None: every one);
     qk_sources: each side split into the parts at its own position ("position") or traced
-    through the earlier layers' frozen patterns to the graph's nodes ("nodes")."""
+    through the earlier layers' frozen patterns to the graph's nodes ("nodes", by the cheaper
+    of forward and backward passes; "nodes_forward", "nodes_backward": the one named)."""
 
     logit_prob: float = 0.95
     max_logits: int = 10
@@ -168,7 +169,8 @@ def check_qk_options(qk, qk_rows, qk_sources: str = "position") -> None:
         raise ConfigError(
             f"graph.qk_sources={qk_sources!r}: choose position (the parts at the pair's own "
             "positions, an earlier attention's write one part) or nodes (those writes traced "
-            "to the graph's nodes at every earlier position and layer)"
+            "to the graph's nodes at every earlier position and layer, by forward or backward "
+            "passes, whichever costs less; nodes_forward or nodes_backward names one)"
         )
     if not _is_int(qk) or qk < 0:
         raise ConfigError(
@@ -321,9 +323,11 @@ def _attribute(model, ids: torch.Tensor, transcoders: AnyTranscoders, options: G
 
 
 def batch_plan(model: torch.nn.Module, rep: LocalReplacement, n_pos: int,
-               options: GraphOptions) -> BatchPlan:  # fmt: skip
+               options: GraphOptions, *, tangents: bool = False, fraction: float | None = None,
+               rows: int | None = None) -> BatchPlan:  # fmt: skip
     """The prompt copies per backward: graph.batch_size where given, else the memory plan's for
-    this model, its placement and the prompt's length (probe.graphs.batch_plan)."""
+    this model, its placement and the prompt's length (probe.graphs.batch_plan); `tangents`:
+    per forward carrying tangents, of at most `rows` copies, `fraction` of the free memory."""
     if options.batch_size is not None:
         return BatchPlan(options.batch_size, f"{options.batch_size} prompt copies per backward "
                          "(graph.batch_size)")  # fmt: skip
@@ -333,10 +337,11 @@ def batch_plan(model: torch.nn.Module, rep: LocalReplacement, n_pos: int,
     element = next(model.parameters()).element_size()
     width = int(rep.parts.unembed.shape[1])
     shares = device_shares(rep.parts.mlps, rep.parts.embed)
-    rows = None  # no more copies than rows to attribute, where max_feature_nodes bounds them
-    if options.max_feature_nodes is not None:
+    # no more copies than rows to attribute, where max_feature_nodes bounds them
+    if rows is None and options.max_feature_nodes is not None:
         rows = options.max_logits + options.max_feature_nodes
-    return plan_batch(shares, n_pos, width, int(heads), element, eager, rows=rows)
+    share = FRACTION if fraction is None else fraction
+    return plan_batch(shares, n_pos, width, int(heads), element, eager, share, rows, tangents)
 
 
 def token_ids(tokens) -> torch.Tensor:

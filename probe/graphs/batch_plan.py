@@ -33,6 +33,11 @@ what torch's caching allocator holds unused. FRACTION leaves room for what the f
 not count: the dense rows in flight (batch x columns floats, and the floor's temporaries), the
 kept entries, the nodes' decoder writes and encoder rows, allocator slack. Where free memory
 cannot be read (another device type), FALLBACK_BATCH copies.
+
+A forward carrying forward-mode tangents (`tangents=True`: the QK attribution traced to the
+nodes, probe.graphs.qk_sources, one node's write a copy) keeps nothing for a backward: a copy
+costs FORWARD_COPY_TENSORS tensors of n_pos x d while one block runs, wherever the blocks are,
+and the attention runs on the first copy alone (one block's pattern made at a time: `once`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ COPY_TENSORS_OUTSIDE = 8  # n_pos x d tensors per copy outside the blocks
 EAGER_TEMPS = 3  # heads x n_pos^2 matrices eager attention makes at once (scores, softmax, pattern)
 PATTERN_BYTES = 4  # the frozen patterns are float32
 QKV_TENSORS = 3  # n_pos x d tensors a block keeps to make its pattern again (one copy's q, k, v)
+# n_pos x d tensors a copy holds in a forward carrying tangents while a block runs, each a value
+# and a tangent: the residual stream, the norm's output, the values, the attention's output,
+# the MLP's input and skip path (counted from the replacement's hooks, not measured)
+FORWARD_COPY_TENSORS = 12
 
 
 @dataclass(frozen=True)
@@ -96,20 +105,33 @@ def once_bytes(blocks: int, n_pos: int, width: int, heads: int, element: int) ->
     return blocks * QKV_TENSORS * n_pos * width * element + made
 
 
+def forward_copy_bytes(n_pos: int, width: int, element: int) -> int:
+    """Bytes one copy of the prompt costs in a forward carrying tangents (module docstring)."""
+    return FORWARD_COPY_TENSORS * n_pos * width * element
+
+
 def plan_batch(shares: list[DeviceShare], n_pos: int, width: int, heads: int, element: int,
-               eager: bool, fraction: float = FRACTION, rows: int | None = None) -> BatchPlan:  # fmt: skip
+               eager: bool, fraction: float = FRACTION, rows: int | None = None,
+               tangents: bool = False) -> BatchPlan:  # fmt: skip
     """The batch the formula of the module docstring gives for a model placed as `shares`, at
-    most `rows` (the rows to attribute, where known: more copies would idle)."""
+    most `rows` (the rows to attribute, where known: more copies would idle); `tangents`: for
+    a forward carrying tangents instead of the backward passes."""
     best: BatchPlan | None = None
+    per_pass = "forward" if tangents else "backward"
     for share in shares:
         if not share.blocks and not share.embeddings:
             continue
-        per_copy = copy_bytes(share.blocks, share.embeddings, n_pos, width, heads, element, eager)
-        once = once_bytes(share.blocks, n_pos, width, heads, element)
+        if tangents:
+            per_copy = forward_copy_bytes(n_pos, width, element)
+            once = once_bytes(min(share.blocks, 1), n_pos, width, heads, element)
+        else:
+            per_copy = copy_bytes(share.blocks, share.embeddings, n_pos, width, heads, element,
+                                  eager)  # fmt: skip
+            once = once_bytes(share.blocks, n_pos, width, heads, element)
         if share.free is None:
             plan = BatchPlan(
                 FALLBACK_BATCH,
-                f"{FALLBACK_BATCH} prompt copies per backward: the free memory of "
+                f"{FALLBACK_BATCH} prompt copies per {per_pass}: the free memory of "
                 f"{share.device} cannot be read (graph.batch_size sets it)",
             )
         else:
@@ -117,7 +139,7 @@ def plan_batch(shares: list[DeviceShare], n_pos: int, width: int, heads: int, el
             most = min(MAX_BATCH, rows) if rows is not None else MAX_BATCH
             batch = min(max(fits, 1), most)
             why = (
-                f"{batch} prompt copies per backward: {human(per_copy)} a copy and {human(once)}"
+                f"{batch} prompt copies per {per_pass}: {human(per_copy)} a copy and {human(once)}"
                 f" once (queries, keys and values the patterns are made from) against {fraction:.0%} of {human(share.free)} free on "
                 f"{share.device}"
             )

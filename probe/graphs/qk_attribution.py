@@ -30,7 +30,8 @@ sum to its score.
 
 With sources="nodes" the attention writes are not kept whole: each side's residual is split over
 the graph's nodes at every earlier position and layer, and named constant parts, through the
-earlier layers' frozen patterns (probe.graphs.qk_sources); the rest is the same.
+earlier layers' frozen patterns (probe.graphs.qk_sources: by forward or backward passes,
+whichever costs less; "nodes_forward" or "nodes_backward" asks for one); the rest is the same.
 """
 
 from __future__ import annotations
@@ -126,12 +127,14 @@ def qk_table(
     `sources`: "position" splits each side into the parts at its own position (an earlier
     attention's write one part, `attn l'@p`); "nodes" traces those writes through their frozen
     patterns to the nodes at every earlier position and layer (probe.graphs.qk_sources, with
-    `batch` prompt copies per backward pass; None: the memory plan's)."""
+    `batch` prompt copies per pass; None: the memory plan's), by forward or backward passes,
+    whichever its cost estimate finds cheaper; "nodes_forward" and "nodes_backward" ask for
+    one (the same table to float rounding)."""
     check_qk_options(keys, rows, sources)
     if batch is not None and (not isinstance(batch, int) or batch < 1):
         raise ConfigError(
-            f"qk_table(batch={batch!r}): the prompt copies per backward pass of the traced "
-            "table, an integer >= 1, or None for the memory plan's"
+            f"qk_table(batch={batch!r}): the prompt copies per pass of the traced table, an "
+            "integer >= 1, or None for the memory plan's"
         )
     if keys == 0:
         return pd.DataFrame(columns=list(QK_COLUMNS))
@@ -152,10 +155,14 @@ def qk_table(
         return pd.DataFrame(out, columns=list(QK_COLUMNS))
     from probe.graphs.qk_sources import NodeSources, needed_positions
 
-    traced = NodeSources(seen, writes, graph, transcoders, overrides, batch)
+    needed = {}
     for layer in range(seen.parts.n_layers):
         pattern = seen.rep.saved["patterns"][layer][0].double()
-        residual = traced.residual(layer, needed_positions(pattern, positions, keys), _Residual)
+        needed[layer] = needed_positions(pattern, positions, keys)
+    direction = {"nodes": None, "nodes_forward": "forward", "nodes_backward": "backward"}[sources]
+    traced = NodeSources(seen, writes, graph, transcoders, overrides, batch, direction, needed)
+    for layer in range(seen.parts.n_layers):
+        residual = traced.residual(layer, needed[layer], _Residual)
         x = seen.norm_io["attn_norm", layer][0][0]
         _check_sum(residual, x, seen.parts.name(seen.parts.attns[layer]), traced=True)
         out.extend(_layer_rows(seen, layer, residual, positions, keys, rows))

@@ -18,27 +18,58 @@ bias and the value and output biases through the frozen pattern, a post-attentio
 `mlp l' rest@p'` (the decoder bias, and at the graph's zeroed positions, whose features and
 error are no nodes, the whole write but the skip path), `embed rest@p'` (GPT-2's position
 embedding), each through every path from where it is written to x_l(p). The skip path is
-linear in what the transcoder reads, so it is traced further, as the graph's edges are.
+linear in what the transcoder reads, so it is traced further, as the graph's edges are. Each
+node and constant part is a column of the decomposition; x_0 is the tokens and the embedding's
+rest alone, read off without a pass.
 
-One row of these parts per residual component comes from one backward pass of the replacement
-model seeded with that component's unit vector at x_l(p) (`batch` copies of the prompt, one
-seed each): the gradient at each node's write, contracted with the write, is the node's share.
-Layer l's decomposition at the positions a table needs (its query positions and the keys they
-attend to most) costs `width x positions` seeds, `ceil(width x positions / batch)` backward
-passes; every pair of the layer (every head and key) shares them.
+The same linear map gives the columns two ways (`direction`):
+
+- backward: one backward pass of the replacement model seeded with a component's unit vector
+  at x_l(p) (`batch` copies of the prompt, one seed each): the gradient at each node's write,
+  contracted with the write, is the node's share of that component. A layer costs
+  `width x positions` seeds (its query positions and the keys they attend to most), that is
+  ceil(width x positions / batch) passes through its l blocks, every pair of the layer sharing
+  them.
+- forward: one forward of the replacement model carrying forward-mode tangents (probe.graphs.
+  replacement's `tangents`), prompt copy b carrying column b's write where it is written (the
+  embeddings' output, an attention's or an MLP's write) as its tangent: the tangent at every
+  later layer's attention input is that column's part of it, all layers at once. The columns
+  cost ceil(columns / batch) forwards, each stopped at the last layer it reads; the parts are
+  kept for a group of layers at a time (as many as half the memory plan's share of the free
+  memory holds: a further group runs the forwards again).
+
+`cost` counts both in block passes (a pass times the blocks it runs through), a forward's
+weighted FORWARD_BLOCK_COST times a backward's, and the cheaper direction is taken unless one is
+asked for (`nodes_forward` or `nodes_backward` for graph.qk_sources); both give the same parts
+to float rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from probe.errors import ModelError
 from probe.graphs.attribution import GraphOptions, _lean, batch_plan
+from probe.graphs.batch_plan import FRACTION, free_bytes, human
 from probe.graphs.replacement import LocalReplacement, _apply, _skip_path
 from probe.hooks.hookset import HookSet
 from probe.models.placement import execution_device
 
 VALUES_NAME = "probe_qk_frozen_values"
+DIRECTIONS = ("forward", "backward")
+# a forward block pass carrying tangents against a backward one, in time: it runs the whole
+# block on every copy (the query and key projections too, and the value of each op besides its
+# tangent), where a backward runs the linear paths back alone; measured 2.5-2.8 at widths
+# 128-576 (scripts/bench_qk_sources.py, docs/bench/graphs.md), more where per-op overhead
+# dominates (10 at width 32, where either direction takes under a second)
+FORWARD_BLOCK_COST = 3.0
+log = logging.getLogger("probe")
 
 
 class _FrozenValues:
@@ -54,63 +85,78 @@ class _FrozenValues:
         return _apply(pattern, value), pattern
 
 
+class _Stop(Exception):
+    """Raised by the last read of a forward: the blocks after it need not run."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What each direction costs for a table: its passes, its block passes (a pass times the
+    blocks it runs through), its prompt copies per pass; the forward's groups of layers."""
+
+    backward_passes: int
+    backward_blocks: int
+    backward_batch: int
+    forward_passes: int
+    forward_blocks: int
+    forward_batch: int
+    groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def cheaper(self) -> str:
+        """The direction of fewer block passes, a forward's weighted FORWARD_BLOCK_COST."""
+        forward = FORWARD_BLOCK_COST * self.forward_blocks
+        return "forward" if forward <= self.backward_blocks else "backward"
+
+    def says(self, direction: str) -> str:
+        return (
+            f"qk sources: {direction}: {self.forward_passes} forwards of {self.forward_batch} "
+            f"copies ({self.forward_blocks} block passes, {len(self.groups)} group(s) of "
+            f"layers) against {self.backward_passes} backward passes of {self.backward_batch} "
+            f"copies ({self.backward_blocks} block passes)"
+        )
+
+
 class NodeSources:
     """The decomposition of each layer's attention input over the graph's nodes and the constant
     parts (see the module docstring). `seen` is qk_attribution's record forward of the prompt,
-    `writes` its per-layer _LayerWrites, `graph` names the nodes; one attribute-mode forward of
-    `batch` prompt copies (None: the graph's memory plan) is kept for the backward passes."""
+    `writes` its per-layer _LayerWrites, `graph` names the nodes, `needed` the positions each
+    layer's table reads (None: all); `batch` prompt copies per pass (None: the memory plan's),
+    `direction` forward or backward (None: the cheaper by `cost`)."""
 
-    def __init__(self, seen, writes, graph, transcoders, overrides, batch: int | None = None):
+    def __init__(self, seen, writes, graph, transcoders, overrides, batch: int | None = None,
+                 direction: str | None = None, needed: dict[int, list[int]] | None = None):  # fmt: skip
+        if direction is not None and direction not in DIRECTIONS:
+            raise ModelError(f"qk sources direction {direction!r}: forward, backward or None")
         self.seen, self.writes, self.graph = seen, writes, graph
-        parts = seen.parts
+        self.model, self.transcoders, self.overrides = seen.model, transcoders, overrides
+        parts = self.parts = seen.parts
         self.n_layers = parts.n_layers
         self.n_pos = int(graph.tokens.shape[0])
         x = seen.norm_io["attn_norm", 0][0]
         self.width, self.dtype = int(x.shape[-1]), x.dtype
+        every = list(range(self.n_pos))
+        self.needed = needed or {layer: every for layer in range(self.n_layers)}
         self._columns(graph)
         self._constants(transcoders)
-        rep = LocalReplacement(seen.model, transcoders, overrides, mode="attribute")
-        model = seen.model
-        device = execution_device(parts.embed)
-        seeds = self.width * self.n_pos
-        with rep:
-            if batch is None:
-                batch = batch_plan(model, rep, self.n_pos, GraphOptions()).batch
-            self.batch = max(1, min(batch, seeds))
-            hooks = HookSet("qk sources")
-            self.resid: dict[int, torch.Tensor] = {}
-            self.attn_out: dict[int, torch.Tensor] = {}
-            with hooks:
-                for layer, norm in enumerate(parts.attn_norms):
-                    hooks.forward_pre(norm, self._keep_input(layer), name=f"attn norm {layer}")
-                for layer, m in enumerate(parts.post_attn_norms or parts.attns):
-                    hooks.forward(m, self._keep_output(layer), name=f"attn write {layer}")
-                with torch.enable_grad():
-                    ids = graph.tokens[None].expand(self.batch, -1).to(device)
-                    model(ids, **_lean(model))
-            assert rep.captured.embed is not None  # (the forward ran)
-            self.embed = rep.captured.embed
-            self.mlp_out = dict(rep.captured.outputs)
-        self.backward_passes = 0
+        self.device = device = execution_device(parts.embed)
+        assert seen.rep.captured.embed is not None  # (the record forward ran)
         # what the gradients are contracted with, in float64 where the embeddings run
-        self.device = device
-        self.embed_value = self.embed[0].detach().to(device, torch.float64)
-        self.first_value = self.resid[0][0].detach().to(device, torch.float64)
-        self.contracted = []
-        for layer, w in enumerate(self.writes):
-            self.contracted.append((
-                torch.tensor([k[1] for k in w.features], dtype=torch.long, device=device),
-                torch.tensor([self.feature_col[k] for k in w.features], dtype=torch.long,
-                             device=device),
-                w.vectors.to(device, torch.float64), w.error.to(device, torch.float64),
-                self.mlp_rest[layer].to(device, torch.float64),
-                self.attn_bias[layer].to(device, torch.float64),
-            ))  # fmt: skip
+        self.embed_value = seen.rep.captured.embed[0].detach().to(device, torch.float64)
+        self.first_value = x[0].detach().to(device, torch.float64)
+        self.backward_passes = self.forward_passes = 0
+        self.cost = self._cost(batch)
+        self.direction = direction or self.cost.cheaper
+        log.info("%s", self.cost.says(self.direction))
+        self._kept = False  # (backward: the forward its passes run back through, made once)
+        self._group: dict[int, torch.Tensor] = {}  # (forward: the current group's parts)
 
     # -- the columns: nodes and constant parts ----------------------------------------------
     def _columns(self, graph) -> None:
         """Every column's name and graph node (-1: none): tokens, position embeddings, then per
-        layer its features (a CLT's by their own layer), error, MLP rest and attention bias."""
+        layer its block: its features (a CLT's by their own layer), error, MLP rest and
+        attention bias (`block_start[l]`: the first column of layer l's block, so the columns
+        that can reach x_l are those before it)."""
         n, n_pos = self.n_layers, self.n_pos
         node_of = graph.feature_numbers()
         names: list[str] = [f"token@{p}" for p in range(n_pos)]
@@ -123,8 +169,9 @@ class NodeSources:
                 if key not in self.feature_col:
                     self.feature_col[key] = -1  # (placed below, by layer, position, feature)
         by_layer = sorted(self.feature_col)
-        self.error_col, self.mlp_col, self.attn_col = [], [], []
+        self.error_col, self.mlp_col, self.attn_col, self.block_start = [], [], [], []
         for layer in range(n):
+            self.block_start.append(len(names))
             for key in (k for k in by_layer if k[0] == layer):
                 self.feature_col[key] = len(names)
                 names.append(f"feature {key[0]}:{key[2]}@{key[1]}")
@@ -138,6 +185,7 @@ class NodeSources:
             self.attn_col.append(len(names))
             names += [f"attn {layer} bias@{p}" for p in range(n_pos)]
             nodes += [-1] * n_pos
+        self.block_start.append(len(names))
         self.names, self.nodes = names, nodes
 
     @torch.no_grad()
@@ -184,7 +232,142 @@ class NodeSources:
             out = out + seen.norm_bias("post_attn_norm", layer, post)
         return out.reshape(x.shape[-2:]).to(self.dtype)  # (a frozen scale's batch dimension)
 
-    # -- the forward's tensors ---------------------------------------------------------------
+    # -- the cost of each direction ---------------------------------------------------------
+    def _cost(self, batch: int | None) -> Cost:
+        """Both directions' passes for the layers after the first (see the module docstring):
+        backward, per layer l the ceil(width x positions / batch) passes through l blocks and
+        the forward they run back through (n_layers blocks); forward, per group of layers the
+        ceil(columns before its last layer's block / batch) forwards through its last layer's
+        blocks. Each direction's batch from its memory plan, half the plan's share of the free
+        memory to the forward's copies and half to its kept parts."""
+        rep = LocalReplacement(self.model, self.transcoders, self.overrides, mode="attribute")
+        n_cols, options = len(self.names), GraphOptions()
+        if batch is None:
+            back = batch_plan(self.model, rep, self.n_pos, options).batch
+            forth = batch_plan(self.model, rep, self.n_pos, options, tangents=True,
+                               fraction=FRACTION / 2, rows=n_cols).batch  # fmt: skip
+        else:
+            back = forth = batch
+        layers = [layer for layer in range(1, self.n_layers) if self.needed.get(layer)]
+        passes = {layer: math.ceil(self.width * len(self.needed[layer]) / back) for layer in layers}
+        groups = self._groups(layers)
+        forwards = {g: math.ceil(self.block_start[g[-1]] / forth) for g in groups}
+        return Cost(
+            backward_passes=sum(passes.values()),
+            backward_blocks=sum(k * layer for layer, k in passes.items())
+            + (self.n_layers if layers else 0),
+            backward_batch=back,
+            forward_passes=sum(forwards.values()),
+            forward_blocks=sum(k * g[-1] for g, k in forwards.items()),
+            forward_batch=forth,
+            groups=tuple(groups),
+        )
+
+    def _groups(self, layers: list[int]) -> list[tuple[int, ...]]:
+        """`layers` in consecutive groups whose kept parts (positions x width x the columns
+        that reach the layer, in the model's dtype) fit half the memory plan's share of the
+        free memory where the embeddings run (unknown: one group)."""
+        free = free_bytes(execution_device(self.parts.embed))
+        budget = math.inf if free is None else FRACTION / 2 * free
+        element = torch.empty((), dtype=self.dtype).element_size()
+        groups: list[tuple[int, ...]] = []
+        here: list[int] = []
+        held = 0
+        for layer in layers:
+            size = len(self.needed[layer]) * self.width * self.block_start[layer] * element
+            if here and held + size > budget:
+                groups.append(tuple(here))
+                here, held = [], 0
+            here.append(layer)
+            held += size
+        if here:
+            groups.append(tuple(here))
+        if len(groups) > 1:
+            log.info("qk sources: the forward's parts in %d groups of layers (%s budget)",
+                     len(groups), human(budget))  # fmt: skip
+        return groups
+
+    # -- the decomposition -------------------------------------------------------------------
+    def rows(self, layer: int, positions: list[int]) -> dict[int, torch.Tensor]:
+        """{position: (width, columns) float64}: each component of x_layer(position) split over
+        the columns (its row sums to the component)."""
+        if layer == 0:
+            return self._first_rows(positions)
+        if self.direction == "forward":
+            return self._forward_rows(layer, positions)
+        d = self.width
+        seeds = [(p, i) for p in positions for i in range(d)]
+        got = torch.zeros(len(seeds), len(self.names), dtype=torch.float64)
+        self._keep_forward()
+        for start in range(0, len(seeds), self.cost.backward_batch):
+            chunk = seeds[start : start + self.cost.backward_batch]
+            got[start : start + len(chunk)] = self._backward(layer, chunk)
+            self.backward_passes += 1
+        return {p: got[k * d : (k + 1) * d] for k, p in enumerate(positions)}
+
+    def _first_rows(self, positions: list[int]) -> dict[int, torch.Tensor]:
+        """x_0: the token's embedding and the rest of the first block's input (GPT-2's position
+        embedding), as the position table splits it."""
+        out = {}
+        for p in positions:
+            split = torch.zeros(self.width, len(self.names), dtype=torch.float64)
+            split[:, p] = self.embed_value[p].cpu()
+            split[:, self.n_pos + p] = (self.first_value[p] - self.embed_value[p]).cpu()
+            out[p] = split
+        return out
+
+    def residual(self, layer: int, positions: list[int], residual_type):
+        """Layer `layer`'s parts per position as qk_attribution's _Residual: at `positions` the
+        nonzero columns of rows(), elsewhere the residual whole (one part, no node)."""
+        x = self.seen.norm_io["attn_norm", layer][0][0]
+        residual = residual_type(self.n_pos)
+        rows = self.rows(layer, positions)
+        for p in range(self.n_pos):
+            if p not in rows:
+                residual.add(p, f"residual@{p}", -1, x[p])
+                continue
+            split = rows[p]
+            for c in torch.nonzero(split.abs().sum(0)).flatten().tolist():
+                residual.add(p, self.names[c], self.nodes[c], split[:, c].to(self.dtype))
+        return residual
+
+    # -- backward: one seed per copy ---------------------------------------------------------
+    def _keep_forward(self) -> None:
+        """The forward of `batch` prompt copies that the backward passes run back through:
+        each layer's attention input and write, each MLP's (replaced) output, the embeddings;
+        and the nodes' writes in float64 where the embeddings run."""
+        if self._kept:
+            return
+        parts, model, device = self.parts, self.model, self.device
+        rep = LocalReplacement(model, self.transcoders, self.overrides, mode="attribute")
+        batch = self.cost.backward_batch
+        with rep:
+            hooks = HookSet("qk sources")
+            self.resid: dict[int, torch.Tensor] = {}
+            self.attn_out: dict[int, torch.Tensor] = {}
+            with hooks:
+                for layer, norm in enumerate(parts.attn_norms):
+                    hooks.forward_pre(norm, self._keep_input(layer), name=f"attn norm {layer}")
+                for layer, m in enumerate(parts.post_attn_norms or parts.attns):
+                    hooks.forward(m, self._keep_output(layer), name=f"attn write {layer}")
+                with torch.enable_grad():
+                    ids = self.graph.tokens[None].expand(batch, -1).to(device)
+                    model(ids, **_lean(model))
+            assert rep.captured.embed is not None  # (the forward ran)
+            self.embed = rep.captured.embed
+            self.mlp_out = dict(rep.captured.outputs)
+        self.contracted = []
+        for layer, w in enumerate(self.writes):
+            self.contracted.append((
+                torch.tensor([k[1] for k in w.features], dtype=torch.long, device=device),
+                torch.tensor([self.feature_col[k] for k in w.features], dtype=torch.long,
+                             device=device),
+                w.vectors.to(device, torch.float64), w.error.to(device, torch.float64),
+                self.mlp_rest[layer].to(device, torch.float64),
+                self.attn_bias[layer].to(device, torch.float64),
+            ))  # fmt: skip
+        self._kept = True
+
     def _keep_input(self, layer: int):
         def hook(module, args):
             self.resid[layer] = args[0]
@@ -196,19 +379,6 @@ class NodeSources:
             self.attn_out[layer] = out[0] if isinstance(out, tuple) else out
 
         return hook
-
-    # -- the decomposition -------------------------------------------------------------------
-    def rows(self, layer: int, positions: list[int]) -> dict[int, torch.Tensor]:
-        """{position: (width, columns) float64}: each component of x_layer(position) split over
-        the columns (its row sums to the component)."""
-        d = self.width
-        seeds = [(p, i) for p in positions for i in range(d)]
-        got = torch.zeros(len(seeds), len(self.names), dtype=torch.float64)
-        for start in range(0, len(seeds), self.batch):
-            chunk = seeds[start : start + self.batch]
-            got[start : start + len(chunk)] = self._backward(layer, chunk)
-            self.backward_passes += 1
-        return {p: got[k * d : (k + 1) * d] for k, p in enumerate(positions)}
 
     def _backward(self, layer: int, seeds: list[tuple[int, int]]) -> torch.Tensor:
         """One backward pass: copy b seeded with the unit vector of component seeds[b][1] at
@@ -250,20 +420,118 @@ class NodeSources:
             out[:, a : a + n_pos] = torch.einsum("bpd,pd->bp", g_attn, bias)
         return out.cpu()
 
-    def residual(self, layer: int, positions: list[int], residual_type):
-        """Layer `layer`'s parts per position as qk_attribution's _Residual: at `positions` the
-        nonzero columns of rows(), elsewhere the residual whole (one part, no node)."""
-        x = self.seen.norm_io["attn_norm", layer][0][0]
-        residual = residual_type(self.n_pos)
-        rows = self.rows(layer, positions)
-        for p in range(self.n_pos):
-            if p not in rows:
-                residual.add(p, f"residual@{p}", -1, x[p])
-                continue
-            split = rows[p]
-            for c in torch.nonzero(split.abs().sum(0)).flatten().tolist():
-                residual.add(p, self.names[c], self.nodes[c], split[:, c].to(self.dtype))
-        return residual
+    # -- forward: one column per copy --------------------------------------------------------
+    def _forward_rows(self, layer: int, positions: list[int]) -> dict[int, torch.Tensor]:
+        """rows() from the forward's kept parts of `layer`'s group (its forwards run the first
+        time one of its layers is asked for)."""
+        if layer not in self._group:
+            group = next((g for g in self.cost.groups if layer in g), None)
+            if group is None:
+                raise ModelError(f"qk sources: layer {layer} was not among the layers planned")
+            self._group = {}  # (the previous group's parts freed first)
+            self._group = self._forward_group(group)
+        kept, needed = self._group[layer], self.needed[layer]
+        out = {}
+        for p in positions:
+            if p not in needed:
+                raise ModelError(f"qk sources: position {p} of layer {layer} was not planned")
+            split = torch.zeros(self.width, len(self.names), dtype=torch.float64)
+            split[:, : kept.shape[-1]] = kept[needed.index(p)].cpu()
+            out[p] = split
+        return out
+
+    def _forward_group(self, group: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """The parts of x_l at the needed positions for every layer l of `group`, (positions,
+        width, columns before l's block) in the model's dtype: the forwards of the columns that
+        reach its last layer, `batch` columns at a time, each stopped there."""
+        model, parts, device = self.model, self.parts, self.device
+        last, batch = group[-1], self.cost.forward_batch
+        kept = {layer: torch.zeros(len(self.needed[layer]), self.width, self.block_start[layer],
+                                   dtype=self.dtype, device=device) for layer in group}  # fmt: skip
+        sources = self._sources()
+        rep = LocalReplacement(model, self.transcoders, self.overrides, mode="attribute")
+        rep.tangents = True
+        hooks = HookSet("qk sources forward")
+        chunk = [0, 0]  # the columns the running forward carries: [start, stop)
+
+        def inject(where: str, layer: int):
+            def hook(module, args, out):
+                cols, pos, vectors = sources[where, layer]
+                pick = (cols >= chunk[0]) & (cols < chunk[1])
+                if not bool(pick.any()):
+                    return None
+                value = out[0] if isinstance(out, tuple) else out
+                tangent = torch.zeros(chunk[1] - chunk[0], *value.shape[1:], dtype=value.dtype,
+                                      device=value.device)  # fmt: skip
+                at = (cols[pick] - chunk[0]).to(value.device), pos[pick].to(value.device)
+                tangent[at] = vectors[pick].to(value.device, value.dtype)
+                if where == "embed":  # (the replacement made it a leaf: a dual now)
+                    value = fwAD.make_dual(value.detach(), tangent)
+                else:
+                    value = value + fwAD.make_dual(torch.zeros_like(tangent), tangent)
+                return (value, *out[1:]) if isinstance(out, tuple) else value
+
+            return hook
+
+        def read(layer: int):
+            needed = torch.tensor(self.needed[layer], dtype=torch.long)
+
+            def hook(module, args):
+                reach = min(chunk[1], self.block_start[layer]) - chunk[0]
+                tangent = fwAD.unpack_dual(args[0]).tangent
+                if reach > 0 and tangent is not None:
+                    got = tangent[:reach, needed.to(tangent.device)].to(device, self.dtype)
+                    kept[layer][:, :, chunk[0] : chunk[0] + reach] = got.permute(1, 2, 0)
+                if layer == last:
+                    raise _Stop
+
+            return hook
+
+        with rep, fwAD.dual_level(), torch.no_grad(), hooks:
+            hooks.forward(parts.embed, inject("embed", 0), name="embed")
+            for layer, m in enumerate(parts.post_attn_norms or parts.attns):
+                hooks.forward(m, inject("attn", layer), name=f"attn write {layer}")
+            for layer, m in enumerate(rep.mlp_writes):
+                hooks.forward(m, inject("mlp", layer), name=f"mlp write {layer}")
+            for layer in group:
+                hooks.forward_pre(parts.attn_norms[layer], read(layer), name=f"read {layer}")
+            n_cols = self.block_start[last]
+            for start in range(0, n_cols, batch):
+                chunk[:] = [start, min(start + batch, n_cols)]
+                ids = self.graph.tokens[None].expand(chunk[1] - start, -1).to(device)
+                with contextlib.suppress(_Stop):
+                    model(ids, **_lean(model))
+                self.forward_passes += 1
+        return kept
+
+    def _sources(self) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Where each column is written, as (columns, positions, vectors) per place: ("embed",
+        0) the embeddings' output (the tokens, and the rest of the first block's input there:
+        the position table's split), ("mlp", l) layer l's MLP write (its features', a CLT's
+        earlier layers' too, its error and its rest), ("attn", l) its attention write (its
+        bias part)."""
+        n_pos, device = self.n_pos, self.device
+        every = torch.arange(n_pos, device=device)
+
+        def block(first: int, vectors: torch.Tensor):
+            return every + first, every, vectors.to(device, self.dtype)
+
+        embed = self.embed_value.to(self.dtype)
+        tokens = block(0, embed)
+        rest = block(n_pos, self.first_value.to(self.dtype) - embed)
+        out = {("embed", 0): tuple(torch.cat(t) for t in zip(tokens, rest, strict=True))}
+        for layer, w in enumerate(self.writes):
+            features = (
+                torch.tensor([self.feature_col[k] for k in w.features], dtype=torch.long,
+                             device=device),
+                torch.tensor([k[1] for k in w.features], dtype=torch.long, device=device),
+                w.vectors.to(device, self.dtype),
+            )  # fmt: skip
+            error = block(self.error_col[layer], w.error)
+            rest = block(self.mlp_col[layer], self.mlp_rest[layer])
+            out["mlp", layer] = tuple(torch.cat(t) for t in zip(features, error, rest, strict=True))
+            out["attn", layer] = block(self.attn_col[layer], self.attn_bias[layer])
+        return out  # type: ignore[return-value]
 
 
 def needed_positions(pattern: torch.Tensor, positions: list[int], keys: int) -> list[int]:

@@ -31,6 +31,14 @@ can hold only the patterns or only the norms' scales (`frozen`), the other runni
 each freeze does to a perturbation's effect (probe.graphs.graph_claims splits the graph's error
 so).
 
+`tangents=True` (attribute mode) carries the same linear map forward instead, as forward-mode
+tangents (torch.autograd.forward_ad): a caller that makes the embeddings' output (or any write)
+a dual tensor reads, at any later point, the tangent the frozen model maps it to. The
+patterns and norm scales hold no tangent, each MLP's passes through its skip path alone, and
+the copies of the prompt may carry different tangents (probe.graphs.qk_sources pushes one node's
+write per copy); the attention and the MLP themselves run on the first copy only (the copies'
+values are the same).
+
 Token nodes are the token embeddings (the input embeddings module's output); GPT-2's position
 embedding is not a node, as in circuit-tracer. Post-norm models (BERT) and families whose anatomy
 is unknown are refused by name; so is an attention that does not go through transformers'
@@ -311,6 +319,7 @@ class LocalReplacement:
         self._resid_mid: dict[int, torch.Tensor] = {}
         self._normalized: dict[int, torch.Tensor] = {}
         self._grad_flags: list[tuple[torch.Tensor, bool]] = []
+        self.tangents = False  # the linear map carried forward as tangents (module docstring)
 
     # -- entering ------------------------------------------------------------------------------
     def __enter__(self) -> LocalReplacement:
@@ -398,8 +407,9 @@ class LocalReplacement:
 
     def _formula(self, module, x, out) -> tuple[Formula, float]:
         """The norm's formula, proven on this forward's input and output (a replay reuses the
-        record's)."""
-        if self.mode != "replay" or id(module) not in self._formulas:
+        record's; a forward carrying tangents, its first forward's: the copies are the same)."""
+        reuse = self.mode == "replay" or self.tangents
+        if not reuse or id(module) not in self._formulas:
             if self.mode == "attribute":  # (every copy of the prompt is the same)
                 x, out = x[:1], out[:1]
             self._formulas[id(module)] = prove(module, self.parts.name(module), x, out)
@@ -454,6 +464,9 @@ class LocalReplacement:
             self._mlp_in[layer] = args[0] if args else None
             self._mlp_grad = torch.is_grad_enabled()
             torch.set_grad_enabled(False)
+            if self.tangents and args:  # (its value only: the first copy's, without tangent)
+                return (args[0][:1].detach(), *args[1:])
+            return None
 
         return hook
 
@@ -498,6 +511,8 @@ class LocalReplacement:
             pattern = self.saved["patterns"][self._pattern_index]
             self._pattern_index += 1
             return _apply(pattern, value), pattern
+        if self.tangents:
+            return self._attend_tangents(module, query, key, value, attention_mask, **kwargs)
         with torch.no_grad():
             out, weights = own(module, query, key, value, attention_mask, **kwargs)
             rows = 1 if self.mode == "attribute" else query.shape[0]
@@ -531,6 +546,37 @@ class LocalReplacement:
 
         lin = _FrozenPattern.apply(value, pattern, remade)
         return out.detach() + (lin - lin.detach()).to(out.dtype), weights
+
+    def _attend_tangents(self, module, query, key, value, attention_mask, **kwargs):
+        """attend with `tangents`: the model's implementation and the pattern on the first
+        copy's query and key (no tangent), checked as attend checks them; the output that value
+        for every copy, its tangent the frozen pattern times the values' tangent."""
+        eager = _eager_of(module)
+        q, k, v = query[:1].detach(), key[:1].detach(), value[:1].detach()
+        mask = attention_mask
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] > 1:
+            mask = mask[:1]
+        options = {name: given for name, given in kwargs.items() if name != "dropout"}
+        with torch.no_grad():
+            if self._original == "eager":
+                out, weights = eager(module, q, k, v, mask, **kwargs)
+            else:
+                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+                impl = ALL_ATTENTION_FUNCTIONS.get_interface(self._original, eager)
+                out, weights = impl(module, q, k, v, mask, **kwargs)
+            _, pattern = eager(module, q, k, v, _additive(mask, q, k, 1), **options)
+            pattern = pattern.detach()
+        lin = _apply(pattern, value)
+        largest, ok = mismatch(out, lin[:1].detach().to(out.dtype))
+        if not ok:
+            raise ConfigError(
+                f"graphs: the attention {self.parts.name(module)!r} ({class_name(module)}) does "
+                "not compute its frozen pattern times its values (they differ by up to "
+                f"{largest:.3g} on this prompt); load the model with attn_implementation='eager'"
+            )
+        out = out.detach().expand(lin.shape)
+        return out + (lin - lin.detach()).to(out.dtype), weights
 
 
 def _skip_path(transcoders: AnyTranscoders, layer: int):

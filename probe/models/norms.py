@@ -104,8 +104,8 @@ def centred_and_scale(formula: Formula, eps: float, x: torch.Tensor, scale=None)
     xf = x.to(compute_dtype(x))
     xc = xf - xf.mean(-1, keepdim=True) if formula.centres else xf
     if scale is None:
-        with torch.no_grad():
-            scale = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        with torch.no_grad():  # (and detached: no_grad leaves forward-mode tangents on)
+            scale = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps).detach()
     return xc, scale
 
 

@@ -1,14 +1,19 @@
-"""The QK attribution traced to the graph's nodes (qk_sources="nodes", probe.graphs.qk_sources):
+"""The QK attribution traced to the graph's nodes (qk_sources="nodes", probe.graphs.qk_sources),
+by either direction (forward passes carrying tangents, backward passes seeded per component):
 on 3-block GPT-2 (every bias random) and Llama (norm weights random) models in float64 with
 skip transcoders, the cells and marginals of each pair sum to its pre-softmax score; a node's
 query-side or key-side share, and a cell, equal the change a hand perturbation makes in the
 frozen replacement model (the node's write taken out in a replay, the residual's move at the
 attention's input projected by hand); where no attention lies between a node and the pair
-(layer 0, a layer-0 feature at the query position of layer 1) the table is the position one's."""
+(layer 0, a layer-0 feature at the query position of layer 1) the table is the position one's.
+The two directions' tables are equal, cell by cell and marginal by marginal (on Gemma-2,
+Gemma-3 and a Llama with a CLT too), the `nodes` table is the cheaper one's, and the passes each
+ran are its cost estimate's, with the forward's batch and groups of layers the memory plan's."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -17,7 +22,7 @@ import transformers
 
 import probe
 from probe.errors import ConfigError
-from probe.graphs import qk_attribution
+from probe.graphs import batch_plan, qk_attribution, qk_sources
 from probe.graphs.attribution import GraphOptions
 from probe.graphs.graph_json import graph_model, node_id
 from probe.graphs.qk_attribution import ALL, REST, qk_table
@@ -34,6 +39,8 @@ PROMPT = torch.tensor([2, 7, 12, 9, 20, 5, 14])
 KEYS = 2
 LAYERS = 3
 PAIR = ["layer", "head", "query_pos", "key_pos"]
+DIRECTIONS = ["forward", "backward"]
+ROW = [*PAIR, "query_part", "key_part"]
 
 
 def three_blocks(family: str) -> torch.nn.Module:
@@ -59,26 +66,58 @@ def three_blocks(family: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def made():
-    """family -> (model, transcoders, graph, node table, position table), made once."""
-    built = {}
+    """(family, direction) -> (model, transcoders, graph, node table, position table), made once
+    (the forward's table the graph's own, through the API)."""
+    built: dict = {}
 
-    def get(family: str):
+    def get(family: str, direction: str = "forward"):
         if family not in built:
             model = three_blocks(family)
             ts = random_transcoders(32, LAYERS, expansion=1, skip=True, dtype=torch.float64)
-            graph = probe.attribution_graph(
-                model, PROMPT, ts, qk=KEYS, qk_rows=None, qk_sources="nodes", max_feature_nodes=16
-            )
+            graph = probe.attribution_graph(model, PROMPT, ts, qk=KEYS, qk_rows=None,
+                                            qk_sources="nodes_forward", max_feature_nodes=16)  # fmt: skip
             plain = qk_table(model, graph, ts, keys=KEYS, rows=None)
-            built[family] = model, ts, graph, graph.qk, plain
-        return built[family]
+            built[family] = built[family, "forward"] = model, ts, graph, graph.qk, plain
+        if (family, direction) not in built:
+            model, ts, graph, _, plain = built[family]
+            table = qk_table(model, graph, ts, keys=KEYS, rows=None, sources=f"nodes_{direction}")
+            built[family, direction] = model, ts, graph, table, plain
+        return built[family, direction]
 
     return get
 
 
+def equal_tables(got, want, tol: float) -> None:
+    """The same rows (pair, query part, key part: cells and both marginal blocks), each
+    contribution within `tol` of its pair's cells' |sum|."""
+    got, want = (t.set_index(ROW).sort_index() for t in (got, want))
+    assert got.index.equals(want.index) and len(got) > 0
+    assert got["score"].equals(want["score"]) and got["pattern"].equals(want["pattern"])
+    size = cells_of(want.reset_index()).groupby(PAIR)["contribution"].apply(lambda c: c.abs().sum())
+    bound = tol * size.reindex(got.index.droplevel(["query_part", "key_part"])).values
+    assert ((got["contribution"] - want["contribution"]).abs().values <= bound).all()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_each_pairs_node_cells_and_marginals_sum_to_its_score(made, family):
-    model, ts, graph, table, plain = made(family)
+def test_the_forward_and_backward_tables_are_equal_and_nodes_is_the_cheaper(made, family):
+    model, ts, graph, _, _ = made(family)
+    forward, backward = (made(family, d)[3] for d in DIRECTIONS)
+    equal_tables(forward, backward, 1e-12)  # (float64: 1e-15 of the cells' size measured)
+    seen = qk_attribution._Forward(model, ts, None)
+    with seen, torch.no_grad():
+        model(PROMPT[None], use_cache=False)
+        writes = qk_attribution._mlp_writes(seen.rep, ts, 1)
+    traced = NodeSources(seen, writes, graph, ts, None)  # (no direction: the cheaper)
+    cost = traced.cost
+    weight = qk_sources.FORWARD_BLOCK_COST
+    cheaper = "forward" if weight * cost.forward_blocks <= cost.backward_blocks else "backward"
+    assert traced.direction == cost.cheaper == cheaper
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_each_pairs_node_cells_and_marginals_sum_to_its_score(made, family, direction):
+    model, ts, graph, table, plain = made(family, direction)
     # the same pairs, scores and patterns as the position table; no attention write left whole
     assert (
         table.groupby(PAIR)[["score", "pattern"]]
@@ -169,8 +208,9 @@ def removal(model, ts, part: str):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_node_shares_equal_a_perturbation_of_the_frozen_model(made, family):
-    model, ts, graph, table, _ = made(family)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_node_shares_equal_a_perturbation_of_the_frozen_model(made, family, direction):
+    model, ts, graph, table, _ = made(family, direction)
     layer = LAYERS - 1
     real, base = frozen_residuals(model, ts)
     x = real[layer]
@@ -228,10 +268,11 @@ def test_node_shares_equal_a_perturbation_of_the_frozen_model(made, family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
 def test_without_attention_between_the_node_and_the_pair_the_table_is_the_position_ones(
-    made, family
+    made, family, direction
 ):
-    _, _, _, table, plain = made(family)
+    _, _, _, table, plain = made(family, direction)
     key = [*PAIR, "query_part", "key_part"]
     first = table[table["layer"] == 0].set_index(key)["contribution"].sort_index()
     want = plain[plain["layer"] == 0].set_index(key)["contribution"].sort_index()
@@ -265,7 +306,8 @@ def test_the_traced_parts_sum_to_the_frozen_models_residual_across_families(fami
     """Gemma-2 (sandwich norms: the post-attention norm's frozen map), Gemma-3 (a sliding layer
     first) and a Llama with a cross-layer transcoder (features writing into later layers): at
     block 1's attention input every position's parts sum to the frozen replacement model's
-    residual (a replay), to float64's rounding of the parts, and hold the token before it."""
+    residual (a replay), to float64's rounding of the parts, and hold the token before it, by
+    either direction; and the two directions' QK tables are equal."""
     model = tiny(family.removesuffix("+clt"))
     ts = (
         random_cross_layer(32, 2, expansion=1, dtype=torch.float64)
@@ -277,14 +319,69 @@ def test_the_traced_parts_sum_to_the_frozen_models_residual_across_families(fami
     with seen, torch.no_grad():
         model(PROMPT[None], use_cache=False)
         writes = qk_attribution._mlp_writes(seen.rep, ts, 1)
-    traced = NodeSources(seen, writes, graph, ts, None)
-    rows = traced.rows(1, list(range(len(PROMPT))))
     _, frozen = frozen_residuals(model, ts)
-    for p, split in rows.items():
-        size = float(split.abs().sum(1).max())
-        assert float((split.sum(1) - frozen[1][p]).abs().max()) <= 1e-12 * size
-        names = [traced.names[c] for c in split.abs().sum(0).nonzero().flatten().tolist()]
-        assert p == 0 or f"token@{p - 1}" in names  # (through attention 0)
+    for direction in DIRECTIONS:
+        traced = NodeSources(seen, writes, graph, ts, None, direction=direction)
+        rows = traced.rows(1, list(range(len(PROMPT))))
+        for p, split in rows.items():
+            size = float(split.abs().sum(1).max())
+            assert float((split.sum(1) - frozen[1][p]).abs().max()) <= 1e-12 * size
+            names = [traced.names[c] for c in split.abs().sum(0).nonzero().flatten().tolist()]
+            assert p == 0 or f"token@{p - 1}" in names  # (through attention 0)
+    forward, backward = (qk_table(model, graph, ts, keys=KEYS, rows=None, sources=f"nodes_{d}")
+                         for d in DIRECTIONS)  # fmt: skip
+    equal_tables(forward, backward, 1e-12)
+
+
+def test_the_passes_are_the_cost_estimates_and_the_forwards_batch_and_groups_the_plans(
+    made, monkeypatch
+):
+    """With 500,000 bytes free (float64, width 32, 7 positions, 2 heads), the forward's copies
+    get a quarter of them: (125,000 - once) // per copy = 5 copies, and its parts too, which
+    hold layer 1's or layer 2's alone: two groups, each one's forwards run again; the parts are
+    still the backward's, and each direction ran the passes its estimate counted."""
+    model, ts, graph, _, _ = made("gpt2")
+    free = 500_000
+    monkeypatch.setattr(batch_plan, "free_bytes", lambda device: free)
+    monkeypatch.setattr(qk_sources, "free_bytes", lambda device: free)
+    seen = qk_attribution._Forward(model, ts, None)
+    with seen, torch.no_grad():
+        model(PROMPT[None], use_cache=False)
+        writes = qk_attribution._mlp_writes(seen.rep, ts, 1)
+    n_pos, width = len(PROMPT), 32
+    per_copy = 12 * n_pos * width * 8  # FORWARD_COPY_TENSORS of n_pos x width floats
+    once = 3 * n_pos * width * 8 + 3 * 2 * n_pos * n_pos * 4  # one block's q, k, v; its pattern
+    batch = (free / 4 - once) // per_copy
+    assert batch == 5
+    positions = qk_attribution.query_positions(graph)
+    needed = {}
+    for layer in range(LAYERS):
+        pattern = seen.rep.saved["patterns"][layer][0]
+        needed[layer] = qk_sources.needed_positions(pattern, positions, KEYS)
+    # the columns before each layer's block: tokens and embedding rests, then per earlier layer
+    # its features, error, MLP rest and attention bias
+    traced = NodeSources(seen, writes, graph, ts, None, direction="forward", needed=needed)
+    before = [2 * n_pos + sum(len({k for k in writes[s].features}) + 3 * n_pos
+                              for s in range(layer)) for layer in range(LAYERS)]  # fmt: skip
+    held = [len(needed[layer]) * width * before[layer] * 8 for layer in range(LAYERS)]
+    assert held[1] <= free / 4 < held[1] + held[2]
+    cost = traced.cost
+    assert cost.forward_batch == batch and cost.groups == ((1,), (2,))
+    assert cost.forward_passes == sum(math.ceil(before[g] / batch) for g in (1, 2))
+    # block passes: a forward stops at its group's last layer, having run that many blocks
+    assert cost.forward_blocks == sum(math.ceil(before[g] / batch) * g for g in (1, 2))
+    forward = {layer: traced.rows(layer, needed[layer]) for layer in (1, 2)}
+    assert traced.forward_passes == cost.forward_passes
+    monkeypatch.undo()  # (the backward's passes by the real plan: fewer)
+    back = NodeSources(seen, writes, graph, ts, None, direction="backward", needed=needed)
+    for layer in (1, 2):
+        for p, split in back.rows(layer, needed[layer]).items():
+            size = float(split.abs().sum(1).max())
+            assert float((forward[layer][p] - split).abs().max()) <= 1e-12 * size
+    passes = {g: math.ceil(width * len(needed[g]) / back.cost.backward_batch) for g in (1, 2)}
+    assert back.backward_passes == back.cost.backward_passes == sum(passes.values())
+    # a pass seeded at layer l runs back through l blocks, after one forward through all
+    assert back.cost.backward_blocks == sum(k * g for g, k in passes.items()) + LAYERS
 
 
 def test_bad_qk_sources_are_refused_by_name():
