@@ -49,6 +49,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from probe.analysis.fit.options import FitOptions
+
 SPECIAL = "<|endoftext|>"
 _PROSE_CHAR = re.compile(r"[A-Za-z ,.;:'\"()\-]")
 _FIELD_LIST = re.compile(
@@ -489,7 +491,9 @@ def main() -> None:
             ]
             silent = never_fired(out, run_dir / "probe.h5", fast.eos_token_id)
             if name in ("jumprelu", "batchtopk"):
-                for line in threshold_checks(out, run_dir / "probe.h5", fast.eos_token_id, 16):
+                for line in threshold_checks(
+                    out, run_dir / "probe.h5", fast.eos_token_id, FitOptions().k
+                ):
                     say(f"  {name} {line}")
             fit["never_fired_all_rows"] = silent + [np.nan] * (len(fit) - len(silent))
         fits.append(fit)

@@ -504,13 +504,13 @@ class LocalReplacement:
     def attend(self, module, query, key, value, attention_mask, **kwargs):
         self.captured.attention_calls += 1
         eager = _eager_of(module)
-        own = _attention_function(self._original, eager)
-        if self.mode == "replay":
-            if "patterns" not in self.frozen:  # the pattern of this forward's queries and keys
-                return own(module, query, key, value, attention_mask, **kwargs)
+        if self.mode == "replay" and "patterns" in self.frozen:
             pattern = self.saved["patterns"][self._pattern_index]
             self._pattern_index += 1
             return _apply(pattern, value), pattern
+        own = _attention_function(self._original, eager)
+        if self.mode == "replay":  # (the pattern of this forward's queries and keys)
+            return own(module, query, key, value, attention_mask, **kwargs)
         if self.tangents:
             return self._attend_tangents(module, query, key, value, attention_mask, **kwargs)
         with torch.no_grad():
@@ -558,13 +558,8 @@ class LocalReplacement:
             mask = mask[:1]
         options = {name: given for name, given in kwargs.items() if name != "dropout"}
         with torch.no_grad():
-            if self._original == "eager":
-                out, weights = eager(module, q, k, v, mask, **kwargs)
-            else:
-                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-                impl = ALL_ATTENTION_FUNCTIONS.get_interface(self._original, eager)
-                out, weights = impl(module, q, k, v, mask, **kwargs)
+            own = _attention_function(self._original, eager)
+            out, weights = own(module, q, k, v, mask, **kwargs)
             _, pattern = eager(module, q, k, v, _additive(mask, q, k, 1), **options)
             pattern = pattern.detach()
         lin = _apply(pattern, value)

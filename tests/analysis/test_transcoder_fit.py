@@ -166,6 +166,8 @@ def test_a_resumed_fit_gives_the_uninterrupted_files(lm_run, tmp_path, monkeypat
         "other options than layer_0.pt was fitted with: lr=0.003 (now 0.01);"
         in capsys.readouterr().err
     )
+    checkpoint = torch.load(tmp_path / "cut" / "checkpoints" / "layer_0.pt", weights_only=False)
+    assert checkpoint["loss_form"] == fitting.LOSS_FORM == 1
     monkeypatch.setattr(fitting, "LOSS_FORM", 2)  # a version whose trainer's loss changed
     assert main([str(lm_run), "--out", str(tmp_path / "cut"), "--resume", *args]) == 2
     assert "was trained under another form of the loss (1; this version's is 2)" in (
