@@ -20,14 +20,16 @@ away in waiting is not counted, what it takes in caches is), summed per kind of 
 training (2 micro-batches a step, clip_grad_norm_ to 1.0) watched at every=1, stepped in turn
 with the same training unwatched for N steps after one of warm-up; it prints, per step, the
 watch's statistics calls (`probe.train.step_stats.StepStats.add`: a value to its step's
-statistics, the micro-batches merged), their values, the CPU time of the compiled pass in them
-(`numba_backend.solo_batch`) and of the calls whole (the difference: the Python around the
-pass), and each training's median CPU time per step (time.process_time). `--tree CHECKOUT`
-runs that checkout's probe instead (this script's harness): before and after, in turn.
+statistics through `probe.stats.backend.batch_stats`, the micro-batches merged), their values,
+the CPU time of the compiled pass in them (`numba_backend.solo_batch`, the one call a value on
+one thread takes) and of the calls whole (the difference: the Python around the pass), those of
+the parameters apart, the CPU time of the watch's other work in a step (parameters, gradients,
+updates taken, the norm at each backward's end, the step's end, each with its statistics calls),
+and each training's median CPU time per step (time.process_time). `--tree CHECKOUT` runs that
+checkout's probe instead (this script's harness), to time a change before and after, in turn.
 
 `--in-training N --diagnose` asks why the pass costs more there than alone, side by side in one
-process: the watched training alone (every value through `batch_stats`, the general way to the
-same pass), N steps after one of warm-up; in the hook each statistics
+process: the watched training alone, N steps after one of warm-up; in the hook each statistics
 call is timed twice (the tensor as the layer just wrote it, then re-read), then a numpy float64
 sum over it and an ALU-only compiled loop (no memory: the core's speed there) are timed; after
 each step the same tensors (copies) are reduced alone, once each as in the hook, with the same
@@ -223,7 +225,7 @@ def in_training(steps: int) -> None:
           f"the calls whole (StepStats.add) {spent['add'] / steps:.3f}, the Python around the "
           f"pass {(spent['add'] - spent['compiled']) / steps:.3f}; the training's CPU s a step "
           f"(median of {steps}): unwatched {plain:.3f}, watched {watched:.3f} "
-          f"({watched / plain:.3f}x, {watched - plain:.3f} s more)")  # fmt: skip
+          f"({watched / plain:.3f}x, {watched - plain:+.3f} s)")  # fmt: skip
     params = spent[PARAMS_ADD]
     print(f"  of the calls: activations' {(spent['add'] - params) / steps:.3f}, "
           f"parameters' {params / steps:.3f}")  # fmt: skip
@@ -278,8 +280,6 @@ def diagnose(steps: int) -> None:
 
     spin = _spin()
     reduce, solo = backend.batch_stats, numba_backend.solo_batch
-    # every value through `batch_stats` (timed below), not the watch's short path to the same pass
-    numba_backend.solo_packed = lambda x, unit_axis=1: None
     main, rusage = threading.get_ident(), resource.RUSAGE_THREAD
     spent: dict[str, dict[str, float]] = {}
     odd = {"off the training's thread": 0, "not contiguous": 0, "not float32": 0}

@@ -42,7 +42,7 @@ from probe.stats.running import RunningStats, bounds_for
 from probe.store.steps_file import SiteInfo, step_row
 from probe.train import grad_norms
 from probe.train.schedule import Schedule
-from probe.train.step_stats import Counted, Key, Settled, StepStats
+from probe.train.step_stats import Key, Settled, StepStats
 from probe.train.watched_sites import WatchedModule, class_name
 from probe.watch_options import WatchOptions
 
@@ -572,7 +572,7 @@ class Watcher:
         self.unsaid.clear()
         return found
 
-    def _check_finite(self, key: Key, batch: Counted, step: int | None = None) -> None:
+    def _check_finite(self, key: Key, batch: RunningStats, step: int | None = None) -> None:
         """Log the first non-finite values of each site (with fail_on_nonfinite: the first of
         the training stops it, after the file is flushed); `step`: the step that held them,
         where its copy landed later (default: the current one)."""

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,24 +34,6 @@ from probe.stats.stat_columns import quantiles
 from probe.stats.torch_backend import BINS
 
 Key = tuple[str, str]
-
-
-class Counted(Protocol):
-    """A value's own statistics as `StepStats.add` returns them: at least its non-finite
-    counts."""
-
-    @property
-    def nan_count(self) -> int: ...
-
-    @property
-    def inf_count(self) -> int: ...
-
-
-def _numba() -> ModuleType:
-    """probe.stats.numba_backend (imported where the CPU backend is numba)."""
-    from probe.stats import numba_backend
-
-    return numba_backend
 
 
 @dataclass
@@ -78,33 +58,14 @@ class StepStats:
         self.on_device, self.histograms = on_device, histograms
         self.stats: dict[Key, RunningStats] = {}  # the host's (CPU values)
         self.packs: dict[Key, list[_Packed]] = {}  # the devices', until the step ends
-        # the numba backend, whose packed batches merge without a RunningStats each (None:
-        # another backend), known at the first CPU value (a GPU's training needs none)
-        self.solo: ModuleType | None = None
-        self.solo_known = False
 
-    def add(self, key: Key, x: torch.Tensor, bounds, unit_axis: int) -> Counted | None:
+    def add(self, key: Key, x: torch.Tensor, bounds, unit_axis: int) -> RunningStats | None:
         """Fold one value (axis 0: rows) in; returns the value's own statistics where they are
-        on the host at once (CPU values by the CPU backend: a RunningStats, or the numba
-        backend's packed batch, `Pending`, which tells its NaN and Inf counts), None for a value
-        reduced on its device (read when the step is settled)."""
+        on the host at once (CPU values by the CPU backend), None for a value reduced on its
+        device (read when the step is settled)."""
         x = x.detach()
         rows = x.shape[0] if x.dim() else 1
         if x.device.type == "cpu" and not self.on_device:
-            if not self.solo_known:
-                self.solo_known = True
-                self.solo = _numba() if backend.cpu_name() == "numba" else None
-            solo = self.solo
-            packed = None
-            if solo is not None and bounds is None:
-                packed = solo.solo_packed(x, unit_axis)
-            if solo is not None and packed is not None:  # (one compiled call, merged as `_fold`)
-                acc = self.stats.get(key)
-                if acc is None:
-                    self.stats[key] = solo.packed_running(rows, packed, bounds, unit_axis)
-                else:
-                    solo.merge_packed(acc, rows, packed)
-                return solo.Pending(rows, packed)
             batch = backend.batch_stats(x, bounds, None, unit_axis)
             self._fold(key, batch, bounds, unit_axis)
             return batch

@@ -200,6 +200,50 @@ def test_two_batches_ranges_merge_as_the_whole_histogram(pair):
     ]
 
 
+def _float_counts(spans: BucketSpans) -> BucketSpans:
+    """The same ranges with their counts as float64 integers (as the compiled pass packs them)."""
+    return BucketSpans(spans.heads, spans.spans.astype(np.float64))
+
+
+@pytest.mark.parametrize("pair", ["signed", "positive_apart", "negative_and_signed"])
+def test_float64_bucket_counts_read_as_int64_ones(pair):
+    """Ranges holding float64 counts (the numba backend hands the pass's packed counts over
+    without an int64 copy) merge, fill a histogram and read quantiles as int64 counts do: the
+    union's ranges and counts, the whole histogram (still int64) and the quantiles, to the bit;
+    alone, with each other and mixed."""
+    rng = np.random.default_rng(5)
+    normal = rng.standard_normal(4_000).astype(np.float32)
+    a, b = {
+        "signed": (normal, 30 * rng.standard_normal(2_000).astype(np.float32)),
+        "positive_apart": (np.abs(normal) + 1e-3, np.abs(normal[:500]) * 1e6 + 5e5),
+        "negative_and_signed": (-np.abs(normal), np.maximum(normal, 0) * 1e-20),
+    }[pair]
+    ints = _spans(a).union(_spans(b))
+    lo, hi = float(min(a.min(), b.min())), float(max(a.max(), b.max()))
+    qs = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
+    for first, second in (
+        (_float_counts(_spans(a)), _float_counts(_spans(b))),
+        (_float_counts(_spans(a)), _spans(b)),
+        (_spans(a), _float_counts(_spans(b))),
+    ):
+        union = first.union(second)
+        assert union.spans.dtype == np.float64
+        assert np.array_equal(union.heads, ints.heads)
+        assert np.array_equal(union.spans, ints.spans)
+        whole = LogHistogram()
+        first.add_to(whole.counts)
+        second.add_to(whole.counts)
+        assert whole.counts.dtype == np.int64
+        assert np.array_equal(whole.counts, ints.whole().counts)
+        assert np.array_equal(union.whole().counts, ints.whole().counts)
+        expected = [repr(q) for q in ints.quantiles(qs, lo, hi)]
+        assert [repr(q) for q in union.quantiles(qs, lo, hi)] == expected
+        assert [repr(q) for q in whole.quantiles(qs, lo, hi)] == expected
+        assert [repr(q) for q in first.quantiles(qs, lo, hi)] == [
+            repr(q) for q in _spans(a).quantiles(qs, lo, hi)
+        ]
+
+
 def test_merge_of_two_streams_equals_one_stream():
     a = _arrays()["holes"]
     whole = RunningStats()  # the same two batches folded into one running state
