@@ -300,8 +300,9 @@ class GraphConfig:
     probability sums to `logit_prob`, at most `max_logits`; `max_feature_nodes` caps the features
     attributed (null: all active ones); pruning keeps `node_threshold` of the node influence and
     `edge_threshold` of the edge influence; graph_edges.csv holds the pruned graph's edges or
-    `all` of them; `batch_size` target rows per backward pass (null: as many as the memory plan
-    fits, probe.graphs.batch_plan) and `floor` the share of a row's |weight| sum under which
+    `all` of them; `batch_size` target rows per backward pass, and the node-traced QK table's
+    prompt copies per pass, forward or backward (null: as many as each memory plan fits, at
+    most 64, probe.graphs.batch_plan) and `floor` the share of a row's |weight| sum under which
     its smallest edges are dropped (null: the attribution's default); `zero_bos` leaves
     position 0's features and error out of the nodes; `prepend_bos` puts the tokenizer's
     special token first in a prompt that does not start with one, the rule

@@ -164,7 +164,7 @@ def qk_table(
     for layer in range(seen.parts.n_layers):
         residual = traced.residual(layer, needed[layer], _Residual)
         x = seen.norm_io["attn_norm", layer][0][0]
-        _check_sum(residual, x, seen.parts.name(seen.parts.attns[layer]), traced=True)
+        _check_sum(residual, x, seen.parts.name(seen.parts.attns[layer]), traced.direction)
         out.extend(_layer_rows(seen, layer, residual, positions, keys, rows))
     return pd.DataFrame(out, columns=list(QK_COLUMNS))
 
@@ -375,11 +375,13 @@ def _residual_parts(seen: _Forward, writes: list[_LayerWrites], graph) -> list[_
     return out
 
 
-def _check_sum(residual: _Residual, want: torch.Tensor, name: str, traced: bool = False) -> None:
+def _check_sum(residual: _Residual, want: torch.Tensor, name: str,
+               traced: str | None = None) -> None:  # fmt: skip
     """The parts of each position sum to the residual `want`, within the dtype's rounding of
-    the parts' |sum| per component; `traced` (parts through earlier layers, qk_sources): of
-    their largest component at the position, as a norm computing in float32 inside a float64
-    model (Llama's) rounds the real residual, and the frozen map the parts follow does not."""
+    the parts' |sum| per component; `traced` (the direction that traced the parts through
+    earlier layers, qk_sources): of their largest component at the position, as a norm
+    computing in float32 inside a float64 model (Llama's) rounds the real residual, and the
+    frozen map the parts follow does not."""
     got = torch.stack(
         [torch.stack([p.vector for p in here.values()]).sum(0) for here in residual.parts]
     )
@@ -391,9 +393,14 @@ def _check_sum(residual: _Residual, want: torch.Tensor, name: str, traced: bool 
     largest = float(diff.max())
     ok = bool((diff <= _rtol(want.dtype) * size.to(want.dtype) + 1e-30).all())
     if not ok:
+        how = ""
+        if traced is not None:  # (the other direction, or the parts at their own position)
+            other = "nodes_backward" if traced == "forward" else "nodes_forward"
+            how = (f", traced to the nodes by the {traced} direction; "
+                   f"graph.qk_sources={other} or position may decompose them")  # fmt: skip
         raise ModelError(
             f"graphs: the parts of the residual stream at {name!r}'s input do not sum to it (off "
-            f"by up to {largest:.3g}); the QK attribution cannot decompose its scores"
+            f"by up to {largest:.3g}); the QK attribution cannot decompose its scores{how}"
         )
 
 

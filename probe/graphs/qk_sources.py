@@ -31,17 +31,22 @@ The same linear map gives the columns two ways (`direction`):
   ceil(width x positions / batch) passes through its l blocks, every pair of the layer sharing
   them.
 - forward: one forward of the replacement model carrying forward-mode tangents (probe.graphs.
-  replacement's `tangents`), prompt copy b carrying column b's write where it is written (the
-  embeddings' output, an attention's or an MLP's write) as its tangent: the tangent at every
-  later layer's attention input is that column's part of it, all layers at once. The columns
-  cost ceil(columns / batch) forwards, each stopped at the last layer it reads; the parts are
-  kept for a group of layers at a time (as many as half the memory plan's share of the free
-  memory holds: a further group runs the forwards again).
+  replacement's `tangents`), prompt copy b carrying column b's write where it is written (a
+  token's at the embeddings' output, the embedding's rest at the first block's input, an
+  attention's or an MLP's write) as its tangent: the tangent at every later layer's attention
+  input is that column's part of it, all layers at once. The embedding's rest is x_0 less what
+  the tokens become there (one copy's forward carrying the embeddings as its tangent, stopped
+  at the first block: a model may rescale them in between), as the backward reads it. The
+  columns cost ceil(columns / batch) forwards, each stopped at the last layer it reads; the
+  parts are kept for a group of layers at a time (as many as half the memory plan's share of
+  the free memory holds: a further group runs the forwards again).
 
-`cost` counts both in block passes (a pass times the blocks it runs through), a forward's
-weighted FORWARD_BLOCK_COST times a backward's, and the cheaper direction is taken unless one is
-asked for (`nodes_forward` or `nodes_backward` for graph.qk_sources); both give the same parts
-to float rounding.
+`cost` counts both in copy-block passes (a pass times the blocks it runs through times the
+prompt copies it carries: block passes where the two batches are equal), a forward's weighted
+FORWARD_BLOCK_COST times a backward's, and the cheaper direction is taken unless one is asked
+for (`nodes_forward` or `nodes_backward` for graph.qk_sources); both give the same parts to
+float rounding. A forward whose parts of a single layer pass the budget cannot run: `nodes`
+takes the backward, `nodes_forward` is refused by name.
 """
 
 from __future__ import annotations
@@ -63,11 +68,12 @@ from probe.models.placement import execution_device
 
 VALUES_NAME = "probe_qk_frozen_values"
 DIRECTIONS = ("forward", "backward")
-# a forward block pass carrying tangents against a backward one, in time: it runs the whole
-# block on every copy (the query and key projections too, and the value of each op besides its
-# tangent), where a backward runs the linear paths back alone; measured 2.5-2.8 at widths
-# 128-576 (scripts/bench_qk_sources.py, docs/bench/graphs.md), more where per-op overhead
-# dominates (10 at width 32, where either direction takes under a second)
+# a forward block pass carrying tangents against a backward one, in time, per prompt copy: it
+# runs the whole block on every copy (the query and key projections too, and the value of each
+# op besides its tangent), where a backward runs the linear paths back alone; measured on the
+# CPU only (one thread, both batches 64 copies): 2.5-2.8 at widths 128-576
+# (scripts/bench_qk_sources.py, docs/bench/graphs.md), more where per-op overhead dominates (10
+# at width 32, where either direction takes under a second); a GPU's ratio is not measured
 FORWARD_BLOCK_COST = 3.0
 log = logging.getLogger("probe")
 
@@ -92,7 +98,9 @@ class _Stop(Exception):
 @dataclass(frozen=True)
 class Cost:
     """What each direction costs for a table: its passes, its block passes (a pass times the
-    blocks it runs through), its prompt copies per pass; the forward's groups of layers."""
+    blocks it runs through), its prompt copies per pass; the forward's groups of layers, the
+    bytes its kept parts may hold at once (None: the free memory cannot be read, one layer a
+    group) and the largest single layer's parts (`largest_layer`'s)."""
 
     backward_passes: int
     backward_blocks: int
@@ -101,19 +109,56 @@ class Cost:
     forward_blocks: int
     forward_batch: int
     groups: tuple[tuple[int, ...], ...]
+    parts_budget: float | None = None
+    largest_parts: int = 0
+    largest_layer: int = -1
+
+    @property
+    def forward_fits(self) -> bool:
+        """Whether every layer's kept parts fit the budget alone (unknown budget: assumed)."""
+        return self.parts_budget is None or self.largest_parts <= self.parts_budget
 
     @property
     def cheaper(self) -> str:
-        """The direction of fewer block passes, a forward's weighted FORWARD_BLOCK_COST."""
-        forward = FORWARD_BLOCK_COST * self.forward_blocks
-        return "forward" if forward <= self.backward_blocks else "backward"
+        """The direction of less work, in copy-block passes (block passes times the copies a
+        pass carries: the block passes where the batches are equal), a forward's weighted
+        FORWARD_BLOCK_COST; the backward where the forward's parts do not fit."""
+        if not self.forward_fits:
+            return "backward"
+        forward = FORWARD_BLOCK_COST * self.forward_blocks * self.forward_batch
+        return "forward" if forward <= self.backward_blocks * self.backward_batch else "backward"
 
     def says(self, direction: str) -> str:
-        return (
+        """The log line: both estimates, the direction taken and, for the forward, its groups
+        of layers (or why it cannot run)."""
+        out = (
             f"qk sources: {direction}: {self.forward_passes} forwards of {self.forward_batch} "
-            f"copies ({self.forward_blocks} block passes, {len(self.groups)} group(s) of "
-            f"layers) against {self.backward_passes} backward passes of {self.backward_batch} "
-            f"copies ({self.backward_blocks} block passes)"
+            f"copies ({self.forward_blocks} block passes) against {self.backward_passes} "
+            f"backward passes of {self.backward_batch} copies ({self.backward_blocks} block "
+            "passes)"
+        )
+        if not self.forward_fits:
+            out += f"; the forward cannot run: {self.too_large()}"
+        elif direction == "forward" and len(self.groups) > 1:
+            budget = "one layer a group" if self.parts_budget is None else human(self.parts_budget)
+            out += f"; the forward's parts in {len(self.groups)} groups of layers ({budget})"
+        return out
+
+    def too_large(self) -> str:
+        """What does not fit the forward's budget (where forward_fits is False)."""
+        budget = math.inf if self.parts_budget is None else self.parts_budget
+        return (
+            f"its parts of layer {self.largest_layer} alone (positions x width x columns) take "
+            f"{human(self.largest_parts)}, over its budget of {human(budget)} (half "
+            "the memory plan's share of the free memory)"
+        )
+
+    def refusal(self) -> str:
+        """Why a forward asked for by name cannot run, and the ways out."""
+        return (
+            f"qk sources: the forward direction cannot run: {self.too_large()}; use "
+            "graph.qk_sources=nodes_backward (or nodes, which takes it), a smaller table "
+            "(a lower graph.qk: fewer key positions traced), a shorter prompt, or more free memory"
         )
 
 
@@ -148,8 +193,11 @@ class NodeSources:
         self.cost = self._cost(batch)
         self.direction = direction or self.cost.cheaper
         log.info("%s", self.cost.says(self.direction))
+        if self.direction == "forward" and not self.cost.forward_fits:
+            raise ModelError(self.cost.refusal())
         self._kept = False  # (backward: the forward its passes run back through, made once)
         self._group: dict[int, torch.Tensor] = {}  # (forward: the current group's parts)
+        self._at_first_block: torch.Tensor | None = None  # (forward: the tokens at x_0)
 
     # -- the columns: nodes and constant parts ----------------------------------------------
     def _columns(self, graph) -> None:
@@ -239,7 +287,8 @@ class NodeSources:
         the forward they run back through (n_layers blocks); forward, per group of layers the
         ceil(columns before its last layer's block / batch) forwards through its last layer's
         blocks. Each direction's batch from its memory plan, half the plan's share of the free
-        memory to the forward's copies and half to its kept parts."""
+        memory to the forward's copies and half to its kept parts; no more copies than a pass
+        can use (the backward's: the largest layer's seeds; the forward's: the columns)."""
         rep = LocalReplacement(self.model, self.transcoders, self.overrides, mode="attribute")
         n_cols, options = len(self.names), GraphOptions()
         if batch is None:
@@ -249,9 +298,14 @@ class NodeSources:
         else:
             back = forth = batch
         layers = [layer for layer in range(1, self.n_layers) if self.needed.get(layer)]
+        seeds = max((self.width * len(self.needed[layer]) for layer in layers), default=1)
+        back = max(1, min(back, seeds))
         passes = {layer: math.ceil(self.width * len(self.needed[layer]) / back) for layer in layers}
-        groups = self._groups(layers)
+        groups, budget = self._groups(layers)
+        forth = max(1, min(forth, max((self.block_start[g[-1]] for g in groups), default=1)))
         forwards = {g: math.ceil(self.block_start[g[-1]] / forth) for g in groups}
+        size = {layer: self._parts_bytes(layer) for layer in layers}
+        largest = max(size, key=size.__getitem__, default=-1)
         return Cost(
             backward_passes=sum(passes.values()),
             backward_blocks=sum(k * layer for layer, k in passes.items())
@@ -261,20 +315,31 @@ class NodeSources:
             forward_blocks=sum(k * g[-1] for g, k in forwards.items()),
             forward_batch=forth,
             groups=tuple(groups),
+            parts_budget=budget,
+            largest_parts=size.get(largest, 0),
+            largest_layer=largest,
         )
 
-    def _groups(self, layers: list[int]) -> list[tuple[int, ...]]:
-        """`layers` in consecutive groups whose kept parts (positions x width x the columns
-        that reach the layer, in the model's dtype) fit half the memory plan's share of the
-        free memory where the embeddings run (unknown: one group)."""
-        free = free_bytes(execution_device(self.parts.embed))
-        budget = math.inf if free is None else FRACTION / 2 * free
+    def _parts_bytes(self, layer: int) -> int:
+        """What the forward keeps of `layer`: positions x width x the columns that reach it, in
+        the model's dtype."""
         element = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.needed[layer]) * self.width * self.block_start[layer] * element
+
+    def _groups(self, layers: list[int]) -> tuple[list[tuple[int, ...]], float | None]:
+        """`layers` in consecutive groups whose kept parts fit half the memory plan's share of
+        the free memory where the embeddings run, and that budget (None where the free memory
+        cannot be read: one layer a group, the least held at once). A layer over the budget
+        alone gets a group of its own, which Cost.forward_fits refuses."""
+        free = free_bytes(execution_device(self.parts.embed))
+        if free is None:
+            return [(layer,) for layer in layers], None
+        budget = FRACTION / 2 * free
         groups: list[tuple[int, ...]] = []
         here: list[int] = []
         held = 0
         for layer in layers:
-            size = len(self.needed[layer]) * self.width * self.block_start[layer] * element
+            size = self._parts_bytes(layer)
             if here and held + size > budget:
                 groups.append(tuple(here))
                 here, held = [], 0
@@ -282,15 +347,14 @@ class NodeSources:
             held += size
         if here:
             groups.append(tuple(here))
-        if len(groups) > 1:
-            log.info("qk sources: the forward's parts in %d groups of layers (%s budget)",
-                     len(groups), human(budget))  # fmt: skip
-        return groups
+        return groups, budget
 
     # -- the decomposition -------------------------------------------------------------------
     def rows(self, layer: int, positions: list[int]) -> dict[int, torch.Tensor]:
         """{position: (width, columns) float64}: each component of x_layer(position) split over
-        the columns (its row sums to the component)."""
+        the columns (its row sums to the component); {} for no positions."""
+        if not positions:
+            return {}
         if layer == 0:
             return self._first_rows(positions)
         if self.direction == "forward":
@@ -448,11 +512,11 @@ class NodeSources:
         last, batch = group[-1], self.cost.forward_batch
         kept = {layer: torch.zeros(len(self.needed[layer]), self.width, self.block_start[layer],
                                    dtype=self.dtype, device=device) for layer in group}  # fmt: skip
-        sources = self._sources()
         rep = LocalReplacement(model, self.transcoders, self.overrides, mode="attribute")
         rep.tangents = True
         hooks = HookSet("qk sources forward")
         chunk = [0, 0]  # the columns the running forward carries: [start, stop)
+        first_block = _block_of(model, parts.attn_norms[0])
 
         def inject(where: str, layer: int):
             def hook(module, args, out):
@@ -473,6 +537,14 @@ class NodeSources:
 
             return hook
 
+        def inject_first(module, args, kwargs):  # (the embedding's rest, at x_0)
+            x = inject("first", 0)(module, None, args[0] if args else kwargs["hidden_states"])
+            if x is None:
+                return None
+            if args:
+                return (x, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+
         def read(layer: int):
             needed = torch.tensor(self.needed[layer], dtype=torch.long)
 
@@ -488,7 +560,9 @@ class NodeSources:
             return hook
 
         with rep, fwAD.dual_level(), torch.no_grad(), hooks:
+            sources = self._sources(first_block)
             hooks.forward(parts.embed, inject("embed", 0), name="embed")
+            hooks.forward_pre(first_block, inject_first, name="first block", with_kwargs=True)
             for layer, m in enumerate(parts.post_attn_norms or parts.attns):
                 hooks.forward(m, inject("attn", layer), name=f"attn write {layer}")
             for layer, m in enumerate(rep.mlp_writes):
@@ -504,22 +578,24 @@ class NodeSources:
                 self.forward_passes += 1
         return kept
 
-    def _sources(self) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _sources(self, first_block: torch.nn.Module):
         """Where each column is written, as (columns, positions, vectors) per place: ("embed",
-        0) the embeddings' output (the tokens, and the rest of the first block's input there:
-        the position table's split), ("mlp", l) layer l's MLP write (its features', a CLT's
-        earlier layers' too, its error and its rest), ("attn", l) its attention write (its
-        bias part)."""
+        0) the embeddings' output (the tokens), ("first", 0) the first block's input x_0 (the
+        embedding's rest: x_0 less what the tokens became there, the position table's split
+        where the model adds to the embeddings, x_0 whole where it rescales them), ("mlp", l)
+        layer l's MLP write (its features', a CLT's earlier layers' too, its error and its
+        rest), ("attn", l) its attention write (its bias part). Run inside the forward's
+        replacement and dual level."""
         n_pos, device = self.n_pos, self.device
         every = torch.arange(n_pos, device=device)
 
         def block(first: int, vectors: torch.Tensor):
             return every + first, every, vectors.to(device, self.dtype)
 
-        embed = self.embed_value.to(self.dtype)
-        tokens = block(0, embed)
-        rest = block(n_pos, self.first_value.to(self.dtype) - embed)
-        out = {("embed", 0): tuple(torch.cat(t) for t in zip(tokens, rest, strict=True))}
+        out: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        out["embed", 0] = block(0, self.embed_value)
+        tokens = self._tokens_at_first_block(first_block)
+        out["first", 0] = block(n_pos, self.first_value.to(self.dtype) - tokens)
         for layer, w in enumerate(self.writes):
             features = (
                 torch.tensor([self.feature_col[k] for k in w.features], dtype=torch.long,
@@ -531,7 +607,47 @@ class NodeSources:
             rest = block(self.mlp_col[layer], self.mlp_rest[layer])
             out["mlp", layer] = tuple(torch.cat(t) for t in zip(features, error, rest, strict=True))
             out["attn", layer] = block(self.attn_col[layer], self.attn_bias[layer])
-        return out  # type: ignore[return-value]
+        return out
+
+    def _tokens_at_first_block(self, first_block: torch.nn.Module) -> torch.Tensor:
+        """What the tokens' embeddings become at x_0 (n_pos, d), in the model's dtype: one
+        copy's forward carrying the embeddings' output as its tangent, stopped at the first
+        block's input (a model may rescale the embeddings between its embeddings module and
+        its first block: older transformers' Gemma multiplies them by sqrt(width) there). Read
+        once; run inside the forward's replacement and dual level."""
+        if self._at_first_block is not None:
+            return self._at_first_block
+        got: list[torch.Tensor] = []
+        embed = self.embed_value.to(self.dtype)[None]
+
+        def carry(module, args, out):
+            value = out[0] if isinstance(out, tuple) else out
+            value = fwAD.make_dual(value.detach(), embed.to(value.device, value.dtype))
+            return (value, *out[1:]) if isinstance(out, tuple) else value
+
+        def read(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            tangent = fwAD.unpack_dual(x).tangent
+            got.append(torch.zeros_like(x[0]) if tangent is None else tangent[0])
+            raise _Stop
+
+        hooks = HookSet("qk sources: the tokens at the first block")
+        with hooks:
+            hooks.forward(self.parts.embed, carry, name="embed")
+            hooks.forward_pre(first_block, read, name="first block", with_kwargs=True)
+            with contextlib.suppress(_Stop):
+                self.model(self.graph.tokens[None].to(self.device), **_lean(self.model))
+        self._at_first_block = got[0].to(self.device, self.dtype)
+        return self._at_first_block
+
+
+def _block_of(model: torch.nn.Module, norm: torch.nn.Module) -> torch.nn.Module:
+    """The module holding `norm` as a direct child: the block whose input is the residual
+    stream `norm` reads."""
+    for module in model.modules():
+        if any(child is norm for child in module.children()):
+            return module
+    raise ModelError(f"qk sources: no module of the model holds {type(norm).__name__} directly")
 
 
 def needed_positions(pattern: torch.Tensor, positions: list[int], keys: int) -> list[int]:

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import probe
-from probe.errors import ConfigError
+from probe.errors import ConfigError, ModelError
 from probe.graphs import batch_plan, qk_attribution, qk_sources
 from probe.graphs.attribution import GraphOptions
 from probe.graphs.graph_json import graph_model, node_id
@@ -110,7 +110,9 @@ def test_the_forward_and_backward_tables_are_equal_and_nodes_is_the_cheaper(made
     traced = NodeSources(seen, writes, graph, ts, None)  # (no direction: the cheaper)
     cost = traced.cost
     weight = qk_sources.FORWARD_BLOCK_COST
-    cheaper = "forward" if weight * cost.forward_blocks <= cost.backward_blocks else "backward"
+    # the work: block passes times the copies each carries
+    forward = weight * cost.forward_blocks * cost.forward_batch
+    cheaper = "forward" if forward <= cost.backward_blocks * cost.backward_batch else "backward"
     assert traced.direction == cost.cheaper == cheaper
 
 
@@ -334,14 +336,15 @@ def test_the_traced_parts_sum_to_the_frozen_models_residual_across_families(fami
 
 
 def test_the_passes_are_the_cost_estimates_and_the_forwards_batch_and_groups_the_plans(
-    made, monkeypatch
+    made, monkeypatch, caplog
 ):
-    """With 500,000 bytes free (float64, width 32, 7 positions, 2 heads), the forward's copies
-    get a quarter of them: (125,000 - once) // per copy = 5 copies, and its parts too, which
-    hold layer 1's or layer 2's alone: two groups, each one's forwards run again; the parts are
-    still the backward's, and each direction ran the passes its estimate counted."""
+    """With 840,000 bytes free (float64, width 32, 7 positions, 2 heads), the forward's copies
+    get a quarter of them: (210,000 - once) // per copy = 9 copies, and its parts too, which
+    hold layer 1's or layer 2's alone: two groups, each one's forwards run again (the log line
+    says so for the forward alone); the parts are still the backward's, and each direction ran
+    the passes its estimate counted."""
     model, ts, graph, _, _ = made("gpt2")
-    free = 500_000
+    free = 840_000
     monkeypatch.setattr(batch_plan, "free_bytes", lambda device: free)
     monkeypatch.setattr(qk_sources, "free_bytes", lambda device: free)
     seen = qk_attribution._Forward(model, ts, None)
@@ -352,7 +355,7 @@ def test_the_passes_are_the_cost_estimates_and_the_forwards_batch_and_groups_the
     per_copy = 12 * n_pos * width * 8  # FORWARD_COPY_TENSORS of n_pos x width floats
     once = 3 * n_pos * width * 8 + 3 * 2 * n_pos * n_pos * 4  # one block's q, k, v; its pattern
     batch = (free / 4 - once) // per_copy
-    assert batch == 5
+    assert batch == 9
     positions = qk_attribution.query_positions(graph)
     needed = {}
     for layer in range(LAYERS):
@@ -364,14 +367,22 @@ def test_the_passes_are_the_cost_estimates_and_the_forwards_batch_and_groups_the
     before = [2 * n_pos + sum(len({k for k in writes[s].features}) + 3 * n_pos
                               for s in range(layer)) for layer in range(LAYERS)]  # fmt: skip
     held = [len(needed[layer]) * width * before[layer] * 8 for layer in range(LAYERS)]
-    assert held[1] <= free / 4 < held[1] + held[2]
+    assert max(held[1], held[2]) <= free / 4 < held[1] + held[2]
     cost = traced.cost
-    assert cost.forward_batch == batch and cost.groups == ((1,), (2,))
+    assert cost.forward_batch == batch and cost.groups == ((1,), (2,)) and cost.forward_fits
+    assert cost.parts_budget == free / 4 and cost.largest_parts == max(held[1], held[2])
     assert cost.forward_passes == sum(math.ceil(before[g] / batch) for g in (1, 2))
     # block passes: a forward stops at its group's last layer, having run that many blocks
     assert cost.forward_blocks == sum(math.ceil(before[g] / batch) * g for g in (1, 2))
     forward = {layer: traced.rows(layer, needed[layer]) for layer in (1, 2)}
     assert traced.forward_passes == cost.forward_passes
+    caplog.clear()
+    with caplog.at_level("INFO", logger="probe"):
+        NodeSources(seen, writes, graph, ts, None, direction="backward", needed=needed)
+    assert "qk sources: backward" in caplog.text and "groups" not in caplog.text
+    with caplog.at_level("INFO", logger="probe"):
+        NodeSources(seen, writes, graph, ts, None, direction="forward", needed=needed)
+    assert "the forward's parts in 2 groups of layers (205.1 KiB)" in caplog.text
     monkeypatch.undo()  # (the backward's passes by the real plan: fewer)
     back = NodeSources(seen, writes, graph, ts, None, direction="backward", needed=needed)
     for layer in (1, 2):
@@ -394,3 +405,110 @@ def test_a_bad_batch_of_the_traced_table_is_refused_by_name(made, batch):
     model, ts, graph, _, _ = made("gpt2")
     with pytest.raises(ConfigError, match=rf"qk_table\(batch={batch}\).*integer >= 1, or None"):
         qk_table(model, graph, ts, keys=KEYS, sources="nodes", batch=batch)
+
+
+def traced_sources(model, ts, graph, **options) -> NodeSources:
+    """NodeSources of `graph` from a record forward of the prompt."""
+    seen = qk_attribution._Forward(model, ts, None)
+    with seen, torch.no_grad():
+        model(PROMPT[None], use_cache=False)
+        writes = qk_attribution._mlp_writes(seen.rep, ts, 1)
+    return NodeSources(seen, writes, graph, ts, None, **options)
+
+
+def test_embeddings_rescaled_before_the_first_block_give_the_same_table_both_ways():
+    """The model rescales the embeddings between its embeddings module and its first block (x3:
+    older transformers' Gemma multiplies them by sqrt(width) in the model's forward): the token
+    columns carry the rescaled embedding and the embedding's rest is x_0 less it, so the parts
+    still sum to the residual (the table is not refused) and the two directions' tables are
+    equal, the rest zero by the forward (exactly) and by the backward (to rounding)."""
+    model = three_blocks("llama")
+
+    def rescale(module, args, kwargs):
+        if args:
+            return (args[0] * 3.0, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 3.0}
+
+    model.model.layers[0].register_forward_pre_hook(rescale, with_kwargs=True)
+    ts = random_transcoders(32, LAYERS, expansion=1, skip=True, dtype=torch.float64)
+    graph = probe.attribution_graph(model, PROMPT, ts, max_feature_nodes=16)
+    forward, backward = (qk_table(model, graph, ts, keys=KEYS, rows=None, sources=f"nodes_{d}")
+                         for d in DIRECTIONS)  # fmt: skip
+    # the backward's rest parts are rounding (1e-18), rows the forward has none of: compare
+    # every row either holds, a missing one zero
+    got, want = (t.set_index(ROW)["contribution"] for t in (forward, backward))
+    both = got.index.union(want.index)
+    got, want = got.reindex(both, fill_value=0.0), want.reindex(both, fill_value=0.0)
+    size = cells_of(backward).groupby(PAIR)["contribution"].apply(lambda c: c.abs().sum())
+    bound = 1e-12 * size.reindex(both.droplevel(["query_part", "key_part"])).values
+    assert ((got - want).abs().values <= bound).all()
+    later = forward[forward["layer"] >= 1]
+    assert not (
+        later["query_part"].str.startswith("embed rest") & (later["contribution"] != 0)
+    ).any()
+    assert later["query_part"].str.startswith("token@").any()
+
+
+def test_a_layer_over_the_forwards_budget_takes_the_backward_or_is_refused_by_name(
+    made, monkeypatch, caplog
+):
+    """With 1,000 bytes free the forward's parts may hold 250 of them, and layer 2's alone
+    (positions x width x columns before it, float64) take more: `nodes` takes the backward and
+    logs why, `nodes_forward` is refused naming that size, the budget and the ways out; where
+    the free memory cannot be read, the forward holds one layer at a time."""
+    model, ts, graph, _, _ = made("gpt2")
+    monkeypatch.setattr(qk_sources, "free_bytes", lambda device: 1_000)
+    with caplog.at_level("INFO", logger="probe"):
+        traced = traced_sources(model, ts, graph, batch=8)
+    # every position of layer 2 (none given), the columns before its block, float64
+    held = len(PROMPT) * 32 * traced.block_start[LAYERS - 1] * 8
+    size = batch_plan.human(held)
+    cost = traced.cost
+    assert traced.direction == cost.cheaper == "backward" and not cost.forward_fits
+    assert (cost.largest_layer, cost.largest_parts, cost.parts_budget) == (2, held, 250)
+    assert "the forward cannot run: its parts of layer 2 alone" in caplog.text
+    with pytest.raises(ModelError) as refused:
+        traced_sources(model, ts, graph, batch=8, direction="forward")
+    message = str(refused.value)
+    assert f"layer 2 alone (positions x width x columns) take {size}" in message
+    assert "budget of 250 B" in message and "graph.qk_sources=nodes_backward" in message
+    monkeypatch.setattr(qk_sources, "free_bytes", lambda device: None)
+    unknown = traced_sources(model, ts, graph, batch=8).cost
+    assert unknown.groups == ((1,), (2,)) and unknown.parts_budget is None and unknown.forward_fits
+
+
+def test_no_pass_carries_more_copies_than_it_can_use(made):
+    """graph.batch_size 5,000: the backward's copies are capped at its largest layer's seeds
+    (width x the positions that layer needs), the forward's at the columns its longest forward
+    carries; a pass uses that many (the backward's kept forward holds that many copies)."""
+    model, ts, graph, _, _ = made("gpt2")
+    needed = {0: [0, 6], 1: [2, 5, 6], 2: [6]}
+    traced = traced_sources(model, ts, graph, batch=5_000, needed=needed, direction="backward")
+    assert traced.cost.backward_batch == 32 * 3
+    assert traced.cost.forward_batch == traced.block_start[2]
+    traced.rows(2, [6])
+    assert traced.resid[2].shape[0] == 32 * 3 and traced.backward_passes == 1
+
+
+def test_a_table_of_no_query_positions_is_empty_by_either_direction(made):
+    model, ts, graph, _, _ = made("gpt2")
+    plain = qk_table(model, graph, ts, keys=KEYS, positions=[])
+    assert plain.empty
+    for direction in DIRECTIONS:
+        table = qk_table(model, graph, ts, keys=KEYS, positions=[], sources=f"nodes_{direction}")
+        assert table.empty and list(table.columns) == list(plain.columns)
+        assert traced_sources(model, ts, graph, direction=direction).rows(1, []) == {}
+
+
+def test_parts_that_miss_the_residual_are_refused_naming_the_direction_and_ways_out(
+    made, monkeypatch
+):
+    """The forward given a wrong x_0 for the tokens (zero: the embedding's rest then holds x_0
+    whole, the tokens' share counted twice): the parts do not sum to the residual, and the
+    refusal says which direction traced them and what to use instead."""
+    model, ts, graph, _, _ = made("gpt2")
+    monkeypatch.setattr(NodeSources, "_tokens_at_first_block",
+                        lambda self, block: torch.zeros(len(PROMPT), 32, dtype=torch.float64))  # fmt: skip
+    with pytest.raises(ModelError, match=r"do not sum to it .*traced to the nodes by the forward "
+                       r"direction; graph\.qk_sources=nodes_backward or position"):  # fmt: skip
+        qk_table(model, graph, ts, keys=KEYS, sources="nodes_forward")
