@@ -26,12 +26,12 @@ benchmarks (6 layers, width 256, 4 heads, vocab 5000: 1,108 edges); `gpt2-small`
     TransformerLens 4 no longer has (scripts/circuit_peers.py; auto-circuit 1.0.1 imports
     TransformerLens 2's KV cache module besides). They run in a venv of their own, e.g.:
 
-        python3 -m venv /work/venv-peers
-        /work/venv-peers/bin/pip install torch==2.14.1 torchvision==0.29.1 \
+        python3 -m venv venv-peers
+        venv-peers/bin/pip install torch==2.14.1 torchvision==0.29.1 \
             transformer-lens==3.9.0 auto-circuit==1.0.1 attrs matplotlib \
             "hydra-core>=1.3.2,<1.4" h5py     # attrs: auto-circuit's undeclared import
-        git clone https://github.com/hannamw/EAP-IG /work/peers-src/EAP-IG  # not on PyPI
-        PYTHONPATH=$PWD:/work/peers-src/EAP-IG/src /work/venv-peers/bin/python \
+        git clone https://github.com/hannamw/EAP-IG peers-src/EAP-IG  # not on PyPI
+        PYTHONPATH=$PWD:peers-src/EAP-IG/src venv-peers/bin/python \
             scripts/bench_circuits.py --threads 2
 
     (transformer-lens 3.9 brings transformers 5, as probe's own venv has.)

@@ -1,7 +1,7 @@
 """Benchmark: probe's transcoder fit against EleutherAI's sparsify (and SAELens, where it can) at
 one budget, every trained set measured by one evaluation.
 
-    PYTHONPATH=. /work/bench-venv/bin/python scripts/bench_transcoders.py --out docs/bench/transcoders.md
+    PYTHONPATH=. bench-venv/bin/python scripts/bench_transcoders.py --out docs/bench/transcoders.md
     ... --samples 2048 --epochs 10 --width 256 --k 8 --probe topk,batchtopk
 
 It runs in an environment holding the peers too (probe itself, `eai-sparsify`, `sae-lens`: see

@@ -31,15 +31,15 @@ of Gemma's): probe's `mlp_normalized`; probe's `mlp_in` is the MLP's input (afte
 circuit-tracer's `mlp.hook_in`; `resid_mid` is `hook_resid_mid`. The comparison runs each
 against its hook, and shows what `mlp_in` against `ln2.hook_normalized` would give.
 
-    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py compare
-    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py memory --lengths 64 256 1024
-    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py memory --family smollm2 \
+    PYTHONPATH=$PWD python scripts/graph_peers.py compare
+    PYTHONPATH=$PWD python scripts/graph_peers.py memory --lengths 64 256 1024
+    PYTHONPATH=$PWD python scripts/graph_peers.py memory --family smollm2 \
         --lengths 8 16 --variants 0 1 3   # SmolLM2-135M's shape, short prompts
-    PYTHONPATH=$PWD /work/main/.venv/bin/python scripts/graph_peers.py all  # both, one run
+    PYTHONPATH=$PWD python scripts/graph_peers.py all  # both, one run
 
 Set up circuit-tracer's venv (torch first, from the same wheel as probe's, so pip keeps it):
-`python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.14.1 &&
-/work/venv-ct/bin/pip install circuit-tracer==0.5.0` (transformers 4.57.3, transformer-lens
+`python3 -m venv venv-ct && venv-ct/bin/pip install torch==2.14.1 &&
+venv-ct/bin/pip install circuit-tracer==0.5.0` (transformers 4.57.3, transformer-lens
 3.2.1, nnsight 0.8.1 came with it); `--peer-python` names another.
 
 The Gemma-2, Gemma-3, Qwen3 and second Llama cases run circuit-tracer's nnsight backend on the
@@ -64,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-PEER_PYTHON = "/work/venv-ct/bin/python"
+PEER_PYTHON = "venv-ct/bin/python"  # circuit-tracer's venv (--peer-python names another)
 WORK = Path(os.environ.get("GRAPH_PEERS_WORK", "/tmp/graph_peers"))
 VOCAB = 512
 SMOLLM2_VOCAB = 49152  # the smollm2 model's vocabulary (its prompts use the first VOCAB ids)
