@@ -46,6 +46,7 @@ from torch import nn
 from probe.errors import ConfigError, ModelError
 from probe.graphs.attribution import _lean, check_qk_options, zeroed_positions
 from probe.graphs.graph_data import QK_COLUMNS, GraphData
+from probe.graphs.qk_cells import PairCells, largest
 from probe.graphs.replacement import LocalReplacement, _additive, check_interface
 from probe.hooks.hookset import HookSet
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
@@ -519,31 +520,13 @@ def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list
         k_vectors = k_parts[:nk, every_head, k_pos]  # (nk, heads, K, d)
         valid = torch.arange(nk, device=k_pos.device) < n_parts[k_pos][..., None]  # (H, K, nk)
         k_vectors = k_vectors * valid.permute(2, 0, 1)[..., None]  # (a key's padding: zeros)
-        cells = torch.einsum("ihd,jhkd->hkij", q_vectors, k_vectors) * scaling  # (H, K, nq, nk)
-        table = _Cells(cells, valid)
+        table = PairCells(q_vectors, k_vectors, valid, scaling, rows, f"layer {layer}, query {q}")
         score = real[:, q].gather(1, k_pos)  # (heads, K)
         size = query[0, :, q].norm(dim=-1)[:, None] * key[0, :, :].norm(dim=-1).gather(1, k_pos)
         _check_cells(seen, layer, q, k_pos, table, score, size.double() * abs(scaling))
         kept = top.values > 0
         out += _pair_rows(layer, q, k_pos, kept, table, score, top.values, names, rows)
     return out
-
-
-class _Cells:
-    """One query position's cells (heads, K, nq, nk) (a key's padding parts zeros, `valid`
-    False), their marginals, total and |cells|: each large reduction once."""
-
-    def __init__(self, cells: torch.Tensor, valid: torch.Tensor) -> None:
-        heads, n_keys, nq, nk = cells.shape
-        self.cells, self.valid = cells, valid
-        self.query = cells.sum(-1)  # (H, K, nq): a query-side part against the whole key
-        self.key = cells.sum(-2)  # (H, K, nk)
-        self.total = self.query.sum(-1)
-        magnitude = cells.abs()
-        self.abs_total = magnitude.sum((-1, -2))
-        # |cells| with a key's padding at -1, never among the largest
-        self.magnitude = magnitude.masked_fill_(~valid[:, :, None, :], -1.0)
-        self.counts = valid.sum(-1)  # (H, K): a key's parts
 
 
 def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
@@ -568,7 +551,7 @@ def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
         )
 
 
-def _check_cells(seen, layer, q, k_pos, table: _Cells, score, size) -> None:
+def _check_cells(seen, layer, q, k_pos, table: PairCells, score, size) -> None:
     """Each pair's cells sum to its score, within the dtype's rounding of |cells| and of |q| |k|
     (`size`: the scale of a rounding of the query or the key)."""
     bound = _rtol(seen.norm_io["attn_norm", layer][0].dtype) * (size + table.abs_total)
@@ -588,34 +571,31 @@ def _rtol(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
 
 
-def _pair_rows(layer, q, k_pos, kept, table: _Cells, score, pattern, names, rows) -> list[tuple]:
+def _pair_rows(layer, q, k_pos, kept, table: PairCells, score, pattern, names, rows) -> list[tuple]:
     """The rows of query position `q`'s pairs (heads x K keys; `kept`: those the head attends
     to at all): per pair its cells, then the query-side marginals (key part `*`), then the
     key-side ones (query part `*`), each the `rows` largest by |contribution| and a `rest`."""
-    heads, n_keys, nq, nk = table.cells.shape
+    nq, nk = table.nq, table.nk
     every = (ALL, -1)
     q_names = names[q]
     key_magnitude = table.key.abs().masked_fill(~table.valid, -1.0)
-    blocks = [
-        (table.cells.reshape(heads, n_keys, -1), table.magnitude.reshape(heads, n_keys, -1),
-         table.counts * nq, "cell"),
-        (table.query, table.query.abs(), torch.full_like(table.counts, nq), "query"),
-        (table.key, key_magnitude, table.counts, "key"),
-    ]  # fmt: skip
-    picked = [_largest(values, magnitude, count, rows) for values, magnitude, count, _ in blocks]
+    picked = [
+        (table.largest, "cell"),
+        (largest(table.query, table.query.abs(), torch.full_like(table.counts, nq), rows), "query"),
+        (largest(table.key, key_magnitude, table.counts, rows), "key"),
+    ]
     out = []
     k_list, kept_list = k_pos.tolist(), kept.tolist()
     scores, probs = score.tolist(), pattern.tolist()
-    for h in range(heads):
-        for i in range(n_keys):
-            if not kept_list[h][i]:
+    for h, (k_h, kept_h) in enumerate(zip(k_list, kept_list, strict=True)):
+        for i, k in enumerate(k_h):
+            if not kept_h[i]:
                 continue
-            k = k_list[h][i]
             head = (layer, h, q, k)
             tail = (scores[h][i], probs[h][i])
             k_names = names[k]
-            for (*_, kind), (index, value, rest) in zip(blocks, picked, strict=True):
-                for j, v in zip(index[h][i], value[h][i], strict=True):
+            for block, kind in picked:
+                for j, v in zip(block.index[h][i], block.value[h][i], strict=True):
                     if kind == "cell":
                         (qp, qn), (kp, kn) = q_names[j // nk], k_names[j % nk]
                     elif kind == "query":
@@ -623,39 +603,8 @@ def _pair_rows(layer, q, k_pos, kept, table: _Cells, score, pattern, names, rows
                     else:
                         (qp, qn), (kp, kn) = every, k_names[j]
                     out.append((*head, qn, kn, qp, kp, v, *tail))
-                if rest[h][i] is not None:
+                rest = block.rest[h][i]
+                if rest is not None:
                     sides = {"cell": (REST, REST), "query": (REST, ALL), "key": (ALL, REST)}[kind]
-                    out.append((*head, -1, -1, *sides, rest[h][i], *tail))
+                    out.append((*head, -1, -1, *sides, rest, *tail))
     return out
-
-
-def _largest(values: torch.Tensor, magnitude: torch.Tensor, count: torch.Tensor, rows):
-    """Per pair (the leading two dimensions), the indices and values of its `rows` largest
-    `magnitude` (|values|, -1 where an entry is padding; rows None: every one), largest first,
-    as lists, and the sum of the others (None where none of its `count` entries is left out;
-    padding entries are zeros)."""
-    take = values.shape[-1] if rows is None else min(rows, values.shape[-1])
-    top = torch.topk(magnitude, take, dim=-1)
-    chosen = values.gather(-1, top.indices)
-    real = top.values >= 0  # (not padding)
-    rest = values.sum(-1) - (chosen * real).sum(-1)
-    left = (real.sum(-1) < count).tolist()
-    index, value = [], []
-    for idx_h, val_h, real_h in zip(
-        top.indices.tolist(), chosen.tolist(), real.tolist(), strict=True
-    ):
-        index.append(
-            [
-                [j for j, r in zip(a, m, strict=True) if r]
-                for a, m in zip(idx_h, real_h, strict=True)
-            ]
-        )
-        value.append(
-            [
-                [v for v, r in zip(a, m, strict=True) if r]
-                for a, m in zip(val_h, real_h, strict=True)
-            ]
-        )
-    rests = [[float(r) if lo else None for r, lo in zip(rh, lh, strict=True)]
-             for rh, lh in zip(rest.tolist(), left, strict=True)]  # fmt: skip
-    return index, value, rests
