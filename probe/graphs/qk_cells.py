@@ -31,9 +31,10 @@ from probe.graphs.batch_plan import FRACTION, free_bytes, human
 
 CHUNK_BYTES = 1 << 27  # 128 MiB: one chunk's cells while it is reduced (see CELL_BYTES)
 CELL_BYTES = 4 * 8  # a cell in a chunk: its value, |value|, and the flattened copies top-k reads
-# (rows=None) a kept cell: value, |value| and the sort's index and value (8 bytes each), and
-# its table row (a tuple of the table's columns, then the DataFrame's)
-EVERY_CELL_BYTES = 4 * 8 + 400
+# (rows=None) a kept cell: its value and |value| (twice while the chunks are joined), the sort's
+# value and index (8 bytes each), and its table row: a tuple of the columns in qk_table's list,
+# then the DataFrame made from it (240 and 280 bytes a row measured)
+EVERY_CELL_BYTES = 5 * 8 + 520
 
 
 def chunk_parts(heads: int, n_keys: int, nk: int) -> int:
