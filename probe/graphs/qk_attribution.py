@@ -487,25 +487,13 @@ def _scaling(module: nn.Module, head_dim: int) -> float:
 def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list[tuple]:
     """The table's rows of one layer (see qk_table)."""
     attn = seen.parts.attns[layer]
-    norm = seen.parts.attn_norms[layer]
     args, kwargs = seen.calls[layer]
-    x, normed = seen.norm_io["attn_norm", layer]
-    frozen = seen.frozen_norm("attn_norm", layer, norm)
-    stacked = residual.tensor(x.shape[-1], x.dtype, x.device)
-    bias = seen.norm_bias("attn_norm", layer, norm).expand_as(x[:1]).to(x.dtype)
-    parts = frozen(stacked).to(x.dtype)
-    inputs = [torch.cat([normed[:1], bias, torch.zeros_like(bias)])]
-    inputs += [parts[i : i + PARTS_PER_PASS] for i in range(0, parts.shape[0], PARTS_PER_PASS)]
-    got = _project(seen, layer, inputs)
-    query, key = torch.cat(got.query), torch.cat(got.key)
-    heads, kv, head_dim = query.shape[1], key.shape[1], query.shape[-1]
-    key = key.repeat_interleave(heads // kv, dim=1)
+    query0, key0, q_parts, k_parts = _projected_parts(seen, layer, residual)
+    heads, head_dim = query0.shape[0], query0.shape[-1]
     scaling = _scaling(attn, head_dim)
-    real = (query[0] @ key[0].transpose(-1, -2)).double() * scaling  # (heads, n, n)
+    real = (query0 @ key0.transpose(-1, -2)).double() * scaling  # (heads, n, n)
     pattern = seen.rep.saved["patterns"][layer][0].double()
-    _check_pattern(seen, layer, real, pattern, args, kwargs, query)
-    q_parts = torch.cat([query[1:2], query[3:] - query[2:3]]).double()  # bias, then each part
-    k_parts = torch.cat([key[1:2], key[3:] - key[2:3]]).double()
+    _check_pattern(seen, layer, real, pattern, args, kwargs, query0[None])
     names = [[("bias", -1)] + [(p.name, p.node) for p in residual.names(pos)]
              for pos in range(len(residual.parts))]  # fmt: skip
     n_parts = torch.tensor([len(x) for x in names], device=k_parts.device)
@@ -522,11 +510,44 @@ def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list
         k_vectors = k_vectors * valid.permute(2, 0, 1)[..., None]  # (a key's padding: zeros)
         table = PairCells(q_vectors, k_vectors, valid, scaling, rows, f"layer {layer}, query {q}")
         score = real[:, q].gather(1, k_pos)  # (heads, K)
-        size = query[0, :, q].norm(dim=-1)[:, None] * key[0, :, :].norm(dim=-1).gather(1, k_pos)
+        size = query0[:, q].norm(dim=-1)[:, None] * key0.norm(dim=-1).gather(1, k_pos)
         _check_cells(seen, layer, q, k_pos, table, score, size.double() * abs(scaling))
         kept = top.values > 0
         out += _pair_rows(layer, q, k_pos, kept, table, score, top.values, names, rows)
     return out
+
+
+def _projected_parts(seen, layer, residual: _Residual):
+    """Layer `layer`'s attention run on the real input and on each part of `residual` (through
+    the attention norm frozen at the prompt's scale): the real input's query and key (heads, n,
+    d_head; a grouped key repeated to every query head) and the parts' (parts + 1, heads, n,
+    d_head) in float64, the norm's and projections' biases first (`bias`), then each part's.
+    Each intermediate is let go as soon as the next is made: one layer's parts are its largest
+    tensors (some 6,000 parts at SmolLM2's late layers, 15 positions: 0.4 GB a side)."""
+    norm = seen.parts.attn_norms[layer]
+    x, normed = seen.norm_io["attn_norm", layer]
+    frozen = seen.frozen_norm("attn_norm", layer, norm)
+    bias = seen.norm_bias("attn_norm", layer, norm).expand_as(x[:1]).to(x.dtype)
+    parts = frozen(residual.tensor(x.shape[-1], x.dtype, x.device)).to(x.dtype)
+    inputs = [torch.cat([normed[:1], bias, torch.zeros_like(bias)])]
+    inputs += [parts[i : i + PARTS_PER_PASS] for i in range(0, parts.shape[0], PARTS_PER_PASS)]
+    del parts
+    got = _project(seen, layer, inputs)
+    del inputs
+    sides = []
+    for batches in (got.query, got.key):
+        whole = torch.cat(batches)  # (0: the real input, 1: bias + zeros' constant, 2: zeros)
+        batches.clear()
+        if len(sides) == 1:  # (the key: one per query head)
+            whole = whole.repeat_interleave(sides[0][0].shape[0] // whole.shape[1], dim=1)
+        each = torch.empty(whole.shape[0] - 2, *whole.shape[1:], dtype=torch.float64,
+                           device=whole.device)  # fmt: skip
+        each[0] = whole[1]
+        torch.sub(whole[3:], whole[2:3], out=each[1:])  # (each part: its projection's linear map)
+        sides.append((whole[0].clone(), each))
+        del whole
+    (query0, q_parts), (key0, k_parts) = sides
+    return query0, key0, q_parts, k_parts
 
 
 def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
