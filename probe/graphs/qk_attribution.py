@@ -534,7 +534,7 @@ def _projected_parts(seen, layer, residual: _Residual):
     del parts
     got = _project(seen, layer, inputs)
     del inputs
-    sides = []
+    sides: list[tuple[torch.Tensor, torch.Tensor]] = []
     for batches in (got.query, got.key):
         whole = torch.cat(batches)  # (0: the real input, 1: bias + zeros' constant, 2: zeros)
         batches.clear()
