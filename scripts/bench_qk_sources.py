@@ -8,18 +8,32 @@ equal, and the direction `nodes` takes. Figures: docs/bench/graphs.md, "The QK a
 traced to the nodes".
 
     python scripts/bench_qk_sources.py [--shapes 3x32x7 6x128x16 6x576x15x9x3] [--keys 2]
-        [--threads 1] [--forward-only 30x576x15x9x3]
+        [--threads 1] [--forward-only 30x576x15x9x3] [--cells 1000 3000 [--before TREE]]
 
 A shape is LAYERSxWIDTHxTOKENS[xHEADSxKV_HEADS] (default 4 heads, 2 key-value heads; head width
 WIDTH/HEADS), TopK transcoders of 2 x WIDTH features, 12 active a position, with a skip path.
-A --forward-only shape runs the forward direction's passes alone (every layer's parts, no table:
-at 30 blocks a query position's cells, heads x keys x parts^2 in float64, are gigabytes) and
-prints the backward's estimate (its passes, not run).
+A --forward-only shape runs the forward direction's passes alone (every layer's parts, no table)
+and prints the backward's estimate (its passes, not run). A --nodes-table shape makes the
+forward direction's whole table alone (keys 2, rows 20) and prints its time, rows and the
+process's resident-set peak (VmHWM) above the graph's.
+
+--cells PARTS...: the peak memory of one layer's rows (qk_attribution._layer_rows, every query
+position, keys 2, rows 20) at SmolLM2's block (width 576, 9 heads / 3, 15 tokens; layer 1 of a
+2-block Llama in float32) with PARTS parts a position (random, summing to the residual), its
+cells made in chunks (probe.graphs.qk_cells) beside one chunk of every cell (the memory the
+table took before chunks), each in a fresh process: the resident-set peak above the process's
+before the call (/proc/self/clear_refs, VmHWM), the seconds, the ratio, whether the rows are
+the same. --before TREE adds a third column: the same call under another checkout's probe
+(TREE on PYTHONPATH, e.g. `git archive <commit> probe | tar -x -C TREE`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -165,14 +179,127 @@ def measure(shape: str, keys: int, forward_only: bool) -> None:
     )
 
 
+def cells_child(parts: int, mode: str) -> None:
+    """(in a fresh process) one layer's rows at `parts` parts a position, `mode` "chunks" (the
+    chunk size from the budget), "one-chunk" (every cell at once) or "as-is" (another tree's
+    code, untouched); prints a JSON line: peak resident bytes above the start of the call,
+    seconds, and the rows' digest."""
+    torch.manual_seed(0)
+    model = random_llama(2, 576, 9, 3)
+    ts = random_transcoders(576, 2, activation="topk", skip=True, expansion=2)
+    tokens = torch.randint(2, 256, (15,), generator=torch.Generator().manual_seed(1))
+    seen = qk_attribution._Forward(model, ts, None)
+    with seen, torch.no_grad():
+        model(tokens[None], use_cache=False)
+        x = seen.norm_io["attn_norm", 1][0][0]
+        residual = qk_attribution._Residual(len(tokens))
+        spread = torch.randn(parts - 1, *x.shape, generator=torch.Generator().manual_seed(2))
+        spread *= float(x.norm(dim=-1).mean()) / (parts * x.shape[-1]) ** 0.5
+        for pos in range(len(tokens)):
+            for i in range(parts - 1):
+                residual.add(pos, f"part {i}@{pos}", -1, spread[i, pos])
+            residual.add(pos, f"part {parts - 1}@{pos}", -1, x[pos] - spread[:, pos].sum(0))
+        del spread
+        if mode == "one-chunk":
+            from probe.graphs import qk_cells
+
+            qk_cells.chunk_parts = lambda *shape: 1 << 40  # type: ignore[assignment]
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # (the resident-set peak from here)
+        start_rss = _status("VmRSS")
+        start = time.perf_counter()
+        rows = qk_attribution._layer_rows(seen, 1, residual, list(range(len(tokens))), 2, 20)
+        seconds = time.perf_counter() - start
+    peak = _status("VmHWM") - start_rss
+    digest = [len(rows), sum(abs(r[8]) for r in rows)]
+    print(json.dumps({"peak": peak, "seconds": seconds, "digest": digest}))
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measure_cells(parts: int, threads: int, before: str | None) -> None:
+    """One layer's rows at `parts` parts a position: chunks beside one chunk (and `before`)."""
+    runs = [("chunks", "chunks", None), ("one chunk", "one-chunk", None)]
+    if before:
+        runs.append(("before", "as-is", before))
+    got = {}
+    for label, mode, tree in runs:
+        env = dict(os.environ, PYTHONPATH=tree or os.environ.get("PYTHONPATH", ""))
+        command = [sys.executable, __file__, "--cells-child", str(parts), mode]
+        done = subprocess.run(command + ["--threads", str(threads)], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode:
+            raise SystemExit(f"{label}: {done.stderr[-2000:]}")
+        got[label] = json.loads(done.stdout.strip().splitlines()[-1])
+    chunked = got["chunks"]
+    line = f"{parts} parts a position: chunks {chunked['peak'] / 2**20:,.0f} MiB {chunked['seconds']:.1f} s"
+    for label in list(got)[1:]:
+        other = got[label]
+        line += (
+            f"; {label} {other['peak'] / 2**20:,.0f} MiB {other['seconds']:.1f} s "
+            f"({other['peak'] / chunked['peak']:.1f}x the peak, rows "
+            f"{'the same' if _same(other['digest'], chunked['digest']) else 'DIFFERENT'})"
+        )
+    print(line, flush=True)
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and abs(a[1] - b[1]) <= 1e-9 * abs(b[1])
+
+
+def nodes_table(shape: str, keys: int) -> None:
+    """The forward direction's whole table at `shape`, its time, rows and memory peak."""
+    layers, width, tokens, *rest = (int(v) for v in shape.split("x"))
+    heads, kv = rest if rest else (4, 2)
+    model = random_llama(layers, width, heads, kv)
+    ts = random_transcoders(width, layers, activation="topk", skip=True, expansion=2)
+    prompt = torch.randint(2, 256, (tokens,), generator=torch.Generator().manual_seed(1))
+    graph = probe.attribution_graph(model, prompt, ts, prepend_bos=False)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    start = time.perf_counter()
+    table = qk_table(model, graph, ts, keys=keys, sources="nodes_forward")
+    seconds = time.perf_counter() - start
+    peak = _status("VmHWM")
+    print(
+        f"{shape}: nodes_forward table {seconds:.0f} s, {len(table):,} rows; resident peak "
+        f"{peak / 2**30:.2f} GiB ({(peak - before) / 2**30:.2f} GiB above the start of the "
+        "table)",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=["3x32x7", "6x128x16", "6x576x15x9x3"])
     parser.add_argument("--forward-only", nargs="*", default=[])
     parser.add_argument("--keys", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cells", nargs="*", type=int, default=[])
+    parser.add_argument("--nodes-table", nargs="*", default=[])
+    parser.add_argument("--before", default=None)
+    parser.add_argument("--cells-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.cells_child:
+        cells_child(int(args.cells_child[0]), args.cells_child[1])
+        return
+    for shape in args.nodes_table:
+        nodes_table(shape, args.keys)
+    if args.cells:
+        for parts in args.cells:
+            measure_cells(parts, args.threads, args.before)
+        return
+    if args.nodes_table:
+        return
     for shape in args.shapes:
         measure(shape, args.keys, forward_only=False)
     for shape in args.forward_only:

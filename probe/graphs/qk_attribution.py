@@ -46,6 +46,7 @@ from torch import nn
 from probe.errors import ConfigError, ModelError
 from probe.graphs.attribution import _lean, check_qk_options, zeroed_positions
 from probe.graphs.graph_data import QK_COLUMNS, GraphData
+from probe.graphs.qk_cells import PairCells, largest
 from probe.graphs.replacement import LocalReplacement, _additive, check_interface
 from probe.hooks.hookset import HookSet
 from probe.models.cross_layer_transcoder import AnyTranscoders, CrossLayerTranscoder
@@ -493,25 +494,13 @@ def _scaling(module: nn.Module, head_dim: int) -> float:
 def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list[tuple]:
     """The table's rows of one layer (see qk_table)."""
     attn = seen.parts.attns[layer]
-    norm = seen.parts.attn_norms[layer]
     args, kwargs = seen.calls[layer]
-    x, normed = seen.norm_io["attn_norm", layer]
-    frozen = seen.frozen_norm("attn_norm", layer, norm)
-    stacked = residual.tensor(x.shape[-1], x.dtype, x.device)
-    bias = seen.norm_bias("attn_norm", layer, norm).expand_as(x[:1]).to(x.dtype)
-    parts = frozen(stacked).to(x.dtype)
-    inputs = [torch.cat([normed[:1], bias, torch.zeros_like(bias)])]
-    inputs += [parts[i : i + PARTS_PER_PASS] for i in range(0, parts.shape[0], PARTS_PER_PASS)]
-    got = _project(seen, layer, inputs)
-    query, key = torch.cat(got.query), torch.cat(got.key)
-    heads, kv, head_dim = query.shape[1], key.shape[1], query.shape[-1]
-    key = key.repeat_interleave(heads // kv, dim=1)
+    query0, key0, q_parts, k_parts = _projected_parts(seen, layer, residual)
+    heads, head_dim = query0.shape[0], query0.shape[-1]
     scaling = _scaling(attn, head_dim)
-    real = (query[0] @ key[0].transpose(-1, -2)).double() * scaling  # (heads, n, n)
+    real = (query0 @ key0.transpose(-1, -2)).double() * scaling  # (heads, n, n)
     pattern = seen.rep.saved["patterns"][layer][0].double()
-    _check_pattern(seen, layer, real, pattern, args, kwargs, query)
-    q_parts = torch.cat([query[1:2], query[3:] - query[2:3]]).double()  # bias, then each part
-    k_parts = torch.cat([key[1:2], key[3:] - key[2:3]]).double()
+    _check_pattern(seen, layer, real, pattern, args, kwargs, query0[None])
     names = [[("bias", -1)] + [(p.name, p.node) for p in residual.names(pos)]
              for pos in range(len(residual.parts))]  # fmt: skip
     n_parts = torch.tensor([len(x) for x in names], device=k_parts.device)
@@ -526,31 +515,46 @@ def _layer_rows(seen, layer, residual: _Residual, positions, keys, rows) -> list
         k_vectors = k_parts[:nk, every_head, k_pos]  # (nk, heads, K, d)
         valid = torch.arange(nk, device=k_pos.device) < n_parts[k_pos][..., None]  # (H, K, nk)
         k_vectors = k_vectors * valid.permute(2, 0, 1)[..., None]  # (a key's padding: zeros)
-        cells = torch.einsum("ihd,jhkd->hkij", q_vectors, k_vectors) * scaling  # (H, K, nq, nk)
-        table = _Cells(cells, valid)
+        table = PairCells(q_vectors, k_vectors, valid, scaling, rows, f"layer {layer}, query {q}")
         score = real[:, q].gather(1, k_pos)  # (heads, K)
-        size = query[0, :, q].norm(dim=-1)[:, None] * key[0, :, :].norm(dim=-1).gather(1, k_pos)
+        size = query0[:, q].norm(dim=-1)[:, None] * key0.norm(dim=-1).gather(1, k_pos)
         _check_cells(seen, layer, q, k_pos, table, score, size.double() * abs(scaling))
         kept = top.values > 0
         out += _pair_rows(layer, q, k_pos, kept, table, score, top.values, names, rows)
     return out
 
 
-class _Cells:
-    """One query position's cells (heads, K, nq, nk) (a key's padding parts zeros, `valid`
-    False), their marginals, total and |cells|: each large reduction once."""
-
-    def __init__(self, cells: torch.Tensor, valid: torch.Tensor) -> None:
-        heads, n_keys, nq, nk = cells.shape
-        self.cells, self.valid = cells, valid
-        self.query = cells.sum(-1)  # (H, K, nq): a query-side part against the whole key
-        self.key = cells.sum(-2)  # (H, K, nk)
-        self.total = self.query.sum(-1)
-        magnitude = cells.abs()
-        self.abs_total = magnitude.sum((-1, -2))
-        # |cells| with a key's padding at -1, never among the largest
-        self.magnitude = magnitude.masked_fill_(~valid[:, :, None, :], -1.0)
-        self.counts = valid.sum(-1)  # (H, K): a key's parts
+def _projected_parts(seen, layer, residual: _Residual):
+    """Layer `layer`'s attention run on the real input and on each part of `residual` (through
+    the attention norm frozen at the prompt's scale): the real input's query and key (heads, n,
+    d_head; a grouped key repeated to every query head) and the parts' (parts + 1, heads, n,
+    d_head) in float64, the norm's and projections' biases first (`bias`), then each part's.
+    Each intermediate is let go as soon as the next is made: one layer's parts are its largest
+    tensors (some 6,000 parts at SmolLM2's late layers, 15 positions: 0.4 GB a side)."""
+    norm = seen.parts.attn_norms[layer]
+    x, normed = seen.norm_io["attn_norm", layer]
+    frozen = seen.frozen_norm("attn_norm", layer, norm)
+    bias = seen.norm_bias("attn_norm", layer, norm).expand_as(x[:1]).to(x.dtype)
+    parts = frozen(residual.tensor(x.shape[-1], x.dtype, x.device)).to(x.dtype)
+    inputs = [torch.cat([normed[:1], bias, torch.zeros_like(bias)])]
+    inputs += [parts[i : i + PARTS_PER_PASS] for i in range(0, parts.shape[0], PARTS_PER_PASS)]
+    del parts
+    got = _project(seen, layer, inputs)
+    del inputs
+    sides: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for batches in (got.query, got.key):
+        whole = torch.cat(batches)  # (0: the real input, 1: bias + zeros' constant, 2: zeros)
+        batches.clear()
+        if len(sides) == 1:  # (the key: one per query head)
+            whole = whole.repeat_interleave(sides[0][0].shape[0] // whole.shape[1], dim=1)
+        each = torch.empty(whole.shape[0] - 2, *whole.shape[1:], dtype=torch.float64,
+                           device=whole.device)  # fmt: skip
+        each[0] = whole[1]
+        torch.sub(whole[3:], whole[2:3], out=each[1:])  # (each part: its projection's linear map)
+        sides.append((whole[0].clone(), each))
+        del whole
+    (query0, q_parts), (key0, k_parts) = sides
+    return query0, key0, q_parts, k_parts
 
 
 def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
@@ -575,7 +579,7 @@ def _check_pattern(seen, layer, real, pattern, args, kwargs, query) -> None:
         )
 
 
-def _check_cells(seen, layer, q, k_pos, table: _Cells, score, size) -> None:
+def _check_cells(seen, layer, q, k_pos, table: PairCells, score, size) -> None:
     """Each pair's cells sum to its score, within the dtype's rounding of |cells| and of |q| |k|
     (`size`: the scale of a rounding of the query or the key)."""
     bound = _rtol(seen.norm_io["attn_norm", layer][0].dtype) * (size + table.abs_total)
@@ -595,34 +599,31 @@ def _rtol(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
 
 
-def _pair_rows(layer, q, k_pos, kept, table: _Cells, score, pattern, names, rows) -> list[tuple]:
+def _pair_rows(layer, q, k_pos, kept, table: PairCells, score, pattern, names, rows) -> list[tuple]:
     """The rows of query position `q`'s pairs (heads x K keys; `kept`: those the head attends
     to at all): per pair its cells, then the query-side marginals (key part `*`), then the
     key-side ones (query part `*`), each the `rows` largest by |contribution| and a `rest`."""
-    heads, n_keys, nq, nk = table.cells.shape
+    nq, nk = table.nq, table.nk
     every = (ALL, -1)
     q_names = names[q]
     key_magnitude = table.key.abs().masked_fill(~table.valid, -1.0)
-    blocks = [
-        (table.cells.reshape(heads, n_keys, -1), table.magnitude.reshape(heads, n_keys, -1),
-         table.counts * nq, "cell"),
-        (table.query, table.query.abs(), torch.full_like(table.counts, nq), "query"),
-        (table.key, key_magnitude, table.counts, "key"),
-    ]  # fmt: skip
-    picked = [_largest(values, magnitude, count, rows) for values, magnitude, count, _ in blocks]
+    picked = [
+        (table.largest, "cell"),
+        (largest(table.query, table.query.abs(), torch.full_like(table.counts, nq), rows), "query"),
+        (largest(table.key, key_magnitude, table.counts, rows), "key"),
+    ]
     out = []
     k_list, kept_list = k_pos.tolist(), kept.tolist()
     scores, probs = score.tolist(), pattern.tolist()
-    for h in range(heads):
-        for i in range(n_keys):
-            if not kept_list[h][i]:
+    for h, (k_h, kept_h) in enumerate(zip(k_list, kept_list, strict=True)):
+        for i, k in enumerate(k_h):
+            if not kept_h[i]:
                 continue
-            k = k_list[h][i]
             head = (layer, h, q, k)
             tail = (scores[h][i], probs[h][i])
             k_names = names[k]
-            for (*_, kind), (index, value, rest) in zip(blocks, picked, strict=True):
-                for j, v in zip(index[h][i], value[h][i], strict=True):
+            for block, kind in picked:
+                for j, v in zip(block.index[h][i], block.value[h][i], strict=True):
                     if kind == "cell":
                         (qp, qn), (kp, kn) = q_names[j // nk], k_names[j % nk]
                     elif kind == "query":
@@ -630,39 +631,8 @@ def _pair_rows(layer, q, k_pos, kept, table: _Cells, score, pattern, names, rows
                     else:
                         (qp, qn), (kp, kn) = every, k_names[j]
                     out.append((*head, qn, kn, qp, kp, v, *tail))
-                if rest[h][i] is not None:
+                rest = block.rest[h][i]
+                if rest is not None:
                     sides = {"cell": (REST, REST), "query": (REST, ALL), "key": (ALL, REST)}[kind]
-                    out.append((*head, -1, -1, *sides, rest[h][i], *tail))
+                    out.append((*head, -1, -1, *sides, rest, *tail))
     return out
-
-
-def _largest(values: torch.Tensor, magnitude: torch.Tensor, count: torch.Tensor, rows):
-    """Per pair (the leading two dimensions), the indices and values of its `rows` largest
-    `magnitude` (|values|, -1 where an entry is padding; rows None: every one), largest first,
-    as lists, and the sum of the others (None where none of its `count` entries is left out;
-    padding entries are zeros)."""
-    take = values.shape[-1] if rows is None else min(rows, values.shape[-1])
-    top = torch.topk(magnitude, take, dim=-1)
-    chosen = values.gather(-1, top.indices)
-    real = top.values >= 0  # (not padding)
-    rest = values.sum(-1) - (chosen * real).sum(-1)
-    left = (real.sum(-1) < count).tolist()
-    index, value = [], []
-    for idx_h, val_h, real_h in zip(
-        top.indices.tolist(), chosen.tolist(), real.tolist(), strict=True
-    ):
-        index.append(
-            [
-                [j for j, r in zip(a, m, strict=True) if r]
-                for a, m in zip(idx_h, real_h, strict=True)
-            ]
-        )
-        value.append(
-            [
-                [v for v, r in zip(a, m, strict=True) if r]
-                for a, m in zip(val_h, real_h, strict=True)
-            ]
-        )
-    rests = [[float(r) if lo else None for r, lo in zip(rh, lh, strict=True)]
-             for rh, lh in zip(rest.tolist(), left, strict=True)]  # fmt: skip
-    return index, value, rests

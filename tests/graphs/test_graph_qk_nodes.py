@@ -8,7 +8,10 @@ attention's input projected by hand); where no attention lies between a node and
 (layer 0, a layer-0 feature at the query position of layer 1) the table is the position one's.
 The two directions' tables are equal, cell by cell and marginal by marginal (on Gemma-2,
 Gemma-3 and a Llama with a CLT too), the `nodes` table is the cheaper one's, and the passes each
-ran are its cost estimate's, with the forward's batch and groups of layers the memory plan's."""
+ran are its cost estimate's, with the forward's batch and groups of layers the memory plan's.
+A table whose cells are made in chunks of 3 query-side parts (probe.graphs.qk_cells) equals the
+one-chunk table row for row, position and node sources, `rows` small and None; every cell past
+the free memory is refused by name."""
 
 from __future__ import annotations
 
@@ -16,16 +19,18 @@ import json
 import math
 import re
 
+import pandas as pd
 import pytest
 import torch
 import transformers
 
 import probe
 from probe.errors import ConfigError, ModelError
-from probe.graphs import batch_plan, qk_attribution, qk_sources
+from probe.graphs import batch_plan, qk_attribution, qk_cells, qk_sources
 from probe.graphs.attribution import GraphOptions
 from probe.graphs.graph_json import graph_model, node_id
 from probe.graphs.qk_attribution import ALL, REST, qk_table
+from probe.graphs.qk_cells import PairCells
 from probe.graphs.qk_sources import NodeSources
 from probe.graphs.replacement import LocalReplacement
 from probe.hooks.hookset import HookSet
@@ -393,6 +398,70 @@ def test_the_passes_are_the_cost_estimates_and_the_forwards_batch_and_groups_the
     assert back.backward_passes == back.cost.backward_passes == sum(passes.values())
     # a pass seeded at layer l runs back through l blocks, after one forward through all
     assert back.cost.backward_blocks == sum(k * g for g, k in passes.items()) + LAYERS
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("sources", ["position", "nodes_forward"])
+@pytest.mark.parametrize("rows", [3, None])
+def test_cells_made_in_chunks_of_three_parts_give_the_one_chunk_table(
+    made, monkeypatch, family, sources, rows
+):
+    model, ts, graph, traced, plain = made(family)
+    one_chunk = {"position": plain, "nodes_forward": traced}[sources]  # (rows=None)
+    if rows is not None:
+        one_chunk = qk_table(model, graph, ts, keys=KEYS, rows=rows, sources=sources)
+    default = qk_cells.chunk_parts
+    chunked: list[tuple[int, int]] = []  # (query-side parts, key-side parts) a query position
+    monkeypatch.setattr(qk_cells, "chunk_parts", lambda *shape: 3)
+    monkeypatch.setattr(PairCells, "__init__", counted(PairCells.__init__, chunked))
+    got = qk_table(model, graph, ts, keys=KEYS, rows=rows, sources=sources)
+    assert max(nq for nq, _ in chunked) > 3 * 5  # (many chunks a query position)
+    heads = model.config.num_attention_heads
+    assert all(default(heads, KEYS, nk) >= nq for nq, nk in chunked)  # (by default: one chunk)
+    # row for row: the same pairs, parts and kind of row in the same order, except where
+    # |contribution| ties exactly (a Llama's zero bias part: its cells all 0); the values to
+    # float64 rounding of another summation order
+    assert list(got.columns) == list(one_chunk.columns) and len(got) == len(one_chunk) > 0
+    assert got[PAIR].equals(one_chunk[PAIR])
+    assert got["score"].equals(one_chunk["score"]) and got["pattern"].equals(one_chunk["pattern"])
+    size = cells_of(one_chunk).groupby(PAIR)["contribution"].apply(lambda c: c.abs().sum())
+    bound = 1e-12 * size.reindex(pd.MultiIndex.from_frame(one_chunk[PAIR])).values
+    magnitude = (got["contribution"].abs() - one_chunk["contribution"].abs()).abs()
+    assert (magnitude.values <= bound).all()
+    ties = one_chunk.duplicated([*PAIR, "contribution"], keep=False)
+    untied = ~ties.values
+    assert got[ROW][untied].equals(one_chunk[ROW][untied])
+    equal_tables(got, one_chunk, 1e-12)  # (the same rows as a set, values to 1e-12)
+    if rows is not None:
+        assert (cells_of(got)["query_part"] == REST).any()  # (the rest summed across chunks)
+
+
+def counted(init, into: list):
+    """PairCells.__init__ recording each query position's (query-side parts, key-side parts)."""
+
+    def wrapper(self, q_vectors, k_vectors, *args, **kwargs):
+        into.append((q_vectors.shape[0], k_vectors.shape[0]))
+        init(self, q_vectors, k_vectors, *args, **kwargs)
+
+    return wrapper
+
+
+def test_every_cell_past_the_free_memory_is_refused_by_name_and_kept_rows_are_not(
+    made, monkeypatch
+):
+    model, ts, graph, _, plain = made("gpt2")
+    monkeypatch.setattr(qk_cells, "free_bytes", lambda device: 1_000_000)
+    shapes: list[tuple[int, int]] = []
+    monkeypatch.setattr(PairCells, "__init__", counted(PairCells.__init__, shapes))
+    with pytest.raises(
+        ConfigError, match=r"qk_rows=None.*cells at layer \d+, query \d+.*qk_rows=20"
+    ) as refused:
+        qk_table(model, graph, ts, keys=KEYS, rows=None)
+    nq, nk = shapes[-1]  # (the query position refused: its cells heads x keys x nq x nk)
+    assert f"has {model.config.num_attention_heads * KEYS * nq * nk:,} cells" in str(refused.value)
+    kept = qk_table(model, graph, ts, keys=KEYS, rows=3)  # (a pair's largest: no refusal)
+    pairs = (t[PAIR].drop_duplicates().reset_index(drop=True) for t in (kept, plain))
+    assert next(pairs).equals(next(pairs))
 
 
 def test_bad_qk_sources_are_refused_by_name():
