@@ -175,18 +175,27 @@ def _spans(values: np.ndarray) -> BucketSpans:
     return BucketSpans(heads.reshape(-1, 2), np.concatenate(spans).astype(np.int64))
 
 
-@pytest.mark.parametrize("pair", ["signed", "positive_apart", "negative_and_signed", "zeros"])
-def test_two_batches_ranges_merge_as_the_whole_histogram(pair):
-    """A step's two micro-batches merged as the union of their ranges (probe.train.step_stats)
-    hold the counts of the whole histogram and read the same quantiles, to the bit."""
+PAIRS = ("signed", "positive_apart", "negative_and_signed", "zeros")
+
+
+def _batch_pair(pair: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two micro-batches' values: of either sign, positive far apart, negative beside tiny
+    non-negative ones, or zeros of both signs beside one value."""
     rng = np.random.default_rng(3)
     normal = rng.standard_normal(5_000).astype(np.float32)
-    a, b = {
+    return {
         "signed": (normal, 100 * rng.standard_normal(3_000).astype(np.float32)),
         "positive_apart": (np.abs(normal) + 1e-3, np.abs(normal[:700]) * 1e6 + 5e5),
         "negative_and_signed": (-np.abs(normal), np.maximum(normal, 0) * 1e-20),
         "zeros": (np.zeros(40, np.float32), np.array([-0.0, 0.0, 2.5], np.float32)),
     }[pair]
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_two_batches_ranges_merge_as_the_whole_histogram(pair):
+    """A step's two micro-batches merged as the union of their ranges (probe.train.step_stats)
+    hold the counts of the whole histogram and read the same quantiles, to the bit."""
+    a, b = _batch_pair(pair)
     union = _spans(a).union(_spans(b))
     whole = LogHistogram()
     _spans(a).add_to(whole.counts)
@@ -205,19 +214,13 @@ def _float_counts(spans: BucketSpans) -> BucketSpans:
     return BucketSpans(spans.heads, spans.spans.astype(np.float64))
 
 
-@pytest.mark.parametrize("pair", ["signed", "positive_apart", "negative_and_signed"])
+@pytest.mark.parametrize("pair", PAIRS)
 def test_float64_bucket_counts_read_as_int64_ones(pair):
     """Ranges holding float64 counts (the numba backend hands the pass's packed counts over
     without an int64 copy) merge, fill a histogram and read quantiles as int64 counts do: the
     union's ranges and counts, the whole histogram (still int64) and the quantiles, to the bit;
     alone, with each other and mixed."""
-    rng = np.random.default_rng(5)
-    normal = rng.standard_normal(4_000).astype(np.float32)
-    a, b = {
-        "signed": (normal, 30 * rng.standard_normal(2_000).astype(np.float32)),
-        "positive_apart": (np.abs(normal) + 1e-3, np.abs(normal[:500]) * 1e6 + 5e5),
-        "negative_and_signed": (-np.abs(normal), np.maximum(normal, 0) * 1e-20),
-    }[pair]
+    a, b = _batch_pair(pair)
     ints = _spans(a).union(_spans(b))
     lo, hi = float(min(a.min(), b.min())), float(max(a.max(), b.max()))
     qs = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
