@@ -8,11 +8,12 @@ pair, gigabytes a query position in float64. The table keeps of them only the `r
 key), the key-side ones, the total and the sum of |cells| (the cells' check). So the cells are
 made for `chunk_parts(...)` query-side parts at a time (CHUNK_BYTES of cells and their
 magnitudes at most) and each chunk is folded in: its query marginals are complete (a chunk
-holds whole query-side rows), the key marginals, the total, the sum of |cells| and the cells'
-sum are running sums, and the `rows` largest of the chunk are merged with those kept so far (a
-top-k of the union: a pair's largest cells are among their own chunk's largest). The kept
-cells are then the same, largest first, as from the whole matrix at once, values equal up to
-float64 rounding of a changed summation order, order equal except where |cells| tie exactly.
+holds whole query-side rows), the key marginals and the sum of |cells| are running sums, the
+total (which `rest` is taken from) is the query marginals' sum, and the `rows` largest of the
+chunk are merged with those kept so far (a top-k of the union: a pair's largest cells are among
+their own chunk's largest). The kept cells are then the same, largest first, as from the whole
+matrix at once, values equal up to float64 rounding of a changed summation order, order equal
+except where |cells| tie exactly.
 
 `rows=None` keeps every cell, and the table then holds a row per cell: the whole matrix is
 made (still chunk by chunk) and sorted once, which needs memory for every cell and its row;
@@ -84,7 +85,6 @@ class PairCells:
         double = torch.float64
         self.key = torch.zeros(heads, n_keys, nk, dtype=double, device=valid.device)
         self.abs_total = torch.zeros(heads, n_keys, dtype=double, device=valid.device)
-        cell_sum = torch.zeros_like(self.abs_total)
         query: list[torch.Tensor] = []
         every: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows None: (values, magnitudes)
         kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -101,7 +101,6 @@ class PairCells:
                 cells.reshape(heads, n_keys, -1),
                 magnitude.reshape(heads, n_keys, -1),
             )
-            cell_sum += flat.sum(-1)
             if rows is None:
                 every.append((flat, flat_magnitude))
                 continue
@@ -118,7 +117,7 @@ class PairCells:
             kept = (top.values, top.indices, values.gather(-1, top.indices))
         assert kept is not None  # (nq >= 1: the bias part)
         magnitudes, indices, values = kept
-        self.largest = _as_lists(indices, values, magnitudes, cell_sum, self.counts * nq)
+        self.largest = _as_lists(indices, values, magnitudes, self.total, self.counts * nq)
 
 
 def _merge(kept, found, rows: int):
