@@ -516,7 +516,7 @@ class NodeSources:
         rep.tangents = True
         hooks = HookSet("qk sources forward")
         chunk = [0, 0]  # the columns the running forward carries: [start, stop)
-        first_block = _block_of(model, parts.attn_norms[0])
+        first_block = parts.blocks[0]
 
         def inject(where: str, layer: int):
             def hook(module, args, out):
@@ -639,15 +639,6 @@ class NodeSources:
                 self.model(self.graph.tokens[None].to(self.device), **_lean(self.model))
         self._at_first_block = got[0].to(self.device, self.dtype)
         return self._at_first_block
-
-
-def _block_of(model: torch.nn.Module, norm: torch.nn.Module) -> torch.nn.Module:
-    """The module holding `norm` as a direct child: the block whose input is the residual
-    stream `norm` reads."""
-    for module in model.modules():
-        if any(child is norm for child in module.children()):
-            return module
-    raise ModelError(f"qk sources: no module of the model holds {type(norm).__name__} directly")
 
 
 def needed_positions(pattern: torch.Tensor, positions: list[int], keys: int) -> list[int]:

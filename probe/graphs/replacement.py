@@ -109,6 +109,7 @@ class Parts:
     parallel: bool = False
     names: dict[int, str] = field(default_factory=dict)
     towers: list[nn.Module] = field(default_factory=list)  # must not run (a vision tower)
+    blocks: list[nn.Module] = field(default_factory=list)  # the blocks, in order
 
     @property
     def mlp_writes(self) -> list[nn.Module]:
@@ -196,6 +197,7 @@ def replacement_parts(model: nn.Module, overrides: dict | None = None) -> Parts:
         attns=[modules[m] for m in body.attn],
         post_attn_norms=[modules[m] for m in body.post_attn_norm],
         post_mlp_norms=[modules[m] for m in body.post_mlp_norm],
+        blocks=[modules[b] for b in body.blocks],
         parallel=body.parallel,
         names={id(m): name for name, m in modules.items()},
         towers=[modules[m] for m in body.towers],
